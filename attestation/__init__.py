@@ -1,0 +1,1 @@
+"""TEE evidence providers and signed round reports (arrives with the trust-path issue)."""

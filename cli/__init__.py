@@ -1,0 +1,1 @@
+"""The ``dilocox`` command: one console script whose subcommands start every role."""

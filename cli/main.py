@@ -1,0 +1,148 @@
+"""``dilocox``: start a coordinator, a worker, or a whole local demo cluster.
+
+    dilocox demo                                   local cluster on the embedded corpus
+    dilocox coordinator --run-dir runs/x [--config cfg.json] [--host H --port P]
+    dilocox worker --coordinator H:P --worker-id w0
+    dilocox status --coordinator H:P               what a running coordinator reports
+    dilocox config > cfg.json                      the default run configuration, to edit
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import os
+import sys
+from pathlib import Path
+
+from rich.logging import RichHandler
+
+
+def _logging(verbose: bool) -> None:
+    handler: logging.Handler
+    if sys.stderr.isatty():
+        handler = RichHandler(show_path=False, rich_tracebacks=False)
+        fmt = "%(name)s: %(message)s"
+    else:  # log files and pipes: plain, timestamped, one line per record
+        handler = logging.StreamHandler()
+        fmt = "%(asctime)s %(levelname)s %(name)s: %(message)s"
+    handler.setFormatter(logging.Formatter(fmt))
+    logging.basicConfig(level=logging.DEBUG if verbose else logging.INFO, handlers=[handler], force=True)
+
+
+def _threads(n: int) -> None:
+    import torch
+
+    torch.set_num_threads(max(1, n))
+
+
+def cmd_coordinator(args: argparse.Namespace) -> int:
+    from trainer.config import RunConfig
+    from trainer.coordinator import serve
+    from trainer.run_dir import RunDir
+
+    _threads(args.threads)
+    config = RunConfig.load(args.config) if args.config else None
+    return serve(RunDir(args.run_dir), config, host=args.host, port=args.port, linger_s=args.linger)
+
+
+def cmd_worker(args: argparse.Namespace) -> int:
+    from trainer.worker import Worker
+
+    _threads(args.threads)
+    worker = Worker(args.coordinator, args.worker_id, reconnect_timeout_s=args.reconnect_timeout)
+    return worker.run()
+
+
+def cmd_status(args: argparse.Namespace) -> int:
+    import grpc
+    from google.protobuf.json_format import MessageToDict
+
+    from proto import pb, pb_grpc
+
+    with grpc.insecure_channel(args.coordinator) as channel:
+        status = pb_grpc.CoordinatorStub(channel).Status(pb.StatusRequest(), timeout=10)
+    print(json.dumps(MessageToDict(status), indent=2))
+    return 0
+
+
+def cmd_config(args: argparse.Namespace) -> int:
+    from trainer.config import RunConfig, demo_config
+
+    config = demo_config() if args.demo else RunConfig()
+    print(json.dumps(config.to_json(), indent=2, sort_keys=True))
+    return 0
+
+
+def cmd_demo(args: argparse.Namespace) -> int:
+    from cli.demo import run_demo
+
+    return run_demo(Path(args.run_dir), rounds=args.rounds, workers=args.workers)
+
+
+def parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="dilocox", description=__doc__,
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("-v", "--verbose", action="store_true", help="debug logging")
+    sub = p.add_subparsers(dest="command", required=True)
+
+    demo = sub.add_parser("demo", help="run a coordinator and workers locally on the embedded corpus")
+    demo.add_argument("--run-dir", default="runs/demo", help="replaced if it holds an earlier demo run")
+    demo.add_argument("--rounds", type=int, default=None, help="outer rounds (default from the demo config)")
+    demo.add_argument("--workers", type=int, default=2)
+    demo.set_defaults(func=cmd_demo)
+
+    co = sub.add_parser("coordinator", help="serve a run: collect updates, aggregate, store checkpoints")
+    co.add_argument("--run-dir", required=True, help="store, manifests and HEAD of the run")
+    co.add_argument("--config", help="run configuration JSON (needed to start a run; optional to resume)")
+    co.add_argument("--host", default="127.0.0.1")
+    co.add_argument("--port", type=int, default=0, help="0 picks a free port (see <run-dir>/coordinator.addr)")
+    co.add_argument("--threads", type=int, default=1, help="torch threads")
+    co.add_argument("--linger", type=float, default=10.0, help="seconds to let workers see the end of the run")
+    co.set_defaults(func=cmd_coordinator)
+
+    wo = sub.add_parser("worker", help="train on one data shard and push pseudo-gradients")
+    wo.add_argument("--coordinator", required=True, help="host:port")
+    wo.add_argument("--worker-id", required=True)
+    wo.add_argument("--threads", type=int, default=max(1, (os.cpu_count() or 1) // 2), help="torch threads")
+    wo.add_argument("--reconnect-timeout", type=float, default=120.0,
+                    help="seconds to keep retrying an unreachable coordinator")
+    wo.set_defaults(func=cmd_worker)
+
+    st = sub.add_parser("status", help="print a running coordinator's status as JSON")
+    st.add_argument("--coordinator", required=True, help="host:port")
+    st.set_defaults(func=cmd_status)
+
+    cf = sub.add_parser("config", help="print a run configuration to start from")
+    cf.add_argument("--demo", action="store_true", help="the demo's configuration")
+    cf.set_defaults(func=cmd_config)
+    return p
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parser().parse_args(argv)
+    _logging(args.verbose)
+    try:
+        return args.func(args)
+    except KeyboardInterrupt:
+        return 130
+    except Exception as exc:  # one clear line for expected failures; the traceback with -v
+        from storage_client import StoreError
+        from trainer.config import ConfigError
+        from trainer.data import CorpusError
+
+        known = (ConfigError, CorpusError, StoreError, OSError)
+        try:
+            from trainer.worker import WorkerError
+            known += (WorkerError,)
+        except ImportError:
+            pass
+        if isinstance(exc, known) and not args.verbose:
+            logging.getLogger("dilocox").error("%s: %s", type(exc).__name__, exc)
+            return 1
+        raise
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,53 @@
+"""storage_client: content-addressed storage for a verifiable training run.
+
+Everything a run produces (checkpoints, worker updates, configs, per-round
+manifests) is stored under the sha256 of its bytes and named by a CIDv1, so any
+party can check that what it reads is what was recorded. Manifests link each
+round to its parent, giving a hash chain from any checkpoint back to genesis.
+
+    cid      CID / Codec: content identifiers and their text form
+    canonical  canonical JSON (one byte form per value, floats refused)
+    store    ObjectStore: hash-verified objects on local disk, atomic writes
+    manifest Manifest / Participant / lineage: the per-round record and its chain
+"""
+
+from .canonical import canonical_json, digest_json
+from .cid import CID, Codec, InvalidCIDError, decode_varint, encode_varint
+from .manifest import (
+    SCHEMA,
+    Manifest,
+    ManifestError,
+    Participant,
+    from_e6,
+    lineage,
+    to_e6,
+)
+from .store import (
+    CorruptObjectError,
+    MissingObjectError,
+    ObjectStore,
+    StoreError,
+    write_atomic,
+)
+
+__all__ = [
+    "CID",
+    "Codec",
+    "InvalidCIDError",
+    "encode_varint",
+    "decode_varint",
+    "canonical_json",
+    "digest_json",
+    "ObjectStore",
+    "StoreError",
+    "MissingObjectError",
+    "CorruptObjectError",
+    "write_atomic",
+    "SCHEMA",
+    "Participant",
+    "Manifest",
+    "ManifestError",
+    "to_e6",
+    "from_e6",
+    "lineage",
+]

@@ -1,0 +1,76 @@
+"""Canonical JSON: one byte string per value, so equal records hash equally.
+
+Manifests and run configs are identified by the hash of their JSON, and may be
+re-serialised by other implementations (other languages, other machines) that
+must reproduce the same bytes. So we pin every free choice: keys sorted by
+Unicode code point (Python's str order), no whitespace, UTF-8 text kept literal
+rather than \\u-escaped, and a deliberately small value space. Floats are
+refused outright because their text form differs between languages (1e-06 vs
+1e-6 vs 0.000001); callers store fixed-point ints such as loss * 1e6 instead.
+"""
+
+from __future__ import annotations
+
+import json
+from typing import Any
+
+from .cid import CID, Codec
+
+
+def _child_path(path: str, key: str) -> str:
+    # Plain identifiers read naturally as $.a.b; anything else is quoted.
+    if key.isidentifier():
+        return f"{path}.{key}"
+    return f"{path}[{json.dumps(key, ensure_ascii=False)}]"
+
+
+def _check_str(s: str, path: str) -> None:
+    # Lone surrogates are legal in a Python str but have no UTF-8 encoding.
+    try:
+        s.encode("utf-8")
+    except UnicodeEncodeError:
+        raise ValueError(f"string at {path} is not valid Unicode (lone surrogate)") from None
+
+
+def _normalize(obj: Any, path: str) -> Any:
+    """Return a copy made only of dict/list/str/int/bool/None, or raise naming `path`."""
+    if obj is None or isinstance(obj, bool):
+        return obj
+    if isinstance(obj, float):  # checked before int-like values; also catches numpy float64
+        raise TypeError(f"float at {path} is not allowed in canonical JSON; use a fixed-point int")
+    if isinstance(obj, int):
+        return int(obj)  # drop subclasses such as IntEnum so they print as plain numbers
+    if isinstance(obj, str):
+        _check_str(obj, path)
+        return str(obj)
+    if isinstance(obj, (list, tuple)):
+        return [_normalize(v, f"{path}[{i}]") for i, v in enumerate(obj)]
+    if isinstance(obj, dict):
+        out: dict[str, Any] = {}
+        for k, v in obj.items():
+            if not isinstance(k, str):
+                raise TypeError(
+                    f"non-str key {k!r} ({type(k).__name__}) at {path} "
+                    "is not allowed in canonical JSON"
+                )
+            _check_str(k, path)
+            out[str(k)] = _normalize(v, _child_path(path, k))
+        return out
+    raise TypeError(f"{type(obj).__name__} at {path} is not allowed in canonical JSON")
+
+
+def canonical_json(obj: Any) -> bytes:
+    """Serialise `obj` to canonical JSON bytes (UTF-8, sorted keys, no spaces, no floats)."""
+    text = json.dumps(
+        _normalize(obj, "$"),
+        sort_keys=True,
+        separators=(",", ":"),
+        ensure_ascii=False,
+        allow_nan=False,
+    )
+    return text.encode("utf-8")
+
+
+def digest_json(obj: Any) -> CID:
+    """The JSON-codec CID of `obj`'s canonical bytes."""
+    return CID.of(canonical_json(obj), Codec.JSON)

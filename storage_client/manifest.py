@@ -1,0 +1,356 @@
+"""Per-round manifests: the hash-chained lineage of a training run.
+
+A manifest records one global checkpoint: which parameters and outer optimiser
+state it produced, which config it ran under, who contributed which update and
+who dropped out. It is stored as canonical JSON (Codec.JSON), so its CID is the
+round's identity, and it names its parent manifest's CID. Following parents from
+any head therefore walks a tamper-evident chain back to genesis (round 0):
+changing any past round changes every CID after it.
+
+Validation is strict and lives in the constructors, so every Manifest object in
+memory is well formed, whether built in code or loaded from bytes written by
+someone else. Ordering is part of validity: participants must be sorted by
+worker and `dropped` must be sorted, so one logical record has one byte form.
+The plain constructors refuse unsorted input rather than sorting silently;
+`Manifest.new` is the convenience builder that sorts for you.
+
+Losses are stored as fixed-point ints (x 1e6, see `to_e6`) because canonical
+JSON refuses floats.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Iterable
+from dataclasses import dataclass
+from typing import Any
+
+from .canonical import canonical_json, digest_json
+from .cid import CID, Codec, InvalidCIDError
+from .store import ObjectStore
+
+SCHEMA = "dilocox.manifest/v1"
+E6 = 1_000_000
+
+_PARTICIPANT_KEYS = {
+    "worker",
+    "update",
+    "train_loss_e6",
+    "tokens",
+    "inner_steps",
+    "bytes_sent",
+}
+
+_MANIFEST_KEYS = {
+    "schema",
+    "run_id",
+    "round",
+    "parent",
+    "config",
+    "params",
+    "outer_state",
+    "participants",
+    "dropped",
+    "eval_loss_e6",
+    "bytes_up",
+    "bytes_down",
+}
+
+
+class ManifestError(ValueError):
+    """A manifest, or a chain of them, is malformed."""
+
+
+def to_e6(x: float) -> int:
+    """Fixed-point encode: round(x * 1e6). NaN and infinities have no int form."""
+    x = float(x)  # also accepts numpy/torch scalars
+    if not math.isfinite(x):
+        raise ValueError(f"cannot encode non-finite value {x!r} as fixed-point e6")
+    return round(x * E6)
+
+
+def from_e6(n: int) -> float:
+    """Inverse of `to_e6` (up to the rounding it applied)."""
+    return n / E6
+
+
+# ---------------------------------------------------------------------------
+# field checks: each names the field path so a bad record is easy to locate
+
+
+def _check_int(field: str, value: Any, minimum: int | None = None) -> None:
+    # bool is an int subclass in Python but not a number in the record.
+    if type(value) is not int:
+        raise ManifestError(f"manifest field {field!r}: expected int, got {type(value).__name__}")
+    if minimum is not None and value < minimum:
+        raise ManifestError(f"manifest field {field!r}: must be >= {minimum}, got {value}")
+
+
+def _check_str(field: str, value: Any) -> None:
+    if not isinstance(value, str):
+        raise ManifestError(f"manifest field {field!r}: expected str, got {type(value).__name__}")
+    if not value:
+        raise ManifestError(f"manifest field {field!r}: must not be empty")
+
+
+def _check_cid(field: str, value: Any, codec: Codec) -> None:
+    _check_str(field, value)
+    try:
+        cid = CID.parse(value)
+    except InvalidCIDError as e:
+        raise ManifestError(f"manifest field {field!r}: {e}") from None
+    if cid.codec != codec:
+        raise ManifestError(
+            f"manifest field {field!r}: CID {value} has codec {cid.codec.name}, "
+            f"expected {codec.name}"
+        )
+
+
+def _check_keys(field: str, obj: Any, expected: set[str]) -> None:
+    if not isinstance(obj, dict):
+        raise ManifestError(f"manifest field {field!r}: expected object, got {type(obj).__name__}")
+    missing = sorted(expected - obj.keys())
+    if missing:
+        raise ManifestError(f"manifest field {field!r}: missing keys {missing}")
+    unknown = sorted(obj.keys() - expected, key=repr)
+    if unknown:
+        raise ManifestError(f"manifest field {field!r}: unknown keys {unknown}")
+
+
+def _check_list(field: str, value: Any) -> None:
+    if not isinstance(value, (list, tuple)):
+        raise ManifestError(f"manifest field {field!r}: expected list, got {type(value).__name__}")
+
+
+def _check_sorted_unique(field: str, items: list[str], what: str) -> None:
+    for i in range(1, len(items)):
+        if items[i - 1] == items[i]:
+            raise ManifestError(f"manifest field {field!r}: duplicate {what} {items[i]!r}")
+        if items[i - 1] > items[i]:
+            raise ManifestError(
+                f"manifest field {field!r}: not sorted by {what} "
+                f"({items[i - 1]!r} comes before {items[i]!r})"
+            )
+
+
+# ---------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class Participant:
+    """One worker's contribution to a round."""
+
+    worker: str
+    update: str  # CID text of the stored update object (RAW)
+    train_loss_e6: int  # mean inner-loop loss x 1e6, rounded
+    tokens: int
+    inner_steps: int
+    bytes_sent: int
+
+    def __post_init__(self) -> None:
+        _validate_participant(self.to_json(), at="participant")
+
+    def to_json(self) -> dict[str, Any]:
+        return {
+            "worker": self.worker,
+            "update": self.update,
+            "train_loss_e6": self.train_loss_e6,
+            "tokens": self.tokens,
+            "inner_steps": self.inner_steps,
+            "bytes_sent": self.bytes_sent,
+        }
+
+    @classmethod
+    def from_json(cls, obj: Any, at: str = "participant") -> Participant:
+        """Strictly parse one participant; `at` is the field path used in errors."""
+        # Validate here first so errors name the real path, e.g. participants[2].tokens.
+        _validate_participant(obj, at)
+        return cls(**obj)
+
+
+def _validate_participant(obj: Any, at: str) -> None:
+    _check_keys(at, obj, _PARTICIPANT_KEYS)
+    _check_str(f"{at}.worker", obj["worker"])
+    _check_cid(f"{at}.update", obj["update"], Codec.RAW)
+    _check_int(f"{at}.train_loss_e6", obj["train_loss_e6"])
+    _check_int(f"{at}.tokens", obj["tokens"], minimum=0)
+    _check_int(f"{at}.inner_steps", obj["inner_steps"], minimum=0)
+    _check_int(f"{at}.bytes_sent", obj["bytes_sent"], minimum=0)
+
+
+@dataclass(frozen=True)
+class Manifest:
+    """The record of one global checkpoint; see the module docstring."""
+
+    run_id: str
+    round: int
+    parent: str | None  # CID text of the previous manifest; None only for round 0
+    config: str  # CID text of the run config (JSON)
+    params: str  # CID text of the global parameters safetensors (RAW)
+    outer_state: str  # CID text of the outer optimiser state safetensors (RAW)
+    participants: tuple[Participant, ...]  # sorted by worker, unique
+    dropped: tuple[str, ...]  # sorted, unique worker ids expected but absent
+    eval_loss_e6: int
+    bytes_up: int
+    bytes_down: int
+
+    def __post_init__(self) -> None:
+        # Freeze sequences (a list would make the record mutable); never reorder them.
+        _check_list("participants", self.participants)
+        _check_list("dropped", self.dropped)
+        object.__setattr__(self, "participants", tuple(self.participants))
+        object.__setattr__(self, "dropped", tuple(self.dropped))
+
+        _check_str("run_id", self.run_id)
+        _check_int("round", self.round, minimum=0)
+        if self.round == 0:
+            if self.parent is not None:
+                raise ManifestError("manifest field 'parent': must be null for round 0")
+        else:
+            if self.parent is None:
+                raise ManifestError(f"manifest field 'parent': required for round {self.round}")
+            _check_cid("parent", self.parent, Codec.JSON)
+        _check_cid("config", self.config, Codec.JSON)
+        _check_cid("params", self.params, Codec.RAW)
+        _check_cid("outer_state", self.outer_state, Codec.RAW)
+        _check_int("eval_loss_e6", self.eval_loss_e6)
+        _check_int("bytes_up", self.bytes_up, minimum=0)
+        _check_int("bytes_down", self.bytes_down, minimum=0)
+
+        workers: list[str] = []
+        for i, p in enumerate(self.participants):
+            if not isinstance(p, Participant):
+                raise ManifestError(
+                    f"manifest field 'participants[{i}]': expected Participant, "
+                    f"got {type(p).__name__}"
+                )
+            workers.append(p.worker)
+        _check_sorted_unique("participants", workers, what="worker")
+
+        for i, w in enumerate(self.dropped):
+            _check_str(f"dropped[{i}]", w)
+        _check_sorted_unique("dropped", list(self.dropped), what="worker id")
+        both = sorted(set(workers) & set(self.dropped))
+        if both:
+            raise ManifestError(f"manifest field 'dropped': workers {both} are also participants")
+
+    @classmethod
+    def new(
+        cls,
+        *,
+        run_id: str,
+        round: int,
+        parent: CID | str | None,
+        config: CID | str,
+        params: CID | str,
+        outer_state: CID | str,
+        participants: Iterable[Participant],
+        dropped: Iterable[str],
+        eval_loss_e6: int,
+        bytes_up: int,
+        bytes_down: int,
+    ) -> Manifest:
+        """Build a manifest, sorting participants and dropped and accepting CID objects."""
+        return cls(
+            run_id=run_id,
+            round=round,
+            parent=None if parent is None else str(parent),
+            config=str(config),
+            params=str(params),
+            outer_state=str(outer_state),
+            participants=tuple(sorted(participants, key=lambda p: p.worker)),
+            dropped=tuple(sorted(dropped)),
+            eval_loss_e6=eval_loss_e6,
+            bytes_up=bytes_up,
+            bytes_down=bytes_down,
+        )
+
+    def to_json(self) -> dict[str, Any]:
+        return {
+            "schema": SCHEMA,
+            "run_id": self.run_id,
+            "round": self.round,
+            "parent": self.parent,
+            "config": self.config,
+            "params": self.params,
+            "outer_state": self.outer_state,
+            "participants": [p.to_json() for p in self.participants],
+            "dropped": list(self.dropped),
+            "eval_loss_e6": self.eval_loss_e6,
+            "bytes_up": self.bytes_up,
+            "bytes_down": self.bytes_down,
+        }
+
+    @classmethod
+    def from_json(cls, obj: Any) -> Manifest:
+        """Strictly parse a decoded manifest; raise ManifestError naming the bad field."""
+        if isinstance(obj, dict) and "schema" in obj and obj["schema"] != SCHEMA:
+            raise ManifestError(
+                f"manifest field 'schema': expected {SCHEMA!r}, got {obj['schema']!r}"
+            )
+        _check_keys("$", obj, _MANIFEST_KEYS)
+        _check_list("participants", obj["participants"])
+        participants = tuple(
+            Participant.from_json(p, at=f"participants[{i}]")
+            for i, p in enumerate(obj["participants"])
+        )
+        _check_list("dropped", obj["dropped"])
+        return cls(
+            run_id=obj["run_id"],
+            round=obj["round"],
+            parent=obj["parent"],
+            config=obj["config"],
+            params=obj["params"],
+            outer_state=obj["outer_state"],
+            participants=participants,
+            dropped=tuple(obj["dropped"]),
+            eval_loss_e6=obj["eval_loss_e6"],
+            bytes_up=obj["bytes_up"],
+            bytes_down=obj["bytes_down"],
+        )
+
+    def canonical_bytes(self) -> bytes:
+        """The exact bytes that `store` writes."""
+        return canonical_json(self.to_json())
+
+    @property
+    def cid(self) -> CID:
+        """The CID this manifest has (or would have) in any store."""
+        return digest_json(self.to_json())
+
+    def store(self, store: ObjectStore) -> CID:
+        """Write the manifest to `store`; its CID identifies the round."""
+        return store.put_json(self.to_json())
+
+    @classmethod
+    def load(cls, store: ObjectStore, cid: CID | str) -> Manifest:
+        """Read and validate a manifest; store errors (missing, corrupt) propagate."""
+        return cls.from_json(store.get_json(cid))
+
+
+def lineage(store: ObjectStore, head: CID | str) -> list[tuple[CID, Manifest]]:
+    """Walk parent links from `head` to genesis; return [(cid, manifest)] genesis first.
+
+    Every link is checked: the parent must be exactly one round earlier and belong
+    to the same run. Rounds strictly decrease, so the walk always terminates.
+    """
+    cid = head if isinstance(head, CID) else CID.parse(head)
+    manifest = Manifest.load(store, cid)
+    chain = [(cid, manifest)]
+    while manifest.parent is not None:
+        parent_cid = CID.parse(manifest.parent)
+        parent = Manifest.load(store, parent_cid)
+        if parent.round != manifest.round - 1:
+            raise ManifestError(
+                f"broken lineage: manifest {cid} (round {manifest.round}) names parent "
+                f"{parent_cid} with round {parent.round}, expected {manifest.round - 1}"
+            )
+        if parent.run_id != manifest.run_id:
+            raise ManifestError(
+                f"broken lineage: manifest {cid} (run {manifest.run_id!r}) names parent "
+                f"{parent_cid} from run {parent.run_id!r}"
+            )
+        cid, manifest = parent_cid, parent
+        chain.append((cid, manifest))
+    chain.reverse()
+    return chain

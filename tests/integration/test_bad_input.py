@@ -1,0 +1,123 @@
+"""Bad pushes against a real coordinator: each refused by name, none entering the average.
+
+"mallory" is a hand-driven gRPC client that joins the run like a worker; "w0" is an honest worker
+process. Round 1 closes with both valid updates despite every bad push before them.
+"""
+
+from __future__ import annotations
+
+import json
+from typing import Iterator
+
+import grpc
+import pytest
+import torch
+
+from proto import PROTOCOL_VERSION, pb
+from storage_client import Manifest, lineage
+from trainer.cluster import LocalCluster
+from trainer.config import RoundConfig, RunConfig
+from trainer.model import build_model
+from trainer.wire import ENCODING_DENSE_F32, chunked, encode_params, layout_of, sha256_hex
+
+pytestmark = pytest.mark.integration
+
+
+class Mallory:
+    def __init__(self, cluster: LocalCluster, worker_id: str = "mallory") -> None:
+        self.stub = cluster.stub()
+        self.worker_id = worker_id
+        joined = self.stub.Join(pb.JoinRequest(protocol_version=PROTOCOL_VERSION, worker_id=worker_id), timeout=10)
+        self.config = RunConfig.from_json(json.loads(joined.config_json))
+        model = build_model(self.config.model, self.config.seed)
+        self.zero = {n: torch.zeros_like(p) for n, p in model.named_parameters()}
+
+    def push(self, tensors: dict[str, torch.Tensor] | None = None, *, payload: bytes | None = None,
+             layout: dict | None = None, **header: object) -> pb.PushUpdateResponse:
+        tensors = self.zero if tensors is None else tensors
+        payload = encode_params(tensors) if payload is None else payload
+        layout = layout_of(tensors) if layout is None else layout
+        fields = dict(
+            protocol_version=PROTOCOL_VERSION, run_id=self.config.run_id, round=1,
+            worker_id=self.worker_id, encoding=ENCODING_DENSE_F32,
+            tensors=[pb.TensorSpec(name=n, dtype=d, shape=s) for n, (d, s) in layout.items()],
+            payload_size=len(payload), payload_sha256=sha256_hex(payload), train_loss=2.0,
+            tokens=100, inner_steps=3,
+        )
+        fields.update(header)
+
+        def messages() -> Iterator[pb.UpdateChunk]:
+            yield pb.UpdateChunk(header=pb.UpdateHeader(**fields))
+            for piece in chunked(payload):
+                yield pb.UpdateChunk(data=piece)
+
+        return self.stub.PushUpdate(messages(), timeout=30)
+
+    def refused(self, code: grpc.StatusCode, *args: object, **kwargs: object) -> str:
+        with pytest.raises(grpc.RpcError) as err:
+            self.push(*args, **kwargs)
+        assert err.value.code() == code, err.value.details()
+        return err.value.details()
+
+
+def test_bad_updates_are_refused_and_the_round_completes(cluster: LocalCluster, make_config) -> None:
+    cluster.start_coordinator(make_config(rounds=RoundConfig(
+        rounds=2, expected_workers=2, quorum=2, straggler_timeout_s=4.0,
+        heartbeat_interval_s=0.5, liveness_timeout_s=2.0)))
+    m = Mallory(cluster)
+    name = "blocks.0.mlp.fc.weight"
+    INVALID, PRECONDITION = grpc.StatusCode.INVALID_ARGUMENT, grpc.StatusCode.FAILED_PRECONDITION
+
+    # wrong shape, wrong dtype, wrong tensor names
+    wrong_shape = {**m.zero, name: torch.zeros(3, 3)}
+    assert f"tensor {name}: shape [3, 3], expected [128, 32]" in m.refused(INVALID, wrong_shape)
+    wrong_dtype = {**m.zero, name: m.zero[name].double()}
+    assert f"tensor {name}: dtype float64, expected float32" in m.refused(INVALID, wrong_dtype)
+    renamed = {("evil." + k if k == name else k): v for k, v in m.zero.items()}
+    details = m.refused(INVALID, renamed)
+    assert f"missing tensors ['{name}']" in details and f"unexpected tensors ['evil.{name}']" in details
+    # NaN and Inf
+    for value, kind in ((float("nan"), "NaN"), (float("inf"), "Inf")):
+        poisoned = {k: v.clone() for k, v in m.zero.items()}
+        poisoned[name][0, 0] = value
+        assert f"tensor {name} has 1 non-finite value(s) ({kind})" in m.refused(INVALID, poisoned)
+    # a digest that does not match the bytes, a length that does not either
+    assert "digest mismatch" in m.refused(INVALID, payload_sha256="0" * 64)
+    assert "header declared" in m.refused(INVALID, payload_size=len(encode_params(m.zero)) + 1)
+    # a header that describes the model while the bytes hold something else
+    assert "payload disagrees with its header" in m.refused(INVALID, wrong_shape, layout=layout_of(m.zero))
+    # an update far larger than any honest inner loop could produce
+    huge = {k: torch.full_like(v, 100.0) for k, v in m.zero.items()}
+    assert "exceeds the bound" in m.refused(INVALID, huge)
+    assert "unsupported update encoding" in m.refused(INVALID, encoding="pickle")
+    # wrong run, a round not open yet, a stranger, an old protocol
+    assert "this coordinator runs 'test'" in m.refused(PRECONDITION, run_id="other")
+    assert "round 2 is not open yet; the open round is 1" in m.refused(PRECONDITION, round=2)
+    assert "unknown worker 'eve'" in m.refused(grpc.StatusCode.PERMISSION_DENIED, worker_id="eve")
+    assert "protocol version 0 is not supported" in m.refused(PRECONDITION, protocol_version=0)
+
+    # A valid update is accepted; a second push for the same (round, worker) is not.
+    accepted = m.push()
+    assert accepted.accepted and accepted.update_cid.startswith("bafkrei")
+    assert f"already pushed an update for round 1 ({accepted.update_cid})" in m.refused(grpc.StatusCode.ALREADY_EXISTS)
+
+    cluster.start_worker("w0")
+    status = cluster.wait_for(lambda s: len(s.rounds) >= 2, 120, "round 1 to close")
+    assert list(status.rounds[1].participants) == ["mallory", "w0"]
+    assert any(r.startswith("mallory: ") for r in status.rounds[1].refused)
+
+    # Round 1 has closed: a push for it is stale.
+    assert "stale round 1" in m.refused(PRECONDITION)
+
+    # Mallory falls silent in round 2: the round closes with w0 alone after the deadline.
+    assert cluster.wait_exit("w0", 120) == 0, cluster.log("w0")
+    assert cluster.wait_exit("coordinator", 60) == 0, cluster.log("coordinator")
+    run = cluster.run_dir
+    chain = [manifest for _, manifest in lineage(run.store, run.head())]
+    assert [len(x.participants) for x in chain] == [0, 2, 1]
+    assert chain[2].dropped == ("mallory",)
+    # The round-1 average is exactly the honest update plus mallory's zeros, halved: no bad push
+    # entered it. (Checked through the stored update objects the manifest names.)
+    round1: Manifest = chain[1]
+    assert {p.worker for p in round1.participants} == {"mallory", "w0"}
+    assert round1.participants[0].update == accepted.update_cid

@@ -1,0 +1,92 @@
+"""Dead peers: SIGKILL a worker mid-round, SIGKILL and restart the coordinator, tampered objects."""
+
+from __future__ import annotations
+
+import signal
+
+import pytest
+
+from storage_client import CID, lineage
+from trainer.cluster import ClusterError, LocalCluster
+from trainer.config import InnerConfig, RoundConfig
+
+pytestmark = pytest.mark.integration
+
+
+def phase_of(status, worker: str) -> tuple[int, str]:
+    for w in status.workers:
+        if w.worker_id == worker:
+            return w.round, w.phase
+    return -1, ""
+
+
+def test_sigkilled_worker_is_dropped_and_rejoins(cluster: LocalCluster, make_config) -> None:
+    # Enough inner steps that "mid-round" lasts a few heartbeats.
+    cluster.start_coordinator(make_config(
+        inner=InnerConfig(steps=150, batch_size=4, lr=1e-3),
+        rounds=RoundConfig(rounds=3, expected_workers=2, quorum=2, straggler_timeout_s=4.0,
+                           heartbeat_interval_s=0.3, liveness_timeout_s=2.0)))
+    cluster.start_worker("w0")
+    cluster.start_worker("w1")
+    cluster.wait_for(lambda s: phase_of(s, "w1") == (1, "training"), 60, "w1 to train round 1")
+    cluster.kill("w1", signal.SIGKILL)
+
+    status = cluster.wait_for(lambda s: len(s.rounds) >= 2, 60, "round 1 to close without w1")
+    assert list(status.rounds[1].participants) == ["w0"]
+    assert list(status.rounds[1].dropped) == ["w1"]
+
+    cluster.start_worker("w1")  # same id: same shard, back in at the next round it catches
+    for name in ("w0", "w1", "coordinator"):
+        assert cluster.wait_exit(name, 120) == 0, cluster.log(name)
+    chain = [m for _, m in lineage(cluster.run_dir.store, cluster.run_dir.head())]
+    assert [m.round for m in chain] == [0, 1, 2, 3]
+    assert [p.worker for p in chain[1].participants] == ["w0"]
+    assert [p.worker for p in chain[3].participants] == ["w0", "w1"]
+    assert cluster.run_dir.workers() == {"w0": 0, "w1": 1}
+
+
+def test_coordinator_sigkill_and_restart_loses_no_round(cluster: LocalCluster, make_config) -> None:
+    config = make_config(
+        inner=InnerConfig(steps=20, batch_size=4, lr=1e-3),
+        rounds=RoundConfig(rounds=5, expected_workers=2, quorum=2, straggler_timeout_s=10.0,
+                           heartbeat_interval_s=0.3, liveness_timeout_s=3.0))
+    cluster.start_coordinator(config)
+    port = int(cluster.address.rsplit(":", 1)[1])
+    cluster.start_worker("w0")
+    cluster.start_worker("w1")
+    cluster.wait_for(lambda s: len(s.rounds) >= 3, 120, "round 2 to close")
+    cluster.kill("coordinator", signal.SIGKILL)
+
+    run = cluster.run_dir
+    before = lineage(run.store, run.head())
+    assert before[-1][1].round >= 2
+
+    # Same port, no --config: the run is resumed from its HEAD manifest and stored config.
+    cluster.start_coordinator(port=port)
+    for name in ("w0", "w1", "coordinator"):
+        assert cluster.wait_exit(name, 180) == 0, cluster.log(name)
+    after = lineage(run.store, run.head())
+    assert [m.round for _, m in after] == [0, 1, 2, 3, 4, 5]
+    assert after[: len(before)] == before  # every round finished before the kill is still there
+    assert "resumed at round" in cluster.log("coordinator", tail=400)
+    for _, m in after[1:]:
+        assert [p.worker for p in m.participants] == ["w0", "w1"]
+
+
+def test_restart_on_a_tampered_checkpoint_fails_naming_the_object(cluster: LocalCluster, make_config) -> None:
+    cluster.start_coordinator(make_config(rounds=RoundConfig(rounds=1, expected_workers=1, quorum=1)))
+    cluster.start_worker("w0")
+    assert cluster.wait_exit("w0", 120) == 0, cluster.log("w0")
+    assert cluster.wait_exit("coordinator", 60) == 0
+
+    run = cluster.run_dir
+    _, tip = lineage(run.store, run.head())[-1]
+    path = run.store.path_of(tip.params)
+    data = bytearray(path.read_bytes())
+    data[len(data) // 2] ^= 0x01
+    path.write_bytes(bytes(data))
+
+    with pytest.raises(ClusterError, match="coordinator exited with 1") as failed:
+        cluster.start_coordinator()
+    assert "CorruptObjectError" in str(failed.value)
+    assert str(CID.parse(tip.params)) in str(failed.value)

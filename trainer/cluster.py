@@ -1,0 +1,142 @@
+"""A local cluster: a coordinator and workers as separate OS processes on 127.0.0.1.
+
+Used by ``dilocox demo`` and by the integration tests, so both exercise exactly the processes a
+user would start by hand (``dilocox coordinator`` / ``dilocox worker``). Each process writes its
+log to ``<run>/logs/<name>.log``; the coordinator announces its port in ``<run>/coordinator.addr``.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Callable, Sequence
+
+import grpc
+
+from proto import pb, pb_grpc
+from trainer.run_dir import RunDir
+
+
+class ClusterError(RuntimeError):
+    pass
+
+
+class LocalCluster:
+    def __init__(self, run_dir: str | Path, *, threads_per_worker: int = 1) -> None:
+        self.run_dir = RunDir(run_dir)
+        self.run_dir.logs.mkdir(exist_ok=True)
+        self.threads_per_worker = threads_per_worker
+        self.processes: dict[str, subprocess.Popen[bytes]] = {}
+        self.address: str | None = None
+        self._channel: grpc.Channel | None = None
+
+    def __enter__(self) -> LocalCluster:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.stop()
+
+    def _spawn(self, name: str, args: Sequence[str]) -> subprocess.Popen[bytes]:
+        old = self.processes.get(name)
+        if old is not None and old.poll() is None:
+            raise ClusterError(f"{name} is already running (pid {old.pid})")
+        env = {**os.environ, "PYTHONUNBUFFERED": "1"}
+        log = open(self.run_dir.logs / f"{name}.log", "ab")
+        try:
+            process = subprocess.Popen(
+                [sys.executable, "-m", "cli.main", *args], stdin=subprocess.DEVNULL,
+                stdout=log, stderr=subprocess.STDOUT, env=env,
+            )
+        finally:
+            log.close()
+        self.processes[name] = process
+        return process
+
+    def start_coordinator(self, config: str | Path | None = None, *, port: int = 0,
+                          timeout_s: float = 60.0, extra: Sequence[str] = ()) -> subprocess.Popen[bytes]:
+        self.run_dir.address_file.unlink(missing_ok=True)
+        args = ["coordinator", "--run-dir", str(self.run_dir.path), "--host", "127.0.0.1", "--port", str(port)]
+        if config is not None:
+            args += ["--config", str(config)]
+        process = self._spawn("coordinator", [*args, *extra])
+        deadline = time.monotonic() + timeout_s
+        while not self.run_dir.address_file.exists():
+            if process.poll() is not None:
+                raise ClusterError(f"coordinator exited with {process.returncode}:\n{self.log('coordinator')}")
+            if time.monotonic() > deadline:
+                raise ClusterError(f"coordinator did not listen within {timeout_s}s:\n{self.log('coordinator')}")
+            time.sleep(0.05)
+        self.address = self.run_dir.address_file.read_text().strip()
+        self._channel = None
+        return process
+
+    def start_worker(self, worker_id: str, extra: Sequence[str] = ()) -> subprocess.Popen[bytes]:
+        if self.address is None:
+            raise ClusterError("start the coordinator first")
+        return self._spawn(worker_id, ["worker", "--coordinator", self.address, "--worker-id", worker_id,
+                                       "--threads", str(self.threads_per_worker), *extra])
+
+    def stub(self) -> pb_grpc.CoordinatorStub:
+        if self._channel is None:
+            assert self.address is not None
+            self._channel = grpc.insecure_channel(self.address)
+        return pb_grpc.CoordinatorStub(self._channel)
+
+    def status(self) -> pb.StatusResponse:
+        return self.stub().Status(pb.StatusRequest(), timeout=10)
+
+    def wait_for(self, predicate: Callable[[pb.StatusResponse], bool], timeout_s: float,
+                 what: str = "condition") -> pb.StatusResponse:
+        """Poll Status until ``predicate`` holds; fail early if the coordinator died."""
+        deadline = time.monotonic() + timeout_s
+        while True:
+            coordinator = self.processes.get("coordinator")
+            try:
+                status = self.status()
+                if predicate(status):
+                    return status
+            except grpc.RpcError:
+                if coordinator is not None and coordinator.poll() is not None:
+                    raise ClusterError(f"coordinator exited with {coordinator.returncode} while waiting "
+                                       f"for {what}:\n{self.log('coordinator')}")
+            if time.monotonic() > deadline:
+                raise ClusterError(f"timed out after {timeout_s}s waiting for {what}")
+            time.sleep(0.2)
+
+    def wait_exit(self, name: str, timeout_s: float) -> int:
+        try:
+            return self.processes[name].wait(timeout=timeout_s)
+        except subprocess.TimeoutExpired as exc:
+            raise ClusterError(f"{name} still running after {timeout_s}s:\n{self.log(name)}") from exc
+
+    def kill(self, name: str, sig: int = signal.SIGKILL) -> None:
+        process = self.processes[name]
+        process.send_signal(sig)
+        process.wait(timeout=30)
+
+    def log(self, name: str, tail: int = 40) -> str:
+        try:
+            lines = (self.run_dir.logs / f"{name}.log").read_text(errors="replace").splitlines()
+        except FileNotFoundError:
+            return "(no log)"
+        return "\n".join(lines[-tail:])
+
+    def stop(self) -> None:
+        """Terminate whatever still runs: SIGTERM, then SIGKILL after a grace period."""
+        if self._channel is not None:
+            self._channel.close()
+            self._channel = None
+        running = [p for p in self.processes.values() if p.poll() is None]
+        for process in running:
+            process.terminate()
+        deadline = time.monotonic() + 10
+        for process in running:
+            try:
+                process.wait(timeout=max(0.1, deadline - time.monotonic()))
+            except subprocess.TimeoutExpired:
+                process.kill()
+                process.wait()

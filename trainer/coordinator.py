@@ -1,0 +1,597 @@
+"""The coordinator: collects each round's pseudo-gradients over gRPC, aggregates, publishes.
+
+Life of round r (the global checkpoint of round r-1 is the run's HEAD):
+
+  open     workers fetch θ⁽ʳ⁻¹⁾ (FetchGlobal) and push Δᵢ⁽ʳ⁾ (PushUpdate). Each push is checked
+           (trainer.aggregation); an accepted one is stored at once and journalled in
+           <run>/pending, so a coordinator restart keeps it.
+  close    when ``quorum`` updates are accepted and every live worker has delivered, or
+           ``straggler_timeout_s`` after the first accepted update (late or dead workers are
+           dropped from the round; they rejoin at the next one).
+  publish  Δ⁽ʳ⁾ = mean, (θ⁽ʳ⁾, m⁽ʳ⁾) = outer step (trainer.diloco); θ⁽ʳ⁾ and m⁽ʳ⁾ go to the store
+           as safetensors, then the round's manifest, then HEAD moves to it, then round r+1 opens.
+
+The state machine (:class:`Coordinator`) knows nothing of gRPC transport; :class:`CoordinatorService`
+translates RPCs into calls on it and refusals into gRPC status codes.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import re
+import signal
+import threading
+import time
+from concurrent import futures
+from dataclasses import dataclass, field
+from typing import Callable, Iterator
+
+import grpc
+import torch
+from grpc_health.v1 import health, health_pb2, health_pb2_grpc
+
+from proto import CHUNK_BYTES, MAX_MESSAGE_BYTES, PROTOCOL_VERSION, SERVICE_NAME, pb, pb_grpc
+from storage_client import CID, Manifest, Participant, from_e6, lineage, to_e6
+from trainer.aggregation import (
+    InvalidUpdate, check_layout, mean_pseudo_gradient, norm_bound, validate_payload,
+)
+from trainer.config import ConfigError, RunConfig
+from trainer.data import corpus_digest, corpus_text, eval_batches, load_corpus
+from trainer.diloco import evaluate, load_params, outer_step, params_of, zero_momentum
+from trainer.model import build_model, param_count
+from trainer.run_dir import RunDir
+from trainer.wire import (
+    ENCODING_DENSE_F32, Layout, Params, WireError, chunked, decode_params, encode_params,
+    layout_of, reassemble, sha256_hex,
+)
+
+log = logging.getLogger("dilocox.coordinator")
+
+WORKER_ID = re.compile(r"^[A-Za-z0-9._-]{1,64}$")
+_SHA256_HEX = re.compile(r"^[0-9a-f]{64}$")
+
+
+class Refusal(Exception):
+    """A request the coordinator will not serve, with the gRPC status that says why."""
+
+    def __init__(self, code: grpc.StatusCode, message: str) -> None:
+        super().__init__(message)
+        self.code = code
+        self.message = message
+
+
+def check_protocol(version: int) -> None:
+    if version != PROTOCOL_VERSION:
+        raise Refusal(
+            grpc.StatusCode.FAILED_PRECONDITION,
+            f"protocol version {version} is not supported: this coordinator speaks version "
+            f"{PROTOCOL_VERSION}; upgrade the worker",
+        )
+
+
+@dataclass
+class Accepted:
+    update: Params
+    entry: dict  # the journal entry: cid, train_loss_e6, tokens, inner_steps, bytes_sent
+
+
+@dataclass
+class OpenRound:
+    number: int
+    opened_at: float
+    first_accept_at: float | None = None
+    accepted: dict[str, Accepted] = field(default_factory=dict)
+    refused: dict[str, list[str]] = field(default_factory=dict)  # every refusal, by worker
+    bytes_up: int = 0
+    bytes_down: int = 0
+    closing: bool = False
+
+
+@dataclass
+class WorkerState:
+    shard: int
+    last_seen: float
+    round: int = 0
+    phase: str = "joined"
+
+
+@dataclass(frozen=True)
+class GlobalState:
+    """The published global checkpoint: what FetchGlobal serves."""
+
+    round: int
+    params: Params
+    momentum: Params
+    payload: bytes  # safetensors of params; sha256 of it is the params CID
+    params_cid: CID
+    manifest_cid: CID
+
+
+@dataclass(frozen=True)
+class RoundSummary:
+    round: int
+    manifest_cid: str
+    eval_loss: float
+    mean_train_loss: float
+    participants: tuple[str, ...]
+    dropped: tuple[str, ...]
+    refused: tuple[str, ...]
+    bytes_up: int
+    bytes_down: int
+    seconds: float
+
+    @classmethod
+    def of(cls, cid: CID, m: Manifest, refused: tuple[str, ...] = (), seconds: float = 0.0) -> RoundSummary:
+        losses = [from_e6(p.train_loss_e6) for p in m.participants]
+        return cls(
+            round=m.round, manifest_cid=str(cid), eval_loss=from_e6(m.eval_loss_e6),
+            mean_train_loss=sum(losses) / len(losses) if losses else float("nan"),
+            participants=tuple(p.worker for p in m.participants), dropped=m.dropped,
+            refused=refused, bytes_up=m.bytes_up, bytes_down=m.bytes_down, seconds=seconds,
+        )
+
+
+class Coordinator:
+    """Round state machine with durable state in a :class:`RunDir`. Thread-safe."""
+
+    def __init__(self, run_dir: RunDir, config: RunConfig | None, clock: Callable[[], float] = time.monotonic) -> None:
+        self.run_dir = run_dir
+        self.store = run_dir.store
+        self.clock = clock
+        self._lock = threading.Condition()
+        head = run_dir.head()
+        if head is None:
+            if config is None:
+                raise ConfigError(f"{run_dir.path} holds no run yet: a configuration is needed to start one")
+            self._genesis(config)
+        else:
+            self._resume(head, config)
+        self.layout: Layout = layout_of(self.global_state.params)
+        self.bound = norm_bound(self.config, param_count(self.model))
+        self.workers: dict[str, WorkerState] = {
+            w: WorkerState(shard=s, last_seen=float("-inf")) for w, s in run_dir.workers().items()
+        }
+        self.round = OpenRound(number=self.global_state.round + 1, opened_at=self.clock())
+        self._reload_pending()
+
+    # ----------------------------------------------------------------------------- set-up
+
+    def _prepare(self, config: RunConfig) -> None:
+        self.config = config
+        self.config_bytes = config.canonical()
+        self.config_cid = self.store.put_json(config.to_json())
+        self.model = build_model(config.model, config.seed)
+        corpus = load_corpus(config.data, config.seed, config.model.block_size)
+        self.eval_batches = eval_batches(
+            corpus, seed=config.seed, count=config.data.eval_batches,
+            batch_size=config.inner.batch_size, block_size=config.model.block_size,
+        )
+
+    def _genesis(self, config: RunConfig) -> None:
+        if not config.data.corpus_sha256:
+            digest = corpus_digest(corpus_text(config.data, config.seed))
+            config = config.replace(data=dataclasses.replace(config.data, corpus_sha256=digest))
+        self._prepare(config)
+        params = params_of(self.model)
+        momentum = zero_momentum(params)
+        payload = encode_params(params, {"run": config.run_id, "round": "0"})
+        params_cid = self.store.put(payload)
+        manifest = Manifest(
+            run_id=config.run_id, round=0, parent=None, config=str(self.config_cid),
+            params=str(params_cid), outer_state=str(self.store.put(encode_params(_outer_state(momentum)))),
+            participants=(), dropped=(), eval_loss_e6=to_e6(evaluate(self.model, self.eval_batches)),
+            bytes_up=0, bytes_down=0,
+        )
+        manifest_cid = manifest.store(self.store)
+        self.run_dir.set_head(manifest_cid)
+        self.global_state = GlobalState(0, params, momentum, payload, params_cid, manifest_cid)
+        self.summaries = [RoundSummary.of(manifest_cid, manifest)]
+        log.info("run %s: genesis %s (config %s)", config.run_id, manifest_cid, self.config_cid)
+
+    def _resume(self, head: CID, config: RunConfig | None) -> None:
+        chain = lineage(self.store, head)  # re-hashes every manifest back to genesis
+        tip_cid, tip = chain[-1]
+        stored = RunConfig.from_json(self.store.get_json(tip.config))
+        # A config given on resume must be the run's own; its corpus digest may be left for us to fill.
+        pinned = config and config.replace(
+            data=dataclasses.replace(config.data, corpus_sha256=stored.data.corpus_sha256))
+        if pinned is not None and pinned.cid != stored.cid:
+            raise ConfigError(
+                f"{self.run_dir.path} holds run {stored.run_id!r} with config {tip.config}; the given "
+                f"configuration differs ({pinned.cid}). Resume without --config, or use a new run directory"
+            )
+        self._prepare(stored)
+        payload = self.store.get(tip.params)
+        params = decode_params(payload)
+        momentum = _momentum_from(decode_params(self.store.get(tip.outer_state)))
+        load_params(self.model, params)
+        self.global_state = GlobalState(tip.round, params, momentum, payload, CID.parse(tip.params), tip_cid)
+        self.summaries = [RoundSummary.of(cid, m) for cid, m in chain]
+        log.info("run %s: resumed at round %d from %s", stored.run_id, tip.round, tip_cid)
+
+    def _reload_pending(self) -> None:
+        """Updates accepted before a restart for the still-open round stay accepted."""
+        for worker, entry in sorted(self.run_dir.pending(self.round.number).items()):
+            update = decode_params(self.store.get(entry["cid"]))  # re-hashed on read
+            self.round.accepted[worker] = Accepted(update, entry)
+            self.round.first_accept_at = self.round.first_accept_at or self.clock()
+            log.info("round %d: kept %s's update %s from before the restart", self.round.number, worker, entry["cid"])
+
+    # ----------------------------------------------------------------------------- queries
+
+    @property
+    def finished(self) -> bool:
+        return self.global_state.round >= self.config.rounds.rounds
+
+    def alive(self, now: float) -> set[str]:
+        limit = self.config.rounds.liveness_timeout_s
+        return {w for w, s in self.workers.items() if now - s.last_seen <= limit}
+
+    # ----------------------------------------------------------------------------- RPC logic
+
+    def join(self, worker_id: str, protocol_version: int) -> tuple[int, int]:
+        check_protocol(protocol_version)
+        if not WORKER_ID.match(worker_id):
+            raise Refusal(grpc.StatusCode.INVALID_ARGUMENT, f"worker id {worker_id!r} must match {WORKER_ID.pattern}")
+        with self._lock:
+            num_shards = self.config.rounds.expected_workers
+            if worker_id not in self.workers:
+                taken = {s.shard for s in self.workers.values()}
+                free = [i for i in range(num_shards) if i not in taken]
+                shard = free[0] if free else len(self.workers) % num_shards
+                self.workers[worker_id] = WorkerState(shard=shard, last_seen=self.clock())
+                self.run_dir.save_workers({w: s.shard for w, s in self.workers.items()})
+            state = self.workers[worker_id]
+            state.last_seen, state.phase = self.clock(), "joined"
+            log.info("worker %s joined (shard %d of %d)", worker_id, state.shard, num_shards)
+            return state.shard, self.round.number
+
+    def _known(self, worker_id: str) -> WorkerState:
+        state = self.workers.get(worker_id)
+        if state is None:
+            raise Refusal(
+                grpc.StatusCode.PERMISSION_DENIED,
+                f"unknown worker {worker_id!r}: it has not joined run {self.config.run_id!r}",
+            )
+        return state
+
+    def heartbeat(self, worker_id: str, round_: int, phase: str) -> tuple[int, bool]:
+        with self._lock:
+            state = self._known(worker_id)
+            state.last_seen, state.round, state.phase = self.clock(), round_, phase[:32]
+            return self.round.number, self.finished
+
+    def admit_header(self, h: pb.UpdateHeader) -> Layout:
+        """Everything that can be checked before a payload byte is read (refusal order matters:
+        a stale or duplicate push is reported as such even if its contents are also wrong)."""
+        check_protocol(h.protocol_version)
+        with self._lock:
+            if h.run_id != self.config.run_id:
+                raise Refusal(grpc.StatusCode.FAILED_PRECONDITION,
+                              f"update is for run {h.run_id!r}; this coordinator runs {self.config.run_id!r}")
+            self._known(h.worker_id).last_seen = self.clock()
+            self._check_round(h.worker_id, h.round)
+            if h.base_params_cid and h.base_params_cid != str(self.global_state.params_cid):
+                raise Refusal(grpc.StatusCode.FAILED_PRECONDITION,
+                              f"update for round {h.round} was computed from {h.base_params_cid}, but the "
+                              f"round starts from {self.global_state.params_cid}")
+        if h.encoding != ENCODING_DENSE_F32:
+            raise Refusal(grpc.StatusCode.INVALID_ARGUMENT,
+                          f"unsupported update encoding {h.encoding!r}; supported: {ENCODING_DENSE_F32!r}")
+        if not _SHA256_HEX.match(h.payload_sha256):
+            raise Refusal(grpc.StatusCode.INVALID_ARGUMENT,
+                          f"payload_sha256 {h.payload_sha256!r} is not 64 lowercase hex digits")
+        limit = sum(4 * _numel(shape) for _, shape in self.layout.values()) + (1 << 20)
+        if h.payload_size > limit:
+            raise Refusal(grpc.StatusCode.INVALID_ARGUMENT,
+                          f"payload of {h.payload_size} bytes exceeds the {limit} a dense update can need")
+        if not (h.train_loss == h.train_loss and abs(h.train_loss) < 1e6) or h.inner_steps < 1:
+            raise Refusal(grpc.StatusCode.INVALID_ARGUMENT,
+                          f"implausible metrics: train_loss {h.train_loss}, inner_steps {h.inner_steps}")
+        declared = {t.name: (t.dtype, tuple(int(d) for d in t.shape)) for t in h.tensors}
+        if len(declared) != len(h.tensors):
+            raise Refusal(grpc.StatusCode.INVALID_ARGUMENT, "header names a tensor twice")
+        try:
+            check_layout(declared, self.layout)
+        except InvalidUpdate as exc:
+            raise Refusal(grpc.StatusCode.INVALID_ARGUMENT, str(exc)) from exc
+        return declared
+
+    def _check_round(self, worker_id: str, round_: int) -> None:
+        current = self.round
+        if self.finished:
+            raise Refusal(grpc.StatusCode.FAILED_PRECONDITION, f"run {self.config.run_id!r} has finished all rounds")
+        if round_ < current.number or (round_ == current.number and current.closing):
+            raise Refusal(grpc.StatusCode.FAILED_PRECONDITION,
+                          f"stale round {round_}: it has closed; the open round is "
+                          f"{current.number + (1 if current.closing else 0)}")
+        if round_ > current.number:
+            raise Refusal(grpc.StatusCode.FAILED_PRECONDITION,
+                          f"round {round_} is not open yet; the open round is {current.number}")
+        if worker_id in current.accepted:
+            raise Refusal(grpc.StatusCode.ALREADY_EXISTS,
+                          f"worker {worker_id!r} already pushed an update for round {round_} "
+                          f"({current.accepted[worker_id].entry['cid']})")
+
+    def count_up(self, nbytes: int) -> None:
+        with self._lock:
+            self.round.bytes_up += nbytes
+
+    def refuse(self, h: pb.UpdateHeader, message: str) -> None:
+        with self._lock:
+            if h.round == self.round.number and h.worker_id in self.workers:
+                self.round.refused.setdefault(h.worker_id, []).append(message)
+        log.warning("round %d: refused update from %s: %s", h.round, h.worker_id, message)
+
+    def accept(self, h: pb.UpdateHeader, payload: bytes, update: Params, wire_bytes: int) -> CID:
+        cid = self.store.put(payload)  # before the journal names it
+        with self._lock:
+            self._check_round(h.worker_id, h.round)  # the round may have moved while bytes streamed
+            entry = {
+                "cid": str(cid), "train_loss_e6": to_e6(h.train_loss), "tokens": int(h.tokens),
+                "inner_steps": int(h.inner_steps), "bytes_sent": wire_bytes,
+            }
+            self.round.accepted[h.worker_id] = Accepted(update, entry)
+            self.round.first_accept_at = self.round.first_accept_at or self.clock()
+            self.run_dir.save_pending(h.round, {w: a.entry for w, a in self.round.accepted.items()})
+            self._lock.notify_all()
+        log.info("round %d: accepted %s from %s (loss %.4f)", h.round, cid, h.worker_id, h.train_loss)
+        return cid
+
+    def wait_for_global(self, worker_id: str, min_round: int, wait_s: float) -> tuple[GlobalState | None, int, bool]:
+        deadline = self.clock() + max(0.0, min(wait_s, 60.0))
+        with self._lock:
+            self._known(worker_id).last_seen = self.clock()
+            while self.global_state.round < min_round and not self.finished:
+                remaining = deadline - self.clock()
+                if remaining <= 0:
+                    return None, self.round.number, False
+                self._lock.wait(remaining)
+            return self.global_state, self.round.number, self.finished
+
+    def count_down(self, nbytes: int) -> None:
+        with self._lock:
+            self.round.bytes_down += nbytes
+
+    # ----------------------------------------------------------------------------- closing
+
+    def close_due(self) -> bool:
+        with self._lock:
+            r, now = self.round, self.clock()
+            if self.finished or r.closing or not r.accepted:
+                return False
+            delivered = set(r.accepted) | set(r.refused)
+            everyone_in = len(r.accepted) >= self.config.rounds.quorum and self.alive(now) <= delivered
+            assert r.first_accept_at is not None
+            timed_out = now - r.first_accept_at >= self.config.rounds.straggler_timeout_s
+            if everyone_in or timed_out:
+                r.closing = True
+                return True
+            return False
+
+    def close_round(self) -> RoundSummary:
+        """Aggregate and publish the closing round (called by one thread, after close_due)."""
+        r, g, cfg = self.round, self.global_state, self.config
+        started = self.clock()
+        delta = mean_pseudo_gradient({w: a.update for w, a in r.accepted.items()})
+        params, momentum = outer_step(cfg.outer, g.params, g.momentum, delta)
+        payload = encode_params(params, {"run": cfg.run_id, "round": str(r.number)})
+        params_cid = self.store.put(payload)
+        outer_cid = self.store.put(encode_params(_outer_state(momentum)))
+        load_params(self.model, params)
+        eval_loss = evaluate(self.model, self.eval_batches)
+        with self._lock:
+            bytes_up, bytes_down = r.bytes_up, r.bytes_down
+            refused = tuple(f"{w}: {m}" for w, ms in sorted(r.refused.items()) for m in ms)
+            dropped = tuple(sorted(set(self.workers) - set(r.accepted)))
+        manifest = Manifest(
+            run_id=cfg.run_id, round=r.number, parent=str(g.manifest_cid), config=str(self.config_cid),
+            params=str(params_cid), outer_state=str(outer_cid),
+            participants=tuple(
+                Participant(worker=w, update=a.entry["cid"], train_loss_e6=a.entry["train_loss_e6"],
+                            tokens=a.entry["tokens"], inner_steps=a.entry["inner_steps"],
+                            bytes_sent=a.entry["bytes_sent"])
+                for w, a in sorted(r.accepted.items())
+            ),
+            dropped=dropped, eval_loss_e6=to_e6(eval_loss), bytes_up=bytes_up, bytes_down=bytes_down,
+        )
+        manifest_cid = manifest.store(self.store)
+        self.run_dir.set_head(manifest_cid)  # the round is durable from here on
+        self.run_dir.clear_pending(r.number)
+        summary = RoundSummary.of(manifest_cid, manifest, refused, seconds=self.clock() - r.opened_at)
+        with self._lock:
+            self.global_state = GlobalState(r.number, params, momentum, payload, params_cid, manifest_cid)
+            self.summaries.append(summary)
+            self.round = OpenRound(number=r.number + 1, opened_at=self.clock())
+            self._lock.notify_all()
+        log.info(
+            "round %d closed in %.2fs (aggregation %.2fs): eval loss %.4f, %d participant(s)%s -> %s",
+            r.number, summary.seconds, self.clock() - started, eval_loss, len(manifest.participants),
+            f", dropped {', '.join(dropped)}" if dropped else "", manifest_cid,
+        )
+        return summary
+
+
+def _outer_state(momentum: Params) -> Params:
+    return {f"momentum.{name}": m for name, m in momentum.items()}
+
+
+def _momentum_from(state: Params) -> Params:
+    prefix = "momentum."
+    unexpected = [k for k in state if not k.startswith(prefix)]
+    if unexpected:
+        raise ValueError(f"outer optimiser state has unexpected tensors {unexpected}")
+    return {k[len(prefix):]: v for k, v in state.items()}
+
+
+def _numel(shape: tuple[int, ...]) -> int:
+    n = 1
+    for d in shape:
+        n *= d
+    return n
+
+
+# --------------------------------------------------------------------------------- gRPC
+
+
+class CoordinatorService(pb_grpc.CoordinatorServicer):
+    def __init__(self, coordinator: Coordinator) -> None:
+        self.c = coordinator
+
+    @staticmethod
+    def _abort(context: grpc.ServicerContext, refusal: Refusal) -> None:
+        context.abort(refusal.code, refusal.message)
+
+    def Join(self, request: pb.JoinRequest, context: grpc.ServicerContext) -> pb.JoinResponse:
+        try:
+            shard, open_round = self.c.join(request.worker_id, request.protocol_version)
+        except Refusal as r:
+            self._abort(context, r)
+        cfg = self.c.config
+        return pb.JoinResponse(
+            protocol_version=PROTOCOL_VERSION, run_id=cfg.run_id, config_json=self.c.config_bytes,
+            config_cid=str(self.c.config_cid), open_round=open_round, shard=shard,
+            num_shards=cfg.rounds.expected_workers, heartbeat_interval_s=cfg.rounds.heartbeat_interval_s,
+        )
+
+    def Heartbeat(self, request: pb.HeartbeatRequest, context: grpc.ServicerContext) -> pb.HeartbeatResponse:
+        try:
+            open_round, finished = self.c.heartbeat(request.worker_id, request.round, request.phase)
+        except Refusal as r:
+            self._abort(context, r)
+        return pb.HeartbeatResponse(open_round=open_round, finished=finished)
+
+    def PushUpdate(self, request_iterator: Iterator[pb.UpdateChunk], context: grpc.ServicerContext) -> pb.PushUpdateResponse:
+        first = next(request_iterator, None)
+        if first is None or not first.HasField("header"):
+            context.abort(grpc.StatusCode.INVALID_ARGUMENT, "the first message of a push must be its header")
+        header = first.header
+        wire_bytes = first.ByteSize()
+        try:
+            declared = self.c.admit_header(header)
+        except Refusal as r:
+            self.c.count_up(wire_bytes)
+            self.c.refuse(header, r.message)
+            self._abort(context, r)
+
+        def data() -> Iterator[bytes]:
+            nonlocal wire_bytes
+            for message in request_iterator:
+                wire_bytes += message.ByteSize()
+                if not message.HasField("data"):
+                    raise WireError("a push carries one header, then data chunks only")
+                yield message.data
+
+        try:
+            what = f"update from {header.worker_id} for round {header.round}"
+            payload = reassemble(data(), header.payload_size, header.payload_sha256, what=what)
+            update = validate_payload(payload, declared, self.c.bound)
+        except (WireError, InvalidUpdate) as exc:
+            self.c.count_up(wire_bytes)
+            self.c.refuse(header, str(exc))
+            context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
+        self.c.count_up(wire_bytes)
+        try:
+            cid = self.c.accept(header, payload, update, wire_bytes)
+        except Refusal as r:
+            self._abort(context, r)
+        return pb.PushUpdateResponse(accepted=True, update_cid=str(cid), open_round=self.c.round.number)
+
+    def FetchGlobal(self, request: pb.FetchGlobalRequest, context: grpc.ServicerContext) -> Iterator[pb.GlobalChunk]:
+        try:
+            state, open_round, finished = self.c.wait_for_global(request.worker_id, request.min_round, request.wait_s)
+        except Refusal as r:
+            self._abort(context, r)
+        if state is None:
+            yield pb.GlobalChunk(header=pb.GlobalHeader(available=False, open_round=open_round))
+            return
+        header = pb.GlobalChunk(header=pb.GlobalHeader(
+            available=True, round=state.round, params_cid=str(state.params_cid),
+            manifest_cid=str(state.manifest_cid), payload_size=len(state.payload),
+            payload_sha256=state.params_cid.hex, open_round=open_round, finished=finished,
+        ))
+        self.c.count_down(header.ByteSize())
+        yield header
+        for piece in chunked(state.payload, CHUNK_BYTES):
+            message = pb.GlobalChunk(data=piece)
+            self.c.count_down(message.ByteSize())
+            yield message
+
+    def Status(self, request: pb.StatusRequest, context: grpc.ServicerContext) -> pb.StatusResponse:
+        c = self.c
+        with c._lock:
+            now = c.clock()
+            alive = c.alive(now)
+            workers = [
+                pb.WorkerStatus(worker_id=w, shard=s.shard, alive=w in alive,
+                                last_seen_s=max(0.0, now - s.last_seen) if s.last_seen > float("-inf") else -1.0,
+                                round=s.round, phase=s.phase)
+                for w, s in sorted(c.workers.items())
+            ]
+            rounds = [
+                pb.RoundSummary(round=s.round, manifest_cid=s.manifest_cid, eval_loss=s.eval_loss,
+                                mean_train_loss=s.mean_train_loss, participants=s.participants,
+                                dropped=s.dropped, bytes_up=s.bytes_up, bytes_down=s.bytes_down,
+                                seconds=s.seconds, refused=s.refused)
+                for s in c.summaries
+            ]
+            return pb.StatusResponse(run_id=c.config.run_id, open_round=c.round.number,
+                                     total_rounds=c.config.rounds.rounds, finished=c.finished,
+                                     workers=workers, rounds=rounds)
+
+
+def grpc_options() -> list[tuple[str, int]]:
+    return [
+        ("grpc.max_receive_message_length", MAX_MESSAGE_BYTES),
+        ("grpc.max_send_message_length", MAX_MESSAGE_BYTES),
+    ]
+
+
+def serve(run_dir: RunDir, config: RunConfig | None, host: str = "127.0.0.1", port: int = 0,
+          linger_s: float = 10.0) -> int:
+    """Run the coordinator until the run's last round is published (or SIGTERM/SIGINT)."""
+    coordinator = Coordinator(run_dir, config)
+    server = grpc.server(futures.ThreadPoolExecutor(max_workers=32), options=grpc_options())
+    pb_grpc.add_CoordinatorServicer_to_server(CoordinatorService(coordinator), server)
+    health_servicer = health.HealthServicer()
+    health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
+    bound = server.add_insecure_port(f"{host}:{port}")
+    if bound == 0:
+        raise OSError(f"cannot listen on {host}:{port}")
+    server.start()
+    for name in ("", SERVICE_NAME):
+        health_servicer.set(name, health_pb2.HealthCheckResponse.SERVING)
+    address = f"{host}:{bound}"
+    run_dir.write_address(address)
+    log.info("coordinator of run %s listening on %s, open round %d of %d", coordinator.config.run_id,
+             address, coordinator.round.number, coordinator.config.rounds.rounds)
+
+    stop = threading.Event()
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        signal.signal(sig, lambda *_: stop.set())
+    while not stop.is_set() and not coordinator.finished:
+        if coordinator.close_due():
+            coordinator.close_round()
+        else:
+            stop.wait(0.05)
+    if coordinator.finished:
+        # Let live workers fetch the final checkpoint and learn the run is over before going away.
+        deadline = time.monotonic() + linger_s
+        while not stop.is_set() and time.monotonic() < deadline:
+            with coordinator._lock:
+                if all(s.phase == "done" for w, s in coordinator.workers.items() if w in coordinator.alive(coordinator.clock())):
+                    break
+            stop.wait(0.1)
+        log.info("run %s finished: %d rounds, head %s", coordinator.config.run_id,
+                 coordinator.global_state.round, coordinator.global_state.manifest_cid)
+    for name in ("", SERVICE_NAME):
+        health_servicer.set(name, health_pb2.HealthCheckResponse.NOT_SERVING)
+    server.stop(grace=2.0).wait()
+    return 0
+
+
+# torch threads: the coordinator aggregates and evaluates small models; one thread leaves the
+# cores to the workers that share the machine in local runs.
+def set_threads(n: int) -> None:
+    torch.set_num_threads(max(1, n))

@@ -1,0 +1,130 @@
+"""DiLoCo's dual optimiser: H inner AdamW steps per worker, one outer Nesterov step per round.
+
+Douillard et al., "DiLoCo: Distributed Low-Communication Training of Language Models"
+(arXiv:2311.08105), the base that DiLoCoX (Qi et al., arXiv:2506.21263) builds on.
+
+Round r starts from the global parameters θ⁽ʳ⁻¹⁾. Each participating worker i runs H steps of
+AdamW on its own shard (its inner optimiser state persists across rounds in the worker process):
+
+    θᵢ ← θ⁽ʳ⁻¹⁾
+    for h = 1..H:   θᵢ ← AdamW(θᵢ, ∇ℓ(θᵢ; batch_{i,r,h}))        (lr 4e-4, wd 0.1, β = (0.9, 0.95))
+    Δᵢ⁽ʳ⁾ = θ⁽ʳ⁻¹⁾ − θᵢ                                            (the pseudo-gradient)
+
+The coordinator averages the pseudo-gradients of the round's accepted participants Sᵣ and takes
+one step of SGD with Nesterov momentum (μ = 0.9, η = 0.7), starting from m⁽⁰⁾ = 0:
+
+    Δ⁽ʳ⁾ = (1 / |Sᵣ|) Σ_{i∈Sᵣ} Δᵢ⁽ʳ⁾          (trainer.aggregation, summed in sorted worker order)
+    m⁽ʳ⁾ = μ m⁽ʳ⁻¹⁾ + Δ⁽ʳ⁾
+    θ⁽ʳ⁾ = θ⁽ʳ⁻¹⁾ − η (Δ⁽ʳ⁾ + μ m⁽ʳ⁾)                                (Nesterov)
+    θ⁽ʳ⁾ = θ⁽ʳ⁻¹⁾ − η m⁽ʳ⁾                                           (plain momentum, nesterov=False)
+
+This is exactly ``torch.optim.SGD(lr=η, momentum=μ, nesterov=True)`` applied with the gradient
+set to Δ⁽ʳ⁾; it is written out as a pure function so its state is one plain tensor per parameter,
+stored as safetensors beside each checkpoint and re-derivable by an auditor.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Iterable
+
+import torch
+import torch.nn as nn
+
+from trainer.config import InnerConfig, OuterConfig
+from trainer.wire import Params
+
+
+def params_of(model: nn.Module) -> Params:
+    """A detached copy of the model's parameters, by name."""
+    return {name: p.detach().clone() for name, p in model.named_parameters()}
+
+
+def load_params(model: nn.Module, params: Params) -> None:
+    """Copy ``params`` into the model; names, shapes and dtypes must match exactly."""
+    own = dict(model.named_parameters())
+    missing, unexpected = sorted(set(own) - set(params)), sorted(set(params) - set(own))
+    if missing or unexpected:
+        raise ValueError(f"parameter names differ: missing {missing}, unexpected {unexpected}")
+    with torch.no_grad():
+        for name, p in own.items():
+            src = params[name]
+            if src.shape != p.shape or src.dtype != p.dtype:
+                raise ValueError(
+                    f"parameter {name}: got {src.dtype}{list(src.shape)}, "
+                    f"model has {p.dtype}{list(p.shape)}"
+                )
+            p.copy_(src)
+
+
+@dataclass(frozen=True)
+class InnerResult:
+    pseudo_gradient: Params
+    mean_loss: float
+    tokens: int
+    steps: int
+
+
+class InnerLoop:
+    """A worker's H local AdamW steps; the AdamW state lives as long as the worker process."""
+
+    def __init__(self, model: nn.Module, cfg: InnerConfig) -> None:
+        self.model = model
+        self.cfg = cfg
+        self.optimizer = torch.optim.AdamW(
+            model.parameters(), lr=cfg.lr, betas=(cfg.beta1, cfg.beta2),
+            weight_decay=cfg.weight_decay,
+        )
+
+    def run(self, start: Params, batches: Iterable[tuple[torch.Tensor, torch.Tensor]]) -> InnerResult:
+        load_params(self.model, start)
+        self.model.train()
+        losses: list[float] = []
+        tokens = 0
+        for x, y in batches:
+            _, loss = self.model(x, y)
+            assert loss is not None
+            if not torch.isfinite(loss):
+                raise FloatingPointError(f"inner step {len(losses) + 1}: loss is {loss.item()}")
+            self.optimizer.zero_grad(set_to_none=True)
+            loss.backward()
+            if self.cfg.grad_clip > 0:
+                torch.nn.utils.clip_grad_norm_(self.model.parameters(), self.cfg.grad_clip)
+            self.optimizer.step()
+            losses.append(loss.item())
+            tokens += x.numel()
+        if not losses:
+            raise ValueError("an inner loop needs at least one batch")
+        end = params_of(self.model)
+        delta = {name: start[name] - end[name] for name in start}
+        return InnerResult(delta, sum(losses) / len(losses), tokens, len(losses))
+
+
+def zero_momentum(params: Params) -> Params:
+    """m⁽⁰⁾ = 0: the outer optimiser state of a run's genesis."""
+    return {name: torch.zeros_like(p) for name, p in params.items()}
+
+
+def outer_step(cfg: OuterConfig, params: Params, momentum: Params, delta: Params) -> tuple[Params, Params]:
+    """(θ⁽ʳ⁾, m⁽ʳ⁾) from θ⁽ʳ⁻¹⁾, m⁽ʳ⁻¹⁾ and Δ⁽ʳ⁾; see the module docstring.
+
+    Pure: the inputs are left untouched, so a round that fails half-way through being published
+    leaves the previous global state intact.
+    """
+    lr, mu = cfg.lr, cfg.momentum
+    new_params: Params = {}
+    new_momentum: Params = {}
+    for name, theta in params.items():
+        m = momentum[name].mul(mu).add_(delta[name])
+        direction = delta[name].add(m, alpha=mu) if cfg.nesterov else m
+        new_params[name] = theta.sub(direction, alpha=lr)
+        new_momentum[name] = m
+    return new_params, new_momentum
+
+
+@torch.no_grad()
+def evaluate(model: nn.Module, batches: list[tuple[torch.Tensor, torch.Tensor]]) -> float:
+    """Mean cross-entropy (nats per token) over fixed held-out batches."""
+    model.eval()
+    losses = [model(x, y)[1].item() for x, y in batches]  # type: ignore[union-attr]
+    return sum(losses) / len(losses)

@@ -1,0 +1,78 @@
+"""The on-disk state of one run, laid out so that a restarted coordinator loses nothing finished.
+
+    <run>/store/objects/..      content-addressed objects: configs, checkpoints, updates, manifests
+    <run>/HEAD                  CID of the latest round's manifest (the run's tip)
+    <run>/workers.json          worker id -> data shard, so a worker keeps its shard across restarts
+    <run>/pending/round-N.json  updates accepted for the open round N (their bytes are in the store)
+    <run>/coordinator.addr      host:port the coordinator is listening on, once it listens
+    <run>/logs/                 process logs written by ``dilocox demo``
+
+Everything is written atomically (temp file, fsync, rename), and HEAD moves only after every object
+its manifest names is in the store, so a crash at any instant leaves either the old tip or the new.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+from storage_client import CID, ObjectStore, write_atomic
+
+
+class RunDir:
+    def __init__(self, path: str | Path) -> None:
+        self.path = Path(path)
+        self.path.mkdir(parents=True, exist_ok=True)
+        self.store = ObjectStore(self.path / "store")
+
+    @property
+    def address_file(self) -> Path:
+        return self.path / "coordinator.addr"
+
+    @property
+    def logs(self) -> Path:
+        return self.path / "logs"
+
+    def head(self) -> CID | None:
+        try:
+            text = (self.path / "HEAD").read_text(encoding="ascii").strip()
+        except FileNotFoundError:
+            return None
+        return CID.parse(text)
+
+    def set_head(self, cid: CID) -> None:
+        write_atomic(self.path / "HEAD", f"{cid}\n".encode("ascii"))
+
+    def workers(self) -> dict[str, int]:
+        return self._read_json(self.path / "workers.json", {})
+
+    def save_workers(self, shards: dict[str, int]) -> None:
+        self._write_json(self.path / "workers.json", shards)
+
+    def _pending_file(self, round_: int) -> Path:
+        return self.path / "pending" / f"round-{round_:06d}.json"
+
+    def pending(self, round_: int) -> dict[str, dict[str, Any]]:
+        return self._read_json(self._pending_file(round_), {})
+
+    def save_pending(self, round_: int, entries: dict[str, dict[str, Any]]) -> None:
+        self._pending_file(round_).parent.mkdir(exist_ok=True)
+        self._write_json(self._pending_file(round_), entries)
+
+    def clear_pending(self, round_: int) -> None:
+        self._pending_file(round_).unlink(missing_ok=True)
+
+    def write_address(self, address: str) -> None:
+        write_atomic(self.address_file, address.encode("ascii"))
+
+    @staticmethod
+    def _read_json(path: Path, default: Any) -> Any:
+        try:
+            return json.loads(path.read_text(encoding="utf-8"))
+        except FileNotFoundError:
+            return default
+
+    @staticmethod
+    def _write_json(path: Path, obj: Any) -> None:
+        write_atomic(path, (json.dumps(obj, indent=1, sort_keys=True) + "\n").encode("utf-8"))

@@ -1,0 +1,77 @@
+"""Bytes on the wire: tensor payloads, their layouts and digests, and 1 MiB chunking.
+
+A payload is a safetensors file: self-describing, parsed without executing anything (never
+pickle), and byte-deterministic for the same tensors, so its sha256 is at once the digest in the
+transfer header and the content identifier of the stored object.
+"""
+
+from __future__ import annotations
+
+import hashlib
+from typing import Iterable, Iterator
+
+import torch
+from safetensors import SafetensorError
+from safetensors.torch import load as st_load
+from safetensors.torch import save as st_save
+
+from proto import CHUNK_BYTES
+
+Params = dict[str, torch.Tensor]
+# name -> (dtype, shape): what a payload must contain, checked before its bytes are trusted.
+Layout = dict[str, tuple[str, tuple[int, ...]]]
+
+ENCODING_DENSE_F32 = "dense-f32"
+
+
+class WireError(ValueError):
+    """Bytes that do not decode into what their header promised."""
+
+
+def dtype_name(dtype: torch.dtype) -> str:
+    return str(dtype).removeprefix("torch.")
+
+
+def layout_of(params: Params) -> Layout:
+    return {name: (dtype_name(t.dtype), tuple(t.shape)) for name, t in params.items()}
+
+
+def encode_params(params: Params, metadata: dict[str, str] | None = None) -> bytes:
+    return st_save({name: t.contiguous() for name, t in params.items()}, metadata=metadata)
+
+
+def decode_params(data: bytes) -> Params:
+    try:
+        return st_load(data)
+    except (SafetensorError, ValueError, RuntimeError) as exc:
+        raise WireError(f"payload is not a valid safetensors file: {exc}") from exc
+
+
+def sha256_hex(data: bytes) -> str:
+    return hashlib.sha256(data).hexdigest()
+
+
+def chunked(data: bytes, size: int = CHUNK_BYTES) -> Iterator[bytes]:
+    """Consecutive slices of at most ``size`` bytes (none for empty data)."""
+    if size <= 0:
+        raise ValueError("chunk size must be positive")
+    view = memoryview(data)
+    for offset in range(0, len(data), size):
+        yield bytes(view[offset : offset + size])
+
+
+def reassemble(chunks: Iterable[bytes], size: int, sha256: str, *, what: str) -> bytes:
+    """Join chunks, refusing oversize chunks, a wrong total length and a wrong digest."""
+    buffer = bytearray()
+    for chunk in chunks:
+        if len(chunk) > CHUNK_BYTES:
+            raise WireError(f"{what}: chunk of {len(chunk)} bytes exceeds {CHUNK_BYTES}")
+        buffer += chunk
+        if len(buffer) > size:
+            raise WireError(f"{what}: more than the declared {size} bytes arrived")
+    if len(buffer) != size:
+        raise WireError(f"{what}: {len(buffer)} bytes arrived, header declared {size}")
+    actual = sha256_hex(bytes(buffer))
+    if actual != sha256:
+        raise WireError(f"{what}: digest mismatch: header says sha256 {sha256}, bytes hash to {actual}")
+    return bytes(buffer)
