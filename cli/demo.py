@@ -15,7 +15,6 @@ from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 from rich.table import Table
 
-from proto import pb
 from trainer.cluster import ClusterError, LocalCluster
 from trainer.config import demo_config
 
@@ -24,12 +23,13 @@ def _mb(n: int) -> str:
     return f"{n / 1e6:.2f} MB"
 
 
-def _row(s: pb.RoundSummary) -> list[str]:
-    train = "—" if s.round == 0 else f"{s.mean_train_loss:.4f}"
-    workers = "genesis" if s.round == 0 else ", ".join(s.participants) + (
-        f" (dropped {', '.join(s.dropped)})" if s.dropped else "")
-    seconds = "—" if s.round == 0 else f"{s.seconds:.1f}s"
-    return [str(s.round), f"{s.eval_loss:.4f}", train, workers, _mb(s.bytes_up), _mb(s.bytes_down), seconds]
+def _row(s: dict) -> list[str]:
+    """round, eval loss, train loss, workers, bytes up, bytes down, time."""
+    if s["round"] == 0:
+        return ["0", f"{s['eval_loss']:.4f}", "—", "genesis", "—", "—", "—"]
+    workers = str(len(s["participants"])) + (f" (dropped {', '.join(s['dropped'])})" if s["dropped"] else "")
+    return [str(s["round"]), f"{s['eval_loss']:.4f}", f"{s['mean_train_loss']:.4f}", workers,
+            _mb(s["bytes_up"]), _mb(s["bytes_down"]), f"{s['seconds']:.1f}s"]
 
 
 def run_demo(run_dir: Path, rounds: int | None = None, workers: int = 2) -> int:
@@ -52,47 +52,57 @@ def run_demo(run_dir: Path, rounds: int | None = None, workers: int = 2) -> int:
 
     started = time.monotonic()
     table = Table(title="rounds")
-    for column in ("round", "eval loss", "train loss", "participants", "bytes up", "bytes down", "time"):
-        table.add_column(column, justify="left" if column == "participants" else "right")
+    for column in ("round", "eval loss", "train loss", "workers", "bytes up", "bytes down", "time"):
+        table.add_column(column, justify="left" if column == "workers" else "right")
     with LocalCluster(run_dir) as cluster:
         cluster.start_coordinator(config_path)
         for i in range(workers):
             cluster.start_worker(f"worker-{i}")
-        shown = 0
+        coordinator = cluster.processes["coordinator"]
+        rounds_done: list[dict] = []
         columns = (TextColumn("[progress.description]{task.description}"), BarColumn(),
                    MofNCompleteColumn(), TimeElapsedColumn())
         with Progress(*columns, console=console, transient=True) as progress:
             task = progress.add_task("rounds", total=config.rounds.rounds)
+            # Follow the coordinator's rounds.jsonl: it outlives the coordinator, so the last
+            # round is shown even when the coordinator exits right after publishing it.
             while True:
-                try:
-                    status = cluster.wait_for(lambda s: len(s.rounds) > shown or s.finished, 600, "the next round")
-                except ClusterError as exc:
-                    console.print(f"[red]demo failed:[/] {exc}")
-                    return 1
-                for summary in status.rounds[shown:]:
+                exited = coordinator.poll() is not None
+                for summary in cluster.run_dir.logged_rounds()[len(rounds_done):]:
+                    rounds_done.append(summary)
                     table.add_row(*_row(summary))
-                    progress.console.print("  ".join(
-                        f"{name} {value}" for name, value in zip(
-                            ("round", "eval", "train", "workers", "up", "down", "time"), _row(summary))))
-                shown = len(status.rounds)
-                progress.update(task, completed=status.rounds[-1].round if status.rounds else 0)
-                if status.finished:
+                    r, ev, tr, who, up, down, secs = _row(summary)
+                    progress.console.print(
+                        f"round {r:>2}/{config.rounds.rounds}  eval {ev}  train {tr:>6}  "
+                        f"workers {who}  up {up}  down {down}  {secs}")
+                    progress.update(task, completed=summary["round"])
+                if exited:
                     break
-        codes = {name: cluster.wait_exit(name, 60) for name in list(cluster.processes)}
+                if time.monotonic() - started > 600:
+                    console.print("[red]demo timed out after 600s[/]")
+                    return 1
+                time.sleep(0.2)
+        try:
+            codes = {name: cluster.wait_exit(name, 60) for name in list(cluster.processes)}
+        except ClusterError as exc:
+            console.print(f"[red]demo failed:[/] {exc}")
+            return 1
 
     elapsed = time.monotonic() - started
     console.print(table)
-    rounds_done = list(status.rounds)
-    first, last = rounds_done[1] if len(rounds_done) > 1 else rounds_done[0], rounds_done[-1]
-    up = sum(s.bytes_up for s in rounds_done)
-    down = sum(s.bytes_down for s in rounds_done)
+    if len(rounds_done) < 2:
+        console.print(f"[red]no round was completed[/]; see {run_dir}/logs/")
+        return 1
+    first, last = rounds_done[1], rounds_done[-1]
+    up = sum(s["bytes_up"] for s in rounds_done)
+    down = sum(s["bytes_down"] for s in rounds_done)
     failed = {name: code for name, code in codes.items() if code != 0}
-    improved = last.eval_loss < first.eval_loss
+    improved = last["eval_loss"] < first["eval_loss"]
     console.print(
-        f"[bold]summary[/]: {last.round} rounds in {elapsed:.1f}s; eval loss {rounds_done[0].eval_loss:.4f} "
-        f"(genesis) → {first.eval_loss:.4f} (round {first.round}) → {last.eval_loss:.4f} (round {last.round}); "
-        f"{_mb(up)} up, {_mb(down)} down\n"
-        f"head manifest {last.manifest_cid}\nrun dir {run_dir} (store, manifests, logs/)"
+        f"[bold]summary[/]: {last['round']} rounds in {elapsed:.1f}s; eval loss "
+        f"{rounds_done[0]['eval_loss']:.4f} (genesis) → {first['eval_loss']:.4f} (round 1) → "
+        f"{last['eval_loss']:.4f} (round {last['round']}); {_mb(up)} up, {_mb(down)} down\n"
+        f"head manifest {last['manifest_cid']}\nrun dir {run_dir} (store, manifests, logs/)"
     )
     if failed:
         console.print(f"[red]processes failed[/]: {failed}; see {run_dir}/logs/")

@@ -219,13 +219,13 @@ def _validate(cfg: RunConfig) -> list[str]:
 
 
 def demo_config() -> RunConfig:
-    """The embedded default of ``dilocox demo``: 2 workers, 5 rounds, on the generated corpus.
+    """The embedded default of ``dilocox demo``: 2 workers, 8 rounds, on the generated corpus.
 
     The inner learning rate is raised above the DiLoCo default because a tiny model over a few
     hundred inner steps is far from the regime that default was tuned for.
     """
     return RunConfig(
         run_id="demo",
-        inner=InnerConfig(steps=40, batch_size=16, lr=2e-3),
-        rounds=RoundConfig(rounds=5, expected_workers=2, quorum=2),
+        inner=InnerConfig(steps=50, batch_size=16, lr=2e-3),
+        rounds=RoundConfig(rounds=8, expected_workers=2, quorum=2),
     )

@@ -187,6 +187,7 @@ class Coordinator:
         self.run_dir.set_head(manifest_cid)
         self.global_state = GlobalState(0, params, momentum, payload, params_cid, manifest_cid)
         self.summaries = [RoundSummary.of(manifest_cid, manifest)]
+        self.run_dir.log_round(dataclasses.asdict(self.summaries[0]))
         log.info("run %s: genesis %s (config %s)", config.run_id, manifest_cid, self.config_cid)
 
     def _resume(self, head: CID, config: RunConfig | None) -> None:
@@ -400,6 +401,7 @@ class Coordinator:
         self.run_dir.set_head(manifest_cid)  # the round is durable from here on
         self.run_dir.clear_pending(r.number)
         summary = RoundSummary.of(manifest_cid, manifest, refused, seconds=self.clock() - r.opened_at)
+        self.run_dir.log_round(dataclasses.asdict(summary))
         with self._lock:
             self.global_state = GlobalState(r.number, params, momentum, payload, params_cid, manifest_cid)
             self.summaries.append(summary)

@@ -5,6 +5,7 @@
     <run>/workers.json          worker id -> data shard, so a worker keeps its shard across restarts
     <run>/pending/round-N.json  updates accepted for the open round N (their bytes are in the store)
     <run>/coordinator.addr      host:port the coordinator is listening on, once it listens
+    <run>/rounds.jsonl          one summary line per published round, for people and the demo
     <run>/logs/                 process logs written by ``dilocox demo``
 
 Everything is written atomically (temp file, fsync, rename), and HEAD moves only after every object
@@ -14,6 +15,7 @@ its manifest names is in the store, so a crash at any instant leaves either the 
 from __future__ import annotations
 
 import json
+import os
 from pathlib import Path
 from typing import Any
 
@@ -62,6 +64,31 @@ class RunDir:
 
     def clear_pending(self, round_: int) -> None:
         self._pending_file(round_).unlink(missing_ok=True)
+
+    @property
+    def rounds_log(self) -> Path:
+        return self.path / "rounds.jsonl"
+
+    def log_round(self, summary: dict[str, Any]) -> None:
+        """Append a round's summary (the manifest stays the record; this is its readable trace)."""
+        with open(self.rounds_log, "a", encoding="utf-8") as f:
+            f.write(json.dumps(summary, sort_keys=True) + "\n")
+            f.flush()
+            os.fsync(f.fileno())
+
+    def logged_rounds(self) -> list[dict[str, Any]]:
+        try:
+            lines = self.rounds_log.read_text(encoding="utf-8").splitlines()
+        except FileNotFoundError:
+            return []
+        # A line cut short by a crash mid-append is skipped, not fatal.
+        out = []
+        for line in lines:
+            try:
+                out.append(json.loads(line))
+            except json.JSONDecodeError:
+                continue
+        return out
 
     def write_address(self, address: str) -> None:
         write_atomic(self.address_file, address.encode("ascii"))

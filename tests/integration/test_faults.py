@@ -21,15 +21,17 @@ def phase_of(status, worker: str) -> tuple[int, str]:
 
 
 def test_sigkilled_worker_is_dropped_and_rejoins(cluster: LocalCluster, make_config) -> None:
-    # Enough inner steps that "mid-round" lasts a few heartbeats.
+    # ~2.5 s of inner steps a round, so "mid-round" lasts several heartbeats and status polls.
     cluster.start_coordinator(make_config(
-        inner=InnerConfig(steps=150, batch_size=4, lr=1e-3),
+        inner=InnerConfig(steps=1000, batch_size=4, lr=1e-3),
         rounds=RoundConfig(rounds=3, expected_workers=2, quorum=2, straggler_timeout_s=4.0,
                            heartbeat_interval_s=0.3, liveness_timeout_s=2.0)))
     cluster.start_worker("w0")
     cluster.start_worker("w1")
     cluster.wait_for(lambda s: phase_of(s, "w1") == (1, "training"), 60, "w1 to train round 1")
     cluster.kill("w1", signal.SIGKILL)
+    shards = cluster.run_dir.workers()
+    assert sorted(shards.values()) == [0, 1]
 
     status = cluster.wait_for(lambda s: len(s.rounds) >= 2, 60, "round 1 to close without w1")
     assert list(status.rounds[1].participants) == ["w0"]
@@ -42,7 +44,7 @@ def test_sigkilled_worker_is_dropped_and_rejoins(cluster: LocalCluster, make_con
     assert [m.round for m in chain] == [0, 1, 2, 3]
     assert [p.worker for p in chain[1].participants] == ["w0"]
     assert [p.worker for p in chain[3].participants] == ["w0", "w1"]
-    assert cluster.run_dir.workers() == {"w0": 0, "w1": 1}
+    assert cluster.run_dir.workers() == shards  # the restarted w1 kept its shard
 
 
 def test_coordinator_sigkill_and_restart_loses_no_round(cluster: LocalCluster, make_config) -> None:
@@ -90,3 +92,28 @@ def test_restart_on_a_tampered_checkpoint_fails_naming_the_object(cluster: Local
         cluster.start_coordinator()
     assert "CorruptObjectError" in str(failed.value)
     assert str(CID.parse(tip.params)) in str(failed.value)
+
+
+def test_update_accepted_before_a_coordinator_crash_is_kept(cluster: LocalCluster, make_config) -> None:
+    # quorum 2 with only w0 running: w0's round-1 update is accepted and journalled, the round
+    # stays open, and the coordinator dies before it closes.
+    cluster.start_coordinator(make_config(rounds=RoundConfig(
+        rounds=1, expected_workers=2, quorum=2, straggler_timeout_s=300.0,
+        heartbeat_interval_s=0.3, liveness_timeout_s=2.0)))
+    port = int(cluster.address.rsplit(":", 1)[1])
+    cluster.start_worker("w0")
+    cluster.wait_for(lambda s: phase_of(s, "w0")[1] == "waiting" and phase_of(s, "w0")[0] == 1, 60,
+                     "w0 to push round 1")
+    pending = cluster.run_dir.pending(1)
+    assert set(pending) == {"w0"}
+    cluster.kill("coordinator", signal.SIGKILL)
+    cluster.kill("w0", signal.SIGKILL)  # w0 cannot re-send: only the journal can keep its update
+
+    cluster.start_coordinator(port=port)
+    cluster.start_worker("w1")
+    for name in ("w1", "coordinator"):
+        assert cluster.wait_exit(name, 120) == 0, cluster.log(name)
+    _, round1 = lineage(cluster.run_dir.store, cluster.run_dir.head())[-1]
+    assert {p.worker: p.update for p in round1.participants}["w0"] == pending["w0"]["cid"]
+    assert [p.worker for p in round1.participants] == ["w0", "w1"]
+    assert "kept w0's update" in cluster.log("coordinator", tail=400)
