@@ -99,10 +99,10 @@ class LocalCluster:
                 status = self.status()
                 if predicate(status):
                     return status
-            except grpc.RpcError:
+            except grpc.RpcError as exc:
                 if coordinator is not None and coordinator.poll() is not None:
                     raise ClusterError(f"coordinator exited with {coordinator.returncode} while waiting "
-                                       f"for {what}:\n{self.log('coordinator')}")
+                                       f"for {what}:\n{self.log('coordinator')}") from exc
             if time.monotonic() > deadline:
                 raise ClusterError(f"timed out after {timeout_s}s waiting for {what}")
             time.sleep(0.2)

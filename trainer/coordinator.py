@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import dataclasses
 import logging
+import math
 import re
 import signal
 import threading
@@ -28,7 +29,6 @@ from dataclasses import dataclass, field
 from typing import Callable, Iterator
 
 import grpc
-import torch
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 
 from proto import CHUNK_BYTES, MAX_MESSAGE_BYTES, PROTOCOL_VERSION, SERVICE_NAME, pb, pb_grpc
@@ -43,7 +43,7 @@ from trainer.model import build_model, param_count
 from trainer.run_dir import RunDir
 from trainer.wire import (
     ENCODING_DENSE_F32, Layout, Params, WireError, chunked, decode_params, encode_params,
-    layout_of, reassemble, sha256_hex,
+    layout_of, reassemble,
 )
 
 log = logging.getLogger("dilocox.coordinator")
@@ -229,6 +229,26 @@ class Coordinator:
         limit = self.config.rounds.liveness_timeout_s
         return {w for w, s in self.workers.items() if now - s.last_seen <= limit}
 
+    def live_workers_done(self) -> bool:
+        """Every live worker has said it saw the end of the run."""
+        with self._lock:
+            alive = self.alive(self.clock())
+            return all(s.phase == "done" for w, s in self.workers.items() if w in alive)
+
+    def status(self) -> pb.StatusResponse:
+        with self._lock:
+            now = self.clock()
+            alive = self.alive(now)
+            workers = [
+                pb.WorkerStatus(worker_id=w, shard=s.shard, alive=w in alive, round=s.round, phase=s.phase,
+                                last_seen_s=now - s.last_seen if math.isfinite(s.last_seen) else -1.0)
+                for w, s in sorted(self.workers.items())
+            ]
+            rounds = [pb.RoundSummary(**dataclasses.asdict(s)) for s in self.summaries]
+            return pb.StatusResponse(run_id=self.config.run_id, open_round=self.round.number,
+                                     total_rounds=self.config.rounds.rounds, finished=self.finished,
+                                     workers=workers, rounds=rounds)
+
     # ----------------------------------------------------------------------------- RPC logic
 
     def join(self, worker_id: str, protocol_version: int) -> tuple[int, int]:
@@ -283,7 +303,7 @@ class Coordinator:
         if not _SHA256_HEX.match(h.payload_sha256):
             raise Refusal(grpc.StatusCode.INVALID_ARGUMENT,
                           f"payload_sha256 {h.payload_sha256!r} is not 64 lowercase hex digits")
-        limit = sum(4 * _numel(shape) for _, shape in self.layout.values()) + (1 << 20)
+        limit = sum(4 * math.prod(shape) for _, shape in self.layout.values()) + (1 << 20)
         if h.payload_size > limit:
             raise Refusal(grpc.StatusCode.INVALID_ARGUMENT,
                           f"payload of {h.payload_size} bytes exceeds the {limit} a dense update can need")
@@ -427,13 +447,6 @@ def _momentum_from(state: Params) -> Params:
     return {k[len(prefix):]: v for k, v in state.items()}
 
 
-def _numel(shape: tuple[int, ...]) -> int:
-    n = 1
-    for d in shape:
-        n *= d
-    return n
-
-
 # --------------------------------------------------------------------------------- gRPC
 
 
@@ -521,26 +534,7 @@ class CoordinatorService(pb_grpc.CoordinatorServicer):
             yield message
 
     def Status(self, request: pb.StatusRequest, context: grpc.ServicerContext) -> pb.StatusResponse:
-        c = self.c
-        with c._lock:
-            now = c.clock()
-            alive = c.alive(now)
-            workers = [
-                pb.WorkerStatus(worker_id=w, shard=s.shard, alive=w in alive,
-                                last_seen_s=max(0.0, now - s.last_seen) if s.last_seen > float("-inf") else -1.0,
-                                round=s.round, phase=s.phase)
-                for w, s in sorted(c.workers.items())
-            ]
-            rounds = [
-                pb.RoundSummary(round=s.round, manifest_cid=s.manifest_cid, eval_loss=s.eval_loss,
-                                mean_train_loss=s.mean_train_loss, participants=s.participants,
-                                dropped=s.dropped, bytes_up=s.bytes_up, bytes_down=s.bytes_down,
-                                seconds=s.seconds, refused=s.refused)
-                for s in c.summaries
-            ]
-            return pb.StatusResponse(run_id=c.config.run_id, open_round=c.round.number,
-                                     total_rounds=c.config.rounds.rounds, finished=c.finished,
-                                     workers=workers, rounds=rounds)
+        return self.c.status()
 
 
 def grpc_options() -> list[tuple[str, int]]:
@@ -581,9 +575,8 @@ def serve(run_dir: RunDir, config: RunConfig | None, host: str = "127.0.0.1", po
         # Let live workers fetch the final checkpoint and learn the run is over before going away.
         deadline = time.monotonic() + linger_s
         while not stop.is_set() and time.monotonic() < deadline:
-            with coordinator._lock:
-                if all(s.phase == "done" for w, s in coordinator.workers.items() if w in coordinator.alive(coordinator.clock())):
-                    break
+            if coordinator.live_workers_done():
+                break
             stop.wait(0.1)
         log.info("run %s finished: %d rounds, head %s", coordinator.config.run_id,
                  coordinator.global_state.round, coordinator.global_state.manifest_cid)
@@ -591,9 +584,3 @@ def serve(run_dir: RunDir, config: RunConfig | None, host: str = "127.0.0.1", po
         health_servicer.set(name, health_pb2.HealthCheckResponse.NOT_SERVING)
     server.stop(grace=2.0).wait()
     return 0
-
-
-# torch threads: the coordinator aggregates and evaluates small models; one thread leaves the
-# cores to the workers that share the machine in local runs.
-def set_threads(n: int) -> None:
-    torch.set_num_threads(max(1, n))

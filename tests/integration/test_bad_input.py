@@ -1,7 +1,8 @@
 """Bad pushes against a real coordinator: each refused by name, none entering the average.
 
 "mallory" is a hand-driven gRPC client that joins the run like a worker; "w0" is an honest worker
-process. Round 1 closes with both valid updates despite every bad push before them.
+process. Round 1 closes with both valid updates despite every bad push before them; round 2 closes
+with w0 alone once silent mallory is no longer live.
 """
 
 from __future__ import annotations
@@ -16,7 +17,7 @@ import torch
 from proto import PROTOCOL_VERSION, pb
 from storage_client import Manifest, lineage
 from trainer.cluster import LocalCluster
-from trainer.config import RoundConfig, RunConfig
+from trainer.config import InnerConfig, RoundConfig, RunConfig
 from trainer.model import build_model
 from trainer.wire import ENCODING_DENSE_F32, chunked, encode_params, layout_of, sha256_hex
 
@@ -61,9 +62,12 @@ class Mallory:
 
 
 def test_bad_updates_are_refused_and_the_round_completes(cluster: LocalCluster, make_config) -> None:
-    cluster.start_coordinator(make_config(rounds=RoundConfig(
-        rounds=2, expected_workers=2, quorum=2, straggler_timeout_s=4.0,
-        heartbeat_interval_s=0.5, liveness_timeout_s=2.0)))
+    # quorum 1: a round closes once every live worker has delivered. w0 takes ~2.5 s a round, so
+    # mallory's pushes land while round 1 is still open.
+    cluster.start_coordinator(make_config(
+        inner=InnerConfig(steps=1000, batch_size=4, lr=1e-3),
+        rounds=RoundConfig(rounds=2, expected_workers=2, quorum=1, straggler_timeout_s=60.0,
+                           heartbeat_interval_s=0.3, liveness_timeout_s=2.0)))
     m = Mallory(cluster)
     name = "blocks.0.mlp.fc.weight"
     INVALID, PRECONDITION = grpc.StatusCode.INVALID_ARGUMENT, grpc.StatusCode.FAILED_PRECONDITION
@@ -96,12 +100,14 @@ def test_bad_updates_are_refused_and_the_round_completes(cluster: LocalCluster, 
     assert "unknown worker 'eve'" in m.refused(grpc.StatusCode.PERMISSION_DENIED, worker_id="eve")
     assert "protocol version 0 is not supported" in m.refused(PRECONDITION, protocol_version=0)
 
-    # A valid update is accepted; a second push for the same (round, worker) is not.
+    # While w0 trains round 1: a valid update is accepted; a second push for it is not.
+    cluster.start_worker("w0")
+    cluster.wait_for(lambda s: any(w.worker_id == "w0" and w.phase == "training" for w in s.workers),
+                     60, "w0 to train round 1")
     accepted = m.push()
     assert accepted.accepted and accepted.update_cid.startswith("bafkrei")
     assert f"already pushed an update for round 1 ({accepted.update_cid})" in m.refused(grpc.StatusCode.ALREADY_EXISTS)
 
-    cluster.start_worker("w0")
     status = cluster.wait_for(lambda s: len(s.rounds) >= 2, 120, "round 1 to close")
     assert list(status.rounds[1].participants) == ["mallory", "w0"]
     assert any(r.startswith("mallory: ") for r in status.rounds[1].refused)
@@ -109,7 +115,7 @@ def test_bad_updates_are_refused_and_the_round_completes(cluster: LocalCluster, 
     # Round 1 has closed: a push for it is stale.
     assert "stale round 1" in m.refused(PRECONDITION)
 
-    # Mallory falls silent in round 2: the round closes with w0 alone after the deadline.
+    # Mallory falls silent in round 2: once its liveness lapses the round closes with w0 alone.
     assert cluster.wait_exit("w0", 120) == 0, cluster.log("w0")
     assert cluster.wait_exit("coordinator", 60) == 0, cluster.log("coordinator")
     run = cluster.run_dir

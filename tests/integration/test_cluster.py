@@ -29,7 +29,7 @@ def test_two_workers_two_rounds_store_a_rederivable_lineage(cluster: LocalCluste
     config_obj = run.store.get_json(chain[0][1].config)
     assert config_obj["data"]["corpus_sha256"]  # pinned at genesis
 
-    for (parent_cid, parent), (cid, m) in zip(chain, chain[1:]):
+    for (parent_cid, parent), (_, m) in zip(chain, chain[1:], strict=False):
         assert m.parent == str(parent_cid)
         assert [p.worker for p in m.participants] == ["w0", "w1"]
         assert m.dropped == ()
