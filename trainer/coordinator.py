@@ -37,7 +37,7 @@ from trainer.aggregation import (
     InvalidUpdate, check_layout, mean_pseudo_gradient, norm_bound, validate_payload,
 )
 from trainer.config import ConfigError, RunConfig
-from trainer.data import corpus_digest, corpus_text, eval_batches, load_corpus
+from trainer.data import Corpus, eval_batches, load_corpus
 from trainer.diloco import evaluate, load_params, outer_step, params_of, zero_momentum
 from trainer.model import build_model, param_count
 from trainer.run_dir import RunDir
@@ -157,22 +157,22 @@ class Coordinator:
 
     # ----------------------------------------------------------------------------- set-up
 
-    def _prepare(self, config: RunConfig) -> None:
+    def _prepare(self, config: RunConfig, corpus: Corpus | None = None) -> None:
         self.config = config
         self.config_bytes = config.canonical()
         self.config_cid = self.store.put_json(config.to_json())
         self.model = build_model(config.model, config.seed)
-        corpus = load_corpus(config.data, config.seed, config.model.block_size)
+        corpus = corpus or load_corpus(config.data, config.seed, config.model.block_size)
         self.eval_batches = eval_batches(
             corpus, seed=config.seed, count=config.data.eval_batches,
             batch_size=config.inner.batch_size, block_size=config.model.block_size,
         )
 
     def _genesis(self, config: RunConfig) -> None:
-        if not config.data.corpus_sha256:
-            digest = corpus_digest(corpus_text(config.data, config.seed))
-            config = config.replace(data=dataclasses.replace(config.data, corpus_sha256=digest))
-        self._prepare(config)
+        corpus = load_corpus(config.data, config.seed, config.model.block_size)
+        # Pin the corpus bytes into the run's identity, so every worker must train on the same text.
+        config = config.replace(data=dataclasses.replace(config.data, corpus_sha256=corpus.sha256))
+        self._prepare(config, corpus)
         params = params_of(self.model)
         momentum = zero_momentum(params)
         payload = encode_params(params, {"run": config.run_id, "round": "0"})

@@ -116,6 +116,7 @@ def corpus_digest(text: str) -> str:
 class Corpus:
     train: torch.Tensor  # int64 tokens
     eval: torch.Tensor
+    sha256: str  # of the UTF-8 text the tokens came from
 
     def shard(self, index: int, num_shards: int) -> torch.Tensor:
         if not 0 <= index < num_shards:
@@ -137,7 +138,7 @@ def load_corpus(cfg: DataConfig, seed: int, block_size: int) -> Corpus:
     n_eval = int(len(tokens) * cfg.eval_fraction)
     if n_eval <= block_size or len(tokens) - n_eval <= block_size:
         raise CorpusError(f"corpus {cfg.corpus!r} is too small ({len(tokens)} tokens) to split")
-    return Corpus(train=tokens[:-n_eval], eval=tokens[-n_eval:])
+    return Corpus(train=tokens[:-n_eval], eval=tokens[-n_eval:], sha256=digest)
 
 
 def _generator(*key: object) -> torch.Generator:
