@@ -175,7 +175,7 @@ class Coordinator:
         self._prepare(config, corpus)
         params = params_of(self.model)
         momentum = zero_momentum(params)
-        payload = encode_params(params, {"run": config.run_id, "round": "0"})
+        payload = encode_params(params)
         params_cid = self.store.put(payload)
         manifest = Manifest(
             run_id=config.run_id, round=0, parent=None, config=str(self.config_cid),
@@ -397,7 +397,7 @@ class Coordinator:
         started = self.clock()
         delta = mean_pseudo_gradient({w: a.update for w, a in r.accepted.items()})
         params, momentum = outer_step(cfg.outer, g.params, g.momentum, delta)
-        payload = encode_params(params, {"run": cfg.run_id, "round": str(r.number)})
+        payload = encode_params(params)
         params_cid = self.store.put(payload)
         outer_cid = self.store.put(encode_params(_outer_state(momentum)))
         load_params(self.model, params)

@@ -36,8 +36,14 @@ def layout_of(params: Params) -> Layout:
     return {name: (dtype_name(t.dtype), tuple(t.shape)) for name, t in params.items()}
 
 
-def encode_params(params: Params, metadata: dict[str, str] | None = None) -> bytes:
-    return st_save({name: t.contiguous() for name, t in params.items()}, metadata=metadata)
+def encode_params(params: Params) -> bytes:
+    """Safetensors bytes, identical in every process for the same tensors.
+
+    No ``__metadata__``: safetensors writes a metadata map in hash-map order, which differs from
+    process to process, and a checkpoint's hash must depend on its tensors alone (run and round
+    live in the manifest instead).
+    """
+    return st_save({name: t.contiguous() for name, t in params.items()})
 
 
 def decode_params(data: bytes) -> Params:

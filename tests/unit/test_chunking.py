@@ -47,3 +47,18 @@ def test_reassemble_refuses_an_oversize_chunk() -> None:
 def test_decode_refuses_garbage() -> None:
     with pytest.raises(WireError, match="safetensors"):
         decode_params(b"\x08\x00\x00\x00\x00\x00\x00\x00{not json")
+
+
+def test_encoding_is_byte_identical_across_processes() -> None:
+    # A checkpoint's CID must not depend on which process wrote it (hash-map order, say).
+    import subprocess
+    import sys
+
+    script = (
+        "import torch; from trainer.wire import encode_params, sha256_hex;"
+        "g = torch.Generator().manual_seed(7);"
+        "print(sha256_hex(encode_params({n: torch.randn(4, 5, generator=g) for n in 'zyxabc'})))"
+    )
+    digests = {subprocess.run([sys.executable, "-c", script], capture_output=True, text=True,
+                              check=True).stdout.strip() for _ in range(3)}
+    assert len(digests) == 1, digests
