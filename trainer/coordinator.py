@@ -345,7 +345,8 @@ class Coordinator:
                 self.round.refused.setdefault(h.worker_id, []).append(message)
         log.warning("round %d: refused update from %s: %s", h.round, h.worker_id, message)
 
-    def accept(self, h: pb.UpdateHeader, payload: bytes, update: Params, wire_bytes: int) -> CID:
+    def accept(self, h: pb.UpdateHeader, payload: bytes, update: Params, wire_bytes: int) -> tuple[CID, int]:
+        """Store and journal an update that passed every check; returns its CID and the open round."""
         cid = self.store.put(payload)  # before the journal names it
         with self._lock:
             self._check_round(h.worker_id, h.round)  # the round may have moved while bytes streamed
@@ -356,9 +357,10 @@ class Coordinator:
             self.round.accepted[h.worker_id] = Accepted(update, entry)
             self.round.first_accept_at = self.round.first_accept_at or self.clock()
             self.run_dir.save_pending(h.round, {w: a.entry for w, a in self.round.accepted.items()})
+            open_round = self.round.number
             self._lock.notify_all()
         log.info("round %d: accepted %s from %s (loss %.4f)", h.round, cid, h.worker_id, h.train_loss)
-        return cid
+        return cid, open_round
 
     def wait_for_global(self, worker_id: str, min_round: int, wait_s: float) -> tuple[GlobalState | None, int, bool]:
         deadline = self.clock() + max(0.0, min(wait_s, 60.0))
@@ -483,12 +485,6 @@ class CoordinatorService(pb_grpc.CoordinatorServicer):
             context.abort(grpc.StatusCode.INVALID_ARGUMENT, "the first message of a push must be its header")
         header = first.header
         wire_bytes = first.ByteSize()
-        try:
-            declared = self.c.admit_header(header)
-        except Refusal as r:
-            self.c.count_up(wire_bytes)
-            self.c.refuse(header, r.message)
-            self._abort(context, r)
 
         def data() -> Iterator[bytes]:
             nonlocal wire_bytes
@@ -499,19 +495,20 @@ class CoordinatorService(pb_grpc.CoordinatorServicer):
                 yield message.data
 
         try:
-            what = f"update from {header.worker_id} for round {header.round}"
-            payload = reassemble(data(), header.payload_size, header.payload_sha256, what=what)
-            update = validate_payload(payload, declared, self.c.bound)
-        except (WireError, InvalidUpdate) as exc:
-            self.c.count_up(wire_bytes)
-            self.c.refuse(header, str(exc))
-            context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
-        self.c.count_up(wire_bytes)
-        try:
-            cid = self.c.accept(header, payload, update, wire_bytes)
+            try:
+                declared = self.c.admit_header(header)  # refused before a payload byte is read
+                what = f"update from {header.worker_id} for round {header.round}"
+                payload = reassemble(data(), header.payload_size, header.payload_sha256, what=what)
+                update = validate_payload(payload, declared, self.c.bound)
+            except (WireError, InvalidUpdate) as exc:
+                raise Refusal(grpc.StatusCode.INVALID_ARGUMENT, str(exc)) from exc
+            finally:
+                self.c.count_up(wire_bytes)  # refused or not, these bytes crossed the network
+            cid, open_round = self.c.accept(header, payload, update, wire_bytes)
         except Refusal as r:
+            self.c.refuse(header, r.message)
             self._abort(context, r)
-        return pb.PushUpdateResponse(accepted=True, update_cid=str(cid), open_round=self.c.round.number)
+        return pb.PushUpdateResponse(accepted=True, update_cid=str(cid), open_round=open_round)
 
     def FetchGlobal(self, request: pb.FetchGlobalRequest, context: grpc.ServicerContext) -> Iterator[pb.GlobalChunk]:
         try:
