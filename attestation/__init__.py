@@ -1,1 +1,86 @@
-"""TEE evidence providers and signed round reports (arrives with the trust-path issue)."""
+"""attestation: TEE evidence providers and signed round reports (docs/trust.md).
+
+    evidence     Evidence (canonical bytes, digest = on-chain evidenceDigest), VerifiedEvidence
+    tdx          TDX quote v4 parser/builder, measurement_of, TdxProvider (configfs-tsm), dcap-qvl
+    dev          DevProvider / DevRoot: a software stand-in that PROVES NOTHING
+    keys         WorkerKey (never logged or written out), report_data, recover_address
+    measurement  code_measurement: sha256 of the measured code files and the run config CID
+    policy       Policy, verify_evidence, attest
+    providers    EvidenceProvider interface, open_provider("tdx" | "dev")
+    report       signed round reports (EIP-712)
+"""
+
+from .dev import WARNING as DEV_WARNING
+from .dev import DevProvider, DevRoot, dev_quote_digest, recover_dev_signer
+from .errors import AttestationError, AttestationUnavailable, EvidenceError, PolicyViolation
+from .evidence import SCHEMA as EVIDENCE_SCHEMA
+from .evidence import Evidence, VerifiedEvidence
+from .keys import (
+    WORKER_KEY_DOMAIN,
+    SignatureError,
+    WorkerKey,
+    address_bytes,
+    checksum_address,
+    key_binding,
+    recover_address,
+    report_data,
+)
+from .measurement import DEFAULT_PACKAGES, code_manifest, code_measurement
+from .policy import Policy, attest, verify_evidence
+from .providers import EvidenceProvider, open_provider
+from .report import Domain, ReportError, RoundReport, SignedReport
+from .tdx import (
+    DEFAULT_TSM_PATH,
+    TdxProvider,
+    TdxQuote,
+    TdxQuoteError,
+    build_quote_v4,
+    dcap_available,
+    dcap_verify,
+    measurement_of,
+    parse_quote,
+)
+
+__all__ = [
+    "DEV_WARNING",
+    "DevProvider",
+    "DevRoot",
+    "dev_quote_digest",
+    "recover_dev_signer",
+    "AttestationError",
+    "AttestationUnavailable",
+    "EvidenceError",
+    "PolicyViolation",
+    "EVIDENCE_SCHEMA",
+    "Evidence",
+    "VerifiedEvidence",
+    "WORKER_KEY_DOMAIN",
+    "SignatureError",
+    "WorkerKey",
+    "address_bytes",
+    "checksum_address",
+    "key_binding",
+    "recover_address",
+    "report_data",
+    "DEFAULT_PACKAGES",
+    "code_manifest",
+    "code_measurement",
+    "Policy",
+    "attest",
+    "verify_evidence",
+    "EvidenceProvider",
+    "open_provider",
+    "Domain",
+    "ReportError",
+    "RoundReport",
+    "SignedReport",
+    "DEFAULT_TSM_PATH",
+    "TdxProvider",
+    "TdxQuote",
+    "TdxQuoteError",
+    "build_quote_v4",
+    "dcap_available",
+    "dcap_verify",
+    "measurement_of",
+    "parse_quote",
+]

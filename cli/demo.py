@@ -1,7 +1,15 @@
-"""``dilocox demo``: a coordinator and N workers as processes, on the embedded corpus.
+"""``dilocox demo``: the whole platform on one machine, on the embedded corpus.
 
-Shows one line per finished round (eval loss, mean inner loss, bytes each way, time) and a summary;
-the run directory keeps the store, the manifests and the logs for inspection afterwards.
+1. a local chain (anvil, from the npm lockfile) whose state is kept in <run>/chain/state.json;
+2. the registry and ledger deployed, the code measurement allowlisted, the coordinator's account
+   made a verifier;
+3. a coordinator and N workers as processes; workers attest with the ``dev`` provider (which
+   PROVES NOTHING, and says so), are admitted on chain, train, and sign a report per round; every
+   round is recorded on the ledger;
+4. the lineage audit, from the ledger and the store alone.
+
+Shows one line per finished round (eval loss, mean inner loss, bytes each way, time), a summary
+and the audit's table. Afterwards ``dilocox audit --run <run>`` re-verifies the run on its own.
 """
 
 from __future__ import annotations
@@ -16,7 +24,11 @@ from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, T
 from rich.table import Table
 
 from trainer.cluster import ClusterError, LocalCluster
-from trainer.config import demo_config
+from attestation import DEV_WARNING, DevRoot, code_measurement
+from settlement import DEV_ACCOUNTS, Anvil, Chain, Registry, deploy
+from storage_client import write_atomic
+from trainer.config import RunConfig, demo_config
+from trainer.data import load_corpus
 
 
 def _mb(n: int) -> str:
@@ -32,17 +44,56 @@ def _row(s: dict) -> list[str]:
             _mb(s["bytes_up"]), _mb(s["bytes_down"]), f"{s['seconds']:.1f}s"]
 
 
+def provision(run_dir: Path, rpc_url: str, config: RunConfig) -> tuple[list[str], list[str]]:
+    """Deploy, allowlist the measurement, make the coordinator a verifier; returns the extra
+    command-line arguments of the coordinator and of each worker."""
+    chain_dir = run_dir / "chain"
+    owner = Chain(rpc_url, DEV_ACCOUNTS[0])
+    deployment = deploy(owner)
+    deployment.save(chain_dir / "deployment.json")
+    key_file = chain_dir / "coordinator.key"
+    write_atomic(key_file, DEV_ACCOUNTS[1].encode())
+    key_file.chmod(0o600)
+    coordinator = Chain(rpc_url, DEV_ACCOUNTS[1])
+    registry = Registry(owner, deployment.registry)
+    registry.set_verifier(coordinator.address)
+    registry.set_measurement(code_measurement(str(config.cid)))
+    dev_root = DevRoot.load_or_create(run_dir / "dev-root")
+    coordinator_args = ["--ledger", str(chain_dir / "deployment.json"), "--chain-rpc", rpc_url,
+                        "--chain-key-file", str(key_file), "--allow-dev", "--dev-root", dev_root.address]
+    worker_args = ["--attestation", "dev", "--dev-root-dir", str(run_dir / "dev-root")]
+    return coordinator_args, worker_args
+
+
 def run_demo(run_dir: Path, rounds: int | None = None, workers: int = 2) -> int:
     console = Console()
     config = demo_config()
     config = config.replace(rounds=dataclasses.replace(
         config.rounds, rounds=rounds or config.rounds.rounds, expected_workers=workers, quorum=workers))
+    # Pin the corpus now: the allowlisted measurement covers the configuration's CID.
+    corpus = load_corpus(config.data, config.seed, config.model.block_size)
+    config = config.replace(data=dataclasses.replace(config.data, corpus_sha256=corpus.sha256))
     if (run_dir / "HEAD").exists() or (run_dir / "store").exists():
         console.print(f"[yellow]replacing the previous demo run in {run_dir}[/]")
         shutil.rmtree(run_dir)
     run_dir.mkdir(parents=True, exist_ok=True)
     config_path = run_dir / "config.json"
     config.save(config_path)
+    console.print(f"[bold yellow]{DEV_WARNING}[/]")
+    with Anvil(state_file=run_dir / "chain" / "state.json") as anvil:
+        coordinator_args, worker_args = provision(run_dir, anvil.rpc_url, config)
+        console.print(f"local chain {anvil.rpc_url} (state kept in {run_dir / 'chain'}); contracts deployed")
+        code = _train(console, run_dir, config, config_path, workers, coordinator_args, worker_args)
+        if code != 0:
+            return code
+        console.print("\n[bold]audit[/]: re-verifying the run from the ledger and the store alone")
+        from audit.cli import audit_run_dir
+
+        return audit_run_dir(run_dir, rpc_url=anvil.rpc_url, allow_dev=True, console=console)
+
+
+def _train(console: Console, run_dir: Path, config: RunConfig, config_path: Path, workers: int,
+           coordinator_args: list[str], worker_args: list[str]) -> int:
     m = config.model
     console.print(
         f"[bold]DiLoCo demo[/]: {workers} workers × {config.inner.steps} inner AdamW steps × "
@@ -55,9 +106,9 @@ def run_demo(run_dir: Path, rounds: int | None = None, workers: int = 2) -> int:
     for column in ("round", "eval loss", "train loss", "workers", "bytes up", "bytes down", "time"):
         table.add_column(column, justify="left" if column == "workers" else "right")
     with LocalCluster(run_dir) as cluster:
-        cluster.start_coordinator(config_path)
+        cluster.start_coordinator(config_path, extra=coordinator_args)
         for i in range(workers):
-            cluster.start_worker(f"worker-{i}")
+            cluster.start_worker(f"worker-{i}", extra=worker_args)
         coordinator = cluster.processes["coordinator"]
         rounds_done: list[dict] = []
         columns = (TextColumn("[progress.description]{task.description}"), BarColumn(),

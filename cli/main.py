@@ -4,6 +4,8 @@
     dilocox coordinator --run-dir runs/x [--config cfg.json] [--host H --port P]
     dilocox worker --coordinator H:P --worker-id w0
     dilocox status --coordinator H:P               what a running coordinator reports
+    dilocox audit --run runs/demo                  verify a run's lineage from ledger and store
+    dilocox bench gas                              gas of the ledger's calls on a local chain
     dilocox config > cfg.json                      the default run configuration, to edit
 """
 
@@ -44,14 +46,39 @@ def cmd_coordinator(args: argparse.Namespace) -> int:
 
     _threads(args.threads)
     config = RunConfig.load(args.config) if args.config else None
-    return serve(RunDir(args.run_dir), config, host=args.host, port=args.port, linger_s=args.linger)
+    return serve(RunDir(args.run_dir), config, host=args.host, port=args.port, linger_s=args.linger,
+                 trust=_trust_settings(args))
+
+
+def _trust_settings(args: argparse.Namespace):  # -> TrustSettings | None
+    """The ledger a coordinator records to, from --ledger/--chain-rpc/--chain-key-file."""
+    given = [args.ledger, args.chain_rpc, args.chain_key_file]
+    if not any(given):
+        return None
+    if not all(given):
+        raise ValueError("--ledger, --chain-rpc and --chain-key-file go together")
+    from attestation import Policy
+    from settlement import Deployment
+    from trainer.trust import TrustSettings
+
+    key_text = Path(args.chain_key_file).read_text().strip()
+    policy = Policy(allow_dev=args.allow_dev, dev_roots=frozenset(args.dev_root))
+    return TrustSettings(rpc_url=args.chain_rpc, private_key=bytes.fromhex(key_text.removeprefix("0x")),
+                         deployment=Deployment.load(args.ledger), policy=policy,
+                         report_timeout_s=args.report_timeout)
 
 
 def cmd_worker(args: argparse.Namespace) -> int:
     from trainer.worker import Worker
 
     _threads(args.threads)
-    worker = Worker(args.coordinator, args.worker_id, reconnect_timeout_s=args.reconnect_timeout)
+    provider = None
+    if args.attestation != "none":
+        from attestation import open_provider
+
+        provider = open_provider(args.attestation, dev_root_dir=args.dev_root_dir)
+    worker = Worker(args.coordinator, args.worker_id, attestation=provider,
+                    reconnect_timeout_s=args.reconnect_timeout)
     return worker.run()
 
 
@@ -81,6 +108,19 @@ def cmd_demo(args: argparse.Namespace) -> int:
     return run_demo(Path(args.run_dir), rounds=args.rounds, workers=args.workers)
 
 
+def cmd_audit(args: argparse.Namespace) -> int:
+    from audit.cli import run
+
+    return run(args)
+
+
+def cmd_bench(args: argparse.Namespace) -> int:
+    from settlement.gas import format_markdown, gas_table
+
+    print(format_markdown(gas_table()))
+    return 0
+
+
 def parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="dilocox", description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -100,12 +140,23 @@ def parser() -> argparse.ArgumentParser:
     co.add_argument("--port", type=int, default=0, help="0 picks a free port (see <run-dir>/coordinator.addr)")
     co.add_argument("--threads", type=int, default=1, help="torch threads")
     co.add_argument("--linger", type=float, default=10.0, help="seconds to let workers see the end of the run")
+    co.add_argument("--ledger", help="deployment.json of the registry and ledger to record to")
+    co.add_argument("--chain-rpc", help="RPC URL of the chain holding the ledger")
+    co.add_argument("--chain-key-file", help="file with the coordinator's chain key (hex); never logged")
+    co.add_argument("--allow-dev", action="store_true",
+                    help="accept dev attestation, which PROVES NOTHING (local development only)")
+    co.add_argument("--dev-root", action="append", default=[], help="address of a trusted dev root (repeatable)")
+    co.add_argument("--report-timeout", type=float, default=30.0,
+                    help="seconds to wait for every participant's report before recording a round")
     co.set_defaults(func=cmd_coordinator)
 
     wo = sub.add_parser("worker", help="train on one data shard and push pseudo-gradients")
     wo.add_argument("--coordinator", required=True, help="host:port")
     wo.add_argument("--worker-id", required=True)
     wo.add_argument("--threads", type=int, default=max(1, (os.cpu_count() or 1) // 2), help="torch threads")
+    wo.add_argument("--attestation", choices=("none", "dev", "tdx"), default="none",
+                    help="evidence provider: tdx (configfs-tsm) or dev (a stand-in that PROVES NOTHING)")
+    wo.add_argument("--dev-root-dir", help="directory of the dev attestation root key")
     wo.add_argument("--reconnect-timeout", type=float, default=120.0,
                     help="seconds to keep retrying an unreachable coordinator")
     wo.set_defaults(func=cmd_worker)
@@ -113,6 +164,16 @@ def parser() -> argparse.ArgumentParser:
     st = sub.add_parser("status", help="print a running coordinator's status as JSON")
     st.add_argument("--coordinator", required=True, help="host:port")
     st.set_defaults(func=cmd_status)
+
+    au = sub.add_parser("audit", help="verify a run's lineage from the ledger and the store alone")
+    from audit.cli import add_arguments
+
+    add_arguments(au)
+    au.set_defaults(func=cmd_audit)
+
+    be = sub.add_parser("bench", help="benchmarks")
+    be.add_argument("what", choices=("gas",), help="gas: the ledger's gas per call on a local anvil")
+    be.set_defaults(func=cmd_bench)
 
     cf = sub.add_parser("config", help="print a run configuration to start from")
     cf.add_argument("--demo", action="store_true", help="the demo's configuration")

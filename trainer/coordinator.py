@@ -18,6 +18,7 @@ translates RPCs into calls on it and refusals into gRPC status codes.
 from __future__ import annotations
 
 import dataclasses
+import json
 import logging
 import math
 import re
@@ -29,6 +30,7 @@ from dataclasses import dataclass, field
 from typing import Callable, Iterator
 
 import grpc
+import torch
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 
 from proto import CHUNK_BYTES, MAX_MESSAGE_BYTES, PROTOCOL_VERSION, SERVICE_NAME, pb, pb_grpc
@@ -40,7 +42,10 @@ from trainer.config import ConfigError, RunConfig
 from trainer.data import Corpus, eval_batches, load_corpus
 from trainer.diloco import evaluate, load_params, outer_step, params_of, zero_momentum
 from trainer.model import build_model, param_count
+from attestation import SignedReport
+from trainer.refusal import Refusal
 from trainer.run_dir import RunDir
+from trainer.trust import ReportBook, TrustGate, TrustSettings, open_gate, shard_digest
 from trainer.wire import (
     ENCODING_DENSE_F32, Layout, Params, WireError, chunked, decode_params, encode_params,
     layout_of, reassemble,
@@ -50,15 +55,6 @@ log = logging.getLogger("dilocox.coordinator")
 
 WORKER_ID = re.compile(r"^[A-Za-z0-9._-]{1,64}$")
 _SHA256_HEX = re.compile(r"^[0-9a-f]{64}$")
-
-
-class Refusal(Exception):
-    """A request the coordinator will not serve, with the gRPC status that says why."""
-
-    def __init__(self, code: grpc.StatusCode, message: str) -> None:
-        super().__init__(message)
-        self.code = code
-        self.message = message
 
 
 def check_protocol(version: int) -> None:
@@ -94,6 +90,7 @@ class WorkerState:
     last_seen: float
     round: int = 0
     phase: str = "joined"
+    address: str | None = None  # admitted key, when the run has a ledger
 
 
 @dataclass(frozen=True)
@@ -106,6 +103,7 @@ class GlobalState:
     payload: bytes  # safetensors of params; sha256 of it is the params CID
     params_cid: CID
     manifest_cid: CID
+    eval_loss_e6: int
 
 
 @dataclass(frozen=True)
@@ -135,7 +133,8 @@ class RoundSummary:
 class Coordinator:
     """Round state machine with durable state in a :class:`RunDir`. Thread-safe."""
 
-    def __init__(self, run_dir: RunDir, config: RunConfig | None, clock: Callable[[], float] = time.monotonic) -> None:
+    def __init__(self, run_dir: RunDir, config: RunConfig | None, clock: Callable[[], float] = time.monotonic,
+                 trust: TrustSettings | None = None) -> None:
         self.run_dir = run_dir
         self.store = run_dir.store
         self.clock = clock
@@ -154,6 +153,19 @@ class Coordinator:
         }
         self.round = OpenRound(number=self.global_state.round + 1, opened_at=self.clock())
         self._reload_pending()
+        # The run's on-chain identity is its genesis manifest: config, corpus and θ⁽⁰⁾ in one digest.
+        self.genesis_cid, genesis = self.manifests[0]
+        self.run_digest = self.genesis_cid.digest
+        # Report deadlines of rounds published before a restart count from the restart.
+        self.closed_at: dict[int, float] = {r: self.clock() for r in self.manifests}
+        self.gate: TrustGate | None = None
+        self.book: ReportBook | None = None
+        if trust is not None:
+            self.gate = open_gate(trust, self.store, run_dir, self.run_digest)
+            self.book = ReportBook(run_dir, self.gate, trust.report_timeout_s)
+            self.book.ensure_run(self.genesis_cid, genesis)
+        else:
+            log.warning("no ledger configured: workers are not attested and rounds are not recorded on chain")
 
     # ----------------------------------------------------------------------------- set-up
 
@@ -163,6 +175,9 @@ class Coordinator:
         self.config_cid = self.store.put_json(config.to_json())
         self.model = build_model(config.model, config.seed)
         corpus = corpus or load_corpus(config.data, config.seed, config.model.block_size)
+        shards = config.rounds.expected_workers
+        self.shard_digests = [shard_digest(corpus.shard(i, shards).to(torch.uint8).numpy().tobytes())
+                              for i in range(shards)]
         self.eval_batches = eval_batches(
             corpus, seed=config.seed, count=config.data.eval_batches,
             batch_size=config.inner.batch_size, block_size=config.model.block_size,
@@ -185,7 +200,9 @@ class Coordinator:
         )
         manifest_cid = manifest.store(self.store)
         self.run_dir.set_head(manifest_cid)
-        self.global_state = GlobalState(0, params, momentum, payload, params_cid, manifest_cid)
+        self.global_state = GlobalState(0, params, momentum, payload, params_cid, manifest_cid,
+                                        manifest.eval_loss_e6)
+        self.manifests = {0: (manifest_cid, manifest)}
         self.summaries = [RoundSummary.of(manifest_cid, manifest)]
         self.run_dir.log_round(dataclasses.asdict(self.summaries[0]))
         log.info("run %s: genesis %s (config %s)", config.run_id, manifest_cid, self.config_cid)
@@ -207,7 +224,9 @@ class Coordinator:
         params = decode_params(payload)
         momentum = _momentum_from(decode_params(self.store.get(tip.outer_state)))
         load_params(self.model, params)
-        self.global_state = GlobalState(tip.round, params, momentum, payload, CID.parse(tip.params), tip_cid)
+        self.global_state = GlobalState(tip.round, params, momentum, payload, CID.parse(tip.params), tip_cid,
+                                        tip.eval_loss_e6)
+        self.manifests = {m.round: (cid, m) for cid, m in chain}
         self.summaries = [RoundSummary.of(cid, m) for cid, m in chain]
         log.info("run %s: resumed at round %d from %s", stored.run_id, tip.round, tip_cid)
 
@@ -251,10 +270,20 @@ class Coordinator:
 
     # ----------------------------------------------------------------------------- RPC logic
 
-    def join(self, worker_id: str, protocol_version: int) -> tuple[int, int]:
+    def _check_worker_id(self, worker_id: str, protocol_version: int) -> None:
         check_protocol(protocol_version)
         if not WORKER_ID.match(worker_id):
             raise Refusal(grpc.StatusCode.INVALID_ARGUMENT, f"worker id {worker_id!r} must match {WORKER_ID.pattern}")
+
+    def challenge(self, worker_id: str, protocol_version: int) -> bytes:
+        """A fresh nonce for the worker's evidence (empty when the run has no ledger)."""
+        self._check_worker_id(worker_id, protocol_version)
+        return self.gate.challenge(worker_id) if self.gate else b""
+
+    def join(self, worker_id: str, protocol_version: int, address: str = "", evidence: bytes = b"",
+             nonce: bytes = b"") -> tuple[int, int]:
+        self._check_worker_id(worker_id, protocol_version)
+        admitted = self.gate.admit(worker_id, address, evidence, nonce) if self.gate else None
         with self._lock:
             num_shards = self.config.rounds.expected_workers
             if worker_id not in self.workers:
@@ -264,7 +293,7 @@ class Coordinator:
                 self.workers[worker_id] = WorkerState(shard=shard, last_seen=self.clock())
                 self.run_dir.save_workers({w: s.shard for w, s in self.workers.items()})
             state = self.workers[worker_id]
-            state.last_seen, state.phase = self.clock(), "joined"
+            state.last_seen, state.phase, state.address = self.clock(), "joined", admitted
             log.info("worker %s joined (shard %d of %d)", worker_id, state.shard, num_shards)
             return state.shard, self.round.number
 
@@ -303,6 +332,9 @@ class Coordinator:
         if not _SHA256_HEX.match(h.payload_sha256):
             raise Refusal(grpc.StatusCode.INVALID_ARGUMENT,
                           f"payload_sha256 {h.payload_sha256!r} is not 64 lowercase hex digits")
+        if self.gate is not None:
+            self.gate.check_update(h.worker_id, self.workers[h.worker_id].address, h.round,
+                                   h.payload_sha256, h.signature)
         limit = sum(4 * math.prod(shape) for _, shape in self.layout.values()) + (1 << 20)
         if h.payload_size > limit:
             raise Refusal(grpc.StatusCode.INVALID_ARGUMENT,
@@ -377,6 +409,43 @@ class Coordinator:
         with self._lock:
             self.round.bytes_down += nbytes
 
+    # ----------------------------------------------------------------------------- reports
+
+    def submit_report(self, worker_id: str, raw: bytes) -> int:
+        """A participant's signed report of a published round; returns the round."""
+        if self.gate is None or self.book is None:
+            raise Refusal(grpc.StatusCode.FAILED_PRECONDITION, "this run has no ledger: reports are not collected")
+        try:
+            signed = SignedReport.from_json(json.loads(raw))
+        except (ValueError, TypeError) as exc:
+            raise Refusal(grpc.StatusCode.INVALID_ARGUMENT, f"malformed report: {exc}") from exc
+        r = signed.report.round
+        with self._lock:
+            state = self._known(worker_id)
+            published = self.manifests.get(r)
+            parent = self.manifests.get(r - 1)
+        if published is None or parent is None or r == 0:
+            raise Refusal(grpc.StatusCode.FAILED_PRECONDITION, f"round {r} has no published checkpoint to report on")
+        self.gate.check_report(worker_id, state.address, signed, published[1], parent[1],
+                               self.shard_digests[state.shard])
+        self.book.add(worker_id, signed)
+        log.info("round %d: report from %s (%s) accepted", r, worker_id, state.address)
+        return r
+
+    def settle(self) -> list[int]:
+        """Queue every round whose reports are in for the ledger, in order."""
+        if self.book is None:
+            return []
+        with self._lock:
+            manifests, closed_at = dict(self.manifests), dict(self.closed_at)
+        return self.book.queue_due(manifests, closed_at, self.clock())
+
+    def settled(self) -> bool:
+        """Every published round is queued and the outbox has confirmed it on chain."""
+        if self.book is None or self.gate is None:
+            return True
+        return self.book.queued_through >= self.global_state.round and not self.gate.outbox.pending()
+
     # ----------------------------------------------------------------------------- closing
 
     def close_due(self) -> bool:
@@ -425,7 +494,10 @@ class Coordinator:
         summary = RoundSummary.of(manifest_cid, manifest, refused, seconds=self.clock() - r.opened_at)
         self.run_dir.log_round(dataclasses.asdict(summary))
         with self._lock:
-            self.global_state = GlobalState(r.number, params, momentum, payload, params_cid, manifest_cid)
+            self.global_state = GlobalState(r.number, params, momentum, payload, params_cid, manifest_cid,
+                                            manifest.eval_loss_e6)
+            self.manifests[r.number] = (manifest_cid, manifest)
+            self.closed_at[r.number] = self.clock()
             self.summaries.append(summary)
             self.round = OpenRound(number=r.number + 1, opened_at=self.clock())
             self._lock.notify_all()
@@ -460,17 +532,43 @@ class CoordinatorService(pb_grpc.CoordinatorServicer):
     def _abort(context: grpc.ServicerContext, refusal: Refusal) -> None:
         context.abort(refusal.code, refusal.message)
 
+    def _ledger(self) -> tuple[int, str]:
+        gate = self.c.gate
+        return (gate.domain.chain_id, gate.domain.ledger) if gate else (0, "")
+
+    def Challenge(self, request: pb.ChallengeRequest, context: grpc.ServicerContext) -> pb.ChallengeResponse:
+        try:
+            nonce = self.c.challenge(request.worker_id, request.protocol_version)
+        except Refusal as r:
+            self._abort(context, r)
+        chain_id, ledger = self._ledger()
+        return pb.ChallengeResponse(
+            nonce=nonce, run_digest=self.c.run_digest, config_json=self.c.config_bytes,
+            config_cid=str(self.c.config_cid), attestation_required=self.c.gate is not None,
+            chain_id=chain_id, ledger=ledger,
+        )
+
     def Join(self, request: pb.JoinRequest, context: grpc.ServicerContext) -> pb.JoinResponse:
         try:
-            shard, open_round = self.c.join(request.worker_id, request.protocol_version)
+            shard, open_round = self.c.join(request.worker_id, request.protocol_version, request.address,
+                                            request.evidence, request.nonce)
         except Refusal as r:
             self._abort(context, r)
         cfg = self.c.config
+        chain_id, ledger = self._ledger()
         return pb.JoinResponse(
             protocol_version=PROTOCOL_VERSION, run_id=cfg.run_id, config_json=self.c.config_bytes,
             config_cid=str(self.c.config_cid), open_round=open_round, shard=shard,
             num_shards=cfg.rounds.expected_workers, heartbeat_interval_s=cfg.rounds.heartbeat_interval_s,
+            run_digest=self.c.run_digest, chain_id=chain_id, ledger=ledger,
         )
+
+    def SubmitReport(self, request: pb.SubmitReportRequest, context: grpc.ServicerContext) -> pb.SubmitReportResponse:
+        try:
+            round_ = self.c.submit_report(request.worker_id, request.signed_report)
+        except Refusal as r:
+            self._abort(context, r)
+        return pb.SubmitReportResponse(accepted=True, round=round_)
 
     def Heartbeat(self, request: pb.HeartbeatRequest, context: grpc.ServicerContext) -> pb.HeartbeatResponse:
         try:
@@ -522,6 +620,7 @@ class CoordinatorService(pb_grpc.CoordinatorServicer):
             available=True, round=state.round, params_cid=str(state.params_cid),
             manifest_cid=str(state.manifest_cid), payload_size=len(state.payload),
             payload_sha256=state.params_cid.hex, open_round=open_round, finished=finished,
+            eval_loss_e6=state.eval_loss_e6,
         ))
         self.c.count_down(header.ByteSize())
         yield header
@@ -541,10 +640,24 @@ def grpc_options() -> list[tuple[str, int]]:
     ]
 
 
+def _settle_forever(coordinator: Coordinator, stop: threading.Event, interval_s: float = 0.5) -> None:
+    """Queue reported rounds and push the outbox to the chain, until told to stop."""
+    gate = coordinator.gate
+    assert gate is not None
+    while not stop.is_set():
+        try:
+            coordinator.settle()
+            gate.outbox.flush(gate.ledger)
+        except Exception:  # never let the settlement thread die silently: say why, keep going
+            log.exception("settlement step failed; retrying")
+        stop.wait(interval_s)
+
+
 def serve(run_dir: RunDir, config: RunConfig | None, host: str = "127.0.0.1", port: int = 0,
-          linger_s: float = 10.0) -> int:
-    """Run the coordinator until the run's last round is published (or SIGTERM/SIGINT)."""
-    coordinator = Coordinator(run_dir, config)
+          linger_s: float = 10.0, trust: TrustSettings | None = None, settle_timeout_s: float = 120.0) -> int:
+    """Run the coordinator until the run's last round is published and, with a ledger, recorded
+    (or SIGTERM/SIGINT). Rounds the chain has not confirmed stay in <run>/outbox for next time."""
+    coordinator = Coordinator(run_dir, config, trust=trust)
     server = grpc.server(futures.ThreadPoolExecutor(max_workers=32), options=grpc_options())
     pb_grpc.add_CoordinatorServicer_to_server(CoordinatorService(coordinator), server)
     health_servicer = health.HealthServicer()
@@ -563,6 +676,11 @@ def serve(run_dir: RunDir, config: RunConfig | None, host: str = "127.0.0.1", po
     stop = threading.Event()
     for sig in (signal.SIGTERM, signal.SIGINT):
         signal.signal(sig, lambda *_: stop.set())
+    settling = threading.Event()
+    settler = None
+    if coordinator.gate is not None:
+        settler = threading.Thread(target=_settle_forever, args=(coordinator, settling), name="settlement", daemon=True)
+        settler.start()
     while not stop.is_set() and not coordinator.finished:
         if coordinator.close_due():
             coordinator.close_round()
@@ -577,6 +695,17 @@ def serve(run_dir: RunDir, config: RunConfig | None, host: str = "127.0.0.1", po
             stop.wait(0.1)
         log.info("run %s finished: %d rounds, head %s", coordinator.config.run_id,
                  coordinator.global_state.round, coordinator.global_state.manifest_cid)
+        deadline = time.monotonic() + settle_timeout_s
+        while not stop.is_set() and not coordinator.settled() and time.monotonic() < deadline:
+            stop.wait(0.2)
+        if not coordinator.settled():
+            log.error("not every round is recorded on the ledger yet; what is left stays queued in %s "
+                      "and is sent when the coordinator runs again", run_dir.path / "outbox")
+        elif coordinator.gate is not None:
+            log.info("every round is recorded on the ledger %s", coordinator.gate.domain.ledger)
+    settling.set()
+    if settler is not None:
+        settler.join(timeout=30)
     for name in ("", SERVICE_NAME):
         health_servicer.set(name, health_pb2.HealthCheckResponse.NOT_SERVING)
     server.stop(grace=2.0).wait()

@@ -4,6 +4,10 @@
     <run>/HEAD                  CID of the latest round's manifest (the run's tip)
     <run>/workers.json          worker id -> data shard, so a worker keeps its shard across restarts
     <run>/pending/round-N.json  updates accepted for the open round N (their bytes are in the store)
+    <run>/pending/reports-N.json  signed reports of round N, until the round is queued for the ledger
+    <run>/settlement.json       what has been handed to the ledger outbox (run created, last round)
+    <run>/outbox/               ledger writes not yet confirmed on chain (settlement.Outbox)
+    <run>/chain/                deployment.json, the local chain's state, keys of a local demo
     <run>/coordinator.addr      host:port the coordinator is listening on, once it listens
     <run>/rounds.jsonl          one summary line per published round, for people and the demo
     <run>/logs/                 process logs written by ``dilocox demo``
@@ -52,18 +56,18 @@ class RunDir:
     def save_workers(self, shards: dict[str, int]) -> None:
         self._write_json(self.path / "workers.json", shards)
 
-    def _pending_file(self, round_: int) -> Path:
-        return self.path / "pending" / f"round-{round_:06d}.json"
+    @staticmethod
+    def _pending_name(round_: int, kind: str) -> str:
+        return f"pending/{kind}-{round_:06d}.json"
 
-    def pending(self, round_: int) -> dict[str, dict[str, Any]]:
-        return self._read_json(self._pending_file(round_), {})
+    def pending(self, round_: int, kind: str = "round") -> dict[str, dict[str, Any]]:
+        return self.load(self._pending_name(round_, kind), {})
 
-    def save_pending(self, round_: int, entries: dict[str, dict[str, Any]]) -> None:
-        self._pending_file(round_).parent.mkdir(exist_ok=True)
-        self._write_json(self._pending_file(round_), entries)
+    def save_pending(self, round_: int, entries: dict[str, dict[str, Any]], kind: str = "round") -> None:
+        self.save(self._pending_name(round_, kind), entries)
 
-    def clear_pending(self, round_: int) -> None:
-        self._pending_file(round_).unlink(missing_ok=True)
+    def clear_pending(self, round_: int, kind: str = "round") -> None:
+        (self.path / self._pending_name(round_, kind)).unlink(missing_ok=True)
 
     @property
     def rounds_log(self) -> Path:
@@ -89,6 +93,14 @@ class RunDir:
             except json.JSONDecodeError:
                 continue
         return out
+
+    def load(self, name: str, default: Any) -> Any:
+        """A small JSON state file of the run, by relative name."""
+        return self._read_json(self.path / name, default)
+
+    def save(self, name: str, obj: Any) -> None:
+        (self.path / name).parent.mkdir(parents=True, exist_ok=True)
+        self._write_json(self.path / name, obj)
 
     def write_address(self, address: str) -> None:
         write_atomic(self.address_file, address.encode("ascii"))

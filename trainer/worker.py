@@ -17,17 +17,22 @@ import json
 import logging
 import threading
 import time
+from dataclasses import dataclass
 from typing import Callable, Iterator, TypeVar
 
 import grpc
 import torch
 
+from attestation import (
+    Domain, EvidenceProvider, RoundReport, SignedReport, WorkerKey, attest, code_measurement,
+)
 from proto import PROTOCOL_VERSION, pb, pb_grpc
-from storage_client import CID, Codec
+from storage_client import CID, Codec, canonical_json, to_e6
 from trainer.config import RunConfig
 from trainer.coordinator import grpc_options
-from trainer.data import load_corpus, round_batches
-from trainer.diloco import InnerLoop, InnerResult
+from trainer.data import eval_batches, load_corpus, round_batches
+from trainer.diloco import InnerLoop, InnerResult, evaluate, load_params
+from trainer.trust import EVAL_TOLERANCE_E6, shard_digest, update_digest
 from trainer.model import build_model
 from trainer.wire import (
     ENCODING_DENSE_F32, Params, WireError, chunked, decode_params, encode_params, layout_of,
@@ -44,9 +49,22 @@ class WorkerError(RuntimeError):
     """The worker cannot go on; the message says why."""
 
 
+@dataclass(frozen=True)
+class Pushed:
+    """An update the coordinator holds: what this worker's report of that round will restate."""
+
+    round: int
+    update: bytes  # sha256 of the payload
+    train_loss_e6: int
+    tokens: int
+    inner_steps: int
+    bytes_sent: int
+    parent: bytes  # sha256 of the parameters it started from
+
+
 class Worker:
-    def __init__(self, address: str, worker_id: str, *, reconnect_timeout_s: float = 120.0,
-                 fetch_wait_s: float = 5.0) -> None:
+    def __init__(self, address: str, worker_id: str, *, attestation: EvidenceProvider | None = None,
+                 reconnect_timeout_s: float = 120.0, fetch_wait_s: float = 5.0) -> None:
         self.address = address
         self.worker_id = worker_id
         self.reconnect_timeout_s = reconnect_timeout_s
@@ -56,6 +74,10 @@ class Worker:
         self.round = 0
         self.phase = "starting"
         self.config: RunConfig | None = None
+        self.attestation = attestation
+        self.key: WorkerKey | None = None
+        self.domain: Domain | None = None  # set when the run has a ledger
+        self.run_digest = b""
         self._stop = threading.Event()
         self.bytes_sent = 0
         self.bytes_received = 0
@@ -87,29 +109,53 @@ class Worker:
                 delay = min(delay * 2, 2.0)
 
     def join(self) -> pb.JoinResponse:
-        response = self.stub.Join(pb.JoinRequest(
+        """Challenge, attest (when the run has a ledger), join; set up on the first join."""
+        challenge = self.stub.Challenge(pb.ChallengeRequest(
+            protocol_version=PROTOCOL_VERSION, worker_id=self.worker_id), timeout=30)
+        config = self._checked_config(challenge.config_json, challenge.config_cid)
+        self.run_digest = challenge.run_digest
+        request = pb.JoinRequest(
             protocol_version=PROTOCOL_VERSION, worker_id=self.worker_id,
             capabilities=pb.Capabilities(device="cpu", threads=torch.get_num_threads(),
                                          encodings=[ENCODING_DENSE_F32]),
-        ), timeout=30)
-        actual = CID.of(response.config_json, Codec.JSON)
-        if str(actual) != response.config_cid:
-            raise WorkerError(f"run configuration hashes to {actual}, coordinator named {response.config_cid}")
-        config = RunConfig.from_json(json.loads(response.config_json))
-        if self.config is not None and config.cid != self.config.cid:
-            raise WorkerError(f"coordinator now runs config {config.cid}, not {self.config.cid}")
+        )
+        if challenge.attestation_required:
+            if self.attestation is None:
+                raise WorkerError("this run requires attestation; start the worker with --attestation dev|tdx")
+            if self.key is None:
+                self.key = WorkerKey.generate()  # born here, never leaves the process
+            measurement = code_measurement(challenge.config_cid)
+            evidence = attest(self.attestation, self.key, challenge.run_digest, challenge.nonce, measurement)
+            request.address, request.evidence, request.nonce = self.key.address, evidence.to_bytes(), challenge.nonce
+            self.domain = Domain(challenge.chain_id, challenge.ledger)
+        response = self.stub.Join(request, timeout=60)
         if self.config is None:
             self._set_up(config, response.shard, response.num_shards)
         self.heartbeat_interval_s = response.heartbeat_interval_s
-        log.info("joined run %s at %s: shard %d of %d, open round %d", config.run_id, self.address,
-                 response.shard, response.num_shards, response.open_round)
+        log.info("joined run %s at %s: shard %d of %d, open round %d%s", config.run_id, self.address,
+                 response.shard, response.num_shards, response.open_round,
+                 f", key {self.key.address}" if self.domain else "")
         return response
+
+    def _checked_config(self, config_json: bytes, config_cid: str) -> RunConfig:
+        actual = CID.of(config_json, Codec.JSON)
+        if str(actual) != config_cid:
+            raise WorkerError(f"run configuration hashes to {actual}, coordinator named {config_cid}")
+        config = RunConfig.from_json(json.loads(config_json))
+        if self.config is not None and config.cid != self.config.cid:
+            raise WorkerError(f"coordinator now runs config {config.cid}, not {self.config.cid}")
+        return config
 
     def _set_up(self, config: RunConfig, shard: int, num_shards: int) -> None:
         self.config = config
         self.shard_index = shard
         corpus = load_corpus(config.data, config.seed, config.model.block_size)
         self.shard = corpus.shard(shard, num_shards)
+        self.data_digest = shard_digest(self.shard.to(torch.uint8).numpy().tobytes())
+        self.eval_batches = eval_batches(
+            corpus, seed=config.seed, count=config.data.eval_batches,
+            batch_size=config.inner.batch_size, block_size=config.model.block_size,
+        )
         self.model = build_model(config.model, config.seed)
         self.inner = InnerLoop(self.model, config.inner)
 
@@ -153,40 +199,72 @@ class Worker:
             if payload is not None:
                 return header, payload
 
-    def push(self, round_: int, result: InnerResult, base_cid: str) -> bool:
-        """Send Δ for ``round_``; True if the coordinator holds it, False if it was refused."""
+    def push(self, round_: int, result: InnerResult, base_cid: str) -> Pushed | None:
+        """Send Δ for ``round_``; what was sent if the coordinator holds it, None if refused."""
         self.phase = "pushing"
         payload = encode_params(result.pseudo_gradient)
+        sha = sha256_hex(payload)
         header = pb.UpdateHeader(
             protocol_version=PROTOCOL_VERSION, run_id=self.config.run_id, round=round_,
             worker_id=self.worker_id, encoding=ENCODING_DENSE_F32,
             tensors=[pb.TensorSpec(name=n, dtype=d, shape=s) for n, (d, s) in layout_of(result.pseudo_gradient).items()],
-            payload_size=len(payload), payload_sha256=sha256_hex(payload), train_loss=result.mean_loss,
+            payload_size=len(payload), payload_sha256=sha, train_loss=result.mean_loss,
             tokens=result.tokens, inner_steps=result.steps, base_params_cid=base_cid,
         )
-        # A fresh stream per attempt: after a reconnect the same bytes are sent again.
-        def messages() -> Iterator[pb.UpdateChunk]:
-            first = pb.UpdateChunk(header=header)
-            self.bytes_sent += first.ByteSize()
-            yield first
-            for piece in chunked(payload):
-                message = pb.UpdateChunk(data=piece)
+        if self.key is not None:
+            header.signature = self.key.sign_digest(update_digest(self.run_digest, round_, sha))
+        messages = [pb.UpdateChunk(header=header)] + [pb.UpdateChunk(data=p) for p in chunked(payload)]
+        # What the coordinator counts for this push, and what the report will restate.
+        wire_bytes = sum(m.ByteSize() for m in messages)
+
+        def stream() -> Iterator[pb.UpdateChunk]:  # a fresh iterator per attempt
+            for message in messages:
                 self.bytes_sent += message.ByteSize()
                 yield message
 
+        pushed = Pushed(round_, CID.of(payload).digest, to_e6(result.mean_loss), result.tokens,
+                        result.steps, wire_bytes, CID.parse(base_cid).digest)
         try:
-            response = self._call(f"push round {round_}", lambda: self.stub.PushUpdate(messages(), timeout=120))
+            response = self._call(f"push round {round_}", lambda: self.stub.PushUpdate(stream(), timeout=120))
             log.info("round %d: update %s accepted", round_, response.update_cid)
-            return True
+            return pushed
         except grpc.RpcError as exc:
             code = exc.code()
             if code == grpc.StatusCode.ALREADY_EXISTS:
                 log.info("round %d: coordinator already holds this worker's update", round_)
-                return True
-            if code in (grpc.StatusCode.FAILED_PRECONDITION, grpc.StatusCode.INVALID_ARGUMENT):
+                return pushed
+            if code in (grpc.StatusCode.FAILED_PRECONDITION, grpc.StatusCode.INVALID_ARGUMENT,
+                        grpc.StatusCode.PERMISSION_DENIED, grpc.StatusCode.UNAUTHENTICATED):
                 log.warning("round %d: update refused (%s): %s", round_, code.name, exc.details())
-                return False
+                return None
             raise
+
+    def report(self, pushed: Pushed, header: pb.GlobalHeader, params: Params) -> None:
+        """Sign and submit the RoundReport of a round this worker contributed to."""
+        assert self.key is not None and self.domain is not None
+        load_params(self.model, params)
+        own = to_e6(evaluate(self.model, self.eval_batches))
+        if abs(own - header.eval_loss_e6) > EVAL_TOLERANCE_E6:
+            log.error("round %d: refusing to sign: the checkpoint evaluates to %.6f here, the manifest says %.6f",
+                      pushed.round, own / 1e6, header.eval_loss_e6 / 1e6)
+            return
+        report = RoundReport(
+            run_id=self.run_digest, round=pushed.round, worker=self.key.address,
+            parent_checkpoint=pushed.parent, checkpoint=CID.parse(header.params_cid).digest,
+            update_digest=pushed.update, data_digest=self.data_digest, train_loss_e6=pushed.train_loss_e6,
+            eval_loss_e6=header.eval_loss_e6, tokens=pushed.tokens, inner_steps=pushed.inner_steps,
+            bytes_sent=pushed.bytes_sent,
+        )
+        signed = SignedReport(report, self.key.sign_digest(report.digest(self.domain)))
+        raw = canonical_json(signed.to_json())
+        try:
+            self._call(f"report round {pushed.round}", lambda: self.stub.SubmitReport(
+                pb.SubmitReportRequest(worker_id=self.worker_id, signed_report=raw), timeout=60))
+            log.info("round %d: signed report accepted", pushed.round)
+        except grpc.RpcError as exc:
+            if exc.code() == grpc.StatusCode.ALREADY_EXISTS:
+                return
+            log.warning("round %d: report refused (%s): %s", pushed.round, exc.code().name, exc.details())
 
     def train(self, round_: int, params: Params) -> InnerResult:
         self.phase = "training"
@@ -203,17 +281,21 @@ class Worker:
         beat.start()
         try:
             min_round = 0
+            pushed: Pushed | None = None
             while True:
                 header, payload = self.fetch(min_round)
+                params = decode_params(payload)
+                if pushed is not None and header.round == pushed.round and self.domain is not None:
+                    self.report(pushed, header, params)
                 if header.finished:
                     log.info("run finished at round %d (%s); sent %d bytes, received %d",
                              header.round, header.manifest_cid, self.bytes_sent, self.bytes_received)
                     return 0
                 self.round = header.round + 1
                 started = time.monotonic()
-                result = self.train(self.round, decode_params(payload))
+                result = self.train(self.round, params)
                 trained = time.monotonic() - started
-                self.push(self.round, result, header.params_cid)
+                pushed = self.push(self.round, result, header.params_cid)
                 log.info("round %d: %d steps, loss %.4f, %d tokens, train %.2fs, push %.2fs",
                          self.round, result.steps, result.mean_loss, result.tokens, trained,
                          time.monotonic() - started - trained)

@@ -25,13 +25,20 @@ pytestmark = pytest.mark.integration
 
 
 class Mallory:
-    def __init__(self, cluster: LocalCluster, worker_id: str = "mallory") -> None:
-        self.stub = cluster.stub()
+    """A hand-driven client that speaks the protocol directly, to send what no worker would."""
+
+    def __init__(self, stub, worker_id: str, config: RunConfig) -> None:
+        self.stub = stub
         self.worker_id = worker_id
-        joined = self.stub.Join(pb.JoinRequest(protocol_version=PROTOCOL_VERSION, worker_id=worker_id), timeout=10)
-        self.config = RunConfig.from_json(json.loads(joined.config_json))
-        model = build_model(self.config.model, self.config.seed)
+        self.config = config
+        model = build_model(config.model, config.seed)
         self.zero = {n: torch.zeros_like(p) for n, p in model.named_parameters()}
+
+    @classmethod
+    def joined(cls, cluster: LocalCluster, worker_id: str = "mallory") -> Mallory:
+        stub = cluster.stub()
+        joined = stub.Join(pb.JoinRequest(protocol_version=PROTOCOL_VERSION, worker_id=worker_id), timeout=10)
+        return cls(stub, worker_id, RunConfig.from_json(json.loads(joined.config_json)))
 
     def push(self, tensors: dict[str, torch.Tensor] | None = None, *, payload: bytes | None = None,
              layout: dict | None = None, **header: object) -> pb.PushUpdateResponse:
@@ -68,7 +75,7 @@ def test_bad_updates_are_refused_and_the_round_completes(cluster: LocalCluster, 
         inner=InnerConfig(steps=1000, batch_size=4, lr=1e-3),
         rounds=RoundConfig(rounds=2, expected_workers=2, quorum=1, straggler_timeout_s=60.0,
                            heartbeat_interval_s=0.3, liveness_timeout_s=2.0)))
-    m = Mallory(cluster)
+    m = Mallory.joined(cluster)
     name = "blocks.0.mlp.fc.weight"
     INVALID, PRECONDITION = grpc.StatusCode.INVALID_ARGUMENT, grpc.StatusCode.FAILED_PRECONDITION
 

@@ -1,0 +1,179 @@
+"""Evidence records: what a worker hands over to be admitted, and what verification concluded.
+
+`Evidence` is the raw material: the provider's name and its quote bytes (a TDX quote v4, or the
+dev stand-in in the same layout), plus, for the dev provider, the development root's signature.
+Its byte form is canonical JSON (storage_client.canonical_json), one byte string per record:
+
+    {"dev_signature":"<130 hex>","provider":"dev","quote":"<hex>","schema":"dilocox.evidence/v1"}
+    {"provider":"tdx","quote":"<hex>","schema":"dilocox.evidence/v1"}
+
+Keys sorted, no whitespace, lowercase hex, `dev_signature` present exactly when provider is "dev".
+The sha256 of these bytes is the `evidenceDigest` that WorkerRegistry records, and the bytes are
+kept in the store as a RAW object (so `Evidence.cid()` names them). `from_bytes` accepts only this
+exact form: anything else, including the same record re-serialised differently, is refused.
+
+`VerifiedEvidence` is what `policy.verify_evidence` returns once every check has passed.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+from dataclasses import dataclass, field
+from typing import Any
+
+from storage_client import CID, Codec, canonical_json
+
+from .errors import EvidenceError
+
+SCHEMA = "dilocox.evidence/v1"
+PROVIDERS = ("tdx", "dev")
+MAX_EVIDENCE_BYTES = 4 << 20  # a quote is limited to 1 MiB, hex doubles it
+DEV_SIGNATURE_SIZE = 65
+# QE vendor id written into dev quotes, so a dev quote cannot pass as a TDX one.
+DEV_QE_VENDOR_ID = b"dilocox-dev-only"
+_HEX = frozenset("0123456789abcdef")
+
+
+def _hex_field(obj: dict[str, Any], key: str) -> bytes:
+    value = obj[key]
+    if not isinstance(value, str):
+        raise EvidenceError(f"evidence field {key!r} must be a hex string, not {type(value).__name__}")
+    if len(value) % 2 or not set(value) <= _HEX:
+        raise EvidenceError(f"evidence field {key!r} is not lowercase hex of whole bytes")
+    return bytes.fromhex(value)
+
+
+def _refuse_duplicates(pairs: list[tuple[str, Any]]) -> dict[str, Any]:
+    out: dict[str, Any] = {}
+    for k, v in pairs:
+        if k in out:
+            raise EvidenceError(f"evidence JSON repeats the key {k!r}")
+        out[k] = v
+    return out
+
+
+@dataclass(frozen=True)
+class Evidence:
+    """One provider's evidence. Constructing it checks it is well formed (not that it is true)."""
+
+    provider: str
+    quote: bytes
+    dev_signature: bytes | None = None
+
+    def __post_init__(self) -> None:
+        from .tdx import parse_quote  # tdx builds Evidence too; import here to avoid a cycle
+
+        if self.provider not in PROVIDERS:
+            raise EvidenceError(f"unknown evidence provider {self.provider!r}; known: {PROVIDERS}")
+        if not isinstance(self.quote, (bytes, bytearray)):
+            raise EvidenceError(f"evidence quote must be bytes, not {type(self.quote).__name__}")
+        object.__setattr__(self, "quote", bytes(self.quote))
+        quote = parse_quote(self.quote)  # raises TdxQuoteError (an EvidenceError) by field
+        if self.provider == "dev":
+            sig = self.dev_signature
+            if not isinstance(sig, (bytes, bytearray)) or len(sig) != DEV_SIGNATURE_SIZE:
+                got = "none" if sig is None else (
+                    f"{len(sig)} bytes" if isinstance(sig, (bytes, bytearray)) else type(sig).__name__
+                )
+                raise EvidenceError(
+                    f"dev evidence needs a {DEV_SIGNATURE_SIZE}-byte dev_signature, got {got}"
+                )
+            object.__setattr__(self, "dev_signature", bytes(sig))
+            if quote.qe_vendor_id != DEV_QE_VENDOR_ID:
+                raise EvidenceError(
+                    "dev evidence: QE vendor id at offset 12 is "
+                    f"{quote.qe_vendor_id.hex()}, expected the dev marker {DEV_QE_VENDOR_ID.hex()}"
+                )
+        else:
+            if self.dev_signature is not None:
+                raise EvidenceError("tdx evidence must not carry a dev_signature")
+            if quote.qe_vendor_id == DEV_QE_VENDOR_ID:
+                raise EvidenceError(
+                    "evidence labelled 'tdx' carries a dev-provider quote (QE vendor id "
+                    f"{DEV_QE_VENDOR_ID!r}); dev quotes prove nothing and must say so"
+                )
+
+    def to_bytes(self) -> bytes:
+        """The canonical byte form (module docstring); its sha256 is the on-chain evidenceDigest."""
+        obj: dict[str, Any] = {"schema": SCHEMA, "provider": self.provider, "quote": self.quote.hex()}
+        if self.dev_signature is not None:
+            obj["dev_signature"] = self.dev_signature.hex()
+        return canonical_json(obj)
+
+    @classmethod
+    def from_bytes(cls, data: bytes) -> Evidence:
+        """Parse untrusted bytes; refuse anything that is not exactly the canonical form."""
+        if not isinstance(data, (bytes, bytearray, memoryview)):
+            raise EvidenceError(f"evidence must be bytes, not {type(data).__name__}")
+        data = bytes(data)
+        if len(data) > MAX_EVIDENCE_BYTES:
+            raise EvidenceError(f"evidence is {len(data)} bytes, more than {MAX_EVIDENCE_BYTES}")
+        try:
+            text = data.decode("utf-8")
+            obj = json.loads(text, object_pairs_hook=_refuse_duplicates)
+        except EvidenceError:
+            raise
+        except (UnicodeDecodeError, ValueError) as exc:
+            raise EvidenceError(f"evidence is not JSON: {exc}") from None
+        if not isinstance(obj, dict):
+            raise EvidenceError(f"evidence must be a JSON object, not {type(obj).__name__}")
+        if obj.get("schema") != SCHEMA:
+            raise EvidenceError(f"evidence schema is {obj.get('schema')!r}, expected {SCHEMA!r}")
+        provider = obj.get("provider")
+        if provider not in PROVIDERS:
+            raise EvidenceError(f"unknown evidence provider {provider!r}; known: {PROVIDERS}")
+        expected = {"schema", "provider", "quote"} | ({"dev_signature"} if provider == "dev" else set())
+        if set(obj) != expected:
+            missing = sorted(expected - set(obj))
+            extra = sorted(set(obj) - expected)
+            raise EvidenceError(
+                f"{provider} evidence has the wrong keys (missing {missing}, unexpected {extra})"
+            )
+        evidence = cls(
+            provider=provider,
+            quote=_hex_field(obj, "quote"),
+            dev_signature=_hex_field(obj, "dev_signature") if provider == "dev" else None,
+        )
+        if evidence.to_bytes() != data:
+            raise EvidenceError(
+                "evidence is not in canonical form (sorted keys, no whitespace, lowercase hex); "
+                "its digest would not match the one recorded"
+            )
+        return evidence
+
+    def digest(self) -> bytes:
+        """sha256 of `to_bytes()`: the evidenceDigest that WorkerRegistry records."""
+        return hashlib.sha256(self.to_bytes()).digest()
+
+    def cid(self) -> CID:
+        """The RAW CID under which the store keeps `to_bytes()`."""
+        return CID.of(self.to_bytes(), Codec.RAW)
+
+    def __repr__(self) -> str:
+        note = ", PROVES NOTHING" if self.provider == "dev" else ""
+        return f"Evidence(provider={self.provider!r}, quote={len(self.quote)} bytes{note})"
+
+
+@dataclass(frozen=True)
+class VerifiedEvidence:
+    """The result of verification that passed.
+
+    measurement   32 bytes, the value an allowlist holds: sha256(MRTD||RTMR0..3) for tdx, the code
+                  measurement (REPORTDATA[32:64]) for dev
+    report_data   the 64 bytes of REPORTDATA, equal to what the verifier expected
+    debug         the TD's DEBUG attribute (only ever True when the policy allowed it)
+    proves_nothing  True for dev evidence, and for tdx evidence whose signature chain was not
+                  checked (no dcap-qvl or no collateral, and the policy did not require it)
+    details       hex strings of the quote's fields (mrtd, rtmr0..3, ...), plus "dev_root" for dev
+                  and "tcb_status" when DCAP verification ran
+    warnings      what a reader should know about how much this proves
+    """
+
+    provider: str
+    measurement: bytes
+    report_data: bytes
+    debug: bool
+    proves_nothing: bool
+    details: dict[str, str] = field(default_factory=dict)
+    warnings: tuple[str, ...] = ()

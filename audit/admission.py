@@ -1,0 +1,171 @@
+"""From an on-chain admission to the evidence behind it (docs/trust.md "Admission").
+
+``WorkerAdmitted(worker, measurement, evidenceDigest)`` names, through ``evidenceDigest``, the
+admission record ``CID(JSON, evidenceDigest)`` in the store:
+
+    {"schema": "dilocox.admission/v1", "worker", "run_id", "nonce", "measurement", "provider",
+     "evidence": CID of the Evidence bytes (RAW)}
+
+``check_admission`` re-reads the record and the evidence, and verifies the evidence against the
+auditor's policy with the REPORTDATA the record implies:
+
+    REPORTDATA = report_data(worker, record.run_id, record.nonce, code measurement)
+
+The code measurement is the recorded measurement for dev evidence (for dev, the allowlisted
+measurement *is* the code measurement). For tdx the allowlisted measurement is
+sha256(MRTD‖RTMR0..3), so the code measurement is the one the quote itself claims in
+REPORTDATA[32:64], exactly as the coordinator checked it at admission; what binds it is the
+hardware measurement, which must equal the recorded and on-chain one.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+from attestation import (
+    Evidence,
+    EvidenceError,
+    Policy,
+    PolicyViolation,
+    checksum_address,
+    parse_quote,
+    report_data,
+    verify_evidence,
+)
+from storage_client import (
+    CID,
+    Codec,
+    CorruptObjectError,
+    InvalidCIDError,
+    MissingObjectError,
+    ObjectStore,
+    StoreError,
+)
+
+ADMISSION_SCHEMA = "dilocox.admission/v1"
+_RECORD_KEYS = {"schema", "worker", "run_id", "nonce", "measurement", "provider", "evidence"}
+
+
+def admission_record_cid(evidence_digest: bytes) -> CID:
+    """The store object an on-chain ``evidenceDigest`` names."""
+    return CID(Codec.JSON, evidence_digest)
+
+
+@dataclass
+class AdmissionCheck:
+    """What checking one admission found: failures as (object, check, message), and notes."""
+
+    record: str
+    failures: list[tuple[str, str, str]] = field(default_factory=list)
+    warnings: list[str] = field(default_factory=list)
+    provider: str | None = None
+    proves_nothing: bool = False
+
+    @property
+    def ok(self) -> bool:
+        return not self.failures
+
+    def fail(self, obj: str, check: str, message: str) -> None:
+        self.failures.append((obj, check, message))
+
+
+def _hex32(obj: dict[str, Any], key: str) -> bytes:
+    value = obj.get(key)
+    if not isinstance(value, str) or not value.startswith("0x") or len(value) != 66:
+        raise ValueError(f"field {key!r} must be 0x followed by 64 hex digits, got {value!r}")
+    return bytes.fromhex(value[2:])
+
+
+def check_admission(store: ObjectStore, *, worker: str, measurement: bytes, evidence_digest: bytes,
+                    run_id: bytes, policy: Policy) -> AdmissionCheck:
+    """Check one ``WorkerAdmitted`` event's record and evidence; never raises for bad data."""
+    record_cid = admission_record_cid(evidence_digest)
+    result = AdmissionCheck(record=str(record_cid))
+    obj_name = str(record_cid)
+    try:
+        record = store.get_json(record_cid)
+    except MissingObjectError:
+        result.fail(obj_name, "admission-record",
+                    f"the admission record of {worker} (evidenceDigest 0x{evidence_digest.hex()}) is not in the store")
+        return result
+    except CorruptObjectError as exc:
+        result.fail(obj_name, "admission-record", f"the admission record of {worker} is corrupt: {exc}")
+        return result
+    except StoreError as exc:
+        result.fail(obj_name, "admission-record", f"the admission record of {worker} is unreadable: {exc}")
+        return result
+
+    if not isinstance(record, dict) or set(record) != _RECORD_KEYS:
+        keys = sorted(record) if isinstance(record, dict) else type(record).__name__
+        result.fail(obj_name, "admission-record",
+                    f"not an admission record: keys {keys}, expected {sorted(_RECORD_KEYS)}")
+        return result
+    if record["schema"] != ADMISSION_SCHEMA:
+        result.fail(obj_name, "admission-record", f"schema is {record['schema']!r}, expected {ADMISSION_SCHEMA!r}")
+        return result
+    try:
+        named = checksum_address(record["worker"])
+        record_run = _hex32(record, "run_id")
+        nonce = _hex32(record, "nonce")
+        recorded_measurement = _hex32(record, "measurement")
+        evidence_cid = CID.parse(record["evidence"])
+    except (ValueError, TypeError, InvalidCIDError) as exc:
+        result.fail(obj_name, "admission-record", f"malformed admission record: {exc}")
+        return result
+    if named != worker:
+        result.fail(obj_name, "admission-record",
+                    f"the record names worker {named}, but the chain admitted {worker} with it")
+    if recorded_measurement != measurement:
+        result.fail(obj_name, "admission-record",
+                    f"the record says measurement 0x{recorded_measurement.hex()}, the chain "
+                    f"0x{measurement.hex()}")
+    if record_run != run_id:
+        result.warnings.append(
+            f"worker {worker} was admitted with evidence for run 0x{record_run.hex()}, not the audited run "
+            f"0x{run_id.hex()} (its key was active already; the registry is shared between runs)")
+    if evidence_cid.codec != Codec.RAW:
+        result.fail(obj_name, "admission-record", f"evidence CID {evidence_cid} is not a RAW object")
+        return result
+
+    try:
+        evidence_bytes = store.get(evidence_cid)
+    except MissingObjectError:
+        result.fail(str(evidence_cid), "evidence", f"the evidence of {worker} is not in the store")
+        return result
+    except CorruptObjectError as exc:
+        result.fail(str(evidence_cid), "evidence", f"the evidence of {worker} is corrupt: {exc}")
+        return result
+    try:
+        evidence = Evidence.from_bytes(evidence_bytes)
+    except EvidenceError as exc:
+        result.fail(str(evidence_cid), "evidence", f"the evidence of {worker} is malformed: {exc}")
+        return result
+    result.provider = evidence.provider
+    if record["provider"] != evidence.provider:
+        result.fail(obj_name, "admission-record",
+                    f"the record says provider {record['provider']!r}, the evidence is {evidence.provider!r}")
+    if evidence.provider == "dev":
+        code = recorded_measurement
+    else:
+        code = parse_quote(evidence.quote).report_data[32:64]
+    try:
+        verified = verify_evidence(evidence, expected_report_data=report_data(worker, record_run, nonce, code),
+                                   policy=policy)
+    except PolicyViolation as exc:
+        hint = " (pass --allow-dev to accept dev evidence, which proves nothing)" if exc.check == "provider" else ""
+        result.fail(str(evidence_cid), "evidence", f"evidence of {worker} refused by the policy: {exc}{hint}")
+        return result
+    except (ValueError, EvidenceError) as exc:
+        result.fail(str(evidence_cid), "evidence", f"evidence of {worker} cannot be verified: {exc}")
+        return result
+    if verified.measurement != measurement:
+        result.fail(str(evidence_cid), "evidence",
+                    f"the evidence measures 0x{verified.measurement.hex()}, but {worker} was admitted with "
+                    f"0x{measurement.hex()}")
+    result.proves_nothing = verified.proves_nothing
+    if evidence.provider == "dev":
+        result.warnings.append(f"worker {worker} was admitted on DEV evidence, which PROVES NOTHING")
+    else:
+        result.warnings.extend(f"worker {worker}: {w}" for w in verified.warnings)
+    return result

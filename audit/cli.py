@@ -1,0 +1,208 @@
+"""``dilocox audit --run DIR``: audit a run directory's store against its ledger.
+
+Reads ``DIR/store`` and ``DIR/chain/deployment.json`` and nothing else of the run directory (not
+HEAD, not rounds.jsonl, not the outbox). Without ``--rpc`` it starts a local anvil from a *copy* of
+``DIR/chain/state.json`` (so the run directory is left untouched), audits, and stops it. With
+``--allow-dev`` the development root in ``DIR/dev-root/dev-root.address`` (and any ``--dev-root``)
+is trusted, and dev evidence is accepted, loudly, as proving nothing.
+
+Exit status: 0 when every check passed, 1 when any failed, 2 when the audit could not run (no
+deployment file, no chain).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shutil
+import tempfile
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+from .result import AuditResult
+
+if TYPE_CHECKING:  # the heavy imports (torch, web3) wait until an audit actually runs
+    from rich.console import Console
+
+    from attestation import Policy
+    from settlement import Deployment
+    from storage_client import ObjectStore
+
+EXIT_OK, EXIT_FAILED, EXIT_ERROR = 0, 1, 2
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--run", required=True, metavar="DIR", help="run directory (its store/ and chain/)")
+    parser.add_argument("--rpc", metavar="URL",
+                        help="chain RPC; default: a local anvil started from DIR/chain/state.json")
+    parser.add_argument("--json", metavar="FILE", help="also write the result as JSON to FILE")
+    parser.add_argument("--allow-dev", action="store_true",
+                        help="accept dev attestation evidence, which PROVES NOTHING (trusting DIR/dev-root)")
+    parser.add_argument("--dev-root", action="append", default=[], metavar="ADDRESS",
+                        help="another trusted dev root address (with --allow-dev; repeatable)")
+    parser.add_argument("--no-rederive", action="store_true",
+                        help="skip recomputing each round's checkpoint from the stored updates")
+    parser.add_argument("--run-id", metavar="HEX",
+                        help="the run to audit (0x + 64 hex); default: the ledger's run whose genesis is in the store")
+
+
+def run(args: argparse.Namespace) -> int:
+    from rich.console import Console
+
+    run_id = None
+    if args.run_id:
+        text = args.run_id.removeprefix("0x")
+        try:
+            run_id = bytes.fromhex(text)
+        except ValueError:
+            run_id = b""
+        if len(run_id) != 32:
+            Console(stderr=True).print(f"[red]--run-id must be 0x followed by 64 hex digits, got {args.run_id!r}[/]")
+            return EXIT_ERROR
+    return audit_run_dir(Path(args.run), rpc_url=args.rpc, allow_dev=args.allow_dev, rederive=not args.no_rederive,
+                         json_path=Path(args.json) if args.json else None, run_id=run_id,
+                         dev_roots=tuple(args.dev_root))
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="dilocox audit", description=__doc__,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    add_arguments(parser)
+    return run(parser.parse_args(argv))
+
+
+def policy_for(run_dir: Path, allow_dev: bool, dev_roots: tuple[str, ...] = ()) -> tuple[Policy, list[str]]:
+    """The auditor's policy, and notes on how it was chosen."""
+    from attestation import Policy, checksum_address
+    from attestation.dev import ROOT_ADDRESS_FILE
+
+    if not allow_dev:
+        return Policy(), []
+    roots = [checksum_address(a) for a in dev_roots]
+    notes = []
+    address_file = run_dir / "dev-root" / ROOT_ADDRESS_FILE
+    try:
+        roots.append(checksum_address(address_file.read_text().strip()))
+    except FileNotFoundError:
+        notes.append(f"--allow-dev: {address_file} does not exist, so no dev root is trusted from the run directory")
+    except ValueError as exc:
+        notes.append(f"--allow-dev: {address_file} holds no address ({exc})")
+    return Policy.development(*roots), notes
+
+
+def audit_run_dir(run_dir: Path, *, rpc_url: str | None = None, allow_dev: bool = False, rederive: bool = True,
+                  json_path: Path | None = None, run_id: bytes | None = None, dev_roots: tuple[str, ...] = (),
+                  console: Console | None = None) -> int:
+    """Audit ``run_dir`` and print the table and verdict; returns the exit status."""
+    from rich.console import Console
+    from rich.markup import escape
+
+    from settlement import Anvil, AnvilError, ChainError, Deployment, DeploymentError
+    from storage_client import ObjectStore, write_atomic
+
+    console = console or Console()
+    run_dir = Path(run_dir)
+    try:
+        deployment = Deployment.load(run_dir / "chain" / "deployment.json")
+    except DeploymentError as exc:
+        console.print(f"[bold red]cannot audit[/]: {escape(str(exc))}")
+        return EXIT_ERROR
+    if not (run_dir / "store").is_dir():
+        console.print(f"[bold red]cannot audit[/]: {run_dir / 'store'} is not a directory")
+        return EXIT_ERROR
+    try:
+        policy, notes = policy_for(run_dir, allow_dev, dev_roots)
+    except ValueError as exc:
+        console.print(f"[bold red]cannot audit[/]: bad dev root address: {escape(str(exc))}")
+        return EXIT_ERROR
+    for note in notes:
+        console.print(f"[yellow]{escape(note)}[/]")
+
+    store = ObjectStore(run_dir / "store")
+    try:
+        if rpc_url is not None:
+            result = _audit_on(rpc_url, store, deployment, run_id, policy, rederive)
+        else:
+            state = run_dir / "chain" / "state.json"
+            if not state.is_file():
+                console.print(f"[bold red]cannot audit[/]: no --rpc given and no chain state at {state}")
+                return EXIT_ERROR
+            with tempfile.TemporaryDirectory(prefix="dilocox-audit-") as tmp:
+                copy = Path(tmp) / "state.json"
+                shutil.copyfile(state, copy)  # anvil re-dumps its state file; keep the run's own intact
+                with Anvil(state_file=copy, chain_id=deployment.chain_id) as anvil:
+                    console.print(f"local chain {anvil.rpc_url} restored from {state}")
+                    result = _audit_on(anvil.rpc_url, store, deployment, run_id, policy, rederive)
+    except (ChainError, AnvilError) as exc:
+        console.print(f"[bold red]cannot audit[/]: {escape(str(exc))}")
+        return EXIT_ERROR
+
+    render(result, console)
+    if json_path is not None:
+        write_atomic(json_path, (json.dumps(result.to_json(), indent=2) + "\n").encode())
+        console.print(f"result written to {json_path}")
+    return EXIT_OK if result.ok else EXIT_FAILED
+
+
+def _audit_on(rpc_url: str, store: ObjectStore, deployment: Deployment, run_id: bytes | None, policy: Policy,
+              rederive: bool) -> AuditResult:
+    from settlement import Chain, ChainError, Ledger, Registry
+
+    from .core import run_audit
+
+    # A throwaway key: Chain needs an account, and the audit never sends a transaction.
+    chain = Chain(rpc_url, os.urandom(32))
+    if chain.chain_id != deployment.chain_id:
+        raise ChainError(f"{rpc_url} is chain {chain.chain_id}, but the deployment is on chain {deployment.chain_id}")
+    ledger = Ledger(chain, deployment.ledger, from_block=deployment.deployed_block)
+    registry = Registry(chain, deployment.registry, from_block=deployment.deployed_block)
+    return run_audit(store, ledger, registry, run_id=run_id, policy=policy, rederive=rederive)
+
+
+def _short(text: str | None, head: int = 10, tail: int = 6) -> str:
+    if not text:
+        return "—"
+    return text if len(text) <= head + tail + 1 else f"{text[:head]}…{text[len(text) - tail:]}"
+
+
+def render(result: AuditResult, console: Console) -> None:
+    """The per-round table, failures, warnings and the verdict."""
+    from rich import box
+    from rich.markup import escape
+    from rich.table import Table
+
+    table = Table(title=f"lineage audit of run {_short(_hex(result.run_id), 12, 8)}", box=box.SIMPLE_HEAD,
+                  pad_edge=False)
+    for column, justify in (("round", "right"), ("manifest", "left"), ("checkpoint", "left"),
+                            ("workers", "right"), ("reports", "right"), ("eval loss", "right"),
+                            ("status", "left")):
+        table.add_column(column, justify=justify, no_wrap=True)  # type: ignore[arg-type]
+    for row in result.rounds:
+        status = "[green]ok[/]" if row.status == "ok" else "[bold red]FAIL[/]"
+        table.add_row(
+            str(row.round), "—" if not row.manifest else "…" + row.manifest[-12:], _short(row.checkpoint, 12, 0),
+            "—" if row.participants is None else str(row.participants), str(row.reports),
+            "—" if row.eval_loss is None else f"{row.eval_loss:.4f}", status,
+        )
+    console.print(table)
+    for warning in result.warnings:
+        console.print(f"[bold yellow]warning[/]: {escape(warning)}")
+    for failure in result.failures:
+        console.print(f"[bold red]FAIL[/] {escape(str(failure))}")
+    recorded = sum(1 for r in result.rounds if r.round > 0)
+    how = "re-derived from the stored updates" if result.rederived else "not re-derived (--no-rederive)"
+    if result.ok:
+        console.print(f"[bold green]AUDIT PASSED[/]: genesis and {recorded} recorded round(s) verified from the "
+                      f"ledger and the store; checkpoints {how}")
+    else:
+        console.print(f"[bold red]AUDIT FAILED[/]: {len(result.failures)} check(s) failed over genesis and "
+                      f"{recorded} recorded round(s)")
+
+
+def _hex(b: bytes | None) -> str | None:
+    return None if b is None else "0x" + b.hex()
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,527 @@
+"""``run_audit``: re-verify a run's lineage from the ledger and the store, and nothing else.
+
+Nothing the coordinator keeps for itself (HEAD, rounds.jsonl, its outbox) is read: every starting
+point is on chain, and every object is re-hashed from the store. Each failed check becomes a
+``Failure(round, object, check, message)``; the audit goes on after a failure, so one run shows
+every problem at once.
+
+Checks, by name:
+
+  run                   the ledger knows the run (found by id, or the one run whose genesis is here)
+  registry              the ledger consults the registry being audited
+  run-id                runId is the digest of the genesis manifest (docs/trust.md)
+  object                a named object is in the store and re-hashes to its CID
+  manifest              a manifest parses (schema, fields, sorted participants)
+  genesis               the genesis manifest is round 0 without a parent
+  genesis-checkpoint    the chain's genesis checkpoint is the sha256 of θ⁽⁰⁾'s bytes
+  config                the chain's configDigest is the config's CID; every round names that config
+                        and the genesis run id; the config parses
+  rounds                the ledger's rounds are 1..lastRound, each once, in order
+  ledger                the ledger's round views agree with its RoundRecorded events, and the
+                        recording transactions can be decoded
+  manifest-round        manifest.round is the round it was recorded as
+  parent                manifest.parent is the CID of the previous round's (recorded) manifest
+  checkpoint            the round's on-chain checkpoint is the sha256 of the manifest's params
+  parent-checkpoint     the round's on-chain parent is the previous round's params digest
+  rederive              Δ = mean of the stored updates, outer_step from the parent's stored params
+                        and momentum: the bytes hash to the manifest's params and outer_state (and
+                        genesis momentum is zero)
+  report-count          the recording call carried as many reports as the event says
+  report-signature      the EIP-712 signature recovers to report.worker (this chain, this ledger)
+  report-binding        report runId / round / parentCheckpoint / checkpoint are the round's
+  report-participant    report.updateDigest is the update CID of one manifest participant
+  report-duplicate      one report per worker, one per participant
+  report-fields         trainLossE6, tokens, innerSteps, bytesSent equal the participant entry
+  report-eval-loss      evalLossE6 equals the manifest's eval_loss_e6
+  admitted              the signer has a WorkerAdmitted event at or before the recording block
+  revoked               ... and no WorkerRevoked event at or before it
+  measurement-allowed   its admitted measurement was allowlisted as of the recording block
+  admission-record      the admission record (CID(JSON, evidenceDigest)) exists, re-hashes and
+                        names the worker and the measurement
+  evidence              the evidence exists, re-hashes and passes attestation.verify_evidence with
+                        the REPORTDATA the record implies, under the auditor's policy
+  tally                 ledger.contribution_of(run, worker) equals the reports' tokens and rounds
+
+"As of the recording block" is the state after that whole block, rebuilt from the registry's
+events (WorkerAdmitted, WorkerRevoked, MeasurementSet), never from the registry's current views: a
+worker revoked after a round was recorded does not spoil that round, and a key revoked in the
+same block as the recording counts as revoked. Historical ``eth_call`` is not used because a chain
+restored from an anvil state file has no history of state, only of blocks and logs.
+
+Participants without a report on the ledger are warnings, not failures: the coordinator may record
+a round once a timeout passes without every report (docs/trust.md); their updates still count in
+the re-derivation.
+"""
+
+from __future__ import annotations
+
+import hashlib
+from collections import defaultdict
+from dataclasses import dataclass
+from typing import Any
+
+from attestation import DEV_WARNING, Policy, ReportError, SignedReport, checksum_address
+from attestation.report import Domain
+from settlement import ChainError, Ledger, Registry, registry_artifact
+from storage_client import (
+    CID,
+    Codec,
+    CorruptObjectError,
+    InvalidCIDError,
+    Manifest,
+    ManifestError,
+    MissingObjectError,
+    ObjectStore,
+    StoreError,
+    from_e6,
+)
+from trainer.config import ConfigError, RunConfig
+
+from .admission import AdmissionCheck, check_admission
+from .rederive import RederiveError, genesis_outer_state, rederive
+from .result import AuditResult, Failure, RoundRow
+
+
+def _hex(b: bytes | None) -> str | None:
+    return None if b is None else "0x" + b.hex()
+
+
+def _digest(cid_text: str) -> bytes:
+    return CID.parse(cid_text).digest
+
+
+@dataclass
+class _Loaded:
+    """A round whose manifest could be read: what the next round needs of it."""
+
+    cid: CID
+    manifest: Manifest
+    params: bytes | None  # stored bytes, when present and intact
+    outer_state: bytes | None
+
+
+class _Audit:
+    def __init__(self, store: ObjectStore, ledger: Ledger, registry: Registry, policy: Policy,
+                 rederive: bool) -> None:
+        self.store = store
+        self.ledger = ledger
+        self.registry = registry
+        self.policy = policy
+        self.rederive = rederive
+        self.result = AuditResult(rederived=rederive)
+        self.domain: Domain | None = None
+        self.config: RunConfig | None = None
+        self._admission_checks: dict[tuple[str, bytes], tuple[int, AdmissionCheck]] = {}
+        self._warned: set[str] = set()
+
+    # -- bookkeeping --------------------------------------------------------------------------------
+
+    def fail(self, round_: int | None, obj: str, check: str, message: str) -> None:
+        self.result.failures.append(Failure(round_, obj, check, message))
+
+    def warn(self, message: str) -> None:
+        if message not in self._warned:
+            self._warned.add(message)
+            self.result.warnings.append(message)
+
+    def get(self, round_: int, cid: CID | str, what: str) -> bytes | None:
+        """The object's bytes, or None after recording why (missing, corrupt)."""
+        try:
+            return self.store.get(cid)
+        except MissingObjectError:
+            self.fail(round_, str(cid), "object", f"{what} is missing from the store")
+        except CorruptObjectError as exc:
+            self.fail(round_, str(cid), "object",
+                      f"{what} does not re-hash to its CID: expected sha256 {exc.expected}, got {exc.actual}")
+        except (StoreError, InvalidCIDError, ValueError) as exc:
+            self.fail(round_, str(cid), "object", f"{what} cannot be read: {exc}")
+        return None
+
+    def load_manifest(self, round_: int, cid: CID) -> Manifest | None:
+        try:
+            return Manifest.from_json(self.store.get_json(cid))
+        except MissingObjectError:
+            self.fail(round_, str(cid), "object", f"the manifest of round {round_} is missing from the store")
+        except CorruptObjectError as exc:
+            self.fail(round_, str(cid), "object", f"the manifest of round {round_} does not re-hash to its CID: "
+                                                  f"expected sha256 {exc.expected}, got {exc.actual}")
+        except (StoreError, ManifestError) as exc:
+            self.fail(round_, str(cid), "manifest", f"the manifest of round {round_} is not a valid manifest: {exc}")
+        return None
+
+    # -- the run ------------------------------------------------------------------------------------
+
+    def resolve_run(self, run_id: bytes | None) -> tuple[bytes, dict[str, Any]] | None:
+        if run_id is not None:
+            run = self.ledger.run_of(run_id)
+            if run is None:
+                self.fail(None, "0x" + run_id.hex(), "run",
+                          f"the ledger {self.ledger.address} has no run 0x{run_id.hex()}")
+                return None
+            return run_id, run
+        created = self.ledger.runs_created()
+        if not created:
+            self.fail(None, self.ledger.address, "run", "the ledger holds no run")
+            return None
+        here = [e for e in created if self.store.has(CID(Codec.JSON, e["genesisManifest"]))]
+        candidates = here if here else created
+        ids = sorted({bytes(e["runId"]) for e in candidates})
+        if len(ids) != 1:
+            listing = ", ".join("0x" + i.hex() for i in ids)
+            self.fail(None, self.ledger.address, "run",
+                      f"the ledger holds {len(ids)} runs whose genesis is {'in this store' if here else 'anywhere'} "
+                      f"({listing}); name the one to audit")
+            return None
+        run = self.ledger.run_of(ids[0])
+        if run is None:
+            self.fail(None, "0x" + ids[0].hex(), "run", "RunCreated was emitted but runOf does not know the run")
+            return None
+        return ids[0], run
+
+    def check_genesis(self, run_id: bytes, run: dict[str, Any]) -> _Loaded | None:
+        genesis_cid = CID(Codec.JSON, run["genesisManifest"])
+        row = RoundRow(round=0, manifest=str(genesis_cid), checkpoint=_hex(run["genesisCheckpoint"]),
+                       participants=0, reports=0, eval_loss=None)
+        self.result.rounds.append(row)
+        if run_id != run["genesisManifest"]:
+            self.fail(0, str(genesis_cid), "run-id",
+                      f"runId 0x{run_id.hex()} is not the genesis manifest's digest 0x{run['genesisManifest'].hex()}")
+        manifest = self.load_manifest(0, genesis_cid)
+        if manifest is None:
+            return None
+        row.eval_loss = from_e6(manifest.eval_loss_e6)
+        if manifest.round != 0 or manifest.parent is not None or manifest.participants:
+            self.fail(0, str(genesis_cid), "genesis",
+                      f"the genesis manifest must be round 0 with no parent and no participants; it is round "
+                      f"{manifest.round}, parent {manifest.parent}, {len(manifest.participants)} participant(s)")
+        params = self.get(0, manifest.params, "θ⁽⁰⁾ (genesis params)")
+        outer = self.get(0, manifest.outer_state, "the genesis outer state")
+        config_bytes = self.get(0, manifest.config, "the run config")
+        if _digest(manifest.params) != run["genesisCheckpoint"]:
+            self.fail(0, manifest.params, "genesis-checkpoint",
+                      f"the chain's genesis checkpoint 0x{run['genesisCheckpoint'].hex()} is not the digest of "
+                      f"the genesis params {manifest.params}")
+        if _digest(manifest.config) != run["configDigest"]:
+            self.fail(0, manifest.config, "config",
+                      f"the chain's configDigest 0x{run['configDigest'].hex()} is not the genesis config "
+                      f"{manifest.config}")
+        if config_bytes is not None:
+            try:
+                self.config = RunConfig.from_json(self.store.get_json(manifest.config))
+            except (StoreError, ConfigError, ValueError) as exc:
+                self.fail(0, manifest.config, "config", f"the run config does not parse: {exc}")
+        if self.rederive and params is not None and outer is not None:
+            try:
+                expected = genesis_outer_state(params)
+            except RederiveError as exc:
+                self.fail(0, manifest.params, "rederive", str(exc))
+            else:
+                if hashlib.sha256(expected).digest() != _digest(manifest.outer_state):
+                    self.fail(0, manifest.outer_state, "rederive",
+                              "the genesis outer state is not zero momentum for every parameter")
+        return _Loaded(genesis_cid, manifest, params, outer)
+
+    # -- rounds -------------------------------------------------------------------------------------
+
+    def check_round(self, run_id: bytes, record: dict[str, Any], parent: _Loaded | None,
+                    genesis: _Loaded | None, parent_checkpoint: bytes) -> _Loaded | None:
+        r = int(record["round"])
+        cid = CID(Codec.JSON, record["manifestDigest"])
+        reports: list[SignedReport] = record.get("reports", [])
+        row = RoundRow(round=r, manifest=str(cid), checkpoint=_hex(record["checkpoint"]), participants=None,
+                       reports=len(reports), eval_loss=None)
+        self.result.rounds.append(row)
+
+        if record.get("parentCheckpoint") != parent_checkpoint:
+            self.fail(r, f"round {r} on chain", "parent-checkpoint",
+                      f"the ledger recorded parent 0x{record.get('parentCheckpoint', b'').hex()}, but the previous "
+                      f"round's checkpoint on chain is 0x{parent_checkpoint.hex()}")
+        if int(record["reportCount"]) != len(reports):
+            self.fail(r, f"round {r} on chain", "report-count",
+                      f"RoundRecorded says {record['reportCount']} report(s), the recording call carried "
+                      f"{len(reports)}")
+        stored = self.ledger.round_of(run_id, r)
+        if (stored["checkpoint"], stored["manifestDigest"]) != (record["checkpoint"], record["manifestDigest"]):
+            self.fail(r, f"round {r} on chain", "ledger",
+                      "the ledger's roundOf view disagrees with its RoundRecorded event (the round was overwritten)")
+
+        manifest = self.load_manifest(r, cid)
+        if manifest is None:
+            self.check_reports(run_id, r, record, None, parent)
+            return None
+        row.participants = len(manifest.participants)
+        row.eval_loss = from_e6(manifest.eval_loss_e6)
+
+        if manifest.round != r:
+            self.fail(r, str(cid), "manifest-round", f"the manifest recorded as round {r} says round {manifest.round}")
+        if parent is not None and manifest.parent != str(parent.cid):
+            self.fail(r, str(cid), "parent",
+                      f"the manifest names parent {manifest.parent}, but round {r - 1}'s manifest on chain is "
+                      f"{parent.cid}")
+        elif parent is None:
+            self.fail(r, str(cid), "parent", f"round {r - 1}'s manifest cannot be read, so this round's parent "
+                                             "link cannot be followed")
+        if genesis is not None:
+            if manifest.config != genesis.manifest.config:
+                self.fail(r, str(cid), "config",
+                          f"the manifest names config {manifest.config}, the run's is {genesis.manifest.config}")
+            if manifest.run_id != genesis.manifest.run_id:
+                self.fail(r, str(cid), "config",
+                          f"the manifest names run {manifest.run_id!r}, the genesis {genesis.manifest.run_id!r}")
+
+        params = self.get(r, manifest.params, f"θ⁽{r}⁾ (params of round {r})")
+        outer = self.get(r, manifest.outer_state, f"the outer state of round {r}")
+        self.get(r, manifest.config, "the run config")
+        updates: dict[str, bytes] = {}
+        for p in manifest.participants:
+            data = self.get(r, p.update, f"the update of participant {p.worker}")
+            if data is not None:
+                updates[p.worker] = data
+
+        if _digest(manifest.params) != record["checkpoint"]:
+            self.fail(r, manifest.params, "checkpoint",
+                      f"the chain's checkpoint 0x{record['checkpoint'].hex()} is not the digest of the manifest's "
+                      f"params {manifest.params}")
+        if parent is not None and _digest(parent.manifest.params) != record.get("parentCheckpoint"):
+            self.fail(r, parent.manifest.params, "parent-checkpoint",
+                      f"the chain's parent checkpoint 0x{record.get('parentCheckpoint', b'').hex()} is not the "
+                      f"digest of round {r - 1}'s params {parent.manifest.params}")
+
+        if self.rederive:
+            self.check_rederive(r, manifest, parent, updates)
+        self.check_reports(run_id, r, record, manifest, parent)
+        return _Loaded(cid, manifest, params, outer)
+
+    def check_rederive(self, r: int, manifest: Manifest, parent: _Loaded | None, updates: dict[str, bytes]) -> None:
+        if self.config is None or parent is None or parent.params is None or parent.outer_state is None \
+                or len(updates) != len(manifest.participants):
+            self.fail(r, str(manifest.params), "rederive",
+                      "cannot re-derive the round: the config, the parent's params or outer state, or an update "
+                      "is unavailable (see the failures above)")
+            return
+        try:
+            derived = rederive(self.config.outer, parent.params, parent.outer_state, updates)
+        except RederiveError as exc:
+            self.fail(r, str(manifest.params), "rederive", str(exc))
+            return
+        if derived.params_digest != _digest(manifest.params):
+            self.fail(r, manifest.params, "rederive",
+                      f"mean of the {len(updates)} stored update(s) + outer step from round {r - 1} gives params "
+                      f"sha256 {derived.params_digest.hex()}, the manifest names {manifest.params}")
+        if derived.outer_state_digest != _digest(manifest.outer_state):
+            self.fail(r, manifest.outer_state, "rederive",
+                      f"the re-derived outer state hashes to {derived.outer_state_digest.hex()}, the manifest "
+                      f"names {manifest.outer_state}")
+
+    # -- reports ------------------------------------------------------------------------------------
+
+    def check_reports(self, run_id: bytes, r: int, record: dict[str, Any], manifest: Manifest | None,
+                      parent: _Loaded | None) -> None:
+        assert self.domain is not None
+        block = int(record["block"])
+        by_update = {} if manifest is None else {_digest(p.update): p for p in manifest.participants}
+        matched: dict[str, str] = {}  # participant worker id -> report label
+        signers: dict[str, str] = {}
+        for i, signed in enumerate(record.get("reports", [])):
+            rep = signed.report
+            label = f"report[{i}] {rep.worker}"
+            signature_ok = True
+            try:
+                signed.verify(self.domain)
+            except ReportError as exc:
+                signature_ok = False
+                self.fail(r, label, "report-signature", str(exc))
+            wrong = []
+            if rep.run_id != run_id:
+                wrong.append(f"runId 0x{rep.run_id.hex()}")
+            if rep.round != r:
+                wrong.append(f"round {rep.round}")
+            if rep.parent_checkpoint != record.get("parentCheckpoint"):
+                wrong.append(f"parentCheckpoint 0x{rep.parent_checkpoint.hex()}")
+            elif parent is not None and rep.parent_checkpoint != _digest(parent.manifest.params):
+                wrong.append(f"parentCheckpoint 0x{rep.parent_checkpoint.hex()} (not round {r - 1}'s params)")
+            if rep.checkpoint != record["checkpoint"]:
+                wrong.append(f"checkpoint 0x{rep.checkpoint.hex()}")
+            if wrong:
+                self.fail(r, label, "report-binding", "the report is not about this round: " + ", ".join(wrong))
+            if rep.worker in signers:
+                self.fail(r, label, "report-duplicate",
+                          f"{rep.worker} already reported this round ({signers[rep.worker]})")
+            signers.setdefault(rep.worker, label)
+
+            if manifest is not None:
+                p = by_update.get(rep.update_digest)
+                if p is None:
+                    self.fail(r, label, "report-participant",
+                              f"updateDigest 0x{rep.update_digest.hex()} is not the update of any participant of "
+                              f"the manifest")
+                else:
+                    if p.worker in matched:
+                        self.fail(r, label, "report-duplicate",
+                                  f"participant {p.worker}'s update is already claimed by {matched[p.worker]}")
+                    matched.setdefault(p.worker, label)
+                    diffs = [f"{name} {got} (manifest {want})" for name, got, want in (
+                        ("trainLossE6", rep.train_loss_e6, p.train_loss_e6), ("tokens", rep.tokens, p.tokens),
+                        ("innerSteps", rep.inner_steps, p.inner_steps), ("bytesSent", rep.bytes_sent, p.bytes_sent),
+                    ) if got != want]
+                    if diffs:
+                        self.fail(r, label, "report-fields",
+                                  f"the report for participant {p.worker} differs from the manifest: "
+                                  + ", ".join(diffs))
+                if rep.eval_loss_e6 != manifest.eval_loss_e6:
+                    self.fail(r, label, "report-eval-loss",
+                              f"evalLossE6 {rep.eval_loss_e6}, the manifest says {manifest.eval_loss_e6}")
+            if signature_ok:
+                self.check_signer(run_id, r, label, rep.worker, block)
+
+        if manifest is not None:
+            for p in manifest.participants:
+                if p.worker not in matched:
+                    self.warn(f"round {r}: participant {p.worker} has no signed report on the ledger; its update "
+                              f"{p.update} counts in the round without a worker's signature")
+
+    def check_signer(self, run_id: bytes, r: int, label: str, worker: str, block: int) -> None:
+        admitted = [a for a in self.admissions.get(worker, []) if a["block"] <= block]
+        if not admitted:
+            later = self.admissions.get(worker, [])
+            when = f" (only later, at block {later[0]['block']})" if later else ""
+            self.fail(r, label, "admitted",
+                      f"{worker} was never admitted to registry {self.registry.address} before the round was "
+                      f"recorded at block {block}{when}")
+            return
+        admission = admitted[-1]
+        revoked = [v for v in self.revocations.get(worker, []) if v["block"] <= block]
+        if revoked:
+            self.fail(r, label, "revoked",
+                      f"{worker} was revoked at block {revoked[0]['block']}, and the round was recorded at block "
+                      f"{block}")
+        measurement = bytes(admission["measurement"])
+        if not self.measurement_allowed(measurement, block):
+            self.fail(r, label, "measurement-allowed",
+                      f"{worker}'s measurement 0x{measurement.hex()} was not allowlisted at block {block}")
+        key = (worker, bytes(admission["evidence_digest"]))
+        if key in self._admission_checks:
+            first, checked = self._admission_checks[key]
+            if not checked.ok:
+                self.fail(r, label, "admission", f"{worker}'s admission record or evidence did not verify "
+                                                 f"(see round {first})")
+            return
+        checked = check_admission(self.store, worker=worker, measurement=measurement,
+                                  evidence_digest=key[1], run_id=run_id, policy=self.policy)
+        self._admission_checks[key] = (r, checked)
+        for obj, check, message in checked.failures:
+            self.fail(r, obj, check, message)
+        for warning in checked.warnings:
+            self.warn(warning)
+
+    def measurement_allowed(self, measurement: bytes, block: int) -> bool:
+        allowed = False
+        for event in self.measurement_events:
+            if event["block"] > block:
+                break
+            if bytes(event["measurement"]) == measurement:
+                allowed = bool(event["allowed"])
+        return allowed
+
+    # -- the registry's history ----------------------------------------------------------------------
+
+    def read_registry(self) -> None:
+        self.admissions: dict[str, list[dict[str, Any]]] = defaultdict(list)
+        for e in self.registry.admissions():
+            self.admissions[checksum_address(e["worker"])].append(e)
+        self.revocations: dict[str, list[dict[str, Any]]] = defaultdict(list)
+        for e in self.registry.revocations():
+            self.revocations[checksum_address(e["worker"])].append(e)
+        contract = self.registry.chain.contract(self.registry.address, registry_artifact().abi)
+        logs = self.registry.chain.read(
+            lambda: contract.events.MeasurementSet.get_logs(from_block=self.registry.from_block), "MeasurementSet logs")
+        self.measurement_events = sorted(
+            ({"measurement": bytes(e["args"]["measurement"]), "allowed": bool(e["args"]["allowed"]),
+              "block": int(e["blockNumber"]), "log_index": int(e["logIndex"])} for e in logs),
+            key=lambda e: (e["block"], e["log_index"]))
+
+    # -- tallies ------------------------------------------------------------------------------------
+
+    def check_tallies(self, run_id: bytes, rounds: list[dict[str, Any]]) -> None:
+        tokens: dict[str, int] = defaultdict(int)
+        counted: dict[str, int] = defaultdict(int)
+        for record in rounds:
+            for signed in record.get("reports", []):
+                tokens[signed.report.worker] += signed.report.tokens
+                counted[signed.report.worker] += 1
+        workers = set(tokens)
+        try:
+            workers |= {checksum_address(e["worker"]) for e in self.ledger.accepted_reports(run_id)}
+        except ChainError:
+            pass
+        for worker in sorted(workers):
+            got = self.ledger.contribution_of(run_id, worker)
+            want = {"tokens": tokens.get(worker, 0), "rounds": counted.get(worker, 0)}
+            if (int(got["tokens"]), int(got["rounds"])) != (want["tokens"], want["rounds"]):
+                self.fail(None, worker, "tally",
+                          f"the ledger credits {worker} with {got['tokens']} tokens over {got['rounds']} round(s); "
+                          f"its recorded reports sum to {want['tokens']} tokens over {want['rounds']} round(s)")
+
+    # -- everything ---------------------------------------------------------------------------------
+
+    def run(self, run_id: bytes | None) -> AuditResult:
+        self.domain = self.ledger.domain()
+        consulted = checksum_address(self.ledger.registry_address())
+        if consulted != checksum_address(self.registry.address):
+            self.fail(None, self.ledger.address, "registry",
+                      f"the ledger consults registry {consulted}, not the audited {self.registry.address}")
+        resolved = self.resolve_run(run_id)
+        if resolved is None:
+            return self.finish()
+        run_id, run = resolved
+        self.result.run_id = run_id
+        self.read_registry()
+        genesis = self.check_genesis(run_id, run)
+
+        try:
+            rounds = self.ledger.recorded_rounds(run_id)
+        except ChainError as exc:
+            self.fail(None, self.ledger.address, "ledger", f"the recorded rounds cannot be read: {exc}")
+            return self.finish()
+        last = int(run["lastRound"])
+        numbers = [int(rec["round"]) for rec in rounds]
+        if numbers != list(range(1, last + 1)):
+            self.fail(None, self.ledger.address, "rounds",
+                      f"the ledger's lastRound is {last}, but its RoundRecorded events are for rounds {numbers}")
+
+        parent, parent_checkpoint = genesis, bytes(run["genesisCheckpoint"])
+        for record in rounds:
+            parent = self.check_round(run_id, record, parent, genesis, parent_checkpoint)
+            parent_checkpoint = bytes(record["checkpoint"])
+        self.check_tallies(run_id, rounds)
+        return self.finish()
+
+    def finish(self) -> AuditResult:
+        result = self.result
+        for row in result.rounds:
+            row.status = "FAIL" if result.failures_of(row.round) else "ok"
+        if any(c.provider == "dev" and c.ok for _, c in self._admission_checks.values()):
+            result.warnings.insert(0, "DEV ATTESTATION ACCEPTED: workers of this run were admitted on dev evidence; "
+                                      "its signatures and bindings verified, but it PROVES NOTHING about what code "
+                                      f"ran. {DEV_WARNING}")
+        return result
+
+
+def run_audit(store: ObjectStore, ledger: Ledger, registry: Registry, *, run_id: bytes | None = None,
+              policy: Policy, rederive: bool = True) -> AuditResult:
+    """Verify a run from the ledger (its views and events) and the store alone.
+
+    @param store the run's object store
+    @param ledger the ContributionLedger client (any account; nothing is sent)
+    @param registry the WorkerRegistry client the ledger consults
+    @param run_id the run (sha256 of its genesis manifest); None picks the ledger's run whose genesis
+        manifest is in the store, when there is exactly one
+    @param policy which attestation evidence the auditor accepts (dev evidence only with allow_dev)
+    @param rederive recompute each round's params and outer state from the stored updates
+    @return every failure, one row per round, and warnings; ``ok`` only when every check passed
+    @raise settlement.ChainUnavailable when the chain does not answer
+    """
+    if run_id is not None and (not isinstance(run_id, (bytes, bytearray)) or len(run_id) != 32):
+        raise ValueError("run_id must be 32 bytes")
+    return _Audit(store, ledger, registry, policy, rederive).run(None if run_id is None else bytes(run_id))
+

@@ -1,0 +1,96 @@
+"""Re-derive a round's checkpoint from stored bytes: the coordinator's arithmetic, done again.
+
+    Δ⁽ʳ⁾      = mean of the participants' stored updates, summed in sorted worker order
+    θ⁽ʳ⁾, m⁽ʳ⁾ = outer_step(config.outer, θ⁽ʳ⁻¹⁾, m⁽ʳ⁻¹⁾, Δ⁽ʳ⁾)
+
+θ⁽ʳ⁻¹⁾ and m⁽ʳ⁻¹⁾ are decoded from round r-1's stored params and outer state (momentum tensors are
+named ``momentum.<param>``). The results are encoded with ``trainer.wire.encode_params`` (no
+metadata, so equal tensors give equal bytes) and their sha256 must equal the digests the manifest
+names. Each round starts from its parent's *stored* state, so one bad round does not make every
+later round fail too.
+"""
+
+from __future__ import annotations
+
+import hashlib
+from collections.abc import Mapping
+from dataclasses import dataclass
+
+import torch
+
+from trainer.aggregation import mean_pseudo_gradient
+from trainer.config import OuterConfig
+from trainer.diloco import outer_step, zero_momentum
+from trainer.wire import Params, WireError, decode_params, encode_params, layout_of
+
+MOMENTUM_PREFIX = "momentum."
+
+
+class RederiveError(ValueError):
+    """Stored bytes that cannot be combined as the round says (bad encoding, mismatched tensors)."""
+
+
+@dataclass(frozen=True)
+class Derived:
+    params: bytes
+    outer_state: bytes
+
+    @property
+    def params_digest(self) -> bytes:
+        return hashlib.sha256(self.params).digest()
+
+    @property
+    def outer_state_digest(self) -> bytes:
+        return hashlib.sha256(self.outer_state).digest()
+
+
+def _decode(what: str, data: bytes) -> Params:
+    try:
+        return decode_params(data)
+    except WireError as exc:
+        raise RederiveError(f"{what}: {exc}") from None
+
+
+def momentum_of(state: Params) -> Params:
+    """The momentum tensors of an outer state, keyed by parameter name."""
+    unexpected = sorted(k for k in state if not k.startswith(MOMENTUM_PREFIX))
+    if unexpected:
+        raise RederiveError(f"outer state has tensors not named momentum.<param>: {unexpected}")
+    return {k[len(MOMENTUM_PREFIX):]: v for k, v in state.items()}
+
+
+def outer_state_of(momentum: Params) -> Params:
+    return {MOMENTUM_PREFIX + name: m for name, m in momentum.items()}
+
+
+def genesis_outer_state(params_bytes: bytes) -> bytes:
+    """The outer state a run must start from: zero momentum for every parameter (m⁽⁰⁾ = 0)."""
+    params = _decode("genesis params", params_bytes)
+    return encode_params(outer_state_of(zero_momentum(params)))
+
+
+def rederive(outer: OuterConfig, parent_params: bytes, parent_outer_state: bytes,
+             updates: Mapping[str, bytes]) -> Derived:
+    """θ⁽ʳ⁾ and m⁽ʳ⁾ as bytes from round r-1's stored state and the round's stored updates
+    (keyed by worker id, as in the manifest)."""
+    if not updates:
+        raise RederiveError("the round has no participants, so nothing to average")
+    params = _decode("parent params", parent_params)
+    momentum = momentum_of(_decode("parent outer state", parent_outer_state))
+    layout = layout_of(params)
+    if layout_of(momentum) != layout:
+        raise RederiveError("parent outer state does not have one momentum tensor per parameter "
+                            "with the parameter's dtype and shape")
+    decoded: dict[str, Params] = {}
+    for worker in sorted(updates):
+        update = _decode(f"update of {worker}", updates[worker])
+        got = layout_of(update)
+        if got != layout:
+            names = sorted(n for n in set(got) | set(layout) if got.get(n) != layout.get(n))
+            raise RederiveError(f"update of {worker} does not match the parameters at tensor {names[0]}: "
+                                f"{got.get(names[0], 'absent')} vs {layout.get(names[0], 'absent')}")
+        decoded[worker] = update
+    with torch.no_grad():
+        delta = mean_pseudo_gradient(decoded)
+        new_params, new_momentum = outer_step(outer, params, momentum, delta)
+    return Derived(encode_params(new_params), encode_params(outer_state_of(new_momentum)))

@@ -1,0 +1,80 @@
+"""What an audit concludes: failures naming round, object and check; one row per round; warnings.
+
+``AuditResult.to_json()`` is the ``--json`` file of ``dilocox audit``:
+
+    {"ok": bool, "run_id": "0x…" | null, "failures": [{"round", "object", "check", "message"}],
+     "rounds": [{"round", "manifest", "checkpoint", "participants", "reports", "eval_loss", "status"}],
+     "warnings": [str]}
+"""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass, field
+from typing import Any
+
+
+@dataclass(frozen=True)
+class Failure:
+    """One check that did not hold.
+
+    round    the round it concerns (0 is genesis); None for run-wide checks (tallies, the run itself)
+    object   what was checked: a CID, ``report[i] 0xWorker``, a worker address, a contract
+    check    the name of the check (see ``audit.core`` for the list)
+    message  what was expected and what was found
+    """
+
+    round: int | None
+    object: str
+    check: str
+    message: str
+
+    def to_json(self) -> dict[str, Any]:
+        return asdict(self)
+
+    def __str__(self) -> str:
+        where = "run" if self.round is None else f"round {self.round}"
+        return f"{where}: {self.check} [{self.object}]: {self.message}"
+
+
+@dataclass
+class RoundRow:
+    """One line of the audit table. ``checkpoint`` is the on-chain checkpoint as 0x-hex."""
+
+    round: int
+    manifest: str | None
+    checkpoint: str | None
+    participants: int | None
+    reports: int
+    eval_loss: float | None
+    status: str = "ok"
+
+    def to_json(self) -> dict[str, Any]:
+        return asdict(self)
+
+
+@dataclass
+class AuditResult:
+    """The outcome of ``audit.run_audit``. ``ok`` only when no check failed."""
+
+    run_id: bytes | None = None
+    failures: list[Failure] = field(default_factory=list)
+    rounds: list[RoundRow] = field(default_factory=list)
+    warnings: list[str] = field(default_factory=list)
+    rederived: bool = False
+
+    @property
+    def ok(self) -> bool:
+        return not self.failures
+
+    def failures_of(self, round_: int | None) -> list[Failure]:
+        return [f for f in self.failures if f.round == round_]
+
+    def to_json(self) -> dict[str, Any]:
+        return {
+            "ok": self.ok,
+            "run_id": None if self.run_id is None else "0x" + self.run_id.hex(),
+            "rederived": self.rederived,
+            "failures": [f.to_json() for f in self.failures],
+            "rounds": [r.to_json() for r in self.rounds],
+            "warnings": list(self.warnings),
+        }

@@ -1,0 +1,237 @@
+// SPDX-License-Identifier: MIT
+pragma solidity ^0.8.24;
+
+import {Ownable} from "@openzeppelin/contracts/access/Ownable.sol";
+import {WorkerRegistry} from "../src/WorkerRegistry.sol";
+import {BaseTest} from "./Base.sol";
+
+contract WorkerRegistryTest is BaseTest {
+    WorkerRegistry internal registry;
+
+    address internal constant OWNER = address(0x0A11);
+    address internal constant VERIFIER = address(0x7E41);
+    address internal constant WORKER = address(0xB0B);
+    address internal constant STRANGER = address(0x5742);
+    bytes32 internal constant MEASUREMENT = keccak256("measurement");
+    bytes32 internal constant EVIDENCE = keccak256("evidence");
+
+    function setUp() public {
+        registry = new WorkerRegistry(OWNER);
+        vm.startPrank(OWNER);
+        registry.setMeasurement(MEASUREMENT, true);
+        registry.setVerifier(VERIFIER, true);
+        vm.stopPrank();
+    }
+
+    function _admit(address worker) internal {
+        vm.prank(VERIFIER);
+        registry.admitWorker(worker, MEASUREMENT, EVIDENCE);
+    }
+
+    // --- owner functions ---
+
+    function testOwner() public view {
+        assertEq(registry.owner(), OWNER, "owner");
+    }
+
+    function testSetMeasurementEmitsAndToggles() public {
+        bytes32 m = keccak256("other");
+        assertEq(registry.isMeasurementAllowed(m), false, "not allowed yet");
+        vm.expectEmit(true, false, false, true, address(registry));
+        emit WorkerRegistry.MeasurementSet(m, true);
+        vm.prank(OWNER);
+        registry.setMeasurement(m, true);
+        assertEq(registry.isMeasurementAllowed(m), true, "allowed");
+
+        vm.expectEmit(true, false, false, true, address(registry));
+        emit WorkerRegistry.MeasurementSet(m, false);
+        vm.prank(OWNER);
+        registry.setMeasurement(m, false);
+        assertEq(registry.isMeasurementAllowed(m), false, "disallowed");
+    }
+
+    function testSetVerifierEmitsAndToggles() public {
+        vm.expectEmit(true, false, false, true, address(registry));
+        emit WorkerRegistry.VerifierSet(STRANGER, true);
+        vm.prank(OWNER);
+        registry.setVerifier(STRANGER, true);
+        assertEq(registry.isVerifier(STRANGER), true, "enabled");
+
+        vm.expectEmit(true, false, false, true, address(registry));
+        emit WorkerRegistry.VerifierSet(STRANGER, false);
+        vm.prank(OWNER);
+        registry.setVerifier(STRANGER, false);
+        assertEq(registry.isVerifier(STRANGER), false, "disabled");
+    }
+
+    function testSetMeasurementOnlyOwner() public {
+        vm.expectRevert(abi.encodeWithSelector(Ownable.OwnableUnauthorizedAccount.selector, VERIFIER));
+        vm.prank(VERIFIER);
+        registry.setMeasurement(MEASUREMENT, false);
+    }
+
+    function testSetVerifierOnlyOwner() public {
+        vm.expectRevert(abi.encodeWithSelector(Ownable.OwnableUnauthorizedAccount.selector, STRANGER));
+        vm.prank(STRANGER);
+        registry.setVerifier(STRANGER, true);
+    }
+
+    function testSetVerifierZeroAddress() public {
+        vm.expectRevert(abi.encodeWithSelector(WorkerRegistry.ZeroAddress.selector));
+        vm.prank(OWNER);
+        registry.setVerifier(address(0), true);
+    }
+
+    function testFuzzOwnerFunctionsRefuseOthers(address caller, bytes32 m) public {
+        vm.assume(caller != OWNER);
+        vm.expectRevert(abi.encodeWithSelector(Ownable.OwnableUnauthorizedAccount.selector, caller));
+        vm.prank(caller);
+        registry.setMeasurement(m, true);
+        vm.expectRevert(abi.encodeWithSelector(Ownable.OwnableUnauthorizedAccount.selector, caller));
+        vm.prank(caller);
+        registry.setVerifier(caller, true);
+    }
+
+    // --- admission ---
+
+    function testAdmitWorker() public {
+        vm.roll(42);
+        vm.expectEmit(true, true, true, true, address(registry));
+        emit WorkerRegistry.WorkerAdmitted(WORKER, MEASUREMENT, EVIDENCE, VERIFIER);
+        _admit(WORKER);
+
+        WorkerRegistry.Worker memory w = registry.workerOf(WORKER);
+        assertEq(w.measurement, MEASUREMENT, "measurement");
+        assertEq(w.evidenceDigest, EVIDENCE, "evidence");
+        assertEq(w.verifier, VERIFIER, "verifier");
+        assertEq(w.admittedAt, 42, "admittedAt");
+        assertEq(w.revokedAt, 0, "revokedAt");
+        assertEq(registry.isActive(WORKER), true, "active");
+    }
+
+    function testUnknownWorkerInactive() public view {
+        assertEq(registry.isActive(WORKER), false, "inactive");
+        WorkerRegistry.Worker memory w = registry.workerOf(WORKER);
+        assertEq(w.verifier, address(0), "empty record");
+    }
+
+    function testAdmitNotVerifier() public {
+        vm.expectRevert(abi.encodeWithSelector(WorkerRegistry.NotVerifier.selector, STRANGER));
+        vm.prank(STRANGER);
+        registry.admitWorker(WORKER, MEASUREMENT, EVIDENCE);
+    }
+
+    function testAdmitByOwnerRefused() public {
+        vm.expectRevert(abi.encodeWithSelector(WorkerRegistry.NotVerifier.selector, OWNER));
+        vm.prank(OWNER);
+        registry.admitWorker(WORKER, MEASUREMENT, EVIDENCE);
+    }
+
+    function testAdmitByDisabledVerifierRefused() public {
+        vm.prank(OWNER);
+        registry.setVerifier(VERIFIER, false);
+        vm.expectRevert(abi.encodeWithSelector(WorkerRegistry.NotVerifier.selector, VERIFIER));
+        vm.prank(VERIFIER);
+        registry.admitWorker(WORKER, MEASUREMENT, EVIDENCE);
+    }
+
+    function testAdmitMeasurementNotAllowed() public {
+        bytes32 m = keccak256("unknown build");
+        vm.expectRevert(abi.encodeWithSelector(WorkerRegistry.MeasurementNotAllowed.selector, m));
+        vm.prank(VERIFIER);
+        registry.admitWorker(WORKER, m, EVIDENCE);
+    }
+
+    function testAdmitZeroAddress() public {
+        vm.expectRevert(abi.encodeWithSelector(WorkerRegistry.ZeroAddress.selector));
+        vm.prank(VERIFIER);
+        registry.admitWorker(address(0), MEASUREMENT, EVIDENCE);
+    }
+
+    function testAdmitTwiceRefused() public {
+        _admit(WORKER);
+        vm.expectRevert(abi.encodeWithSelector(WorkerRegistry.AlreadyAdmitted.selector, WORKER));
+        vm.prank(VERIFIER);
+        registry.admitWorker(WORKER, MEASUREMENT, keccak256("new evidence"));
+    }
+
+    function testRevokedWorkerCannotBeReadmitted() public {
+        _admit(WORKER);
+        vm.prank(OWNER);
+        registry.revokeWorker(WORKER);
+        vm.expectRevert(abi.encodeWithSelector(WorkerRegistry.AlreadyAdmitted.selector, WORKER));
+        vm.prank(VERIFIER);
+        registry.admitWorker(WORKER, MEASUREMENT, EVIDENCE);
+    }
+
+    function testFuzzAdmitRefusesNonVerifiers(address caller, address worker) public {
+        vm.assume(caller != VERIFIER);
+        vm.expectRevert(abi.encodeWithSelector(WorkerRegistry.NotVerifier.selector, caller));
+        vm.prank(caller);
+        registry.admitWorker(worker, MEASUREMENT, EVIDENCE);
+    }
+
+    // --- revocation ---
+
+    function testRevokeByVerifier() public {
+        _admit(WORKER);
+        vm.roll(77);
+        vm.expectEmit(true, true, false, true, address(registry));
+        emit WorkerRegistry.WorkerRevoked(WORKER, VERIFIER);
+        vm.prank(VERIFIER);
+        registry.revokeWorker(WORKER);
+        assertEq(registry.workerOf(WORKER).revokedAt, 77, "revokedAt");
+        assertEq(registry.isActive(WORKER), false, "inactive");
+    }
+
+    function testRevokeByOwner() public {
+        _admit(WORKER);
+        vm.expectEmit(true, true, false, true, address(registry));
+        emit WorkerRegistry.WorkerRevoked(WORKER, OWNER);
+        vm.prank(OWNER);
+        registry.revokeWorker(WORKER);
+        assertEq(registry.isActive(WORKER), false, "inactive");
+    }
+
+    function testRevokeByOtherRefused() public {
+        _admit(WORKER);
+        vm.expectRevert(abi.encodeWithSelector(WorkerRegistry.NotVerifier.selector, STRANGER));
+        vm.prank(STRANGER);
+        registry.revokeWorker(WORKER);
+        assertEq(registry.isActive(WORKER), true, "still active");
+    }
+
+    function testRevokeNotAdmitted() public {
+        vm.expectRevert(abi.encodeWithSelector(WorkerRegistry.NotAdmitted.selector, WORKER));
+        vm.prank(OWNER);
+        registry.revokeWorker(WORKER);
+    }
+
+    function testRevokeTwice() public {
+        _admit(WORKER);
+        vm.prank(VERIFIER);
+        registry.revokeWorker(WORKER);
+        vm.expectRevert(abi.encodeWithSelector(WorkerRegistry.AlreadyRevoked.selector, WORKER));
+        vm.prank(OWNER);
+        registry.revokeWorker(WORKER);
+    }
+
+    // --- measurement allowlist drives activity ---
+
+    function testDisallowedMeasurementMakesWorkerInactive() public {
+        _admit(WORKER);
+        vm.prank(OWNER);
+        registry.setMeasurement(MEASUREMENT, false);
+        assertEq(registry.isActive(WORKER), false, "inactive while disallowed");
+        vm.prank(OWNER);
+        registry.setMeasurement(MEASUREMENT, true);
+        assertEq(registry.isActive(WORKER), true, "active again once re-allowed");
+    }
+
+    function testDisabledVerifierKeepsItsWorkersActive() public {
+        _admit(WORKER);
+        vm.prank(OWNER);
+        registry.setVerifier(VERIFIER, false);
+        assertEq(registry.isActive(WORKER), true, "spec: admitted, not revoked, measurement allowed");
+    }
+}

@@ -1,0 +1,345 @@
+"""Typed clients of the two contracts: ``WorkerRegistry`` and ``ContributionLedger``.
+
+``deploy`` puts both on a chain and returns a ``Deployment`` (saved as JSON next to a run, so the
+coordinator, workers and auditors find the same addresses). ``Registry`` and ``Ledger`` wrap each
+function of docs/trust.md "Contracts" with Python types: 32-byte values are ``bytes``, addresses
+checksummed ``str``, reports ``attestation.report`` objects.
+
+Views that return a Solidity struct give a ``dict`` keyed by the struct's field names
+(``run_of(run)["lastRound"]``). Histories come from event logs, which is what an auditor can read
+from any node without trusting the coordinator: ``recorded_rounds`` even rebuilds every signed
+report from the calldata of the transaction that recorded it, so the signatures can be checked
+again off chain.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Sequence
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Any
+
+from eth_utils import to_checksum_address
+from hexbytes import HexBytes
+
+from attestation.report import Domain, RoundReport, SignedReport
+from storage_client import write_atomic
+
+from .artifacts import Artifact, ledger_artifact, registry_artifact
+from .chain import Chain, ChainError
+
+__all__ = ["Deployment", "DeploymentError", "Ledger", "Registry", "deploy"]
+
+_ZERO_ADDRESS = "0x0000000000000000000000000000000000000000"
+
+
+class DeploymentError(ValueError):
+    """A deployment file that is missing or malformed."""
+
+
+@dataclass(frozen=True)
+class Deployment:
+    """Where the contracts of one chain live.
+
+    @param chain_id the chain they were deployed on
+    @param registry the ``WorkerRegistry`` address
+    @param ledger the ``ContributionLedger`` address (bound to ``registry``)
+    @param owner the registry's owner (the deploying account)
+    @param deployed_block the block of the registry's deployment: where log scans can start
+    """
+
+    chain_id: int
+    registry: str
+    ledger: str
+    owner: str
+    deployed_block: int
+
+    def save(self, path: Path) -> None:
+        """Write the deployment as JSON, atomically."""
+        write_atomic(Path(path), (json.dumps(asdict(self), indent=2) + "\n").encode())
+
+    @classmethod
+    def load(cls, path: Path) -> Deployment:
+        """Read a deployment written by ``save``.
+
+        @raise DeploymentError naming the file when it is missing or malformed
+        """
+        path = Path(path)
+        try:
+            data = json.loads(path.read_text())
+        except FileNotFoundError:
+            raise DeploymentError(f"deployment file {path} does not exist") from None
+        except (OSError, ValueError) as exc:
+            raise DeploymentError(f"deployment file {path} is not readable JSON: {exc}") from None
+        names = {"chain_id", "registry", "ledger", "owner", "deployed_block"}
+        if not isinstance(data, dict) or set(data) != names:
+            raise DeploymentError(f"deployment file {path} must hold exactly {sorted(names)}")
+        try:
+            if type(data["chain_id"]) is not int or type(data["deployed_block"]) is not int:
+                raise ValueError("chain_id and deployed_block must be integers")
+            return cls(chain_id=data["chain_id"], registry=to_checksum_address(data["registry"]),
+                       ledger=to_checksum_address(data["ledger"]), owner=to_checksum_address(data["owner"]),
+                       deployed_block=data["deployed_block"])
+        except (TypeError, ValueError) as exc:
+            raise DeploymentError(f"deployment file {path} is malformed: {exc}") from None
+
+
+def _deploy(chain: Chain, artifact: Artifact, *args: Any) -> tuple[str, int]:
+    constructor = chain.w3.eth.contract(abi=artifact.abi, bytecode=artifact.bytecode).constructor(*args)
+    receipt = chain.transact(constructor)
+    return to_checksum_address(receipt["contractAddress"]), int(receipt["blockNumber"])
+
+
+def deploy(chain: Chain) -> Deployment:
+    """Deploy a ``WorkerRegistry`` owned by ``chain.address`` and a ``ContributionLedger`` bound to it.
+
+    The owner still has to allowlist measurements and name verifiers (``Registry``).
+    """
+    registry, block = _deploy(chain, registry_artifact(), chain.address)
+    ledger, _ = _deploy(chain, ledger_artifact(), registry)
+    return Deployment(chain_id=chain.chain_id, registry=registry, ledger=ledger, owner=chain.address,
+                      deployed_block=block)
+
+
+def _bytes32(name: str, value: bytes) -> bytes:
+    if not isinstance(value, (bytes, bytearray)) or len(value) != 32:
+        got = f"{len(value)} bytes" if isinstance(value, (bytes, bytearray)) else type(value).__name__
+        raise ValueError(f"{name} must be 32 bytes, got {got}")
+    return bytes(value)
+
+
+def _plain(value: Any) -> Any:
+    """web3's HexBytes / AttributeDict / tuples as plain bytes / dict / list."""
+    if isinstance(value, (HexBytes, bytearray)):
+        return bytes(value)
+    if isinstance(value, (list, tuple)):
+        return [_plain(v) for v in value]
+    return value
+
+
+def _struct(components: list[dict[str, Any]], value: Sequence[Any]) -> dict[str, Any]:
+    return {c["name"]: _plain(v) for c, v in zip(components, value, strict=True)}
+
+
+class _Contract:
+    """What both clients share: the web3 contract, struct views and event scans."""
+
+    def __init__(self, chain: Chain, address: str, artifact: Artifact, from_block: int) -> None:
+        self.chain = chain
+        self.address = to_checksum_address(address)
+        self.from_block = from_block
+        self._abi = artifact.abi
+        self._contract = chain.contract(self.address, artifact.abi)
+
+    def __repr__(self) -> str:
+        return f"{type(self).__name__}({self.address} on {self.chain.rpc_url})"
+
+    def _view_struct(self, fn_name: str, *args: Any) -> dict[str, Any]:
+        value = self.chain.call(getattr(self._contract.functions, fn_name)(*args))
+        entry = next(e for e in self._abi if e.get("type") == "function" and e["name"] == fn_name)
+        return _struct(entry["outputs"][0]["components"], value)
+
+    def _logs(self, event: str, **filters: Any) -> list[dict[str, Any]]:
+        """Every log of ``event`` (from ``from_block``) matching indexed ``filters``, oldest first;
+        each with the event's fields plus ``block``, ``tx_hash`` and ``log_index``."""
+        contract_event = getattr(self._contract.events, event)
+        logs = self.chain.read(
+            lambda: contract_event.get_logs(argument_filters=filters or None, from_block=self.from_block),
+            f"{event} logs")
+        out = []
+        for entry in sorted(logs, key=lambda e: (e["blockNumber"], e["logIndex"])):
+            record = {k: _plain(v) for k, v in entry["args"].items()}
+            record.update(block=int(entry["blockNumber"]), tx_hash="0x" + bytes(entry["transactionHash"]).hex(),
+                          log_index=int(entry["logIndex"]))
+            out.append(record)
+        return out
+
+
+class Registry(_Contract):
+    """Client of a ``WorkerRegistry``.
+
+    @param chain the account that sends (owner for measurements and verifiers, a verifier to admit)
+    @param address the registry
+    @param from_block where event scans start (a deployment's ``deployed_block``)
+    """
+
+    def __init__(self, chain: Chain, address: str, *, from_block: int = 0) -> None:
+        super().__init__(chain, address, registry_artifact(), from_block)
+
+    def set_measurement(self, measurement: bytes, allowed: bool = True) -> Any:
+        """Allowlist a code measurement (owner only); ``allowed=False`` removes it. Returns the receipt."""
+        fn = self._contract.functions.setMeasurement(_bytes32("measurement", measurement), allowed)
+        return self.chain.transact(fn)
+
+    def set_verifier(self, verifier: str, enabled: bool = True) -> Any:
+        """Enable or disable a verifier account (owner only). Returns the receipt."""
+        return self.chain.transact(self._contract.functions.setVerifier(to_checksum_address(verifier), enabled))
+
+    def admit_worker(self, worker: str, measurement: bytes, evidence_digest: bytes) -> Any:
+        """Admit a worker key whose evidence was verified (verifier only). Returns the receipt."""
+        fn = self._contract.functions.admitWorker(to_checksum_address(worker), _bytes32("measurement", measurement),
+                                                  _bytes32("evidence_digest", evidence_digest))
+        return self.chain.transact(fn)
+
+    def revoke_worker(self, worker: str) -> Any:
+        """Revoke a worker key for good (owner or verifier). Returns the receipt."""
+        return self.chain.transact(self._contract.functions.revokeWorker(to_checksum_address(worker)))
+
+    def owner(self) -> str:
+        return str(self.chain.call(self._contract.functions.owner()))
+
+    def is_active(self, worker: str) -> bool:
+        """Admitted, not revoked, and its measurement still allowed."""
+        return bool(self.chain.call(self._contract.functions.isActive(to_checksum_address(worker))))
+
+    def is_verifier(self, account: str) -> bool:
+        return bool(self.chain.call(self._contract.functions.isVerifier(to_checksum_address(account))))
+
+    def is_measurement_allowed(self, measurement: bytes) -> bool:
+        fn = self._contract.functions.isMeasurementAllowed(_bytes32("measurement", measurement))
+        return bool(self.chain.call(fn))
+
+    def worker_of(self, worker: str) -> dict[str, Any]:
+        """``{measurement, evidenceDigest, verifier, admittedAt, revokedAt}`` (all zero if never admitted)."""
+        return self._view_struct("workerOf", to_checksum_address(worker))
+
+    def admissions(self, worker: str | None = None) -> list[dict[str, Any]]:
+        """``WorkerAdmitted`` events, oldest first: ``{worker, measurement, evidence_digest, verifier,
+        block, tx_hash}``."""
+        filters = {"worker": to_checksum_address(worker)} if worker else {}
+        return [{"worker": e["worker"], "measurement": e["measurement"], "evidence_digest": e["evidenceDigest"],
+                 "verifier": e["verifier"], "block": e["block"], "tx_hash": e["tx_hash"]}
+                for e in self._logs("WorkerAdmitted", **filters)]
+
+    def revocations(self, worker: str | None = None) -> list[dict[str, Any]]:
+        """``WorkerRevoked`` events, oldest first: ``{worker, by, block, tx_hash}``."""
+        filters = {"worker": to_checksum_address(worker)} if worker else {}
+        return [{"worker": e["worker"], "by": e["by"], "block": e["block"], "tx_hash": e["tx_hash"]}
+                for e in self._logs("WorkerRevoked", **filters)]
+
+
+def _report_tuple(report: RoundReport) -> tuple[Any, ...]:
+    return (report.run_id, report.round, report.worker, report.parent_checkpoint, report.checkpoint,
+            report.update_digest, report.data_digest, report.train_loss_e6, report.eval_loss_e6, report.tokens,
+            report.inner_steps, report.bytes_sent)
+
+
+_REPORT_FIELDS = ("runId", "round", "worker", "parentCheckpoint", "checkpoint", "updateDigest", "dataDigest",
+                  "trainLossE6", "evalLossE6", "tokens", "innerSteps", "bytesSent")
+
+
+def _report_from_abi(value: Sequence[Any] | dict[str, Any]) -> RoundReport:
+    """A ``RoundReport`` from decoded calldata (web3 gives structs as dicts keyed by field name)."""
+    if isinstance(value, dict):
+        value = [value[name] for name in _REPORT_FIELDS]
+    (run_id, round_, worker, parent, checkpoint, update, data, train_loss, eval_loss, tokens, inner_steps,
+     bytes_sent) = value
+    return RoundReport(run_id=bytes(run_id), round=int(round_), worker=worker, parent_checkpoint=bytes(parent),
+                       checkpoint=bytes(checkpoint), update_digest=bytes(update), data_digest=bytes(data),
+                       train_loss_e6=int(train_loss), eval_loss_e6=int(eval_loss), tokens=int(tokens),
+                       inner_steps=int(inner_steps), bytes_sent=int(bytes_sent))
+
+
+def _signed_from_abi(value: Sequence[Any] | dict[str, Any]) -> SignedReport:
+    report, signature = (value["report"], value["signature"]) if isinstance(value, dict) else value
+    return SignedReport(_report_from_abi(report), bytes(signature))
+
+
+class Ledger(_Contract):
+    """Client of a ``ContributionLedger``.
+
+    @param chain the account that sends (a run's coordinator for ``record_round``)
+    @param address the ledger
+    @param from_block where event scans start (a deployment's ``deployed_block``)
+    """
+
+    def __init__(self, chain: Chain, address: str, *, from_block: int = 0) -> None:
+        super().__init__(chain, address, ledger_artifact(), from_block)
+
+    def domain(self) -> Domain:
+        """The EIP-712 domain workers sign reports in: this chain and this ledger."""
+        return Domain(self.chain.chain_id, self.address)
+
+    def registry_address(self) -> str:
+        return str(self.chain.call(self._contract.functions.registry()))
+
+    def create_run(self, run_id: bytes, genesis_checkpoint: bytes, config_digest: bytes,
+                   genesis_manifest: bytes) -> Any:
+        """Create a run; this account becomes its coordinator. Returns the receipt."""
+        fn = self._contract.functions.createRun(
+            _bytes32("run_id", run_id), _bytes32("genesis_checkpoint", genesis_checkpoint),
+            _bytes32("config_digest", config_digest), _bytes32("genesis_manifest", genesis_manifest))
+        return self.chain.transact(fn)
+
+    def record_round(self, run_id: bytes, round: int, parent: bytes, checkpoint: bytes, manifest_digest: bytes,
+                     reports: Sequence[SignedReport]) -> Any:
+        """Record the run's next round with its workers' signed reports. Returns the receipt.
+
+        @raise TxReverted with the ledger's refusal, e.g. ``WrongParent(expected=…, got=…)``
+        """
+        signed = [(_report_tuple(s.report), bytes(s.signature)) for s in reports]
+        fn = self._contract.functions.recordRound(
+            _bytes32("run_id", run_id), round, _bytes32("parent", parent), _bytes32("checkpoint", checkpoint),
+            _bytes32("manifest_digest", manifest_digest), signed)
+        return self.chain.transact(fn)
+
+    def run_of(self, run_id: bytes) -> dict[str, Any] | None:
+        """``{coordinator, lastRound, lastCheckpoint, genesisCheckpoint, configDigest, genesisManifest}``,
+        or None when no such run exists."""
+        run = self._view_struct("runOf", _bytes32("run_id", run_id))
+        return None if run["coordinator"] == _ZERO_ADDRESS else run
+
+    def round_of(self, run_id: bytes, round: int) -> dict[str, Any]:
+        """``{checkpoint, manifestDigest, reportCount, recordedAt}`` (all zero if not recorded)."""
+        return self._view_struct("roundOf", _bytes32("run_id", run_id), round)
+
+    def contribution_of(self, run_id: bytes, worker: str) -> dict[str, int]:
+        """``{tokens, rounds}`` credited to ``worker`` in one run."""
+        return self._view_struct("contributionOf", _bytes32("run_id", run_id), to_checksum_address(worker))
+
+    def total_contribution_of(self, worker: str) -> dict[str, int]:
+        """``{tokens, rounds}`` credited to ``worker`` over all runs."""
+        return self._view_struct("totalContributionOf", to_checksum_address(worker))
+
+    def report_digest(self, report: RoundReport) -> bytes:
+        """The EIP-712 digest the ledger computes for ``report`` (must equal ``report.digest(domain)``)."""
+        return bytes(self.chain.call(self._contract.functions.reportDigest(_report_tuple(report))))
+
+    def is_report_recorded(self, digest: bytes) -> bool:
+        return bool(self.chain.call(self._contract.functions.isReportRecorded(_bytes32("digest", digest))))
+
+    def runs_created(self) -> list[dict[str, Any]]:
+        """``RunCreated`` events: ``{runId, coordinator, genesisCheckpoint, configDigest, genesisManifest,
+        block, tx_hash, log_index}``."""
+        return self._logs("RunCreated")
+
+    def recorded_rounds(self, run_id: bytes) -> list[dict[str, Any]]:
+        """Every recorded round of a run, oldest first, with the reports that recorded it.
+
+        Each item: the ``RoundRecorded`` fields ``{runId, round, checkpoint, manifestDigest,
+        reportCount}``, ``block``, ``tx_hash``, ``log_index``, and from the transaction's calldata
+        ``parentCheckpoint`` and ``reports`` (``SignedReport`` objects exactly as submitted).
+
+        @raise ChainError when a round was not recorded by a direct ``recordRound`` call to this
+            ledger (its calldata then cannot be decoded), or the calldata disagrees with the event
+        """
+        rounds = self._logs("RoundRecorded", runId=_bytes32("run_id", run_id))
+        for record in rounds:
+            tx = self.chain.read(lambda h=record["tx_hash"]: self.chain.w3.eth.get_transaction(h), "get transaction")
+            if tx["to"] is None or to_checksum_address(tx["to"]) != self.address:
+                raise ChainError(f"round {record['round']} was recorded by tx {record['tx_hash']}, which does not "
+                                 f"call the ledger directly; its reports cannot be read from the calldata")
+            fn, params = self._contract.decode_function_input(tx["input"])
+            if fn.fn_name != "recordRound" or bytes(params["runId"]) != record["runId"] \
+                    or int(params["round"]) != record["round"]:
+                raise ChainError(f"tx {record['tx_hash']} does not hold the recordRound call of round "
+                                 f"{record['round']}")
+            record["parentCheckpoint"] = bytes(params["parentCheckpoint"])
+            record["reports"] = [_signed_from_abi(entry) for entry in params["reports"]]
+        return rounds
+
+    def accepted_reports(self, run_id: bytes) -> list[dict[str, Any]]:
+        """``ReportAccepted`` events of a run, oldest first: ``{runId, round, worker, digest, tokens,
+        block, tx_hash, log_index}``."""
+        return self._logs("ReportAccepted", runId=_bytes32("run_id", run_id))

@@ -1,0 +1,404 @@
+"""The lineage audit against real runs: a real anvil, the real contracts, a real store.
+
+Each run is built here the way a coordinator builds one (genesis, inner loops on a tiny GPT, mean
+of pseudo-gradients, outer Nesterov step, manifests, dev evidence and admission records, signed
+EIP-712 reports recorded on the ledger), then broken in one way. Where the real ledger would refuse
+the breakage (unadmitted signer, bad signature, revoked worker, wrong tallies), the ledger's code is
+swapped for ``contracts/test/LyingLedger.sol`` with ``anvil_setCode``: same ABI, events and
+storage, no checks. The audit must catch what the ledger let through.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+import shutil
+import subprocess
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+
+from attestation import (
+    DevProvider,
+    DevRoot,
+    Policy,
+    RoundReport,
+    SignedReport,
+    WorkerKey,
+    attest,
+    code_measurement,
+)
+from audit import run_audit
+from audit.cli import main as audit_main
+from settlement import DEV_ACCOUNTS, Anvil, Chain, Ledger, Registry, deploy
+from settlement.artifacts import CONTRACTS_DIR
+from storage_client import CID, Manifest, ObjectStore, Participant, to_e6
+from trainer.aggregation import mean_pseudo_gradient
+from trainer.config import InnerConfig, ModelConfig, RoundConfig, RunConfig
+from trainer.diloco import (
+    InnerLoop,
+    evaluate,
+    load_params,
+    outer_step,
+    params_of,
+    zero_momentum,
+)
+from trainer.model import build_model
+from trainer.wire import encode_params
+
+pytestmark = pytest.mark.integration
+
+LYING_SOURCE = CONTRACTS_DIR / "test" / "LyingLedger.sol"
+LYING_ARTIFACT = CONTRACTS_DIR / "out" / "LyingLedger.sol" / "LyingLedger.json"
+
+
+def tiny_config(run_id: str) -> RunConfig:
+    return RunConfig(
+        run_id=run_id,
+        model=ModelConfig(block_size=8, n_layer=1, n_head=2, n_embd=16),
+        inner=InnerConfig(steps=2, batch_size=2, lr=1e-3),
+        rounds=RoundConfig(rounds=3, expected_workers=2, quorum=2),
+    )
+
+
+def lying_artifact() -> dict[str, Any]:
+    """The compiled LyingLedger (built with forge here when the artifact is missing or stale)."""
+    if not LYING_ARTIFACT.is_file() or LYING_ARTIFACT.stat().st_mtime < LYING_SOURCE.stat().st_mtime:
+        subprocess.run([str(CONTRACTS_DIR / "node_modules" / ".bin" / "forge"), "build"], cwd=CONTRACTS_DIR,
+                       check=True, capture_output=True)
+    return json.loads(LYING_ARTIFACT.read_text())
+
+
+class RunBuilder:
+    """A run made as the coordinator makes one, with hooks to break it."""
+
+    def __init__(self, root: Path, rpc_url: str, *, workers: tuple[str, ...] = ("w0", "w1"),
+                 run_name: str = "audit") -> None:
+        self.root = root
+        self.owner = Chain(rpc_url, DEV_ACCOUNTS[0])
+        self.coordinator = Chain(rpc_url, DEV_ACCOUNTS[1])
+        self.deployment = deploy(self.owner)
+        self.deployment.save(root / "chain" / "deployment.json")
+        self.owner_registry = Registry(self.owner, self.deployment.registry)
+        self.registry = Registry(self.coordinator, self.deployment.registry)
+        self.ledger = Ledger(self.coordinator, self.deployment.ledger)
+        self.domain = self.ledger.domain()
+        self.store = ObjectStore(root / "store")
+
+        self.config = tiny_config(run_name)
+        self.config_cid = self.store.put_json(self.config.to_json())
+        self.measurement = code_measurement(str(self.config_cid))
+        self.owner_registry.set_verifier(self.coordinator.address)
+        self.owner_registry.set_measurement(self.measurement)
+
+        torch.manual_seed(0)
+        self.model = build_model(self.config.model, self.config.seed)
+        self.eval = [(torch.randint(0, 256, (2, 8)), torch.randint(0, 256, (2, 8)))]
+        self.params = params_of(self.model)
+        self.momentum = zero_momentum(self.params)
+        genesis = Manifest.new(
+            run_id=self.config.run_id, round=0, parent=None, config=self.config_cid,
+            params=self.store.put(encode_params(self.params)),
+            outer_state=self.store.put(encode_params({f"momentum.{k}": v for k, v in self.momentum.items()})),
+            participants=(), dropped=(), eval_loss_e6=to_e6(evaluate(self.model, self.eval)), bytes_up=0, bytes_down=0,
+        )
+        self.manifests: list[tuple[CID, Manifest]] = [(genesis.store(self.store), genesis)]
+        self.run_id = self.manifests[0][0].digest
+        self.ledger.create_run(self.run_id, CID.parse(genesis.params).digest, self.config_cid.digest, self.run_id)
+
+        self.dev_root = DevRoot.load_or_create(root / "dev-root")
+        self.provider = DevProvider(self.dev_root)
+        self.keys: dict[str, WorkerKey] = {}
+        self.loops = {w: InnerLoop(build_model(self.config.model, self.config.seed), self.config.inner)
+                      for w in workers}
+        for worker in workers:
+            self.keys[worker] = WorkerKey.generate()
+            self.admit(self.keys[worker])
+        self.reports: dict[int, list[SignedReport]] = {}
+
+    @property
+    def policy(self) -> Policy:
+        return Policy.development(self.dev_root.address)
+
+    def admit(self, key: WorkerKey) -> CID:
+        nonce = os.urandom(32)
+        evidence = attest(self.provider, key, self.run_id, nonce, self.measurement)
+        record = self.store.put_json({
+            "schema": "dilocox.admission/v1", "worker": key.address, "run_id": "0x" + self.run_id.hex(),
+            "nonce": "0x" + nonce.hex(), "measurement": "0x" + self.measurement.hex(), "provider": "dev",
+            "evidence": str(self.store.put(evidence.to_bytes())),
+        })
+        self.registry.admit_worker(key.address, self.measurement, record.digest)
+        return record
+
+    def report(self, worker: str, manifest: Manifest, key: WorkerKey | None = None) -> SignedReport:
+        key = key or self.keys[worker]
+        entry = next(p for p in manifest.participants if p.worker == worker)
+        parent = self.manifests[manifest.round - 1][1]
+        report = RoundReport(
+            run_id=self.run_id, round=manifest.round, worker=key.address,
+            parent_checkpoint=CID.parse(parent.params).digest, checkpoint=CID.parse(manifest.params).digest,
+            update_digest=CID.parse(entry.update).digest, data_digest=bytes(32),
+            train_loss_e6=entry.train_loss_e6, eval_loss_e6=manifest.eval_loss_e6, tokens=entry.tokens,
+            inner_steps=entry.inner_steps, bytes_sent=entry.bytes_sent,
+        )
+        return SignedReport(report, key.sign_digest(report.digest(self.domain)))
+
+    def round(self, *, parent: CID | None = None, reports: Callable[[Manifest], list[SignedReport]] | None = None,
+              nudge: bool = False) -> Manifest:
+        """Train, aggregate, store and record the next round. ``parent`` overrides the manifest's
+        parent, ``reports`` makes the reports, ``nudge`` moves θ off what the updates give."""
+        r = len(self.manifests)
+        generator = torch.Generator().manual_seed(r)
+        deltas, participants = {}, []
+        for worker, loop in self.loops.items():
+            batches = [(x, torch.roll(x, -1, 1)) for x in (torch.randint(0, 256, (2, 8), generator=generator)
+                                                        for _ in range(self.config.inner.steps))]
+            result = loop.run(self.params, batches)
+            payload = encode_params(result.pseudo_gradient)
+            deltas[worker] = result.pseudo_gradient
+            participants.append(Participant(worker=worker, update=str(self.store.put(payload)),
+                                            train_loss_e6=to_e6(result.mean_loss), tokens=result.tokens,
+                                            inner_steps=result.steps, bytes_sent=len(payload)))
+        self.params, self.momentum = outer_step(self.config.outer, self.params, self.momentum,
+                                                mean_pseudo_gradient(deltas))
+        if nudge:
+            first = next(iter(self.params))
+            self.params[first] = self.params[first] + 1e-3
+        load_params(self.model, self.params)
+        prev_cid, prev = self.manifests[-1]
+        manifest = Manifest.new(
+            run_id=self.config.run_id, round=r, parent=parent or prev_cid, config=self.config_cid,
+            params=self.store.put(encode_params(self.params)),
+            outer_state=self.store.put(encode_params({f"momentum.{k}": v for k, v in self.momentum.items()})),
+            participants=participants, dropped=(), eval_loss_e6=to_e6(evaluate(self.model, self.eval)),
+            bytes_up=sum(p.bytes_sent for p in participants), bytes_down=0,
+        )
+        cid = manifest.store(self.store)
+        self.manifests.append((cid, manifest))
+        signed = reports(manifest) if reports else [self.report(w, manifest) for w in self.keys]
+        self.reports[r] = signed
+        self.ledger.record_round(self.run_id, r, CID.parse(prev.params).digest, CID.parse(manifest.params).digest,
+                                 cid.digest, signed)
+        return manifest
+
+    def lie(self) -> Any:
+        """Swap the ledger's code for LyingLedger's (state kept); returns a contract for its extras."""
+        artifact = lying_artifact()
+        address = self.owner.deploy(artifact["abi"], artifact["bytecode"]["object"], self.deployment.registry)
+        code = self.owner.w3.eth.get_code(address)
+        self.owner.w3.provider.make_request("anvil_setCode", [self.deployment.ledger, "0x" + bytes(code).hex()])
+        return self.coordinator.contract(self.deployment.ledger, artifact["abi"])
+
+    def audit(self, store: ObjectStore | None = None, policy: Policy | None = None, rederive: bool = True):
+        return run_audit(store or self.store, self.ledger, self.registry, policy=policy or self.policy,
+                         rederive=rederive)
+
+
+def checks(result) -> set[tuple[int | None, str]]:
+    return {(f.round, f.check) for f in result.failures}
+
+
+@pytest.fixture(scope="module")
+def anvil():
+    with Anvil() as chain:
+        yield chain
+
+
+@pytest.fixture(scope="module")
+def honest(anvil: Anvil, tmp_path_factory: pytest.TempPathFactory) -> RunBuilder:
+    builder = RunBuilder(tmp_path_factory.mktemp("honest"), anvil.rpc_url)
+    for _ in range(3):
+        builder.round()
+    return builder
+
+
+def tampered_store(builder: RunBuilder, tmp_path: Path) -> ObjectStore:
+    shutil.copytree(builder.store.root, tmp_path / "store")
+    return ObjectStore(tmp_path / "store")
+
+
+def test_happy_path(honest: RunBuilder) -> None:
+    result = honest.audit()
+    assert result.ok, [str(f) for f in result.failures]
+    assert result.run_id == honest.run_id
+    assert [row.round for row in result.rounds] == [0, 1, 2, 3]
+    assert all(row.status == "ok" for row in result.rounds)
+    for row, (cid, manifest) in zip(result.rounds, honest.manifests, strict=True):
+        assert row.manifest == str(cid)
+        assert row.checkpoint == "0x" + CID.parse(manifest.params).hex
+        assert row.participants == len(manifest.participants)
+        assert row.reports == (0 if row.round == 0 else 2)
+        assert row.eval_loss == pytest.approx(manifest.eval_loss_e6 / 1e6)
+    assert any("PROVES NOTHING" in w for w in result.warnings)
+
+    doc = json.loads(json.dumps(result.to_json()))
+    assert {"ok", "failures", "rounds", "warnings"} <= set(doc)
+    assert doc["ok"] is True and doc["failures"] == []
+    assert set(doc["rounds"][1]) == {"round", "manifest", "checkpoint", "participants", "reports", "eval_loss",
+                                     "status"}
+
+
+def test_changed_checkpoint_byte(honest: RunBuilder, tmp_path: Path) -> None:
+    store = tampered_store(honest, tmp_path)
+    params = honest.manifests[2][1].params
+    path = store.path_of(params)
+    data = bytearray(path.read_bytes())
+    data[-1] ^= 0x01
+    path.write_bytes(bytes(data))
+
+    result = honest.audit(store)
+    assert not result.ok
+    hit = [f for f in result.failures if f.object == params]
+    assert hit and hit[0].round == 2 and hit[0].check == "object"
+    assert "re-hash" in hit[0].message
+    # Round 3 cannot be re-derived from the damaged parent, and says so; rounds 0-1 stay clean.
+    assert [row.status for row in result.rounds] == ["ok", "ok", "FAIL", "FAIL"]
+    assert (3, "rederive") in checks(result)
+
+
+def test_missing_update(honest: RunBuilder, tmp_path: Path) -> None:
+    store = tampered_store(honest, tmp_path)
+    update = honest.manifests[1][1].participants[1].update
+    store.path_of(update).unlink()
+
+    result = honest.audit(store)
+    assert not result.ok
+    missing = [f for f in result.failures if f.object == update]
+    assert missing and missing[0].round == 1 and missing[0].check == "object" and "missing" in missing[0].message
+    assert result.rounds[1].status == "FAIL" and result.rounds[2].status == "ok"
+
+
+def test_wrong_parent_on_the_real_ledger(anvil: Anvil, tmp_path: Path) -> None:
+    builder = RunBuilder(tmp_path, anvil.rpc_url, run_name="wrong-parent")
+    builder.round()
+    builder.round(parent=builder.manifests[0][0])  # round 2 names genesis as its parent; the ledger cannot tell
+    result = builder.audit()
+    assert not result.ok
+    (failure,) = [f for f in result.failures if f.check == "parent"]
+    assert failure.round == 2 and failure.object == str(builder.manifests[2][0])
+    assert str(builder.manifests[1][0]) in failure.message
+    assert checks(result) == {(2, "parent")}
+
+
+def test_rederivation_catches_a_checkpoint_the_updates_do_not_give(anvil: Anvil, tmp_path: Path) -> None:
+    builder = RunBuilder(tmp_path, anvil.rpc_url, run_name="bad-math")
+    builder.round()
+    # Round 2's θ is nudged before storing: every hash and signature is consistent, the arithmetic is not.
+    builder.round(nudge=True)
+    result = builder.audit()
+    assert checks(result) == {(2, "rederive")}
+    assert builder.audit(rederive=False).ok
+
+
+def test_lying_ledger_unadmitted_forged_and_revoked(anvil: Anvil, tmp_path: Path) -> None:
+    builder = RunBuilder(tmp_path, anvil.rpc_url, run_name="lying")
+    builder.round()
+    builder.lie()
+    stranger = WorkerKey.generate()
+
+    def unadmitted(manifest: Manifest) -> list[SignedReport]:  # w1's update, signed by a key never admitted
+        return [builder.report("w0", manifest), builder.report("w1", manifest, key=stranger)]
+
+    builder.round(reports=unadmitted)
+
+    def forged(manifest: Manifest) -> list[SignedReport]:
+        good = builder.report("w0", manifest)
+        sig = bytearray(good.signature)
+        sig[5] ^= 0xFF
+        return [SignedReport(good.report, bytes(sig)), builder.report("w1", manifest)]
+
+    builder.round(reports=forged)
+    builder.registry.revoke_worker(builder.keys["w1"].address)
+    builder.round()  # w1 reports after its revocation
+
+    result = builder.audit()
+    assert not result.ok
+    found = checks(result)
+    assert (2, "admitted") in found
+    assert (3, "report-signature") in found
+    assert (4, "revoked") in found
+    assert (1, "revoked") not in found and result.rounds[1].status == "ok"
+    by_check = {f.check: f for f in result.failures}
+    assert stranger.address in by_check["admitted"].object
+    assert builder.keys["w0"].address in by_check["report-signature"].object
+    assert builder.keys["w1"].address in by_check["revoked"].object
+    # The lying ledger tallied everything it was handed, so its tallies agree with the reports.
+    assert not any(f.check == "tally" for f in result.failures)
+
+
+def test_lying_ledger_tally(anvil: Anvil, tmp_path: Path) -> None:
+    builder = RunBuilder(tmp_path, anvil.rpc_url, run_name="tally")
+    builder.round()
+    lying = builder.lie()
+    w0 = builder.keys["w0"].address
+    true_tokens = builder.reports[1][0].report.tokens
+    builder.coordinator.transact(lying.functions.forgeTally(builder.run_id, w0, true_tokens * 10, 1))
+    result = builder.audit()
+    (failure,) = result.failures
+    assert failure.check == "tally" and failure.round is None and failure.object == w0
+    assert str(true_tokens * 10) in failure.message and str(true_tokens) in failure.message
+
+
+def test_dev_evidence_needs_allow_dev(honest: RunBuilder) -> None:
+    result = honest.audit(policy=Policy())
+    assert not result.ok
+    refused = [f for f in result.failures if f.check == "evidence"]
+    assert len(refused) == 2  # once per worker, at its first report
+    assert all(f.round == 1 and "dev" in f.message and "--allow-dev" in f.message for f in refused)
+    # Every later report of those workers fails too, pointing back at round 1.
+    assert checks(result) == {(1, "evidence"), (2, "admission"), (3, "admission")}
+    assert [row.status for row in result.rounds] == ["ok", "FAIL", "FAIL", "FAIL"]
+    assert not any("ACCEPTED" in w for w in result.warnings)
+    # A dev root the auditor does not trust is refused too.
+    other = Policy.development(DevRoot(os.urandom(32)).address)
+    untrusted = honest.audit(policy=other)
+    assert {f.check for f in untrusted.failures} == {"evidence", "admission"}
+    assert all("not a trusted dev root" in f.message for f in untrusted.failures if f.check == "evidence")
+
+
+def test_report_that_restates_the_manifest_wrongly(anvil: Anvil, tmp_path: Path) -> None:
+    """The real ledger cannot see manifests: an inflated token count is recorded and tallied."""
+    builder = RunBuilder(tmp_path, anvil.rpc_url, run_name="inflated")
+
+    def inflated(manifest: Manifest) -> list[SignedReport]:  # w1 claims 1000 extra tokens; w0 never reports
+        key = builder.keys["w1"]
+        honest_report = builder.report("w1", manifest).report
+        report = dataclasses.replace(honest_report, tokens=honest_report.tokens + 1000)
+        return [SignedReport(report, key.sign_digest(report.digest(builder.domain)))]
+
+    builder.round(reports=inflated)
+    builder.round()
+    result = builder.audit()
+    assert checks(result) == {(1, "report-fields")}
+    (failure,) = result.failures
+    assert builder.keys["w1"].address in failure.object and "tokens" in failure.message
+    assert any("participant w0 has no signed report" in w for w in result.warnings)
+    assert [row.reports for row in result.rounds] == [0, 1, 2]
+
+
+def test_cli_from_saved_state(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    run_dir = tmp_path / "run"
+    with Anvil(state_file=run_dir / "chain" / "state.json") as chain:
+        builder = RunBuilder(run_dir, chain.rpc_url, run_name="cli")
+        builder.round()
+        builder.round()
+    capsys.readouterr()
+
+    out = tmp_path / "audit.json"
+    assert audit_main(["--run", str(run_dir), "--allow-dev", "--json", str(out)]) == 0
+    printed = capsys.readouterr().out
+    assert "AUDIT PASSED" in printed and "PROVES NOTHING" in printed
+    doc = json.loads(out.read_text())
+    assert doc["ok"] is True and [r["round"] for r in doc["rounds"]] == [0, 1, 2]
+    assert all(r["status"] == "ok" for r in doc["rounds"])
+
+    assert audit_main(["--run", str(run_dir), "--no-rederive", "--json", str(out)]) == 1
+    printed = capsys.readouterr().out
+    assert "AUDIT FAILED" in printed
+    doc = json.loads(out.read_text())
+    assert doc["ok"] is False and {f["check"] for f in doc["failures"]} == {"evidence", "admission"}

@@ -1,0 +1,295 @@
+"""The coordinator's trust gate: who may join, whose updates count, which reports get settled.
+
+docs/trust.md has the whole design. In short:
+
+  Challenge   a fresh nonce per worker id, valid for one Join within ``NONCE_TTL_S``.
+  Join        evidence over REPORTDATA(address, runId, nonce, code measurement) must pass the
+              policy and name an allowlisted measurement; the admission record goes to the store
+              and ``admitWorker`` to the registry (skipped for a key that is already active).
+  PushUpdate  the header is signed by the admitted key: sha256("dilocox/update/v1" ‖ runId ‖
+              uint64be(round) ‖ payload sha256).
+  Report      a participant's EIP-712 RoundReport must be signed by its key and agree with the
+              round's manifest field by field; complete rounds go, in order, to the outbox that
+              records them on the ledger.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import logging
+import os
+import threading
+import time
+from dataclasses import dataclass
+
+import grpc
+
+from attestation import (
+    Evidence, Policy, PolicyViolation, ReportError, SignatureError, SignedReport,
+    checksum_address, recover_address, report_data, verify_evidence,
+)
+from attestation.report import Domain
+from settlement import Chain, ChainError, Deployment, Ledger, Outbox, Registry
+from storage_client import CID, Codec, Manifest, ObjectStore
+from trainer.refusal import Refusal
+from trainer.run_dir import RunDir
+
+log = logging.getLogger("dilocox.trust")
+
+NONCE_TTL_S = 300.0
+UPDATE_DOMAIN = b"dilocox/update/v1"
+ADMISSION_SCHEMA = "dilocox.admission/v1"
+EVAL_TOLERANCE_E6 = 1000  # a worker's own evaluation may differ from the manifest's by 1e-3
+
+
+def update_digest(run_id: bytes, round_: int, payload_sha256_hex: str) -> bytes:
+    """What a worker signs for each update it pushes."""
+    return hashlib.sha256(
+        UPDATE_DOMAIN + run_id + round_.to_bytes(8, "big") + bytes.fromhex(payload_sha256_hex)
+    ).digest()
+
+
+def shard_digest(tokens_uint8: bytes) -> bytes:
+    """dataDigest of a report: sha256 of the shard's tokens as bytes."""
+    return hashlib.sha256(tokens_uint8).digest()
+
+
+@dataclass
+class TrustGate:
+    """Admission, update signatures and report checks for one run (thread-safe)."""
+
+    store: ObjectStore
+    registry: Registry
+    ledger: Ledger
+    outbox: Outbox
+    policy: Policy
+    run_id: bytes
+    domain: Domain
+
+    def __post_init__(self) -> None:
+        self._lock = threading.Lock()
+        self._nonces: dict[str, tuple[bytes, float]] = {}
+
+    def challenge(self, worker_id: str) -> bytes:
+        nonce = os.urandom(32)
+        with self._lock:
+            self._nonces[worker_id] = (nonce, time.monotonic())
+        return nonce
+
+    def _take_nonce(self, worker_id: str, nonce: bytes) -> None:
+        with self._lock:
+            issued = self._nonces.pop(worker_id, None)
+        if issued is None or issued[0] != nonce:
+            raise Refusal(grpc.StatusCode.FAILED_PRECONDITION,
+                               f"worker {worker_id!r}: the join nonce was not issued by this coordinator "
+                               f"(or was already used); ask for a new Challenge")
+        if time.monotonic() - issued[1] > NONCE_TTL_S:
+            raise Refusal(grpc.StatusCode.FAILED_PRECONDITION,
+                               f"worker {worker_id!r}: the join nonce expired after {NONCE_TTL_S:.0f}s")
+
+    def admit(self, worker_id: str, address: str, evidence_bytes: bytes, nonce: bytes) -> str:
+        """Verify a joining worker's evidence and admit its key on chain; returns the address."""
+        try:
+            address = checksum_address(address)
+        except ValueError as exc:
+            raise Refusal(grpc.StatusCode.INVALID_ARGUMENT, f"worker {worker_id!r}: bad address: {exc}") from exc
+        if not evidence_bytes:
+            raise Refusal(grpc.StatusCode.UNAUTHENTICATED,
+                               f"worker {worker_id!r} sent no attestation evidence; this run requires it")
+        self._take_nonce(worker_id, nonce)
+        try:
+            evidence = Evidence.from_bytes(evidence_bytes)
+            verified = verify_evidence(
+                evidence, expected_report_data=report_data(address, self.run_id, nonce, _code_of(evidence)),
+                policy=self.policy,
+            )
+        except PolicyViolation as exc:
+            raise Refusal(grpc.StatusCode.PERMISSION_DENIED,
+                               f"worker {worker_id!r}: evidence refused ({exc.check}): {exc}") from exc
+        except ValueError as exc:
+            raise Refusal(grpc.StatusCode.INVALID_ARGUMENT,
+                               f"worker {worker_id!r}: malformed evidence: {exc}") from exc
+        try:
+            if not self.registry.is_measurement_allowed(verified.measurement):
+                raise Refusal(grpc.StatusCode.PERMISSION_DENIED,
+                                   f"worker {worker_id!r}: measurement 0x{verified.measurement.hex()} is not "
+                                   f"on the registry's allowlist")
+            if self.registry.is_active(address):
+                log.info("worker %s: key %s is already admitted; fresh evidence checked", worker_id, address)
+                return address
+            evidence_cid = self.store.put(evidence_bytes)
+            record = self.store.put_json({
+                "schema": ADMISSION_SCHEMA, "worker": address, "run_id": "0x" + self.run_id.hex(),
+                "nonce": "0x" + nonce.hex(), "measurement": "0x" + verified.measurement.hex(),
+                "provider": verified.provider, "evidence": str(evidence_cid),
+            })
+            self.registry.admit_worker(address, verified.measurement, record.digest)
+        except ChainError as exc:
+            raise Refusal(grpc.StatusCode.UNAVAILABLE,
+                               f"worker {worker_id!r} cannot be admitted now: {exc}") from exc
+        note = " (dev evidence: PROVES NOTHING)" if verified.proves_nothing else ""
+        log.info("worker %s admitted as %s, measurement 0x%s, record %s%s", worker_id, address,
+                 verified.measurement.hex()[:16], record, note)
+        return address
+
+    def check_update(self, worker_id: str, address: str | None, round_: int, sha256_hex: str,
+                     signature: bytes) -> None:
+        if address is None:
+            raise Refusal(grpc.StatusCode.PERMISSION_DENIED,
+                               f"worker {worker_id!r} has no admitted key in this run")
+        try:
+            signer = recover_address(update_digest(self.run_id, round_, sha256_hex), signature)
+        except SignatureError as exc:
+            raise Refusal(grpc.StatusCode.UNAUTHENTICATED, f"update signature refused: {exc}") from exc
+        if signer != address:
+            raise Refusal(grpc.StatusCode.UNAUTHENTICATED,
+                               f"update for round {round_} is signed by {signer}, not by worker "
+                               f"{worker_id!r}'s admitted key {address}")
+
+    def check_report(self, worker_id: str, address: str | None, signed: SignedReport, manifest: Manifest,
+                     parent: Manifest, data_digest: bytes) -> None:
+        """A participant's report must be signed by its key and restate the manifest exactly."""
+        r = signed.report
+        if address is None:
+            raise Refusal(grpc.StatusCode.PERMISSION_DENIED, f"worker {worker_id!r} has no admitted key")
+        try:
+            signed.verify(self.domain)
+        except ReportError as exc:
+            raise Refusal(grpc.StatusCode.UNAUTHENTICATED, str(exc)) from exc
+        if r.worker != address:
+            raise Refusal(grpc.StatusCode.UNAUTHENTICATED,
+                               f"report names worker {r.worker}, but {worker_id!r} is admitted as {address}")
+        entry = {p.worker: p for p in manifest.participants}.get(worker_id)
+        if entry is None:
+            raise Refusal(grpc.StatusCode.FAILED_PRECONDITION,
+                               f"worker {worker_id!r} did not contribute to round {manifest.round}")
+        expected = {
+            "run_id": self.run_id, "parent_checkpoint": CID.parse(parent.params).digest,
+            "checkpoint": CID.parse(manifest.params).digest, "update_digest": CID.parse(entry.update).digest,
+            "data_digest": data_digest, "train_loss_e6": entry.train_loss_e6,
+            "eval_loss_e6": manifest.eval_loss_e6, "tokens": entry.tokens,
+            "inner_steps": entry.inner_steps, "bytes_sent": entry.bytes_sent,
+        }
+        for name, want in expected.items():
+            got = getattr(r, name)
+            if got != want:
+                show = (lambda v: "0x" + v.hex()) if isinstance(want, bytes) else repr
+                raise Refusal(grpc.StatusCode.INVALID_ARGUMENT,
+                                   f"report for round {r.round}: {name} is {show(got)}, the manifest says {show(want)}")
+
+
+def _code_of(evidence: Evidence) -> bytes:
+    """The code measurement the evidence claims (REPORTDATA[32:64]); verify_evidence then checks
+    the whole REPORTDATA, so a claim that is not bound to the quote fails there."""
+    from attestation import parse_quote
+
+    return parse_quote(evidence.quote).report_data[32:64]
+
+
+def admission_cid(evidence_digest: bytes) -> CID:
+    """The store object an on-chain ``evidenceDigest`` names."""
+    return CID(Codec.JSON, evidence_digest)
+
+
+@dataclass(frozen=True)
+class TrustSettings:
+    """How a coordinator reaches the ledger. The key is the coordinator's chain account (it is
+    the run's coordinator on the ledger and a verifier in the registry); never logged."""
+
+    rpc_url: str
+    private_key: bytes
+    deployment: Deployment
+    policy: Policy
+    report_timeout_s: float = 30.0
+
+    def __repr__(self) -> str:
+        return f"TrustSettings(rpc_url={self.rpc_url!r}, ledger={self.deployment.ledger}, key=<hidden>)"
+
+
+def open_gate(settings: TrustSettings, store: ObjectStore, run_dir: RunDir, run_id: bytes) -> TrustGate:
+    chain = Chain(settings.rpc_url, settings.private_key)
+    dep = settings.deployment
+    return TrustGate(
+        store=store, registry=Registry(chain, dep.registry), ledger=Ledger(chain, dep.ledger),
+        outbox=Outbox(run_dir.path / "outbox"), policy=settings.policy, run_id=run_id,
+        domain=Domain(dep.chain_id, dep.ledger),
+    )
+
+
+class ReportBook:
+    """Signed reports by round, kept on disk until their round is queued for the ledger.
+
+    Rounds are queued strictly in order (the ledger refuses gaps): round r goes once every
+    participant of r has reported, or ``report_timeout_s`` after r closed with at least one
+    report. A round nobody reported on cannot be recorded (the ledger needs a signed report) and
+    holds back the rounds after it; the coordinator logs that loudly.
+    """
+
+    def __init__(self, run_dir: RunDir, gate: TrustGate, report_timeout_s: float) -> None:
+        self.run_dir = run_dir
+        self.gate = gate
+        self.report_timeout_s = report_timeout_s
+        self.state = run_dir.load("settlement.json", {"run_created": False, "queued_through": 0})
+        self._lock = threading.Lock()
+        self._warned: set[int] = set()
+
+    @property
+    def queued_through(self) -> int:
+        return int(self.state["queued_through"])
+
+    def _save(self) -> None:
+        self.run_dir.save("settlement.json", self.state)
+
+    def ensure_run(self, genesis_cid: CID, genesis: Manifest) -> None:
+        with self._lock:
+            if self.state["run_created"]:
+                return
+            self.gate.outbox.enqueue_create_run(
+                run_id=self.gate.run_id, genesis_checkpoint=CID.parse(genesis.params).digest,
+                config_digest=CID.parse(genesis.config).digest, genesis_manifest=genesis_cid.digest,
+            )
+            self.state["run_created"] = True
+            self._save()
+
+    def add(self, worker_id: str, signed: SignedReport) -> None:
+        r = signed.report.round
+        with self._lock:
+            if r <= self.queued_through:
+                raise Refusal(grpc.StatusCode.FAILED_PRECONDITION,
+                              f"round {r} has already been handed to the ledger; report too late")
+            held = self.run_dir.pending(r, "reports")
+            if worker_id in held:
+                raise Refusal(grpc.StatusCode.ALREADY_EXISTS, f"worker {worker_id!r} already reported round {r}")
+            held[worker_id] = signed.to_json()
+            self.run_dir.save_pending(r, held, "reports")
+
+    def queue_due(self, manifests: dict[int, tuple[CID, Manifest]], closed_at: dict[int, float],
+                  now: float) -> list[int]:
+        """Hand every round that is ready, in order, to the outbox; returns the rounds queued."""
+        queued = []
+        with self._lock:
+            while (r := self.queued_through + 1) in manifests:
+                cid, manifest = manifests[r]
+                held = self.run_dir.pending(r, "reports")
+                expected = {p.worker for p in manifest.participants}
+                waited = now - closed_at.get(r, now)
+                if not (expected <= set(held) or (held and waited >= self.report_timeout_s)):
+                    if not held and waited >= self.report_timeout_s and r not in self._warned:
+                        self._warned.add(r)
+                        log.error("round %d: no participant has reported after %.0fs; the ledger cannot "
+                                  "record it (nor later rounds) until one does", r, waited)
+                    break
+                parent = manifests[r - 1][1]
+                self.gate.outbox.enqueue_round(
+                    run_id=self.gate.run_id, round=r, parent=CID.parse(parent.params).digest,
+                    checkpoint=CID.parse(manifest.params).digest, manifest_digest=cid.digest,
+                    reports=[held[w] for w in sorted(held)],
+                )
+                missing = sorted(expected - set(held))
+                if missing:
+                    log.warning("round %d queued without reports from %s", r, ", ".join(missing))
+                self.state["queued_through"] = r
+                self._save()
+                self.run_dir.clear_pending(r, "reports")
+                queued.append(r)
+        return queued
