@@ -37,7 +37,7 @@ $(NODE_STAMP): contracts/package-lock.json
 	cd contracts && npm ci --no-audit --no-fund
 	touch $@
 
-$(ARTIFACTS) &: $(NODE_STAMP) $(wildcard contracts/src/*.sol) contracts/foundry.toml
+$(ARTIFACTS) &: $(NODE_STAMP) $(wildcard contracts/src/*.sol contracts/test/*.sol) contracts/foundry.toml
 	cd contracts && $(FORGE) build
 
 setup: $(STAMP) $(STUBS) $(ARTIFACTS)

@@ -107,7 +107,7 @@ class _Audit:
         self.ledger = ledger
         self.registry = registry
         self.policy = policy
-        self.rederive = rederive
+        self.rederiving = rederive
         self.result = AuditResult(rederived=rederive)
         self.domain: Domain | None = None
         self.config: RunConfig | None = None
@@ -210,7 +210,7 @@ class _Audit:
                 self.config = RunConfig.from_json(self.store.get_json(manifest.config))
             except (StoreError, ConfigError, ValueError) as exc:
                 self.fail(0, manifest.config, "config", f"the run config does not parse: {exc}")
-        if self.rederive and params is not None and outer is not None:
+        if self.rederiving and params is not None and outer is not None:
             try:
                 expected = genesis_outer_state(params)
             except RederiveError as exc:
@@ -287,7 +287,7 @@ class _Audit:
                       f"the chain's parent checkpoint 0x{record.get('parentCheckpoint', b'').hex()} is not the "
                       f"digest of round {r - 1}'s params {parent.manifest.params}")
 
-        if self.rederive:
+        if self.rederiving:
             self.check_rederive(r, manifest, parent, updates)
         self.check_reports(run_id, r, record, manifest, parent)
         return _Loaded(cid, manifest, params, outer)
