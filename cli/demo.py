@@ -89,7 +89,9 @@ def run_demo(run_dir: Path, rounds: int | None = None, workers: int = 2) -> int:
         console.print("\n[bold]audit[/]: re-verifying the run from the ledger and the store alone")
         from audit.cli import audit_run_dir
 
-        return audit_run_dir(run_dir, rpc_url=anvil.rpc_url, allow_dev=True, console=console)
+        code = audit_run_dir(run_dir, rpc_url=anvil.rpc_url, allow_dev=True, console=console)
+    console.print(f"re-verify any time, from {run_dir} alone: dilocox audit --run {run_dir} --allow-dev")
+    return code
 
 
 def _train(console: Console, run_dir: Path, config: RunConfig, config_path: Path, workers: int,
