@@ -33,6 +33,7 @@ from attestation import (
     report_data,
     verify_evidence,
 )
+from attestation.admission import ADMISSION_SCHEMA, admission_record_cid
 from storage_client import (
     CID,
     Codec,
@@ -43,13 +44,7 @@ from storage_client import (
     StoreError,
 )
 
-ADMISSION_SCHEMA = "dilocox.admission/v1"
 _RECORD_KEYS = {"schema", "worker", "run_id", "nonce", "measurement", "provider", "evidence"}
-
-
-def admission_record_cid(evidence_digest: bytes) -> CID:
-    """The store object an on-chain ``evidenceDigest`` names."""
-    return CID(Codec.JSON, evidence_digest)
 
 
 @dataclass

@@ -20,11 +20,8 @@ import torch
 
 from trainer.aggregation import mean_pseudo_gradient
 from trainer.config import OuterConfig
-from trainer.diloco import outer_step, zero_momentum
+from trainer.diloco import momentum_of, outer_state_of, outer_step, zero_momentum
 from trainer.wire import Params, WireError, decode_params, encode_params, layout_of
-
-MOMENTUM_PREFIX = "momentum."
-
 
 class RederiveError(ValueError):
     """Stored bytes that cannot be combined as the round says (bad encoding, mismatched tensors)."""
@@ -51,16 +48,11 @@ def _decode(what: str, data: bytes) -> Params:
         raise RederiveError(f"{what}: {exc}") from None
 
 
-def momentum_of(state: Params) -> Params:
-    """The momentum tensors of an outer state, keyed by parameter name."""
-    unexpected = sorted(k for k in state if not k.startswith(MOMENTUM_PREFIX))
-    if unexpected:
-        raise RederiveError(f"outer state has tensors not named momentum.<param>: {unexpected}")
-    return {k[len(MOMENTUM_PREFIX):]: v for k, v in state.items()}
-
-
-def outer_state_of(momentum: Params) -> Params:
-    return {MOMENTUM_PREFIX + name: m for name, m in momentum.items()}
+def _momentum(state: Params) -> Params:
+    try:
+        return momentum_of(state)
+    except ValueError as exc:
+        raise RederiveError(str(exc)) from None
 
 
 def genesis_outer_state(params_bytes: bytes) -> bytes:
@@ -76,7 +68,7 @@ def rederive(outer: OuterConfig, parent_params: bytes, parent_outer_state: bytes
     if not updates:
         raise RederiveError("the round has no participants, so nothing to average")
     params = _decode("parent params", parent_params)
-    momentum = momentum_of(_decode("parent outer state", parent_outer_state))
+    momentum = _momentum(_decode("parent outer state", parent_outer_state))
     layout = layout_of(params)
     if layout_of(momentum) != layout:
         raise RederiveError("parent outer state does not have one momentum tensor per parameter "

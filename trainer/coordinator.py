@@ -40,7 +40,9 @@ from trainer.aggregation import (
 )
 from trainer.config import ConfigError, RunConfig
 from trainer.data import Corpus, eval_batches, load_corpus
-from trainer.diloco import evaluate, load_params, outer_step, params_of, zero_momentum
+from trainer.diloco import (
+    evaluate, load_params, momentum_of, outer_state_of, outer_step, params_of, zero_momentum,
+)
 from trainer.model import build_model, param_count
 from attestation import SignedReport
 from trainer.refusal import Refusal
@@ -194,7 +196,7 @@ class Coordinator:
         params_cid = self.store.put(payload)
         manifest = Manifest(
             run_id=config.run_id, round=0, parent=None, config=str(self.config_cid),
-            params=str(params_cid), outer_state=str(self.store.put(encode_params(_outer_state(momentum)))),
+            params=str(params_cid), outer_state=str(self.store.put(encode_params(outer_state_of(momentum)))),
             participants=(), dropped=(), eval_loss_e6=to_e6(evaluate(self.model, self.eval_batches)),
             bytes_up=0, bytes_down=0,
         )
@@ -222,7 +224,7 @@ class Coordinator:
         self._prepare(stored)
         payload = self.store.get(tip.params)
         params = decode_params(payload)
-        momentum = _momentum_from(decode_params(self.store.get(tip.outer_state)))
+        momentum = momentum_of(decode_params(self.store.get(tip.outer_state)))
         load_params(self.model, params)
         self.global_state = GlobalState(tip.round, params, momentum, payload, CID.parse(tip.params), tip_cid,
                                         tip.eval_loss_e6)
@@ -470,7 +472,7 @@ class Coordinator:
         params, momentum = outer_step(cfg.outer, g.params, g.momentum, delta)
         payload = encode_params(params)
         params_cid = self.store.put(payload)
-        outer_cid = self.store.put(encode_params(_outer_state(momentum)))
+        outer_cid = self.store.put(encode_params(outer_state_of(momentum)))
         load_params(self.model, params)
         eval_loss = evaluate(self.model, self.eval_batches)
         with self._lock:
@@ -507,18 +509,6 @@ class Coordinator:
             f", dropped {', '.join(dropped)}" if dropped else "", manifest_cid,
         )
         return summary
-
-
-def _outer_state(momentum: Params) -> Params:
-    return {f"momentum.{name}": m for name, m in momentum.items()}
-
-
-def _momentum_from(state: Params) -> Params:
-    prefix = "momentum."
-    unexpected = [k for k in state if not k.startswith(prefix)]
-    if unexpected:
-        raise ValueError(f"outer optimiser state has unexpected tensors {unexpected}")
-    return {k[len(prefix):]: v for k, v in state.items()}
 
 
 # --------------------------------------------------------------------------------- gRPC

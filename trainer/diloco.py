@@ -122,6 +122,22 @@ def outer_step(cfg: OuterConfig, params: Params, momentum: Params, delta: Params
     return new_params, new_momentum
 
 
+MOMENTUM_PREFIX = "momentum."
+
+
+def outer_state_of(momentum: Params) -> Params:
+    """The outer optimiser state as stored beside a checkpoint: ``momentum.<param>`` tensors."""
+    return {MOMENTUM_PREFIX + name: m for name, m in momentum.items()}
+
+
+def momentum_of(state: Params) -> Params:
+    """The momentum tensors of a stored outer state, keyed by parameter name."""
+    unexpected = sorted(k for k in state if not k.startswith(MOMENTUM_PREFIX))
+    if unexpected:
+        raise ValueError(f"outer state has tensors not named momentum.<param>: {unexpected}")
+    return {k[len(MOMENTUM_PREFIX):]: v for k, v in state.items()}
+
+
 @torch.no_grad()
 def evaluate(model: nn.Module, batches: list[tuple[torch.Tensor, torch.Tensor]]) -> float:
     """Mean cross-entropy (nats per token) over fixed held-out batches."""

@@ -28,9 +28,10 @@ from attestation import (
     Evidence, Policy, PolicyViolation, ReportError, SignatureError, SignedReport,
     checksum_address, recover_address, report_data, verify_evidence,
 )
+from attestation.admission import admission_record
 from attestation.report import Domain
 from settlement import Chain, ChainError, Deployment, Ledger, Outbox, Registry
-from storage_client import CID, Codec, Manifest, ObjectStore
+from storage_client import CID, Manifest, ObjectStore
 from trainer.refusal import Refusal
 from trainer.run_dir import RunDir
 
@@ -38,7 +39,6 @@ log = logging.getLogger("dilocox.trust")
 
 NONCE_TTL_S = 300.0
 UPDATE_DOMAIN = b"dilocox/update/v1"
-ADMISSION_SCHEMA = "dilocox.admission/v1"
 EVAL_TOLERANCE_E6 = 1000  # a worker's own evaluation may differ from the manifest's by 1e-3
 
 
@@ -118,11 +118,10 @@ class TrustGate:
                 log.info("worker %s: key %s is already admitted; fresh evidence checked", worker_id, address)
                 return address
             evidence_cid = self.store.put(evidence_bytes)
-            record = self.store.put_json({
-                "schema": ADMISSION_SCHEMA, "worker": address, "run_id": "0x" + self.run_id.hex(),
-                "nonce": "0x" + nonce.hex(), "measurement": "0x" + verified.measurement.hex(),
-                "provider": verified.provider, "evidence": str(evidence_cid),
-            })
+            record = self.store.put_json(admission_record(
+                worker=address, run_id=self.run_id, nonce=nonce, measurement=verified.measurement,
+                provider=verified.provider, evidence=evidence_cid,
+            ))
             self.registry.admit_worker(address, verified.measurement, record.digest)
         except ChainError as exc:
             raise Refusal(grpc.StatusCode.UNAVAILABLE,
@@ -184,11 +183,6 @@ def _code_of(evidence: Evidence) -> bytes:
     from attestation import parse_quote
 
     return parse_quote(evidence.quote).report_data[32:64]
-
-
-def admission_cid(evidence_digest: bytes) -> CID:
-    """The store object an on-chain ``evidenceDigest`` names."""
-    return CID(Codec.JSON, evidence_digest)
 
 
 @dataclass(frozen=True)

@@ -7,16 +7,10 @@ import hashlib
 import pytest
 import torch
 
-from audit.rederive import (
-    RederiveError,
-    genesis_outer_state,
-    momentum_of,
-    outer_state_of,
-    rederive,
-)
+from audit.rederive import RederiveError, genesis_outer_state, rederive
 from trainer.aggregation import mean_pseudo_gradient
 from trainer.config import OuterConfig
-from trainer.diloco import outer_step, zero_momentum
+from trainer.diloco import momentum_of, outer_state_of, outer_step, zero_momentum
 from trainer.wire import encode_params
 
 
@@ -65,8 +59,11 @@ def test_refuses_updates_that_do_not_fit() -> None:
 
 
 def test_outer_state_names() -> None:
-    with pytest.raises(RederiveError, match="momentum.<param>"):
+    with pytest.raises(ValueError, match="momentum.<param>"):
         momentum_of({"a.weight": torch.zeros(1)})
+    with pytest.raises(RederiveError, match="momentum.<param>"):
+        rederive(OuterConfig(), encode_params(tensors(0)), encode_params({"a.weight": torch.zeros(1)}),
+                 {"w0": encode_params(tensors(1))})
     params = tensors(0)
     with pytest.raises(RederiveError, match="one momentum tensor per parameter"):
         rederive(OuterConfig(), encode_params(params), encode_params({"momentum.a.weight": torch.zeros(3, 4)}),
