@@ -22,7 +22,7 @@ from storage_client import CID, canonical_json, lineage
 from tests.conftest import small_config
 from tests.integration.test_bad_input import Mallory
 from trainer.cluster import LocalCluster
-from trainer.config import RoundConfig, RunConfig
+from trainer.config import InnerConfig, RoundConfig, RunConfig
 from trainer.data import load_corpus
 from trainer.trust import shard_digest, update_digest
 from trainer.wire import encode_params, sha256_hex
@@ -156,7 +156,9 @@ def test_updates_and_reports_need_the_admitted_key(cluster: LocalCluster, chain:
 
 
 def test_chain_down_rounds_stay_queued_then_recorded(cluster: LocalCluster, chain: Anvil, tmp_path: Path) -> None:
-    config = pinned(small_config(rounds=RoundConfig(rounds=3, expected_workers=1, quorum=1,
+    # ~1 s of training a round, so rounds 2-3 certainly finish after the chain is gone.
+    config = pinned(small_config(inner=InnerConfig(steps=400, batch_size=4, lr=1e-3),
+                                 rounds=RoundConfig(rounds=3, expected_workers=1, quorum=1,
                                                     heartbeat_interval_s=0.5, liveness_timeout_s=3.0)))
     _, wo_args = start(cluster, chain, config, tmp_path)
     cluster.start_worker("w0", extra=wo_args)
