@@ -215,7 +215,8 @@ def run_stage(
         raise ValueError("an inner loop needs at least one batch")
     for x, _ in batches:
         if n_microbatches < 1 or x.shape[0] % n_microbatches:
-            raise ValueError(f"batch of {x.shape[0]} sequences cannot be cut into {n_microbatches} equal microbatches")
+            raise ValueError(f"batch of {x.shape[0]} sequences cannot be cut into "
+                             f"{n_microbatches} equal microbatches")
 
     # Imported here so that importing this module does not load the pipelining package.
     from torch.distributed.pipelining import PipelineStage, ScheduleGPipe
@@ -261,7 +262,8 @@ def run_stage(
         try:
             dist.all_reduce(stats)
         except Exception as exc:
-            raise PipelineError(f"{where}, inner step {step}: all-reduce of the gradient norm failed: {exc}") from exc
+            raise PipelineError(f"{where}, inner step {step}: all-reduce of the gradient norm "
+                                f"failed: {exc}") from exc
         loss = stats[1].item()
         if not np.isfinite(loss):
             raise FloatingPointError(f"inner step {step}: loss is {loss}")
