@@ -193,11 +193,12 @@ def main(argv: list[str] | None = None) -> int:
     except KeyboardInterrupt:
         return 130
     except Exception as exc:  # one clear line for expected failures; the traceback with -v
+        from attestation import AttestationError, PolicyViolation
         from storage_client import StoreError
         from trainer.config import ConfigError
         from trainer.data import CorpusError
 
-        known = (ConfigError, CorpusError, StoreError, OSError)
+        known = (ConfigError, CorpusError, StoreError, OSError, AttestationError, PolicyViolation)
         try:
             from trainer.worker import WorkerError
             known += (WorkerError,)

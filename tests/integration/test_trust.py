@@ -179,3 +179,15 @@ def test_chain_down_rounds_stay_queued_then_recorded(cluster: LocalCluster, chai
         ledger, run_id = ledger_of(cluster, revived)
         assert ledger.run_of(run_id)["lastRound"] == 3
         assert not list((cluster.run_dir.path / "outbox").glob("*.json"))
+
+
+def test_tdx_worker_without_configfs_tsm_says_so() -> None:
+    import subprocess
+    import sys
+
+    if Path("/sys/kernel/config/tsm/report").exists():
+        pytest.skip("this machine has configfs-tsm")  # the message under test is for machines without it
+    done = subprocess.run([sys.executable, "-m", "cli.main", "worker", "--coordinator", "127.0.0.1:1",
+                           "--worker-id", "w", "--attestation", "tdx"], capture_output=True, text=True, timeout=60)
+    assert done.returncode == 1
+    assert "configfs-tsm is missing at /sys/kernel/config/tsm/report" in done.stderr
