@@ -197,6 +197,15 @@ def _default_device() -> torch.device:
     return torch.device("cpu")
 
 
+def _check_microbatches(batches: Sequence[Batch], n_microbatches: int) -> None:
+    if not batches:
+        raise ValueError("an inner loop needs at least one batch")
+    for x, _ in batches:
+        if n_microbatches < 1 or x.shape[0] % n_microbatches:
+            raise ValueError(f"batch of {x.shape[0]} sequences cannot be cut into "
+                             f"{n_microbatches} equal microbatches")
+
+
 def run_stage(
     model_cfg: ModelConfig, inner_cfg: InnerConfig, start: Params, batches: Sequence[Batch], *,
     n_microbatches: int, optimizer_state: dict[str, Any] | None = None,
@@ -211,12 +220,7 @@ def run_stage(
     index, num_stages = dist.get_rank(), dist.get_world_size()
     device = device or _default_device()
     where = f"pipeline stage {index} of {num_stages}"
-    if not batches:
-        raise ValueError("an inner loop needs at least one batch")
-    for x, _ in batches:
-        if n_microbatches < 1 or x.shape[0] % n_microbatches:
-            raise ValueError(f"batch of {x.shape[0]} sequences cannot be cut into "
-                             f"{n_microbatches} equal microbatches")
+    _check_microbatches(batches, n_microbatches)
 
     # Imported here so that importing this module does not load the pipelining package.
     from torch.distributed.pipelining import PipelineStage, ScheduleGPipe
@@ -491,12 +495,7 @@ def run_pipelined_inner(
     ``optimizer_states`` next round). ``timeout_s`` bounds the rendezvous and each wait on a peer.
     """
     batches = list(batches)
-    if not batches:
-        raise ValueError("an inner loop needs at least one batch")
-    for x, _ in batches:
-        if n_microbatches < 1 or x.shape[0] % n_microbatches:
-            raise ValueError(f"batch of {x.shape[0]} sequences cannot be cut into "
-                             f"{n_microbatches} equal microbatches")
+    _check_microbatches(batches, n_microbatches)
     names = stage_param_names(model_cfg, world_size)
     full = [n for stage in names for n in stage]
     if set(full) != set(start_params):
