@@ -21,12 +21,15 @@ auditor holding the stored updates, re-derives it bit for bit.
 from __future__ import annotations
 
 import math
-from typing import Mapping
+from typing import Any, Mapping
 
 import torch
 
 from trainer.config import RunConfig
-from trainer.wire import Layout, Params, WireError, decode_params, layout_of
+from trainer.compression import CompressionError, decompress
+from trainer.wire import (
+    ENCODING_DENSE_F32, ENCODING_LOWRANK_INT4, Layout, Params, WireError, decode_params, layout_of,
+)
 
 
 class InvalidUpdate(ValueError):
@@ -112,9 +115,21 @@ def check_norm(update: Params, bound: float) -> float:
     return norm
 
 
-def validate_payload(payload: bytes, declared: Layout, bound: float) -> Params:
-    """Checks 3-5, for a payload whose declared layout (1) and digest (2) already passed."""
-    update = decode_update(payload, declared)
+def validate_payload(payload: bytes, declared: Layout, bound: float, *, encoding: str = ENCODING_DENSE_F32,
+                     codec_header: Mapping[str, Any] | None = None) -> Params:
+    """Checks 3-5, for a payload whose declared layout (1) and digest (2) already passed.
+
+    A compressed payload is validated against its codec header (factor shapes, rank, group
+    scales, packed lengths) before anything is decompressed, then checked as the dense update it
+    reconstructs to.
+    """
+    if encoding == ENCODING_LOWRANK_INT4:
+        try:
+            update = decompress(payload, codec_header or {}, declared)
+        except CompressionError as exc:
+            raise InvalidUpdate(f"compressed update refused: {exc}") from exc
+    else:
+        update = decode_update(payload, declared)
     check_finite(update)
     check_norm(update, bound)
     return update

@@ -194,6 +194,7 @@ def dequantize_groups(q: torch.Tensor, scales: torch.Tensor, group: int) -> torc
 class CompressionConfig:
     """Knobs of the compressor. Defaults: τ = 0.9, r ∈ [1, 64], W = 4 rounds, f = 2, g = 64."""
 
+    enabled: bool = False  # off: updates travel dense fp32 (the DiLoCo baseline)
     target_energy: float = 0.9
     min_rank: int = 1
     max_rank: int = 64

@@ -19,6 +19,7 @@ from pathlib import Path
 from typing import Any, TypeVar, get_type_hints
 
 from storage_client import CID, canonical_json, digest_json
+from trainer.compression import CompressionConfig
 
 SCHEMA = "dilocox.config/v1"
 _RUN_ID = re.compile(r"^[A-Za-z0-9._-]{1,64}$")
@@ -105,6 +106,7 @@ class RunConfig:
     outer: OuterConfig = field(default_factory=OuterConfig)
     data: DataConfig = field(default_factory=DataConfig)
     rounds: RoundConfig = field(default_factory=RoundConfig)
+    compression: CompressionConfig = field(default_factory=CompressionConfig)
 
     def __post_init__(self) -> None:
         problems = _validate(self)

@@ -49,7 +49,7 @@ from trainer.refusal import Refusal
 from trainer.run_dir import RunDir
 from trainer.trust import ReportBook, TrustGate, TrustSettings, open_gate, shard_digest
 from trainer.wire import (
-    ENCODING_DENSE_F32, Layout, Params, WireError, chunked, decode_params, encode_params,
+    ENCODING_DENSE_F32, ENCODING_LOWRANK_INT4, Layout, Params, WireError, chunked, decode_params, encode_params,
     layout_of, reassemble,
 )
 
@@ -328,9 +328,9 @@ class Coordinator:
                 raise Refusal(grpc.StatusCode.FAILED_PRECONDITION,
                               f"update for round {h.round} was computed from {h.base_params_cid}, but the "
                               f"round starts from {self.global_state.params_cid}")
-        if h.encoding != ENCODING_DENSE_F32:
+        if h.encoding not in ENCODINGS:
             raise Refusal(grpc.StatusCode.INVALID_ARGUMENT,
-                          f"unsupported update encoding {h.encoding!r}; supported: {ENCODING_DENSE_F32!r}")
+                          f"unsupported update encoding {h.encoding!r}; supported: {', '.join(ENCODINGS)}")
         if not _SHA256_HEX.match(h.payload_sha256):
             raise Refusal(grpc.StatusCode.INVALID_ARGUMENT,
                           f"payload_sha256 {h.payload_sha256!r} is not 64 lowercase hex digits")
@@ -587,12 +587,15 @@ class CoordinatorService(pb_grpc.CoordinatorServicer):
                 declared = self.c.admit_header(header)  # refused before a payload byte is read
                 what = f"update from {header.worker_id} for round {header.round}"
                 payload = reassemble(data(), header.payload_size, header.payload_sha256, what=what)
-                update = validate_payload(payload, declared, self.c.bound)
+                update = validate_payload(payload, declared, self.c.bound, encoding=header.encoding,
+                                          codec_header=codec_header(header))
+                # The record keeps the dense update: what the mean is taken over and re-derived from.
+                record = payload if header.encoding == ENCODING_DENSE_F32 else encode_params(update)
             except (WireError, InvalidUpdate) as exc:
                 raise Refusal(grpc.StatusCode.INVALID_ARGUMENT, str(exc)) from exc
             finally:
                 self.c.count_up(wire_bytes)  # refused or not, these bytes crossed the network
-            cid, open_round = self.c.accept(header, payload, update, wire_bytes)
+            cid, open_round = self.c.accept(header, record, update, wire_bytes)
         except Refusal as r:
             self.c.refuse(header, r.message)
             self._abort(context, r)
@@ -621,6 +624,22 @@ class CoordinatorService(pb_grpc.CoordinatorServicer):
 
     def Status(self, request: pb.StatusRequest, context: grpc.ServicerContext) -> pb.StatusResponse:
         return self.c.status()
+
+
+ENCODINGS = (ENCODING_DENSE_F32, ENCODING_LOWRANK_INT4)
+
+
+def codec_header(h: pb.UpdateHeader) -> dict | None:
+    """The compression header of a compressed push, parsed (None for dense pushes)."""
+    if h.encoding != ENCODING_LOWRANK_INT4:
+        return None
+    try:
+        obj = json.loads(h.compression_header)
+    except (ValueError, UnicodeDecodeError) as exc:
+        raise InvalidUpdate(f"compression_header is not JSON: {exc}") from exc
+    if not isinstance(obj, dict):
+        raise InvalidUpdate("compression_header must be a JSON object")
+    return obj
 
 
 def grpc_options() -> list[tuple[str, int]]:

@@ -22,6 +22,7 @@ Params = dict[str, torch.Tensor]
 Layout = dict[str, tuple[str, tuple[int, ...]]]
 
 ENCODING_DENSE_F32 = "dense-f32"
+ENCODING_LOWRANK_INT4 = "lowrank-int4"  # trainer.compression: low-rank + int4 factors, int8 vectors
 
 
 class WireError(ValueError):

@@ -28,6 +28,7 @@ from attestation import (
 )
 from proto import PROTOCOL_VERSION, pb, pb_grpc
 from storage_client import CID, Codec, canonical_json, to_e6
+from trainer.compression import AdaptiveRankPolicy, ErrorFeedbackCompressor, decompress
 from trainer.config import RunConfig
 from trainer.coordinator import grpc_options
 from trainer.data import eval_batches, load_corpus, round_batches
@@ -35,7 +36,7 @@ from trainer.diloco import InnerLoop, InnerResult, evaluate, load_params
 from trainer.trust import EVAL_TOLERANCE_E6, shard_digest, update_digest
 from trainer.model import build_model
 from trainer.wire import (
-    ENCODING_DENSE_F32, Params, WireError, chunked, decode_params, encode_params, layout_of,
+    ENCODING_DENSE_F32, ENCODING_LOWRANK_INT4, Params, WireError, chunked, decode_params, encode_params, layout_of,
     reassemble, sha256_hex,
 )
 
@@ -117,7 +118,7 @@ class Worker:
         request = pb.JoinRequest(
             protocol_version=PROTOCOL_VERSION, worker_id=self.worker_id,
             capabilities=pb.Capabilities(device="cpu", threads=torch.get_num_threads(),
-                                         encodings=[ENCODING_DENSE_F32]),
+                                         encodings=[ENCODING_DENSE_F32, ENCODING_LOWRANK_INT4]),
         )
         if challenge.attestation_required:
             if self.attestation is None:
@@ -158,6 +159,9 @@ class Worker:
         )
         self.model = build_model(config.model, config.seed)
         self.inner = InnerLoop(self.model, config.inner)
+        # Error feedback lives as long as the worker: what compression drops is sent next round.
+        self.compressor = (ErrorFeedbackCompressor(AdaptiveRankPolicy(config.compression))
+                           if config.compression.enabled else None)
 
     def _heartbeats(self) -> None:
         while not self._stop.wait(self.heartbeat_interval_s):
@@ -202,12 +206,23 @@ class Worker:
     def push(self, round_: int, result: InnerResult, base_cid: str) -> Pushed | None:
         """Send Δ for ``round_``; what was sent if the coordinator holds it, None if refused."""
         self.phase = "pushing"
-        payload = encode_params(result.pseudo_gradient)
+        layout = layout_of(result.pseudo_gradient)
+        if self.compressor is None:
+            payload, encoding, codec_header = encode_params(result.pseudo_gradient), ENCODING_DENSE_F32, b""
+            dense = payload
+        else:
+            payload, header_obj, decision = self.compressor.compress(result.pseudo_gradient)
+            encoding, codec_header = ENCODING_LOWRANK_INT4, canonical_json(header_obj)
+            # The round's record keeps the dense reconstruction, which the coordinator rebuilds
+            # from these bytes bit for bit; the report restates its digest.
+            dense = encode_params(decompress(payload, header_obj, layout))
+            log.info("round %d: compressed %d -> %d bytes (mean rank %.1f, energy %.3f)", round_,
+                     len(dense), len(payload), decision.mean_rank, decision.energy)
         sha = sha256_hex(payload)
         header = pb.UpdateHeader(
             protocol_version=PROTOCOL_VERSION, run_id=self.config.run_id, round=round_,
-            worker_id=self.worker_id, encoding=ENCODING_DENSE_F32,
-            tensors=[pb.TensorSpec(name=n, dtype=d, shape=s) for n, (d, s) in layout_of(result.pseudo_gradient).items()],
+            worker_id=self.worker_id, encoding=encoding, compression_header=codec_header,
+            tensors=[pb.TensorSpec(name=n, dtype=d, shape=s) for n, (d, s) in layout.items()],
             payload_size=len(payload), payload_sha256=sha, train_loss=result.mean_loss,
             tokens=result.tokens, inner_steps=result.steps, base_params_cid=base_cid,
         )
@@ -222,7 +237,7 @@ class Worker:
                 self.bytes_sent += message.ByteSize()
                 yield message
 
-        pushed = Pushed(round_, CID.of(payload).digest, to_e6(result.mean_loss), result.tokens,
+        pushed = Pushed(round_, CID.of(dense).digest, to_e6(result.mean_loss), result.tokens,
                         result.steps, wire_bytes, CID.parse(base_cid).digest)
         try:
             response = self._call(f"push round {round_}", lambda: self.stub.PushUpdate(stream(), timeout=120))

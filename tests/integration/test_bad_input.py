@@ -15,11 +15,12 @@ import pytest
 import torch
 
 from proto import PROTOCOL_VERSION, pb
-from storage_client import Manifest, lineage
+from storage_client import Manifest, canonical_json, lineage
 from trainer.cluster import LocalCluster
 from trainer.config import InnerConfig, RoundConfig, RunConfig
 from trainer.model import build_model
-from trainer.wire import ENCODING_DENSE_F32, chunked, encode_params, layout_of, sha256_hex
+from trainer.compression import AdaptiveRankPolicy, compress
+from trainer.wire import ENCODING_DENSE_F32, ENCODING_LOWRANK_INT4, chunked, encode_params, layout_of, sha256_hex
 
 pytestmark = pytest.mark.integration
 
@@ -101,6 +102,16 @@ def test_bad_updates_are_refused_and_the_round_completes(cluster: LocalCluster, 
     huge = {k: torch.full_like(v, 100.0) for k, v in m.zero.items()}
     assert "exceeds the bound" in m.refused(INVALID, huge)
     assert "unsupported update encoding" in m.refused(INVALID, encoding="pickle")
+    # a compressed update whose codec header disagrees with its bytes is refused by name
+    payload, codec = compress({k: torch.randn_like(v) * 1e-3 for k, v in m.zero.items()}, None,
+                              AdaptiveRankPolicy.fixed(2))
+    entry = next(e for e in codec["tensors"] if e["name"] == name)
+    entry["rank"] = 3
+    details = m.refused(INVALID, payload=payload, encoding=ENCODING_LOWRANK_INT4,
+                        compression_header=canonical_json(codec))
+    assert f"compressed update refused: tensor {name}" in details
+    assert "not JSON" in m.refused(INVALID, payload=payload, encoding=ENCODING_LOWRANK_INT4,
+                                   compression_header=b"{oops")
     # wrong run, a round not open yet, a stranger, an old protocol
     assert "this coordinator runs 'test'" in m.refused(PRECONDITION, run_id="other")
     assert "round 2 is not open yet; the open round is 1" in m.refused(PRECONDITION, round=2)

@@ -6,11 +6,31 @@ from proto import MAX_MESSAGE_BYTES
 from storage_client import lineage
 from trainer.aggregation import mean_pseudo_gradient
 from trainer.cluster import LocalCluster
+from trainer.compression import CompressionConfig
 from trainer.config import ModelConfig, RunConfig
-from trainer.diloco import outer_step
+from trainer.diloco import momentum_of, outer_step
+from trainer.run_dir import RunDir
 from trainer.wire import decode_params
 
 pytestmark = pytest.mark.integration
+
+
+def assert_rederivable(run: RunDir) -> list:
+    """Every round re-derives bit for bit from stored objects alone; returns the lineage."""
+    chain = lineage(run.store, run.head())
+    assert [m.round for _, m in chain] == list(range(len(chain)))
+    config = RunConfig.from_json(run.store.get_json(chain[0][1].config))
+    assert config.data.corpus_sha256  # pinned at genesis
+    for (parent_cid, parent), (_, m) in zip(chain, chain[1:], strict=False):
+        assert m.parent == str(parent_cid)
+        updates = {p.worker: decode_params(run.store.get(p.update)) for p in m.participants}
+        theta = decode_params(run.store.get(parent.params))
+        momentum = momentum_of(decode_params(run.store.get(parent.outer_state)))
+        expected, _ = outer_step(config.outer, theta, momentum, mean_pseudo_gradient(updates))
+        stored = decode_params(run.store.get(m.params))
+        assert set(stored) == set(expected)
+        assert all(stored[k].equal(expected[k]) for k in expected), f"round {m.round} does not re-derive"
+    return chain
 
 
 def test_two_workers_two_rounds_store_a_rederivable_lineage(cluster: LocalCluster, make_config) -> None:
@@ -24,29 +44,32 @@ def test_two_workers_two_rounds_store_a_rederivable_lineage(cluster: LocalCluste
         assert cluster.wait_exit(name, 180) == 0, cluster.log(name)
 
     run = cluster.run_dir
-    chain = lineage(run.store, run.head())
-    assert [m.round for _, m in chain] == [0, 1, 2]
-    config_obj = run.store.get_json(chain[0][1].config)
-    assert config_obj["data"]["corpus_sha256"]  # pinned at genesis
-
-    for (parent_cid, parent), (_, m) in zip(chain, chain[1:], strict=False):
-        assert m.parent == str(parent_cid)
+    chain = assert_rederivable(run)
+    for _, m in chain[1:]:
         assert [p.worker for p in m.participants] == ["w0", "w1"]
         assert m.dropped == ()
         assert all(p.inner_steps == 3 and p.tokens == 3 * 4 * 32 for p in m.participants)
         assert m.bytes_up > 2 * MAX_MESSAGE_BYTES and m.bytes_down > 2 * MAX_MESSAGE_BYTES
-        # The round is re-derivable from stored objects alone, bit for bit.
-        updates = {p.worker: decode_params(run.store.get(p.update)) for p in m.participants}
-        theta = decode_params(run.store.get(parent.params))
-        momentum = {k.removeprefix("momentum."): v for k, v in decode_params(run.store.get(parent.outer_state)).items()}
-        expected, _ = outer_step(RunConfig.from_json(config_obj).outer, theta, momentum, mean_pseudo_gradient(updates))
-        stored = decode_params(run.store.get(m.params))
-        assert set(stored) == set(expected)
-        assert all(stored[k].equal(expected[k]) for k in expected), f"round {m.round} does not re-derive"
 
     status_log = cluster.log("coordinator", tail=200)
     assert "round 2 closed" in status_log
     assert not (run.path / "pending").exists() or not any((run.path / "pending").iterdir())
+
+
+def test_compressed_updates_travel_small_and_still_rederive(cluster: LocalCluster, make_config) -> None:
+    config = make_config(model=ModelConfig(block_size=32, n_layer=2, n_head=4, n_embd=128),
+                         compression=CompressionConfig(enabled=True, min_rank=1, max_rank=8))
+    cluster.start_coordinator(config)
+    cluster.start_worker("w0")
+    cluster.start_worker("w1")
+    for name in ("w0", "w1", "coordinator"):
+        assert cluster.wait_exit(name, 180) == 0, cluster.log(name)
+    chain = assert_rederivable(cluster.run_dir)
+    for _, m in chain[1:]:
+        assert [p.worker for p in m.participants] == ["w0", "w1"]
+        # Uplink is compressed (two workers' pushes); the downlink still carries dense checkpoints.
+        assert m.bytes_up * 5 < m.bytes_down, (m.bytes_up, m.bytes_down)
+    assert "compressed" in cluster.log("w0")
 
 
 def test_worker_speaking_another_protocol_version_is_refused(cluster: LocalCluster, make_config) -> None:

@@ -22,6 +22,7 @@ from storage_client import CID, canonical_json, lineage
 from tests.conftest import small_config
 from tests.integration.test_bad_input import Mallory
 from trainer.cluster import LocalCluster
+from trainer.compression import CompressionConfig
 from trainer.config import InnerConfig, RoundConfig, RunConfig
 from trainer.data import load_corpus
 from trainer.trust import shard_digest, update_digest
@@ -56,8 +57,13 @@ def ledger_of(cluster: LocalCluster, anvil: Anvil) -> tuple[Ledger, bytes]:
     return Ledger(reader, deployment.ledger), genesis_cid.digest
 
 
-def test_attested_workers_every_round_recorded(cluster: LocalCluster, chain: Anvil, tmp_path: Path) -> None:
-    _, wo_args = start(cluster, chain, pinned(small_config()), tmp_path)
+@pytest.mark.parametrize("compressed", [False, True], ids=["dense", "lowrank-int4"])
+def test_attested_workers_every_round_recorded(cluster: LocalCluster, chain: Anvil, tmp_path: Path,
+                                              compressed: bool) -> None:
+    # With compression the reports restate the dense reconstruction's digest, which the
+    # coordinator stores: both sides rebuild it from the same bytes.
+    config = small_config(compression=CompressionConfig(enabled=compressed, max_rank=4))
+    _, wo_args = start(cluster, chain, pinned(config), tmp_path)
     cluster.start_worker("w0", extra=wo_args)
     cluster.start_worker("w1", extra=wo_args)
     for name in ("w0", "w1", "coordinator"):
