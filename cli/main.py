@@ -77,8 +77,11 @@ def cmd_worker(args: argparse.Namespace) -> int:
         from attestation import open_provider
 
         provider = open_provider(args.attestation, dev_root_dir=args.dev_root_dir)
+    from trainer.link import Link
+
+    link = Link(bandwidth_bps=args.link_bandwidth * 1e6, latency_s=args.link_latency / 1e3)
     worker = Worker(args.coordinator, args.worker_id, attestation=provider,
-                    reconnect_timeout_s=args.reconnect_timeout)
+                    reconnect_timeout_s=args.reconnect_timeout, link=link)
     return worker.run()
 
 
@@ -161,6 +164,9 @@ def parser() -> argparse.ArgumentParser:
     wo.add_argument("--attestation", choices=("none", "dev", "tdx"), default="none",
                     help="evidence provider: tdx (configfs-tsm) or dev (a stand-in that PROVES NOTHING)")
     wo.add_argument("--dev-root-dir", help="directory of the dev attestation root key")
+    wo.add_argument("--link-bandwidth", type=float, default=0.0,
+                    help="emulate a link of this many Mbit/s on the bytes actually sent and received (0: off)")
+    wo.add_argument("--link-latency", type=float, default=0.0, help="emulated latency per RPC, in ms")
     wo.add_argument("--reconnect-timeout", type=float, default=120.0,
                     help="seconds to keep retrying an unreachable coordinator")
     wo.set_defaults(func=cmd_worker)

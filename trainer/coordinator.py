@@ -324,7 +324,10 @@ class Coordinator:
                               f"update is for run {h.run_id!r}; this coordinator runs {self.config.run_id!r}")
             self._known(h.worker_id).last_seen = self.clock()
             self._check_round(h.worker_id, h.round)
-            if h.base_params_cid and h.base_params_cid != str(self.global_state.params_cid):
+            bases = {str(self.global_state.params_cid)}
+            if self.config.rounds.overlap:  # one round stale is the point of the overlap
+                bases.add(self.manifests[max(h.round - 2, 0)][1].params)
+            if h.base_params_cid and h.base_params_cid not in bases:
                 raise Refusal(grpc.StatusCode.FAILED_PRECONDITION,
                               f"update for round {h.round} was computed from {h.base_params_cid}, but the "
                               f"round starts from {self.global_state.params_cid}")

@@ -3,6 +3,16 @@
 The worker trusts nothing it receives without checking: the run configuration must hash to the CID
 the coordinator names, the global parameters to their CID, and the corpus to the configured digest.
 
+Rounds, synchronous (DiLoCo) and with DiLoCoX's one-step-delay overlap (``rounds.overlap``):
+
+    synchronous   s⁽ʳ⁾ = θ⁽ʳ⁻¹⁾                      wait for the round before to close, then train
+    overlapped    s⁽ʳ⁾ = θ⁽ʳ⁻²⁾ − Δᵢ⁽ʳ⁻¹⁾  (r ≥ 2)    train at once; push Δ⁽ʳ⁻¹⁾ / fetch θ⁽ʳ⁻¹⁾ meanwhile
+    both          Δᵢ⁽ʳ⁾ = s⁽ʳ⁾ − θᵢ⁽ʳ'ᴴ⁾ after H inner steps;  θ⁽ʳ⁾ = Outer(θ⁽ʳ⁻¹⁾, mean Δ⁽ʳ⁾)
+
+With overlap the global update reaches a worker one round late: round r builds on θ⁽ʳ⁻²⁾ plus
+the worker's own last round, instead of θ⁽ʳ⁻¹⁾. The coordinator's arithmetic is the same in both
+modes, so checkpoints, reports and the audit do not change.
+
 Faults it rides out:
   * coordinator unreachable (restart, network blip): every call is retried with backoff for up to
     ``reconnect_timeout_s``; after reconnecting the worker joins again and re-sends an update the
@@ -17,6 +27,7 @@ import json
 import logging
 import threading
 import time
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Callable, Iterator, TypeVar
 
@@ -33,6 +44,7 @@ from trainer.config import RunConfig
 from trainer.coordinator import grpc_options
 from trainer.data import eval_batches, load_corpus, round_batches
 from trainer.diloco import InnerLoop, InnerResult, evaluate, load_params
+from trainer.link import Link
 from trainer.trust import EVAL_TOLERANCE_E6, shard_digest, update_digest
 from trainer.model import build_model
 from trainer.wire import (
@@ -65,7 +77,7 @@ class Pushed:
 
 class Worker:
     def __init__(self, address: str, worker_id: str, *, attestation: EvidenceProvider | None = None,
-                 reconnect_timeout_s: float = 120.0, fetch_wait_s: float = 5.0) -> None:
+                 reconnect_timeout_s: float = 120.0, fetch_wait_s: float = 5.0, link: Link | None = None) -> None:
         self.address = address
         self.worker_id = worker_id
         self.reconnect_timeout_s = reconnect_timeout_s
@@ -76,6 +88,7 @@ class Worker:
         self.phase = "starting"
         self.config: RunConfig | None = None
         self.attestation = attestation
+        self.link = link or Link()
         self.key: WorkerKey | None = None
         self.domain: Domain | None = None  # set when the run has a ledger
         self.run_digest = b""
@@ -173,11 +186,70 @@ class Worker:
 
     # ----------------------------------------------------------------------------- a round
 
+    def _finished(self, header: pb.GlobalHeader) -> int:
+        log.info("run finished at round %d (%s); sent %d bytes, received %d",
+                 header.round, header.manifest_cid, self.bytes_sent, self.bytes_received)
+        return 0
+
+    def _exchange(self, round_: int, result: InnerResult, base_cid: str) -> tuple[Pushed | None, pb.GlobalHeader, Params]:
+        """Push Δ⁽ʳ⁾, then fetch θ⁽ʳ⁾ (or whatever is newer): the part that overlaps compute."""
+        pushed = self.push(round_, result, base_cid)
+        header, payload = self.fetch(round_)
+        return pushed, header, decode_params(payload)
+
+    def _run_overlapped(self) -> int:
+        """DiLoCoX's one-step-delay overlap (see the module docstring).
+
+        While round r trains, the exchange of round r-1 (push Δ⁽ʳ⁻¹⁾, fetch θ⁽ʳ⁻¹⁾) runs in a
+        background thread; round r started from θ⁽ʳ⁻²⁾ − Δ⁽ʳ⁻¹⁾, the newest global this worker
+        held plus its own last round. A worker that finds itself behind (dropped, or the run moved
+        on) starts over synchronously from the newest global.
+        """
+        header, payload = self.fetch(0)
+        held_header, held = header, decode_params(payload)
+        if held_header.finished:
+            return self._finished(held_header)
+        r, start, base = held_header.round + 1, held, held_header.params_cid
+        inflight: Future | None = None
+        with ThreadPoolExecutor(max_workers=1, thread_name_prefix="exchange") as exchange:
+            while r <= self.config.rounds.rounds:
+                self.round = r
+                started = time.monotonic()
+                result = self.train(r, start)
+                trained = time.monotonic() - started
+                if inflight is not None:
+                    pushed, held_header, held = inflight.result()
+                    if pushed is not None and held_header.round == pushed.round and self.domain is not None:
+                        self.report(pushed, held_header, held)
+                    if held_header.finished or held_header.round != r - 1:
+                        # Behind the run: this round's work builds on a stale base; start over.
+                        log.warning("round %d: the run is at round %d; restarting from it", r, held_header.round)
+                        if held_header.finished:
+                            return self._finished(held_header)
+                        r, start, base, inflight = held_header.round + 1, held, held_header.params_cid, None
+                        continue
+                inflight = exchange.submit(self._exchange, r, result, base)
+                log.info("round %d: %d steps, loss %.4f, %d tokens, train %.2fs, waited %.2fs for round %d",
+                         r, result.steps, result.mean_loss, result.tokens, trained,
+                         time.monotonic() - started - trained, r - 1)
+                # s⁽ʳ⁺¹⁾ = θ⁽ʳ⁻¹⁾ − Δ⁽ʳ⁾: newest global held, plus this round's own progress.
+                start = {k: held[k] - result.pseudo_gradient[k] for k in held}
+                base = held_header.params_cid
+                r += 1
+            assert inflight is not None
+            pushed, header, params = inflight.result()
+            if pushed is not None and header.round == pushed.round and self.domain is not None:
+                self.report(pushed, header, params)
+            while not header.finished:
+                header, _ = self.fetch(header.round + 1)
+            return self._finished(header)
+
     def fetch(self, min_round: int) -> tuple[pb.GlobalHeader, bytes]:
         """The global checkpoint of round >= ``min_round`` (waits for it), verified by its CID."""
         self.phase = "waiting"
         while True:
             def call() -> tuple[pb.GlobalHeader, bytes | None]:
+                self.link.call()
                 stream = self.stub.FetchGlobal(pb.FetchGlobalRequest(
                     worker_id=self.worker_id, min_round=min_round, wait_s=self.fetch_wait_s),
                     timeout=self.fetch_wait_s + 60)
@@ -192,6 +264,7 @@ class Worker:
                 def data() -> Iterator[bytes]:
                     for message in stream:
                         self.bytes_received += message.ByteSize()
+                        self.link.transfer("down", message.ByteSize())
                         yield message.data
                 payload = reassemble(data(), header.payload_size, header.payload_sha256,
                                      what=f"global parameters of round {header.round}")
@@ -233,7 +306,9 @@ class Worker:
         wire_bytes = sum(m.ByteSize() for m in messages)
 
         def stream() -> Iterator[pb.UpdateChunk]:  # a fresh iterator per attempt
+            self.link.call()
             for message in messages:
+                self.link.transfer("up", message.ByteSize())
                 self.bytes_sent += message.ByteSize()
                 yield message
 
@@ -295,6 +370,8 @@ class Worker:
         beat = threading.Thread(target=self._heartbeats, name="heartbeat", daemon=True)
         beat.start()
         try:
+            if self.config.rounds.overlap:
+                return self._run_overlapped()
             min_round = 0
             pushed: Pushed | None = None
             while True:
@@ -303,15 +380,13 @@ class Worker:
                 if pushed is not None and header.round == pushed.round and self.domain is not None:
                     self.report(pushed, header, params)
                 if header.finished:
-                    log.info("run finished at round %d (%s); sent %d bytes, received %d",
-                             header.round, header.manifest_cid, self.bytes_sent, self.bytes_received)
-                    return 0
+                    return self._finished(header)
                 self.round = header.round + 1
                 started = time.monotonic()
                 result = self.train(self.round, params)
                 trained = time.monotonic() - started
                 pushed = self.push(self.round, result, header.params_cid)
-                log.info("round %d: %d steps, loss %.4f, %d tokens, train %.2fs, push %.2fs",
+                log.info("round %d: %d steps, loss %.4f, %d tokens, train %.2fs, exchange %.2fs",
                          self.round, result.steps, result.mean_loss, result.tokens, trained,
                          time.monotonic() - started - trained)
                 min_round = self.round
