@@ -35,6 +35,7 @@ ROUND_REPORT_TYPE = [
     {"name": "tokens", "type": "uint64"},
     {"name": "innerSteps", "type": "uint32"},
     {"name": "bytesSent", "type": "uint64"},
+    {"name": "bytesReceived", "type": "uint64"},
 ]
 TYPE_STRING = "RoundReport(" + ",".join(f"{f['type']} {f['name']}" for f in ROUND_REPORT_TYPE) + ")"
 
@@ -68,14 +69,15 @@ class RoundReport:
     eval_loss_e6: int
     tokens: int
     inner_steps: int
-    bytes_sent: int
+    bytes_sent: int  # wire bytes of the pushed update (the manifest participant's bytes_sent)
+    bytes_received: int  # wire bytes of the FetchGlobal stream the update started from (bytes_received)
 
     def __post_init__(self) -> None:
         for name in ("run_id", "parent_checkpoint", "checkpoint", "update_digest", "data_digest"):
             value = getattr(self, name)
             if not isinstance(value, bytes) or len(value) != 32:
                 raise ReportError(f"report field {name} must be 32 bytes")
-        limits = {"round": 64, "tokens": 64, "inner_steps": 32, "bytes_sent": 64}
+        limits = {"round": 64, "tokens": 64, "inner_steps": 32, "bytes_sent": 64, "bytes_received": 64}
         for name, bits in limits.items():
             value = getattr(self, name)
             if type(value) is not int or not 0 <= value < 2**bits:
@@ -97,6 +99,7 @@ class RoundReport:
             "updateDigest": self.update_digest, "dataDigest": self.data_digest,
             "trainLossE6": self.train_loss_e6, "evalLossE6": self.eval_loss_e6,
             "tokens": self.tokens, "innerSteps": self.inner_steps, "bytesSent": self.bytes_sent,
+            "bytesReceived": self.bytes_received,
         }
 
     def typed_data(self, domain: Domain) -> dict[str, Any]:

@@ -11,7 +11,8 @@ Checks, by name:
   registry              the ledger consults the registry being audited
   run-id                runId is the digest of the genesis manifest (docs/trust.md)
   object                a named object is in the store and re-hashes to its CID
-  manifest              a manifest parses (schema, fields, sorted participants)
+  manifest              a manifest parses (schema, fields, sorted participants and traffic,
+                        traffic sums equal to bytes_up / bytes_down, no downlink at genesis)
   genesis               the genesis manifest is round 0 without a parent
   genesis-checkpoint    the chain's genesis checkpoint is the sha256 of θ⁽⁰⁾'s bytes
   config                the chain's configDigest is the config's CID; every round names that config
@@ -24,14 +25,17 @@ Checks, by name:
   checkpoint            the round's on-chain checkpoint is the sha256 of the manifest's params
   parent-checkpoint     the round's on-chain parent is the previous round's params digest
   rederive              Δ = mean of the stored updates, outer_step from the parent's stored params
-                        and momentum: the bytes hash to the manifest's params and outer_state (and
-                        genesis momentum is zero)
+                        and momentum, and with a compressed downlink θ = θ_parent − decompress(C)
+                        with the carried error (audit.rederive): the bytes hash to the manifest's
+                        params and outer_state (genesis momentum is zero); a downlink object is
+                        present exactly when the config compresses
   report-count          the recording call carried as many reports as the event says
   report-signature      the EIP-712 signature recovers to report.worker (this chain, this ledger)
   report-binding        report runId / round / parentCheckpoint / checkpoint are the round's
   report-participant    report.updateDigest is the update CID of one manifest participant
   report-duplicate      one report per worker, one per participant
-  report-fields         trainLossE6, tokens, innerSteps, bytesSent equal the participant entry
+  report-fields         trainLossE6, tokens, innerSteps, bytesSent, bytesReceived equal the
+                        participant entry
   report-eval-loss      evalLossE6 equals the manifest's eval_loss_e6
   admitted              the signer has a WorkerAdmitted event at or before the recording block
   revoked               ... and no WorkerRevoked event at or before it
@@ -56,6 +60,7 @@ the re-derivation.
 from __future__ import annotations
 
 import hashlib
+import json
 from collections import defaultdict
 from dataclasses import dataclass
 from typing import Any
@@ -299,8 +304,27 @@ class _Audit:
                       "cannot re-derive the round: the config, the parent's params or outer state, or an update "
                       "is unavailable (see the failures above)")
             return
+        downlink = None
+        if (manifest.downlink is not None) != self.config.compression.enabled:
+            self.fail(r, str(manifest.params), "rederive",
+                      f"the config {'compresses' if self.config.compression.enabled else 'does not compress'} "
+                      f"the global update, but the manifest {'names a' if manifest.downlink else 'has no'} "
+                      "compressed downlink object")
+            return
+        if manifest.downlink is not None:
+            sent = self.get(r, manifest.downlink.payload, f"the compressed global update of round {r}")
+            header = self.get(r, manifest.downlink.header, f"the codec header of round {r}'s global update")
+            if sent is None or header is None:
+                self.fail(r, str(manifest.params), "rederive",
+                          "cannot re-derive the round: its compressed global update is unavailable")
+                return
+            try:
+                downlink = (sent, json.loads(header))
+            except ValueError as exc:
+                self.fail(r, manifest.downlink.header, "rederive", f"the codec header is not JSON: {exc}")
+                return
         try:
-            derived = rederive(self.config.outer, parent.params, parent.outer_state, updates)
+            derived = rederive(self.config.outer, parent.params, parent.outer_state, updates, downlink)
         except RederiveError as exc:
             self.fail(r, str(manifest.params), "rederive", str(exc))
             return
@@ -363,6 +387,7 @@ class _Audit:
                     diffs = [f"{name} {got} (manifest {want})" for name, got, want in (
                         ("trainLossE6", rep.train_loss_e6, p.train_loss_e6), ("tokens", rep.tokens, p.tokens),
                         ("innerSteps", rep.inner_steps, p.inner_steps), ("bytesSent", rep.bytes_sent, p.bytes_sent),
+                        ("bytesReceived", rep.bytes_received, p.bytes_received),
                     ) if got != want]
                     if diffs:
                         self.fail(r, label, "report-fields",

@@ -1,7 +1,12 @@
 """Re-derive a round's checkpoint from stored bytes: the coordinator's arithmetic, done again.
 
     Δ⁽ʳ⁾      = mean of the participants' stored updates, summed in sorted worker order
-    θ⁽ʳ⁾, m⁽ʳ⁾ = outer_step(config.outer, θ⁽ʳ⁻¹⁾, m⁽ʳ⁻¹⁾, Δ⁽ʳ⁾)
+    θ̃⁽ʳ⁾, m⁽ʳ⁾ = outer_step(config.outer, θ⁽ʳ⁻¹⁾, m⁽ʳ⁻¹⁾, Δ⁽ʳ⁾)
+    θ⁽ʳ⁾      = θ̃⁽ʳ⁾                                      when the global update travelled dense
+    θ⁽ʳ⁾      = θ⁽ʳ⁻¹⁾ − decompress(C⁽ʳ⁾)                  when it travelled compressed (C⁽ʳ⁾ the
+    e⁽ʳ⁾      = fl32(θ⁽ʳ⁻¹⁾ − θ̃⁽ʳ⁾ + e⁽ʳ⁻¹⁾ − decompress(C⁽ʳ⁾))   manifest's downlink object; e the
+                                                           downlink error in the outer state,
+                                                           trainer.downlink)
 
 θ⁽ʳ⁻¹⁾ and m⁽ʳ⁻¹⁾ are decoded from round r-1's stored params and outer state (momentum tensors are
 named ``momentum.<param>``). The results are encoded with ``trainer.wire.encode_params`` (no
@@ -15,12 +20,15 @@ from __future__ import annotations
 import hashlib
 from collections.abc import Mapping
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 
 from trainer.aggregation import mean_pseudo_gradient
 from trainer.config import OuterConfig
-from trainer.diloco import momentum_of, outer_state_of, outer_step, zero_momentum
+from trainer.compression import CompressionError
+from trainer.diloco import downlink_error_of, momentum_of, outer_state_of, outer_step, zero_momentum
+from trainer.downlink import apply_update, carried_error, decode_update, global_update
 from trainer.wire import Params, WireError, decode_params, encode_params, layout_of
 
 class RederiveError(ValueError):
@@ -48,9 +56,9 @@ def _decode(what: str, data: bytes) -> Params:
         raise RederiveError(f"{what}: {exc}") from None
 
 
-def _momentum(state: Params) -> Params:
+def _outer_state(state: Params) -> tuple[Params, Params]:
     try:
-        return momentum_of(state)
+        return momentum_of(state), downlink_error_of(state)
     except ValueError as exc:
         raise RederiveError(str(exc)) from None
 
@@ -62,13 +70,14 @@ def genesis_outer_state(params_bytes: bytes) -> bytes:
 
 
 def rederive(outer: OuterConfig, parent_params: bytes, parent_outer_state: bytes,
-             updates: Mapping[str, bytes]) -> Derived:
-    """θ⁽ʳ⁾ and m⁽ʳ⁾ as bytes from round r-1's stored state and the round's stored updates
-    (keyed by worker id, as in the manifest)."""
+             updates: Mapping[str, bytes], downlink: tuple[bytes, Mapping[str, Any]] | None = None) -> Derived:
+    """θ⁽ʳ⁾ and the outer state as bytes from round r-1's stored state, the round's stored updates
+    (keyed by worker id, as in the manifest) and, when the global update travelled compressed, its
+    stored bytes and codec header."""
     if not updates:
         raise RederiveError("the round has no participants, so nothing to average")
     params = _decode("parent params", parent_params)
-    momentum = _momentum(_decode("parent outer state", parent_outer_state))
+    momentum, error = _outer_state(_decode("parent outer state", parent_outer_state))
     layout = layout_of(params)
     if layout_of(momentum) != layout:
         raise RederiveError("parent outer state does not have one momentum tensor per parameter "
@@ -85,4 +94,16 @@ def rederive(outer: OuterConfig, parent_params: bytes, parent_outer_state: bytes
     with torch.no_grad():
         delta = mean_pseudo_gradient(decoded)
         new_params, new_momentum = outer_step(outer, params, momentum, delta)
-    return Derived(encode_params(new_params), encode_params(outer_state_of(new_momentum)))
+        if downlink is None:
+            if error:
+                raise RederiveError("the parent outer state carries a downlink error, but the round's global "
+                                    "update is not compressed")
+            return Derived(encode_params(new_params), encode_params(outer_state_of(new_momentum)))
+        try:
+            received = decode_update(downlink[0], downlink[1], layout)
+        except CompressionError as exc:
+            raise RederiveError(f"compressed global update: {exc}") from None
+        update = global_update(params, new_params)
+        new_error = carried_error(update, error, received)
+        published = apply_update(params, received)
+    return Derived(encode_params(published), encode_params(outer_state_of(new_momentum, new_error)))

@@ -65,11 +65,12 @@ def provision(run_dir: Path, rpc_url: str, config: RunConfig) -> tuple[list[str]
     return coordinator_args, worker_args
 
 
-def run_demo(run_dir: Path, rounds: int | None = None, workers: int = 2) -> int:
+def run_demo(run_dir: Path, rounds: int | None = None, workers: int = 2, overlap: bool | None = None) -> int:
     console = Console()
     config = demo_config()
     config = config.replace(rounds=dataclasses.replace(
-        config.rounds, rounds=rounds or config.rounds.rounds, expected_workers=workers, quorum=workers))
+        config.rounds, rounds=rounds or config.rounds.rounds, expected_workers=workers, quorum=workers,
+        overlap=config.rounds.overlap if overlap is None else overlap))
     # Pin the corpus now: the allowlisted measurement covers the configuration's CID.
     corpus = load_corpus(config.data, config.seed, config.model.block_size)
     config = config.replace(data=dataclasses.replace(config.data, corpus_sha256=corpus.sha256))

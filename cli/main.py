@@ -6,12 +6,14 @@
     dilocox status --coordinator H:P               what a running coordinator reports
     dilocox audit --run runs/demo                  verify a run's lineage from ledger and store
     dilocox bench gas                              gas of the ledger's calls on a local chain
+    dilocox bench ablation [--smoke]               the DiLoCoX ablation: loss, bytes, tokens/s per mode
     dilocox config > cfg.json                      the default run configuration, to edit
 """
 
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import logging
 import os
@@ -46,6 +48,10 @@ def cmd_coordinator(args: argparse.Namespace) -> int:
 
     _threads(args.threads)
     config = RunConfig.load(args.config) if args.config else None
+    if args.overlap is not None:
+        if config is None:
+            raise SystemExit("--overlap/--no-overlap applies when starting a run: give --config too")
+        config = config.replace(rounds=dataclasses.replace(config.rounds, overlap=args.overlap))
     return serve(RunDir(args.run_dir), config, host=args.host, port=args.port, linger_s=args.linger,
                  trust=_trust_settings(args))
 
@@ -81,7 +87,8 @@ def cmd_worker(args: argparse.Namespace) -> int:
 
     link = Link(bandwidth_bps=args.link_bandwidth * 1e6, latency_s=args.link_latency / 1e3)
     worker = Worker(args.coordinator, args.worker_id, attestation=provider,
-                    reconnect_timeout_s=args.reconnect_timeout, link=link)
+                    reconnect_timeout_s=args.reconnect_timeout, link=link,
+                    metrics=Path(args.metrics) if args.metrics else None, stages=args.stages)
     return worker.run()
 
 
@@ -108,7 +115,7 @@ def cmd_config(args: argparse.Namespace) -> int:
 def cmd_demo(args: argparse.Namespace) -> int:
     from cli.demo import run_demo
 
-    return run_demo(Path(args.run_dir), rounds=args.rounds, workers=args.workers)
+    return run_demo(Path(args.run_dir), rounds=args.rounds, workers=args.workers, overlap=args.overlap)
 
 
 def cmd_audit(args: argparse.Namespace) -> int:
@@ -118,6 +125,11 @@ def cmd_audit(args: argparse.Namespace) -> int:
 
 
 def cmd_bench(args: argparse.Namespace) -> int:
+    if args.what == "ablation":
+        from benchmarks.ablation import run, settings_of
+
+        run(settings_of(args))
+        return 0
     from settlement.gas import format_markdown, gas_table
 
     rows = gas_table()
@@ -138,6 +150,8 @@ def parser() -> argparse.ArgumentParser:
     demo.add_argument("--run-dir", default="runs/demo", help="replaced if it holds an earlier demo run")
     demo.add_argument("--rounds", type=int, default=None, help="outer rounds (default from the demo config)")
     demo.add_argument("--workers", type=int, default=2)
+    demo.add_argument("--overlap", action=argparse.BooleanOptionalAction, default=None,
+                      help="DiLoCoX one-step-delay overlap, or synchronous rounds (default from the demo config)")
     demo.set_defaults(func=cmd_demo)
 
     co = sub.add_parser("coordinator", help="serve a run: collect updates, aggregate, store checkpoints")
@@ -147,6 +161,9 @@ def parser() -> argparse.ArgumentParser:
     co.add_argument("--port", type=int, default=0, help="0 picks a free port (see <run-dir>/coordinator.addr)")
     co.add_argument("--threads", type=int, default=1, help="torch threads")
     co.add_argument("--linger", type=float, default=10.0, help="seconds to let workers see the end of the run")
+    co.add_argument("--overlap", action=argparse.BooleanOptionalAction, default=None,
+                    help="DiLoCoX one-step-delay overlap (--no-overlap: synchronous DiLoCo rounds); "
+                         "overrides the config's rounds.overlap when starting a run")
     co.add_argument("--ledger", help="deployment.json of the registry and ledger to record to")
     co.add_argument("--chain-rpc", help="RPC URL of the chain holding the ledger")
     co.add_argument("--chain-key-file", help="file with the coordinator's chain key (hex); never logged")
@@ -167,8 +184,13 @@ def parser() -> argparse.ArgumentParser:
     wo.add_argument("--link-bandwidth", type=float, default=0.0,
                     help="emulate a link of this many Mbit/s on the bytes actually sent and received (0: off)")
     wo.add_argument("--link-latency", type=float, default=0.0, help="emulated latency per RPC, in ms")
+    wo.add_argument("--metrics", help="append a JSON line per round (tokens, compute seconds, bytes each way) "
+                                      "and one at the end (wall and compute seconds) to this file")
     wo.add_argument("--reconnect-timeout", type=float, default=120.0,
                     help="seconds to keep retrying an unreachable coordinator")
+    wo.add_argument("--stages", type=int, default=1, metavar="P",
+                    help="pipeline stages: P local processes, each holding a contiguous slice of layers "
+                         "(torch.distributed gloo on CPU), with max(1, threads // P) torch threads each")
     wo.set_defaults(func=cmd_worker)
 
     st = sub.add_parser("status", help="print a running coordinator's status as JSON")
@@ -182,7 +204,13 @@ def parser() -> argparse.ArgumentParser:
     au.set_defaults(func=cmd_audit)
 
     be = sub.add_parser("bench", help="benchmarks")
-    be.add_argument("what", choices=("gas",), help="gas: the ledger's gas per call on a local anvil")
+    bench = be.add_subparsers(dest="what", required=True)
+    bench.add_parser("gas", help="the ledger's gas per call on a local anvil")
+    from benchmarks import ablation
+
+    ab = bench.add_parser("ablation", help="DiLoCoX ablation: held-out loss, bytes/token, tokens/s per mode",
+                          description=ablation.__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ablation.add_arguments(ab)
     be.set_defaults(func=cmd_bench)
 
     cf = sub.add_parser("config", help="print a run configuration to start from")

@@ -84,6 +84,7 @@ def gas_table(report_counts: Sequence[int] = (1, 2, 4, 8, 16)) -> list[dict[str,
                     update_digest=_digest("update", round_, i), data_digest=_digest("shard", i),
                     train_loss_e6=3_412_345 - 97_531 * round_ + 1_234 * i, eval_loss_e6=3_398_765 - 95_001 * round_,
                     tokens=2_048_000 + 512 * i, inner_steps=500, bytes_sent=24_117_248 + 4_096 * i,
+                    bytes_received=25_165_824 + 2_048 * i,
                 )
                 reports.append(SignedReport(report, key.sign_digest(report.digest(domain))))
             receipt = ledger.record_round(run_id, round_, parent, checkpoint, _digest("manifest", round_), reports)

@@ -222,11 +222,11 @@ class Registry(_Contract):
 def _report_tuple(report: RoundReport) -> tuple[Any, ...]:
     return (report.run_id, report.round, report.worker, report.parent_checkpoint, report.checkpoint,
             report.update_digest, report.data_digest, report.train_loss_e6, report.eval_loss_e6, report.tokens,
-            report.inner_steps, report.bytes_sent)
+            report.inner_steps, report.bytes_sent, report.bytes_received)
 
 
 _REPORT_FIELDS = ("runId", "round", "worker", "parentCheckpoint", "checkpoint", "updateDigest", "dataDigest",
-                  "trainLossE6", "evalLossE6", "tokens", "innerSteps", "bytesSent")
+                  "trainLossE6", "evalLossE6", "tokens", "innerSteps", "bytesSent", "bytesReceived")
 
 
 def _report_from_abi(value: Sequence[Any] | dict[str, Any]) -> RoundReport:
@@ -234,11 +234,12 @@ def _report_from_abi(value: Sequence[Any] | dict[str, Any]) -> RoundReport:
     if isinstance(value, dict):
         value = [value[name] for name in _REPORT_FIELDS]
     (run_id, round_, worker, parent, checkpoint, update, data, train_loss, eval_loss, tokens, inner_steps,
-     bytes_sent) = value
+     bytes_sent, bytes_received) = value
     return RoundReport(run_id=bytes(run_id), round=int(round_), worker=worker, parent_checkpoint=bytes(parent),
                        checkpoint=bytes(checkpoint), update_digest=bytes(update), data_digest=bytes(data),
                        train_loss_e6=int(train_loss), eval_loss_e6=int(eval_loss), tokens=int(tokens),
-                       inner_steps=int(inner_steps), bytes_sent=int(bytes_sent))
+                       inner_steps=int(inner_steps), bytes_sent=int(bytes_sent),
+                       bytes_received=int(bytes_received))
 
 
 def _signed_from_abi(value: Sequence[Any] | dict[str, Any]) -> SignedReport:

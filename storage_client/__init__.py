@@ -8,16 +8,18 @@ round to its parent, giving a hash chain from any checkpoint back to genesis.
     cid      CID / Codec: content identifiers and their text form
     canonical  canonical JSON (one byte form per value, floats refused)
     store    ObjectStore: hash-verified objects on local disk, atomic writes
-    manifest Manifest / Participant / lineage: the per-round record and its chain
+    manifest Manifest / Participant / Downlink / Traffic / lineage: the per-round record and its chain
 """
 
 from .canonical import canonical_json, digest_json
 from .cid import CID, Codec, InvalidCIDError, decode_varint, encode_varint
 from .manifest import (
     SCHEMA,
+    Downlink,
     Manifest,
     ManifestError,
     Participant,
+    Traffic,
     from_e6,
     lineage,
     to_e6,
@@ -45,6 +47,8 @@ __all__ = [
     "write_atomic",
     "SCHEMA",
     "Participant",
+    "Downlink",
+    "Traffic",
     "Manifest",
     "ManifestError",
     "to_e6",

@@ -9,13 +9,25 @@ changing any past round changes every CID after it.
 
 Validation is strict and lives in the constructors, so every Manifest object in
 memory is well formed, whether built in code or loaded from bytes written by
-someone else. Ordering is part of validity: participants must be sorted by
-worker and `dropped` must be sorted, so one logical record has one byte form.
-The plain constructors refuse unsorted input rather than sorting silently;
-`Manifest.new` is the convenience builder that sorts for you.
+someone else. Ordering is part of validity: participants and traffic must be
+sorted by worker and `dropped` must be sorted, so one logical record has one
+byte form. The plain constructors refuse unsorted input rather than sorting
+silently; `Manifest.new` is the convenience builder that sorts for you.
 
 Losses are stored as fixed-point ints (x 1e6, see `to_e6`) because canonical
 JSON refuses floats.
+
+Traffic (schema v2). `bytes_up` / `bytes_down` are the round's total wire bytes
+from the workers to the coordinator and back. Each participant records both directions of
+its own contribution: `bytes_sent`, the wire bytes of the accepted update, and
+`bytes_received`, the wire bytes of the FetchGlobal stream that delivered the
+global state the update was computed from (0 where the fetch was not counted).
+`traffic` lists every worker that moved bytes in the round (participants,
+dropped or refused), sorted by worker, with its `up` and `down` bytes; when it
+is non-empty its sums must equal `bytes_up` and `bytes_down`. `downlink` names
+the compressed global update of the round (`payload`: RAW CID of the
+compressed bytes, `header`: JSON CID of its codec header), or is null when the
+global update travelled dense; genesis (round 0) always has null.
 """
 
 from __future__ import annotations
@@ -29,7 +41,7 @@ from .canonical import canonical_json, digest_json
 from .cid import CID, Codec, InvalidCIDError
 from .store import ObjectStore
 
-SCHEMA = "dilocox.manifest/v1"
+SCHEMA = "dilocox.manifest/v2"
 E6 = 1_000_000
 
 _PARTICIPANT_KEYS = {
@@ -39,7 +51,12 @@ _PARTICIPANT_KEYS = {
     "tokens",
     "inner_steps",
     "bytes_sent",
+    "bytes_received",
 }
+
+_DOWNLINK_KEYS = {"payload", "header"}
+
+_TRAFFIC_KEYS = {"worker", "up", "down"}
 
 _MANIFEST_KEYS = {
     "schema",
@@ -54,6 +71,8 @@ _MANIFEST_KEYS = {
     "eval_loss_e6",
     "bytes_up",
     "bytes_down",
+    "downlink",
+    "traffic",
 }
 
 
@@ -145,7 +164,10 @@ class Participant:
     train_loss_e6: int  # mean inner-loop loss x 1e6, rounded
     tokens: int
     inner_steps: int
-    bytes_sent: int
+    bytes_sent: int  # wire bytes of the accepted update
+    # wire bytes of the FetchGlobal stream that delivered the global state this worker's update was
+    # computed from (0 when not counted)
+    bytes_received: int = 0
 
     def __post_init__(self) -> None:
         _validate_participant(self.to_json(), at="participant")
@@ -158,6 +180,7 @@ class Participant:
             "tokens": self.tokens,
             "inner_steps": self.inner_steps,
             "bytes_sent": self.bytes_sent,
+            "bytes_received": self.bytes_received,
         }
 
     @classmethod
@@ -176,6 +199,61 @@ def _validate_participant(obj: Any, at: str) -> None:
     _check_int(f"{at}.tokens", obj["tokens"], minimum=0)
     _check_int(f"{at}.inner_steps", obj["inner_steps"], minimum=0)
     _check_int(f"{at}.bytes_sent", obj["bytes_sent"], minimum=0)
+    _check_int(f"{at}.bytes_received", obj["bytes_received"], minimum=0)
+
+
+@dataclass(frozen=True)
+class Downlink:
+    """The compressed global update of a round, as it travelled to the workers."""
+
+    payload: str  # CID text of the compressed global update bytes (RAW)
+    header: str  # CID text of its codec header (JSON)
+
+    def __post_init__(self) -> None:
+        _validate_downlink(self.to_json(), at="downlink")
+
+    def to_json(self) -> dict[str, Any]:
+        return {"payload": self.payload, "header": self.header}
+
+    @classmethod
+    def from_json(cls, obj: Any, at: str = "downlink") -> Downlink:
+        """Strictly parse a downlink record; `at` is the field path used in errors."""
+        _validate_downlink(obj, at)
+        return cls(**obj)
+
+
+def _validate_downlink(obj: Any, at: str) -> None:
+    _check_keys(at, obj, _DOWNLINK_KEYS)
+    _check_cid(f"{at}.payload", obj["payload"], Codec.RAW)
+    _check_cid(f"{at}.header", obj["header"], Codec.JSON)
+
+
+@dataclass(frozen=True)
+class Traffic:
+    """The wire bytes one worker moved in a round: `up` to the coordinator, `down` from it."""
+
+    worker: str
+    up: int
+    down: int
+
+    def __post_init__(self) -> None:
+        _validate_traffic(self.to_json(), at="traffic")
+
+    def to_json(self) -> dict[str, Any]:
+        return {"worker": self.worker, "up": self.up, "down": self.down}
+
+    @classmethod
+    def from_json(cls, obj: Any, at: str = "traffic") -> Traffic:
+        """Strictly parse one traffic entry; `at` is the field path used in errors."""
+        _validate_traffic(obj, at)
+        return cls(**obj)
+
+
+def _validate_traffic(obj: Any, at: str) -> None:
+    _check_keys(at, obj, _TRAFFIC_KEYS)
+    _check_str(f"{at}.worker", obj["worker"])
+    _check_int(f"{at}.up", obj["up"], minimum=0)
+    _check_int(f"{at}.down", obj["down"], minimum=0)
 
 
 @dataclass(frozen=True)
@@ -193,13 +271,17 @@ class Manifest:
     eval_loss_e6: int
     bytes_up: int
     bytes_down: int
+    downlink: Downlink | None = None  # the compressed global update; None when it travelled dense
+    traffic: tuple[Traffic, ...] = ()  # sorted by worker, unique; sums are bytes_up / bytes_down
 
     def __post_init__(self) -> None:
         # Freeze sequences (a list would make the record mutable); never reorder them.
         _check_list("participants", self.participants)
         _check_list("dropped", self.dropped)
+        _check_list("traffic", self.traffic)
         object.__setattr__(self, "participants", tuple(self.participants))
         object.__setattr__(self, "dropped", tuple(self.dropped))
+        object.__setattr__(self, "traffic", tuple(self.traffic))
 
         _check_str("run_id", self.run_id)
         _check_int("round", self.round, minimum=0)
@@ -234,6 +316,36 @@ class Manifest:
         if both:
             raise ManifestError(f"manifest field 'dropped': workers {both} are also participants")
 
+        if self.downlink is not None:
+            if not isinstance(self.downlink, Downlink):
+                raise ManifestError(
+                    f"manifest field 'downlink': expected Downlink or null, "
+                    f"got {type(self.downlink).__name__}"
+                )
+            if self.round == 0:
+                raise ManifestError("manifest field 'downlink': must be null for round 0")
+
+        movers: list[str] = []
+        for i, t in enumerate(self.traffic):
+            if not isinstance(t, Traffic):
+                raise ManifestError(
+                    f"manifest field 'traffic[{i}]': expected Traffic, got {type(t).__name__}"
+                )
+            movers.append(t.worker)
+        _check_sorted_unique("traffic", movers, what="worker")
+        if self.traffic:
+            up = sum(t.up for t in self.traffic)
+            down = sum(t.down for t in self.traffic)
+            if up != self.bytes_up:
+                raise ManifestError(
+                    f"manifest field 'traffic': up bytes sum to {up}, bytes_up is {self.bytes_up}"
+                )
+            if down != self.bytes_down:
+                raise ManifestError(
+                    f"manifest field 'traffic': down bytes sum to {down}, "
+                    f"bytes_down is {self.bytes_down}"
+                )
+
     @classmethod
     def new(
         cls,
@@ -249,8 +361,10 @@ class Manifest:
         eval_loss_e6: int,
         bytes_up: int,
         bytes_down: int,
+        downlink: Downlink | None = None,
+        traffic: Iterable[Traffic] = (),
     ) -> Manifest:
-        """Build a manifest, sorting participants and dropped and accepting CID objects."""
+        """Build a manifest, sorting participants, dropped and traffic and accepting CID objects."""
         return cls(
             run_id=run_id,
             round=round,
@@ -263,6 +377,8 @@ class Manifest:
             eval_loss_e6=eval_loss_e6,
             bytes_up=bytes_up,
             bytes_down=bytes_down,
+            downlink=downlink,
+            traffic=tuple(sorted(traffic, key=lambda t: t.worker)),
         )
 
     def to_json(self) -> dict[str, Any]:
@@ -279,6 +395,8 @@ class Manifest:
             "eval_loss_e6": self.eval_loss_e6,
             "bytes_up": self.bytes_up,
             "bytes_down": self.bytes_down,
+            "downlink": None if self.downlink is None else self.downlink.to_json(),
+            "traffic": [t.to_json() for t in self.traffic],
         }
 
     @classmethod
@@ -295,6 +413,11 @@ class Manifest:
             for i, p in enumerate(obj["participants"])
         )
         _check_list("dropped", obj["dropped"])
+        downlink = None if obj["downlink"] is None else Downlink.from_json(obj["downlink"])
+        _check_list("traffic", obj["traffic"])
+        traffic = tuple(
+            Traffic.from_json(t, at=f"traffic[{i}]") for i, t in enumerate(obj["traffic"])
+        )
         return cls(
             run_id=obj["run_id"],
             round=obj["round"],
@@ -307,6 +430,8 @@ class Manifest:
             eval_loss_e6=obj["eval_loss_e6"],
             bytes_up=obj["bytes_up"],
             bytes_down=obj["bytes_down"],
+            downlink=downlink,
+            traffic=traffic,
         )
 
     def canonical_bytes(self) -> bytes:

@@ -707,6 +707,13 @@ class ErrorFeedbackCompressor:
         assert self.policy.last_decision is not None
         return payload, header, self.policy.last_decision
 
+    def carry_back(self, transmitted: Mapping[str, torch.Tensor]) -> None:
+        """The last payload never counted (its round was refused or closed without it): e ← e + Â,
+        so the buffer again holds all of A = Δ + e and nothing is lost."""
+        for name, sent in transmitted.items():
+            e = self.errors[name]
+            self.errors[name] = (e.to(torch.float64) + sent.to(torch.float64)).to(e.dtype)
+
     def state_dict(self) -> Params:
         state = {self.ERROR_PREFIX + name: e.clone() for name, e in sorted(self.errors.items())}
         state.update({self.POLICY_PREFIX + k: v for k, v in self.policy.state_dict().items()})

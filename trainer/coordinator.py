@@ -8,8 +8,15 @@ Life of round r (the global checkpoint of round r-1 is the run's HEAD):
   close    when ``quorum`` updates are accepted and every live worker has delivered, or
            ``straggler_timeout_s`` after the first accepted update (late or dead workers are
            dropped from the round; they rejoin at the next one).
-  publish  Δ⁽ʳ⁾ = mean, (θ⁽ʳ⁾, m⁽ʳ⁾) = outer step (trainer.diloco); θ⁽ʳ⁾ and m⁽ʳ⁾ go to the store
-           as safetensors, then the round's manifest, then HEAD moves to it, then round r+1 opens.
+  publish  Δ⁽ʳ⁾ = mean, (θ⁽ʳ⁾, m⁽ʳ⁾) = outer step (trainer.diloco); with compression on, the
+           global update travels compressed and θ⁽ʳ⁾ is what the replicas rebuild from those bytes
+           (trainer.downlink). θ⁽ʳ⁾, m⁽ʳ⁾ (and the downlink bytes) go to the store, then the
+           round's manifest, then HEAD moves to it, then round r+1 opens.
+
+Traffic: every byte of every RPC stream is counted per worker and direction, into the round open
+at the time; the manifest records it (``traffic``, ``bytes_up``/``bytes_down``), and each
+participant's ``bytes_sent``/``bytes_received`` (its push, and the fetch of the state it built on),
+which its signed report restates.
 
 The state machine (:class:`Coordinator`) knows nothing of gRPC transport; :class:`CoordinatorService`
 translates RPCs into calls on it and refusals into gRPC status codes.
@@ -34,15 +41,18 @@ import torch
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 
 from proto import CHUNK_BYTES, MAX_MESSAGE_BYTES, PROTOCOL_VERSION, SERVICE_NAME, pb, pb_grpc
-from storage_client import CID, Manifest, Participant, from_e6, lineage, to_e6
+from storage_client import CID, Manifest, Participant, canonical_json, from_e6, lineage, to_e6
+from storage_client.manifest import Downlink, Traffic
 from trainer.aggregation import (
     InvalidUpdate, check_layout, mean_pseudo_gradient, norm_bound, validate_payload,
 )
 from trainer.config import ConfigError, RunConfig
 from trainer.data import Corpus, eval_batches, load_corpus
+from trainer.compression import AdaptiveRankPolicy
 from trainer.diloco import (
-    evaluate, load_params, momentum_of, outer_state_of, outer_step, params_of, zero_momentum,
+    downlink_error_of, evaluate, load_params, momentum_of, outer_state_of, outer_step, params_of, zero_momentum,
 )
+from trainer.downlink import DownlinkCompressor
 from trainer.model import build_model, param_count
 from attestation import SignedReport
 from trainer.refusal import Refusal
@@ -50,7 +60,7 @@ from trainer.run_dir import RunDir
 from trainer.trust import ReportBook, TrustGate, TrustSettings, open_gate, shard_digest
 from trainer.wire import (
     ENCODING_DENSE_F32, ENCODING_LOWRANK_INT4, Layout, Params, WireError, chunked, decode_params, encode_params,
-    layout_of, reassemble,
+    layout_of, reassemble, sha256_hex,
 )
 
 log = logging.getLogger("dilocox.coordinator")
@@ -71,7 +81,7 @@ def check_protocol(version: int) -> None:
 @dataclass
 class Accepted:
     update: Params
-    entry: dict  # the journal entry: cid, train_loss_e6, tokens, inner_steps, bytes_sent
+    entry: dict  # the journal entry: cid, train_loss_e6, tokens, inner_steps, bytes_sent, bytes_received
 
 
 @dataclass
@@ -81,8 +91,8 @@ class OpenRound:
     first_accept_at: float | None = None
     accepted: dict[str, Accepted] = field(default_factory=dict)
     refused: dict[str, list[str]] = field(default_factory=dict)  # every refusal, by worker
-    bytes_up: int = 0
-    bytes_down: int = 0
+    up: dict[str, int] = field(default_factory=dict)    # wire bytes by worker, worker → coordinator
+    down: dict[str, int] = field(default_factory=dict)  # and coordinator → worker
     closing: bool = False
 
 
@@ -106,6 +116,9 @@ class GlobalState:
     params_cid: CID
     manifest_cid: CID
     eval_loss_e6: int
+    # The compressed global update C⁽ʳ⁾ and its codec header (canonical JSON), and the CID of
+    # θ⁽ʳ⁻¹⁾ it applies to; None when the round's update travels dense.
+    downlink: tuple[bytes, bytes, str] | None = None
 
 
 @dataclass(frozen=True)
@@ -141,6 +154,10 @@ class Coordinator:
         self.store = run_dir.store
         self.clock = clock
         self._lock = threading.Condition()
+        self.downlink: DownlinkCompressor | None = None
+        # Wire bytes of each completed FetchGlobal stream, by (worker, params CID served): what a
+        # participant's record says it received for the state its update was computed from.
+        self.served: dict[tuple[str, str], int] = {}
         head = run_dir.head()
         if head is None:
             if config is None:
@@ -176,6 +193,8 @@ class Coordinator:
         self.config_bytes = config.canonical()
         self.config_cid = self.store.put_json(config.to_json())
         self.model = build_model(config.model, config.seed)
+        if config.compression.enabled:
+            self.downlink = DownlinkCompressor(AdaptiveRankPolicy(config.compression))
         corpus = corpus or load_corpus(config.data, config.seed, config.model.block_size)
         shards = config.rounds.expected_workers
         self.shard_digests = [shard_digest(corpus.shard(i, shards).to(torch.uint8).numpy().tobytes())
@@ -224,10 +243,18 @@ class Coordinator:
         self._prepare(stored)
         payload = self.store.get(tip.params)
         params = decode_params(payload)
-        momentum = momentum_of(decode_params(self.store.get(tip.outer_state)))
+        outer_state = decode_params(self.store.get(tip.outer_state))
+        momentum = momentum_of(outer_state)
+        if self.downlink is not None:
+            # e carries on from the stored outer state; the rank policy's window starts afresh.
+            self.downlink.error = downlink_error_of(outer_state)
+        downlink = None
+        if tip.downlink is not None:
+            header = canonical_json(self.store.get_json(tip.downlink.header))
+            downlink = (self.store.get(tip.downlink.payload), header, chain[-2][1].params)
         load_params(self.model, params)
         self.global_state = GlobalState(tip.round, params, momentum, payload, CID.parse(tip.params), tip_cid,
-                                        tip.eval_loss_e6)
+                                        tip.eval_loss_e6, downlink)
         self.manifests = {m.round: (cid, m) for cid, m in chain}
         self.summaries = [RoundSummary.of(cid, m) for cid, m in chain]
         log.info("run %s: resumed at round %d from %s", stored.run_id, tip.round, tip_cid)
@@ -311,6 +338,10 @@ class Coordinator:
     def heartbeat(self, worker_id: str, round_: int, phase: str) -> tuple[int, bool]:
         with self._lock:
             state = self._known(worker_id)
+            # A worker never resumes a round it abandoned: a later (or reordered) heartbeat of the
+            # same round, e.g. "waiting" for it to close, leaves it abandoned; "done" still counts.
+            if state.phase == "abandoned" and round_ == state.round and phase != "done":
+                phase = "abandoned"
             state.last_seen, state.round, state.phase = self.clock(), round_, phase[:32]
             return self.round.number, self.finished
 
@@ -372,9 +403,12 @@ class Coordinator:
                           f"worker {worker_id!r} already pushed an update for round {round_} "
                           f"({current.accepted[worker_id].entry['cid']})")
 
-    def count_up(self, nbytes: int) -> None:
+    def count_up(self, worker_id: str, nbytes: int) -> None:
+        """Bytes a worker sent, counted into the open round (refused pushes too: they crossed the
+        network). Streams from ids that never joined belong to no worker of the run."""
         with self._lock:
-            self.round.bytes_up += nbytes
+            if worker_id in self.workers:
+                self.round.up[worker_id] = self.round.up.get(worker_id, 0) + nbytes
 
     def refuse(self, h: pb.UpdateHeader, message: str) -> None:
         with self._lock:
@@ -387,9 +421,12 @@ class Coordinator:
         cid = self.store.put(payload)  # before the journal names it
         with self._lock:
             self._check_round(h.worker_id, h.round)  # the round may have moved while bytes streamed
+            # The fetch this update built on, as this coordinator counted it; after a restart it
+            # has no count and takes the worker's (which the worker's signed report restates).
+            received = self.served.get((h.worker_id, h.base_params_cid), int(h.base_bytes_received))
             entry = {
                 "cid": str(cid), "train_loss_e6": to_e6(h.train_loss), "tokens": int(h.tokens),
-                "inner_steps": int(h.inner_steps), "bytes_sent": wire_bytes,
+                "inner_steps": int(h.inner_steps), "bytes_sent": wire_bytes, "bytes_received": received,
             }
             self.round.accepted[h.worker_id] = Accepted(update, entry)
             self.round.first_accept_at = self.round.first_accept_at or self.clock()
@@ -410,9 +447,15 @@ class Coordinator:
                 self._lock.wait(remaining)
             return self.global_state, self.round.number, self.finished
 
-    def count_down(self, nbytes: int) -> None:
+    def count_down(self, worker_id: str, nbytes: int) -> None:
         with self._lock:
-            self.round.bytes_down += nbytes
+            if worker_id in self.workers:
+                self.round.down[worker_id] = self.round.down.get(worker_id, 0) + nbytes
+
+    def served_state(self, worker_id: str, params_cid: str, nbytes: int) -> None:
+        """A FetchGlobal stream of ``params_cid`` reached its end: ``nbytes`` in all."""
+        with self._lock:
+            self.served[(worker_id, params_cid)] = nbytes
 
     # ----------------------------------------------------------------------------- reports
 
@@ -458,7 +501,9 @@ class Coordinator:
             r, now = self.round, self.clock()
             if self.finished or r.closing or not r.accepted:
                 return False
-            delivered = set(r.accepted) | set(r.refused)
+            # A worker that abandoned this round (a pipeline stage failed) will push nothing for it.
+            abandoned = {w for w, s in self.workers.items() if s.phase == "abandoned" and s.round == r.number}
+            delivered = set(r.accepted) | set(r.refused) | abandoned
             everyone_in = len(r.accepted) >= self.config.rounds.quorum and self.alive(now) <= delivered
             assert r.first_accept_at is not None
             timed_out = now - r.first_accept_at >= self.config.rounds.straggler_timeout_s
@@ -473,13 +518,23 @@ class Coordinator:
         started = self.clock()
         delta = mean_pseudo_gradient({w: a.update for w, a in r.accepted.items()})
         params, momentum = outer_step(cfg.outer, g.params, g.momentum, delta)
+        downlink, downlink_record, error = None, None, None
+        if self.downlink is not None:
+            params, sent, header, decision = self.downlink.publish(g.params, params)
+            error = self.downlink.error
+            header_bytes = canonical_json(header)
+            downlink = (sent, header_bytes, str(g.params_cid))
+            downlink_record = Downlink(payload=str(self.store.put(sent)), header=str(self.store.put_json(header)))
+            log.info("round %d: global update compressed to %d bytes (mean rank %.1f, energy %.3f)",
+                     r.number, len(sent), decision.mean_rank, decision.energy)
         payload = encode_params(params)
         params_cid = self.store.put(payload)
-        outer_cid = self.store.put(encode_params(outer_state_of(momentum)))
+        outer_cid = self.store.put(encode_params(outer_state_of(momentum, error)))
         load_params(self.model, params)
         eval_loss = evaluate(self.model, self.eval_batches)
         with self._lock:
-            bytes_up, bytes_down = r.bytes_up, r.bytes_down
+            traffic = tuple(Traffic(worker=w, up=r.up.get(w, 0), down=r.down.get(w, 0))
+                            for w in sorted(set(r.up) | set(r.down)))
             refused = tuple(f"{w}: {m}" for w, ms in sorted(r.refused.items()) for m in ms)
             dropped = tuple(sorted(set(self.workers) - set(r.accepted)))
         manifest = Manifest(
@@ -488,10 +543,11 @@ class Coordinator:
             participants=tuple(
                 Participant(worker=w, update=a.entry["cid"], train_loss_e6=a.entry["train_loss_e6"],
                             tokens=a.entry["tokens"], inner_steps=a.entry["inner_steps"],
-                            bytes_sent=a.entry["bytes_sent"])
+                            bytes_sent=a.entry["bytes_sent"], bytes_received=a.entry.get("bytes_received", 0))
                 for w, a in sorted(r.accepted.items())
             ),
-            dropped=dropped, eval_loss_e6=to_e6(eval_loss), bytes_up=bytes_up, bytes_down=bytes_down,
+            dropped=dropped, eval_loss_e6=to_e6(eval_loss), bytes_up=sum(t.up for t in traffic),
+            bytes_down=sum(t.down for t in traffic), downlink=downlink_record, traffic=traffic,
         )
         manifest_cid = manifest.store(self.store)
         self.run_dir.set_head(manifest_cid)  # the round is durable from here on
@@ -500,16 +556,18 @@ class Coordinator:
         self.run_dir.log_round(dataclasses.asdict(summary))
         with self._lock:
             self.global_state = GlobalState(r.number, params, momentum, payload, params_cid, manifest_cid,
-                                            manifest.eval_loss_e6)
+                                            manifest.eval_loss_e6, downlink)
             self.manifests[r.number] = (manifest_cid, manifest)
             self.closed_at[r.number] = self.clock()
             self.summaries.append(summary)
             self.round = OpenRound(number=r.number + 1, opened_at=self.clock())
             self._lock.notify_all()
         log.info(
-            "round %d closed in %.2fs (aggregation %.2fs): eval loss %.4f, %d participant(s)%s -> %s",
+            "round %d closed in %.2fs (aggregation %.2fs): eval loss %.4f, %d participant(s)%s, "
+            "%d bytes up, %d down (%s) -> %s",
             r.number, summary.seconds, self.clock() - started, eval_loss, len(manifest.participants),
-            f", dropped {', '.join(dropped)}" if dropped else "", manifest_cid,
+            f", dropped {', '.join(dropped)}" if dropped else "", manifest.bytes_up, manifest.bytes_down,
+            ", ".join(f"{t.worker} ↑{t.up} ↓{t.down}" for t in traffic) or "no traffic", manifest_cid,
         )
         return summary
 
@@ -597,7 +655,7 @@ class CoordinatorService(pb_grpc.CoordinatorServicer):
             except (WireError, InvalidUpdate) as exc:
                 raise Refusal(grpc.StatusCode.INVALID_ARGUMENT, str(exc)) from exc
             finally:
-                self.c.count_up(wire_bytes)  # refused or not, these bytes crossed the network
+                self.c.count_up(header.worker_id, wire_bytes)  # refused or not, these bytes crossed the network
             cid, open_round = self.c.accept(header, record, update, wire_bytes)
         except Refusal as r:
             self.c.refuse(header, r.message)
@@ -609,21 +667,33 @@ class CoordinatorService(pb_grpc.CoordinatorServicer):
             state, open_round, finished = self.c.wait_for_global(request.worker_id, request.min_round, request.wait_s)
         except Refusal as r:
             self._abort(context, r)
+        worker = request.worker_id
         if state is None:
-            yield pb.GlobalChunk(header=pb.GlobalHeader(available=False, open_round=open_round))
-            return
-        header = pb.GlobalChunk(header=pb.GlobalHeader(
-            available=True, round=state.round, params_cid=str(state.params_cid),
-            manifest_cid=str(state.manifest_cid), payload_size=len(state.payload),
-            payload_sha256=state.params_cid.hex, open_round=open_round, finished=finished,
-            eval_loss_e6=state.eval_loss_e6,
-        ))
-        self.c.count_down(header.ByteSize())
-        yield header
-        for piece in chunked(state.payload, CHUNK_BYTES):
-            message = pb.GlobalChunk(data=piece)
-            self.c.count_down(message.ByteSize())
+            message = pb.GlobalChunk(header=pb.GlobalHeader(available=False, open_round=open_round))
+            self.c.count_down(worker, message.ByteSize())
             yield message
+            return
+        header = pb.GlobalHeader(
+            available=True, round=state.round, params_cid=str(state.params_cid),
+            manifest_cid=str(state.manifest_cid), open_round=open_round, finished=finished,
+            eval_loss_e6=state.eval_loss_e6, encoding=ENCODING_DENSE_F32,
+        )
+        payload = state.payload
+        if state.downlink is not None and request.have_params_cid == state.downlink[2]:
+            # The worker holds θ⁽ʳ⁻¹⁾: the compressed global update is all it needs.
+            payload, header.compression_header, header.base_params_cid = state.downlink
+            header.encoding = ENCODING_LOWRANK_INT4
+        header.payload_size, header.payload_sha256 = len(payload), sha256_hex(payload)
+        first = pb.GlobalChunk(header=header)
+        sent = first.ByteSize()
+        self.c.count_down(worker, sent)
+        yield first
+        for piece in chunked(payload, CHUNK_BYTES):
+            message = pb.GlobalChunk(data=piece)
+            self.c.count_down(worker, message.ByteSize())
+            sent += message.ByteSize()
+            yield message
+        self.c.served_state(worker, header.params_cid, sent)
 
     def Status(self, request: pb.StatusRequest, context: grpc.ServicerContext) -> pb.StatusResponse:
         return self.c.status()

@@ -123,19 +123,38 @@ def outer_step(cfg: OuterConfig, params: Params, momentum: Params, delta: Params
 
 
 MOMENTUM_PREFIX = "momentum."
+DOWNLINK_ERROR_PREFIX = "downlink_error."  # e⁽ʳ⁾ of the compressed downlink (trainer.downlink)
 
 
-def outer_state_of(momentum: Params) -> Params:
-    """The outer optimiser state as stored beside a checkpoint: ``momentum.<param>`` tensors."""
-    return {MOMENTUM_PREFIX + name: m for name, m in momentum.items()}
+def outer_state_of(momentum: Params, downlink_error: Params | None = None) -> Params:
+    """The outer optimiser state as stored beside a checkpoint: ``momentum.<param>`` tensors, and
+    ``downlink_error.<param>`` tensors when the global update travels compressed."""
+    state = {MOMENTUM_PREFIX + name: m for name, m in momentum.items()}
+    if downlink_error:
+        state.update({DOWNLINK_ERROR_PREFIX + name: e for name, e in downlink_error.items()})
+    return state
+
+
+def _split_outer_state(state: Params) -> tuple[Params, Params]:
+    unexpected = sorted(k for k in state if not k.startswith((MOMENTUM_PREFIX, DOWNLINK_ERROR_PREFIX)))
+    if unexpected:
+        raise ValueError(f"outer state has tensors named neither momentum.<param> nor "
+                         f"downlink_error.<param>: {unexpected}")
+    momentum = {k[len(MOMENTUM_PREFIX):]: v for k, v in state.items() if k.startswith(MOMENTUM_PREFIX)}
+    error = {k[len(DOWNLINK_ERROR_PREFIX):]: v for k, v in state.items() if k.startswith(DOWNLINK_ERROR_PREFIX)}
+    if error and set(error) != set(momentum):
+        raise ValueError("outer state's downlink_error tensors do not name the same parameters as its momentum")
+    return momentum, error
 
 
 def momentum_of(state: Params) -> Params:
     """The momentum tensors of a stored outer state, keyed by parameter name."""
-    unexpected = sorted(k for k in state if not k.startswith(MOMENTUM_PREFIX))
-    if unexpected:
-        raise ValueError(f"outer state has tensors not named momentum.<param>: {unexpected}")
-    return {k[len(MOMENTUM_PREFIX):]: v for k, v in state.items()}
+    return _split_outer_state(state)[0]
+
+
+def downlink_error_of(state: Params) -> Params:
+    """The downlink error buffer of a stored outer state (empty before the first compressed round)."""
+    return _split_outer_state(state)[1]
 
 
 @torch.no_grad()

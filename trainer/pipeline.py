@@ -52,25 +52,43 @@ gradient), and the P2P ops and the metadata exchange run over gloo.
 
 Processes, time limits and failures
 -----------------------------------
-:func:`run_pipelined_inner` spawns P processes (``spawn`` start method), rank s = stage s. They
-meet through a ``TCPStore`` the caller opens on 127.0.0.1 with an OS-chosen port (no race for a
-free port), and gloo is bound to the loopback interface, so nothing leaves the host. The process
-group is created with ``timeout=timeout_s``, which bounds the rendezvous and every collective and
-point-to-point wait, so a stage whose peer stops responding fails instead of waiting forever.
-The caller watches the processes: a stage that exits without a result, or reports an error, ends
-the run with a :class:`PipelineError` naming the stage (a stage that died is named before the
-peers that failed because of it); the remaining stages are terminated.
+A worker's P stages are P long-lived local processes, rank s = stage s, held by a
+:class:`StageGroup` and started once, on the first round of :class:`PipelinedInnerLoop`. They are
+forked by a ``forkserver`` that imports torch once, so only the first group of a worker pays for
+that import (seconds); a replacement group starts in a fraction of a second.
+Every round the worker puts one job on each stage's own queue (its slice of θ⁽ʳ⁻¹⁾, the batches,
+the inner hyper-parameters) and each stage answers on a shared queue with Δ_s, the losses and its
+token count; the worker merges the Δ_s by name (they partition the names exactly) into the full
+pseudo-gradient. A stage's module, GPipe schedule and AdamW state stay in its own memory across
+rounds, as :class:`trainer.diloco.InnerLoop` keeps them in the worker process: only the round's
+inputs and Δ_s cross the queues, as numpy arrays pickled by value. The queues join the worker to its
+own children only, so nothing received from the network is unpickled.
 
-Under ``torchrun`` call :func:`init_from_env` and then :func:`run_stage` in each process: it runs
-this process's stage and returns its :class:`StageResult`.
+The stages meet through a ``TCPStore`` the worker opens on 127.0.0.1 with an OS-chosen port (no
+race for a free port), and gloo is bound to the loopback interface, so nothing leaves the host. The
+process group is created with ``timeout=timeout_s``, which bounds the rendezvous and every
+collective and point-to-point wait, so a stage whose peer stops responding fails instead of waiting
+forever. While it waits for a round the worker polls its stages' liveness: a stage that exits
+without a result, or reports an error, ends the round at once (not at the end of a timeout) with a
+:class:`PipelineError` naming it (``pipeline stage 1 of 2 (pid N) died: exit code -9``; a stage
+that died is named before the peers that failed because of it), and every stage of the group is
+terminated.
 
-The inner AdamW state of each stage persists across rounds in :class:`PipelinedInnerLoop` (it is
-carried back from the stage processes after every round and handed to the next round's), as
-:class:`trainer.diloco.InnerLoop` keeps it in the worker process.
+A group that failed is never reused: its process group may hold half-finished transfers. The next
+round starts a fresh group (new processes, new AdamW state) and logs that it did; the worker
+abandons the failed round and rejoins the run at the next one from the newest global checkpoint,
+so what is lost is that round's work and the inner optimiser's moments. A stage found dead between
+rounds is replaced the same way before the round starts, without failing it. A stage leaves by
+itself when the worker is gone, so a killed worker leaves no stage processes behind;
+:meth:`PipelinedInnerLoop.close` stops them at once.
+
+Under ``torchrun`` call :func:`init_from_env`, build one :class:`StageRunner` in each process and
+call its :meth:`StageRunner.run` every round: its AdamW state persists in the runner.
 """
 
 from __future__ import annotations
 
+import logging
 import os
 import queue as queue_mod
 import socket
@@ -91,6 +109,8 @@ from trainer.config import InnerConfig, ModelConfig
 from trainer.diloco import InnerResult, load_params
 from trainer.model import GPT, build_model
 from trainer.wire import Params
+
+log = logging.getLogger("dilocox.pipeline")
 
 Batch = tuple[torch.Tensor, torch.Tensor]
 
@@ -180,7 +200,7 @@ class StageResult:
     pseudo_gradient: Params  # Δ_s, keyed by the full model's parameter names
     losses: list[float]  # ℓ_h of each step (the same on every stage)
     tokens: int
-    optimizer_state: dict[str, Any]  # this stage's AdamW state_dict, for the next round
+    optimizer_steps: int  # AdamW steps this stage's state has taken, over all its rounds
 
 
 def init_from_env(timeout_s: float = DEFAULT_TIMEOUT_S, backend: str | None = None) -> None:
@@ -206,84 +226,109 @@ def _check_microbatches(batches: Sequence[Batch], n_microbatches: int) -> None:
                              f"{n_microbatches} equal microbatches")
 
 
-def run_stage(
-    model_cfg: ModelConfig, inner_cfg: InnerConfig, start: Params, batches: Sequence[Batch], *,
-    n_microbatches: int, optimizer_state: dict[str, Any] | None = None,
-    device: torch.device | None = None,
-) -> StageResult:
-    """Run this process's stage (rank = stage) of one pipelined inner loop; see the module doc.
+class StageRunner:
+    """This process's stage (rank = stage) of the pipeline, kept from round to round.
 
-    ``start`` needs (at least) this stage's slice; ``batches`` are the worker's full batches
-    (stage 0 reads the inputs, the last stage the targets). Every rank must call it with the same
-    batches and ``n_microbatches``. The process group must already exist.
+    It holds the stage's module, its AdamW (made on the first round; its state carries over to
+    every later round, as in :class:`trainer.diloco.InnerLoop`) and the GPipe schedule. The process
+    group must already exist; every rank runs the same rounds with the same batches.
     """
-    index, num_stages = dist.get_rank(), dist.get_world_size()
-    device = device or _default_device()
-    where = f"pipeline stage {index} of {num_stages}"
-    _check_microbatches(batches, n_microbatches)
 
-    # Imported here so that importing this module does not load the pipelining package.
-    from torch.distributed.pipelining import PipelineStage, ScheduleGPipe
+    def __init__(self, model_cfg: ModelConfig, *, n_microbatches: int,
+                 device: torch.device | None = None) -> None:
+        self.index, self.num_stages = dist.get_rank(), dist.get_world_size()
+        self.device = device or _default_device()
+        self.n_microbatches = n_microbatches
+        self.where = f"pipeline stage {self.index} of {self.num_stages}"
+        # The values are overwritten by every round's start parameters.
+        self.stage = build_stage(model_cfg, 0, self.index, self.num_stages).to(self.device)
+        self.names = [n for n, _ in self.stage.named_parameters()]
+        self.optimizer: torch.optim.AdamW | None = None
+        self._schedule: Any = None
+        self._schedule_shape: tuple[int, ...] | None = None
 
-    stage = build_stage(model_cfg, 0, index, num_stages)  # values are overwritten by ``start``
-    names = [n for n, _ in stage.named_parameters()]
-    missing = [n for n in names if n not in start]
-    if missing:
-        raise ValueError(f"{where}: start parameters lack {missing}")
-    mine = {n: start[n].detach().to("cpu", copy=True) for n in names}
-    load_params(stage, mine)
-    stage.to(device)
-    stage.train()
-    optimizer = torch.optim.AdamW(
-        stage.parameters(), lr=inner_cfg.lr, betas=(inner_cfg.beta1, inner_cfg.beta2),
-        weight_decay=inner_cfg.weight_decay,
-    )
-    if optimizer_state is not None:
-        optimizer.load_state_dict(optimizer_state)
-    pipe = PipelineStage(stage, index, num_stages, device)
-    schedule = ScheduleGPipe(pipe, n_microbatches, loss_fn=lm_loss, scale_grads=True)
+    def _optimizer_for(self, cfg: InnerConfig) -> torch.optim.AdamW:
+        if self.optimizer is None:
+            self.optimizer = torch.optim.AdamW(
+                self.stage.parameters(), lr=cfg.lr, betas=(cfg.beta1, cfg.beta2),
+                weight_decay=cfg.weight_decay,
+            )
+        else:  # the state carries over; the round's hyper-parameters apply
+            for group in self.optimizer.param_groups:
+                group.update(lr=cfg.lr, betas=(cfg.beta1, cfg.beta2), weight_decay=cfg.weight_decay)
+        return self.optimizer
 
-    losses: list[float] = []
-    tokens = 0
-    for step, (x, y) in enumerate(batches, start=1):
-        optimizer.zero_grad(set_to_none=True)
-        mb_losses: list[torch.Tensor] = []
-        args = (x.to(device),) if stage.is_first else ()
-        target = y.to(device) if stage.is_last else None
-        try:
-            schedule.step(*args, target=target, losses=mb_losses if stage.is_last else None,
-                          return_outputs=False)
-        except Exception as exc:
-            raise PipelineError(f"{where}, inner step {step}: pipeline schedule failed: {exc}") from exc
+    def _schedule_for(self, shape: tuple[int, ...]) -> Any:
+        # PipelineStage infers the activation shapes from the first microbatch it runs, so a batch
+        # of another shape needs a new one; all ranks see the same batches and rebuild together.
+        if self._schedule is None or shape != self._schedule_shape:
+            # Imported here so that importing this module does not load the pipelining package.
+            from torch.distributed.pipelining import PipelineStage, ScheduleGPipe
 
-        grads = [p.grad for p in stage.parameters() if p.grad is not None]
-        stats = torch.zeros(2, dtype=torch.float64, device=device)
-        if grads:
-            norms = torch._foreach_norm(grads)
-            stats[0] = torch.linalg.vector_norm(torch.stack(norms)).double() ** 2
-        if stage.is_last:
-            stats[1] = torch.stack([loss.detach() for loss in mb_losses]).mean().double()
-        try:
-            dist.all_reduce(stats)
-        except Exception as exc:
-            raise PipelineError(f"{where}, inner step {step}: all-reduce of the gradient norm "
-                                f"failed: {exc}") from exc
-        loss = stats[1].item()
-        if not np.isfinite(loss):
-            raise FloatingPointError(f"inner step {step}: loss is {loss}")
-        if inner_cfg.grad_clip > 0:
-            total_norm = stats[0].sqrt().float()
-            coef = torch.clamp(inner_cfg.grad_clip / (total_norm + 1e-6), max=1.0)
-            torch._foreach_mul_(grads, coef.to(device))
-        optimizer.step()
-        losses.append(loss)
-        tokens += x.numel()
+            pipe = PipelineStage(self.stage, self.index, self.num_stages, self.device)
+            self._schedule = ScheduleGPipe(pipe, self.n_microbatches, loss_fn=lm_loss, scale_grads=True)
+            self._schedule_shape = shape
+        return self._schedule
 
-    delta = {n: mine[n] - p.detach().cpu() for n, p in stage.named_parameters()}
-    return StageResult(index, delta, losses, tokens, optimizer.state_dict())
+    def run(self, inner_cfg: InnerConfig, start: Params, batches: Sequence[Batch]) -> StageResult:
+        """One round of this stage; see the module doc.
+
+        ``start`` needs (at least) this stage's slice; ``batches`` are the worker's full batches
+        (stage 0 reads the inputs, the last stage the targets).
+        """
+        where, stage = self.where, self.stage
+        _check_microbatches(batches, self.n_microbatches)
+        missing = [n for n in self.names if n not in start]
+        if missing:
+            raise ValueError(f"{where}: start parameters lack {missing}")
+        mine = {n: start[n].detach().to("cpu", copy=True) for n in self.names}
+        load_params(stage, mine)
+        stage.train()
+        optimizer = self._optimizer_for(inner_cfg)
+
+        losses: list[float] = []
+        tokens = 0
+        for step, (x, y) in enumerate(batches, start=1):
+            schedule = self._schedule_for(tuple(x.shape))
+            optimizer.zero_grad(set_to_none=True)
+            mb_losses: list[torch.Tensor] = []
+            args = (x.to(self.device),) if stage.is_first else ()
+            target = y.to(self.device) if stage.is_last else None
+            try:
+                schedule.step(*args, target=target, losses=mb_losses if stage.is_last else None,
+                              return_outputs=False)
+            except Exception as exc:
+                raise PipelineError(f"{where}, inner step {step}: pipeline schedule failed: {exc}") from exc
+
+            grads = [p.grad for p in stage.parameters() if p.grad is not None]
+            stats = torch.zeros(2, dtype=torch.float64, device=self.device)
+            if grads:
+                norms = torch._foreach_norm(grads)
+                stats[0] = torch.linalg.vector_norm(torch.stack(norms)).double() ** 2
+            if stage.is_last:
+                stats[1] = torch.stack([loss.detach() for loss in mb_losses]).mean().double()
+            try:
+                dist.all_reduce(stats)
+            except Exception as exc:
+                raise PipelineError(f"{where}, inner step {step}: all-reduce of the gradient norm "
+                                    f"failed: {exc}") from exc
+            loss = stats[1].item()
+            if not np.isfinite(loss):
+                raise FloatingPointError(f"inner step {step}: loss is {loss}")
+            if inner_cfg.grad_clip > 0:
+                total_norm = stats[0].sqrt().float()
+                coef = torch.clamp(inner_cfg.grad_clip / (total_norm + 1e-6), max=1.0)
+                torch._foreach_mul_(grads, coef.to(self.device))
+            optimizer.step()
+            losses.append(loss)
+            tokens += x.numel()
+
+        delta = {n: mine[n] - p.detach().cpu() for n, p in stage.named_parameters()}
+        steps = min((int(s["step"]) for s in optimizer.state.values()), default=0)
+        return StageResult(self.index, delta, losses, tokens, steps)
 
 
-# ------------------------------------------------------------------------ spawned processes
+# ------------------------------------------------------------------ persistent stage processes
 
 
 def _to_numpy(obj: Any) -> Any:
@@ -315,60 +360,6 @@ def _loopback_interface() -> str | None:
     return next((n for n in ("lo", "lo0") if n in names), None)
 
 
-@dataclass(frozen=True)
-class _Job:
-    model_cfg: ModelConfig
-    inner_cfg: InnerConfig
-    start: Any  # numpy arrays: every stage's slice of the start parameters
-    batches: Any  # numpy (x, y) pairs
-    n_microbatches: int
-    optimizer_states: Any  # one numpy state_dict per stage, or None
-    timeout_s: float
-    threads: int
-
-
-StageFn = Callable[[_Job], Any]
-
-
-def _pipelined_stage(job: _Job) -> Any:
-    """What each spawned process runs once the process group exists."""
-    index = dist.get_rank()
-    states = job.optimizer_states
-    result = run_stage(
-        job.model_cfg, job.inner_cfg, _to_torch(job.start), _to_torch(job.batches),
-        n_microbatches=job.n_microbatches,
-        optimizer_state=None if states is None else _to_torch(states[index]),
-        device=torch.device("cpu"),
-    )
-    return _to_numpy(dict(vars(result)))  # a plain dict: _to_numpy does not enter dataclasses
-
-
-def _stage_main(index: int, world_size: int, port: int, job: _Job, stage_fn: StageFn,
-                results: Any) -> None:
-    """Entry point of a spawned stage process: rendezvous, run, report to the parent, leave."""
-    try:
-        torch.set_num_threads(job.threads)
-        os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
-        os.environ.setdefault("MASTER_PORT", str(port))
-        interface = _loopback_interface()
-        if interface and "GLOO_SOCKET_IFNAME" not in os.environ:
-            os.environ["GLOO_SOCKET_IFNAME"] = interface
-        timeout = timedelta(seconds=job.timeout_s)
-        store = dist.TCPStore("127.0.0.1", port, world_size, is_master=False, timeout=timeout)
-        try:
-            dist.init_process_group("gloo", store=store, rank=index, world_size=world_size,
-                                    timeout=timeout)
-        except Exception as exc:
-            raise PipelineError(f"pipeline stage {index} of {world_size}: process group "
-                                f"rendezvous failed within {job.timeout_s:g} s: {exc}") from exc
-        payload = stage_fn(job)
-        results.put(("ok", index, payload))
-    except BaseException as exc:  # noqa: BLE001 - everything goes back to the parent
-        message = f"{type(exc).__name__}: {exc}"
-        results.put(("error", index, message, traceback.format_exc()))
-    # No destroy_process_group: after a failure it may wait on dead peers; exiting frees it all.
-
-
 def _available_cpus() -> int:
     try:
         return len(os.sched_getaffinity(0))
@@ -376,53 +367,233 @@ def _available_cpus() -> int:
         return os.cpu_count() or 1
 
 
-def _launch(job: _Job, world_size: int, stage_fn: StageFn = _pipelined_stage,
-            deadline_s: float | None = None) -> list[Any]:
-    """Spawn ``world_size`` stage processes running ``stage_fn``; their payloads, by stage.
+@dataclass(frozen=True)
+class _Setup:
+    """What a stage process is given once, for its whole life."""
 
-    Raises :class:`PipelineError` naming the stage that died or failed (dead ones first), after
-    terminating the rest. ``deadline_s`` bounds the whole run (None: the stages' own timeouts).
+    model_cfg: ModelConfig
+    world_size: int
+    port: int  # of the parent's TCPStore
+    n_microbatches: int
+    timeout_s: float
+    threads: int
+
+
+@dataclass(frozen=True)
+class RoundJob:
+    """One round for one stage; numpy arrays only."""
+
+    seq: int  # the group's round count, from 1 (0 is the rendezvous)
+    inner_cfg: InnerConfig
+    start: dict[str, np.ndarray]  # this stage's slice of the start parameters
+    batches: list[tuple[np.ndarray, np.ndarray]]
+
+
+# Runs one round in a stage process; tests substitute one that fails on purpose.
+RoundFn = Callable[[StageRunner, RoundJob], dict[str, Any]]
+
+# How often an idle stage checks that its parent still lives.
+_IDLE_POLL_S = 1.0
+# Allowance for the forkserver to import torch before the stages' rendezvous timeout counts.
+_START_ALLOWANCE_S = 120.0
+
+
+def _context() -> Any:
+    """``forkserver``: one clean server process imports torch and the pipelining package once
+    (seconds), then forks every stage, so a group (re)starts in a fraction of a second instead of
+    each stage importing them again as under ``spawn``. The server is single-threaded (it only
+    imports), so forking it is safe, unlike forking the worker with its gRPC threads."""
+    ctx = mp.get_context("forkserver")
+    ctx.set_forkserver_preload([__name__, "torch.distributed.pipelining"])
+    return ctx
+
+
+def run_round(runner: StageRunner, job: RoundJob) -> dict[str, Any]:
+    """The default :data:`RoundFn`: the stage's round, as a plain dict of numpy arrays."""
+    result = runner.run(job.inner_cfg, _to_torch(job.start), _to_torch(job.batches))
+    return _to_numpy(dict(vars(result)))  # a plain dict: _to_numpy does not enter dataclasses
+
+
+def _stage_main(index: int, setup: _Setup, jobs: Any, results: Any, round_fn: RoundFn) -> None:
+    """A stage process: rendezvous, then serve rounds until told to stop, or on the first failure.
+
+    Messages to the parent: ("ok", stage, seq, payload), seq 0 (payload None) once the process
+    group stands; ("error", stage, seq, message, traceback), after which the process leaves.
     """
-    timeout = timedelta(seconds=job.timeout_s)
-    store = dist.TCPStore("127.0.0.1", 0, world_size, is_master=True, timeout=timeout,
-                          wait_for_workers=False)
-    ctx = mp.get_context("spawn")
-    results = ctx.Queue()
-    procs = [
-        ctx.Process(target=_stage_main, args=(s, world_size, store.port, job, stage_fn, results),
-                    name=f"pipeline-stage-{s}", daemon=True)
-        for s in range(world_size)
-    ]
-    payloads: dict[int, Any] = {}
-    errors: dict[int, tuple[str, str]] = {}
+    seq = 0
+    # The process that started this one: the worker, or the forkserver, which leaves when the
+    # worker is gone. Either way, once it is gone this process is adopted and no job will come.
+    parent = os.getppid()
     try:
-        for proc in procs:
-            proc.start()
+        torch.set_num_threads(setup.threads)
+        interface = _loopback_interface()
+        if interface and "GLOO_SOCKET_IFNAME" not in os.environ:
+            os.environ["GLOO_SOCKET_IFNAME"] = interface
+        timeout = timedelta(seconds=setup.timeout_s)
+        store = dist.TCPStore("127.0.0.1", setup.port, setup.world_size, is_master=False, timeout=timeout)
+        try:
+            dist.init_process_group("gloo", store=store, rank=index, world_size=setup.world_size,
+                                    timeout=timeout)
+        except Exception as exc:
+            raise PipelineError(f"pipeline stage {index} of {setup.world_size}: process group "
+                                f"rendezvous failed within {setup.timeout_s:g} s: {exc}") from exc
+        runner = StageRunner(setup.model_cfg, n_microbatches=setup.n_microbatches,
+                             device=torch.device("cpu"))
+        results.put(("ok", index, 0, None))
+        while True:
+            try:
+                job = jobs.get(timeout=_IDLE_POLL_S)
+            except queue_mod.Empty:
+                if os.getppid() != parent:  # the worker is gone: no job will come
+                    results.cancel_join_thread()  # nobody reads what is still unsent
+                    return
+                continue
+            if job is None:
+                return
+            seq = job.seq
+            results.put(("ok", index, seq, round_fn(runner, job)))
+    except BaseException as exc:  # noqa: BLE001 - everything goes back to the parent
+        results.put(("error", index, seq, f"{type(exc).__name__}: {exc}", traceback.format_exc()))
+    # No destroy_process_group: after a failure it may wait on dead peers; exiting frees it all.
+
+
+@dataclass(frozen=True)
+class PipelineResult:
+    pseudo_gradient: Params  # the full Δ, all stages' slices together
+    mean_loss: float
+    tokens: int
+    steps: int
+    stage_pseudo_gradients: list[Params]  # Δ_s of each stage
+    optimizer_steps: list[int]  # AdamW steps each stage's state has taken, over its group's rounds
+
+
+class StageGroup:
+    """P local stage processes and their gloo process group, serving round after round.
+
+    The constructor starts the processes and returns once their process group stands. A round that
+    fails closes the group (see the module doc); a closed group runs no more rounds.
+    """
+
+    def __init__(self, model_cfg: ModelConfig, num_stages: int, *, n_microbatches: int = 2,
+                 timeout_s: float = DEFAULT_TIMEOUT_S, threads_per_stage: int | None = None,
+                 round_fn: RoundFn = run_round) -> None:
+        self.names = stage_param_names(model_cfg, num_stages)  # refuses an impossible split
+        self.num_stages = num_stages
+        self.n_microbatches = n_microbatches
+        self.timeout_s = timeout_s
+        self.threads = threads_per_stage or max(1, _available_cpus() // num_stages)
+        self.closed = False
+        self._seq = 0
+        timeout = timedelta(seconds=timeout_s)
+        # Held for the group's life: the stages' rendezvous store.
+        self._store = dist.TCPStore("127.0.0.1", 0, num_stages, is_master=True, timeout=timeout,
+                                    wait_for_workers=False)
+        setup = _Setup(model_cfg, num_stages, self._store.port, n_microbatches, timeout_s, self.threads)
+        ctx = _context()
+        self._results = ctx.Queue()
+        self._jobs = [ctx.Queue() for _ in range(num_stages)]
+        self.procs = [
+            ctx.Process(target=_stage_main, args=(s, setup, self._jobs[s], self._results, round_fn),
+                        name=f"pipeline-stage-{s}", daemon=True)
+            for s in range(num_stages)
+        ]
+        began = time.monotonic()
+        try:
+            for s, proc in enumerate(self.procs):
+                proc.start()
+                log.info("pipeline stage %d of %d: pid %d", s, num_stages, proc.pid)
+            self._collect(0, timeout_s + _START_ALLOWANCE_S, "start")
+        except BaseException:
+            self.close(graceful=False)
+            raise
+        log.info("%d pipeline stages ready in %.1fs (%d torch thread(s) each)", num_stages,
+                 time.monotonic() - began, self.threads)
+
+    def __enter__(self) -> StageGroup:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    @property
+    def pids(self) -> list[int]:
+        return [p.pid for p in self.procs if p.pid is not None]
+
+    def dead(self) -> list[int]:
+        """The stages whose process has exited."""
+        return [s for s, p in enumerate(self.procs) if p.exitcode is not None]
+
+    def _died(self, stage: int) -> str:
+        proc = self.procs[stage]
+        return f"pipeline stage {stage} of {self.num_stages} (pid {proc.pid}) died: exit code {proc.exitcode}"
+
+    def run(self, inner_cfg: InnerConfig, start_params: Params, batches: Sequence[Batch], *,
+            deadline_s: float | None = None) -> PipelineResult:
+        """One round's inner loop on the group's stages, from the full θ⁽ʳ⁻¹⁾ ``start_params``.
+
+        ``deadline_s`` bounds the round (None: only the stages' own timeouts). ValueError for
+        inputs that do not fit (the group stays usable); PipelineError, the group closed, when a
+        stage fails.
+        """
+        if self.closed:
+            raise PipelineError("this group of pipeline stages is closed")
+        batches = list(batches)
+        _check_microbatches(batches, self.n_microbatches)
+        full = [n for stage in self.names for n in stage]
+        if set(full) != set(start_params):
+            raise ValueError(f"start parameters differ from the model's: missing "
+                             f"{sorted(set(full) - set(start_params))}, unexpected "
+                             f"{sorted(set(start_params) - set(full))}")
+        self._seq += 1
+        shared = _to_numpy([(x, y) for x, y in batches])
+        try:
+            for s, names in enumerate(self.names):
+                self._jobs[s].put(RoundJob(self._seq, inner_cfg, _to_numpy({n: start_params[n] for n in names}),
+                                           shared))
+            stages = [StageResult(**_to_torch(p)) for p in self._collect(self._seq, deadline_s, "round")]
+            delta: Params = {}
+            for s, result in enumerate(stages):
+                if list(result.pseudo_gradient) != self.names[s]:
+                    raise PipelineError(f"pipeline stage {s} returned parameters "
+                                        f"{list(result.pseudo_gradient)}, expected {self.names[s]}")
+                delta.update(result.pseudo_gradient)
+        except BaseException:
+            self.close(graceful=False)  # never reused: its process group may be half-way through
+            raise
+        losses = stages[-1].losses
+        return PipelineResult(
+            pseudo_gradient={n: delta[n] for n in start_params}, mean_loss=sum(losses) / len(losses),
+            tokens=stages[-1].tokens, steps=len(losses),
+            stage_pseudo_gradients=[r.pseudo_gradient for r in stages],
+            optimizer_steps=[r.optimizer_steps for r in stages],
+        )
+
+    def _collect(self, seq: int, deadline_s: float | None, what: str) -> list[Any]:
+        """Every stage's answer to ``seq``, by stage, watching the processes while waiting.
+
+        Raises :class:`PipelineError` naming the stage that died or failed (dead ones first).
+        """
+        world_size = self.num_stages
+        payloads: dict[int, Any] = {}
+        errors: dict[int, tuple[str, str]] = {}
         stop_at = None if deadline_s is None else time.monotonic() + deadline_s
         failed_at: float | None = None
         while len(payloads) < world_size:
             try:
-                message = results.get(timeout=0.1)
+                message = self._results.get(timeout=0.1)
             except queue_mod.Empty:
                 message = None
             if message is not None:
-                if message[0] == "ok":
-                    payloads[message[1]] = message[2]
-                else:
-                    errors[message[1]] = (message[2], message[3])
+                if self._take(message, seq, payloads, errors):
                     failed_at = failed_at or time.monotonic()
                 continue
             now = time.monotonic()
-            dead = [s for s, p in enumerate(procs)
-                    if p.exitcode is not None and s not in payloads and s not in errors]
+            dead = [s for s in self.dead() if s not in payloads and s not in errors]
             if dead:
-                _drain(results, payloads, errors)
+                self._drain(seq, payloads, errors)
                 dead = [s for s in dead if s not in payloads and s not in errors]
             if dead:
-                first = dead[0]
-                raise PipelineError(
-                    f"pipeline stage {first} of {world_size} (pid {procs[first].pid}) exited with "
-                    f"code {procs[first].exitcode} before reporting a result" + _others(errors))
+                raise PipelineError(self._died(dead[0]) + _others(errors))
             # A stage's error often makes its peers fail too; give a dead stage a moment to show.
             if errors and (failed_at is None or now - failed_at > 1.0):
                 first = min(errors)
@@ -433,35 +604,55 @@ def _launch(job: _Job, world_size: int, stage_fn: StageFn = _pipelined_stage,
                     + f"\n--- traceback of stage {first} ---\n{trace}")
             if stop_at is not None and now > stop_at:
                 waiting = [s for s in range(world_size) if s not in payloads]
-                raise PipelineError(f"pipelined inner loop exceeded {deadline_s:g} s; "
-                                    f"stages {waiting} of {world_size} had not finished")
-        for proc in procs:
-            proc.join(timeout=job.timeout_s)
+                raise PipelineError(f"pipeline {what} exceeded {deadline_s:g} s; stages {waiting} "
+                                    f"of {world_size} had not finished")
         return [payloads[s] for s in range(world_size)]
-    finally:
-        for proc in procs:
+
+    @staticmethod
+    def _take(message: tuple, seq: int, payloads: dict[int, Any],
+              errors: dict[int, tuple[str, str]]) -> bool:
+        """File one message; True if it reports an error."""
+        kind, stage, message_seq = message[:3]
+        if kind == "error":
+            errors[stage] = (message[3], message[4])
+            return True
+        if message_seq == seq:
+            payloads[stage] = message[3]
+        return False
+
+    def _drain(self, seq: int, payloads: dict[int, Any], errors: dict[int, tuple[str, str]]) -> None:
+        """Messages already written by stages that have exited."""
+        while True:
+            try:
+                message = self._results.get(timeout=0.5)
+            except queue_mod.Empty:
+                return
+            self._take(message, seq, payloads, errors)
+
+    def close(self, graceful: bool = True) -> None:
+        """Stop the stages: asked to leave (``graceful``, for idle ones), then terminated."""
+        if self.closed:
+            return
+        self.closed = True
+        started = [p for p in self.procs if p.pid is not None]
+        if graceful:
+            for jobs in self._jobs:
+                jobs.put(None)
+            stop_at = time.monotonic() + 5.0
+            for proc in started:
+                proc.join(timeout=max(0.0, stop_at - time.monotonic()))
+        for proc in started:
             if proc.is_alive():
                 proc.terminate()
-        for proc in procs:
+        for proc in started:
             proc.join(timeout=5)
             if proc.is_alive():
                 proc.kill()
                 proc.join(timeout=5)
-        results.close()
-        results.join_thread()
-
-
-def _drain(results: Any, payloads: dict[int, Any], errors: dict[int, tuple[str, str]]) -> None:
-    """Messages already written by stages that have exited."""
-    while True:
-        try:
-            message = results.get(timeout=0.5)
-        except queue_mod.Empty:
-            return
-        if message[0] == "ok":
-            payloads[message[1]] = message[2]
-        else:
-            errors[message[1]] = (message[2], message[3])
+        for q in (*self._jobs, self._results):
+            q.cancel_join_thread()  # a job a dead stage never read must not block our exit
+            q.close()
+        del self._store
 
 
 def _others(errors: dict[int, tuple[str, str]]) -> str:
@@ -471,84 +662,93 @@ def _others(errors: dict[int, tuple[str, str]]) -> str:
 # ------------------------------------------------------------------------------- entry points
 
 
-@dataclass(frozen=True)
-class PipelineResult:
-    pseudo_gradient: Params  # the full Δ, all stages' slices together
-    mean_loss: float
-    tokens: int
-    steps: int
-    stage_pseudo_gradients: list[Params]  # Δ_s of each stage
-    optimizer_states: list[dict[str, Any]]  # each stage's AdamW state, for the next round
-
-
 def run_pipelined_inner(
     model_cfg: ModelConfig, inner_cfg: InnerConfig, start_params: Params,
     batches: Sequence[Batch], world_size: int, *, n_microbatches: int = 2,
-    optimizer_states: Sequence[dict[str, Any]] | None = None,
     timeout_s: float = DEFAULT_TIMEOUT_S, deadline_s: float | None = None,
     threads_per_stage: int | None = None,
 ) -> PipelineResult:
-    """One round's inner loop on ``world_size`` local stage processes (gloo on 127.0.0.1).
+    """One round on a fresh group of ``world_size`` stage processes, closed afterwards.
 
-    ``start_params`` is the full θ⁽ʳ⁻¹⁾ (names as ``build_model``); returns the full pseudo-gradient
-    and each stage's slice of it, the mean loss, and each stage's AdamW state (pass it back as
-    ``optimizer_states`` next round). ``timeout_s`` bounds the rendezvous and each wait on a peer.
+    The stages start with fresh AdamW state; :class:`PipelinedInnerLoop` keeps one group (and its
+    state) across rounds. ``start_params`` is the full θ⁽ʳ⁻¹⁾ (names as ``build_model``).
     """
-    batches = list(batches)
-    _check_microbatches(batches, n_microbatches)
-    names = stage_param_names(model_cfg, world_size)
-    full = [n for stage in names for n in stage]
-    if set(full) != set(start_params):
-        raise ValueError(f"start parameters differ from the model's: missing "
-                         f"{sorted(set(full) - set(start_params))}, unexpected "
-                         f"{sorted(set(start_params) - set(full))}")
-    if optimizer_states is not None and len(optimizer_states) != world_size:
-        raise ValueError(f"{len(optimizer_states)} optimiser states for {world_size} stages")
-    threads = threads_per_stage or max(1, _available_cpus() // world_size)
-    job = _Job(
-        model_cfg=model_cfg, inner_cfg=inner_cfg,
-        start=_to_numpy({n: start_params[n] for n in full}),
-        batches=_to_numpy([(x, y) for x, y in batches]),
-        n_microbatches=n_microbatches,
-        optimizer_states=None if optimizer_states is None else _to_numpy(list(optimizer_states)),
-        timeout_s=timeout_s, threads=threads,
-    )
-    stages = [StageResult(**_to_torch(p)) for p in _launch(job, world_size, deadline_s=deadline_s)]
-    losses = stages[-1].losses
-    delta: Params = {}
-    for s, result in enumerate(stages):
-        if list(result.pseudo_gradient) != names[s]:
-            raise PipelineError(f"pipeline stage {s} returned parameters {list(result.pseudo_gradient)}, "
-                                f"expected {names[s]}")
-        delta.update(result.pseudo_gradient)
-    ordered = {n: delta[n] for n in start_params}
-    return PipelineResult(
-        pseudo_gradient=ordered, mean_loss=sum(losses) / len(losses), tokens=stages[-1].tokens,
-        steps=len(losses), stage_pseudo_gradients=[r.pseudo_gradient for r in stages],
-        optimizer_states=[r.optimizer_state for r in stages],
-    )
+    with StageGroup(model_cfg, world_size, n_microbatches=n_microbatches, timeout_s=timeout_s,
+                    threads_per_stage=threads_per_stage) as group:
+        return group.run(inner_cfg, start_params, batches, deadline_s=deadline_s)
 
 
 class PipelinedInnerLoop:
-    """:class:`trainer.diloco.InnerLoop` on P local stages; each stage's AdamW state persists."""
+    """:class:`trainer.diloco.InnerLoop` on P persistent local stage processes.
+
+    The stages start on the first :meth:`run` and serve every later one, each keeping its AdamW
+    state. After a failed round (a :class:`PipelineError`) the next :meth:`run` starts a fresh
+    group. Call :meth:`close` (or use it as a context manager) to stop the stages.
+    """
 
     def __init__(self, model_cfg: ModelConfig, cfg: InnerConfig, stages: int, *,
                  n_microbatches: int = 2, timeout_s: float = DEFAULT_TIMEOUT_S,
-                 deadline_s: float | None = None) -> None:
+                 deadline_s: float | None = None, threads_per_stage: int | None = None,
+                 round_fn: RoundFn = run_round) -> None:
         stage_blocks(model_cfg.n_layer, stages)  # refuse an impossible split now
+        if cfg.batch_size % n_microbatches:
+            raise ValueError(f"a batch of {cfg.batch_size} sequences cannot be cut into "
+                             f"{n_microbatches} equal microbatches")
         self.model_cfg = model_cfg
         self.cfg = cfg
         self.stages = stages
         self.n_microbatches = n_microbatches
         self.timeout_s = timeout_s
         self.deadline_s = deadline_s
-        self.optimizer_states: list[dict[str, Any]] | None = None
+        self.threads_per_stage = threads_per_stage
+        self.round_fn = round_fn
+        self.group: StageGroup | None = None
+        self.groups_started = 0
+        self.last: PipelineResult | None = None
+        self._failure: str | None = None  # why the last group ended, told when the next starts
+
+    def __enter__(self) -> PipelinedInnerLoop:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    @property
+    def pids(self) -> list[int]:
+        return [] if self.group is None else self.group.pids
+
+    def _ensure_group(self) -> StageGroup:
+        group = self.group
+        if group is not None and not group.closed:
+            dead = group.dead()
+            if not dead:
+                return group
+            # Died while idle: no round's work is lost, so replace the group rather than fail.
+            self._failure = group._died(dead[0]) + " between rounds"
+            group.close(graceful=False)
+        self.group = None
+        if self._failure is not None:
+            log.warning("starting a fresh group of %d pipeline stages after %s; their inner AdamW "
+                        "state starts over", self.stages, self._failure)
+        self.group = StageGroup(self.model_cfg, self.stages, n_microbatches=self.n_microbatches,
+                                timeout_s=self.timeout_s, threads_per_stage=self.threads_per_stage,
+                                round_fn=self.round_fn)
+        self.groups_started += 1
+        self._failure = None
+        return self.group
 
     def run(self, start: Params, batches: Sequence[Batch]) -> InnerResult:
-        result = run_pipelined_inner(
-            self.model_cfg, self.cfg, start, batches, self.stages,
-            n_microbatches=self.n_microbatches, optimizer_states=self.optimizer_states,
-            timeout_s=self.timeout_s, deadline_s=self.deadline_s,
-        )
-        self.optimizer_states = result.optimizer_states
+        try:
+            result = self._ensure_group().run(self.cfg, start, batches, deadline_s=self.deadline_s)
+        except PipelineError as exc:
+            self._failure = f"a failure ({str(exc).splitlines()[0]})"
+            self.close()
+            raise
+        self.last = result
         return InnerResult(result.pseudo_gradient, result.mean_loss, result.tokens, result.steps)
+
+    def close(self) -> None:
+        """Stop the stage processes (a later :meth:`run` would start new ones)."""
+        if self.group is not None:
+            self.group.close()
+            self.group = None

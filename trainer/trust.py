@@ -168,6 +168,7 @@ class TrustGate:
             "data_digest": data_digest, "train_loss_e6": entry.train_loss_e6,
             "eval_loss_e6": manifest.eval_loss_e6, "tokens": entry.tokens,
             "inner_steps": entry.inner_steps, "bytes_sent": entry.bytes_sent,
+            "bytes_received": entry.bytes_received,
         }
         for name, want in expected.items():
             got = getattr(r, name)

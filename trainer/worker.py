@@ -13,6 +13,16 @@ With overlap the global update reaches a worker one round late: round r builds o
 the worker's own last round, instead of θ⁽ʳ⁻¹⁾. The coordinator's arithmetic is the same in both
 modes, so checkpoints, reports and the audit do not change.
 
+With compression on (``compression.enabled``), both directions travel as adaptive low-rank + int4:
+the push is C(Δᵢ⁽ʳ⁾ + eᵢ) with this worker's error feedback eᵢ (a refused push puts what it sent
+back into eᵢ, so nothing is lost), and the fetch of θ⁽ʳ⁾ by a worker holding θ⁽ʳ⁻¹⁾ is the
+coordinator's compressed global update, θ⁽ʳ⁾ = θ⁽ʳ⁻¹⁾ − decompress(C⁽ʳ⁾) (trainer.downlink),
+checked against the published CID before it is used.
+
+Every byte is counted per direction: the log line and the ``--metrics`` record of each round, the
+update header (``base_bytes_received``: the fetch this update built on) and the signed report
+(``bytes_sent``, ``bytes_received``).
+
 Faults it rides out:
   * coordinator unreachable (restart, network blip): every call is retried with backoff for up to
     ``reconnect_timeout_s``; after reconnecting the worker joins again and re-sends an update the
@@ -29,6 +39,7 @@ import threading
 import time
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Callable, Iterator, TypeVar
 
 import grpc
@@ -39,7 +50,8 @@ from attestation import (
 )
 from proto import PROTOCOL_VERSION, pb, pb_grpc
 from storage_client import CID, Codec, canonical_json, to_e6
-from trainer.compression import AdaptiveRankPolicy, ErrorFeedbackCompressor, decompress
+from trainer.compression import AdaptiveRankPolicy, CompressionError, ErrorFeedbackCompressor, decompress
+from trainer.downlink import apply_update, decode_update
 from trainer.config import RunConfig
 from trainer.coordinator import grpc_options
 from trainer.data import eval_batches, load_corpus, round_batches
@@ -47,6 +59,7 @@ from trainer.diloco import InnerLoop, InnerResult, evaluate, load_params
 from trainer.link import Link
 from trainer.trust import EVAL_TOLERANCE_E6, shard_digest, update_digest
 from trainer.model import build_model
+from trainer.pipeline import PipelinedInnerLoop, PipelineError
 from trainer.wire import (
     ENCODING_DENSE_F32, ENCODING_LOWRANK_INT4, Params, WireError, chunked, decode_params, encode_params, layout_of,
     reassemble, sha256_hex,
@@ -72,12 +85,14 @@ class Pushed:
     tokens: int
     inner_steps: int
     bytes_sent: int
+    bytes_received: int  # wire bytes of the fetch that delivered the parameters it started from
     parent: bytes  # sha256 of the parameters it started from
 
 
 class Worker:
     def __init__(self, address: str, worker_id: str, *, attestation: EvidenceProvider | None = None,
-                 reconnect_timeout_s: float = 120.0, fetch_wait_s: float = 5.0, link: Link | None = None) -> None:
+                 reconnect_timeout_s: float = 120.0, fetch_wait_s: float = 5.0, link: Link | None = None,
+                 metrics: Path | None = None, stages: int = 1) -> None:
         self.address = address
         self.worker_id = worker_id
         self.reconnect_timeout_s = reconnect_timeout_s
@@ -95,6 +110,15 @@ class Worker:
         self._stop = threading.Event()
         self.bytes_sent = 0
         self.bytes_received = 0
+        self.held: tuple[str, Params] | None = None  # the newest global parameters, by CID
+        self.received_for: dict[str, int] = {}  # wire bytes of the fetch that delivered each CID
+        self.metrics = metrics
+        self.stages = stages  # pipeline stages: local processes, each a contiguous slice of the layers
+        self.started_at = time.monotonic()  # reset when the first round starts
+        self.compute_s = 0.0  # time in the inner loop, all rounds
+        self.tokens = 0
+        self._counted = (0, 0)  # bytes sent/received up to the last progress record
+        self.last_decision = None  # the uplink compressor's last RoundDecision
 
     # ----------------------------------------------------------------------------- plumbing
 
@@ -171,7 +195,19 @@ class Worker:
             batch_size=config.inner.batch_size, block_size=config.model.block_size,
         )
         self.model = build_model(config.model, config.seed)
-        self.inner = InnerLoop(self.model, config.inner)
+        n_layer = config.model.n_layer
+        if not 1 <= self.stages <= n_layer:
+            raise WorkerError(f"{self.stages} pipeline stages: this run's model has {n_layer} layers, "
+                              f"so a worker can run 1 to {n_layer} stages")
+        self.inner: InnerLoop | PipelinedInnerLoop
+        if self.stages > 1:  # the stage processes share this worker's torch threads
+            try:
+                self.inner = PipelinedInnerLoop(config.model, config.inner, self.stages,
+                                                threads_per_stage=max(1, torch.get_num_threads() // self.stages))
+            except ValueError as exc:  # e.g. a batch that does not cut into equal microbatches
+                raise WorkerError(f"{self.stages} pipeline stages: {exc}") from exc
+        else:
+            self.inner = InnerLoop(self.model, config.inner)
         # Error feedback lives as long as the worker: what compression drops is sent next round.
         self.compressor = (ErrorFeedbackCompressor(AdaptiveRankPolicy(config.compression))
                            if config.compression.enabled else None)
@@ -187,15 +223,44 @@ class Worker:
     # ----------------------------------------------------------------------------- a round
 
     def _finished(self, header: pb.GlobalHeader) -> int:
-        log.info("run finished at round %d (%s); sent %d bytes, received %d",
-                 header.round, header.manifest_cid, self.bytes_sent, self.bytes_received)
+        wall = time.monotonic() - self.started_at
+        log.info("run finished at round %d (%s); sent %d bytes, received %d; trained %.1fs of %.1fs (%.0f%%)",
+                 header.round, header.manifest_cid, self.bytes_sent, self.bytes_received,
+                 self.compute_s, wall, 100 * self.compute_s / wall if wall > 0 else 0.0)
+        self._metric({"event": "finished", "rounds": int(header.round), "wall_s": wall,
+                      "compute_s": self.compute_s, "tokens": self.tokens, "bytes_sent": self.bytes_sent,
+                      "bytes_received": self.bytes_received})
         return 0
+
+    def _metric(self, record: dict) -> None:
+        """Append one JSON line to the metrics file, when the worker was given one."""
+        if self.metrics is not None:
+            with open(self.metrics, "a", encoding="utf-8") as f:
+                f.write(json.dumps(record, sort_keys=True) + "\n")
+
+    def _round_done(self, round_: int, result: InnerResult, trained_s: float, waited_s: float) -> None:
+        """Progress of one round: a log line, and a metrics record (bytes since the last one)."""
+        self.compute_s += trained_s
+        self.tokens += result.tokens
+        sent, received = self.bytes_sent - self._counted[0], self.bytes_received - self._counted[1]
+        self._counted = (self.bytes_sent, self.bytes_received)
+        decision = self.last_decision if self.compressor is not None else None
+        log.info("round %d: %d steps, loss %.4f, %d tokens, train %.2fs, waited %.2fs, %d bytes up, %d down%s",
+                 round_, result.steps, result.mean_loss, result.tokens, trained_s, waited_s, sent, received,
+                 f", uplink mean rank {decision.mean_rank:.1f}" if decision else "")
+        record = {"event": "round", "round": round_, "tokens": result.tokens, "inner_steps": result.steps,
+                  "train_loss": result.mean_loss, "compute_s": trained_s, "waited_s": waited_s,
+                  "bytes_sent": sent, "bytes_received": received, "time": time.time()}
+        if decision is not None:
+            record["ranks"] = {name: d.rank for name, d in decision.tensors.items()}
+            record["energy"] = decision.energy
+        self._metric(record)
 
     def _exchange(self, round_: int, result: InnerResult, base_cid: str) -> tuple[Pushed | None, pb.GlobalHeader, Params]:
         """Push Δ⁽ʳ⁾, then fetch θ⁽ʳ⁾ (or whatever is newer): the part that overlaps compute."""
         pushed = self.push(round_, result, base_cid)
-        header, payload = self.fetch(round_)
-        return pushed, header, decode_params(payload)
+        header, params = self.fetch(round_)
+        return pushed, header, params
 
     def _run_overlapped(self) -> int:
         """DiLoCoX's one-step-delay overlap (see the module docstring).
@@ -205,8 +270,7 @@ class Worker:
         held plus its own last round. A worker that finds itself behind (dropped, or the run moved
         on) starts over synchronously from the newest global.
         """
-        header, payload = self.fetch(0)
-        held_header, held = header, decode_params(payload)
+        held_header, held = self.fetch(0)
         if held_header.finished:
             return self._finished(held_header)
         r, start, base = held_header.round + 1, held, held_header.params_cid
@@ -215,7 +279,15 @@ class Worker:
             while r <= self.config.rounds.rounds:
                 self.round = r
                 started = time.monotonic()
-                result = self.train(r, start)
+                try:
+                    result = self.train(r, start)
+                except PipelineError as exc:
+                    # Start over from the round's checkpoint once it closes without us (see _abandon).
+                    held_header, held = self.fetch(self._abandon(r, exc, inflight))
+                    if held_header.finished:
+                        return self._finished(held_header)
+                    r, start, base, inflight = held_header.round + 1, held, held_header.params_cid, None
+                    continue
                 trained = time.monotonic() - started
                 if inflight is not None:
                     pushed, held_header, held = inflight.result()
@@ -229,9 +301,7 @@ class Worker:
                         r, start, base, inflight = held_header.round + 1, held, held_header.params_cid, None
                         continue
                 inflight = exchange.submit(self._exchange, r, result, base)
-                log.info("round %d: %d steps, loss %.4f, %d tokens, train %.2fs, waited %.2fs for round %d",
-                         r, result.steps, result.mean_loss, result.tokens, trained,
-                         time.monotonic() - started - trained, r - 1)
+                self._round_done(r, result, trained, time.monotonic() - started - trained)
                 # s⁽ʳ⁺¹⁾ = θ⁽ʳ⁻¹⁾ − Δ⁽ʳ⁾: newest global held, plus this round's own progress.
                 start = {k: held[k] - result.pseudo_gradient[k] for k in held}
                 base = held_header.params_cid
@@ -244,42 +314,88 @@ class Worker:
                 header, _ = self.fetch(header.round + 1)
             return self._finished(header)
 
-    def fetch(self, min_round: int) -> tuple[pb.GlobalHeader, bytes]:
-        """The global checkpoint of round >= ``min_round`` (waits for it), verified by its CID."""
+    def fetch(self, min_round: int) -> tuple[pb.GlobalHeader, Params]:
+        """The global parameters of round >= ``min_round`` (waits for them), verified by their CID.
+
+        When this worker holds the round before, the coordinator may send the compressed global
+        update instead (trainer.downlink): θ⁽ʳ⁾ = θ⁽ʳ⁻¹⁾ − decompress(C⁽ʳ⁾), which must hash to the
+        CID the header names; if it does not, the worker says so and fetches θ⁽ʳ⁾ dense.
+        """
         self.phase = "waiting"
+        dense_only = False
         while True:
-            def call() -> tuple[pb.GlobalHeader, bytes | None]:
+            held = None if dense_only else self.held
+
+            def call() -> tuple[pb.GlobalHeader, bytes | None, int]:
                 self.link.call()
                 stream = self.stub.FetchGlobal(pb.FetchGlobalRequest(
-                    worker_id=self.worker_id, min_round=min_round, wait_s=self.fetch_wait_s),
-                    timeout=self.fetch_wait_s + 60)
+                    worker_id=self.worker_id, min_round=min_round, wait_s=self.fetch_wait_s,
+                    have_params_cid=held[0] if held else ""), timeout=self.fetch_wait_s + 60)
                 first = next(stream)
-                self.bytes_received += first.ByteSize()
+                size = first.ByteSize()
+                self.bytes_received += size
+                self.link.transfer("down", size)
                 if not first.HasField("header"):
                     raise WireError("global state stream did not start with its header")
                 header = first.header
                 if not header.available:
-                    return header, None
+                    return header, None, size
 
                 def data() -> Iterator[bytes]:
+                    nonlocal size
                     for message in stream:
+                        size += message.ByteSize()
                         self.bytes_received += message.ByteSize()
                         self.link.transfer("down", message.ByteSize())
                         yield message.data
                 payload = reassemble(data(), header.payload_size, header.payload_sha256,
-                                     what=f"global parameters of round {header.round}")
-                if str(CID.of(payload)) != header.params_cid:
-                    raise WireError(f"global parameters hash to {CID.of(payload)}, header names {header.params_cid}")
-                return header, payload
+                                     what=f"global state of round {header.round}")
+                return header, payload, size
 
-            header, payload = self._call("fetch global state", call)
-            if payload is not None:
-                return header, payload
+            header, payload, size = self._call("fetch global state", call)
+            if payload is None:
+                continue
+            try:
+                params = self._global_params(header, payload, held)
+            except (WireError, CompressionError) as exc:
+                if header.encoding == ENCODING_DENSE_F32:
+                    raise
+                log.error("round %d: the compressed global update does not rebuild the published "
+                          "parameters (%s); fetching them dense", header.round, exc)
+                dense_only = True
+                continue
+            self.held = (header.params_cid, params)
+            self.received_for[header.params_cid] = size
+            return header, params
+
+    def _global_params(self, header: pb.GlobalHeader, payload: bytes,
+                       held: tuple[str, Params] | None) -> Params:
+        if header.encoding == ENCODING_DENSE_F32:
+            if str(CID.of(payload)) != header.params_cid:
+                raise WireError(f"global parameters hash to {CID.of(payload)}, header names {header.params_cid}")
+            return decode_params(payload)
+        if header.encoding != ENCODING_LOWRANK_INT4:
+            raise WireError(f"unknown global state encoding {header.encoding!r}")
+        if held is None or header.base_params_cid != held[0]:
+            raise WireError(f"the global update applies to {header.base_params_cid}, this worker holds "
+                            f"{held[0] if held else 'nothing'}")
+        try:
+            codec = json.loads(header.compression_header)
+        except (ValueError, UnicodeDecodeError) as exc:
+            raise WireError(f"compression_header of the global update is not JSON: {exc}") from exc
+        if not isinstance(codec, dict):
+            raise WireError("compression_header of the global update must be a JSON object")
+        params = apply_update(held[1], decode_update(payload, codec, layout_of(held[1])))
+        rebuilt = CID.of(encode_params(params))
+        if str(rebuilt) != header.params_cid:
+            raise WireError(f"rebuilt parameters hash to {rebuilt}, header names {header.params_cid}")
+        return params
 
     def push(self, round_: int, result: InnerResult, base_cid: str) -> Pushed | None:
         """Send Δ for ``round_``; what was sent if the coordinator holds it, None if refused."""
         self.phase = "pushing"
         layout = layout_of(result.pseudo_gradient)
+        transmitted: Params | None = None
         if self.compressor is None:
             payload, encoding, codec_header = encode_params(result.pseudo_gradient), ENCODING_DENSE_F32, b""
             dense = payload
@@ -288,9 +404,11 @@ class Worker:
             encoding, codec_header = ENCODING_LOWRANK_INT4, canonical_json(header_obj)
             # The round's record keeps the dense reconstruction, which the coordinator rebuilds
             # from these bytes bit for bit; the report restates its digest.
-            dense = encode_params(decompress(payload, header_obj, layout))
+            transmitted = decompress(payload, header_obj, layout)
+            dense = encode_params(transmitted)
             log.info("round %d: compressed %d -> %d bytes (mean rank %.1f, energy %.3f)", round_,
                      len(dense), len(payload), decision.mean_rank, decision.energy)
+            self.last_decision = decision
         sha = sha256_hex(payload)
         header = pb.UpdateHeader(
             protocol_version=PROTOCOL_VERSION, run_id=self.config.run_id, round=round_,
@@ -298,6 +416,7 @@ class Worker:
             tensors=[pb.TensorSpec(name=n, dtype=d, shape=s) for n, (d, s) in layout.items()],
             payload_size=len(payload), payload_sha256=sha, train_loss=result.mean_loss,
             tokens=result.tokens, inner_steps=result.steps, base_params_cid=base_cid,
+            base_bytes_received=self.received_for.get(base_cid, 0),
         )
         if self.key is not None:
             header.signature = self.key.sign_digest(update_digest(self.run_digest, round_, sha))
@@ -313,7 +432,7 @@ class Worker:
                 yield message
 
         pushed = Pushed(round_, CID.of(dense).digest, to_e6(result.mean_loss), result.tokens,
-                        result.steps, wire_bytes, CID.parse(base_cid).digest)
+                        result.steps, wire_bytes, self.received_for.get(base_cid, 0), CID.parse(base_cid).digest)
         try:
             response = self._call(f"push round {round_}", lambda: self.stub.PushUpdate(stream(), timeout=120))
             log.info("round %d: update %s accepted", round_, response.update_cid)
@@ -326,6 +445,9 @@ class Worker:
             if code in (grpc.StatusCode.FAILED_PRECONDITION, grpc.StatusCode.INVALID_ARGUMENT,
                         grpc.StatusCode.PERMISSION_DENIED, grpc.StatusCode.UNAUTHENTICATED):
                 log.warning("round %d: update refused (%s): %s", round_, code.name, exc.details())
+                if transmitted is not None:
+                    # Error feedback assumed these values arrived; they did not, so carry them too.
+                    self.compressor.carry_back(transmitted)
                 return None
             raise
 
@@ -343,7 +465,7 @@ class Worker:
             parent_checkpoint=pushed.parent, checkpoint=CID.parse(header.params_cid).digest,
             update_digest=pushed.update, data_digest=self.data_digest, train_loss_e6=pushed.train_loss_e6,
             eval_loss_e6=header.eval_loss_e6, tokens=pushed.tokens, inner_steps=pushed.inner_steps,
-            bytes_sent=pushed.bytes_sent,
+            bytes_sent=pushed.bytes_sent, bytes_received=pushed.bytes_received,
         )
         signed = SignedReport(report, self.key.sign_digest(report.digest(self.domain)))
         raw = canonical_json(signed.to_json())
@@ -357,6 +479,7 @@ class Worker:
             log.warning("round %d: report refused (%s): %s", pushed.round, exc.code().name, exc.details())
 
     def train(self, round_: int, params: Params) -> InnerResult:
+        """The round's inner loop; PipelineError when a pipeline stage failed (see _abandon)."""
         self.phase = "training"
         cfg = self.config
         batches = round_batches(
@@ -365,30 +488,60 @@ class Worker:
         )
         return self.inner.run(params, batches)
 
+    def _abandon(self, round_: int, exc: PipelineError, inflight: Future | None = None) -> int:
+        """Drop out of ``round_`` after a pipeline stage failed: push nothing for it, and tell the
+        coordinator at once (phase "abandoned") so the round closes with the others. Returns the
+        round whose checkpoint to go on from: ``round_`` (wait for it to close), or ``round_ - 1``
+        when no other live worker is still on the round, which then could never close: this worker
+        trains it again. Either way the next round starts fresh stage processes. ``inflight``: the
+        overlapped path's exchange of the round before, which still counts and is waited for.
+        """
+        log.error("round %d: abandoned, no update pushed: %s", round_, exc)
+        self.phase = "abandoned"
+        try:
+            self.stub.Heartbeat(pb.HeartbeatRequest(worker_id=self.worker_id, round=round_,
+                                                    phase="abandoned"), timeout=5)
+        except grpc.RpcError as rpc:  # the periodic heartbeat says it again
+            log.warning("round %d: could not tell the coordinator: %s", round_, rpc.details())
+        if inflight is not None:
+            pushed, header, params = inflight.result()
+            if pushed is not None and header.round == pushed.round and self.domain is not None:
+                self.report(pushed, header, params)
+        status = self._call("status", lambda: self.stub.Status(pb.StatusRequest(), timeout=10))
+        if status.open_round == round_ and not any(
+                w.alive and w.worker_id != self.worker_id and w.phase != "done"
+                and not (w.phase == "abandoned" and w.round == round_) for w in status.workers):
+            log.warning("round %d: no other live worker is on it; training it again", round_)
+            return round_ - 1
+        return round_
+
     def run(self) -> int:
         self._call("join", self.join)
         beat = threading.Thread(target=self._heartbeats, name="heartbeat", daemon=True)
         beat.start()
+        # Wall time for utilisation runs from here (joined) to holding the final checkpoint.
+        self.started_at = time.monotonic()
         try:
             if self.config.rounds.overlap:
                 return self._run_overlapped()
             min_round = 0
             pushed: Pushed | None = None
             while True:
-                header, payload = self.fetch(min_round)
-                params = decode_params(payload)
+                header, params = self.fetch(min_round)
                 if pushed is not None and header.round == pushed.round and self.domain is not None:
                     self.report(pushed, header, params)
                 if header.finished:
                     return self._finished(header)
                 self.round = header.round + 1
                 started = time.monotonic()
-                result = self.train(self.round, params)
+                try:
+                    result = self.train(self.round, params)
+                except PipelineError as exc:
+                    min_round, pushed = self._abandon(self.round, exc), None  # it closes without us
+                    continue
                 trained = time.monotonic() - started
                 pushed = self.push(self.round, result, header.params_cid)
-                log.info("round %d: %d steps, loss %.4f, %d tokens, train %.2fs, exchange %.2fs",
-                         self.round, result.steps, result.mean_loss, result.tokens, trained,
-                         time.monotonic() - started - trained)
+                self._round_done(self.round, result, trained, time.monotonic() - started - trained)
                 min_round = self.round
         finally:
             self.phase = "done"
@@ -398,4 +551,6 @@ class Worker:
                                                         phase="done"), timeout=2)
             except grpc.RpcError:
                 pass
+            if isinstance(self.inner, PipelinedInnerLoop):
+                self.inner.close()  # stop the stage processes
             self.channel.close()

@@ -15,7 +15,12 @@ import {WorkerRegistry} from "./WorkerRegistry.sol";
  * part. Every report must be signed by its worker, whose key must be active in the registry.
  */
 contract ContributionLedger is EIP712 {
-    /// @notice What a worker signs for one round. Field meanings: docs/trust.md.
+    /**
+     * @notice What a worker signs for one round. Field meanings: docs/trust.md. `bytesSent` and
+     * `bytesReceived` are the wire bytes of the worker's pushed update and of the FetchGlobal stream
+     * that delivered the global state it started from, as in the manifest's participant entry; they
+     * are signed and recorded, not tallied.
+     */
     struct RoundReport {
         bytes32 runId;
         uint64 round;
@@ -29,6 +34,7 @@ contract ContributionLedger is EIP712 {
         uint64 tokens;
         uint32 innerSteps;
         uint64 bytesSent;
+        uint64 bytesReceived;
     }
 
     /// @notice A report with its 65-byte (r, s, v) signature over {reportDigest}.
@@ -70,7 +76,7 @@ contract ContributionLedger is EIP712 {
 
     /// @notice The EIP-712 type hash of {RoundReport}.
     bytes32 public constant ROUND_REPORT_TYPEHASH = keccak256(
-        "RoundReport(bytes32 runId,uint64 round,address worker,bytes32 parentCheckpoint,bytes32 checkpoint,bytes32 updateDigest,bytes32 dataDigest,int64 trainLossE6,int64 evalLossE6,uint64 tokens,uint32 innerSteps,uint64 bytesSent)"
+        "RoundReport(bytes32 runId,uint64 round,address worker,bytes32 parentCheckpoint,bytes32 checkpoint,bytes32 updateDigest,bytes32 dataDigest,int64 trainLossE6,int64 evalLossE6,uint64 tokens,uint32 innerSteps,uint64 bytesSent,uint64 bytesReceived)"
     );
 
     WorkerRegistry private immutable _registry;

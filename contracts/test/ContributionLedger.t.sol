@@ -12,7 +12,7 @@ contract ContributionLedgerTest is LedgerBase {
         assertEq(
             ledger.ROUND_REPORT_TYPEHASH(),
             keccak256(
-                "RoundReport(bytes32 runId,uint64 round,address worker,bytes32 parentCheckpoint,bytes32 checkpoint,bytes32 updateDigest,bytes32 dataDigest,int64 trainLossE6,int64 evalLossE6,uint64 tokens,uint32 innerSteps,uint64 bytesSent)"
+                "RoundReport(bytes32 runId,uint64 round,address worker,bytes32 parentCheckpoint,bytes32 checkpoint,bytes32 updateDigest,bytes32 dataDigest,int64 trainLossE6,int64 evalLossE6,uint64 tokens,uint32 innerSteps,uint64 bytesSent,uint64 bytesReceived)"
             ),
             "typehash"
         );
@@ -399,7 +399,7 @@ contract ContributionLedgerTest is LedgerBase {
             bytes.concat(
                 abi.encode(
                     keccak256(
-                        "RoundReport(bytes32 runId,uint64 round,address worker,bytes32 parentCheckpoint,bytes32 checkpoint,bytes32 updateDigest,bytes32 dataDigest,int64 trainLossE6,int64 evalLossE6,uint64 tokens,uint32 innerSteps,uint64 bytesSent)"
+                        "RoundReport(bytes32 runId,uint64 round,address worker,bytes32 parentCheckpoint,bytes32 checkpoint,bytes32 updateDigest,bytes32 dataDigest,int64 trainLossE6,int64 evalLossE6,uint64 tokens,uint32 innerSteps,uint64 bytesSent,uint64 bytesReceived)"
                     ),
                     r.runId,
                     r.round,
@@ -414,7 +414,8 @@ contract ContributionLedgerTest is LedgerBase {
                     int256(r.evalLossE6),
                     uint256(r.tokens),
                     uint256(r.innerSteps),
-                    uint256(r.bytesSent)
+                    uint256(r.bytesSent),
+                    uint256(r.bytesReceived)
                 )
             )
         );

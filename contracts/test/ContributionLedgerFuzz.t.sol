@@ -54,7 +54,7 @@ contract ContributionLedgerFuzzTest is LedgerBase {
     function testFuzzTamperedReportRefused(uint8 field, uint256 delta) public {
         ContributionLedger.SignedReport memory s = signed(0, 1, 1000);
         ContributionLedger.RoundReport memory r = s.report; // same memory: edits land in s
-        uint8 which = uint8(bound(field, 0, 8));
+        uint8 which = uint8(bound(field, 0, 9));
         bytes32 d = bytes32(bound(delta, 1, type(uint256).max));
         uint64 d64 = uint64(bound(delta, 1, type(uint64).max));
         if (which == 0) r.updateDigest ^= d;
@@ -66,7 +66,8 @@ contract ContributionLedgerFuzzTest is LedgerBase {
         else if (which == 4) r.tokens ^= d64;
         else if (which == 5) r.innerSteps ^= uint32(bound(delta, 1, type(uint32).max));
         else if (which == 6) r.bytesSent ^= d64;
-        else if (which == 7) r.worker = address(uint160(r.worker) ^ uint160(bound(delta, 1, type(uint160).max)));
+        else if (which == 7) r.bytesReceived ^= d64;
+        else if (which == 8) r.worker = address(uint160(r.worker) ^ uint160(bound(delta, 1, type(uint160).max)));
         else r.checkpoint ^= d; // the call names the tampered checkpoint too, so only the signature fails
 
         vm.expectRevert(abi.encodeWithSelector(ContributionLedger.InvalidSignature.selector, 0));

@@ -70,7 +70,8 @@ abstract contract LedgerBase is BaseTest {
             evalLossE6: 3_100_000,
             tokens: tokens,
             innerSteps: 50,
-            bytesSent: 1_000_000 + uint64(i)
+            bytesSent: 1_000_000 + uint64(i),
+            bytesReceived: 2_000_000 + uint64(i)
         });
     }
 

@@ -36,7 +36,7 @@ from audit import run_audit
 from audit.cli import main as audit_main
 from settlement import DEV_ACCOUNTS, Anvil, Chain, Ledger, Registry, deploy
 from settlement.artifacts import CONTRACTS_DIR
-from storage_client import CID, Manifest, ObjectStore, Participant, to_e6
+from storage_client import CID, Manifest, ObjectStore, Participant, Traffic, to_e6
 from trainer.aggregation import mean_pseudo_gradient
 from trainer.config import InnerConfig, ModelConfig, RoundConfig, RunConfig
 from trainer.diloco import (
@@ -144,15 +144,17 @@ class RunBuilder:
             parent_checkpoint=CID.parse(parent.params).digest, checkpoint=CID.parse(manifest.params).digest,
             update_digest=CID.parse(entry.update).digest, data_digest=bytes(32),
             train_loss_e6=entry.train_loss_e6, eval_loss_e6=manifest.eval_loss_e6, tokens=entry.tokens,
-            inner_steps=entry.inner_steps, bytes_sent=entry.bytes_sent,
+            inner_steps=entry.inner_steps, bytes_sent=entry.bytes_sent, bytes_received=entry.bytes_received,
         )
         return SignedReport(report, key.sign_digest(report.digest(self.domain)))
 
     def round(self, *, parent: CID | None = None, reports: Callable[[Manifest], list[SignedReport]] | None = None,
-              nudge: bool = False) -> Manifest:
+              nudge: bool = False, mangle: Callable[[dict[str, Any]], None] | None = None) -> Manifest:
         """Train, aggregate, store and record the next round. ``parent`` overrides the manifest's
-        parent, ``reports`` makes the reports, ``nudge`` moves θ off what the updates give."""
+        parent, ``reports`` makes the reports, ``nudge`` moves θ off what the updates give, ``mangle``
+        edits the manifest's JSON before it is stored (and recorded) without validation."""
         r = len(self.manifests)
+        global_bytes = len(encode_params(self.params))  # what each worker fetched, as if sent dense
         generator = torch.Generator().manual_seed(r)
         deltas, participants = {}, []
         for worker, loop in self.loops.items():
@@ -163,7 +165,8 @@ class RunBuilder:
             deltas[worker] = result.pseudo_gradient
             participants.append(Participant(worker=worker, update=str(self.store.put(payload)),
                                             train_loss_e6=to_e6(result.mean_loss), tokens=result.tokens,
-                                            inner_steps=result.steps, bytes_sent=len(payload)))
+                                            inner_steps=result.steps, bytes_sent=len(payload),
+                                            bytes_received=global_bytes))
         self.params, self.momentum = outer_step(self.config.outer, self.params, self.momentum,
                                                 mean_pseudo_gradient(deltas))
         if nudge:
@@ -176,9 +179,15 @@ class RunBuilder:
             params=self.store.put(encode_params(self.params)),
             outer_state=self.store.put(encode_params({f"momentum.{k}": v for k, v in self.momentum.items()})),
             participants=participants, dropped=(), eval_loss_e6=to_e6(evaluate(self.model, self.eval)),
-            bytes_up=sum(p.bytes_sent for p in participants), bytes_down=0,
+            bytes_up=sum(p.bytes_sent for p in participants), bytes_down=sum(p.bytes_received for p in participants),
+            traffic=[Traffic(p.worker, p.bytes_sent, p.bytes_received) for p in participants],
         )
-        cid = manifest.store(self.store)
+        if mangle is None:
+            cid = manifest.store(self.store)
+        else:
+            obj = manifest.to_json()
+            mangle(obj)
+            cid = self.store.put_json(obj)
         self.manifests.append((cid, manifest))
         signed = reports(manifest) if reports else [self.report(w, manifest) for w in self.keys]
         self.reports[r] = signed
@@ -379,6 +388,41 @@ def test_report_that_restates_the_manifest_wrongly(anvil: Anvil, tmp_path: Path)
     assert builder.keys["w1"].address in failure.object and "tokens" in failure.message
     assert any("participant w0 has no signed report" in w for w in result.warnings)
     assert [row.reports for row in result.rounds] == [0, 1, 2]
+
+
+def test_report_that_misstates_the_download(anvil: Anvil, tmp_path: Path) -> None:
+    """bytesReceived is signed and must restate the participant's bytes_received like bytesSent."""
+    builder = RunBuilder(tmp_path, anvil.rpc_url, run_name="download")
+
+    def understated(manifest: Manifest) -> list[SignedReport]:
+        key = builder.keys["w1"]
+        honest_report = builder.report("w1", manifest).report
+        assert honest_report.bytes_received > 0
+        report = dataclasses.replace(honest_report, bytes_received=honest_report.bytes_received - 1)
+        return [builder.report("w0", manifest), SignedReport(report, key.sign_digest(report.digest(builder.domain)))]
+
+    builder.round(reports=understated)
+    result = builder.audit()
+    assert checks(result) == {(1, "report-fields")}
+    (failure,) = result.failures
+    assert builder.keys["w1"].address in failure.object
+    assert "bytesReceived" in failure.message and "bytesSent" not in failure.message
+
+
+def test_manifest_whose_traffic_does_not_add_up(anvil: Anvil, tmp_path: Path) -> None:
+    builder = RunBuilder(tmp_path, anvil.rpc_url, run_name="traffic")
+    builder.round()
+
+    def inflate(obj: dict[str, Any]) -> None:  # one worker's download grows, the round's total does not
+        obj["traffic"][0]["down"] += 1
+
+    builder.round(mangle=inflate)
+    result = builder.audit()
+    assert not result.ok
+    bad = [f for f in result.failures if f.check == "manifest"]
+    assert bad and all(f.round == 2 for f in bad)
+    assert "round 2" in bad[0].message and "'traffic'" in bad[0].message and "bytes_down" in bad[0].message
+    assert result.rounds[1].status == "ok" and result.rounds[2].status == "FAIL"
 
 
 def test_cli_from_saved_state(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:

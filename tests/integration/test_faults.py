@@ -8,6 +8,8 @@ import pytest
 
 from storage_client import CID, lineage
 from trainer.cluster import ClusterError, LocalCluster
+from tests.integration.test_cluster import assert_rederivable
+from trainer.compression import CompressionConfig
 from trainer.config import InnerConfig, RoundConfig
 
 pytestmark = pytest.mark.integration
@@ -48,7 +50,10 @@ def test_sigkilled_worker_is_dropped_and_rejoins(cluster: LocalCluster, make_con
 
 
 def test_coordinator_sigkill_and_restart_loses_no_round(cluster: LocalCluster, make_config) -> None:
+    # Compressed both ways: the restarted coordinator carries on the downlink error from the stored
+    # outer state, and workers holding the round before still get the compressed global update.
     config = make_config(
+        compression=CompressionConfig(enabled=True, max_rank=4),
         inner=InnerConfig(steps=20, batch_size=4, lr=1e-3),
         rounds=RoundConfig(rounds=5, expected_workers=2, quorum=2, straggler_timeout_s=10.0,
                            heartbeat_interval_s=0.3, liveness_timeout_s=3.0))
@@ -73,6 +78,7 @@ def test_coordinator_sigkill_and_restart_loses_no_round(cluster: LocalCluster, m
     assert "resumed at round" in cluster.log("coordinator", tail=400)
     for _, m in after[1:]:
         assert [p.worker for p in m.participants] == ["w0", "w1"]
+    assert_rederivable(run)
 
 
 def test_restart_on_a_tampered_checkpoint_fails_naming_the_object(cluster: LocalCluster, make_config) -> None:

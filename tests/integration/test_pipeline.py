@@ -7,11 +7,11 @@ stop by themselves (gloo timeouts of a few seconds, and a deadline on the whole 
 from __future__ import annotations
 
 import os
+import signal
 import time
 
 import pytest
 import torch
-import torch.distributed as dist
 
 from trainer import pipeline as pp
 from trainer.config import InnerConfig, ModelConfig
@@ -87,26 +87,30 @@ def test_chained_stages_compute_the_model() -> None:
 
 @pytest.mark.integration
 def test_two_stages_train_like_one_process() -> None:
-    """PP=2 with 2 microbatches, 2 rounds of 4 AdamW steps, equals the plain InnerLoop."""
+    """PP=2 with 2 microbatches, 3 rounds of 4 AdamW steps on one persistent pair of stage
+    processes, equals the plain InnerLoop."""
     start = params_of(build_model(MODEL, SEED))
     reference = InnerLoop(build_model(MODEL, SEED), INNER)
-    piped = pp.PipelinedInnerLoop(MODEL, INNER, 2, n_microbatches=2, timeout_s=20, deadline_s=60)
     names = pp.stage_param_names(MODEL, 2)
-    for round_ in range(2):  # round 2 checks that each stage's AdamW state carried over
-        batches = make_batches(INNER.steps, seed=round_)
-        want = reference.run(start, batches)
-        got = piped.run(start, batches)
-        diff = max_abs_diff(got.pseudo_gradient, want.pseudo_gradient)
-        print(f"round {round_}: max |Δ_PP2 − Δ_PP1| = {diff:.3e}")
-        assert diff < 1e-5
-        assert got.mean_loss == pytest.approx(want.mean_loss, abs=1e-5)
-        assert (got.tokens, got.steps) == (want.tokens, want.steps)
-        assert piped.optimizer_states is not None
-        # Each stage's AdamW covers exactly its slice and has taken every step so far.
-        for s, state in enumerate(piped.optimizer_states):
-            assert len(state["state"]) == len(names[s])
-            assert all(v["step"].item() == INNER.steps * (round_ + 1) for v in state["state"].values())
-        start = {n: p - 0.7 * got.pseudo_gradient[n] for n, p in start.items()}  # a plain outer step
+    with pp.PipelinedInnerLoop(MODEL, INNER, 2, n_microbatches=2, timeout_s=20, deadline_s=60) as piped:
+        pids: list[int] = []
+        for round_ in range(3):  # rounds 2 and 3 check that each stage's AdamW state carried over
+            batches = make_batches(INNER.steps, seed=round_)
+            want = reference.run(start, batches)
+            got = piped.run(start, batches)
+            diff = max_abs_diff(got.pseudo_gradient, want.pseudo_gradient)
+            print(f"round {round_}: max |Δ_PP2 − Δ_PP1| = {diff:.3e}")
+            assert diff < 1e-5
+            assert got.mean_loss == pytest.approx(want.mean_loss, abs=1e-5)
+            assert (got.tokens, got.steps) == (want.tokens, want.steps)
+            # The same two processes served every round, and their AdamW took every step so far.
+            pids = pids or piped.pids
+            assert piped.pids == pids and len(pids) == 2 and piped.groups_started == 1
+            assert piped.last is not None
+            assert piped.last.optimizer_steps == [INNER.steps * (round_ + 1)] * 2
+            assert [list(d) for d in piped.last.stage_pseudo_gradients] == names
+            start = {n: p - 0.7 * got.pseudo_gradient[n] for n, p in start.items()}  # a plain outer step
+    assert piped.group is None and all(not _alive(pid) for pid in pids)
 
 
 @pytest.mark.integration
@@ -135,33 +139,77 @@ def test_a_failing_stage_is_named() -> None:
         pp.run_pipelined_inner(MODEL, INNER, start, bad, 2, timeout_s=10, deadline_s=60)
 
 
-def _stage_1_exits(job: pp._Job) -> object:
-    if dist.get_rank() == 1:
+def _alive(pid: int) -> bool:
+    """Still running (a zombie, exited but not yet reaped, counts as gone)."""
+    try:
+        with open(f"/proc/{pid}/stat") as stat:
+            return stat.read().rsplit(")", 1)[1].split()[0] != "Z"
+    except FileNotFoundError:
+        return False
+
+
+def _stage_1_exits(runner: pp.StageRunner, job: pp.RoundJob) -> dict:
+    if runner.index == 1:
         os._exit(3)
-    return pp._pipelined_stage(job)
+    return pp.run_round(runner, job)
 
 
-def _stage_1_hangs(job: pp._Job) -> object:
-    if dist.get_rank() == 1:
+def _stage_1_hangs(runner: pp.StageRunner, job: pp.RoundJob) -> dict:
+    if runner.index == 1:
         time.sleep(600)  # alive, but never takes part: its peer must time out, not wait forever
-    return pp._pipelined_stage(job)
+    return pp.run_round(runner, job)
 
 
-def _job(timeout_s: float) -> pp._Job:
-    start = params_of(build_model(MODEL, SEED))
-    return pp._Job(MODEL, INNER, pp._to_numpy(start), pp._to_numpy(make_batches(2, seed=0)),
-                   n_microbatches=2, optimizer_states=None, timeout_s=timeout_s, threads=1)
+def _stage_1_killed_in_second_round(runner: pp.StageRunner, job: pp.RoundJob) -> dict:
+    if runner.index == 1 and job.seq == 2:
+        os.kill(os.getpid(), signal.SIGKILL)
+    return pp.run_round(runner, job)
 
 
 @pytest.mark.integration
 def test_a_dead_stage_is_named() -> None:
-    with pytest.raises(pp.PipelineError, match=r"pipeline stage 1 of 2 \(pid \d+\) exited with code 3"):
-        pp._launch(_job(timeout_s=10), 2, _stage_1_exits, deadline_s=60)
+    start = params_of(build_model(MODEL, SEED))
+    with pp.StageGroup(MODEL, 2, timeout_s=10, round_fn=_stage_1_exits) as group:
+        with pytest.raises(pp.PipelineError, match=r"pipeline stage 1 of 2 \(pid \d+\) died: exit code 3"):
+            group.run(INNER, start, make_batches(2, seed=0), deadline_s=60)
+        assert group.closed
 
 
 @pytest.mark.integration
 def test_a_hung_stage_times_out() -> None:
-    began = time.monotonic()
-    with pytest.raises(pp.PipelineError, match=r"pipeline stage 0 of 2 failed: .*[Tt]imed out"):
-        pp._launch(_job(timeout_s=3), 2, _stage_1_hangs, deadline_s=60)
-    assert time.monotonic() - began < 30  # the gloo timeout ended it, not the deadline
+    start = params_of(build_model(MODEL, SEED))
+    with pp.StageGroup(MODEL, 2, timeout_s=3, round_fn=_stage_1_hangs) as group:
+        began = time.monotonic()
+        with pytest.raises(pp.PipelineError, match=r"pipeline stage 0 of 2 failed: .*[Tt]imed out"):
+            group.run(INNER, start, make_batches(2, seed=0), deadline_s=60)
+        assert time.monotonic() - began < 30  # the gloo timeout ended it, not the deadline
+        assert group.closed and not any(_alive(pid) for pid in group.pids)
+
+
+@pytest.mark.integration
+def test_a_stage_killed_mid_round_fails_the_round_and_the_next_round_restarts() -> None:
+    start = params_of(build_model(MODEL, SEED))
+    batches = make_batches(INNER.steps, seed=0)
+    fresh = InnerLoop(build_model(MODEL, SEED), INNER).run(start, batches)  # fresh AdamW state
+    with pp.PipelinedInnerLoop(MODEL, INNER, 2, timeout_s=30,
+                               round_fn=_stage_1_killed_in_second_round) as piped:
+        piped.run(start, batches)
+        first = piped.pids
+        began = time.monotonic()
+        with pytest.raises(pp.PipelineError, match=r"pipeline stage 1 of 2 \(pid \d+\) died: exit code -9"):
+            piped.run(start, batches)
+        assert time.monotonic() - began < 10  # noticed by polling, not at the gloo timeout (30 s)
+        assert piped.group is None and not any(_alive(pid) for pid in first)  # the peer is gone too
+
+        # The next round starts a fresh group: new processes, new AdamW state.
+        got = piped.run(start, batches)
+        assert piped.groups_started == 2 and not set(piped.pids) & set(first)
+        assert piped.last is not None and piped.last.optimizer_steps == [INNER.steps] * 2
+        assert max_abs_diff(got.pseudo_gradient, fresh.pseudo_gradient) < 1e-5
+
+        # A stage that dies between rounds is replaced before the round, which does not fail.
+        assert piped.group is not None
+        os.kill(piped.pids[1], signal.SIGKILL)
+        piped.group.procs[1].join(timeout=30)  # reaped: a zombie's threads may still be exiting
+        piped.run(start, batches)
+        assert piped.groups_started == 3 and piped.last.optimizer_steps == [INNER.steps] * 2

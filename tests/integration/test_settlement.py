@@ -81,6 +81,7 @@ def signed_reports(s: Setup, round_: int, parent: bytes, checkpoint: bytes,
             run_id=s.run_id, round=round_, worker=key.address, parent_checkpoint=parent, checkpoint=checkpoint,
             update_digest=h("update", round_, i), data_digest=h("shard", i), train_loss_e6=3_400_000 - 1000 * round_,
             eval_loss_e6=-5 if i else 3_390_000, tokens=1000 * (i + 1) + round_, inner_steps=50, bytes_sent=4096 + i,
+            bytes_received=8192 + 3 * i,
         )
         out.append(SignedReport(report, key.sign_digest(report.digest(domain))))
     return out

@@ -142,7 +142,7 @@ def test_updates_and_reports_need_the_admitted_key(cluster: LocalCluster, chain:
         checkpoint=CID.parse(manifest.params).digest, update_digest=CID.parse(entry.update).digest,
         data_digest=shard_digest(corpus.shard(0, 1).to(torch.uint8).numpy().tobytes()),
         train_loss_e6=entry.train_loss_e6, eval_loss_e6=manifest.eval_loss_e6, tokens=entry.tokens,
-        inner_steps=entry.inner_steps, bytes_sent=entry.bytes_sent,
+        inner_steps=entry.inner_steps, bytes_sent=entry.bytes_sent, bytes_received=entry.bytes_received,
     )
 
     def submit(signed: SignedReport) -> pb.SubmitReportResponse:
@@ -157,6 +157,10 @@ def test_updates_and_reports_need_the_admitted_key(cluster: LocalCluster, chain:
     with pytest.raises(grpc.RpcError) as wrong_tokens:
         submit(SignedReport(lying, key.sign_digest(lying.digest(domain))))
     assert "tokens is" in wrong_tokens.value.details() and "the manifest says" in wrong_tokens.value.details()
+    lying = dataclasses.replace(report, bytes_received=report.bytes_received + 1)
+    with pytest.raises(grpc.RpcError) as wrong_download:
+        submit(SignedReport(lying, key.sign_digest(lying.digest(domain))))
+    assert "bytes_received is" in wrong_download.value.details()
     assert submit(SignedReport(report, key.sign_digest(report.digest(domain)))).accepted
     assert cluster.wait_exit("coordinator", 120) == 0, cluster.log("coordinator", tail=100)
 

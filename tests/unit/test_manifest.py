@@ -10,11 +10,13 @@ from storage_client import (
     CID,
     SCHEMA,
     Codec,
+    Downlink,
     Manifest,
     ManifestError,
     MissingObjectError,
     ObjectStore,
     Participant,
+    Traffic,
     canonical_json,
     from_e6,
     lineage,
@@ -24,6 +26,10 @@ from storage_client import (
 CONFIG = str(CID.of(b'{"model":"tiny"}', Codec.JSON))
 PARAMS = str(CID.of(b"params"))
 OUTER = str(CID.of(b"outer state"))
+DOWNLINK = Downlink(payload=str(CID.of(b"compressed global update")),
+                    header=str(CID.of(b'{"codec":"lowrank-int4"}', Codec.JSON)))
+# Three participants (1 MB up, 1.5 MB down each) and w3, dropped after fetching the global state.
+TRAFFIC = [Traffic("w3", 0, 1_500_000)] + [Traffic(w, 1_000_000, 1_500_000) for w in ("w2", "w0", "w1")]
 
 
 def _participant(worker: str, loss: float = 2.5) -> Participant:
@@ -34,6 +40,7 @@ def _participant(worker: str, loss: float = 2.5) -> Participant:
         tokens=4096,
         inner_steps=50,
         bytes_sent=1_000_000,
+        bytes_received=1_500_000,
     )
 
 
@@ -52,6 +59,8 @@ def _manifest(round: int = 1, parent: str | None = None, **overrides) -> Manifes
         eval_loss_e6=to_e6(2.75),
         bytes_up=3_000_000,
         bytes_down=6_000_000,
+        downlink=DOWNLINK if round > 0 else None,
+        traffic=TRAFFIC,
     )
     fields.update(overrides)
     return Manifest.new(**fields)
@@ -74,6 +83,10 @@ def test_json_round_trip():
     assert obj["schema"] == SCHEMA
     assert [p["worker"] for p in obj["participants"]] == ["w0", "w1", "w2"]
     assert obj["dropped"] == ["w3", "w4"]
+    assert [t["worker"] for t in obj["traffic"]] == ["w0", "w1", "w2", "w3"]
+    assert obj["traffic"][0] == {"worker": "w0", "up": 1_000_000, "down": 1_500_000}
+    assert obj["downlink"] == {"payload": DOWNLINK.payload, "header": DOWNLINK.header}
+    assert obj["participants"][0]["bytes_received"] == 1_500_000
     assert Manifest.from_json(obj) == m
     # And through canonical bytes, as another implementation would see it.
     assert Manifest.from_json(json.loads(m.canonical_bytes())) == m
@@ -127,7 +140,8 @@ def _mutated(path: list, value) -> dict:
 @pytest.mark.parametrize(
     "path, value, field",
     [
-        (["schema"], "dilocox.manifest/v2", "'schema'"),
+        (["schema"], "dilocox.manifest/v1", "'schema'"),
+        (["schema"], "dilocox.manifest/v3", "'schema'"),
         (["schema"], KeyError, "schema"),
         (["eval_loss_e6"], KeyError, "eval_loss_e6"),
         (["surprise"], 1, "surprise"),
@@ -155,12 +169,97 @@ def _mutated(path: list, value) -> dict:
         (["participants", 0, "extra"], 1, "extra"),
         (["participants", 0, "worker"], KeyError, "worker"),
         (["participants", 2, "worker"], "w1", "duplicate worker 'w1'"),
+        (["participants", 0, "bytes_received"], KeyError, "bytes_received"),
+        (["participants", 0, "bytes_received"], -1, "'participants[0].bytes_received'"),
+        (["participants", 1, "bytes_received"], True, "'participants[1].bytes_received'"),
+        (["downlink"], KeyError, "downlink"),
+        (["downlink"], "bafkrei", "'downlink'"),
+        (["downlink", "payload"], KeyError, "payload"),
+        (["downlink", "payload"], str(CID.of(b"x", Codec.JSON)), "'downlink.payload'"),
+        (["downlink", "header"], str(CID.of(b"x")), "'downlink.header'"),
+        (["downlink", "header"], "", "'downlink.header'"),
+        (["downlink", "extra"], 1, "extra"),
+        (["traffic"], KeyError, "traffic"),
+        (["traffic"], {}, "'traffic'"),
+        (["traffic", 0], "w0", "'traffic[0]'"),
+        (["traffic", 0, "worker"], "", "'traffic[0].worker'"),
+        (["traffic", 1, "up"], -1, "'traffic[1].up'"),
+        (["traffic", 2, "down"], 1.5, "'traffic[2].down'"),
+        (["traffic", 3, "down"], KeyError, "down"),
+        (["traffic", 3, "extra"], 0, "extra"),
+        (["traffic", 2, "worker"], "w1", "duplicate worker 'w1'"),
+        (["traffic", 0, "worker"], "w9", "'traffic'"),  # not sorted
+        (["traffic", 0, "up"], 999_999, "up bytes sum to 2999999, bytes_up is 3000000"),
+        (["traffic", 3, "down"], 0, "down bytes sum to 4500000, bytes_down is 6000000"),
+        (["bytes_up"], 3_000_001, "'traffic'"),
     ],
 )
 def test_strict_validation_names_the_field(path, value, field):
     with pytest.raises(ManifestError) as info:
         Manifest.from_json(_mutated(path, value))
     assert field in str(info.value)
+
+
+def test_v1_manifest_is_refused():
+    obj = _manifest().to_json()
+    del obj["downlink"], obj["traffic"]
+    for p in obj["participants"]:
+        del p["bytes_received"]
+    obj["schema"] = "dilocox.manifest/v1"
+    with pytest.raises(ManifestError, match="'schema'"):
+        Manifest.from_json(obj)
+
+
+def test_new_fields_default_for_existing_callers():
+    p = Participant(worker="w", update=str(CID.of(b"u")), train_loss_e6=1, tokens=2, inner_steps=3, bytes_sent=4)
+    assert p.bytes_received == 0 and p.to_json()["bytes_received"] == 0
+    m = _manifest(downlink=None, traffic=())
+    assert m.downlink is None and m.traffic == ()
+    obj = m.to_json()
+    assert obj["downlink"] is None and obj["traffic"] == []
+    assert Manifest.from_json(obj) == m
+    # Without traffic there is nothing to sum, so bytes_up / bytes_down stand alone.
+    assert _manifest(traffic=(), bytes_up=7, bytes_down=9).bytes_up == 7
+
+
+def test_traffic_sorted_by_new_but_not_by_constructor():
+    a = _manifest()
+    assert [t.worker for t in a.traffic] == ["w0", "w1", "w2", "w3"] and isinstance(a.traffic, tuple)
+    fields = {k: getattr(a, k) for k in a.__dataclass_fields__}
+    with pytest.raises(ManifestError, match="'traffic'.*not sorted"):
+        Manifest(**{**fields, "traffic": tuple(reversed(a.traffic))})
+    with pytest.raises(ManifestError, match="'traffic\\[1\\]'"):
+        Manifest(**{**fields, "traffic": (a.traffic[0], {"worker": "w1", "up": 0, "down": 0})})
+    with pytest.raises(ManifestError, match="'traffic'.*up bytes sum"):
+        Manifest(**{**fields, "traffic": a.traffic[:-1] + (Traffic("w3", 1, 1_500_000),)})
+    with pytest.raises(ManifestError, match="'traffic'.*down bytes sum"):
+        Manifest(**{**fields, "traffic": a.traffic[:-1]})
+
+
+def test_traffic_and_downlink_entries_validate():
+    with pytest.raises(ManifestError, match="'traffic.up'"):
+        Traffic("w0", -1, 0)
+    with pytest.raises(ManifestError, match="'traffic.worker'"):
+        Traffic("", 0, 0)
+    with pytest.raises(ManifestError, match="'downlink.payload'"):
+        Downlink(payload=DOWNLINK.header, header=DOWNLINK.header)
+    with pytest.raises(ManifestError, match="'downlink.header'"):
+        Downlink(payload=DOWNLINK.payload, header=DOWNLINK.payload)
+    with pytest.raises(ManifestError, match="'participant.bytes_received'"):
+        Participant(**{**_participant("w0").to_json(), "bytes_received": -3})
+
+
+def test_downlink_null_in_genesis_and_typed():
+    g = _manifest(round=0, parent=None, participants=[], dropped=[], traffic=(), bytes_up=0, bytes_down=0)
+    assert g.downlink is None and g.to_json()["downlink"] is None
+    with pytest.raises(ManifestError, match="'downlink'.*round 0"):
+        _manifest(round=0, parent=None, downlink=DOWNLINK)
+    with pytest.raises(ManifestError, match="'downlink'.*round 0"):
+        Manifest.from_json({**g.to_json(), "downlink": DOWNLINK.to_json()})
+    with pytest.raises(ManifestError, match="'downlink'"):
+        _manifest(downlink=DOWNLINK.to_json())
+    m = _manifest(downlink=None)
+    assert m.to_json()["downlink"] is None and m.cid != _manifest().cid
 
 
 def test_from_json_refuses_non_object():

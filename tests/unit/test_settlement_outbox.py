@@ -35,7 +35,8 @@ def reports(round_: int, checkpoint: bytes | None = None) -> list[SignedReport]:
     key = WorkerKey.generate()
     report = RoundReport(run_id=RUN, round=round_, worker=key.address, parent_checkpoint=h("ckpt", round_ - 1),
                          checkpoint=checkpoint or h("ckpt", round_), update_digest=h("u"), data_digest=h("d"),
-                         train_loss_e6=-1, eval_loss_e6=2, tokens=10, inner_steps=3, bytes_sent=4)
+                         train_loss_e6=-1, eval_loss_e6=2, tokens=10, inner_steps=3, bytes_sent=4,
+                         bytes_received=5)
     return [SignedReport(report, key.sign_digest(report.digest(DOMAIN)))]
 
 

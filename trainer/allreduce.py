@@ -1,0 +1,420 @@
+"""The AllReduce baseline: synchronous data-parallel training, gradients all-reduced every step.
+
+DiLoCoX (Qi et al., arXiv:2506.21263) measures itself against "AllReduce": plain synchronous data
+parallelism, where every worker exchanges its full gradient after every step. This module is that
+baseline, built so that it differs from this project's DiLoCo in the synchronisation alone: the
+same model and initialisation, the same AdamW (one parameter group, weight decay on every
+parameter, as :class:`trainer.diloco.InnerLoop`), the same global-norm clipping, and the same
+batches, so that a comparison at equal tokens is a comparison on the very same tokens.
+
+The algorithm
+-------------
+W ranks hold identical replicas θ (``build_model(config.model, config.seed)`` on every rank).
+At global step t = 0, 1, …, T−1, with H = ``inner.steps``, rank k takes batch (t mod H) of
+``round_batches(shard k, round ⌊t/H⌋ + 1)`` — the batch a DiLoCo worker on shard k trains on at
+inner step (t mod H) + 1 of round ⌊t/H⌋ + 1 — and every rank computes
+
+    g_k, ℓ_k  = ∇_θ ℓ(θ; x_k, y_k), ℓ(θ; x_k, y_k)     local forward and backward
+    [g ; ℓ]   = (1/W) Σ_k [g_k ; ℓ_k]                    ONE all-reduce of one fp32 buffer
+    g        ← g · min(1, c / (‖g‖ + 1e-6))              clip_grad_norm_ as InnerLoop (c =
+                                                           ``grad_clip``; skipped when c = 0)
+    θ        ← AdamW(θ, g)                               lr, betas, weight decay of ``inner``
+
+The gradients of all parameters, flattened in ``named_parameters`` order, and the step's loss as
+one extra element form a single contiguous buffer of n = 4·(P + 1) bytes for P parameters, so a
+step costs one collective. Every rank applies the same averaged gradient to the same parameters,
+so the replicas stay identical; :func:`run_allreduce` checks that they end bit for bit equal. A
+non-finite mean loss stops every rank at the same step (the check follows the all-reduce, so no
+rank is left waiting in a collective its peers have abandoned).
+
+Bytes and the emulated link
+---------------------------
+Bytes are counted with the standard cost of a ring all-reduce (a reduce-scatter then an
+all-gather, each W−1 messages of n/W bytes): every rank sends, and receives,
+
+    b = 2·(W − 1)/W · n   bytes per step           (rounded down to whole bytes; 0 when W = 1)
+
+whatever algorithm gloo actually picks on the loopback; the ring is the bandwidth-optimal
+algorithm a real deployment would use, so b is what the network would carry.
+
+Each rank owns a :class:`trainer.link.Link` and, around every all-reduce, waits for what that link
+would allow: the latency once (``Link.call``, one round trip, as a DiLoCo worker's RPC pays it;
+a real ring pays it 2·(W−1) times, so this errs in the baseline's favour), then the b bytes up
+and the b bytes down paced *concurrently*, in two helper threads, while the real all-reduce runs
+in the calling thread — a full-duplex link sends and receives at once. A step's communication
+time is therefore latency + max(real all-reduce, 8·b / bandwidth).
+
+Timing: ``wall_s`` is the training loop alone, clocked from a barrier that every rank reaches once
+its model and optimiser are built (start-up, about 3 s a rank on a CPU, is mostly importing torch
+and the first AdamW construction). ``comm_s`` is the time in the all-reduce and the link's waits,
+which includes waiting inside the collective for a slower peer, as synchronous training must;
+``compute_s`` is forward, backward, the buffer copies, clipping and the optimiser step.
+
+Processes
+---------
+:func:`run_allreduce` spawns W processes (``spawn`` start method) that meet through a
+``TCPStore`` on 127.0.0.1 with an OS-chosen port and run gloo bound to the loopback interface, as
+:mod:`trainer.pipeline` does. The process group's timeout bounds the rendezvous (so it must cover
+the spread of the ranks' start-up) and every collective, so a rank whose peer stops responding
+fails instead of waiting forever. The caller
+watches the processes: a rank that dies or raises ends the run with an :class:`AllReduceError`
+naming it — a rank that died before the peers that failed because of it, otherwise the first rank
+to report an error — and the others are terminated. Results come back over a multiprocessing queue as numpy arrays, never as pickled
+torch tensors (whose shared memory dies with the child).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import math
+import os
+import queue as queue_mod
+import time
+import traceback
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
+from datetime import timedelta
+from typing import Any
+
+import numpy as np
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+
+from trainer.config import RunConfig
+from trainer.data import load_corpus, round_batches
+from trainer.link import Link
+from trainer.model import build_model
+from trainer.pipeline import _loopback_interface
+
+
+class AllReduceError(RuntimeError):
+    """An all-reduce run that could not finish; the message names the rank (and step) and why."""
+
+
+@dataclass(frozen=True)
+class AllReduceResult:
+    workers: int
+    steps: int
+    tokens: int  # total over all workers: steps * workers * batch_size * block_size
+    wall_s: float  # max over ranks of the training loop's wall time (no start-up, no rendezvous)
+    compute_s: float  # mean over ranks: forward, backward, buffer copies, clip, optimiser step
+    comm_s: float  # mean over ranks: the all-reduce and the link's waits
+    bytes_sent_per_worker: int  # ring all-reduce cost, see the module docstring
+    bytes_received_per_worker: int
+    train_losses: list[float]  # per step, the mean over workers of the step's training loss
+    snapshots: list[tuple[int, int, dict[str, torch.Tensor]]]  # (steps done, tokens so far, θ)
+    params: dict[str, torch.Tensor]  # final parameters (identical on every rank; rank 0's)
+
+
+def ring_allreduce_bytes(nbytes: int, world_size: int) -> int:
+    """Bytes one rank sends (and receives) in a ring all-reduce of an ``nbytes`` buffer."""
+    return 2 * (world_size - 1) * nbytes // world_size
+
+
+# ------------------------------------------------------------------------------- one rank
+
+
+@dataclass(frozen=True)
+class _Job:
+    config: RunConfig
+    workers: int
+    steps: int
+    link_bandwidth_bps: float
+    link_latency_s: float
+    snapshot_every: int
+    threads: int
+    timeout_s: float
+    fault: tuple[int, int, str] | None  # tests only: (rank, step, "exit"|"raise"|"hang"|"nan")
+
+
+def _paced_all_reduce(buf: torch.Tensor, link: Link, pacer: ThreadPoolExecutor | None,
+                      nbytes: int) -> None:
+    """Sum ``buf`` over the ranks, taking at least as long as the emulated link would."""
+    if pacer is None:
+        dist.all_reduce(buf, op=dist.ReduceOp.SUM)
+        return
+    link.call()
+    # Up and down on their own virtual clocks at the same time: full duplex, not their sum.
+    up = pacer.submit(link.transfer, "up", nbytes)
+    down = pacer.submit(link.transfer, "down", nbytes)
+    try:
+        dist.all_reduce(buf, op=dist.ReduceOp.SUM)
+    finally:
+        up.result()
+        down.result()
+
+
+def _train(rank: int, job: _Job, shard: torch.Tensor) -> dict[str, Any]:
+    """This rank's training loop; returns its timings and, on rank 0, losses and parameters."""
+    cfg, world = job.config, job.workers
+    inner, block_size, horizon = cfg.inner, cfg.model.block_size, cfg.inner.steps
+    model = build_model(cfg.model, cfg.seed)
+    model.train()
+    # Exactly InnerLoop's optimiser: one group, so weight decay applies to every parameter.
+    optimizer = torch.optim.AdamW(
+        model.parameters(), lr=inner.lr, betas=(inner.beta1, inner.beta2),
+        weight_decay=inner.weight_decay,
+    )
+    names = [n for n, _ in model.named_parameters()]
+    params = [p for _, p in model.named_parameters()]
+    sizes = [p.numel() for p in params]
+    buf = torch.zeros(sum(sizes) + 1, dtype=torch.float32)  # every gradient, then the loss
+    grad_views = list(buf[:-1].split(sizes))
+    step_bytes = ring_allreduce_bytes(buf.numel() * buf.element_size(), world)
+    link = Link(job.link_bandwidth_bps, job.link_latency_s)
+    pacer = ThreadPoolExecutor(2, thread_name_prefix="link") if link.limited else None
+
+    losses: list[float] = []
+    snapshots: list[tuple[int, int, dict[str, np.ndarray]]] = []
+    compute_s = comm_s = 0.0
+    tokens = 0
+    batches: list[tuple[torch.Tensor, torch.Tensor]] = []
+    dist.barrier()  # every rank is built and ready: start the clocks together
+    loop_start = time.perf_counter()
+    try:
+        for t in range(job.steps):
+            step = t + 1
+            if t % horizon == 0:  # DiLoCo's batches: round t // H + 1, one list per round
+                batches = list(round_batches(
+                    shard, seed=cfg.seed, shard_index=rank, round_=t // horizon + 1,
+                    steps=horizon, batch_size=inner.batch_size, block_size=block_size,
+                ))
+            x, y = batches[t % horizon]
+            fault = job.fault[2] if job.fault and job.fault[:2] == (rank, step) else None
+            _inject(fault, step)
+
+            t0 = time.perf_counter()
+            _, loss = model(x, y)
+            assert loss is not None
+            if fault == "nan":
+                loss = loss * float("nan")
+            optimizer.zero_grad(set_to_none=True)
+            loss.backward()
+            for view, p in zip(grad_views, params):
+                if p.grad is None:  # unused parameter: contributes a zero gradient
+                    view.zero_()
+                else:
+                    view.copy_(p.grad.view(-1))
+            buf[-1] = loss.detach()
+            t1 = time.perf_counter()
+            _paced_all_reduce(buf, link, pacer, step_bytes)
+            t2 = time.perf_counter()
+            buf.div_(world)
+            mean_loss = buf[-1].item()
+            if not math.isfinite(mean_loss):
+                raise FloatingPointError(
+                    f"step {step} of {job.steps}: mean training loss over {world} workers is "
+                    f"{mean_loss}")
+            for view, p in zip(grad_views, params):
+                if p.grad is None:
+                    p.grad = view.view_as(p).clone()
+                else:
+                    p.grad.copy_(view.view_as(p))
+            if inner.grad_clip > 0:
+                torch.nn.utils.clip_grad_norm_(model.parameters(), inner.grad_clip)
+            optimizer.step()
+            t3 = time.perf_counter()
+
+            compute_s += (t1 - t0) + (t3 - t2)
+            comm_s += t2 - t1
+            losses.append(mean_loss)
+            tokens += x.numel() * world
+            if rank == 0 and job.snapshot_every > 0 and (
+                    step % job.snapshot_every == 0 or step == job.steps):
+                snapshots.append((step, tokens, _numpy_params(names, params)))
+    finally:
+        if pacer is not None:
+            pacer.shutdown(wait=True)
+    wall_s = time.perf_counter() - loop_start
+
+    final = _numpy_params(names, params)
+    digest = hashlib.sha256()
+    for name in names:
+        digest.update(name.encode())
+        digest.update(final[name].tobytes())
+    return {
+        "wall_s": wall_s, "compute_s": compute_s, "comm_s": comm_s, "tokens": tokens,
+        "bytes": step_bytes * job.steps, "digest": digest.hexdigest(),
+        "losses": losses if rank == 0 else [],
+        "snapshots": snapshots,
+        "params": final if rank == 0 else {},
+    }
+
+
+def _inject(fault: str | None, step: int) -> None:
+    """The failures the tests provoke: a rank that dies, raises, or stops answering."""
+    if fault == "exit":
+        os._exit(3)
+    if fault == "raise":
+        raise RuntimeError(f"injected fault at step {step}")
+    if fault == "hang":
+        time.sleep(3600)  # alive but silent: the peers' collective must time out
+
+
+def _numpy_params(names: list[str], params: list[torch.Tensor]) -> dict[str, np.ndarray]:
+    return {n: p.detach().numpy().copy() for n, p in zip(names, params)}
+
+
+def _rank_main(rank: int, port: int, job: _Job, results: Any) -> None:
+    """Entry point of a spawned rank: rendezvous, train, report to the parent, leave."""
+    try:
+        torch.set_num_threads(job.threads)
+        interface = _loopback_interface()
+        if interface and "GLOO_SOCKET_IFNAME" not in os.environ:
+            os.environ["GLOO_SOCKET_IFNAME"] = interface  # nothing leaves the host
+        cfg = job.config
+        # Each rank reads the corpus itself: it is cheap, and a shard passed as a spawn argument
+        # would block Process.start() until the child has imported torch, serialising start-up.
+        shard = load_corpus(cfg.data, cfg.seed, cfg.model.block_size).shard(rank, job.workers)
+        timeout = timedelta(seconds=job.timeout_s)
+        store = dist.TCPStore("127.0.0.1", port, job.workers, is_master=False, timeout=timeout)
+        try:
+            dist.init_process_group("gloo", store=store, rank=rank, world_size=job.workers,
+                                    timeout=timeout)
+        except Exception as exc:
+            raise AllReduceError(f"process group rendezvous failed within {job.timeout_s:g} s: "
+                                 f"{exc}") from exc
+        results.put(("ok", rank, _train(rank, job, shard)))
+    except BaseException as exc:  # noqa: BLE001 - everything goes back to the parent
+        results.put(("error", rank, f"{type(exc).__name__}: {exc}", traceback.format_exc()))
+    # Flush the report, then leave without the interpreter's teardown: unloading torch takes
+    # seconds on a busy machine, and after a failure the process group may wait on dead peers.
+    results.close()
+    results.join_thread()
+    os._exit(0)
+
+
+# --------------------------------------------------------------------------------- parent
+
+
+def _launch(job: _Job) -> list[dict[str, Any]]:
+    """Spawn the ranks and collect their payloads, by rank; raise AllReduceError on a failure."""
+    world = job.workers
+    timeout = timedelta(seconds=job.timeout_s)
+    store = dist.TCPStore("127.0.0.1", 0, world, is_master=True, timeout=timeout,
+                          wait_for_workers=False)
+    ctx = mp.get_context("spawn")
+    results = ctx.Queue()
+    procs = [
+        ctx.Process(target=_rank_main, args=(k, store.port, job, results),
+                    name=f"allreduce-rank-{k}", daemon=True)
+        for k in range(world)
+    ]
+    payloads: dict[int, dict[str, Any]] = {}
+    errors: dict[int, tuple[str, str]] = {}  # in order of arrival: the first is the likely cause
+    first_error_at: float | None = None
+    try:
+        for proc in procs:
+            proc.start()
+        while len(payloads) < world:
+            try:
+                message = results.get(timeout=0.1)
+            except queue_mod.Empty:
+                message = None
+            if message is not None:
+                _record(message, payloads, errors)
+                if message[0] == "error" and first_error_at is None:
+                    first_error_at = time.monotonic()
+                continue
+            dead = [k for k, p in enumerate(procs)
+                    if p.exitcode is not None and k not in payloads and k not in errors]
+            if dead:
+                _drain(results, payloads, errors)
+                dead = [k for k in dead if k not in payloads and k not in errors]
+            if dead:
+                k = dead[0]
+                raise AllReduceError(
+                    f"rank {k} of {world} (pid {procs[k].pid}) exited with code "
+                    f"{procs[k].exitcode} before reporting a result" + _others(errors))
+            # A rank's failure makes its peers' collectives fail too; give a dead rank a moment
+            # to show before naming the first rank that reported an error.
+            if first_error_at is not None and time.monotonic() - first_error_at > 1.0:
+                k = next(iter(errors))
+                message_, trace = errors[k]
+                # A peer that timed out names itself; the rank it waited for is one still silent.
+                silent = [j for j in range(world) if j not in payloads and j not in errors]
+                raise AllReduceError(
+                    f"rank {k} of {world} failed: {message_}"
+                    + _others({j: e for j, e in errors.items() if j != k})
+                    + (f"; rank(s) {silent} had not reported" if silent else "")
+                    + f"\n--- traceback of rank {k} ---\n{trace}")
+        for proc in procs:
+            proc.join(timeout=job.timeout_s)
+        return [payloads[k] for k in range(world)]
+    finally:
+        for proc in procs:
+            if proc.is_alive():
+                proc.terminate()
+        for proc in procs:
+            proc.join(timeout=5)
+            if proc.is_alive():
+                proc.kill()
+                proc.join(timeout=5)
+        results.close()
+        results.join_thread()
+
+
+def _record(message: tuple[Any, ...], payloads: dict[int, dict[str, Any]],
+            errors: dict[int, tuple[str, str]]) -> None:
+    if message[0] == "ok":
+        payloads[message[1]] = message[2]
+    else:
+        errors[message[1]] = (message[2], message[3])
+
+
+def _drain(results: Any, payloads: dict[int, dict[str, Any]],
+           errors: dict[int, tuple[str, str]]) -> None:
+    """Messages already written by ranks that have exited."""
+    while True:
+        try:
+            _record(results.get(timeout=0.5), payloads, errors)
+        except queue_mod.Empty:
+            return
+
+
+def _others(errors: dict[int, tuple[str, str]]) -> str:
+    return "".join(f"; rank {k}: {m}" for k, (m, _) in errors.items())
+
+
+def run_allreduce(
+    config: RunConfig, *, workers: int, steps: int,
+    link_bandwidth_bps: float = 0.0, link_latency_s: float = 0.0,
+    snapshot_every: int = 0, threads_per_worker: int = 1, timeout_s: float = 300.0,
+    _fault: tuple[int, int, str] | None = None,
+) -> AllReduceResult:
+    """Train ``steps`` synchronous data-parallel steps on ``workers`` local ranks (module doc).
+
+    ``link_*`` emulate each rank's network link (0: unlimited). With ``snapshot_every`` > 0, rank
+    0 keeps a copy of the parameters after every ``snapshot_every`` steps and after the last one.
+    ``timeout_s`` bounds the rendezvous and every collective. ``_fault`` is for tests only.
+    """
+    if workers < 1 or steps < 1:
+        raise ValueError("run_allreduce needs workers >= 1 and steps >= 1")
+    if snapshot_every < 0 or threads_per_worker < 1 or timeout_s <= 0:
+        raise ValueError("snapshot_every must be >= 0, threads_per_worker >= 1, timeout_s > 0")
+    Link(link_bandwidth_bps, link_latency_s)  # refuse a negative bandwidth or latency here
+    # Read here too, so that a corpus that cannot be used fails now, before any process starts.
+    load_corpus(config.data, config.seed, config.model.block_size)
+    job = _Job(config=config, workers=workers, steps=steps,
+               link_bandwidth_bps=link_bandwidth_bps, link_latency_s=link_latency_s,
+               snapshot_every=snapshot_every, threads=threads_per_worker, timeout_s=timeout_s,
+               fault=_fault)
+    ranks = _launch(job)
+
+    digests = {r["digest"] for r in ranks}
+    if len(digests) != 1:
+        raise AllReduceError(f"the {workers} replicas ended with different parameters: "
+                             f"{[r['digest'][:12] for r in ranks]}")
+    lead = ranks[0]
+    return AllReduceResult(
+        workers=workers, steps=steps, tokens=lead["tokens"],
+        wall_s=max(r["wall_s"] for r in ranks),
+        compute_s=sum(r["compute_s"] for r in ranks) / workers,
+        comm_s=sum(r["comm_s"] for r in ranks) / workers,
+        bytes_sent_per_worker=lead["bytes"], bytes_received_per_worker=lead["bytes"],
+        train_losses=lead["losses"],
+        snapshots=[(s, tok, {n: torch.from_numpy(a) for n, a in p.items()})
+                   for s, tok, p in lead["snapshots"]],
+        params={n: torch.from_numpy(a) for n, a in lead["params"].items()},
+    )
