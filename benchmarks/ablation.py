@@ -40,10 +40,10 @@ its manifests) and every AllReduce snapshot is evaluated on the held-out batches
 curve (``ablation_loss.png``) and the final held-out loss, with its ratio to AllReduce's. Traffic:
 the actual gRPC wire bytes of each worker in each direction (its ``--metrics`` file), mean over
 workers; AllReduce: ring all-reduce bytes 2(W−1)/W·n per rank and direction. Bytes per token
-count both directions of one worker over that worker's tokens; "× fewer" is AllReduce's bytes per
-token divided by the mode's. The headline figure counts the rounds' traffic: it leaves out each
-worker's one-time dense download of the genesis parameters θ⁰ (AllReduce ranks build θ⁰ from the
-seed and pay nothing for it); the figure with that download included is reported beside it.
+count both directions of one worker over that worker's tokens, every byte of every RPC; "× fewer"
+is AllReduce's bytes per token divided by the mode's. Neither pays for θ⁰: AllReduce ranks and
+DiLoCo workers both build it from the seed (a worker's fetch of θ⁰ is the header alone, naming the
+CID it checked its own build against).
 
 Part 2, throughput under an emulated link (trainer.link: bandwidth paced on the bytes actually
 sent and received, plus a latency per call; the same for every mode and every worker):
@@ -62,9 +62,9 @@ Reported, each as a ratio to AllReduce too: tokens/s and compute utilisation, tw
 
   * whole run: tokens over all workers / the largest ``wall_s`` among the workers' ``finished``
     metrics (a worker's clock runs from having joined to holding the final checkpoint), and
-    compute_s / wall_s, mean over workers. This clock also holds one-time costs that a short run
-    cannot amortise: the dense download of θ⁰ through the link (~link-ratio × t_step by itself)
-    and the start of the pipeline stage processes (inside round 1's training time);
+    compute_s / wall_s, mean over workers. This clock also holds what a short run cannot
+    amortise: the start of the pipeline stage processes (inside round 1's training time), and the
+    last round's exchange, which no next round overlaps;
   * steady state (the headline): rounds 2..R_t, between each worker's round-1 and round-R_t
     ``round`` metrics records: R_t − 1 whole rounds of training and exchange; tokens of those
     rounds over all workers / the longest worker's span, and their training seconds / the span.
@@ -300,11 +300,10 @@ def run_diloco(mode: Mode, s: Settings, config: RunConfig, where: Path, *, link_
     return DilocoRun(finished, rounds, where / "run", seconds)
 
 
-def diloco_curve(run_dir: Path, evaluate: Evaluator, workers: int) -> tuple[list[tuple[int, float]], list[int], list[str]]:
+def diloco_curve(run_dir: Path, evaluate: Evaluator, workers: int) -> tuple[list[tuple[int, float]], list[str]]:
     """Held-out loss of every checkpoint from genesis to HEAD, at the tokens trained so far.
 
-    Also each worker's bytes received for the global state its round-1 update started from (the
-    one-time download of θ⁰), and warnings for rounds that had fewer than W participants.
+    Also warnings for rounds that had fewer than W participants.
     """
     from storage_client import lineage
     from trainer.run_dir import RunDir
@@ -314,16 +313,14 @@ def diloco_curve(run_dir: Path, evaluate: Evaluator, workers: int) -> tuple[list
     head = rd.head()
     if head is None:
         raise RuntimeError(f"{run_dir}: no HEAD")
-    curve, tokens, genesis_download, warnings = [], 0, [], []
+    curve, tokens, warnings = [], 0, []
     for _, manifest in lineage(rd.store, head):
         tokens += sum(p.tokens for p in manifest.participants)
         if manifest.round >= 1 and len(manifest.participants) != workers:
             warnings.append(f"round {manifest.round} had {len(manifest.participants)} of {workers} workers "
                             f"(dropped: {', '.join(manifest.dropped) or '-'})")
-        if manifest.round == 1:
-            genesis_download = [p.bytes_received for p in manifest.participants]
         curve.append((tokens, evaluate(decode_params(rd.store.get(manifest.params)))))
-    return curve, genesis_download, warnings
+    return curve, warnings
 
 
 def mean(xs: Sequence[float]) -> float:
@@ -354,27 +351,26 @@ def convergence_row(mode: Mode, s: Settings, data: Data, evaluate: Evaluator, ro
         per_worker_tokens = result.tokens / result.workers
         sent, received = float(result.bytes_sent_per_worker), float(result.bytes_received_per_worker)
         row.update(tokens=int(result.tokens), steps=result.steps, wall_s=result.wall_s,
-                   compute_s=result.compute_s, comm_s=result.comm_s, genesis_download=0.0,
+                   compute_s=result.compute_s, comm_s=result.comm_s,
                    t_step_s=_step_time(result))
     else:
         run = run_diloco(mode, s, config, root / mode.key)
         row["seconds"] = run.seconds
         _threads_for_eval()
-        curve, genesis, warnings = diloco_curve(run.run_dir, evaluate, s.workers)
+        curve, warnings = diloco_curve(run.run_dir, evaluate, s.workers)
         row["warnings"] += warnings
         tokens = [f["tokens"] for f in run.finished]
         per_worker_tokens = mean(tokens)
         sent = mean([f["bytes_sent"] for f in run.finished])
         received = mean([f["bytes_received"] for f in run.finished])
-        row.update(tokens=int(sum(tokens)), rounds=s.rounds, genesis_download=mean(genesis) if genesis else 0.0,
+        row.update(tokens=int(sum(tokens)), rounds=s.rounds,
                    wall_s=max(f["wall_s"] for f in run.finished),
                    compute_s=mean([f["compute_s"] for f in run.finished]))
         if sum(tokens) != curve[-1][0]:
             row["warnings"].append(f"workers report {sum(tokens)} tokens, the manifests {curve[-1][0]}")
     row.update(curve=curve, final_loss=curve[-1][1], bytes_sent_per_worker=sent,
                bytes_received_per_worker=received, tokens_per_worker=per_worker_tokens,
-               bytes_per_token_all=(sent + received) / per_worker_tokens,
-               bytes_per_token=(sent + received - row["genesis_download"]) / per_worker_tokens)
+               bytes_per_token=(sent + received) / per_worker_tokens)
     return row
 
 
@@ -427,8 +423,7 @@ def steady_state(run: DilocoRun, rounds: int) -> dict[str, Any]:
     A worker writes a round's record when the round's training is done and its exchange pushed
     (synchronous) or the previous exchange received (overlap), so the span between the records of
     rounds 1 and R_t holds R_t − 1 whole rounds of training and exchange, and leaves out the
-    one-time start: the dense download of θ⁰ and the start of pipeline stage processes, both
-    inside round 1 of the worker's own clock.
+    one-time start of the pipeline stage processes, inside round 1 of the worker's own clock.
     """
     spans, tokens, utilisation = [], 0, []
     for records in run.rounds:
@@ -500,8 +495,8 @@ def report(result: dict[str, Any]) -> str:
         "## Part 1: convergence on equal tokens (unthrottled)",
         "",
         "| mode | PP | overlap | compression | outer | tokens | held-out loss | × AllReduce | sent / worker "
-        "| received / worker | bytes / token | × fewer | incl. θ⁰ fetch: bytes / token, × fewer |",
-        "| --- | ---: | :---: | --- | --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |",
+        "| received / worker | bytes / token | × fewer |",
+        "| --- | ---: | :---: | --- | --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: |",
     ]
     for key, r in conv.items():
         lines.append(
@@ -509,13 +504,12 @@ def report(result: dict[str, Any]) -> str:
             f"{'yes' if r['overlap'] else 'no'} | {r['compression'] if key != 'allreduce' else 'none (fp32)'} | "
             f"{_outer(r['outer']) if key != 'allreduce' else 'AdamW only'} | {r['tokens']:,} | {r['final_loss']:.4f} | "
             f"{r['loss_ratio']:.3f} | {_mb(r['bytes_sent_per_worker'])} | {_mb(r['bytes_received_per_worker'])} | "
-            f"{r['bytes_per_token']:,.2f} | {_x(r['bytes_x_fewer'])} | "
-            f"{r['bytes_per_token_all']:,.2f}, {_x(r['bytes_x_fewer_all'])} |")
+            f"{r['bytes_per_token']:,.2f} | {_x(r['bytes_x_fewer'])} |")
     lines += [
         "",
         "bytes / token: both directions of one worker over that worker's tokens, from the gRPC wire bytes "
-        "(AllReduce: ring all-reduce bytes per rank); the headline column leaves out the one-time dense "
-        "download of θ⁰ that every DiLoCo worker makes on joining (AllReduce ranks build θ⁰ from the seed).",
+        "(AllReduce: ring all-reduce bytes per rank), every byte of every RPC. Nobody downloads θ⁰: AllReduce "
+        "ranks and DiLoCo workers build it from the seed (a worker's fetch of θ⁰ is the header naming its CID).",
         "",
         "## Part 2: throughput under an emulated link",
         "",
@@ -540,9 +534,9 @@ def report(result: dict[str, Any]) -> str:
         f"{s['throughput_rounds']} metrics records (tokens of those rounds over all workers / the longest "
         "worker's span; utilisation: their training seconds / the span, mean over workers). Whole run: the "
         "workers' `finished` records (tokens / the largest wall_s; compute_s / wall_s, mean over workers), "
-        "whose clock starts when a worker has joined, so it also holds the one-time dense download of θ⁰ "
-        "through the link, the start of the pipeline stage processes (inside round 1's training time) and "
-        "the last round's exchange. AllReduce: its clock starts after the rendezvous; both measures equal.",
+        "whose clock starts when a worker has joined, so it also holds the start of the pipeline stage "
+        "processes (inside round 1's training time) and the last round's exchange, which no round overlaps. "
+        "AllReduce: its clock starts after the rendezvous; both measures equal.",
         "",
         "## Targets (DiLoCoX vs AllReduce)",
         "",
@@ -594,8 +588,7 @@ def targets(conv: dict[str, Any], thr: dict[str, Any], rounds: int) -> list[dict
         {"what": "held-out loss ratio", "target": f"≤ {lo}×",
          "values": [("", f"{c['loss_ratio']:.3f}×", c["loss_ratio"] <= lo)]},
         {"what": "fewer bytes per token", "target": f"≥ {bx:,.0f}×",
-         "values": [("rounds' traffic", _x(c["bytes_x_fewer"]), c["bytes_x_fewer"] >= bx),
-                    ("with the θ⁰ download", _x(c["bytes_x_fewer_all"]), c["bytes_x_fewer_all"] >= bx)]},
+         "values": [("", _x(c["bytes_x_fewer"]), c["bytes_x_fewer"] >= bx)]},
         {"what": "tokens/s", "target": f"≥ {tx:,.0f}×",
          "values": [(steady, _x(t["steady_throughput_x"]), t["steady_throughput_x"] >= tx),
                     ("whole run", _x(t["throughput_x"]), t["throughput_x"] >= tx)]},
@@ -638,7 +631,6 @@ def run(s: Settings) -> dict[str, Any]:
     for r in conv.values():
         r["loss_ratio"] = r["final_loss"] / base["final_loss"]
         r["bytes_x_fewer"] = base["bytes_per_token"] / r["bytes_per_token"]
-        r["bytes_x_fewer_all"] = base["bytes_per_token_all"] / r["bytes_per_token_all"]
 
     from trainer.allreduce import ring_allreduce_bytes
 

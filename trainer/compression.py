@@ -192,11 +192,19 @@ def dequantize_groups(q: torch.Tensor, scales: torch.Tensor, group: int) -> torc
 
 @dataclass(frozen=True)
 class CompressionConfig:
-    """Knobs of the compressor. Defaults: τ = 0.9, r ∈ [1, 64], W = 4 rounds, f = 2, g = 64."""
+    """Knobs of the compressor. Defaults: τ = 0.9, r ∈ [8, 64], W = 4 rounds, f = 2, g = 64.
+
+    The rank floor matters more than τ: some updates put 90% of their energy in one direction (the
+    output layer's, early on), and sending that direction alone starves the rest. On the ablation's
+    GPT (2 × 128, WikiText-2, 2 workers, 6 rounds of 50 steps, both directions compressed) held-out
+    loss after 6 rounds was 2.67 with r ∈ [1, 64] and 2.24 with r ∈ [8, 64], dense 2.10, for about
+    the same bytes (synchronous rounds, outer momentum 0.9, in one process through trainer.uplink
+    and trainer.downlink).
+    """
 
     enabled: bool = False  # off: updates travel dense fp32 (the DiLoCo baseline)
     target_energy: float = 0.9
-    min_rank: int = 1
+    min_rank: int = 8
     max_rank: int = 64
     window: int = 4
     max_rank_factor: float = 2.0
@@ -711,7 +719,9 @@ class ErrorFeedbackCompressor:
         """The last payload never counted (its round was refused or closed without it): e ← e + Â,
         so the buffer again holds all of A = Δ + e and nothing is lost."""
         for name, sent in transmitted.items():
-            e = self.errors[name]
+            e = self.errors.get(name)
+            if e is None:
+                e = torch.zeros(sent.shape, dtype=_error_dtype(sent.dtype))
             self.errors[name] = (e.to(torch.float64) + sent.to(torch.float64)).to(e.dtype)
 
     def state_dict(self) -> Params:

@@ -2,12 +2,15 @@
 
 Life of round r (the global checkpoint of round r-1 is the run's HEAD):
 
-  open     workers fetch θ⁽ʳ⁻¹⁾ (FetchGlobal) and push Δᵢ⁽ʳ⁾ (PushUpdate). Each push is checked
-           (trainer.aggregation); an accepted one is stored at once and journalled in
-           <run>/pending, so a coordinator restart keeps it.
+  open     workers fetch θ⁽ʳ⁻¹⁾ (FetchGlobal) and push Δᵢ⁽ʳ⁾ (PushUpdate), a worker of P pipeline
+           stages as P slices, one stream per stage (trainer.uplink). Each push is checked
+           (trainer.aggregation) against its stage's slice of the model; an accepted one is
+           stored at once and journalled in <run>/pending, so a coordinator restart keeps it. A
+           worker's update counts once all P slices are in (Δ̂ᵢ = their union, checked whole);
+           one refused slice drops the worker's others for the round.
   close    when ``quorum`` updates are accepted and every live worker has delivered, or
-           ``straggler_timeout_s`` after the first accepted update (late or dead workers are
-           dropped from the round; they rejoin at the next one).
+           ``straggler_timeout_s`` after the first accepted update (late or dead workers, and
+           workers missing a stage's slice, are dropped from the round; they rejoin at the next).
   publish  Δ⁽ʳ⁾ = mean, (θ⁽ʳ⁾, m⁽ʳ⁾) = outer step (trainer.diloco); with compression on, the
            global update travels compressed and θ⁽ʳ⁾ is what the replicas rebuild from those bytes
            (trainer.downlink). θ⁽ʳ⁾, m⁽ʳ⁾ (and the downlink bytes) go to the store, then the
@@ -44,7 +47,7 @@ from proto import CHUNK_BYTES, MAX_MESSAGE_BYTES, PROTOCOL_VERSION, SERVICE_NAME
 from storage_client import CID, Manifest, Participant, canonical_json, from_e6, lineage, to_e6
 from storage_client.manifest import Downlink, Traffic
 from trainer.aggregation import (
-    InvalidUpdate, check_layout, mean_pseudo_gradient, norm_bound, validate_payload,
+    InvalidUpdate, check_layout, check_norm, mean_pseudo_gradient, norm_bound, validate_payload,
 )
 from trainer.config import ConfigError, RunConfig
 from trainer.data import Corpus, eval_batches, load_corpus
@@ -54,12 +57,14 @@ from trainer.diloco import (
 )
 from trainer.downlink import DownlinkCompressor
 from trainer.model import build_model, param_count
+from trainer.pipeline import stage_param_names
+from trainer.uplink import record_of
 from attestation import SignedReport
 from trainer.refusal import Refusal
 from trainer.run_dir import RunDir
 from trainer.trust import ReportBook, TrustGate, TrustSettings, open_gate, shard_digest
 from trainer.wire import (
-    ENCODING_DENSE_F32, ENCODING_LOWRANK_INT4, Layout, Params, WireError, chunked, decode_params, encode_params,
+    ENCODING_DENSE_F32, ENCODING_HELD, ENCODING_LOWRANK_INT4, Layout, Params, WireError, chunked, decode_params, encode_params,
     layout_of, reassemble, sha256_hex,
 )
 
@@ -85,11 +90,21 @@ class Accepted:
 
 
 @dataclass
+class StageSlices:
+    """The slices a worker of several pipeline stages has delivered so far for the open round."""
+
+    num_stages: int
+    slices: dict[int, Accepted] = field(default_factory=dict)  # by stage; entry as Accepted's, per slice
+    completing: bool = False  # the last slice is in: its merged update is being stored
+
+
+@dataclass
 class OpenRound:
     number: int
     opened_at: float
     first_accept_at: float | None = None
     accepted: dict[str, Accepted] = field(default_factory=dict)
+    partial: dict[str, StageSlices] = field(default_factory=dict)  # workers with some stage slices in
     refused: dict[str, list[str]] = field(default_factory=dict)  # every refusal, by worker
     up: dict[str, int] = field(default_factory=dict)    # wire bytes by worker, worker → coordinator
     down: dict[str, int] = field(default_factory=dict)  # and coordinator → worker
@@ -260,12 +275,42 @@ class Coordinator:
         log.info("run %s: resumed at round %d from %s", stored.run_id, tip.round, tip_cid)
 
     def _reload_pending(self) -> None:
-        """Updates accepted before a restart for the still-open round stay accepted."""
+        """Updates, and stage slices, accepted before a restart for the still-open round stay accepted."""
         for worker, entry in sorted(self.run_dir.pending(self.round.number).items()):
             update = decode_params(self.store.get(entry["cid"]))  # re-hashed on read
             self.round.accepted[worker] = Accepted(update, entry)
             self.round.first_accept_at = self.round.first_accept_at or self.clock()
             log.info("round %d: kept %s's update %s from before the restart", self.round.number, worker, entry["cid"])
+        for worker, held in sorted(self.run_dir.pending(self.round.number, "stages").items()):
+            if worker in self.round.accepted:
+                continue
+            part = StageSlices(int(held["num_stages"]))
+            for stage, entry in held["slices"].items():
+                part.slices[int(stage)] = Accepted(decode_params(self.store.get(entry["cid"])), entry)
+            self.round.partial[worker] = part
+            log.info("round %d: kept %d of %s's %d stage slices from before the restart", self.round.number,
+                     len(part.slices), worker, part.num_stages)
+
+    def _journal_partial(self) -> None:
+        """<run>/pending: the open round's stage slices of workers not yet complete (lock held)."""
+        self.run_dir.save_pending(self.round.number, {
+            w: {"num_stages": p.num_stages, "slices": {str(s): a.entry for s, a in sorted(p.slices.items())}}
+            for w, p in sorted(self.round.partial.items())
+        }, "stages")
+
+    def stage_layout(self, stage: int, num_stages: int) -> Layout:
+        """The tensors of stage ``stage`` of ``num_stages`` (trainer.pipeline's split of the model)."""
+        n_layer = self.config.model.n_layer
+        if not 1 <= num_stages <= n_layer:
+            raise Refusal(grpc.StatusCode.INVALID_ARGUMENT,
+                          f"num_stages {num_stages}: this run's model of {n_layer} layer(s) splits into "
+                          f"1 to {n_layer} pipeline stages")
+        if not stage < num_stages:
+            raise Refusal(grpc.StatusCode.INVALID_ARGUMENT, f"stage {stage} out of range for {num_stages} stages")
+        if num_stages == 1:
+            return self.layout
+        names = stage_param_names(self.config.model, num_stages)[stage]
+        return {name: self.layout[name] for name in names}
 
     # ----------------------------------------------------------------------------- queries
 
@@ -354,7 +399,7 @@ class Coordinator:
                 raise Refusal(grpc.StatusCode.FAILED_PRECONDITION,
                               f"update is for run {h.run_id!r}; this coordinator runs {self.config.run_id!r}")
             self._known(h.worker_id).last_seen = self.clock()
-            self._check_round(h.worker_id, h.round)
+            self._check_round(h.worker_id, h.round, h.stage, h.num_stages)
             bases = {str(self.global_state.params_cid)}
             if self.config.rounds.overlap:  # one round stale is the point of the overlap
                 bases.add(self.manifests[max(h.round - 2, 0)][1].params)
@@ -369,9 +414,10 @@ class Coordinator:
             raise Refusal(grpc.StatusCode.INVALID_ARGUMENT,
                           f"payload_sha256 {h.payload_sha256!r} is not 64 lowercase hex digits")
         if self.gate is not None:
-            self.gate.check_update(h.worker_id, self.workers[h.worker_id].address, h.round,
-                                   h.payload_sha256, h.signature)
-        limit = sum(4 * math.prod(shape) for _, shape in self.layout.values()) + (1 << 20)
+            self.gate.check_update(h.worker_id, self.workers[h.worker_id].address, h.round, h.stage,
+                                   h.num_stages, h.payload_sha256, h.signature)
+        expected = self.stage_layout(h.stage, h.num_stages)
+        limit = sum(4 * math.prod(shape) for _, shape in expected.values()) + (1 << 20)
         if h.payload_size > limit:
             raise Refusal(grpc.StatusCode.INVALID_ARGUMENT,
                           f"payload of {h.payload_size} bytes exceeds the {limit} a dense update can need")
@@ -382,12 +428,13 @@ class Coordinator:
         if len(declared) != len(h.tensors):
             raise Refusal(grpc.StatusCode.INVALID_ARGUMENT, "header names a tensor twice")
         try:
-            check_layout(declared, self.layout)
+            check_layout(declared, expected)
         except InvalidUpdate as exc:
-            raise Refusal(grpc.StatusCode.INVALID_ARGUMENT, str(exc)) from exc
+            where = f"stage {h.stage} of {h.num_stages}: " if h.num_stages > 1 else ""
+            raise Refusal(grpc.StatusCode.INVALID_ARGUMENT, where + str(exc)) from exc
         return declared
 
-    def _check_round(self, worker_id: str, round_: int) -> None:
+    def _check_round(self, worker_id: str, round_: int, stage: int = 0, num_stages: int = 1) -> None:
         current = self.round
         if self.finished:
             raise Refusal(grpc.StatusCode.FAILED_PRECONDITION, f"run {self.config.run_id!r} has finished all rounds")
@@ -402,6 +449,19 @@ class Coordinator:
             raise Refusal(grpc.StatusCode.ALREADY_EXISTS,
                           f"worker {worker_id!r} already pushed an update for round {round_} "
                           f"({current.accepted[worker_id].entry['cid']})")
+        part = current.partial.get(worker_id)
+        if part is not None:
+            if part.num_stages != num_stages:
+                raise Refusal(grpc.StatusCode.INVALID_ARGUMENT,
+                              f"worker {worker_id!r} pushed round {round_} as {part.num_stages} stage slices, "
+                              f"this one says {num_stages}")
+            if stage in part.slices:
+                raise Refusal(grpc.StatusCode.ALREADY_EXISTS,
+                              f"worker {worker_id!r} already pushed stage {stage} of {num_stages} for round "
+                              f"{round_} ({part.slices[stage].entry['cid']})")
+            if part.completing:
+                raise Refusal(grpc.StatusCode.ALREADY_EXISTS,
+                              f"worker {worker_id!r}'s update for round {round_} is being stored")
 
     def count_up(self, worker_id: str, nbytes: int) -> None:
         """Bytes a worker sent, counted into the open round (refused pushes too: they crossed the
@@ -410,17 +470,29 @@ class Coordinator:
             if worker_id in self.workers:
                 self.round.up[worker_id] = self.round.up.get(worker_id, 0) + nbytes
 
-    def refuse(self, h: pb.UpdateHeader, message: str) -> None:
+    def refuse(self, h: pb.UpdateHeader, refusal: Refusal) -> None:
+        """File a refusal: the worker is out of the round, and its other stage slices of the round
+        go with it. A duplicate (ALREADY_EXISTS) changes nothing: what it repeats is held."""
+        message, dropped = refusal.message, None
+        if refusal.code == grpc.StatusCode.ALREADY_EXISTS:
+            log.info("round %d: %s from %s", h.round, message, h.worker_id)
+            return
         with self._lock:
             if h.round == self.round.number and h.worker_id in self.workers:
                 self.round.refused.setdefault(h.worker_id, []).append(message)
-        log.warning("round %d: refused update from %s: %s", h.round, h.worker_id, message)
+                dropped = self.round.partial.pop(h.worker_id, None)
+                if dropped is not None:
+                    self._journal_partial()
+        what = "update" if h.num_stages <= 1 else f"stage {h.stage} of {h.num_stages} slice"
+        log.warning("round %d: refused %s from %s: %s%s", h.round, what, h.worker_id, message,
+                    f" (its {len(dropped.slices)} other slice(s) dropped)" if dropped and dropped.slices else "")
 
-    def accept(self, h: pb.UpdateHeader, payload: bytes, update: Params, wire_bytes: int) -> tuple[CID, int]:
-        """Store and journal an update that passed every check; returns its CID and the open round."""
-        cid = self.store.put(payload)  # before the journal names it
+    def accept(self, h: pb.UpdateHeader, update: Params, wire_bytes: int) -> tuple[CID, int]:
+        """Store and journal an update, or a stage slice, that passed every check; returns its
+        record's CID and the open round. The last slice of a worker completes its update."""
+        cid = self.store.put(record_of(update))  # before the journal names it
         with self._lock:
-            self._check_round(h.worker_id, h.round)  # the round may have moved while bytes streamed
+            self._check_round(h.worker_id, h.round, h.stage, h.num_stages)  # the round may have moved
             # The fetch this update built on, as this coordinator counted it; after a restart it
             # has no count and takes the worker's (which the worker's signed report restates).
             received = self.served.get((h.worker_id, h.base_params_cid), int(h.base_bytes_received))
@@ -428,13 +500,57 @@ class Coordinator:
                 "cid": str(cid), "train_loss_e6": to_e6(h.train_loss), "tokens": int(h.tokens),
                 "inner_steps": int(h.inner_steps), "bytes_sent": wire_bytes, "bytes_received": received,
             }
-            self.round.accepted[h.worker_id] = Accepted(update, entry)
+            if h.num_stages == 1:
+                self._accepted(h.worker_id, h.round, Accepted(update, entry))
+                open_round = self.round.number
+                log.info("round %d: accepted %s from %s (loss %.4f)", h.round, cid, h.worker_id, h.train_loss)
+                return cid, open_round
+            part = self.round.partial.setdefault(h.worker_id, StageSlices(h.num_stages))
+            entry["base_params_cid"] = h.base_params_cid
+            _check_sibling(h, entry, part)
+            part.slices[h.stage] = Accepted(update, entry)
+            self._journal_partial()
             self.round.first_accept_at = self.round.first_accept_at or self.clock()
-            self.run_dir.save_pending(h.round, {w: a.entry for w, a in self.round.accepted.items()})
             open_round = self.round.number
-            self._lock.notify_all()
-        log.info("round %d: accepted %s from %s (loss %.4f)", h.round, cid, h.worker_id, h.train_loss)
+            complete = len(part.slices) == part.num_stages
+            part.completing = complete
+        log.info("round %d: accepted stage %d of %d slice %s from %s", h.round, h.stage, h.num_stages, cid,
+                 h.worker_id)
+        if complete:
+            self._complete(h, part)
         return cid, open_round
+
+    def _accepted(self, worker_id: str, round_: int, accepted: Accepted) -> None:
+        """Count a worker's whole update in the open round and journal it (lock held)."""
+        self.round.accepted[worker_id] = accepted
+        self.round.first_accept_at = self.round.first_accept_at or self.clock()
+        self.run_dir.save_pending(round_, {w: a.entry for w, a in self.round.accepted.items()})
+        self._lock.notify_all()
+
+    def _complete(self, h: pb.UpdateHeader, part: StageSlices) -> None:
+        """All of a worker's stage slices are in: Δ̂ᵢ = their union, checked whole, counted."""
+        update: Params = {}
+        for stage in range(part.num_stages):
+            update.update(part.slices[stage].update)
+        try:
+            norm = check_norm(update, self.bound)
+        except InvalidUpdate as exc:
+            raise Refusal(grpc.StatusCode.INVALID_ARGUMENT, f"the update of all {part.num_stages} stage slices: {exc}") from exc
+        cid = self.store.put(record_of(update))
+        first = part.slices[0].entry
+        entry = {"cid": str(cid), "train_loss_e6": first["train_loss_e6"], "tokens": first["tokens"],
+                 "inner_steps": first["inner_steps"], "bytes_received": first["bytes_received"],
+                 "bytes_sent": sum(a.entry["bytes_sent"] for a in part.slices.values())}
+        with self._lock:
+            if self.round.number != h.round or self.round.closing or self.round.partial.get(h.worker_id) is not part:
+                # The round closed without this worker meanwhile: none of its slices counts.
+                raise Refusal(grpc.StatusCode.FAILED_PRECONDITION,
+                              f"round {h.round} closed before {h.worker_id}'s last stage slice was counted")
+            del self.round.partial[h.worker_id]
+            self._accepted(h.worker_id, h.round, Accepted(update, entry))
+            self._journal_partial()
+        log.info("round %d: accepted %s from %s, %d stage slices (loss %.4f, norm %.4g)", h.round, cid,
+                 h.worker_id, part.num_stages, h.train_loss, norm)
 
     def wait_for_global(self, worker_id: str, min_round: int, wait_s: float) -> tuple[GlobalState | None, int, bool]:
         deadline = self.clock() + max(0.0, min(wait_s, 60.0))
@@ -537,6 +653,7 @@ class Coordinator:
                             for w in sorted(set(r.up) | set(r.down)))
             refused = tuple(f"{w}: {m}" for w, ms in sorted(r.refused.items()) for m in ms)
             dropped = tuple(sorted(set(self.workers) - set(r.accepted)))
+            incomplete = {w: (len(p.slices), p.num_stages) for w, p in r.partial.items()}
         manifest = Manifest(
             run_id=cfg.run_id, round=r.number, parent=str(g.manifest_cid), config=str(self.config_cid),
             params=str(params_cid), outer_state=str(outer_cid),
@@ -552,6 +669,9 @@ class Coordinator:
         manifest_cid = manifest.store(self.store)
         self.run_dir.set_head(manifest_cid)  # the round is durable from here on
         self.run_dir.clear_pending(r.number)
+        self.run_dir.clear_pending(r.number, "stages")
+        for w, (have, of) in sorted(incomplete.items()):
+            log.warning("round %d: %s dropped with %d of its %d stage slices", r.number, w, have, of)
         summary = RoundSummary.of(manifest_cid, manifest, refused, seconds=self.clock() - r.opened_at)
         self.run_dir.log_round(dataclasses.asdict(summary))
         with self._lock:
@@ -650,15 +770,13 @@ class CoordinatorService(pb_grpc.CoordinatorServicer):
                 payload = reassemble(data(), header.payload_size, header.payload_sha256, what=what)
                 update = validate_payload(payload, declared, self.c.bound, encoding=header.encoding,
                                           codec_header=codec_header(header))
-                # The record keeps the dense update: what the mean is taken over and re-derived from.
-                record = payload if header.encoding == ENCODING_DENSE_F32 else encode_params(update)
             except (WireError, InvalidUpdate) as exc:
                 raise Refusal(grpc.StatusCode.INVALID_ARGUMENT, str(exc)) from exc
             finally:
                 self.c.count_up(header.worker_id, wire_bytes)  # refused or not, these bytes crossed the network
-            cid, open_round = self.c.accept(header, record, update, wire_bytes)
+            cid, open_round = self.c.accept(header, update, wire_bytes)
         except Refusal as r:
-            self.c.refuse(header, r.message)
+            self.c.refuse(header, r)
             self._abort(context, r)
         return pb.PushUpdateResponse(accepted=True, update_cid=str(cid), open_round=open_round)
 
@@ -679,7 +797,10 @@ class CoordinatorService(pb_grpc.CoordinatorServicer):
             eval_loss_e6=state.eval_loss_e6, encoding=ENCODING_DENSE_F32,
         )
         payload = state.payload
-        if state.downlink is not None and request.have_params_cid == state.downlink[2]:
+        if request.have_params_cid == str(state.params_cid):
+            # The worker holds θ⁽ʳ⁾ already (θ⁽⁰⁾ it builds from the seed): the header says so.
+            payload, header.encoding = b"", ENCODING_HELD
+        elif state.downlink is not None and request.have_params_cid == state.downlink[2]:
             # The worker holds θ⁽ʳ⁻¹⁾: the compressed global update is all it needs.
             payload, header.compression_header, header.base_params_cid = state.downlink
             header.encoding = ENCODING_LOWRANK_INT4
@@ -700,6 +821,16 @@ class CoordinatorService(pb_grpc.CoordinatorServicer):
 
 
 ENCODINGS = (ENCODING_DENSE_F32, ENCODING_LOWRANK_INT4)
+
+
+def _check_sibling(h: pb.UpdateHeader, entry: dict, part: StageSlices) -> None:
+    """A worker's stage slices come from one inner loop: the same metrics and the same base."""
+    for stage, other in part.slices.items():
+        for key in ("train_loss_e6", "tokens", "inner_steps", "base_params_cid"):
+            if other.entry[key] != entry[key]:
+                raise Refusal(grpc.StatusCode.INVALID_ARGUMENT,
+                              f"stage {h.stage} of {h.num_stages} says {key} {entry[key]!r}, but stage {stage} "
+                              f"of the same round said {other.entry[key]!r}")
 
 
 def codec_header(h: pb.UpdateHeader) -> dict | None:

@@ -57,9 +57,12 @@ A worker's P stages are P long-lived local processes, rank s = stage s, held by 
 forked by a ``forkserver`` that imports torch once, so only the first group of a worker pays for
 that import (seconds); a replacement group starts in a fraction of a second.
 Every round the worker puts one job on each stage's own queue (its slice of θ⁽ʳ⁻¹⁾, the batches,
-the inner hyper-parameters) and each stage answers on a shared queue with Δ_s, the losses and its
-token count; the worker merges the Δ_s by name (they partition the names exactly) into the full
-pseudo-gradient. A stage's module, GPipe schedule and AdamW state stay in its own memory across
+the inner hyper-parameters, and, when updates travel compressed, the stage's error-feedback state)
+and each stage answers on a shared queue with Δ_s, the losses, its token count and Δ_s encoded for
+the push: compressed by the stage itself, with that state, which comes back updated
+(trainer.uplink). The worker pushes each stage's slice as its own stream, so the coordinator
+aggregates stage by stage, and merges the Δ_s by name (they partition the names exactly) into the
+full pseudo-gradient for its own bookkeeping. A stage's module, GPipe schedule and AdamW state stay in its own memory across
 rounds, as :class:`trainer.diloco.InnerLoop` keeps them in the worker process: only the round's
 inputs and Δ_s cross the queues, as numpy arrays pickled by value. The queues join the worker to its
 own children only, so nothing received from the network is unpickled.
@@ -105,9 +108,11 @@ import torch.multiprocessing as mp
 import torch.nn as nn
 import torch.nn.functional as F
 
+from trainer.compression import CompressionConfig
 from trainer.config import InnerConfig, ModelConfig
-from trainer.diloco import InnerResult, load_params
+from trainer.diloco import load_params
 from trainer.model import GPT, build_model
+from trainer.uplink import Slice, encode_slice, new_compressor
 from trainer.wire import Params
 
 log = logging.getLogger("dilocox.pipeline")
@@ -201,6 +206,8 @@ class StageResult:
     losses: list[float]  # ℓ_h of each step (the same on every stage)
     tokens: int
     optimizer_steps: int  # AdamW steps this stage's state has taken, over all its rounds
+    update: Slice | None = None  # Δ_s encoded for the push (trainer.uplink), by run_round
+    uplink_state: Params | None = None  # the stage's error-feedback state after encoding it
 
 
 def init_from_env(timeout_s: float = DEFAULT_TIMEOUT_S, backend: str | None = None) -> None:
@@ -387,6 +394,8 @@ class RoundJob:
     inner_cfg: InnerConfig
     start: dict[str, np.ndarray]  # this stage's slice of the start parameters
     batches: list[tuple[np.ndarray, np.ndarray]]
+    compression: CompressionConfig | None = None  # None: the slice goes dense
+    uplink_state: dict[str, np.ndarray] | None = None  # the stage's error feedback, kept by the worker
 
 
 # Runs one round in a stage process; tests substitute one that fails on purpose.
@@ -409,9 +418,32 @@ def _context() -> Any:
 
 
 def run_round(runner: StageRunner, job: RoundJob) -> dict[str, Any]:
-    """The default :data:`RoundFn`: the stage's round, as a plain dict of numpy arrays."""
+    """The default :data:`RoundFn`: the stage's round, then its slice encoded for the push
+    (trainer.uplink: compressed with the error feedback the job brought, or dense), as a plain
+    dict of numpy arrays."""
     result = runner.run(job.inner_cfg, _to_torch(job.start), _to_torch(job.batches))
-    return _to_numpy(dict(vars(result)))  # a plain dict: _to_numpy does not enter dataclasses
+    compressor = None
+    if job.compression is not None:
+        compressor = new_compressor(job.compression, _to_torch(job.uplink_state))
+    piece = encode_slice(result.pseudo_gradient, runner.index, runner.num_stages, compressor)
+    out = dict(vars(result))  # plain dicts: _to_numpy does not enter dataclasses
+    update = dict(vars(piece))
+    if compressor is None:
+        update["transmitted"] = None  # the dense slice is Δ_s itself: sent once
+    out["update"] = update
+    out["uplink_state"] = compressor.state_dict() if compressor is not None else None
+    return _to_numpy(out)
+
+
+def _stage_result(payload: dict[str, Any]) -> StageResult:
+    """A stage's answer, back from numpy arrays and plain dicts."""
+    fields = _to_torch(payload)
+    update = fields.get("update")
+    if update is not None:
+        if update["transmitted"] is None:
+            update["transmitted"] = fields["pseudo_gradient"]
+        fields["update"] = Slice(**update)
+    return StageResult(**fields)
 
 
 def _stage_main(index: int, setup: _Setup, jobs: Any, results: Any, round_fn: RoundFn) -> None:
@@ -465,6 +497,8 @@ class PipelineResult:
     steps: int
     stage_pseudo_gradients: list[Params]  # Δ_s of each stage
     optimizer_steps: list[int]  # AdamW steps each stage's state has taken, over its group's rounds
+    slices: list[Slice]  # each stage's Δ_s encoded for its push (trainer.uplink)
+    uplink_states: list[Params] | None  # each stage's error feedback after encoding (None: dense)
 
 
 class StageGroup:
@@ -528,13 +562,18 @@ class StageGroup:
         return f"pipeline stage {stage} of {self.num_stages} (pid {proc.pid}) died: exit code {proc.exitcode}"
 
     def run(self, inner_cfg: InnerConfig, start_params: Params, batches: Sequence[Batch], *,
-            deadline_s: float | None = None) -> PipelineResult:
-        """One round's inner loop on the group's stages, from the full θ⁽ʳ⁻¹⁾ ``start_params``.
+            deadline_s: float | None = None, compression: CompressionConfig | None = None,
+            uplink_states: Sequence[Params] | None = None) -> PipelineResult:
+        """One round's inner loop on the group's stages, from the full θ⁽ʳ⁻¹⁾ ``start_params``,
+        each stage then encoding its slice: compressed with ``compression`` and its state from
+        ``uplink_states`` (one per stage), or dense when ``compression`` is None.
 
         ``deadline_s`` bounds the round (None: only the stages' own timeouts). ValueError for
         inputs that do not fit (the group stays usable); PipelineError, the group closed, when a
         stage fails.
         """
+        if compression is not None and (uplink_states is None or len(uplink_states) != self.num_stages):
+            raise ValueError(f"compressed slices need {self.num_stages} error-feedback states, one per stage")
         if self.closed:
             raise PipelineError("this group of pipeline stages is closed")
         batches = list(batches)
@@ -548,9 +587,10 @@ class StageGroup:
         shared = _to_numpy([(x, y) for x, y in batches])
         try:
             for s, names in enumerate(self.names):
+                state = None if compression is None else _to_numpy(dict(uplink_states[s]))
                 self._jobs[s].put(RoundJob(self._seq, inner_cfg, _to_numpy({n: start_params[n] for n in names}),
-                                           shared))
-            stages = [StageResult(**_to_torch(p)) for p in self._collect(self._seq, deadline_s, "round")]
+                                           shared, compression, state))
+            stages = [_stage_result(p) for p in self._collect(self._seq, deadline_s, "round")]
             delta: Params = {}
             for s, result in enumerate(stages):
                 if list(result.pseudo_gradient) != self.names[s]:
@@ -561,11 +601,14 @@ class StageGroup:
             self.close(graceful=False)  # never reused: its process group may be half-way through
             raise
         losses = stages[-1].losses
+        assert all(r.update is not None for r in stages), "run_round encodes every slice"
         return PipelineResult(
             pseudo_gradient={n: delta[n] for n in start_params}, mean_loss=sum(losses) / len(losses),
             tokens=stages[-1].tokens, steps=len(losses),
             stage_pseudo_gradients=[r.pseudo_gradient for r in stages],
             optimizer_steps=[r.optimizer_steps for r in stages],
+            slices=[r.update for r in stages],  # type: ignore[misc]
+            uplink_states=None if compression is None else [r.uplink_state for r in stages],  # type: ignore[misc]
         )
 
     def _collect(self, seq: int, deadline_s: float | None, what: str) -> list[Any]:
@@ -679,7 +722,9 @@ def run_pipelined_inner(
 
 
 class PipelinedInnerLoop:
-    """:class:`trainer.diloco.InnerLoop` on P persistent local stage processes.
+    """:class:`trainer.diloco.InnerLoop` on P persistent local stage processes, each stage also
+    encoding its own slice of Δ for the push (trainer.uplink; compressed when ``compression`` is
+    given and enabled).
 
     The stages start on the first :meth:`run` and serve every later one, each keeping its AdamW
     state. After a failed round (a :class:`PipelineError`) the next :meth:`run` starts a fresh
@@ -687,6 +732,7 @@ class PipelinedInnerLoop:
     """
 
     def __init__(self, model_cfg: ModelConfig, cfg: InnerConfig, stages: int, *,
+                 compression: CompressionConfig | None = None,
                  n_microbatches: int = 2, timeout_s: float = DEFAULT_TIMEOUT_S,
                  deadline_s: float | None = None, threads_per_stage: int | None = None,
                  round_fn: RoundFn = run_round) -> None:
@@ -696,6 +742,7 @@ class PipelinedInnerLoop:
                              f"{n_microbatches} equal microbatches")
         self.model_cfg = model_cfg
         self.cfg = cfg
+        self.compression = compression if compression is not None and compression.enabled else None
         self.stages = stages
         self.n_microbatches = n_microbatches
         self.timeout_s = timeout_s
@@ -737,15 +784,19 @@ class PipelinedInnerLoop:
         self._failure = None
         return self.group
 
-    def run(self, start: Params, batches: Sequence[Batch]) -> InnerResult:
+    def run(self, start: Params, batches: Sequence[Batch],
+            uplink_states: Sequence[Params] | None = None) -> PipelineResult:
+        """One round; each stage encodes its slice, compressed when the loop was made with a
+        ``compression`` config (``uplink_states``: each stage's error feedback, see trainer.uplink)."""
         try:
-            result = self._ensure_group().run(self.cfg, start, batches, deadline_s=self.deadline_s)
+            result = self._ensure_group().run(self.cfg, start, batches, deadline_s=self.deadline_s,
+                                              compression=self.compression, uplink_states=uplink_states)
         except PipelineError as exc:
             self._failure = f"a failure ({str(exc).splitlines()[0]})"
             self.close()
             raise
         self.last = result
-        return InnerResult(result.pseudo_gradient, result.mean_loss, result.tokens, result.steps)
+        return result
 
     def close(self) -> None:
         """Stop the stage processes (a later :meth:`run` would start new ones)."""

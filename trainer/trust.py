@@ -6,8 +6,8 @@ docs/trust.md has the whole design. In short:
   Join        evidence over REPORTDATA(address, runId, nonce, code measurement) must pass the
               policy and name an allowlisted measurement; the admission record goes to the store
               and ``admitWorker`` to the registry (skipped for a key that is already active).
-  PushUpdate  the header is signed by the admitted key: sha256("dilocox/update/v1" ‖ runId ‖
-              uint64be(round) ‖ payload sha256).
+  PushUpdate  the header is signed by the admitted key: sha256("dilocox/update/v2" ‖ runId ‖
+              uint64be(round) ‖ uint32be(stage) ‖ uint32be(num_stages) ‖ payload sha256).
   Report      a participant's EIP-712 RoundReport must be signed by its key and agree with the
               round's manifest field by field; complete rounds go, in order, to the outbox that
               records them on the ledger.
@@ -38,14 +38,16 @@ from trainer.run_dir import RunDir
 log = logging.getLogger("dilocox.trust")
 
 NONCE_TTL_S = 300.0
-UPDATE_DOMAIN = b"dilocox/update/v1"
+UPDATE_DOMAIN = b"dilocox/update/v2"
 EVAL_TOLERANCE_E6 = 1000  # a worker's own evaluation may differ from the manifest's by 1e-3
 
 
-def update_digest(run_id: bytes, round_: int, payload_sha256_hex: str) -> bytes:
-    """What a worker signs for each update it pushes."""
+def update_digest(run_id: bytes, round_: int, stage: int, num_stages: int, payload_sha256_hex: str) -> bytes:
+    """What a worker signs for each slice it pushes (stage 0 of 1 for a whole-model update): the
+    stage is bound in, so a signed slice cannot be replayed as another stage's."""
     return hashlib.sha256(
-        UPDATE_DOMAIN + run_id + round_.to_bytes(8, "big") + bytes.fromhex(payload_sha256_hex)
+        UPDATE_DOMAIN + run_id + round_.to_bytes(8, "big") + stage.to_bytes(4, "big")
+        + num_stages.to_bytes(4, "big") + bytes.fromhex(payload_sha256_hex)
     ).digest()
 
 
@@ -131,13 +133,13 @@ class TrustGate:
                  verified.measurement.hex()[:16], record, note)
         return address
 
-    def check_update(self, worker_id: str, address: str | None, round_: int, sha256_hex: str,
-                     signature: bytes) -> None:
+    def check_update(self, worker_id: str, address: str | None, round_: int, stage: int, num_stages: int,
+                     sha256_hex: str, signature: bytes) -> None:
         if address is None:
             raise Refusal(grpc.StatusCode.PERMISSION_DENIED,
                                f"worker {worker_id!r} has no admitted key in this run")
         try:
-            signer = recover_address(update_digest(self.run_id, round_, sha256_hex), signature)
+            signer = recover_address(update_digest(self.run_id, round_, stage, num_stages, sha256_hex), signature)
         except SignatureError as exc:
             raise Refusal(grpc.StatusCode.UNAUTHENTICATED, f"update signature refused: {exc}") from exc
         if signer != address:

@@ -13,11 +13,14 @@ With overlap the global update reaches a worker one round late: round r builds o
 the worker's own last round, instead of θ⁽ʳ⁻¹⁾. The coordinator's arithmetic is the same in both
 modes, so checkpoints, reports and the audit do not change.
 
-With compression on (``compression.enabled``), both directions travel as adaptive low-rank + int4:
-the push is C(Δᵢ⁽ʳ⁾ + eᵢ) with this worker's error feedback eᵢ (a refused push puts what it sent
-back into eᵢ, so nothing is lost), and the fetch of θ⁽ʳ⁾ by a worker holding θ⁽ʳ⁻¹⁾ is the
-coordinator's compressed global update, θ⁽ʳ⁾ = θ⁽ʳ⁻¹⁾ − decompress(C⁽ʳ⁾) (trainer.downlink),
-checked against the published CID before it is used.
+A worker of P pipeline stages (``--stages P``, trainer.pipeline) pushes Δᵢ⁽ʳ⁾ as P slices, one
+stream each, every slice encoded by the stage that computed it (trainer.uplink); a one-process
+worker pushes its whole Δᵢ⁽ʳ⁾ as stage 0 of 1. With compression on (``compression.enabled``), both
+directions travel as adaptive low-rank + int4: a slice is C(Δᵢ,ₛ⁽ʳ⁾ + eᵢ,ₛ) with this worker's
+error feedback eᵢ,ₛ (a refused push puts every slice's Δ̂ back into e, so nothing is lost), and the
+fetch of θ⁽ʳ⁾ by a worker holding θ⁽ʳ⁻¹⁾ is the coordinator's compressed global update,
+θ⁽ʳ⁾ = θ⁽ʳ⁻¹⁾ − decompress(C⁽ʳ⁾) (trainer.downlink), checked against the published CID before it
+is used.
 
 Every byte is counted per direction: the log line and the ``--metrics`` record of each round, the
 update header (``base_bytes_received``: the fetch this update built on) and the signed report
@@ -50,22 +53,27 @@ from attestation import (
 )
 from proto import PROTOCOL_VERSION, pb, pb_grpc
 from storage_client import CID, Codec, canonical_json, to_e6
-from trainer.compression import AdaptiveRankPolicy, CompressionError, ErrorFeedbackCompressor, decompress
+from trainer.compression import CompressionError, RoundDecision
 from trainer.downlink import apply_update, decode_update
 from trainer.config import RunConfig
 from trainer.coordinator import grpc_options
 from trainer.data import eval_batches, load_corpus, round_batches
-from trainer.diloco import InnerLoop, InnerResult, evaluate, load_params
+from trainer.diloco import InnerLoop, InnerResult, evaluate, load_params, params_of
 from trainer.link import Link
 from trainer.trust import EVAL_TOLERANCE_E6, shard_digest, update_digest
 from trainer.model import build_model
 from trainer.pipeline import PipelinedInnerLoop, PipelineError
+from trainer.uplink import Slice, Uplink, merged, merged_decision, record_of
 from trainer.wire import (
-    ENCODING_DENSE_F32, ENCODING_LOWRANK_INT4, Params, WireError, chunked, decode_params, encode_params, layout_of,
+    ENCODING_DENSE_F32, ENCODING_HELD, ENCODING_LOWRANK_INT4, Params, WireError, chunked, decode_params, encode_params, layout_of,
     reassemble, sha256_hex,
 )
 
 log = logging.getLogger("dilocox.worker")
+
+
+def _slice_name(piece: Slice) -> str:
+    return "update" if piece.num_stages == 1 else f"stage {piece.stage} of {piece.num_stages} slice"
 T = TypeVar("T")
 
 _RETRYABLE = {grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED}
@@ -76,11 +84,19 @@ class WorkerError(RuntimeError):
 
 
 @dataclass(frozen=True)
+class RoundWork:
+    """A round's training: the inner loop's result, and its Δ encoded as one slice per stage."""
+
+    result: InnerResult
+    slices: list[Slice]
+
+
+@dataclass(frozen=True)
 class Pushed:
     """An update the coordinator holds: what this worker's report of that round will restate."""
 
     round: int
-    update: bytes  # sha256 of the payload
+    update: bytes  # sha256 of the record: safetensors of the Δ̂ the coordinator rebuilt
     train_loss_e6: int
     tokens: int
     inner_steps: int
@@ -118,7 +134,7 @@ class Worker:
         self.compute_s = 0.0  # time in the inner loop, all rounds
         self.tokens = 0
         self._counted = (0, 0)  # bytes sent/received up to the last progress record
-        self.last_decision = None  # the uplink compressor's last RoundDecision
+        self.last_decision: RoundDecision | None = None  # the uplink compressors' last decisions
 
     # ----------------------------------------------------------------------------- plumbing
 
@@ -195,6 +211,10 @@ class Worker:
             batch_size=config.inner.batch_size, block_size=config.model.block_size,
         )
         self.model = build_model(config.model, config.seed)
+        # θ⁽⁰⁾ is a function of the run's seed: built here, it need not cross the network. Its CID
+        # is checked against the genesis checkpoint's when the coordinator serves it (as "held").
+        genesis = params_of(self.model)
+        self.held = (str(CID.of(encode_params(genesis))), genesis)
         n_layer = config.model.n_layer
         if not 1 <= self.stages <= n_layer:
             raise WorkerError(f"{self.stages} pipeline stages: this run's model has {n_layer} layers, "
@@ -203,14 +223,15 @@ class Worker:
         if self.stages > 1:  # the stage processes share this worker's torch threads
             try:
                 self.inner = PipelinedInnerLoop(config.model, config.inner, self.stages,
+                                                compression=config.compression,
                                                 threads_per_stage=max(1, torch.get_num_threads() // self.stages))
             except ValueError as exc:  # e.g. a batch that does not cut into equal microbatches
                 raise WorkerError(f"{self.stages} pipeline stages: {exc}") from exc
         else:
             self.inner = InnerLoop(self.model, config.inner)
-        # Error feedback lives as long as the worker: what compression drops is sent next round.
-        self.compressor = (ErrorFeedbackCompressor(AdaptiveRankPolicy(config.compression))
-                           if config.compression.enabled else None)
+        # Error feedback lives as long as the worker (not its stage processes): what compression
+        # drops is sent next round.
+        self.uplink = Uplink(config.compression, self.stages)
 
     def _heartbeats(self) -> None:
         while not self._stop.wait(self.heartbeat_interval_s):
@@ -238,13 +259,14 @@ class Worker:
             with open(self.metrics, "a", encoding="utf-8") as f:
                 f.write(json.dumps(record, sort_keys=True) + "\n")
 
-    def _round_done(self, round_: int, result: InnerResult, trained_s: float, waited_s: float) -> None:
+    def _round_done(self, round_: int, work: RoundWork, trained_s: float, waited_s: float) -> None:
         """Progress of one round: a log line, and a metrics record (bytes since the last one)."""
+        result = work.result
         self.compute_s += trained_s
         self.tokens += result.tokens
         sent, received = self.bytes_sent - self._counted[0], self.bytes_received - self._counted[1]
         self._counted = (self.bytes_sent, self.bytes_received)
-        decision = self.last_decision if self.compressor is not None else None
+        decision = merged_decision(round_, work.slices)
         log.info("round %d: %d steps, loss %.4f, %d tokens, train %.2fs, waited %.2fs, %d bytes up, %d down%s",
                  round_, result.steps, result.mean_loss, result.tokens, trained_s, waited_s, sent, received,
                  f", uplink mean rank {decision.mean_rank:.1f}" if decision else "")
@@ -256,9 +278,9 @@ class Worker:
             record["energy"] = decision.energy
         self._metric(record)
 
-    def _exchange(self, round_: int, result: InnerResult, base_cid: str) -> tuple[Pushed | None, pb.GlobalHeader, Params]:
+    def _exchange(self, round_: int, work: RoundWork, base_cid: str) -> tuple[Pushed | None, pb.GlobalHeader, Params]:
         """Push Δ⁽ʳ⁾, then fetch θ⁽ʳ⁾ (or whatever is newer): the part that overlaps compute."""
-        pushed = self.push(round_, result, base_cid)
+        pushed = self.push(round_, work, base_cid)
         header, params = self.fetch(round_)
         return pushed, header, params
 
@@ -280,7 +302,7 @@ class Worker:
                 self.round = r
                 started = time.monotonic()
                 try:
-                    result = self.train(r, start)
+                    work = self.train(r, start)
                 except PipelineError as exc:
                     # Start over from the round's checkpoint once it closes without us (see _abandon).
                     held_header, held = self.fetch(self._abandon(r, exc, inflight))
@@ -300,10 +322,10 @@ class Worker:
                             return self._finished(held_header)
                         r, start, base, inflight = held_header.round + 1, held, held_header.params_cid, None
                         continue
-                inflight = exchange.submit(self._exchange, r, result, base)
-                self._round_done(r, result, trained, time.monotonic() - started - trained)
+                inflight = exchange.submit(self._exchange, r, work, base)
+                self._round_done(r, work, trained, time.monotonic() - started - trained)
                 # s⁽ʳ⁺¹⁾ = θ⁽ʳ⁻¹⁾ − Δ⁽ʳ⁾: newest global held, plus this round's own progress.
-                start = {k: held[k] - result.pseudo_gradient[k] for k in held}
+                start = {k: held[k] - work.result.pseudo_gradient[k] for k in held}
                 base = held_header.params_cid
                 r += 1
             assert inflight is not None
@@ -360,8 +382,8 @@ class Worker:
             except (WireError, CompressionError) as exc:
                 if header.encoding == ENCODING_DENSE_F32:
                     raise
-                log.error("round %d: the compressed global update does not rebuild the published "
-                          "parameters (%s); fetching them dense", header.round, exc)
+                log.error("round %d: the %s global state does not give the published parameters "
+                          "(%s); fetching them dense", header.round, header.encoding, exc)
                 dense_only = True
                 continue
             self.held = (header.params_cid, params)
@@ -370,6 +392,11 @@ class Worker:
 
     def _global_params(self, header: pb.GlobalHeader, payload: bytes,
                        held: tuple[str, Params] | None) -> Params:
+        if header.encoding == ENCODING_HELD:
+            if held is None or held[0] != header.params_cid or payload:
+                raise WireError(f"the coordinator says this worker holds {header.params_cid}; it holds "
+                                f"{held[0] if held else 'nothing'}")
+            return held[1]
         if header.encoding == ENCODING_DENSE_F32:
             if str(CID.of(payload)) != header.params_cid:
                 raise WireError(f"global parameters hash to {CID.of(payload)}, header names {header.params_cid}")
@@ -391,37 +418,56 @@ class Worker:
             raise WireError(f"rebuilt parameters hash to {rebuilt}, header names {header.params_cid}")
         return params
 
-    def push(self, round_: int, result: InnerResult, base_cid: str) -> Pushed | None:
-        """Send Δ for ``round_``; what was sent if the coordinator holds it, None if refused."""
+    def push(self, round_: int, work: RoundWork, base_cid: str) -> Pushed | None:
+        """Send Δ for ``round_``, one stream per stage slice; what was sent if the coordinator holds
+        every slice, None if one was refused (the coordinator then drops the others: the worker is
+        out of the round, and every slice's Δ̂ is carried into the next round's error feedback)."""
         self.phase = "pushing"
-        layout = layout_of(result.pseudo_gradient)
-        transmitted: Params | None = None
-        if self.compressor is None:
-            payload, encoding, codec_header = encode_params(result.pseudo_gradient), ENCODING_DENSE_F32, b""
-            dense = payload
-        else:
-            payload, header_obj, decision = self.compressor.compress(result.pseudo_gradient)
-            encoding, codec_header = ENCODING_LOWRANK_INT4, canonical_json(header_obj)
-            # The round's record keeps the dense reconstruction, which the coordinator rebuilds
-            # from these bytes bit for bit; the report restates its digest.
-            transmitted = decompress(payload, header_obj, layout)
-            dense = encode_params(transmitted)
-            log.info("round %d: compressed %d -> %d bytes (mean rank %.1f, energy %.3f)", round_,
-                     len(dense), len(payload), decision.mean_rank, decision.energy)
+        result = work.result
+        received = self.received_for.get(base_cid, 0)
+        # The round's record keeps the dense reconstruction Δ̂, which the coordinator rebuilds from
+        # the slices bit for bit; the report restates its digest.
+        record = record_of(merged(work.slices))
+        decision = merged_decision(round_, work.slices)
+        if decision is not None:
             self.last_decision = decision
+            log.info("round %d: compressed %d -> %d bytes in %d slice(s) (mean rank %.1f, energy %.3f)",
+                     round_, len(record), sum(len(s.payload) for s in work.slices), len(work.slices),
+                     decision.mean_rank, decision.energy)
+        wire_bytes = 0
+        for piece in work.slices:
+            try:
+                wire_bytes += self._push_slice(round_, result, piece, base_cid, received)
+            except grpc.RpcError as exc:
+                code = exc.code()
+                if code in (grpc.StatusCode.FAILED_PRECONDITION, grpc.StatusCode.INVALID_ARGUMENT,
+                            grpc.StatusCode.PERMISSION_DENIED, grpc.StatusCode.UNAUTHENTICATED):
+                    log.warning("round %d: %s refused (%s): %s", round_, _slice_name(piece), code.name,
+                                exc.details())
+                    # Error feedback assumed these values arrived; none of them counts, so carry them.
+                    self.uplink.carry_back(work.slices)
+                    return None
+                raise
+        return Pushed(round_, CID.of(record).digest, to_e6(result.mean_loss), result.tokens,
+                      result.steps, wire_bytes, received, CID.parse(base_cid).digest)
+
+    def _push_slice(self, round_: int, result: InnerResult, piece: Slice, base_cid: str, received: int) -> int:
+        """One slice's PushUpdate stream; returns its wire bytes (what the coordinator counts)."""
+        payload = piece.payload
         sha = sha256_hex(payload)
         header = pb.UpdateHeader(
             protocol_version=PROTOCOL_VERSION, run_id=self.config.run_id, round=round_,
-            worker_id=self.worker_id, encoding=encoding, compression_header=codec_header,
-            tensors=[pb.TensorSpec(name=n, dtype=d, shape=s) for n, (d, s) in layout.items()],
+            worker_id=self.worker_id, encoding=piece.encoding,
+            compression_header=canonical_json(piece.codec_header) if piece.codec_header is not None else b"",
+            tensors=[pb.TensorSpec(name=n, dtype=d, shape=s) for n, (d, s) in layout_of(piece.transmitted).items()],
             payload_size=len(payload), payload_sha256=sha, train_loss=result.mean_loss,
             tokens=result.tokens, inner_steps=result.steps, base_params_cid=base_cid,
-            base_bytes_received=self.received_for.get(base_cid, 0),
+            base_bytes_received=received, stage=piece.stage, num_stages=piece.num_stages,
         )
         if self.key is not None:
-            header.signature = self.key.sign_digest(update_digest(self.run_digest, round_, sha))
+            header.signature = self.key.sign_digest(
+                update_digest(self.run_digest, round_, piece.stage, piece.num_stages, sha))
         messages = [pb.UpdateChunk(header=header)] + [pb.UpdateChunk(data=p) for p in chunked(payload)]
-        # What the coordinator counts for this push, and what the report will restate.
         wire_bytes = sum(m.ByteSize() for m in messages)
 
         def stream() -> Iterator[pb.UpdateChunk]:  # a fresh iterator per attempt
@@ -431,25 +477,15 @@ class Worker:
                 self.bytes_sent += message.ByteSize()
                 yield message
 
-        pushed = Pushed(round_, CID.of(dense).digest, to_e6(result.mean_loss), result.tokens,
-                        result.steps, wire_bytes, self.received_for.get(base_cid, 0), CID.parse(base_cid).digest)
         try:
-            response = self._call(f"push round {round_}", lambda: self.stub.PushUpdate(stream(), timeout=120))
-            log.info("round %d: update %s accepted", round_, response.update_cid)
-            return pushed
+            response = self._call(f"push round {round_} {_slice_name(piece)}",
+                                  lambda: self.stub.PushUpdate(stream(), timeout=120))
+            log.info("round %d: %s accepted as %s", round_, _slice_name(piece), response.update_cid)
         except grpc.RpcError as exc:
-            code = exc.code()
-            if code == grpc.StatusCode.ALREADY_EXISTS:
-                log.info("round %d: coordinator already holds this worker's update", round_)
-                return pushed
-            if code in (grpc.StatusCode.FAILED_PRECONDITION, grpc.StatusCode.INVALID_ARGUMENT,
-                        grpc.StatusCode.PERMISSION_DENIED, grpc.StatusCode.UNAUTHENTICATED):
-                log.warning("round %d: update refused (%s): %s", round_, code.name, exc.details())
-                if transmitted is not None:
-                    # Error feedback assumed these values arrived; they did not, so carry them too.
-                    self.compressor.carry_back(transmitted)
-                return None
-            raise
+            if exc.code() != grpc.StatusCode.ALREADY_EXISTS:
+                raise
+            log.info("round %d: coordinator already holds this worker's %s", round_, _slice_name(piece))
+        return wire_bytes
 
     def report(self, pushed: Pushed, header: pb.GlobalHeader, params: Params) -> None:
         """Sign and submit the RoundReport of a round this worker contributed to."""
@@ -478,15 +514,22 @@ class Worker:
                 return
             log.warning("round %d: report refused (%s): %s", pushed.round, exc.code().name, exc.details())
 
-    def train(self, round_: int, params: Params) -> InnerResult:
-        """The round's inner loop; PipelineError when a pipeline stage failed (see _abandon)."""
+    def train(self, round_: int, params: Params) -> RoundWork:
+        """The round's inner loop and its Δ encoded for the push, by the stages themselves when
+        there are several; PipelineError when a pipeline stage failed (see _abandon)."""
         self.phase = "training"
         cfg = self.config
         batches = round_batches(
             self.shard, seed=cfg.seed, shard_index=self.shard_index, round_=round_,
             steps=cfg.inner.steps, batch_size=cfg.inner.batch_size, block_size=cfg.model.block_size,
         )
-        return self.inner.run(params, batches)
+        if isinstance(self.inner, PipelinedInnerLoop):
+            piped = self.inner.run(params, batches, self.uplink.states())
+            self.uplink.update(piped.uplink_states)
+            return RoundWork(InnerResult(piped.pseudo_gradient, piped.mean_loss, piped.tokens, piped.steps),
+                             piped.slices)
+        result = self.inner.run(params, batches)
+        return RoundWork(result, [self.uplink.encode(result.pseudo_gradient)])
 
     def _abandon(self, round_: int, exc: PipelineError, inflight: Future | None = None) -> int:
         """Drop out of ``round_`` after a pipeline stage failed: push nothing for it, and tell the
@@ -535,13 +578,13 @@ class Worker:
                 self.round = header.round + 1
                 started = time.monotonic()
                 try:
-                    result = self.train(self.round, params)
+                    work = self.train(self.round, params)
                 except PipelineError as exc:
                     min_round, pushed = self._abandon(self.round, exc), None  # it closes without us
                     continue
                 trained = time.monotonic() - started
-                pushed = self.push(self.round, result, header.params_cid)
-                self._round_done(self.round, result, trained, time.monotonic() - started - trained)
+                pushed = self.push(self.round, work, header.params_cid)
+                self._round_done(self.round, work, trained, time.monotonic() - started - trained)
                 min_round = self.round
         finally:
             self.phase = "done"

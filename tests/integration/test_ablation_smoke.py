@@ -34,10 +34,10 @@ def test_smoke_ablation_reports_every_mode(tmp_path: Path) -> None:
         assert conv[key]["tokens"] == conv["allreduce"]["tokens"], key  # equal tokens
         assert thr[key]["tokens_per_s"] > 0, key
 
-    dense = conv["allreduce"]["bytes_per_token_all"]
+    dense = conv["allreduce"]["bytes_per_token"]
     for m in MODES:
         if not m.allreduce:
-            assert conv[m.key]["bytes_per_token_all"] < dense, m.key
+            assert conv[m.key]["bytes_per_token"] < dense, m.key
         if m.compression:
             assert conv[m.key]["bytes_sent_per_worker"] < conv["diloco"]["bytes_sent_per_worker"], m.key
 

@@ -8,8 +8,6 @@ with w0 alone once silent mallory is no longer live.
 from __future__ import annotations
 
 import json
-from typing import Iterator
-
 import grpc
 import pytest
 import torch
@@ -51,16 +49,22 @@ class Mallory:
             worker_id=self.worker_id, encoding=ENCODING_DENSE_F32,
             tensors=[pb.TensorSpec(name=n, dtype=d, shape=s) for n, (d, s) in layout.items()],
             payload_size=len(payload), payload_sha256=sha256_hex(payload), train_loss=2.0,
-            tokens=100, inner_steps=3,
+            tokens=100, inner_steps=3, stage=0, num_stages=1,
         )
         fields.update(header)
 
-        def messages() -> Iterator[pb.UpdateChunk]:
-            yield pb.UpdateChunk(header=pb.UpdateHeader(**fields))
-            for piece in chunked(payload):
-                yield pb.UpdateChunk(data=piece)
+        stream = [pb.UpdateChunk(header=pb.UpdateHeader(**fields))] + [pb.UpdateChunk(data=p) for p in chunked(payload)]
+        self.wire_bytes = sum(message.ByteSize() for message in stream)  # what the coordinator counts
+        return self.stub.PushUpdate(iter(stream), timeout=30)
 
-        return self.stub.PushUpdate(messages(), timeout=30)
+    def fetch(self, min_round: int = 0) -> dict[str, object]:
+        """Fetch the global parameters as a worker would; returns the header fields a push that
+        builds on them names (the CID, and the wire bytes of the fetch)."""
+        stream = list(self.stub.FetchGlobal(pb.FetchGlobalRequest(worker_id=self.worker_id, min_round=min_round,
+                                                                  wait_s=10), timeout=30))
+        assert stream[0].header.available
+        return {"base_params_cid": stream[0].header.params_cid,
+                "base_bytes_received": sum(message.ByteSize() for message in stream)}
 
     def refused(self, code: grpc.StatusCode, *args: object, **kwargs: object) -> str:
         with pytest.raises(grpc.RpcError) as err:
@@ -117,6 +121,9 @@ def test_bad_updates_are_refused_and_the_round_completes(cluster: LocalCluster, 
     assert "round 2 is not open yet; the open round is 1" in m.refused(PRECONDITION, round=2)
     assert "unknown worker 'eve'" in m.refused(grpc.StatusCode.PERMISSION_DENIED, worker_id="eve")
     assert "protocol version 0 is not supported" in m.refused(PRECONDITION, protocol_version=0)
+    # a worker that says it has no stages, or more than the model has layers
+    assert "num_stages 0: this run's model of 1 layer(s)" in m.refused(INVALID, num_stages=0)
+    assert "num_stages 2" in m.refused(INVALID, num_stages=2)
 
     # While w0 trains round 1: a valid update is accepted; a second push for it is not.
     cluster.start_worker("w0")

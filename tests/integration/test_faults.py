@@ -53,7 +53,7 @@ def test_coordinator_sigkill_and_restart_loses_no_round(cluster: LocalCluster, m
     # Compressed both ways: the restarted coordinator carries on the downlink error from the stored
     # outer state, and workers holding the round before still get the compressed global update.
     config = make_config(
-        compression=CompressionConfig(enabled=True, max_rank=4),
+        compression=CompressionConfig(enabled=True, min_rank=1, max_rank=4),
         inner=InnerConfig(steps=20, batch_size=4, lr=1e-3),
         rounds=RoundConfig(rounds=5, expected_workers=2, quorum=2, straggler_timeout_s=10.0,
                            heartbeat_interval_s=0.3, liveness_timeout_s=3.0))

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import statistics
 
 import pytest
@@ -19,7 +20,7 @@ def test_overlapped_compressed_workers_train_and_the_lineage_rederives(cluster: 
     worker one round late and compressed against the round before, which it holds)."""
     cluster.start_coordinator(make_config(rounds=RoundConfig(
         rounds=3, expected_workers=2, quorum=2, overlap=True, heartbeat_interval_s=0.5, liveness_timeout_s=3.0),
-        compression=CompressionConfig(enabled=True, max_rank=4)))
+        compression=CompressionConfig(enabled=True, min_rank=1, max_rank=4)))
     cluster.start_worker("w0")
     cluster.start_worker("w1")
     for name in ("w0", "w1", "coordinator"):
@@ -32,24 +33,46 @@ def test_overlapped_compressed_workers_train_and_the_lineage_rederives(cluster: 
     assert "fetching them dense" not in cluster.log("w0", tail=400)
 
 
-def round_seconds(cluster: LocalCluster, overlap: bool, make_config, link_mbps: float) -> list[float]:
+LINK_MBPS = 2.0
+
+
+def round_timings(cluster: LocalCluster, overlap: bool, make_config, tmp_path) -> tuple[float, float, float]:
+    """(median round wall time, median compute time, median transfer time) of rounds 3.. of one
+    worker behind an emulated link, from its --metrics records; the transfer time is what the
+    link needs for the bytes the round actually moved, 8·(sent + received) / bandwidth."""
+    metrics = tmp_path / f"metrics-{'overlap' if overlap else 'sync'}.jsonl"
     cluster.start_coordinator(make_config(
         inner=InnerConfig(steps=600, batch_size=4, lr=1e-3),
-        rounds=RoundConfig(rounds=4, expected_workers=1, quorum=1, overlap=overlap,
+        rounds=RoundConfig(rounds=5, expected_workers=1, quorum=1, overlap=overlap,
                            heartbeat_interval_s=0.5, liveness_timeout_s=5.0)))
-    cluster.start_worker("w0", extra=["--link-bandwidth", str(link_mbps)])
+    cluster.start_worker("w0", extra=["--link-bandwidth", str(LINK_MBPS), "--metrics", str(metrics)])
     for name in ("w0", "coordinator"):
         assert cluster.wait_exit(name, 180) == 0, cluster.log(name)
-    # A round opens when the one before closes, so its duration is the interval between closes.
-    return [r["seconds"] for r in cluster.run_dir.logged_rounds() if r["round"] >= 2]
+    records = [json.loads(line) for line in metrics.read_text().splitlines()]
+    rounds = {r["round"]: r for r in records if r["event"] == "round"}
+    # A round's record is written once it has trained and exchanged (synchronous: pushed, after
+    # fetching the round before; overlapped: received the round before's exchange), so the time
+    # between consecutive records is one whole round. Rounds 1-2 hold start-up and the first fetch.
+    later = range(3, max(rounds) + 1)
+    wall = [rounds[r]["time"] - rounds[r - 1]["time"] for r in later]
+    compute = [rounds[r]["compute_s"] for r in later]
+    transfer = [8 * (rounds[r]["bytes_sent"] + rounds[r]["bytes_received"]) / (LINK_MBPS * 1e6) for r in later]
+    return statistics.median(wall), statistics.median(compute), statistics.median(transfer)
 
 
 def test_overlap_hides_a_slow_link_behind_compute(make_config, tmp_path) -> None:
-    # ~120 kB each way a round at 1 Mbit/s: about 1 s up and 1 s down, against ~1.5 s of compute.
+    # Dense updates of ~120 kB each way: about 1 s on the 2 Mbit/s link against ~1.5 s of compute.
     with LocalCluster(tmp_path / "sync") as sync_cluster:
-        sync = round_seconds(sync_cluster, False, make_config, link_mbps=1.0)
+        sync_wall, sync_compute, sync_transfer = round_timings(sync_cluster, False, make_config, tmp_path)
     with LocalCluster(tmp_path / "overlap") as overlap_cluster:
-        overlapped = round_seconds(overlap_cluster, True, make_config, link_mbps=1.0)
-    sync_s, overlap_s = statistics.median(sync), statistics.median(overlapped)
-    # Synchronous rounds pay compute + transfer; overlapped ones about max(compute, transfer).
-    assert overlap_s < 0.75 * sync_s, (sync, overlapped)
+        wall, compute, transfer = round_timings(overlap_cluster, True, make_config, tmp_path)
+    figures = (f"synchronous: round {sync_wall:.2f}s, compute {sync_compute:.2f}s, transfer {sync_transfer:.2f}s; "
+               f"overlapped: round {wall:.2f}s, compute {compute:.2f}s, transfer {transfer:.2f}s")
+    print(figures)
+    # The regime under test: the transfer is a sizeable part of a round, yet shorter than its
+    # compute, so that overlap can hide all of it.
+    assert 0.4 * compute < transfer < compute, figures
+    # Synchronous rounds pay compute and transfer one after the other ...
+    assert sync_wall > sync_compute + 0.8 * sync_transfer, figures
+    # ... overlapped ones only compute: the exchange runs meanwhile.
+    assert wall < compute + 0.4 * transfer, figures

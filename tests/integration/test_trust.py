@@ -62,7 +62,7 @@ def test_attested_workers_every_round_recorded(cluster: LocalCluster, chain: Anv
                                               compressed: bool) -> None:
     # With compression the reports restate the dense reconstruction's digest, which the
     # coordinator stores: both sides rebuild it from the same bytes.
-    config = small_config(compression=CompressionConfig(enabled=compressed, max_rank=4))
+    config = small_config(compression=CompressionConfig(enabled=compressed, min_rank=1, max_rank=4))
     _, wo_args = start(cluster, chain, pinned(config), tmp_path)
     cluster.start_worker("w0", extra=wo_args)
     cluster.start_worker("w1", extra=wo_args)
@@ -123,11 +123,14 @@ def test_updates_and_reports_need_the_admitted_key(cluster: LocalCluster, chain:
     # An update signed by some other key is refused before its payload is read.
     m = Mallory(stub, "m", RunConfig.from_json(json.loads(challenge.config_json)))
     sha = sha256_hex(encode_params(m.zero))
-    forged = WorkerKey.generate().sign_digest(update_digest(challenge.run_digest, 1, sha))
+    forged = WorkerKey.generate().sign_digest(update_digest(challenge.run_digest, 1, 0, 1, sha))
     details = m.refused(grpc.StatusCode.UNAUTHENTICATED, signature=forged)
     assert f"not by worker 'm''s admitted key {key.address}" in details
     assert "update signature refused" in m.refused(grpc.StatusCode.UNAUTHENTICATED, signature=b"\x01" * 65)
-    m.push(signature=key.sign_digest(update_digest(challenge.run_digest, 1, sha)))
+    # The stage is signed too: the whole-model signature does not pass for a slice.
+    signed = key.sign_digest(update_digest(challenge.run_digest, 1, 0, 1, sha))
+    assert "not by worker" in m.refused(grpc.StatusCode.UNAUTHENTICATED, signature=signed, num_stages=2)
+    m.push(signature=signed)
 
     cluster.wait_for(lambda s: len(s.rounds) >= 2, 60, "round 1 to close")
     # A report signed by another key, and one restating the manifest wrongly, are refused.

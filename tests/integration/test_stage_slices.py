@@ -1,0 +1,103 @@
+"""A worker of P pipeline stages pushes P slices; the coordinator counts the worker when all are in.
+
+"mallory" is the hand-driven client of test_bad_input, here pushing stage slices of a two-layer
+model; "w0" is an honest one-process worker.
+"""
+
+from __future__ import annotations
+
+import signal
+
+import grpc
+import pytest
+import torch
+
+from storage_client import CID, lineage
+from tests.integration.test_bad_input import Mallory
+from tests.integration.test_cluster import assert_rederivable
+from trainer.cluster import LocalCluster
+from trainer.config import InnerConfig, ModelConfig, RoundConfig
+from trainer.pipeline import stage_param_names
+from trainer.uplink import record_of
+
+pytestmark = pytest.mark.integration
+
+TWO_LAYERS = ModelConfig(block_size=32, n_layer=2, n_head=2, n_embd=32)
+INVALID, PRECONDITION = grpc.StatusCode.INVALID_ARGUMENT, grpc.StatusCode.FAILED_PRECONDITION
+
+
+def cut(m: Mallory, tensors: dict[str, torch.Tensor]) -> list[dict[str, torch.Tensor]]:
+    """The two stage slices of a whole-model update."""
+    return [{n: tensors[n] for n in names} for names in stage_param_names(m.config.model, 2)]
+
+
+def test_slices_count_together_and_an_incomplete_worker_is_dropped(cluster: LocalCluster, make_config) -> None:
+    cluster.start_coordinator(make_config(
+        model=TWO_LAYERS, inner=InnerConfig(steps=1000, batch_size=4, lr=1e-3),  # w0: seconds a round
+        rounds=RoundConfig(rounds=3, expected_workers=2, quorum=1, straggler_timeout_s=60.0,
+                           heartbeat_interval_s=0.3, liveness_timeout_s=2.0)))
+    m = Mallory.joined(cluster)
+    update = {k: torch.full_like(v, 1e-4) for k, v in m.zero.items()}
+    first, second = cut(m, update)
+
+    # A slice holds exactly its stage's tensors, of a split the model allows.
+    details = m.refused(INVALID, update, stage=0, num_stages=2)
+    assert "stage 0 of 2: tensor names do not match the model: unexpected tensors" in details
+    assert "stage 2 out of range for 2 stages" in m.refused(INVALID, second, stage=2, num_stages=2)
+    assert "num_stages 3: this run's model of 2 layer(s)" in m.refused(INVALID, second, stage=0, num_stages=3)
+
+    # Stage 0 is held; pushed again it is a duplicate; a stage 1 from another inner loop (other
+    # metrics) is refused, and takes the held stage 0 with it: the worker is out until it re-pushes.
+    m.push(first, stage=0, num_stages=2)
+    assert "already pushed stage 0 of 2 for round 1" in m.refused(grpc.StatusCode.ALREADY_EXISTS, first,
+                                                                   stage=0, num_stages=2)
+    assert "stage 1 of 2 says tokens 99, but stage 0" in m.refused(INVALID, second, stage=1, num_stages=2,
+                                                                   tokens=99)
+    assert "splits into" in m.refused(INVALID, second, stage=1, num_stages=5)
+    base = m.fetch()
+    m.push(first, stage=0, num_stages=2, **base)
+    sent = m.wire_bytes
+    m.push(second, stage=1, num_stages=2, **base)
+    sent += m.wire_bytes
+    status = cluster.wait_for(lambda s: len(s.rounds) >= 2, 60, "round 1 to close with mallory's two slices")
+    assert list(status.rounds[1].participants) == ["mallory"]
+
+    # Round 2: mallory sends stage 0 only, then falls silent; w0 delivers, and once mallory's
+    # liveness lapses the round closes without it.
+    m.push(first, round=2, stage=0, num_stages=2, **m.fetch(min_round=1))
+    cluster.start_worker("w0")
+    cluster.wait_for(lambda s: len(s.rounds) >= 3, 120, "round 2 to close without mallory")
+    assert "stale round 2" in m.refused(PRECONDITION, second, round=2, stage=1, num_stages=2)
+    assert cluster.wait_exit("w0", 120) == 0, cluster.log("w0")
+    assert cluster.wait_exit("coordinator", 60) == 0, cluster.log("coordinator")
+    assert "mallory dropped with 1 of its 2 stage slices" in cluster.log("coordinator", tail=200)
+
+    chain = [manifest for _, manifest in lineage(cluster.run_dir.store, cluster.run_dir.head())]
+    (entry,) = chain[1].participants
+    # The round's record of mallory is the union of its slices, and its bytes are both streams'.
+    assert entry.update == str(CID.of(record_of(update)))
+    assert entry.bytes_sent == sent
+    for later in chain[2:]:
+        assert [p.worker for p in later.participants] == ["w0"] and later.dropped == ("mallory",)
+    assert_rederivable(cluster.run_dir)
+
+
+def test_a_coordinator_restart_keeps_the_slices_it_accepted(cluster: LocalCluster, make_config) -> None:
+    config = make_config(model=TWO_LAYERS, rounds=RoundConfig(
+        rounds=1, expected_workers=1, quorum=1, heartbeat_interval_s=0.3, liveness_timeout_s=2.0))
+    cluster.start_coordinator(config)
+    m = Mallory.joined(cluster)
+    update = {k: torch.full_like(v, -2e-4) for k, v in m.zero.items()}
+    first, second = cut(m, update)
+    base = m.fetch()
+    m.push(first, stage=0, num_stages=2, **base)
+
+    cluster.kill("coordinator", signal.SIGKILL)
+    cluster.start_coordinator()  # resumes from the run directory
+    m = Mallory(cluster.stub(), "mallory", m.config)
+    assert "already pushed stage 0 of 2" in m.refused(grpc.StatusCode.ALREADY_EXISTS, first, stage=0, num_stages=2)
+    m.push(second, stage=1, num_stages=2, **base)
+    assert cluster.wait_exit("coordinator", 60) == 0, cluster.log("coordinator")
+    chain = assert_rederivable(cluster.run_dir)
+    (entry,) = chain[1][1].participants
+    assert entry.update == str(CID.of(record_of(update)))

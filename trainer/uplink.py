@@ -1,0 +1,153 @@
+"""What a worker sends up each round: its pseudo-gradient, one slice per pipeline stage, each slice
+encoded by the stage that computed it.
+
+DiLoCoX (Qi et al., arXiv:2506.21263) keeps a worker's parameters, inner optimiser state and
+pseudo-gradient split by pipeline stage, and synchronises stage by stage. Here a worker of P
+stages (trainer.pipeline; P = 1 for a one-process worker) cuts its pseudo-gradient Δᵢ⁽ʳ⁾ into the
+slices Δᵢ,ₛ⁽ʳ⁾ named by ``stage_param_names(model, P)[s]``, and stage s encodes its own slice:
+
+    dense        payload = safetensors(Δᵢ,ₛ)                       Δ̂ᵢ,ₛ = Δᵢ,ₛ
+    compressed   Aᵢ,ₛ = Δᵢ,ₛ + eᵢ,ₛ
+                 payload = C(Aᵢ,ₛ)                                  adaptive rank, int4 factors
+                 Δ̂ᵢ,ₛ = decompress(payload),   eᵢ,ₛ ← Aᵢ,ₛ − Δ̂ᵢ,ₛ     (trainer.compression)
+
+Each slice travels as its own PushUpdate stream with header (stage s, P). The coordinator checks
+and decompresses every slice against stage s's layout as it arrives, and counts the worker when
+all P slices are in: Δ̂ᵢ = ⋃ₛ Δ̂ᵢ,ₛ, recorded as safetensors(Δ̂ᵢ), whose digest the worker's signed
+report restates. A worker missing a slice (a stage died, a push was refused) is out of the round.
+
+The error-feedback state eᵢ,ₛ (with the rank policy's window) belongs to the worker process, not
+to the stage process: it goes to the stage with each round's job and comes back updated, so a stage
+that dies loses none of it. When any slice of a round is refused, the coordinator drops the
+worker's other slices too, so every slice's Δ̂ᵢ,ₛ is carried back, eᵢ,ₛ ← eᵢ,ₛ + Δ̂ᵢ,ₛ, and goes out
+with the next round: nothing the worker computed is lost.
+"""
+
+from __future__ import annotations
+
+import threading
+from dataclasses import dataclass
+from typing import Any, Sequence
+
+from trainer.compression import (
+    AdaptiveRankPolicy, CompressionConfig, ErrorFeedbackCompressor, RoundDecision, decompress,
+)
+from trainer.wire import ENCODING_DENSE_F32, ENCODING_LOWRANK_INT4, Params, encode_params, layout_of
+
+
+@dataclass(frozen=True)
+class Slice:
+    """One stage's encoded share of a worker's round."""
+
+    stage: int
+    num_stages: int
+    encoding: str  # ENCODING_DENSE_F32 or ENCODING_LOWRANK_INT4
+    payload: bytes
+    codec_header: dict[str, Any] | None  # the compression header, for ENCODING_LOWRANK_INT4
+    transmitted: Params  # Δ̂ᵢ,ₛ: exactly what the coordinator rebuilds from ``payload``
+    decision: RoundDecision | None  # the rank policy's choices, when compressed
+
+
+def encode_slice(delta: Params, stage: int, num_stages: int,
+                 compressor: ErrorFeedbackCompressor | None) -> Slice:
+    """Stage ``stage``'s slice of Δ, dense or compressed (``compressor``'s e is updated)."""
+    if compressor is None:
+        return Slice(stage, num_stages, ENCODING_DENSE_F32, encode_params(delta), None, delta, None)
+    payload, header, decision = compressor.compress(delta)
+    return Slice(stage, num_stages, ENCODING_LOWRANK_INT4, payload, header,
+                 decompress(payload, header, layout_of(delta)), decision)
+
+
+def new_compressor(config: CompressionConfig, state: Params | None = None) -> ErrorFeedbackCompressor:
+    compressor = ErrorFeedbackCompressor(AdaptiveRankPolicy(config))
+    if state is not None:
+        compressor.load_state_dict(state)
+    return compressor
+
+
+def merged(slices: Sequence[Slice]) -> Params:
+    """Δ̂ᵢ: every slice's transmitted tensors together (the slices partition the names)."""
+    out: Params = {}
+    for piece in slices:
+        out.update(piece.transmitted)
+    return out
+
+
+def record_of(update: Params) -> bytes:
+    """The bytes a round's record keeps of a worker's update: safetensors of Δ̂ᵢ (one byte form
+    whatever the order of the slices, safetensors sorts its entries)."""
+    return encode_params(update)
+
+
+def merged_decision(round_: int, slices: Sequence[Slice]) -> RoundDecision | None:
+    decisions = [s.decision for s in slices if s.decision is not None]
+    if not decisions:
+        return None
+    return RoundDecision(round_, {name: d for dec in decisions for name, d in dec.tensors.items()})
+
+
+class Uplink:
+    """A worker's error-feedback state, one compressor per stage (none when dense), thread-safe.
+
+    ``states`` hands the stages their state for a round, ``update`` takes back what they return,
+    ``carry_back`` (from the pushing thread, at any time) queues a refused round's Δ̂ to be folded
+    into e before the next round's compression.
+    """
+
+    def __init__(self, config: CompressionConfig, num_stages: int) -> None:
+        self.config = config
+        self.num_stages = num_stages
+        self.compressors = ([new_compressor(config) for _ in range(num_stages)]
+                            if config.enabled else None)
+        self._carry: list[Params] = [{} for _ in range(num_stages)]
+        self._lock = threading.Lock()
+
+    @property
+    def compressed(self) -> bool:
+        return self.compressors is not None
+
+    def _fold(self) -> None:
+        """e ← e + everything carried back since the last round (called under the lock)."""
+        assert self.compressors is not None
+        for compressor, carry in zip(self.compressors, self._carry):
+            if carry:
+                compressor.carry_back(carry)
+        self._carry = [{} for _ in range(self.num_stages)]
+
+    def states(self) -> list[Params] | None:
+        """Each stage's compressor state for the next round (None when dense)."""
+        if self.compressors is None:
+            return None
+        with self._lock:
+            self._fold()
+            return [c.state_dict() for c in self.compressors]
+
+    def update(self, states: Sequence[Params] | None) -> None:
+        """The stages' compressor states after the round they compressed."""
+        if self.compressors is None:
+            return
+        if states is None or len(states) != self.num_stages:
+            raise ValueError(f"expected {self.num_stages} compressor states back from the stages")
+        with self._lock:
+            for compressor, state in zip(self.compressors, states):
+                compressor.load_state_dict(state)
+
+    def encode(self, delta: Params) -> Slice:
+        """A one-process worker's round: its whole Δ, as stage 0 of 1."""
+        if self.num_stages != 1:
+            raise ValueError("Uplink.encode is for one-process workers; stages encode their own slices")
+        if self.compressors is None:
+            return encode_slice(delta, 0, 1, None)
+        with self._lock:
+            self._fold()
+            return encode_slice(delta, 0, 1, self.compressors[0])
+
+    def carry_back(self, slices: Sequence[Slice]) -> None:
+        """The coordinator holds none of these slices: their Δ̂ goes out again next round."""
+        if self.compressors is None:
+            return
+        with self._lock:
+            for piece in slices:
+                carry = self._carry[piece.stage]
+                for name, sent in piece.transmitted.items():
+                    carry[name] = carry[name] + sent if name in carry else sent.clone()
