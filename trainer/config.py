@@ -98,7 +98,8 @@ class RoundConfig:
     # DiLoCoX's one-step-delay overlap of the exchange with the next round's compute (see
     # trainer.worker). Staleness and outer momentum compound: on the tiny GPT, 2 workers, 8 rounds
     # of 100 steps, eval loss was 1.56 synchronous, 2.10 overlapped at momentum 0.9, and 1.66
-    # overlapped at momentum 0.5, so lower outer momentum when turning this on.
+    # overlapped at momentum 0.5, so lower outer momentum when turning this on (the ablation benchmark
+    # uses 0.3 for every DiLoCoX row; benchmarks/ablation.py says what it measured).
     overlap: bool = False
 
 

@@ -245,3 +245,37 @@ def test_a_stage_killed_mid_round_fails_the_round_and_the_next_round_restarts() 
         piped.group.procs[1].join(timeout=30)  # reaped: a zombie's threads may still be exiting
         piped.run(start, batches)
         assert piped.groups_started == 3 and piped.last.optimizer_steps == [INNER.steps] * 2
+
+
+@pytest.mark.integration
+def test_stages_launched_by_torchrun_train_like_one_process(tmp_path) -> None:
+    """The torchrun path of the module doc: each process joins with init_from_env and runs its own
+    StageRunner; together their Δ_s are the plain InnerLoop's Δ."""
+    import json
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    from trainer.wire import decode_params
+
+    script = Path(__file__).with_name("torchrun_stages.py")
+    repo = Path(__file__).resolve().parents[2]
+    env = {**os.environ, "GLOO_SOCKET_IFNAME": "lo", "MASTER_ADDR": "127.0.0.1", "OMP_NUM_THREADS": "1",
+           "PYTHONPATH": os.pathsep.join([str(repo), os.environ.get("PYTHONPATH", "")])}
+    done = subprocess.run(
+        [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
+         str(script), str(tmp_path), "5"],
+        env=env, cwd=repo, capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+
+    want = InnerLoop(build_model(MODEL, SEED), INNER).run(params_of(build_model(MODEL, SEED)),
+                                                         make_batches(INNER.steps, seed=5))
+    got: dict[str, torch.Tensor] = {}
+    for s, names in enumerate(pp.stage_param_names(MODEL, 2)):
+        delta = decode_params((tmp_path / f"stage{s}.safetensors").read_bytes())
+        assert sorted(delta) == sorted(names)  # safetensors stores names sorted
+        got.update(delta)
+        info = json.loads((tmp_path / f"stage{s}.json").read_text())
+        assert info["world_size"] == 2 and info["tokens"] == want.tokens
+        assert sum(info["losses"]) / len(info["losses"]) == pytest.approx(want.mean_loss, abs=1e-5)
+    assert max_abs_diff({n: got[n] for n in want.pseudo_gradient}, want.pseudo_gradient) < 1e-5
