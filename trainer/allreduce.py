@@ -85,7 +85,7 @@ from trainer.config import RunConfig
 from trainer.data import load_corpus, round_batches
 from trainer.link import Link
 from trainer.model import build_model
-from trainer.pipeline import _loopback_interface
+from trainer.pipeline import _loopback_interface, stop_processes
 
 
 class AllReduceError(RuntimeError):
@@ -343,14 +343,7 @@ def _launch(job: _Job) -> list[dict[str, Any]]:
             proc.join(timeout=job.timeout_s)
         return [payloads[k] for k in range(world)]
     finally:
-        for proc in procs:
-            if proc.is_alive():
-                proc.terminate()
-        for proc in procs:
-            proc.join(timeout=5)
-            if proc.is_alive():
-                proc.kill()
-                proc.join(timeout=5)
+        stop_processes(procs)
         results.close()
         results.join_thread()
 

@@ -65,7 +65,7 @@ from trainer.run_dir import RunDir
 from trainer.trust import ReportBook, TrustGate, TrustSettings, open_gate, shard_digest
 from trainer.wire import (
     ENCODING_DENSE_F32, ENCODING_HELD, ENCODING_LOWRANK_INT4, Layout, Params, WireError, chunked, decode_params, encode_params,
-    layout_of, reassemble, sha256_hex,
+    json_object, layout_of, reassemble, sha256_hex,
 )
 
 log = logging.getLogger("dilocox.coordinator")
@@ -838,12 +838,9 @@ def codec_header(h: pb.UpdateHeader) -> dict | None:
     if h.encoding != ENCODING_LOWRANK_INT4:
         return None
     try:
-        obj = json.loads(h.compression_header)
-    except (ValueError, UnicodeDecodeError) as exc:
-        raise InvalidUpdate(f"compression_header is not JSON: {exc}") from exc
-    if not isinstance(obj, dict):
-        raise InvalidUpdate("compression_header must be a JSON object")
-    return obj
+        return json_object(h.compression_header, "compression_header")
+    except WireError as exc:
+        raise InvalidUpdate(str(exc)) from exc
 
 
 def grpc_options() -> list[tuple[str, int]]:

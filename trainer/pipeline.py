@@ -359,6 +359,18 @@ def _to_torch(obj: Any) -> Any:
     return obj
 
 
+def stop_processes(procs: Sequence[Any], grace_s: float = 5.0) -> None:
+    """Terminate the children still alive, then kill any that ignore it for ``grace_s``."""
+    for proc in procs:
+        if proc.is_alive():
+            proc.terminate()
+    for proc in procs:
+        proc.join(timeout=grace_s)
+        if proc.is_alive():
+            proc.kill()
+            proc.join(timeout=grace_s)
+
+
 def _loopback_interface() -> str | None:
     try:
         names = [name for _, name in socket.if_nameindex()]
@@ -684,14 +696,7 @@ class StageGroup:
             stop_at = time.monotonic() + 5.0
             for proc in started:
                 proc.join(timeout=max(0.0, stop_at - time.monotonic()))
-        for proc in started:
-            if proc.is_alive():
-                proc.terminate()
-        for proc in started:
-            proc.join(timeout=5)
-            if proc.is_alive():
-                proc.kill()
-                proc.join(timeout=5)
+        stop_processes(started)
         for q in (*self._jobs, self._results):
             q.cancel_join_thread()  # a job a dead stage never read must not block our exit
             q.close()

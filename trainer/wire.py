@@ -8,6 +8,7 @@ transfer header and the content identifier of the stored object.
 from __future__ import annotations
 
 import hashlib
+import json
 from typing import Iterable, Iterator
 
 import torch
@@ -28,6 +29,17 @@ ENCODING_HELD = "held"  # a global state the fetching worker already holds: the 
 
 class WireError(ValueError):
     """Bytes that do not decode into what their header promised."""
+
+
+def json_object(text: str, what: str) -> dict:
+    """A header field that must hold a JSON object (``what`` names it in the error)."""
+    try:
+        obj = json.loads(text)
+    except (ValueError, UnicodeDecodeError) as exc:
+        raise WireError(f"{what} is not JSON: {exc}") from exc
+    if not isinstance(obj, dict):
+        raise WireError(f"{what} must be a JSON object")
+    return obj
 
 
 def dtype_name(dtype: torch.dtype) -> str:

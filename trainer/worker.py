@@ -66,7 +66,7 @@ from trainer.pipeline import PipelinedInnerLoop, PipelineError
 from trainer.uplink import Slice, Uplink, merged, merged_decision, record_of
 from trainer.wire import (
     ENCODING_DENSE_F32, ENCODING_HELD, ENCODING_LOWRANK_INT4, Params, WireError, chunked, decode_params, encode_params, layout_of,
-    reassemble, sha256_hex,
+    json_object, reassemble, sha256_hex,
 )
 
 log = logging.getLogger("dilocox.worker")
@@ -406,12 +406,7 @@ class Worker:
         if held is None or header.base_params_cid != held[0]:
             raise WireError(f"the global update applies to {header.base_params_cid}, this worker holds "
                             f"{held[0] if held else 'nothing'}")
-        try:
-            codec = json.loads(header.compression_header)
-        except (ValueError, UnicodeDecodeError) as exc:
-            raise WireError(f"compression_header of the global update is not JSON: {exc}") from exc
-        if not isinstance(codec, dict):
-            raise WireError("compression_header of the global update must be a JSON object")
+        codec = json_object(header.compression_header, "compression_header of the global update")
         params = apply_update(held[1], decode_update(payload, codec, layout_of(held[1])))
         rebuilt = CID.of(encode_params(params))
         if str(rebuilt) != header.params_cid:
