@@ -1,7 +1,8 @@
 """attestation: TEE evidence providers and signed round reports (docs/trust.md).
 
     evidence     Evidence (canonical bytes, digest = on-chain evidenceDigest), VerifiedEvidence
-    tdx          TDX quote v4 parser/builder, measurement_of, TdxProvider (configfs-tsm), dcap-qvl
+    tdx          TDX quote v4/v5 parser, v4 builder, measurement_of, TdxProvider (configfs-tsm)
+    dcap         DcapSettings, dcap_verify: every TDX quote verified with dcap-qvl, or refused
     dev          DevProvider / DevRoot: a software stand-in that PROVES NOTHING
     keys         WorkerKey (never logged or written out), report_data, recover_address
     measurement  code_measurement: sha256 of the measured code files and the run config CID
@@ -10,6 +11,7 @@
     report       signed round reports (EIP-712)
 """
 
+from .dcap import TCB_STATUSES, CollateralWindow, DcapResult, DcapSettings, dcap_verify
 from .dev import WARNING as DEV_WARNING
 from .dev import DevProvider, DevRoot, dev_quote_digest, recover_dev_signer
 from .errors import AttestationError, AttestationUnavailable, EvidenceError, PolicyViolation
@@ -35,8 +37,6 @@ from .tdx import (
     TdxQuote,
     TdxQuoteError,
     build_quote_v4,
-    dcap_available,
-    dcap_verify,
     measurement_of,
     parse_quote,
 )
@@ -79,7 +79,10 @@ __all__ = [
     "TdxQuote",
     "TdxQuoteError",
     "build_quote_v4",
-    "dcap_available",
+    "TCB_STATUSES",
+    "CollateralWindow",
+    "DcapResult",
+    "DcapSettings",
     "dcap_verify",
     "measurement_of",
     "parse_quote",

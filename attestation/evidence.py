@@ -1,7 +1,9 @@
 """Evidence records: what a worker hands over to be admitted, and what verification concluded.
 
-`Evidence` is the raw material: the provider's name and its quote bytes (a TDX quote v4, or the
-dev stand-in in the same layout), plus, for the dev provider, the development root's signature.
+`Evidence` is the raw material: the provider's name and its quote bytes (a TDX quote v4 or v5, or
+the dev stand-in in the v4 layout), plus, for the dev provider, the development root's signature.
+The quote is kept up to the end of its declared signature data: padding that followed it in the
+buffer it came from is dropped when Evidence is made, so the canonical form has none.
 Its byte form is canonical JSON (storage_client.canonical_json), one byte string per record:
 
     {"dev_signature":"<130 hex>","provider":"dev","quote":"<hex>","schema":"dilocox.evidence/v1"}
@@ -10,7 +12,9 @@ Its byte form is canonical JSON (storage_client.canonical_json), one byte string
 Keys sorted, no whitespace, lowercase hex, `dev_signature` present exactly when provider is "dev".
 The sha256 of these bytes is the `evidenceDigest` that WorkerRegistry records, and the bytes are
 kept in the store as a RAW object (so `Evidence.cid()` names them). `from_bytes` accepts only this
-exact form: anything else, including the same record re-serialised differently, is refused.
+exact form: anything else, including the same record re-serialised differently, is refused. It
+reads untrusted bytes with bounded size and nesting (storage_client.loads_bounded) and raises
+nothing but EvidenceError, whose messages quote at most a few dozen characters of the input.
 
 `VerifiedEvidence` is what `policy.verify_evidence` returns once every check has passed.
 """
@@ -22,17 +26,24 @@ import json
 from dataclasses import dataclass, field
 from typing import Any
 
-from storage_client import CID, Codec, canonical_json
+from storage_client import CID, Codec, JSONBoundsError, canonical_json, loads_bounded
 
 from .errors import EvidenceError
 
 SCHEMA = "dilocox.evidence/v1"
 PROVIDERS = ("tdx", "dev")
 MAX_EVIDENCE_BYTES = 4 << 20  # a quote is limited to 1 MiB, hex doubles it
+MAX_EVIDENCE_DEPTH = 2  # a flat object of strings; anything nested is refused before parsing
 DEV_SIGNATURE_SIZE = 65
 # QE vendor id written into dev quotes, so a dev quote cannot pass as a TDX one.
 DEV_QE_VENDOR_ID = b"dilocox-dev-only"
 _HEX = frozenset("0123456789abcdef")
+
+
+def _shown(value: Any, limit: int = 40) -> str:
+    """repr of an untrusted value, cut to `limit` characters."""
+    text = repr(value)
+    return text if len(text) <= limit else text[: limit - 1] + "…"
 
 
 def _hex_field(obj: dict[str, Any], key: str) -> bytes:
@@ -48,7 +59,7 @@ def _refuse_duplicates(pairs: list[tuple[str, Any]]) -> dict[str, Any]:
     out: dict[str, Any] = {}
     for k, v in pairs:
         if k in out:
-            raise EvidenceError(f"evidence JSON repeats the key {k!r}")
+            raise EvidenceError(f"evidence JSON repeats the key {_shown(k)}")
         out[k] = v
     return out
 
@@ -65,11 +76,11 @@ class Evidence:
         from .tdx import parse_quote  # tdx builds Evidence too; import here to avoid a cycle
 
         if self.provider not in PROVIDERS:
-            raise EvidenceError(f"unknown evidence provider {self.provider!r}; known: {PROVIDERS}")
+            raise EvidenceError(f"unknown evidence provider {_shown(self.provider)}; known: {PROVIDERS}")
         if not isinstance(self.quote, (bytes, bytearray)):
             raise EvidenceError(f"evidence quote must be bytes, not {type(self.quote).__name__}")
-        object.__setattr__(self, "quote", bytes(self.quote))
-        quote = parse_quote(self.quote)  # raises TdxQuoteError (an EvidenceError) by field
+        quote = parse_quote(bytes(self.quote))  # raises TdxQuoteError (an EvidenceError) by field
+        object.__setattr__(self, "quote", quote.raw)  # without padding after the signature data
         if self.provider == "dev":
             sig = self.dev_signature
             if not isinstance(sig, (bytes, bytearray)) or len(sig) != DEV_SIGNATURE_SIZE:
@@ -107,34 +118,41 @@ class Evidence:
         if not isinstance(data, (bytes, bytearray, memoryview)):
             raise EvidenceError(f"evidence must be bytes, not {type(data).__name__}")
         data = bytes(data)
-        if len(data) > MAX_EVIDENCE_BYTES:
-            raise EvidenceError(f"evidence is {len(data)} bytes, more than {MAX_EVIDENCE_BYTES}")
         try:
-            text = data.decode("utf-8")
-            obj = json.loads(text, object_pairs_hook=_refuse_duplicates)
+            # Size and nesting first (json.loads recurses per level), then duplicate keys.
+            loads_bounded(data, max_bytes=MAX_EVIDENCE_BYTES, max_depth=MAX_EVIDENCE_DEPTH, what="evidence")
+            obj = json.loads(data.decode("utf-8"), object_pairs_hook=_refuse_duplicates)
         except EvidenceError:
             raise
-        except (UnicodeDecodeError, ValueError) as exc:
-            raise EvidenceError(f"evidence is not JSON: {exc}") from None
+        except JSONBoundsError as exc:
+            raise EvidenceError(str(exc)) from None
+        except (UnicodeDecodeError, ValueError, RecursionError):  # loads_bounded accepted it already
+            raise EvidenceError("evidence is not JSON") from None
         if not isinstance(obj, dict):
             raise EvidenceError(f"evidence must be a JSON object, not {type(obj).__name__}")
         if obj.get("schema") != SCHEMA:
-            raise EvidenceError(f"evidence schema is {obj.get('schema')!r}, expected {SCHEMA!r}")
+            raise EvidenceError(f"evidence schema is {_shown(obj.get('schema'))}, expected {SCHEMA!r}")
         provider = obj.get("provider")
         if provider not in PROVIDERS:
-            raise EvidenceError(f"unknown evidence provider {provider!r}; known: {PROVIDERS}")
+            raise EvidenceError(f"unknown evidence provider {_shown(provider)}; known: {PROVIDERS}")
         expected = {"schema", "provider", "quote"} | ({"dev_signature"} if provider == "dev" else set())
         if set(obj) != expected:
             missing = sorted(expected - set(obj))
             extra = sorted(set(obj) - expected)
+            shown = ", ".join(_shown(k) for k in extra[:4]) + (f" and {len(extra) - 4} more" if len(extra) > 4 else "")
             raise EvidenceError(
-                f"{provider} evidence has the wrong keys (missing {missing}, unexpected {extra})"
+                f"{provider} evidence has the wrong keys (missing {missing}, unexpected [{shown}])"
             )
         evidence = cls(
             provider=provider,
             quote=_hex_field(obj, "quote"),
             dev_signature=_hex_field(obj, "dev_signature") if provider == "dev" else None,
         )
+        if len(evidence.quote) * 2 != len(obj["quote"]):
+            raise EvidenceError(
+                f"evidence quote carries {len(obj['quote']) // 2 - len(evidence.quote)} bytes after its "
+                "declared signature data; the canonical form has no padding"
+            )
         if evidence.to_bytes() != data:
             raise EvidenceError(
                 "evidence is not in canonical form (sorted keys, no whitespace, lowercase hex); "
@@ -151,7 +169,7 @@ class Evidence:
         return CID.of(self.to_bytes(), Codec.RAW)
 
     def __repr__(self) -> str:
-        note = ", PROVES NOTHING" if self.provider == "dev" else ""
+        note = ", DEV: PROVES NOTHING" if self.provider == "dev" else ""
         return f"Evidence(provider={self.provider!r}, quote={len(self.quote)} bytes{note})"
 
 
@@ -163,11 +181,12 @@ class VerifiedEvidence:
                   measurement (REPORTDATA[32:64]) for dev
     report_data   the 64 bytes of REPORTDATA, equal to what the verifier expected
     debug         the TD's DEBUG attribute (only ever True when the policy allowed it)
-    proves_nothing  True for dev evidence, and for tdx evidence whose signature chain was not
-                  checked (no dcap-qvl or no collateral, and the policy did not require it)
-    details       hex strings of the quote's fields (mrtd, rtmr0..3, ...), plus "dev_root" for dev
-                  and "tcb_status" when DCAP verification ran
-    warnings      what a reader should know about how much this proves
+    proves_nothing  True exactly for dev evidence (tdx evidence is only ever returned once
+                  dcap-qvl verified it)
+    details       the quote's fields as strings (mrtd, rtmr0..3, ... in hex); for dev also
+                  "dev_root" and "evidence": "DEV: PROVES NOTHING"; for tdx "tcb_status",
+                  "advisory_ids", "collateral", "collateral_next_update" and "verified_at"
+    warnings      what a reader should know about how much this proves (dev: its WARNING)
     """
 
     provider: str
@@ -177,3 +196,14 @@ class VerifiedEvidence:
     proves_nothing: bool
     details: dict[str, str] = field(default_factory=dict)
     warnings: tuple[str, ...] = ()
+
+    @property
+    def label(self) -> str:
+        """How to show this evidence: dev evidence never reads as anything but DEV."""
+        if self.provider == "dev":
+            return "DEV evidence: PROVES NOTHING"
+        return f"{self.provider} quote verified by dcap-qvl (TCB {self.details.get('tcb_status', '?')})"
+
+    def __repr__(self) -> str:
+        return (f"VerifiedEvidence({self.label}, measurement={self.measurement.hex()}, "
+                f"debug={self.debug}, proves_nothing={self.proves_nothing})")

@@ -3,21 +3,28 @@
     verified = verify_evidence(evidence_or_bytes, expected_report_data=report_data(worker_address,
                                run_id, nonce, code_measurement), policy=Policy(...))
 
+The verifier computes `code_measurement` itself (the coordinator: `code_measurement(config_cid)`
+over its own code); nothing here takes it, or any other expected value, from the evidence.
+
 Checks, in order; the first that fails raises PolicyViolation naming it:
 
     format       the bytes parse as Evidence (only when bytes are passed)
     provider     dev evidence only with allow_dev=True
     signature    dev: the signature recovers to one of dev_roots
-    dcap         tdx: the quote's signature chain verifies with dcap-qvl against the collateral and
-                 its TCB status is allowed; skipped (with proves_nothing=True) when dcap-qvl or
-                 collateral is missing, unless require_dcap=True, which refuses instead
-    consistency  dev: MRTD is the code measurement padded with zeros, RTMRs are zero
+    dcap         tdx: always. dcap-qvl verifies the quote's signature chain against the collateral
+                 `policy.dcap` names, at `now`, and its TCB status must be allowed
+                 (attestation.dcap); no collateral configured is a refusal. There is no path that
+                 accepts a TDX quote unverified.
+    consistency  dev: MRTD is REPORTDATA[32:64] padded with zeros, RTMRs are zero
     report_data  REPORTDATA equals the expected 64 bytes (binds worker key, run, nonce, code)
-    debug        a TD with TUD.DEBUG only with allow_debug=True
+    debug        a TD with TUD.DEBUG only with allow_debug=True (dcap-qvl refuses debug TDs
+                 itself, so this admits debug dev evidence only)
     measurement  the measurement is in allowed_measurements, when that set is given
 
-The measurement is sha256(MRTD||RTMR0..3) for tdx and the code measurement (REPORTDATA[32:64]) for
-dev. On chain, WorkerRegistry keeps the allowlist; allowed_measurements is the same check off chain.
+The measurement is sha256(MRTD||RTMR0..3) for tdx, and for dev the code measurement the verifier
+expected (equal to REPORTDATA[32:64] once report_data passed). On chain, WorkerRegistry keeps the
+allowlist; allowed_measurements is the same check off chain. `proves_nothing` is True exactly for
+dev evidence.
 """
 
 from __future__ import annotations
@@ -26,36 +33,36 @@ import logging
 from dataclasses import dataclass, field
 from typing import Any
 
+from .dcap import DcapSettings, dcap_verify
 from .dev import WARNING as DEV_WARNING
 from .dev import recover_dev_signer
-from .errors import AttestationUnavailable, EvidenceError, PolicyViolation
+from .errors import EvidenceError, PolicyViolation
 from .evidence import Evidence, VerifiedEvidence
 from .keys import WorkerKey, checksum_address, report_data
 from .providers import EvidenceProvider
-from .tdx import dcap_verify, measurement_of, parse_quote
+from .tdx import measurement_of, parse_quote
 
 log = logging.getLogger("dilocox.attestation")
 
 
-
 @dataclass(frozen=True)
 class Policy:
-    """What a verifier accepts. The defaults accept hardware evidence only and refuse debug TDs.
+    """What a verifier accepts. The defaults accept hardware evidence only, refuse debug TDs, and
+    (having no collateral) refuse every TDX quote until `dcap` says where collateral comes from.
 
-    allow_dev             accept the dev provider's evidence (which proves nothing)
-    allow_debug           accept TDs launched with TUD.DEBUG (host can read their memory)
-    require_dcap          refuse tdx evidence whose signature chain cannot be checked
+    allow_dev             accept the dev provider's evidence, which PROVES NOTHING (default False)
+    allow_debug           accept TDs launched with TUD.DEBUG (default False)
     dev_roots             addresses of trusted development roots (any hex case accepted)
-    allowed_measurements  32-byte measurements accepted; None skips the check
-    allowed_tcb_statuses  dcap-qvl TCB statuses accepted when DCAP verification runs
+    allowed_measurements  32-byte measurements accepted; None (default) skips the check
+    dcap                  DcapSettings: collateral_file or pccs_url, allowed_tcb_statuses
+                          (default {"UpToDate"}), pccs_timeout_s
     """
 
     allow_dev: bool = False
     allow_debug: bool = False
-    require_dcap: bool = False
     dev_roots: frozenset[str] = frozenset()
     allowed_measurements: frozenset[bytes] | None = None
-    allowed_tcb_statuses: frozenset[str] = field(default_factory=lambda: frozenset({"UpToDate"}))
+    dcap: DcapSettings = field(default_factory=DcapSettings)
 
     def __post_init__(self) -> None:
         if isinstance(self.dev_roots, str):
@@ -69,7 +76,8 @@ class Policy:
             if bad:
                 raise ValueError(f"allowed measurements must be 32 bytes; got {bad[0].hex()}")
             object.__setattr__(self, "allowed_measurements", ms)
-        object.__setattr__(self, "allowed_tcb_statuses", frozenset(self.allowed_tcb_statuses))
+        if not isinstance(self.dcap, DcapSettings):
+            raise TypeError(f"dcap must be DcapSettings, not {type(self.dcap).__name__}")
 
     @classmethod
     def development(cls, *dev_roots: str, **kwargs: Any) -> Policy:
@@ -82,11 +90,11 @@ def verify_evidence(
     *,
     expected_report_data: bytes,
     policy: Policy,
-    collateral: Any = None,
     now: int | None = None,
 ) -> VerifiedEvidence:
     """Check evidence against a policy and the REPORTDATA the verifier expects; see the module
-    docstring for the checks. `collateral` (and `now`, unix seconds) go to dcap-qvl for tdx."""
+    docstring for the checks. `now` (unix seconds, default the real clock) is the time at which
+    dcap-qvl judges the collateral and certificates of tdx evidence."""
     if not isinstance(expected_report_data, (bytes, bytearray)) or len(expected_report_data) != 64:
         raise ValueError("expected_report_data must be 64 bytes")
     expected_report_data = bytes(expected_report_data)
@@ -106,7 +114,7 @@ def verify_evidence(
         if not policy.allow_dev:
             raise PolicyViolation(
                 "provider",
-                "evidence comes from the 'dev' provider, which proves nothing, and this policy "
+                "evidence comes from the 'dev' provider, which PROVES NOTHING, and this policy "
                 "does not allow it (allow_dev=False)",
             )
         if not policy.dev_roots:
@@ -121,45 +129,25 @@ def verify_evidence(
                 f"dev evidence is signed by {signer}, which is not a trusted dev root "
                 f"({', '.join(sorted(policy.dev_roots))})",
             )
-        code = quote.report_data[32:64]
-        if quote.mrtd != code + bytes(16) or any(r != bytes(48) for r in quote.rtmrs):
+        if quote.mrtd != quote.report_data[32:64] + bytes(16) or any(r != bytes(48) for r in quote.rtmrs):
             raise PolicyViolation(
                 "consistency",
-                "dev quote's MRTD is not the code measurement REPORTDATA[32:64] padded with zeros, "
-                "or its RTMRs are not zero",
+                "dev quote's MRTD is not REPORTDATA[32:64] padded with zeros, or its RTMRs are not zero",
             )
-        measurement = code
+        measurement = expected_report_data[32:64]  # the verifier's own code measurement
         proves_nothing = True
         details["dev_root"] = signer
+        details["evidence"] = "DEV: PROVES NOTHING"
         warnings.append(DEV_WARNING)
     else:
-        proves_nothing = False
-        try:
-            result = dcap_verify(quote.raw, collateral, now=now)
-        except AttestationUnavailable as exc:
-            if policy.require_dcap:
-                raise PolicyViolation(
-                    "dcap",
-                    f"the policy requires a verified quote signature (require_dcap=True), but {exc}",
-                ) from None
-            proves_nothing = True
-            warnings.append(
-                f"TDX quote signature NOT verified ({exc}); without it anyone can forge this quote"
-            )
-        except EvidenceError as exc:
-            raise PolicyViolation("dcap", str(exc)) from None
-        else:
-            if result.status not in policy.allowed_tcb_statuses:
-                raise PolicyViolation(
-                    "dcap",
-                    f"TCB status {result.status!r} is not allowed "
-                    f"({', '.join(sorted(policy.allowed_tcb_statuses))}); advisories: "
-                    f"{', '.join(result.advisory_ids) or 'none'}",
-                )
-            details["tcb_status"] = result.status
-            if result.advisory_ids:
-                details["advisory_ids"] = ",".join(result.advisory_ids)
+        result = dcap_verify(quote.raw, policy.dcap, now=now)  # PolicyViolation("dcap") on failure
+        details["tcb_status"] = result.status
+        details["advisory_ids"] = ",".join(result.advisory_ids)
+        details["collateral"] = result.collateral_source
+        details["collateral_next_update"] = str(result.collateral_window.next_update)
+        details["verified_at"] = str(result.verified_at)
         measurement = measurement_of(quote)
+        proves_nothing = False
 
     if quote.report_data != expected_report_data:
         raise PolicyViolation(
@@ -178,8 +166,11 @@ def verify_evidence(
             "measurement", f"measurement {measurement.hex()} is not in the policy's allowlist"
         )
 
-    for warning in warnings:
-        log.warning("accepted %s evidence: %s", evidence.provider, warning)
+    if proves_nothing:
+        log.warning("accepted DEV evidence, which PROVES NOTHING: %s", DEV_WARNING)
+    else:
+        log.info("accepted tdx evidence: dcap-qvl verified the quote (TCB %s, %s)",
+                 details["tcb_status"], details["collateral"])
     return VerifiedEvidence(
         provider=evidence.provider,
         measurement=measurement,

@@ -1,18 +1,33 @@
-"""Intel TDX: the quote v4 layout, the configfs-tsm provider, and optional DCAP verification.
+"""Intel TDX: the quote v4 and v5 layouts, and the configfs-tsm provider.
 
-Quote v4 layout (all integers little-endian), as published by Intel and summarised in
-DESIGN.md "Trust: what is known":
+All integers are little-endian. Both versions share the 48-byte header:
 
     offset  size  field
-    header (48 bytes)
-         0     2  version                      must be 4
+         0     2  version                      4 or 5
          2     2  attestation key type         must be 2 (ECDSA-256 with P-256)
          4     4  TEE type                     must be 0x81 (TDX)
-         8     2  reserved
-        10     2  reserved
+         8     2  reserved (QE SVN)
+        10     2  reserved (PCE SVN)
         12    16  QE vendor id
         28    20  user data
-    TD report body (584 bytes, TDX 1.0), offsets below are relative to its start at 48
+
+Quote v4 (TDX 1.0):
+
+        48   584  TD report body (TD report 1.0, below)
+       632     4  signature data length N
+       636     N  signature data
+
+Quote v5 (TDX 1.5):
+
+        48     2  body type                    2 = TD report 1.0 (584 bytes),
+                                               3 = TD report 1.5 (648 bytes)
+        50     4  body size                    must be the size of that body type
+        54  size  TD report body
+   54+size     4  signature data length N
+   58+size     N  signature data
+
+TD report body, offsets relative to its start (48 in v4, 54 in v5):
+
          0    16  TEE_TCB_SVN
         16    48  MRSEAM
         64    48  MRSIGNERSEAM
@@ -28,13 +43,19 @@ DESIGN.md "Trust: what is known":
        424    48  RTMR2
        472    48  RTMR3
        520    64  REPORTDATA
-    then at 632:  u32 signature data length N, and N bytes of signature data (the quote's ECDSA
-    signature over header || body, the attestation key and the QE certification data). The quote
-    must end exactly there.
+    TD report 1.5 only:
+       584    16  TEE_TCB_SVN2
+       600    48  MRSERVICETD
 
-`parse_quote` reads that layout and refuses anything else, naming the field and its offset. It does
-not check the signature: `dcap_verify` does that with the optional PyPI package `dcap-qvl` and
-Intel collateral the caller supplies (this project downloads nothing at run time).
+The signature data holds the quote's ECDSA signature over the signed region (header, the v5 body
+descriptor, and the body), the attestation key and the QE certification data. Real quote buffers
+carry padding after it (zeros, or anything: 70 zero bytes in dcap-qvl's sample, 39 bytes of text
+in go-tdx-guest's production sample), so `parse_quote` reads by the declared lengths, ignores what
+follows the declared signature data, and keeps in `TdxQuote.raw` only the quote itself. Anything
+else that disagrees with the layout is refused, naming the field and its offset. Body types 1 (SGX)
+and 4 (TD report 1.5 with extensions) are refused as unsupported.
+
+`parse_quote` checks no signature: `attestation.dcap` verifies every TDX quote with dcap-qvl.
 
 `TdxProvider` asks the kernel for a quote through configfs-tsm (Linux >= 6.7, CONFIG_TSM_REPORTS):
 make a fresh directory under /sys/kernel/config/tsm/report, check its `provider` says `tdx_guest`,
@@ -44,27 +65,39 @@ write the 64 bytes of REPORTDATA to `inblob`, read the quote from `outblob`, rem
 from __future__ import annotations
 
 import hashlib
-import json
 import os
 import secrets
 import struct
-import time
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
 from .errors import AttestationError, AttestationUnavailable, EvidenceError
 
 if TYPE_CHECKING:  # pragma: no cover
     from .evidence import Evidence
 
-QUOTE_VERSION = 4
+QUOTE_V4 = 4
+QUOTE_V5 = 5
+QUOTE_VERSION = QUOTE_V4  # the version build_quote_v4 writes
 ATT_KEY_TYPE_ECDSA_P256 = 2
 TEE_TYPE_TDX = 0x81
 
 HEADER_SIZE = 48
-BODY_SIZE = 584
+BODY_SIZE = 584  # TD report 1.0
+BODY15_SIZE = 648  # TD report 1.5
+BODY_TYPE_TD10 = 2
+BODY_TYPE_TD15 = 3
+BODY_TYPES: dict[int, tuple[str, int]] = {
+    BODY_TYPE_TD10: ("TD report 1.0", BODY_SIZE),
+    BODY_TYPE_TD15: ("TD report 1.5", BODY15_SIZE),
+}
+V5_DESCRIPTOR_OFFSET = HEADER_SIZE  # u16 body type, u32 body size
+V5_DESCRIPTOR_SIZE = 6
+V5_BODY_OFFSET = HEADER_SIZE + V5_DESCRIPTOR_SIZE  # 54
+
+# Quote v4 offsets (build_quote_v4 writes this layout).
 BODY_OFFSET = HEADER_SIZE
 SIG_LEN_OFFSET = HEADER_SIZE + BODY_SIZE  # 632
 SIG_DATA_OFFSET = SIG_LEN_OFFSET + 4  # 636
@@ -74,44 +107,54 @@ MAX_QUOTE_SIZE = 1 << 20  # real quotes with their certificate chain are a few K
 TD_ATTRIBUTES_DEBUG = 1 << 0  # TUD.DEBUG
 
 _HEADER = struct.Struct("<HHIHH16s20s")
+_V5_DESCRIPTOR = struct.Struct("<HI")
 # TEE_TCB_SVN, MRSEAM, MRSIGNERSEAM, SEAMATTRIBUTES, TDATTRIBUTES, XFAM, MRTD, MRCONFIGID, MROWNER,
 # MROWNERCONFIG, RTMR0..3, REPORTDATA
 _BODY = struct.Struct("<16s48s48s8sQ8s48s48s48s48s48s48s48s48s64s")
+_BODY15_EXTRA = struct.Struct("<16s48s")  # TEE_TCB_SVN2, MRSERVICETD
 assert _HEADER.size == HEADER_SIZE and _BODY.size == BODY_SIZE
+assert _V5_DESCRIPTOR.size == V5_DESCRIPTOR_SIZE and _BODY.size + _BODY15_EXTRA.size == BODY15_SIZE
 
-# (name, offset in the quote, size) for every fixed-size field, to name what is wrong where.
+# (name, offset in the body, size) for every fixed-size field of a TD report.
+TD_REPORT_FIELDS: tuple[tuple[str, int, int], ...] = (
+    ("tee_tcb_svn", 0, 16),
+    ("mrseam", 16, 48),
+    ("mrsignerseam", 64, 48),
+    ("seam_attributes", 112, 8),
+    ("td_attributes", 120, 8),
+    ("xfam", 128, 8),
+    ("mrtd", 136, 48),
+    ("mrconfigid", 184, 48),
+    ("mrowner", 232, 48),
+    ("mrownerconfig", 280, 48),
+    ("rtmr0", 328, 48),
+    ("rtmr1", 376, 48),
+    ("rtmr2", 424, 48),
+    ("rtmr3", 472, 48),
+    ("report_data", 520, 64),
+    ("tee_tcb_svn2", 584, 16),  # TD report 1.5 only
+    ("mrservicetd", 600, 48),  # TD report 1.5 only
+)
+# The same with offsets in a v4 quote.
 BODY_FIELDS: tuple[tuple[str, int, int], ...] = tuple(
-    (name, BODY_OFFSET + off, size)
-    for name, off, size in (
-        ("tee_tcb_svn", 0, 16),
-        ("mrseam", 16, 48),
-        ("mrsignerseam", 64, 48),
-        ("seam_attributes", 112, 8),
-        ("td_attributes", 120, 8),
-        ("xfam", 128, 8),
-        ("mrtd", 136, 48),
-        ("mrconfigid", 184, 48),
-        ("mrowner", 232, 48),
-        ("mrownerconfig", 280, 48),
-        ("rtmr0", 328, 48),
-        ("rtmr1", 376, 48),
-        ("rtmr2", 424, 48),
-        ("rtmr3", 472, 48),
-        ("report_data", 520, 64),
-    )
+    (name, BODY_OFFSET + off, size) for name, off, size in TD_REPORT_FIELDS if off < BODY_SIZE
 )
 
 DEFAULT_TSM_PATH = Path("/sys/kernel/config/tsm/report")
-COLLATERAL_ENV = "DILOCOX_DCAP_COLLATERAL"
 
 
 class TdxQuoteError(EvidenceError):
-    """A byte string that is not a TDX quote v4 as this project reads it."""
+    """A byte string that is not a TDX quote v4 or v5 as this project reads it."""
 
 
 @dataclass(frozen=True)
 class TdxQuote:
-    """A parsed TDX quote v4. `raw` is the exact bytes it was parsed from."""
+    """A parsed TDX quote (v4 or v5). `raw` is the quote's bytes up to the end of its declared
+    signature data: any padding that followed in the buffer it was parsed from is not in it.
+
+    `body_type` is None for v4 (whose body is always TD report 1.0); `tee_tcb_svn2` and
+    `mrservicetd` are None unless the body is a TD report 1.5.
+    """
 
     version: int
     att_key_type: int
@@ -137,6 +180,9 @@ class TdxQuote:
     report_data: bytes
     signature_data: bytes
     raw: bytes
+    body_type: int | None = None
+    tee_tcb_svn2: bytes | None = None
+    mrservicetd: bytes | None = None
 
     @property
     def debug(self) -> bool:
@@ -148,13 +194,21 @@ class TdxQuote:
         return (self.rtmr0, self.rtmr1, self.rtmr2, self.rtmr3)
 
     @property
+    def body_offset(self) -> int:
+        """Where the TD report body starts: 48 in v4, 54 in v5."""
+        return BODY_OFFSET if self.version == QUOTE_V4 else V5_BODY_OFFSET
+
+    @property
     def signed_region(self) -> bytes:
-        """Header || TD report body: what the quoting enclave's attestation key signs."""
-        return self.raw[:SIG_LEN_OFFSET]
+        """Header || (v5: body type and size) || TD report body: what the quoting enclave's
+        attestation key signs. It ends where the 4-byte signature data length begins."""
+        return self.raw[: len(self.raw) - 4 - len(self.signature_data)]
 
     def details(self) -> dict[str, str]:
-        """The measured fields as hex strings, for logs and VerifiedEvidence.details."""
-        return {
+        """The quote's version and measured fields as strings (hex for bytes), for logs and
+        VerifiedEvidence.details."""
+        out = {
+            "quote_version": str(self.version),
             "qe_vendor_id": self.qe_vendor_id.hex(),
             "tee_tcb_svn": self.tee_tcb_svn.hex(),
             "mrseam": self.mrseam.hex(),
@@ -172,10 +226,44 @@ class TdxQuote:
             "rtmr3": self.rtmr3.hex(),
             "report_data": self.report_data.hex(),
         }
+        if self.body_type is not None:
+            out["body_type"] = str(self.body_type)
+        if self.tee_tcb_svn2 is not None:
+            out["tee_tcb_svn2"] = self.tee_tcb_svn2.hex()
+        if self.mrservicetd is not None:
+            out["mrservicetd"] = self.mrservicetd.hex()
+        return out
+
+
+def _body_layout(data: bytes, version: int) -> tuple[int | None, int, int]:
+    """(body type or None for v4, body offset, body size), checking the v5 body descriptor."""
+    n = len(data)
+    if version == QUOTE_V4:
+        return None, BODY_OFFSET, BODY_SIZE
+    if n < V5_BODY_OFFSET:
+        raise TdxQuoteError(
+            f"TDX quote v5 is {n} bytes: too short for the {V5_DESCRIPTOR_SIZE}-byte body type and "
+            f"size at offset {V5_DESCRIPTOR_OFFSET}"
+        )
+    body_type, body_size = _V5_DESCRIPTOR.unpack_from(data, V5_DESCRIPTOR_OFFSET)
+    if body_type not in BODY_TYPES:
+        known = ", ".join(f"{t} ({name})" for t, (name, _) in BODY_TYPES.items())
+        raise TdxQuoteError(
+            f"TDX quote v5: body type at offset {V5_DESCRIPTOR_OFFSET} is {body_type}, expected "
+            f"{known}; 1 is an SGX enclave report, 4 a TD report 1.5 with extensions (unsupported)"
+        )
+    name, expected_size = BODY_TYPES[body_type]
+    if body_size != expected_size:
+        raise TdxQuoteError(
+            f"TDX quote v5: body size at offset {V5_DESCRIPTOR_OFFSET + 2} is {body_size}, but body "
+            f"type {body_type} ({name}) at offset {V5_DESCRIPTOR_OFFSET} is {expected_size} bytes"
+        )
+    return body_type, V5_BODY_OFFSET, body_size
 
 
 def parse_quote(data: bytes) -> TdxQuote:
-    """Parse a TDX quote v4, refusing anything short, long or inconsistent, by field and offset."""
+    """Parse a TDX quote v4 or v5 by its declared lengths (module docstring), ignoring any padding
+    after the declared signature data; refuse anything short or inconsistent, by field and offset."""
     if not isinstance(data, (bytes, bytearray, memoryview)):
         raise TdxQuoteError(f"TDX quote must be bytes, not {type(data).__name__}")
     data = bytes(data)
@@ -187,9 +275,9 @@ def parse_quote(data: bytes) -> TdxQuote:
             f"TDX quote is {n} bytes: too short for the {HEADER_SIZE}-byte header (offset 0)"
         )
     version, key_type, tee_type, res1, res2, vendor, user = _HEADER.unpack_from(data, 0)
-    if version != QUOTE_VERSION:
+    if version not in (QUOTE_V4, QUOTE_V5):
         raise TdxQuoteError(
-            f"TDX quote header: version at offset 0 is {version}, expected {QUOTE_VERSION}"
+            f"TDX quote header: version at offset 0 is {version}, expected {QUOTE_V4} or {QUOTE_V5}"
         )
     if key_type != ATT_KEY_TYPE_ECDSA_P256:
         raise TdxQuoteError(
@@ -201,32 +289,37 @@ def parse_quote(data: bytes) -> TdxQuote:
             f"TDX quote header: TEE type at offset 4 is {tee_type:#x}, expected "
             f"{TEE_TYPE_TDX:#x} (TDX; 0x0 would be SGX)"
         )
-    if n < SIG_LEN_OFFSET:
+    body_type, body_offset, body_size = _body_layout(data, version)
+    sig_len_offset = body_offset + body_size
+    sig_data_offset = sig_len_offset + 4
+    if n < sig_len_offset:
         raise TdxQuoteError(
-            f"TDX quote is {n} bytes: the {BODY_SIZE}-byte TD report body at offset "
-            f"{BODY_OFFSET} needs {SIG_LEN_OFFSET}"
+            f"TDX quote is {n} bytes: the {body_size}-byte TD report body at offset "
+            f"{body_offset} needs {sig_len_offset}"
         )
-    if n < SIG_DATA_OFFSET:
+    if n < sig_data_offset:
         raise TdxQuoteError(
             f"TDX quote is {n} bytes: the 4-byte signature data length at offset "
-            f"{SIG_LEN_OFFSET} needs {SIG_DATA_OFFSET}"
+            f"{sig_len_offset} needs {sig_data_offset}"
         )
-    (sig_len,) = struct.unpack_from("<I", data, SIG_LEN_OFFSET)
-    following = n - SIG_DATA_OFFSET
+    (sig_len,) = struct.unpack_from("<I", data, sig_len_offset)
+    following = n - sig_data_offset
     if sig_len == 0:
         raise TdxQuoteError(
-            f"TDX quote: signature data length at offset {SIG_LEN_OFFSET} is 0; a quote "
+            f"TDX quote: signature data length at offset {sig_len_offset} is 0; a quote "
             "without signature data proves nothing"
         )
-    if sig_len != following:
-        what = "short" if sig_len > following else "long"
+    if sig_len > following:
         raise TdxQuoteError(
-            f"TDX quote is {what}: signature data length at offset {SIG_LEN_OFFSET} says "
-            f"{sig_len} bytes, but {following} bytes follow at offset {SIG_DATA_OFFSET}"
+            f"TDX quote is short: signature data length at offset {sig_len_offset} says "
+            f"{sig_len} bytes, but only {following} bytes follow at offset {sig_data_offset}"
         )
-    body = _BODY.unpack_from(data, BODY_OFFSET)
+    end = sig_data_offset + sig_len  # what follows is buffer padding, not part of the quote
     (svn, mrseam, mrsignerseam, seam_attr, td_attr, xfam, mrtd, cfgid, owner, ownercfg,
-     r0, r1, r2, r3, report_data) = body
+     r0, r1, r2, r3, report_data) = _BODY.unpack_from(data, body_offset)
+    tee_tcb_svn2 = mrservicetd = None
+    if body_type == BODY_TYPE_TD15:
+        tee_tcb_svn2, mrservicetd = _BODY15_EXTRA.unpack_from(data, body_offset + BODY_SIZE)
     return TdxQuote(
         version=version,
         att_key_type=key_type,
@@ -250,8 +343,11 @@ def parse_quote(data: bytes) -> TdxQuote:
         rtmr2=r2,
         rtmr3=r3,
         report_data=report_data,
-        signature_data=data[SIG_DATA_OFFSET:],
-        raw=data,
+        signature_data=data[sig_data_offset:end],
+        raw=data[:end],
+        body_type=body_type,
+        tee_tcb_svn2=tee_tcb_svn2,
+        mrservicetd=mrservicetd,
     )
 
 
@@ -363,7 +459,8 @@ class TdxProvider:
             raise AttestationUnavailable(_missing_message(self.tsm_path))
 
     def quote(self, report_data: bytes) -> bytes:
-        """Ask the TDX module for a quote over these 64 bytes of REPORTDATA; return its bytes."""
+        """Ask the TDX module for a quote over these 64 bytes of REPORTDATA; return its bytes up to
+        the end of the declared signature data (the outblob's padding is dropped)."""
         report_data = _fixed("report_data", report_data, 64)
         self.check_available()
         entry = self.tsm_path / f"dilocox-{os.getpid()}-{secrets.token_hex(6)}"
@@ -394,7 +491,7 @@ class TdxProvider:
                 "configfs-tsm returned a quote whose REPORTDATA is not what was written "
                 f"(wrote {report_data.hex()}, got {parsed.report_data.hex()})"
             )
-        return raw
+        return parsed.raw  # without the buffer's padding after the signature data
 
     def _generate(self, entry: Path, report_data: bytes) -> bytes:
         try:
@@ -432,89 +529,3 @@ class TdxProvider:
         from .evidence import Evidence
 
         return Evidence(provider="tdx", quote=self.quote(report_data))
-
-
-# ---------------------------------------------------------------------------------------------
-# DCAP verification (optional dependency)
-
-
-@dataclass(frozen=True)
-class DcapResult:
-    """What dcap-qvl said about a quote whose signature chain it verified."""
-
-    status: str
-    advisory_ids: tuple[str, ...]
-
-
-def dcap_available() -> bool:
-    """Whether the optional PyPI package dcap-qvl can be imported."""
-    try:
-        import dcap_qvl  # noqa: F401
-    except ImportError:
-        return False
-    return True
-
-
-def load_collateral(collateral: Any = None) -> Any:
-    """Turn collateral into what dcap_qvl.verify takes, or None when there is none.
-
-    Accepts a dcap_qvl QuoteCollateralV3 object (returned as is), JSON text or bytes, a dict, or a
-    path to a JSON file. With None, the path in $DILOCOX_DCAP_COLLATERAL is used if set.
-    """
-    import dcap_qvl
-
-    if collateral is None:
-        env = os.environ.get(COLLATERAL_ENV)
-        if not env:
-            return None
-        collateral = Path(env)
-    if isinstance(collateral, os.PathLike):
-        try:
-            collateral = Path(collateral).read_text()
-        except OSError as exc:
-            raise EvidenceError(f"cannot read DCAP collateral {collateral}: {exc}") from exc
-    if isinstance(collateral, dict):
-        collateral = json.dumps(collateral)
-    if isinstance(collateral, (bytes, bytearray)):
-        collateral = bytes(collateral).decode("utf-8")
-    if isinstance(collateral, str):
-        try:
-            return dcap_qvl.QuoteCollateralV3.from_json(collateral)
-        except Exception as exc:  # the binding raises its own error types
-            raise EvidenceError(f"DCAP collateral is not valid QuoteCollateralV3 JSON: {exc}") from exc
-    return collateral
-
-
-def dcap_verify(quote: bytes, collateral: Any, *, now: int | None = None) -> DcapResult:
-    """Verify a quote's signature chain (QE signature, PCK certificate chain, TCB info, CRLs) with
-    dcap-qvl against `collateral`. Raises AttestationUnavailable when dcap-qvl is not installed and
-    EvidenceError when verification fails."""
-    try:
-        import dcap_qvl
-    except ImportError:
-        raise AttestationUnavailable(
-            "the PyPI package dcap-qvl is not installed, so TDX quote signatures cannot be checked"
-        ) from None
-    coll = load_collateral(collateral)
-    if coll is None:
-        raise AttestationUnavailable(
-            "no DCAP collateral was supplied (pass collateral= or set "
-            f"${COLLATERAL_ENV}); this project fetches nothing from the network"
-        )
-    when = int(time.time()) if now is None else int(now)
-    try:
-        result = dcap_qvl.verify(bytes(quote), coll, when)
-    except Exception as exc:  # the binding raises ValueError/RuntimeError depending on version
-        raise EvidenceError(f"dcap-qvl refused the quote: {exc}") from exc
-    status = getattr(result, "status", None)
-    advisories = getattr(result, "advisory_ids", None)
-    if status is None and hasattr(result, "to_json"):
-        try:
-            obj = json.loads(result.to_json())
-        except (TypeError, ValueError):
-            obj = {}
-        status = obj.get("status")
-        advisories = obj.get("advisory_ids", advisories)
-    if not isinstance(status, str):
-        raise EvidenceError(f"dcap-qvl returned no TCB status ({type(result).__name__})")
-    return DcapResult(status=status, advisory_ids=tuple(str(a) for a in (advisories or ())))

@@ -1,25 +1,29 @@
 """From an on-chain admission to the evidence behind it (docs/trust.md "Admission").
 
 ``WorkerAdmitted(worker, measurement, evidenceDigest)`` names, through ``evidenceDigest``, the
-admission record ``CID(JSON, evidenceDigest)`` in the store:
+admission record ``CID(JSON, evidenceDigest)`` in the store (attestation.admission):
 
-    {"schema": "dilocox.admission/v1", "worker", "run_id", "nonce", "measurement", "provider",
-     "evidence": CID of the Evidence bytes (RAW)}
+    {"schema": "dilocox.admission/v2", "worker", "run_id", "nonce", "measurement",
+     "code_measurement", "provider", "evidence": CID of the Evidence bytes (RAW)}
 
 ``check_admission`` re-reads the record and the evidence, and verifies the evidence against the
 auditor's policy with the REPORTDATA the record implies:
 
     REPORTDATA = report_data(worker, record.run_id, record.nonce, code measurement)
 
-The code measurement is the recorded measurement for dev evidence (for dev, the allowlisted
-measurement *is* the code measurement). For tdx the allowlisted measurement is
-sha256(MRTD‖RTMR0..3), so the code measurement is the one the quote itself claims in
-REPORTDATA[32:64], exactly as the coordinator checked it at admission; what binds it is the
-hardware measurement, which must equal the recorded and on-chain one.
+The code measurement is never taken from the evidence (a quote's own REPORTDATA[32:64] would
+only be compared with itself). It is the record's ``code_measurement``: the value the coordinator
+computed with its own code, required of the worker, and committed on chain with the record's
+digest. For dev evidence it must also equal the recorded (and on-chain) measurement, which for
+dev *is* the code measurement; a v1 record, which has no ``code_measurement``, is read for dev
+evidence with the recorded measurement in its place and refused for tdx. When the auditor knows
+which code measurements to expect (for instance ``code_measurement(config_cid)`` over the code it
+audits), it passes them as ``code_measurements`` and the record's must be one of them.
 """
 
 from __future__ import annotations
 
+from collections.abc import Collection
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -29,11 +33,16 @@ from attestation import (
     Policy,
     PolicyViolation,
     checksum_address,
-    parse_quote,
     report_data,
     verify_evidence,
 )
-from attestation.admission import ADMISSION_SCHEMA, admission_record_cid
+from attestation.admission import (
+    ADMISSION_SCHEMA,
+    ADMISSION_SCHEMA_V1,
+    RECORD_KEYS,
+    RECORD_KEYS_V1,
+    admission_record_cid,
+)
 from storage_client import (
     CID,
     Codec,
@@ -44,7 +53,7 @@ from storage_client import (
     StoreError,
 )
 
-_RECORD_KEYS = {"schema", "worker", "run_id", "nonce", "measurement", "provider", "evidence"}
+_KEYS_BY_SCHEMA = {ADMISSION_SCHEMA: RECORD_KEYS, ADMISSION_SCHEMA_V1: RECORD_KEYS_V1}
 
 
 @dataclass
@@ -73,8 +82,12 @@ def _hex32(obj: dict[str, Any], key: str) -> bytes:
 
 
 def check_admission(store: ObjectStore, *, worker: str, measurement: bytes, evidence_digest: bytes,
-                    run_id: bytes, policy: Policy) -> AdmissionCheck:
-    """Check one ``WorkerAdmitted`` event's record and evidence; never raises for bad data."""
+                    run_id: bytes, policy: Policy,
+                    code_measurements: Collection[bytes] | None = None) -> AdmissionCheck:
+    """Check one ``WorkerAdmitted`` event's record and evidence; never raises for bad data.
+
+    `code_measurements`, when given, are the code measurements the auditor expects; the record's
+    must be one of them (module docstring)."""
     record_cid = admission_record_cid(evidence_digest)
     result = AdmissionCheck(record=str(record_cid))
     obj_name = str(record_cid)
@@ -91,19 +104,24 @@ def check_admission(store: ObjectStore, *, worker: str, measurement: bytes, evid
         result.fail(obj_name, "admission-record", f"the admission record of {worker} is unreadable: {exc}")
         return result
 
-    if not isinstance(record, dict) or set(record) != _RECORD_KEYS:
-        keys = sorted(record) if isinstance(record, dict) else type(record).__name__
+    schema = record.get("schema") if isinstance(record, dict) else None
+    if not isinstance(schema, str) or schema not in _KEYS_BY_SCHEMA:
+        schema = schema if isinstance(record, dict) else type(record).__name__
         result.fail(obj_name, "admission-record",
-                    f"not an admission record: keys {keys}, expected {sorted(_RECORD_KEYS)}")
+                    f"not an admission record: schema {str(schema)[:60]!r}, expected {ADMISSION_SCHEMA!r}")
         return result
-    if record["schema"] != ADMISSION_SCHEMA:
-        result.fail(obj_name, "admission-record", f"schema is {record['schema']!r}, expected {ADMISSION_SCHEMA!r}")
+    expected_keys = _KEYS_BY_SCHEMA[record["schema"]]
+    if set(record) != expected_keys:
+        result.fail(obj_name, "admission-record",
+                    f"not a {record['schema']} record: keys {sorted(str(k)[:40] for k in record)[:12]}, "
+                    f"expected {sorted(expected_keys)}")
         return result
     try:
         named = checksum_address(record["worker"])
         record_run = _hex32(record, "run_id")
         nonce = _hex32(record, "nonce")
         recorded_measurement = _hex32(record, "measurement")
+        recorded_code = _hex32(record, "code_measurement") if "code_measurement" in record else None
         evidence_cid = CID.parse(record["evidence"])
     except (ValueError, TypeError, InvalidCIDError) as exc:
         result.fail(obj_name, "admission-record", f"malformed admission record: {exc}")
@@ -140,10 +158,23 @@ def check_admission(store: ObjectStore, *, worker: str, measurement: bytes, evid
     if record["provider"] != evidence.provider:
         result.fail(obj_name, "admission-record",
                     f"the record says provider {record['provider']!r}, the evidence is {evidence.provider!r}")
-    if evidence.provider == "dev":
+    if recorded_code is None:  # a v1 record
+        if evidence.provider != "dev":
+            result.fail(obj_name, "admission-record",
+                        f"the {ADMISSION_SCHEMA_V1} record of {worker} does not say which code measurement the "
+                        f"coordinator required, and the quote's own REPORTDATA[32:64] proves nothing")
+            return result
         code = recorded_measurement
     else:
-        code = parse_quote(evidence.quote).report_data[32:64]
+        code = recorded_code
+        if evidence.provider == "dev" and code != recorded_measurement:
+            result.fail(obj_name, "admission-record",
+                        f"the record's code measurement 0x{code.hex()} is not its dev measurement "
+                        f"0x{recorded_measurement.hex()}")
+    if code_measurements is not None and code not in {bytes(c) for c in code_measurements}:
+        result.fail(obj_name, "admission-record",
+                    f"the record's code measurement 0x{code.hex()} is not one the auditor expects "
+                    f"({', '.join('0x' + bytes(c).hex()[:16] + '…' for c in code_measurements) or 'none'})")
     try:
         verified = verify_evidence(evidence, expected_report_data=report_data(worker, record_run, nonce, code),
                                    policy=policy)
@@ -159,8 +190,6 @@ def check_admission(store: ObjectStore, *, worker: str, measurement: bytes, evid
                     f"the evidence measures 0x{verified.measurement.hex()}, but {worker} was admitted with "
                     f"0x{measurement.hex()}")
     result.proves_nothing = verified.proves_nothing
-    if evidence.provider == "dev":
+    if verified.proves_nothing:
         result.warnings.append(f"worker {worker} was admitted on DEV evidence, which PROVES NOTHING")
-    else:
-        result.warnings.extend(f"worker {worker}: {w}" for w in verified.warnings)
     return result

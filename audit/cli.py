@@ -4,7 +4,10 @@ Reads ``DIR/store`` and ``DIR/chain/deployment.json`` and nothing else of the ru
 HEAD, not rounds.jsonl, not the outbox). Without ``--rpc`` it starts a local anvil from a *copy* of
 ``DIR/chain/state.json`` (so the run directory is left untouched), audits, and stops it. With
 ``--allow-dev`` the development root in ``DIR/dev-root/dev-root.address`` (and any ``--dev-root``)
-is trusted, and dev evidence is accepted, loudly, as proving nothing.
+is trusted, and dev evidence is accepted, loudly, as proving nothing. TDX evidence is verified with
+dcap-qvl against the collateral named by ``--dcap-collateral FILE`` or fetched from ``--pccs-url
+URL``; without either it is refused. Only TCB status UpToDate is accepted unless
+``--allow-tcb-status`` names others.
 
 Exit status: 0 when every check passed, 1 when any failed, 2 when the audit could not run (no
 deployment file, no chain).
@@ -25,7 +28,7 @@ from .result import AuditResult
 if TYPE_CHECKING:  # the heavy imports (torch, web3) wait until an audit actually runs
     from rich.console import Console
 
-    from attestation import Policy
+    from attestation import DcapSettings, Policy
     from settlement import Deployment
     from storage_client import ObjectStore
 
@@ -41,6 +44,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="accept dev attestation evidence, which PROVES NOTHING (trusting DIR/dev-root)")
     parser.add_argument("--dev-root", action="append", default=[], metavar="ADDRESS",
                         help="another trusted dev root address (with --allow-dev; repeatable)")
+    add_dcap_arguments(parser)
     parser.add_argument("--no-rederive", action="store_true",
                         help="skip recomputing each round's checkpoint from the stored updates")
     parser.add_argument("--run-id", metavar="HEX",
@@ -60,9 +64,16 @@ def run(args: argparse.Namespace) -> int:
         if len(run_id) != 32:
             Console(stderr=True).print(f"[red]--run-id must be 0x followed by 64 hex digits, got {args.run_id!r}[/]")
             return EXIT_ERROR
+    try:
+        dcap = dcap_settings(args.dcap_collateral, args.pccs_url, args.allow_tcb_status)
+    except ValueError as exc:
+        from rich.markup import escape
+
+        Console(stderr=True).print(f"[red]bad DCAP options: {escape(str(exc))}[/]")
+        return EXIT_ERROR
     return audit_run_dir(Path(args.run), rpc_url=args.rpc, allow_dev=args.allow_dev, rederive=not args.no_rederive,
                          json_path=Path(args.json) if args.json else None, run_id=run_id,
-                         dev_roots=tuple(args.dev_root))
+                         dev_roots=tuple(args.dev_root), dcap=dcap)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -72,15 +83,37 @@ def main(argv: list[str] | None = None) -> int:
     return run(parser.parse_args(argv))
 
 
-def policy_for(run_dir: Path, allow_dev: bool, dev_roots: tuple[str, ...] = ()) -> tuple[Policy, list[str]]:
+def add_dcap_arguments(parser: argparse.ArgumentParser) -> None:
+    """How TDX quotes are verified: the options of both the coordinator and the audit."""
+    parser.add_argument("--dcap-collateral", metavar="FILE",
+                        help="Intel collateral (dcap-qvl QuoteCollateralV3 JSON) to verify TDX quotes with")
+    parser.add_argument("--pccs-url", metavar="URL",
+                        help="fetch Intel collateral for each TDX quote from this PCCS instead")
+    parser.add_argument("--allow-tcb-status", action="append", default=[], metavar="STATUS",
+                        help="accept this dcap-qvl TCB status besides UpToDate (e.g. SWHardeningNeeded; repeatable)")
+
+
+def dcap_settings(collateral_file: str | None, pccs_url: str | None,
+                  extra_tcb_statuses: list[str] | tuple[str, ...] = ()) -> DcapSettings:
+    """DcapSettings from the command-line options (ValueError when they are inconsistent)."""
+    from attestation import DcapSettings
+
+    return DcapSettings(collateral_file=Path(collateral_file) if collateral_file else None,
+                        pccs_url=pccs_url or None,
+                        allowed_tcb_statuses=frozenset({"UpToDate", *extra_tcb_statuses}))
+
+
+def policy_for(run_dir: Path, allow_dev: bool, dev_roots: tuple[str, ...] = (),
+               dcap: DcapSettings | None = None) -> tuple[Policy, list[str]]:
     """The auditor's policy, and notes on how it was chosen."""
-    from attestation import Policy, checksum_address
+    from attestation import DcapSettings, Policy, checksum_address
     from attestation.dev import ROOT_ADDRESS_FILE
 
+    dcap = dcap or DcapSettings()
     if not allow_dev:
-        return Policy(), []
+        return Policy(dcap=dcap), []
+    notes: list[str] = []
     roots = [checksum_address(a) for a in dev_roots]
-    notes = []
     address_file = run_dir / "dev-root" / ROOT_ADDRESS_FILE
     try:
         roots.append(checksum_address(address_file.read_text().strip()))
@@ -88,12 +121,12 @@ def policy_for(run_dir: Path, allow_dev: bool, dev_roots: tuple[str, ...] = ()) 
         notes.append(f"--allow-dev: {address_file} does not exist, so no dev root is trusted from the run directory")
     except ValueError as exc:
         notes.append(f"--allow-dev: {address_file} holds no address ({exc})")
-    return Policy.development(*roots), notes
+    return Policy.development(*roots, dcap=dcap), notes
 
 
 def audit_run_dir(run_dir: Path, *, rpc_url: str | None = None, allow_dev: bool = False, rederive: bool = True,
                   json_path: Path | None = None, run_id: bytes | None = None, dev_roots: tuple[str, ...] = (),
-                  console: Console | None = None) -> int:
+                  console: Console | None = None, dcap: DcapSettings | None = None) -> int:
     """Audit ``run_dir`` and print the table and verdict; returns the exit status."""
     from rich.console import Console
     from rich.markup import escape
@@ -112,12 +145,14 @@ def audit_run_dir(run_dir: Path, *, rpc_url: str | None = None, allow_dev: bool 
         console.print(f"[bold red]cannot audit[/]: {run_dir / 'store'} is not a directory")
         return EXIT_ERROR
     try:
-        policy, notes = policy_for(run_dir, allow_dev, dev_roots)
+        policy, notes = policy_for(run_dir, allow_dev, dev_roots, dcap)
     except ValueError as exc:
         console.print(f"[bold red]cannot audit[/]: bad dev root address: {escape(str(exc))}")
         return EXIT_ERROR
     for note in notes:
         console.print(f"[yellow]{escape(note)}[/]")
+    if policy.dcap.source is None:
+        console.print("[yellow]no --dcap-collateral or --pccs-url: TDX evidence cannot be verified and is refused[/]")
 
     store = ObjectStore(run_dir / "store")
     try:

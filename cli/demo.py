@@ -3,9 +3,10 @@
 1. a local chain (anvil, from the npm lockfile) whose state is kept in <run>/chain/state.json;
 2. the registry and ledger deployed, the code measurement allowlisted, the coordinator's account
    made a verifier;
-3. a coordinator and N workers as processes; workers attest with the ``dev`` provider (which
-   PROVES NOTHING, and says so), are admitted on chain, train, and sign a report per round; every
-   round is recorded on the ledger;
+3. a coordinator and N workers as processes, over TLS (the coordinator's self-signed certificate,
+   pinned by the workers by its fingerprint; ``--insecure`` runs plaintext instead, to measure what
+   TLS costs); workers attest with the ``dev`` provider (which PROVES NOTHING, and says so), are
+   admitted on chain, train, and sign a report per round; every round is recorded on the ledger;
 4. the lineage audit, from the ledger and the store alone.
 
 Shows one line per finished round (eval loss, mean inner loss, bytes each way, time), a summary
@@ -52,8 +53,7 @@ def provision(run_dir: Path, rpc_url: str, config: RunConfig) -> tuple[list[str]
     deployment = deploy(owner)
     deployment.save(chain_dir / "deployment.json")
     key_file = chain_dir / "coordinator.key"
-    write_atomic(key_file, DEV_ACCOUNTS[1].encode())
-    key_file.chmod(0o600)
+    write_atomic(key_file, DEV_ACCOUNTS[1].encode(), mode=0o600)
     coordinator = Chain(rpc_url, DEV_ACCOUNTS[1])
     registry = Registry(owner, deployment.registry)
     registry.set_verifier(coordinator.address)
@@ -65,7 +65,8 @@ def provision(run_dir: Path, rpc_url: str, config: RunConfig) -> tuple[list[str]
     return coordinator_args, worker_args
 
 
-def run_demo(run_dir: Path, rounds: int | None = None, workers: int = 2, overlap: bool | None = None) -> int:
+def run_demo(run_dir: Path, rounds: int | None = None, workers: int = 2, overlap: bool | None = None,
+             insecure: bool = False) -> int:
     console = Console()
     config = demo_config()
     config = config.replace(rounds=dataclasses.replace(
@@ -84,7 +85,7 @@ def run_demo(run_dir: Path, rounds: int | None = None, workers: int = 2, overlap
     with Anvil(state_file=run_dir / "chain" / "state.json") as anvil:
         coordinator_args, worker_args = provision(run_dir, anvil.rpc_url, config)
         console.print(f"local chain {anvil.rpc_url} (state kept in {run_dir / 'chain'}); contracts deployed")
-        code = _train(console, run_dir, config, config_path, workers, coordinator_args, worker_args)
+        code = _train(console, run_dir, config, config_path, workers, coordinator_args, worker_args, insecure)
         if code != 0:
             return code
         console.print("\n[bold]audit[/]: re-verifying the run from the ledger and the store alone")
@@ -96,7 +97,7 @@ def run_demo(run_dir: Path, rounds: int | None = None, workers: int = 2, overlap
 
 
 def _train(console: Console, run_dir: Path, config: RunConfig, config_path: Path, workers: int,
-           coordinator_args: list[str], worker_args: list[str]) -> int:
+           coordinator_args: list[str], worker_args: list[str], insecure: bool) -> int:
     m = config.model
     console.print(
         f"[bold]DiLoCo demo[/]: {workers} workers × {config.inner.steps} inner AdamW steps × "
@@ -108,8 +109,13 @@ def _train(console: Console, run_dir: Path, config: RunConfig, config_path: Path
     table = Table(title="rounds")
     for column in ("round", "eval loss", "train loss", "workers", "bytes up", "bytes down", "time"):
         table.add_column(column, justify="left" if column == "workers" else "right")
-    with LocalCluster(run_dir) as cluster:
+    with LocalCluster(run_dir, insecure=insecure) as cluster:
         cluster.start_coordinator(config_path, extra=coordinator_args)
+        if insecure:
+            console.print(f"[bold red]coordinator {cluster.address}: PLAINTEXT (--insecure)[/]")
+        else:
+            console.print(f"coordinator {cluster.address} over TLS; workers pin its certificate, "
+                          f"sha256 {cluster.client_tls.fingerprint}")
         for i in range(workers):
             cluster.start_worker(f"worker-{i}", extra=worker_args)
         coordinator = cluster.processes["coordinator"]

@@ -2,8 +2,9 @@
 
     dilocox demo                                   local cluster on the embedded corpus
     dilocox coordinator --run-dir runs/x [--config cfg.json] [--host H --port P]
-    dilocox worker --coordinator H:P --worker-id w0
-    dilocox status --coordinator H:P               what a running coordinator reports
+                                                   TLS: prints its certificate's fingerprint
+    dilocox worker --coordinator H:P --worker-id w0 --tls-fingerprint HEX
+    dilocox status --coordinator H:P --tls-fingerprint HEX   what a running coordinator reports
     dilocox audit --run runs/demo                  verify a run's lineage from ledger and store
     dilocox bench gas                              gas of the ledger's calls on a local chain
     dilocox bench ablation [--smoke]               the DiLoCoX ablation: loss, bytes, tokens/s per mode
@@ -43,17 +44,53 @@ def _threads(n: int) -> None:
 
 def cmd_coordinator(args: argparse.Namespace) -> int:
     from trainer.config import RunConfig
-    from trainer.coordinator import serve
     from trainer.run_dir import RunDir
+    from trainer.service import serve
 
     _threads(args.threads)
+    run_dir = RunDir(args.run_dir)
+    credentials = _server_credentials(args, run_dir)
     config = RunConfig.load(args.config) if args.config else None
     if args.overlap is not None:
         if config is None:
             raise SystemExit("--overlap/--no-overlap applies when starting a run: give --config too")
         config = config.replace(rounds=dataclasses.replace(config.rounds, overlap=args.overlap))
-    return serve(RunDir(args.run_dir), config, host=args.host, port=args.port, linger_s=args.linger,
-                 trust=_trust_settings(args))
+    return serve(run_dir, config, host=args.host, port=args.port, linger_s=args.linger,
+                 trust=_trust_settings(args), credentials=credentials, idle_s=args.idle_timeout)
+
+
+def _server_credentials(args: argparse.Namespace, run_dir):  # -> grpc.ServerCredentials | None
+    """TLS by default (the given pair, or a self-signed one in <run>/tls); None only with --insecure."""
+    if args.insecure:
+        if args.tls_cert or args.tls_key or args.tls_client_ca:
+            raise ValueError("--insecure contradicts --tls-cert/--tls-key/--tls-client-ca")
+        logging.getLogger("dilocox").warning(
+            "INSECURE: serving plaintext gRPC (--insecure): anyone on the path can read and change "
+            "every message; use it on a trusted loopback only")
+        return None
+    from trainer.tls import server_credentials, server_identity
+
+    hosts = [args.host] if args.host not in ("0.0.0.0", "::", "") else []
+    identity = server_identity(run_dir.path / "tls", args.tls_cert, args.tls_key, hosts=hosts)
+    return server_credentials(identity, args.tls_client_ca)
+
+
+def _client_tls(args: argparse.Namespace):  # -> trainer.tls.ClientTls
+    from trainer.tls import client_tls_from_flags
+
+    return client_tls_from_flags(args.tls_ca, args.tls_fingerprint, args.insecure,
+                                 args.tls_client_cert, args.tls_client_key)
+
+
+def _client_tls_arguments(p: argparse.ArgumentParser) -> None:
+    """How a client trusts the coordinator: exactly one of --tls-ca, --tls-fingerprint, --insecure."""
+    p.add_argument("--tls-ca", help="CA certificate (PEM) that issued the coordinator's certificate")
+    p.add_argument("--tls-fingerprint", metavar="HEX",
+                   help="SHA-256 fingerprint of the coordinator's certificate, as it prints at start-up")
+    p.add_argument("--insecure", action="store_true",
+                   help="plaintext gRPC, no server identity (only against a coordinator started with --insecure)")
+    p.add_argument("--tls-client-cert", help="client certificate (PEM) for a coordinator that requires mutual TLS")
+    p.add_argument("--tls-client-key", help="key of --tls-client-cert")
 
 
 def _trust_settings(args: argparse.Namespace):  # -> TrustSettings | None
@@ -64,14 +101,19 @@ def _trust_settings(args: argparse.Namespace):  # -> TrustSettings | None
     if not all(given):
         raise ValueError("--ledger, --chain-rpc and --chain-key-file go together")
     from attestation import Policy
+    from audit.cli import dcap_settings
     from settlement import Deployment
     from trainer.trust import TrustSettings
 
     key_text = Path(args.chain_key_file).read_text().strip()
-    policy = Policy(allow_dev=args.allow_dev, dev_roots=frozenset(args.dev_root))
+    dcap = dcap_settings(args.dcap_collateral, args.pccs_url, args.allow_tcb_status)
+    if dcap.source is None:
+        logging.getLogger("dilocox").warning(
+            "no --dcap-collateral or --pccs-url: TDX quotes cannot be verified, so TDX workers are refused")
+    policy = Policy(allow_dev=args.allow_dev, dev_roots=frozenset(args.dev_root), dcap=dcap)
     return TrustSettings(rpc_url=args.chain_rpc, private_key=bytes.fromhex(key_text.removeprefix("0x")),
                          deployment=Deployment.load(args.ledger), policy=policy,
-                         report_timeout_s=args.report_timeout)
+                         report_timeout_s=args.report_timeout, verification_time=args.attestation_time)
 
 
 def cmd_worker(args: argparse.Namespace) -> int:
@@ -86,19 +128,19 @@ def cmd_worker(args: argparse.Namespace) -> int:
     from trainer.link import Link
 
     link = Link(bandwidth_bps=args.link_bandwidth * 1e6, latency_s=args.link_latency / 1e3)
-    worker = Worker(args.coordinator, args.worker_id, attestation=provider,
+    worker = Worker(args.coordinator, args.worker_id, tls=_client_tls(args), attestation=provider,
                     reconnect_timeout_s=args.reconnect_timeout, link=link,
                     metrics=Path(args.metrics) if args.metrics else None, stages=args.stages)
     return worker.run()
 
 
 def cmd_status(args: argparse.Namespace) -> int:
-    import grpc
     from google.protobuf.json_format import MessageToDict
 
-    from proto import pb, pb_grpc
+    from proto import CHANNEL_OPTIONS, pb, pb_grpc
+    from trainer.tls import open_channel
 
-    with grpc.insecure_channel(args.coordinator) as channel:
+    with open_channel(args.coordinator, _client_tls(args), CHANNEL_OPTIONS) as channel:
         status = pb_grpc.CoordinatorStub(channel).Status(pb.StatusRequest(), timeout=10)
     print(json.dumps(MessageToDict(status), indent=2))
     return 0
@@ -115,7 +157,8 @@ def cmd_config(args: argparse.Namespace) -> int:
 def cmd_demo(args: argparse.Namespace) -> int:
     from cli.demo import run_demo
 
-    return run_demo(Path(args.run_dir), rounds=args.rounds, workers=args.workers, overlap=args.overlap)
+    return run_demo(Path(args.run_dir), rounds=args.rounds, workers=args.workers, overlap=args.overlap,
+                    insecure=args.insecure)
 
 
 def cmd_audit(args: argparse.Namespace) -> int:
@@ -152,6 +195,8 @@ def parser() -> argparse.ArgumentParser:
     demo.add_argument("--workers", type=int, default=2)
     demo.add_argument("--overlap", action=argparse.BooleanOptionalAction, default=None,
                       help="DiLoCoX one-step-delay overlap, or synchronous rounds (default from the demo config)")
+    demo.add_argument("--insecure", action="store_true",
+                      help="plaintext gRPC between the demo's processes (to measure what TLS costs)")
     demo.set_defaults(func=cmd_demo)
 
     co = sub.add_parser("coordinator", help="serve a run: collect updates, aggregate, store checkpoints")
@@ -172,11 +217,24 @@ def parser() -> argparse.ArgumentParser:
     co.add_argument("--dev-root", action="append", default=[], help="address of a trusted dev root (repeatable)")
     co.add_argument("--report-timeout", type=float, default=30.0,
                     help="seconds to wait for every participant's report before recording a round")
+    from audit.cli import add_dcap_arguments
+
+    add_dcap_arguments(co)
+    co.add_argument("--attestation-time", type=int, metavar="UNIX_SECONDS",
+                    help="verify evidence as of this time instead of now (tests and replays of old collateral)")
+    co.add_argument("--tls-cert", help="certificate (PEM) to serve with; default: a self-signed one in <run-dir>/tls")
+    co.add_argument("--tls-key", help="key of --tls-cert (PEM)")
+    co.add_argument("--tls-client-ca", help="require mutual TLS: worker certificates must be issued by this CA (PEM)")
+    co.add_argument("--insecure", action="store_true",
+                    help="serve plaintext gRPC (no TLS): only for a trusted loopback; workers need --insecure too")
+    co.add_argument("--idle-timeout", type=float, default=30.0,
+                    help="seconds a stream may make no progress before it is cancelled")
     co.set_defaults(func=cmd_coordinator)
 
     wo = sub.add_parser("worker", help="train on one data shard and push pseudo-gradients")
     wo.add_argument("--coordinator", required=True, help="host:port")
     wo.add_argument("--worker-id", required=True)
+    _client_tls_arguments(wo)
     wo.add_argument("--threads", type=int, default=max(1, (os.cpu_count() or 1) // 2), help="torch threads")
     wo.add_argument("--attestation", choices=("none", "dev", "tdx"), default="none",
                     help="evidence provider: tdx (configfs-tsm) or dev (a stand-in that PROVES NOTHING)")
@@ -195,6 +253,7 @@ def parser() -> argparse.ArgumentParser:
 
     st = sub.add_parser("status", help="print a running coordinator's status as JSON")
     st.add_argument("--coordinator", required=True, help="host:port")
+    _client_tls_arguments(st)
     st.set_defaults(func=cmd_status)
 
     au = sub.add_parser("audit", help="verify a run's lineage from the ledger and the store alone")
@@ -231,8 +290,11 @@ def main(argv: list[str] | None = None) -> int:
         from storage_client import StoreError
         from trainer.config import ConfigError
         from trainer.data import CorpusError
+        from trainer.tls import TlsError
+        from trainer.wire import WireError
 
-        known = (ConfigError, CorpusError, StoreError, OSError, AttestationError, PolicyViolation)
+        known = (ConfigError, CorpusError, StoreError, OSError, AttestationError, PolicyViolation, TlsError,
+                 WireError, ValueError)
         try:
             from trainer.worker import WorkerError
             known += (WorkerError,)

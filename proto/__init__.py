@@ -21,5 +21,10 @@ SERVICE_NAME: str = pb.DESCRIPTOR.services_by_name["Coordinator"].full_name
 # grpcio refuses received messages over 4 MiB by default; every bulk transfer is chunked well below.
 CHUNK_BYTES: int = 1 << 20
 MAX_MESSAGE_BYTES: int = 4 << 20
+# Options of every channel and server of the protocol: message size limits on both sides.
+CHANNEL_OPTIONS: tuple[tuple[str, int], ...] = (
+    ("grpc.max_receive_message_length", MAX_MESSAGE_BYTES),
+    ("grpc.max_send_message_length", MAX_MESSAGE_BYTES),
+)
 
-__all__ = ["pb", "pb_grpc", "PROTOCOL_VERSION", "SERVICE_NAME", "CHUNK_BYTES", "MAX_MESSAGE_BYTES"]
+__all__ = ["pb", "pb_grpc", "PROTOCOL_VERSION", "SERVICE_NAME", "CHUNK_BYTES", "MAX_MESSAGE_BYTES", "CHANNEL_OPTIONS"]

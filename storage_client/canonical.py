@@ -12,6 +12,7 @@ refused outright because their text form differs between languages (1e-06 vs
 from __future__ import annotations
 
 import json
+import re
 from typing import Any
 
 from .cid import CID, Codec
@@ -74,3 +75,41 @@ def canonical_json(obj: Any) -> bytes:
 def digest_json(obj: Any) -> CID:
     """The JSON-codec CID of `obj`'s canonical bytes."""
     return CID.of(canonical_json(obj), Codec.JSON)
+
+
+class JSONBoundsError(ValueError):
+    """Untrusted JSON that is too large, too deep, or not JSON at all (the message is short)."""
+
+
+_STRINGS = re.compile(r'"(?:[^"\\]|\\.)*"', re.DOTALL)
+_NOT_BRACKETS = re.compile(r"[^\[\]{}]+")
+MAX_JSON_DEPTH = 32
+
+
+def loads_bounded(data: bytes | str, *, max_bytes: int, max_depth: int = MAX_JSON_DEPTH, what: str = "JSON") -> Any:
+    """Parse untrusted JSON after checking its size and nesting depth, without recursion.
+
+    ``json.loads`` recurses once per nesting level, so deeply nested input ends in RecursionError
+    rather than ValueError; the depth is therefore measured first on the bracket skeleton (strings
+    removed by one regular expression), in C-speed passes. Every failure is a JSONBoundsError
+    whose message never quotes the input.
+    """
+    if len(data) > max_bytes:
+        raise JSONBoundsError(f"{what} is {len(data)} bytes, more than the {max_bytes} allowed")
+    try:
+        text = data.decode("utf-8") if isinstance(data, (bytes, bytearray)) else str(data)
+    except UnicodeDecodeError:
+        raise JSONBoundsError(f"{what} is not UTF-8") from None
+    skeleton = _NOT_BRACKETS.sub("", _STRINGS.sub('""', text))
+    depth = deepest = 0
+    for ch in skeleton:  # only brackets are left: a few per JSON container
+        depth += 1 if ch in "[{" else -1
+        if depth > deepest:
+            deepest = depth
+            if deepest > max_depth:
+                raise JSONBoundsError(f"{what} nests deeper than {max_depth} levels")
+    try:
+        return json.loads(text)
+    except (ValueError, RecursionError) as exc:
+        reason = exc.msg if isinstance(exc, json.JSONDecodeError) else "malformed"
+        raise JSONBoundsError(f"{what} is not JSON ({reason})") from None

@@ -77,18 +77,18 @@ def _ensure_dir(path: Path) -> None:
     _fsync_dir(path.parent)
 
 
-def write_atomic(path: Path, data: bytes) -> None:
+def write_atomic(path: Path, data: bytes, mode: int = 0o644) -> None:
     """Replace `path` with `data` so that readers see the old file or the new one, never a mix.
 
-    Creates missing parent directories. The file is made 0644 (mkstemp's 0600
-    default would hide objects from other local readers).
+    Creates missing parent directories. The file is made `mode`, 0644 by default (mkstemp's 0600
+    would hide objects from other local readers); keys pass 0600.
     """
     path = Path(path)
     _ensure_dir(path.parent)
     fd, tmp = tempfile.mkstemp(prefix=_TMP_PREFIX, dir=path.parent)
     try:
         with os.fdopen(fd, "wb") as f:
-            os.fchmod(f.fileno(), 0o644)
+            os.fchmod(f.fileno(), mode)
             f.write(data)
             f.flush()
             os.fsync(f.fileno())

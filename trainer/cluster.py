@@ -3,6 +3,9 @@
 Used by ``dilocox demo`` and by the integration tests, so both exercise exactly the processes a
 user would start by hand (``dilocox coordinator`` / ``dilocox worker``). Each process writes its
 log to ``<run>/logs/<name>.log``; the coordinator announces its port in ``<run>/coordinator.addr``.
+Every channel is TLS: the coordinator makes its self-signed certificate in ``<run>/tls/``, and the
+workers and this harness pin its fingerprint (``--tls-fingerprint``), as a user would. A cluster made
+with ``insecure=True`` runs both sides with ``--insecure`` instead.
 """
 
 from __future__ import annotations
@@ -17,8 +20,9 @@ from typing import Callable, Sequence
 
 import grpc
 
-from proto import pb, pb_grpc
+from proto import CHANNEL_OPTIONS, pb, pb_grpc
 from trainer.run_dir import RunDir
+from trainer.tls import CERT_FILE, ClientTls, fingerprint, open_channel
 
 
 class ClusterError(RuntimeError):
@@ -26,8 +30,10 @@ class ClusterError(RuntimeError):
 
 
 class LocalCluster:
-    def __init__(self, run_dir: str | Path, *, threads_per_worker: int = 1) -> None:
+    def __init__(self, run_dir: str | Path, *, threads_per_worker: int = 1, insecure: bool = False) -> None:
         self.run_dir = RunDir(run_dir)
+        self.insecure = insecure
+        self.client_tls: ClientTls | None = None  # how to reach the coordinator, once it listens
         self.run_dir.logs.mkdir(exist_ok=True)
         self.threads_per_worker = threads_per_worker
         self.processes: dict[str, subprocess.Popen[bytes]] = {}
@@ -60,6 +66,8 @@ class LocalCluster:
                           timeout_s: float = 60.0, extra: Sequence[str] = ()) -> subprocess.Popen[bytes]:
         self.run_dir.address_file.unlink(missing_ok=True)
         args = ["coordinator", "--run-dir", str(self.run_dir.path), "--host", "127.0.0.1", "--port", str(port)]
+        if self.insecure:
+            args.append("--insecure")
         if config is not None:
             args += ["--config", str(config)]
         process = self._spawn("coordinator", [*args, *extra])
@@ -71,19 +79,35 @@ class LocalCluster:
                 raise ClusterError(f"coordinator did not listen within {timeout_s}s:\n{self.log('coordinator')}")
             time.sleep(0.05)
         self.address = self.run_dir.address_file.read_text().strip()
+        if self.insecure:
+            self.client_tls = ClientTls(insecure=True)
+        else:
+            cert = (self.run_dir.path / "tls" / CERT_FILE).read_bytes()
+            self.client_tls = ClientTls(fingerprint=fingerprint(cert))
         self._channel = None
         return process
+
+    def tls_args(self) -> list[str]:
+        """The flags that make a worker (or ``dilocox status``) trust this cluster's coordinator."""
+        assert self.client_tls is not None, "start the coordinator first"
+        if self.client_tls.insecure:
+            return ["--insecure"]
+        return ["--tls-fingerprint", str(self.client_tls.fingerprint)]
+
+    def channel(self) -> grpc.Channel:
+        """A new channel to the coordinator, secured as its workers' are (the caller closes it)."""
+        assert self.address is not None and self.client_tls is not None, "start the coordinator first"
+        return open_channel(self.address, self.client_tls, CHANNEL_OPTIONS)
 
     def start_worker(self, worker_id: str, extra: Sequence[str] = ()) -> subprocess.Popen[bytes]:
         if self.address is None:
             raise ClusterError("start the coordinator first")
         return self._spawn(worker_id, ["worker", "--coordinator", self.address, "--worker-id", worker_id,
-                                       "--threads", str(self.threads_per_worker), *extra])
+                                       "--threads", str(self.threads_per_worker), *self.tls_args(), *extra])
 
     def stub(self) -> pb_grpc.CoordinatorStub:
         if self._channel is None:
-            assert self.address is not None
-            self._channel = grpc.insecure_channel(self.address)
+            self._channel = self.channel()
         return pb_grpc.CoordinatorStub(self._channel)
 
     def status(self) -> pb.StatusResponse:

@@ -21,30 +21,32 @@ at the time; the manifest records it (``traffic``, ``bytes_up``/``bytes_down``),
 participant's ``bytes_sent``/``bytes_received`` (its push, and the fetch of the state it built on),
 which its signed report restates.
 
-The state machine (:class:`Coordinator`) knows nothing of gRPC transport; :class:`CoordinatorService`
-translates RPCs into calls on it and refusals into gRPC status codes.
+The state machine (:class:`Coordinator`) knows nothing of gRPC transport; trainer.service
+translates RPCs into calls on it and refusals into gRPC status codes, and is where callers are
+authenticated and bounded (trainer.limits): what reaches this class has passed both.
+
+Who counts: a worker is in ``workers`` once it joined; ``dropped`` in a round's manifest names the
+registered workers seen in the liveness window of that round that did not contribute, not every
+id ever registered. The registry holds at most ``max_registered`` ids; a new id beyond that takes
+the place of the longest-silent one that is not live, or is refused.
 """
 
 from __future__ import annotations
 
 import dataclasses
-import json
 import logging
 import math
 import re
-import signal
 import threading
 import time
-from concurrent import futures
 from dataclasses import dataclass, field
-from typing import Callable, Iterator
+from typing import Callable
 
 import grpc
 import torch
-from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 
-from proto import CHUNK_BYTES, MAX_MESSAGE_BYTES, PROTOCOL_VERSION, SERVICE_NAME, pb, pb_grpc
-from storage_client import CID, Manifest, Participant, canonical_json, from_e6, lineage, to_e6
+from proto import PROTOCOL_VERSION, pb
+from storage_client import CID, Manifest, Participant, canonical_json, from_e6, lineage, loads_bounded, to_e6
 from storage_client.manifest import Downlink, Traffic
 from trainer.aggregation import (
     InvalidUpdate, check_layout, check_norm, mean_pseudo_gradient, norm_bound, validate_payload,
@@ -59,18 +61,17 @@ from trainer.downlink import DownlinkCompressor
 from trainer.model import build_model, param_count
 from trainer.pipeline import stage_param_names
 from trainer.uplink import record_of
-from attestation import SignedReport
+from attestation import SignedReport, WorkerKey
 from trainer.refusal import Refusal
 from trainer.run_dir import RunDir
-from trainer.trust import ReportBook, TrustGate, TrustSettings, open_gate, shard_digest
-from trainer.wire import (
-    ENCODING_DENSE_F32, ENCODING_HELD, ENCODING_LOWRANK_INT4, Layout, Params, WireError, chunked, decode_params, encode_params,
-    json_object, layout_of, reassemble, sha256_hex,
-)
+from trainer.limits import clip
+from trainer.trust import ReportBook, TrustGate, TrustSettings, global_digest, open_gate, shard_digest
+from trainer.wire import ENCODING_DENSE_F32, ENCODING_LOWRANK_INT4, Layout, Params, decode_params, encode_params, layout_of
 
 log = logging.getLogger("dilocox.coordinator")
 
-WORKER_ID = re.compile(r"^[A-Za-z0-9._-]{1,64}$")
+MAX_REPORT_JSON = 16 << 10
+MAX_REFUSALS_KEPT = 8  # per worker and round, in Status and rounds.jsonl
 _SHA256_HEX = re.compile(r"^[0-9a-f]{64}$")
 
 
@@ -165,14 +166,18 @@ class Coordinator:
 
     def __init__(self, run_dir: RunDir, config: RunConfig | None, clock: Callable[[], float] = time.monotonic,
                  trust: TrustSettings | None = None) -> None:
+        # The key that signs every global state served: the run's coordinator account on the ledger,
+        # or a key of this run directory when there is no ledger.
+        self.signer = WorkerKey(trust.private_key) if trust is not None else run_dir.signing_key()
+        self._signatures: dict[str, bytes] = {}
         self.run_dir = run_dir
         self.store = run_dir.store
         self.clock = clock
         self._lock = threading.Condition()
         self.downlink: DownlinkCompressor | None = None
-        # Wire bytes of each completed FetchGlobal stream, by (worker, params CID served): what a
-        # participant's record says it received for the state its update was computed from.
-        self.served: dict[tuple[str, str], int] = {}
+        # Wire bytes of each worker's completed FetchGlobal streams, by params CID served (the last
+        # few): what a participant's record says it received for the state its update built on.
+        self.served: dict[str, dict[str, int]] = {}
         head = run_dir.head()
         if head is None:
             if config is None:
@@ -182,6 +187,7 @@ class Coordinator:
             self._resume(head, config)
         self.layout: Layout = layout_of(self.global_state.params)
         self.bound = norm_bound(self.config, param_count(self.model))
+        self.max_registered = max(16, 4 * self.config.rounds.expected_workers)
         self.workers: dict[str, WorkerState] = {
             w: WorkerState(shard=s, last_seen=float("-inf")) for w, s in run_dir.workers().items()
         }
@@ -195,7 +201,7 @@ class Coordinator:
         self.gate: TrustGate | None = None
         self.book: ReportBook | None = None
         if trust is not None:
-            self.gate = open_gate(trust, self.store, run_dir, self.run_digest)
+            self.gate = open_gate(trust, self.store, run_dir, self.run_digest, self.config_cid)
             self.book = ReportBook(run_dir, self.gate, trust.report_timeout_s)
             self.book.ensure_run(self.genesis_cid, genesis)
         else:
@@ -322,6 +328,10 @@ class Coordinator:
         limit = self.config.rounds.liveness_timeout_s
         return {w for w, s in self.workers.items() if now - s.last_seen <= limit}
 
+    def registered(self) -> set[str]:
+        with self._lock:
+            return set(self.workers)
+
     def live_workers_done(self) -> bool:
         """Every live worker has said it saw the end of the run."""
         with self._lock:
@@ -344,32 +354,69 @@ class Coordinator:
 
     # ----------------------------------------------------------------------------- RPC logic
 
-    def _check_worker_id(self, worker_id: str, protocol_version: int) -> None:
-        check_protocol(protocol_version)
-        if not WORKER_ID.match(worker_id):
-            raise Refusal(grpc.StatusCode.INVALID_ARGUMENT, f"worker id {worker_id!r} must match {WORKER_ID.pattern}")
+    def global_signature(self, state: GlobalState) -> bytes:
+        """The coordinator's signature over what a worker trains from (trainer.trust.global_digest)."""
+        key = str(state.manifest_cid)
+        with self._lock:
+            signature = self._signatures.get(key)
+        if signature is None:
+            signature = self.signer.sign_digest(
+                global_digest(self.run_digest, state.round, state.params_cid.digest, state.manifest_cid.digest))
+            with self._lock:
+                self._signatures = {key: signature}  # one state is served at a time
+        return signature
 
     def challenge(self, worker_id: str, protocol_version: int) -> bytes:
-        """A fresh nonce for the worker's evidence (empty when the run has no ledger)."""
-        self._check_worker_id(worker_id, protocol_version)
+        """A nonce for the worker's evidence, bound to its id (empty when the run has no ledger)."""
+        check_protocol(protocol_version)
         return self.gate.challenge(worker_id) if self.gate else b""
 
     def join(self, worker_id: str, protocol_version: int, address: str = "", evidence: bytes = b"",
-             nonce: bytes = b"") -> tuple[int, int]:
-        self._check_worker_id(worker_id, protocol_version)
+             nonce: bytes = b"", proves_session: bool = False) -> tuple[int, int]:
+        """Admit a worker; returns its shard and the open round.
+
+        A worker id that a live worker holds is taken over only by that worker: a caller that
+        proves the id's current session (``proves_session``, checked by the service) or whose
+        freshly verified key is the one the id was admitted with. Anyone else is refused with
+        ALREADY_EXISTS until the holder's liveness lapses, so no caller can push a live worker out.
+        """
+        check_protocol(protocol_version)
         admitted = self.gate.admit(worker_id, address, evidence, nonce) if self.gate else None
         with self._lock:
+            now = self.clock()
             num_shards = self.config.rounds.expected_workers
-            if worker_id not in self.workers:
+            state = self.workers.get(worker_id)
+            if state is not None and not proves_session and worker_id in self.alive(now) and (
+                    admitted is None or admitted != state.address):
+                raise Refusal(grpc.StatusCode.ALREADY_EXISTS,
+                              f"worker id {worker_id!r} is held by a live worker; a restarted worker may take "
+                              f"it over once {self.config.rounds.liveness_timeout_s:.0f}s pass without word from it")
+            if state is None:
+                self._make_room(now)
                 taken = {s.shard for s in self.workers.values()}
                 free = [i for i in range(num_shards) if i not in taken]
                 shard = free[0] if free else len(self.workers) % num_shards
-                self.workers[worker_id] = WorkerState(shard=shard, last_seen=self.clock())
+                state = self.workers[worker_id] = WorkerState(shard=shard, last_seen=now)
                 self.run_dir.save_workers({w: s.shard for w, s in self.workers.items()})
-            state = self.workers[worker_id]
-            state.last_seen, state.phase, state.address = self.clock(), "joined", admitted
+            state.last_seen, state.phase, state.address = now, "joined", admitted
             log.info("worker %s joined (shard %d of %d)", worker_id, state.shard, num_shards)
             return state.shard, self.round.number
+
+    def _make_room(self, now: float) -> None:
+        """Before registering a new id: at ``max_registered`` ids, forget the longest-silent one that
+        is neither live nor holding anything in the open round (lock held)."""
+        if len(self.workers) < self.max_registered:
+            return
+        busy = self.alive(now) | set(self.round.accepted) | set(self.round.partial)
+        idle = [w for w in self.workers if w not in busy]
+        if not idle:
+            raise Refusal(grpc.StatusCode.RESOURCE_EXHAUSTED,
+                          f"run {self.config.run_id!r} has {len(self.workers)} registered workers, all live or "
+                          f"contributing: the most it keeps")
+        gone = min(idle, key=lambda w: self.workers[w].last_seen)
+        del self.workers[gone]
+        self.served.pop(gone, None)
+        log.info("forgot worker %s (silent longest) to register a new one", gone)
 
     def _known(self, worker_id: str) -> WorkerState:
         state = self.workers.get(worker_id)
@@ -381,13 +428,14 @@ class Coordinator:
         return state
 
     def heartbeat(self, worker_id: str, round_: int, phase: str) -> tuple[int, bool]:
+        """A live worker's round and phase (one of trainer.limits.PHASES, checked by the service)."""
         with self._lock:
             state = self._known(worker_id)
             # A worker never resumes a round it abandoned: a later (or reordered) heartbeat of the
             # same round, e.g. "waiting" for it to close, leaves it abandoned; "done" still counts.
             if state.phase == "abandoned" and round_ == state.round and phase != "done":
                 phase = "abandoned"
-            state.last_seen, state.round, state.phase = self.clock(), round_, phase[:32]
+            state.last_seen, state.round, state.phase = self.clock(), round_, phase
             return self.round.number, self.finished
 
     def admit_header(self, h: pb.UpdateHeader) -> Layout:
@@ -397,7 +445,7 @@ class Coordinator:
         with self._lock:
             if h.run_id != self.config.run_id:
                 raise Refusal(grpc.StatusCode.FAILED_PRECONDITION,
-                              f"update is for run {h.run_id!r}; this coordinator runs {self.config.run_id!r}")
+                              f"update is for run {clip(h.run_id)}; this coordinator runs {self.config.run_id!r}")
             self._known(h.worker_id).last_seen = self.clock()
             self._check_round(h.worker_id, h.round, h.stage, h.num_stages)
             bases = {str(self.global_state.params_cid)}
@@ -405,14 +453,14 @@ class Coordinator:
                 bases.add(self.manifests[max(h.round - 2, 0)][1].params)
             if h.base_params_cid and h.base_params_cid not in bases:
                 raise Refusal(grpc.StatusCode.FAILED_PRECONDITION,
-                              f"update for round {h.round} was computed from {h.base_params_cid}, but the "
+                              f"update for round {h.round} was computed from {clip(h.base_params_cid)}, but the "
                               f"round starts from {self.global_state.params_cid}")
         if h.encoding not in ENCODINGS:
             raise Refusal(grpc.StatusCode.INVALID_ARGUMENT,
-                          f"unsupported update encoding {h.encoding!r}; supported: {', '.join(ENCODINGS)}")
+                          f"unsupported update encoding {clip(h.encoding, 32)}; supported: {', '.join(ENCODINGS)}")
         if not _SHA256_HEX.match(h.payload_sha256):
             raise Refusal(grpc.StatusCode.INVALID_ARGUMENT,
-                          f"payload_sha256 {h.payload_sha256!r} is not 64 lowercase hex digits")
+                          f"payload_sha256 {clip(h.payload_sha256)} is not 64 lowercase hex digits")
         if self.gate is not None:
             self.gate.check_update(h.worker_id, self.workers[h.worker_id].address, h.round, h.stage,
                                    h.num_stages, h.payload_sha256, h.signature)
@@ -479,7 +527,9 @@ class Coordinator:
             return
         with self._lock:
             if h.round == self.round.number and h.worker_id in self.workers:
-                self.round.refused.setdefault(h.worker_id, []).append(message)
+                filed = self.round.refused.setdefault(h.worker_id, [])
+                if len(filed) < MAX_REFUSALS_KEPT:  # the log has every one; the record keeps the first few
+                    filed.append(message)
                 dropped = self.round.partial.pop(h.worker_id, None)
                 if dropped is not None:
                     self._journal_partial()
@@ -495,7 +545,7 @@ class Coordinator:
             self._check_round(h.worker_id, h.round, h.stage, h.num_stages)  # the round may have moved
             # The fetch this update built on, as this coordinator counted it; after a restart it
             # has no count and takes the worker's (which the worker's signed report restates).
-            received = self.served.get((h.worker_id, h.base_params_cid), int(h.base_bytes_received))
+            received = self.served.get(h.worker_id, {}).get(h.base_params_cid, int(h.base_bytes_received))
             entry = {
                 "cid": str(cid), "train_loss_e6": to_e6(h.train_loss), "tokens": int(h.tokens),
                 "inner_steps": int(h.inner_steps), "bytes_sent": wire_bytes, "bytes_received": received,
@@ -571,7 +621,11 @@ class Coordinator:
     def served_state(self, worker_id: str, params_cid: str, nbytes: int) -> None:
         """A FetchGlobal stream of ``params_cid`` reached its end: ``nbytes`` in all."""
         with self._lock:
-            self.served[(worker_id, params_cid)] = nbytes
+            if worker_id in self.workers:
+                served = self.served.setdefault(worker_id, {})
+                served[params_cid] = nbytes
+                while len(served) > 4:  # an update builds on the newest state or, overlapped, the one before
+                    del served[next(iter(served))]
 
     # ----------------------------------------------------------------------------- reports
 
@@ -580,9 +634,9 @@ class Coordinator:
         if self.gate is None or self.book is None:
             raise Refusal(grpc.StatusCode.FAILED_PRECONDITION, "this run has no ledger: reports are not collected")
         try:
-            signed = SignedReport.from_json(json.loads(raw))
-        except (ValueError, TypeError) as exc:
-            raise Refusal(grpc.StatusCode.INVALID_ARGUMENT, f"malformed report: {exc}") from exc
+            signed = SignedReport.from_json(loads_bounded(raw, max_bytes=MAX_REPORT_JSON, what="report"))
+        except (ValueError, TypeError, KeyError) as exc:  # JSONBoundsError is a ValueError
+            raise Refusal(grpc.StatusCode.INVALID_ARGUMENT, f"malformed report: {clip(exc, 160)}") from exc
         r = signed.report.round
         with self._lock:
             state = self._known(worker_id)
@@ -652,7 +706,9 @@ class Coordinator:
             traffic = tuple(Traffic(worker=w, up=r.up.get(w, 0), down=r.down.get(w, 0))
                             for w in sorted(set(r.up) | set(r.down)))
             refused = tuple(f"{w}: {m}" for w, ms in sorted(r.refused.items()) for m in ms)
-            dropped = tuple(sorted(set(self.workers) - set(r.accepted)))
+            # Registered workers heard from in this round's liveness window that did not contribute.
+            recent = r.opened_at - cfg.rounds.liveness_timeout_s
+            dropped = tuple(sorted(w for w, s in self.workers.items() if s.last_seen >= recent and w not in r.accepted))
             incomplete = {w: (len(p.slices), p.num_stages) for w, p in r.partial.items()}
         manifest = Manifest(
             run_id=cfg.run_id, round=r.number, parent=str(g.manifest_cid), config=str(self.config_cid),
@@ -692,134 +748,6 @@ class Coordinator:
         return summary
 
 
-# --------------------------------------------------------------------------------- gRPC
-
-
-class CoordinatorService(pb_grpc.CoordinatorServicer):
-    def __init__(self, coordinator: Coordinator) -> None:
-        self.c = coordinator
-
-    @staticmethod
-    def _abort(context: grpc.ServicerContext, refusal: Refusal) -> None:
-        context.abort(refusal.code, refusal.message)
-
-    def _ledger(self) -> tuple[int, str]:
-        gate = self.c.gate
-        return (gate.domain.chain_id, gate.domain.ledger) if gate else (0, "")
-
-    def Challenge(self, request: pb.ChallengeRequest, context: grpc.ServicerContext) -> pb.ChallengeResponse:
-        try:
-            nonce = self.c.challenge(request.worker_id, request.protocol_version)
-        except Refusal as r:
-            self._abort(context, r)
-        chain_id, ledger = self._ledger()
-        return pb.ChallengeResponse(
-            nonce=nonce, run_digest=self.c.run_digest, config_json=self.c.config_bytes,
-            config_cid=str(self.c.config_cid), attestation_required=self.c.gate is not None,
-            chain_id=chain_id, ledger=ledger,
-        )
-
-    def Join(self, request: pb.JoinRequest, context: grpc.ServicerContext) -> pb.JoinResponse:
-        try:
-            shard, open_round = self.c.join(request.worker_id, request.protocol_version, request.address,
-                                            request.evidence, request.nonce)
-        except Refusal as r:
-            self._abort(context, r)
-        cfg = self.c.config
-        chain_id, ledger = self._ledger()
-        return pb.JoinResponse(
-            protocol_version=PROTOCOL_VERSION, run_id=cfg.run_id, config_json=self.c.config_bytes,
-            config_cid=str(self.c.config_cid), open_round=open_round, shard=shard,
-            num_shards=cfg.rounds.expected_workers, heartbeat_interval_s=cfg.rounds.heartbeat_interval_s,
-            run_digest=self.c.run_digest, chain_id=chain_id, ledger=ledger,
-        )
-
-    def SubmitReport(self, request: pb.SubmitReportRequest, context: grpc.ServicerContext) -> pb.SubmitReportResponse:
-        try:
-            round_ = self.c.submit_report(request.worker_id, request.signed_report)
-        except Refusal as r:
-            self._abort(context, r)
-        return pb.SubmitReportResponse(accepted=True, round=round_)
-
-    def Heartbeat(self, request: pb.HeartbeatRequest, context: grpc.ServicerContext) -> pb.HeartbeatResponse:
-        try:
-            open_round, finished = self.c.heartbeat(request.worker_id, request.round, request.phase)
-        except Refusal as r:
-            self._abort(context, r)
-        return pb.HeartbeatResponse(open_round=open_round, finished=finished)
-
-    def PushUpdate(self, request_iterator: Iterator[pb.UpdateChunk], context: grpc.ServicerContext) -> pb.PushUpdateResponse:
-        first = next(request_iterator, None)
-        if first is None or not first.HasField("header"):
-            context.abort(grpc.StatusCode.INVALID_ARGUMENT, "the first message of a push must be its header")
-        header = first.header
-        wire_bytes = first.ByteSize()
-
-        def data() -> Iterator[bytes]:
-            nonlocal wire_bytes
-            for message in request_iterator:
-                wire_bytes += message.ByteSize()
-                if not message.HasField("data"):
-                    raise WireError("a push carries one header, then data chunks only")
-                yield message.data
-
-        try:
-            try:
-                declared = self.c.admit_header(header)  # refused before a payload byte is read
-                what = f"update from {header.worker_id} for round {header.round}"
-                payload = reassemble(data(), header.payload_size, header.payload_sha256, what=what)
-                update = validate_payload(payload, declared, self.c.bound, encoding=header.encoding,
-                                          codec_header=codec_header(header))
-            except (WireError, InvalidUpdate) as exc:
-                raise Refusal(grpc.StatusCode.INVALID_ARGUMENT, str(exc)) from exc
-            finally:
-                self.c.count_up(header.worker_id, wire_bytes)  # refused or not, these bytes crossed the network
-            cid, open_round = self.c.accept(header, update, wire_bytes)
-        except Refusal as r:
-            self.c.refuse(header, r)
-            self._abort(context, r)
-        return pb.PushUpdateResponse(accepted=True, update_cid=str(cid), open_round=open_round)
-
-    def FetchGlobal(self, request: pb.FetchGlobalRequest, context: grpc.ServicerContext) -> Iterator[pb.GlobalChunk]:
-        try:
-            state, open_round, finished = self.c.wait_for_global(request.worker_id, request.min_round, request.wait_s)
-        except Refusal as r:
-            self._abort(context, r)
-        worker = request.worker_id
-        if state is None:
-            message = pb.GlobalChunk(header=pb.GlobalHeader(available=False, open_round=open_round))
-            self.c.count_down(worker, message.ByteSize())
-            yield message
-            return
-        header = pb.GlobalHeader(
-            available=True, round=state.round, params_cid=str(state.params_cid),
-            manifest_cid=str(state.manifest_cid), open_round=open_round, finished=finished,
-            eval_loss_e6=state.eval_loss_e6, encoding=ENCODING_DENSE_F32,
-        )
-        payload = state.payload
-        if request.have_params_cid == str(state.params_cid):
-            # The worker holds θ⁽ʳ⁾ already (θ⁽⁰⁾ it builds from the seed): the header says so.
-            payload, header.encoding = b"", ENCODING_HELD
-        elif state.downlink is not None and request.have_params_cid == state.downlink[2]:
-            # The worker holds θ⁽ʳ⁻¹⁾: the compressed global update is all it needs.
-            payload, header.compression_header, header.base_params_cid = state.downlink
-            header.encoding = ENCODING_LOWRANK_INT4
-        header.payload_size, header.payload_sha256 = len(payload), sha256_hex(payload)
-        first = pb.GlobalChunk(header=header)
-        sent = first.ByteSize()
-        self.c.count_down(worker, sent)
-        yield first
-        for piece in chunked(payload, CHUNK_BYTES):
-            message = pb.GlobalChunk(data=piece)
-            self.c.count_down(worker, message.ByteSize())
-            sent += message.ByteSize()
-            yield message
-        self.c.served_state(worker, header.params_cid, sent)
-
-    def Status(self, request: pb.StatusRequest, context: grpc.ServicerContext) -> pb.StatusResponse:
-        return self.c.status()
-
-
 ENCODINGS = (ENCODING_DENSE_F32, ENCODING_LOWRANK_INT4)
 
 
@@ -833,90 +761,3 @@ def _check_sibling(h: pb.UpdateHeader, entry: dict, part: StageSlices) -> None:
                               f"of the same round said {other.entry[key]!r}")
 
 
-def codec_header(h: pb.UpdateHeader) -> dict | None:
-    """The compression header of a compressed push, parsed (None for dense pushes)."""
-    if h.encoding != ENCODING_LOWRANK_INT4:
-        return None
-    try:
-        return json_object(h.compression_header, "compression_header")
-    except WireError as exc:
-        raise InvalidUpdate(str(exc)) from exc
-
-
-def grpc_options() -> list[tuple[str, int]]:
-    return [
-        ("grpc.max_receive_message_length", MAX_MESSAGE_BYTES),
-        ("grpc.max_send_message_length", MAX_MESSAGE_BYTES),
-    ]
-
-
-def _settle_forever(coordinator: Coordinator, stop: threading.Event, interval_s: float = 0.5) -> None:
-    """Queue reported rounds and push the outbox to the chain, until told to stop."""
-    gate = coordinator.gate
-    assert gate is not None
-    while not stop.is_set():
-        try:
-            coordinator.settle()
-            gate.outbox.flush(gate.ledger)
-        except Exception:  # never let the settlement thread die silently: say why, keep going
-            log.exception("settlement step failed; retrying")
-        stop.wait(interval_s)
-
-
-def serve(run_dir: RunDir, config: RunConfig | None, host: str = "127.0.0.1", port: int = 0,
-          linger_s: float = 10.0, trust: TrustSettings | None = None, settle_timeout_s: float = 120.0) -> int:
-    """Run the coordinator until the run's last round is published and, with a ledger, recorded
-    (or SIGTERM/SIGINT). Rounds the chain has not confirmed stay in <run>/outbox for next time."""
-    coordinator = Coordinator(run_dir, config, trust=trust)
-    server = grpc.server(futures.ThreadPoolExecutor(max_workers=32), options=grpc_options())
-    pb_grpc.add_CoordinatorServicer_to_server(CoordinatorService(coordinator), server)
-    health_servicer = health.HealthServicer()
-    health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
-    bound = server.add_insecure_port(f"{host}:{port}")
-    if bound == 0:
-        raise OSError(f"cannot listen on {host}:{port}")
-    server.start()
-    for name in ("", SERVICE_NAME):
-        health_servicer.set(name, health_pb2.HealthCheckResponse.SERVING)
-    address = f"{host}:{bound}"
-    run_dir.write_address(address)
-    log.info("coordinator of run %s listening on %s, open round %d of %d", coordinator.config.run_id,
-             address, coordinator.round.number, coordinator.config.rounds.rounds)
-
-    stop = threading.Event()
-    for sig in (signal.SIGTERM, signal.SIGINT):
-        signal.signal(sig, lambda *_: stop.set())
-    settling = threading.Event()
-    settler = None
-    if coordinator.gate is not None:
-        settler = threading.Thread(target=_settle_forever, args=(coordinator, settling), name="settlement", daemon=True)
-        settler.start()
-    while not stop.is_set() and not coordinator.finished:
-        if coordinator.close_due():
-            coordinator.close_round()
-        else:
-            stop.wait(0.05)
-    if coordinator.finished:
-        # Let live workers fetch the final checkpoint and learn the run is over before going away.
-        deadline = time.monotonic() + linger_s
-        while not stop.is_set() and time.monotonic() < deadline:
-            if coordinator.live_workers_done():
-                break
-            stop.wait(0.1)
-        log.info("run %s finished: %d rounds, head %s", coordinator.config.run_id,
-                 coordinator.global_state.round, coordinator.global_state.manifest_cid)
-        deadline = time.monotonic() + settle_timeout_s
-        while not stop.is_set() and not coordinator.settled() and time.monotonic() < deadline:
-            stop.wait(0.2)
-        if not coordinator.settled():
-            log.error("not every round is recorded on the ledger yet; what is left stays queued in %s "
-                      "and is sent when the coordinator runs again", run_dir.path / "outbox")
-        elif coordinator.gate is not None:
-            log.info("every round is recorded on the ledger %s", coordinator.gate.domain.ledger)
-    settling.set()
-    if settler is not None:
-        settler.join(timeout=30)
-    for name in ("", SERVICE_NAME):
-        health_servicer.set(name, health_pb2.HealthCheckResponse.NOT_SERVING)
-    server.stop(grace=2.0).wait()
-    return 0

@@ -9,6 +9,8 @@
     <run>/outbox/               ledger writes not yet confirmed on chain (settlement.Outbox)
     <run>/chain/                deployment.json, the local chain's state, keys of a local demo
     <run>/coordinator.addr      host:port the coordinator is listening on, once it listens
+    <run>/signing.key           the key that signs global states when the run has no ledger (0600)
+    <run>/tls/                  the coordinator's self-signed certificate and key (trainer.tls)
     <run>/rounds.jsonl          one summary line per published round, for people and the demo
     <run>/logs/                 process logs written by ``dilocox demo``
 
@@ -23,6 +25,7 @@ import os
 from pathlib import Path
 from typing import Any
 
+from attestation import WorkerKey
 from storage_client import CID, ObjectStore, write_atomic
 
 
@@ -101,6 +104,16 @@ class RunDir:
     def save(self, name: str, obj: Any) -> None:
         (self.path / name).parent.mkdir(parents=True, exist_ok=True)
         self._write_json(self.path / name, obj)
+
+    def signing_key(self) -> WorkerKey:
+        """The run's own signing key (for runs without a ledger account), created on first use."""
+        path = self.path / "signing.key"
+        try:
+            return WorkerKey(bytes.fromhex(path.read_text(encoding="ascii").strip()))
+        except FileNotFoundError:
+            key = os.urandom(32)
+            write_atomic(path, key.hex().encode("ascii"), mode=0o600)
+            return WorkerKey(key)
 
     def write_address(self, address: str) -> None:
         write_atomic(self.address_file, address.encode("ascii"))

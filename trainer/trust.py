@@ -2,10 +2,15 @@
 
 docs/trust.md has the whole design. In short:
 
-  Challenge   a fresh nonce per worker id, valid for one Join within ``NONCE_TTL_S``.
+  Challenge   a nonce bound to the asking worker id (``JoinNonces``): valid for one Join of that
+              id within ``NONCE_TTL_S``; nothing is stored per challenge, so no caller can evict
+              or overwrite another's nonce.
   Join        evidence over REPORTDATA(address, runId, nonce, code measurement) must pass the
-              policy and name an allowlisted measurement; the admission record goes to the store
-              and ``admitWorker`` to the registry (skipped for a key that is already active).
+              policy and name an allowlisted measurement; every byte of REPORTDATA is derived here
+              (the code measurement is this coordinator's own, of its code and the run's config),
+              none taken from the evidence. The admission record goes to the store and
+              ``admitWorker`` to the registry (skipped for a key that is already active).
+  FetchGlobal the coordinator signs what a worker trains from (``global_digest``).
   PushUpdate  the header is signed by the admitted key: sha256("dilocox/update/v2" ‖ runId ‖
               uint64be(round) ‖ uint32be(stage) ‖ uint32be(num_stages) ‖ payload sha256).
   Report      a participant's EIP-712 RoundReport must be signed by its key and agree with the
@@ -16,17 +21,19 @@ docs/trust.md has the whole design. In short:
 from __future__ import annotations
 
 import hashlib
+import hmac
 import logging
 import os
 import threading
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
+from typing import Callable
 
 import grpc
 
 from attestation import (
-    Evidence, Policy, PolicyViolation, ReportError, SignatureError, SignedReport,
-    checksum_address, recover_address, report_data, verify_evidence,
+    Evidence, EvidenceError, Policy, PolicyViolation, ReportError, SignatureError, SignedReport,
+    checksum_address, code_measurement, recover_address, report_data, verify_evidence,
 )
 from attestation.admission import admission_record
 from attestation.report import Domain
@@ -39,6 +46,7 @@ log = logging.getLogger("dilocox.trust")
 
 NONCE_TTL_S = 300.0
 UPDATE_DOMAIN = b"dilocox/update/v2"
+GLOBAL_DOMAIN = b"dilocox/global/v1"
 EVAL_TOLERANCE_E6 = 1000  # a worker's own evaluation may differ from the manifest's by 1e-3
 
 
@@ -51,9 +59,61 @@ def update_digest(run_id: bytes, round_: int, stage: int, num_stages: int, paylo
     ).digest()
 
 
+def global_digest(run_id: bytes, round_: int, params_digest: bytes, manifest_digest: bytes) -> bytes:
+    """What the coordinator signs for each global state it serves: the run, the round, and the
+    digests of its parameters and manifest (the CIDs' sha256), so a worker trains only from a
+    checkpoint the run's coordinator stands behind."""
+    return hashlib.sha256(
+        GLOBAL_DOMAIN + run_id + round_.to_bytes(8, "big") + params_digest + manifest_digest
+    ).digest()
+
+
 def shard_digest(tokens_uint8: bytes) -> bytes:
     """dataDigest of a report: sha256 of the shard's tokens as bytes."""
     return hashlib.sha256(tokens_uint8).digest()
+
+
+@dataclass
+class JoinNonces:
+    """Challenge nonces that cost no memory until they are used.
+
+        nonce = uint64be(issued, ms) ‖ HMAC-SHA256(secret, "dilocox/nonce/v1" ‖ worker id ‖ issued)[:24]
+
+    A nonce is valid for a Join of the worker id it was issued to, within ``ttl_s``, once: used
+    nonces are remembered until they expire (one entry per successful Join). The secret lives in
+    this process only, so a restart invalidates outstanding nonces (the worker asks again).
+    """
+
+    ttl_s: float = NONCE_TTL_S
+    clock: Callable[[], float] = time.time
+    _secret: bytes = field(default_factory=lambda: os.urandom(32))
+    _used: dict[bytes, float] = field(default_factory=dict)
+    _lock: threading.Lock = field(default_factory=threading.Lock)
+
+    def _mac(self, worker_id: str, issued: bytes) -> bytes:
+        return hmac.new(self._secret, b"dilocox/nonce/v1" + worker_id.encode() + issued, hashlib.sha256).digest()[:24]
+
+    def issue(self, worker_id: str) -> bytes:
+        issued = int(self.clock() * 1000).to_bytes(8, "big")
+        return issued + self._mac(worker_id, issued)
+
+    def take(self, worker_id: str, nonce: bytes) -> None:
+        """Spend ``nonce`` for a Join of ``worker_id``, or refuse it by name."""
+        if len(nonce) != 32 or not hmac.compare_digest(nonce[8:], self._mac(worker_id, nonce[:8])):
+            raise Refusal(grpc.StatusCode.FAILED_PRECONDITION,
+                          f"worker {worker_id!r}: the join nonce was not issued to this worker id by this "
+                          f"coordinator; ask for a new Challenge")
+        now = self.clock()
+        age = now - int.from_bytes(nonce[:8], "big") / 1000
+        if not 0 <= age <= self.ttl_s:
+            raise Refusal(grpc.StatusCode.FAILED_PRECONDITION,
+                          f"worker {worker_id!r}: the join nonce expired (valid for {self.ttl_s:.0f}s)")
+        with self._lock:
+            self._used = {n: t for n, t in self._used.items() if t > now}
+            if nonce in self._used:
+                raise Refusal(grpc.StatusCode.FAILED_PRECONDITION,
+                              f"worker {worker_id!r}: the join nonce was already used; ask for a new Challenge")
+            self._used[nonce] = now + self.ttl_s
 
 
 @dataclass
@@ -67,27 +127,12 @@ class TrustGate:
     policy: Policy
     run_id: bytes
     domain: Domain
-
-    def __post_init__(self) -> None:
-        self._lock = threading.Lock()
-        self._nonces: dict[str, tuple[bytes, float]] = {}
+    code: bytes  # the code measurement every worker must attest to: this coordinator's code and config
+    verification_time: int | None = None
+    nonces: JoinNonces = field(default_factory=JoinNonces)
 
     def challenge(self, worker_id: str) -> bytes:
-        nonce = os.urandom(32)
-        with self._lock:
-            self._nonces[worker_id] = (nonce, time.monotonic())
-        return nonce
-
-    def _take_nonce(self, worker_id: str, nonce: bytes) -> None:
-        with self._lock:
-            issued = self._nonces.pop(worker_id, None)
-        if issued is None or issued[0] != nonce:
-            raise Refusal(grpc.StatusCode.FAILED_PRECONDITION,
-                               f"worker {worker_id!r}: the join nonce was not issued by this coordinator "
-                               f"(or was already used); ask for a new Challenge")
-        if time.monotonic() - issued[1] > NONCE_TTL_S:
-            raise Refusal(grpc.StatusCode.FAILED_PRECONDITION,
-                               f"worker {worker_id!r}: the join nonce expired after {NONCE_TTL_S:.0f}s")
+        return self.nonces.issue(worker_id)
 
     def admit(self, worker_id: str, address: str, evidence_bytes: bytes, nonce: bytes) -> str:
         """Verify a joining worker's evidence and admit its key on chain; returns the address."""
@@ -98,17 +143,17 @@ class TrustGate:
         if not evidence_bytes:
             raise Refusal(grpc.StatusCode.UNAUTHENTICATED,
                                f"worker {worker_id!r} sent no attestation evidence; this run requires it")
-        self._take_nonce(worker_id, nonce)
+        self.nonces.take(worker_id, nonce)
         try:
             evidence = Evidence.from_bytes(evidence_bytes)
             verified = verify_evidence(
-                evidence, expected_report_data=report_data(address, self.run_id, nonce, _code_of(evidence)),
-                policy=self.policy,
+                evidence, expected_report_data=report_data(address, self.run_id, nonce, self.code),
+                policy=self.policy, now=self.verification_time,
             )
         except PolicyViolation as exc:
             raise Refusal(grpc.StatusCode.PERMISSION_DENIED,
                                f"worker {worker_id!r}: evidence refused ({exc.check}): {exc}") from exc
-        except ValueError as exc:
+        except (ValueError, EvidenceError) as exc:
             raise Refusal(grpc.StatusCode.INVALID_ARGUMENT,
                                f"worker {worker_id!r}: malformed evidence: {exc}") from exc
         try:
@@ -122,13 +167,13 @@ class TrustGate:
             evidence_cid = self.store.put(evidence_bytes)
             record = self.store.put_json(admission_record(
                 worker=address, run_id=self.run_id, nonce=nonce, measurement=verified.measurement,
-                provider=verified.provider, evidence=evidence_cid,
+                code_measurement=self.code, provider=verified.provider, evidence=evidence_cid,
             ))
             self.registry.admit_worker(address, verified.measurement, record.digest)
         except ChainError as exc:
             raise Refusal(grpc.StatusCode.UNAVAILABLE,
                                f"worker {worker_id!r} cannot be admitted now: {exc}") from exc
-        note = " (dev evidence: PROVES NOTHING)" if verified.proves_nothing else ""
+        note = " (DEV evidence: PROVES NOTHING)" if verified.provider == "dev" else f" ({verified.provider} evidence)"
         log.info("worker %s admitted as %s, measurement 0x%s, record %s%s", worker_id, address,
                  verified.measurement.hex()[:16], record, note)
         return address
@@ -180,14 +225,6 @@ class TrustGate:
                                    f"report for round {r.round}: {name} is {show(got)}, the manifest says {show(want)}")
 
 
-def _code_of(evidence: Evidence) -> bytes:
-    """The code measurement the evidence claims (REPORTDATA[32:64]); verify_evidence then checks
-    the whole REPORTDATA, so a claim that is not bound to the quote fails there."""
-    from attestation import parse_quote
-
-    return parse_quote(evidence.quote).report_data[32:64]
-
-
 @dataclass(frozen=True)
 class TrustSettings:
     """How a coordinator reaches the ledger. The key is the coordinator's chain account (it is
@@ -198,18 +235,21 @@ class TrustSettings:
     deployment: Deployment
     policy: Policy
     report_timeout_s: float = 30.0
+    verification_time: int | None = None  # unix seconds evidence is verified at; None: the clock
 
     def __repr__(self) -> str:
         return f"TrustSettings(rpc_url={self.rpc_url!r}, ledger={self.deployment.ledger}, key=<hidden>)"
 
 
-def open_gate(settings: TrustSettings, store: ObjectStore, run_dir: RunDir, run_id: bytes) -> TrustGate:
+def open_gate(settings: TrustSettings, store: ObjectStore, run_dir: RunDir, run_id: bytes,
+              config_cid: CID) -> TrustGate:
     chain = Chain(settings.rpc_url, settings.private_key)
     dep = settings.deployment
     return TrustGate(
         store=store, registry=Registry(chain, dep.registry), ledger=Ledger(chain, dep.ledger),
         outbox=Outbox(run_dir.path / "outbox"), policy=settings.policy, run_id=run_id,
-        domain=Domain(dep.chain_id, dep.ledger),
+        domain=Domain(dep.chain_id, dep.ledger), code=code_measurement(str(config_cid)),
+        verification_time=settings.verification_time,
     )
 
 

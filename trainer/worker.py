@@ -1,7 +1,11 @@
 """A worker: joins a run, then round after round fetches θ⁽ʳ⁻¹⁾, runs H inner steps, pushes Δ⁽ʳ⁾.
 
-The worker trusts nothing it receives without checking: the run configuration must hash to the CID
-the coordinator names, the global parameters to their CID, and the corpus to the configured digest.
+The worker trusts nothing it receives without checking: the channel is TLS to the coordinator's
+pinned certificate or a CA (trainer.tls; plaintext only with --insecure), the run configuration must
+hash to the CID the coordinator names, every global state must carry the coordinator's signature
+(trainer.trust.global_digest, by the key named at the first Join, which may not change) and hash to
+its CID, and the corpus to the configured digest. Every call made for this worker after Join carries
+its session token (trainer.service).
 
 Rounds, synchronous (DiLoCo) and with DiLoCoX's one-step-delay overlap (``rounds.overlap``):
 
@@ -27,9 +31,11 @@ update header (``base_bytes_received``: the fetch this update built on) and the 
 (``bytes_sent``, ``bytes_received``).
 
 Faults it rides out:
-  * coordinator unreachable (restart, network blip): every call is retried with backoff for up to
-    ``reconnect_timeout_s``; after reconnecting the worker joins again and re-sends an update the
-    coordinator may not have received (a duplicate is answered ALREADY_EXISTS and counts as sent);
+  * coordinator unreachable (restart, network blip) or busy (RESOURCE_EXHAUSTED): every call is
+    retried with backoff for up to ``reconnect_timeout_s``; after reconnecting, or when the
+    coordinator no longer knows the session (it restarted), the worker joins again and re-sends an
+    update the coordinator may not have received (a duplicate is answered ALREADY_EXISTS and counts
+    as sent);
   * dropped from a round (too late, or refused): it logs why and starts the next round from the
     latest global checkpoint.
 """
@@ -49,18 +55,20 @@ import grpc
 import torch
 
 from attestation import (
-    Domain, EvidenceProvider, RoundReport, SignedReport, WorkerKey, attest, code_measurement,
+    Domain, EvidenceProvider, RoundReport, SignatureError, SignedReport, WorkerKey, attest, checksum_address,
+    code_measurement, recover_address,
 )
-from proto import PROTOCOL_VERSION, pb, pb_grpc
+from proto import CHANNEL_OPTIONS, PROTOCOL_VERSION, pb, pb_grpc
 from storage_client import CID, Codec, canonical_json, to_e6
 from trainer.compression import CompressionError, RoundDecision
 from trainer.downlink import apply_update, decode_update
 from trainer.config import RunConfig
-from trainer.coordinator import grpc_options
 from trainer.data import eval_batches, load_corpus, round_batches
 from trainer.diloco import InnerLoop, InnerResult, evaluate, load_params, params_of
 from trainer.link import Link
-from trainer.trust import EVAL_TOLERANCE_E6, shard_digest, update_digest
+from trainer.service import session_metadata
+from trainer.tls import ClientTls, TlsUnreachable, open_channel
+from trainer.trust import EVAL_TOLERANCE_E6, global_digest, shard_digest, update_digest
 from trainer.model import build_model
 from trainer.pipeline import PipelinedInnerLoop, PipelineError
 from trainer.uplink import Slice, Uplink, merged, merged_decision, record_of
@@ -76,7 +84,7 @@ def _slice_name(piece: Slice) -> str:
     return "update" if piece.num_stages == 1 else f"stage {piece.stage} of {piece.num_stages} slice"
 T = TypeVar("T")
 
-_RETRYABLE = {grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED}
+_RETRYABLE = {grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED, grpc.StatusCode.RESOURCE_EXHAUSTED}
 
 
 class WorkerError(RuntimeError):
@@ -106,15 +114,17 @@ class Pushed:
 
 
 class Worker:
-    def __init__(self, address: str, worker_id: str, *, attestation: EvidenceProvider | None = None,
+    def __init__(self, address: str, worker_id: str, *, tls: ClientTls, attestation: EvidenceProvider | None = None,
                  reconnect_timeout_s: float = 120.0, fetch_wait_s: float = 5.0, link: Link | None = None,
                  metrics: Path | None = None, stages: int = 1) -> None:
         self.address = address
         self.worker_id = worker_id
         self.reconnect_timeout_s = reconnect_timeout_s
         self.fetch_wait_s = fetch_wait_s
-        self.channel = grpc.insecure_channel(address, options=grpc_options())
+        self.channel = self._open(tls)
         self.stub = pb_grpc.CoordinatorStub(self.channel)
+        self.session: tuple[tuple[str, str | bytes], ...] = ()  # metadata of every call after Join
+        self.coordinator_key: str | None = None  # the address that signs global states, from the first Join
         self.round = 0
         self.phase = "starting"
         self.config: RunConfig | None = None
@@ -138,17 +148,37 @@ class Worker:
 
     # ----------------------------------------------------------------------------- plumbing
 
-    def _call(self, what: str, fn: Callable[[], T]) -> T:
-        """Run ``fn``; while the coordinator is unreachable, retry with backoff, then rejoin."""
+    def _open(self, tls: ClientTls) -> grpc.Channel:
+        """The channel to the coordinator; a pinned certificate is fetched first, so a coordinator
+        that is not up yet is waited for, as any unreachable coordinator is (``_call``)."""
         deadline = time.monotonic() + self.reconnect_timeout_s
-        delay, lost = 0.2, False
+        while True:
+            try:
+                return open_channel(self.address, tls, CHANNEL_OPTIONS)
+            except TlsUnreachable as exc:
+                if time.monotonic() >= deadline:
+                    raise WorkerError(f"coordinator at {self.address} unreachable for "
+                                      f"{self.reconnect_timeout_s:.0f}s: {exc}") from exc
+                time.sleep(1.0)
+
+    def _call(self, what: str, fn: Callable[[], T]) -> T:
+        """Run ``fn``; while the coordinator is unreachable or busy, retry with backoff, then
+        rejoin; when it no longer knows this worker's session, rejoin at once."""
+        deadline = time.monotonic() + self.reconnect_timeout_s
+        delay, lost, rejoins = 0.2, False, 0
         while True:
             try:
                 if lost:
                     self.join()
                     log.info("reconnected to %s", self.address)
+                    lost = False
                 return fn()
             except grpc.RpcError as exc:
+                if exc.code() == grpc.StatusCode.UNAUTHENTICATED and self.session and rejoins < 2:
+                    log.warning("%s: the coordinator does not know this session (%s); joining again", what,
+                                exc.details())
+                    lost, rejoins = True, rejoins + 1
+                    continue
                 if exc.code() not in _RETRYABLE:
                     raise
                 if time.monotonic() >= deadline:
@@ -163,16 +193,25 @@ class Worker:
                 delay = min(delay * 2, 2.0)
 
     def join(self) -> pb.JoinResponse:
-        """Challenge, attest (when the run has a ledger), join; set up on the first join."""
+        """Challenge, attest (when the run has a ledger), join; set up on the first join. A worker
+        id still held by a live session is retried until that session lapses (a restarted worker)."""
+        deadline = time.monotonic() + self.reconnect_timeout_s
+        while True:
+            try:
+                return self._join_once()
+            except grpc.RpcError as exc:
+                if exc.code() != grpc.StatusCode.ALREADY_EXISTS or time.monotonic() >= deadline:
+                    raise
+                log.warning("join: %s; retrying", exc.details())
+                time.sleep(1.0)
+
+    def _join_once(self) -> pb.JoinResponse:
         challenge = self.stub.Challenge(pb.ChallengeRequest(
             protocol_version=PROTOCOL_VERSION, worker_id=self.worker_id), timeout=30)
         config = self._checked_config(challenge.config_json, challenge.config_cid)
+        self._check_coordinator_key(challenge.coordinator_address)
         self.run_digest = challenge.run_digest
-        request = pb.JoinRequest(
-            protocol_version=PROTOCOL_VERSION, worker_id=self.worker_id,
-            capabilities=pb.Capabilities(device="cpu", threads=torch.get_num_threads(),
-                                         encodings=[ENCODING_DENSE_F32, ENCODING_LOWRANK_INT4]),
-        )
+        request = pb.JoinRequest(protocol_version=PROTOCOL_VERSION, worker_id=self.worker_id)
         if challenge.attestation_required:
             if self.attestation is None:
                 raise WorkerError("this run requires attestation; start the worker with --attestation dev|tdx")
@@ -182,7 +221,12 @@ class Worker:
             evidence = attest(self.attestation, self.key, challenge.run_digest, challenge.nonce, measurement)
             request.address, request.evidence, request.nonce = self.key.address, evidence.to_bytes(), challenge.nonce
             self.domain = Domain(challenge.chain_id, challenge.ledger)
-        response = self.stub.Join(request, timeout=60)
+        # The session of an earlier Join (if any) proves this is the same worker taking its id back.
+        response = self.stub.Join(request, timeout=60, metadata=self.session)
+        self._check_coordinator_key(response.coordinator_address)
+        if len(response.session_token) != 32:
+            raise WorkerError("the coordinator's Join gave no session token; is it an older version?")
+        self.session = session_metadata(self.worker_id, response.session_token)
         if self.config is None:
             self._set_up(config, response.shard, response.num_shards)
         self.heartbeat_interval_s = response.heartbeat_interval_s
@@ -190,6 +234,30 @@ class Worker:
                  response.shard, response.num_shards, response.open_round,
                  f", key {self.key.address}" if self.domain else "")
         return response
+
+    def _check_coordinator_key(self, address: str) -> None:
+        """Pin the coordinator's signing key at the first Join; it may not change during the run."""
+        try:
+            address = checksum_address(address)
+        except (ValueError, TypeError) as exc:
+            raise WorkerError(f"the coordinator names no valid signing key: {exc}") from exc
+        if self.coordinator_key is None:
+            self.coordinator_key = address
+            log.info("coordinator signing key %s", address)
+        elif address != self.coordinator_key:
+            raise WorkerError(f"the coordinator's signing key changed from {self.coordinator_key} to {address}")
+
+    def _checked_signature(self, header: pb.GlobalHeader) -> None:
+        """A global state is used only if the run's coordinator signed it (trainer.trust.global_digest)."""
+        try:
+            digest = global_digest(self.run_digest, header.round, CID.parse(header.params_cid).digest,
+                                   CID.parse(header.manifest_cid).digest)
+            signer = recover_address(digest, header.signature)
+        except (ValueError, SignatureError) as exc:
+            raise WireError(f"global state of round {header.round} carries no valid coordinator signature: {exc}") from exc
+        if signer != self.coordinator_key:
+            raise WireError(f"global state of round {header.round} is signed by {signer}, not by the "
+                            f"coordinator's key {self.coordinator_key}")
 
     def _checked_config(self, config_json: bytes, config_cid: str) -> RunConfig:
         actual = CID.of(config_json, Codec.JSON)
@@ -237,7 +305,7 @@ class Worker:
         while not self._stop.wait(self.heartbeat_interval_s):
             try:
                 self.stub.Heartbeat(pb.HeartbeatRequest(worker_id=self.worker_id, round=self.round,
-                                                        phase=self.phase), timeout=5)
+                                                        phase=self.phase), timeout=5, metadata=self.session)
             except grpc.RpcError as exc:
                 log.debug("heartbeat failed: %s", exc.details())
 
@@ -352,7 +420,7 @@ class Worker:
                 self.link.call()
                 stream = self.stub.FetchGlobal(pb.FetchGlobalRequest(
                     worker_id=self.worker_id, min_round=min_round, wait_s=self.fetch_wait_s,
-                    have_params_cid=held[0] if held else ""), timeout=self.fetch_wait_s + 60)
+                    have_params_cid=held[0] if held else ""), timeout=self.fetch_wait_s + 60, metadata=self.session)
                 first = next(stream)
                 size = first.ByteSize()
                 self.bytes_received += size
@@ -377,6 +445,7 @@ class Worker:
             header, payload, size = self._call("fetch global state", call)
             if payload is None:
                 continue
+            self._checked_signature(header)  # before a byte of the payload is used
             try:
                 params = self._global_params(header, payload, held)
             except (WireError, CompressionError) as exc:
@@ -474,7 +543,7 @@ class Worker:
 
         try:
             response = self._call(f"push round {round_} {_slice_name(piece)}",
-                                  lambda: self.stub.PushUpdate(stream(), timeout=120))
+                                  lambda: self.stub.PushUpdate(stream(), timeout=120, metadata=self.session))
             log.info("round %d: %s accepted as %s", round_, _slice_name(piece), response.update_cid)
         except grpc.RpcError as exc:
             if exc.code() != grpc.StatusCode.ALREADY_EXISTS:
@@ -502,7 +571,7 @@ class Worker:
         raw = canonical_json(signed.to_json())
         try:
             self._call(f"report round {pushed.round}", lambda: self.stub.SubmitReport(
-                pb.SubmitReportRequest(worker_id=self.worker_id, signed_report=raw), timeout=60))
+                pb.SubmitReportRequest(worker_id=self.worker_id, signed_report=raw), timeout=60, metadata=self.session))
             log.info("round %d: signed report accepted", pushed.round)
         except grpc.RpcError as exc:
             if exc.code() == grpc.StatusCode.ALREADY_EXISTS:
@@ -538,7 +607,7 @@ class Worker:
         self.phase = "abandoned"
         try:
             self.stub.Heartbeat(pb.HeartbeatRequest(worker_id=self.worker_id, round=round_,
-                                                    phase="abandoned"), timeout=5)
+                                                    phase="abandoned"), timeout=5, metadata=self.session)
         except grpc.RpcError as rpc:  # the periodic heartbeat says it again
             log.warning("round %d: could not tell the coordinator: %s", round_, rpc.details())
         if inflight is not None:
@@ -586,7 +655,7 @@ class Worker:
             self._stop.set()
             try:  # tell the coordinator at once, so it need not wait for liveness to lapse
                 self.stub.Heartbeat(pb.HeartbeatRequest(worker_id=self.worker_id, round=self.round,
-                                                        phase="done"), timeout=2)
+                                                        phase="done"), timeout=2, metadata=self.session)
             except grpc.RpcError:
                 pass
             if isinstance(self.inner, PipelinedInnerLoop):

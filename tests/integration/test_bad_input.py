@@ -17,6 +17,7 @@ from storage_client import Manifest, canonical_json, lineage
 from trainer.cluster import LocalCluster
 from trainer.config import InnerConfig, RoundConfig, RunConfig
 from trainer.model import build_model
+from trainer.service import session_metadata
 from trainer.compression import AdaptiveRankPolicy, compress
 from trainer.wire import ENCODING_DENSE_F32, ENCODING_LOWRANK_INT4, chunked, encode_params, layout_of, sha256_hex
 
@@ -26,10 +27,11 @@ pytestmark = pytest.mark.integration
 class Mallory:
     """A hand-driven client that speaks the protocol directly, to send what no worker would."""
 
-    def __init__(self, stub, worker_id: str, config: RunConfig) -> None:
+    def __init__(self, stub, worker_id: str, config: RunConfig, session: tuple = ()) -> None:
         self.stub = stub
         self.worker_id = worker_id
         self.config = config
+        self.session = session  # metadata proving the session of mallory's Join
         model = build_model(config.model, config.seed)
         self.zero = {n: torch.zeros_like(p) for n, p in model.named_parameters()}
 
@@ -37,7 +39,8 @@ class Mallory:
     def joined(cls, cluster: LocalCluster, worker_id: str = "mallory") -> Mallory:
         stub = cluster.stub()
         joined = stub.Join(pb.JoinRequest(protocol_version=PROTOCOL_VERSION, worker_id=worker_id), timeout=10)
-        return cls(stub, worker_id, RunConfig.from_json(json.loads(joined.config_json)))
+        return cls(stub, worker_id, RunConfig.from_json(json.loads(joined.config_json)),
+                   session_metadata(worker_id, joined.session_token))
 
     def push(self, tensors: dict[str, torch.Tensor] | None = None, *, payload: bytes | None = None,
              layout: dict | None = None, **header: object) -> pb.PushUpdateResponse:
@@ -55,13 +58,13 @@ class Mallory:
 
         stream = [pb.UpdateChunk(header=pb.UpdateHeader(**fields))] + [pb.UpdateChunk(data=p) for p in chunked(payload)]
         self.wire_bytes = sum(message.ByteSize() for message in stream)  # what the coordinator counts
-        return self.stub.PushUpdate(iter(stream), timeout=30)
+        return self.stub.PushUpdate(iter(stream), timeout=30, metadata=self.session)
 
     def fetch(self, min_round: int = 0) -> dict[str, object]:
         """Fetch the global parameters as a worker would; returns the header fields a push that
         builds on them names (the CID, and the wire bytes of the fetch)."""
         stream = list(self.stub.FetchGlobal(pb.FetchGlobalRequest(worker_id=self.worker_id, min_round=min_round,
-                                                                  wait_s=10), timeout=30))
+                                                                  wait_s=10), timeout=30, metadata=self.session))
         assert stream[0].header.available
         return {"base_params_cid": stream[0].header.params_cid,
                 "base_bytes_received": sum(message.ByteSize() for message in stream)}
@@ -119,7 +122,9 @@ def test_bad_updates_are_refused_and_the_round_completes(cluster: LocalCluster, 
     # wrong run, a round not open yet, a stranger, an old protocol
     assert "this coordinator runs 'test'" in m.refused(PRECONDITION, run_id="other")
     assert "round 2 is not open yet; the open round is 1" in m.refused(PRECONDITION, round=2)
-    assert "unknown worker 'eve'" in m.refused(grpc.StatusCode.PERMISSION_DENIED, worker_id="eve")
+    # a push in another worker's name is not mallory's to make, whoever "eve" is
+    assert "names worker 'eve', but the session is 'mallory''s" in m.refused(grpc.StatusCode.UNAUTHENTICATED,
+                                                                           worker_id="eve")
     assert "protocol version 0 is not supported" in m.refused(PRECONDITION, protocol_version=0)
     # a worker that says it has no stages, or more than the model has layers
     assert "num_stages 0: this run's model of 1 layer(s)" in m.refused(INVALID, num_stages=0)

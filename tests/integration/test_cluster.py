@@ -103,7 +103,7 @@ def test_health_service_reports_serving(cluster: LocalCluster, make_config) -> N
     from proto import SERVICE_NAME
 
     cluster.start_coordinator(make_config())
-    with grpc.insecure_channel(cluster.address) as channel:
+    with cluster.channel() as channel:
         stub = health_pb2_grpc.HealthStub(channel)
         for service in ("", SERVICE_NAME):
             reply = stub.Check(health_pb2.HealthCheckRequest(service=service), timeout=10)

@@ -94,7 +94,7 @@ def test_a_coordinator_restart_keeps_the_slices_it_accepted(cluster: LocalCluste
 
     cluster.kill("coordinator", signal.SIGKILL)
     cluster.start_coordinator()  # resumes from the run directory
-    m = Mallory(cluster.stub(), "mallory", m.config)
+    m = Mallory.joined(cluster)  # a restarted coordinator knows no sessions: mallory joins again
     assert "already pushed stage 0 of 2" in m.refused(grpc.StatusCode.ALREADY_EXISTS, first, stage=0, num_stages=2)
     m.push(second, stage=1, num_stages=2, **base)
     assert cluster.wait_exit("coordinator", 60) == 0, cluster.log("coordinator")

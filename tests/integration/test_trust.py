@@ -22,6 +22,7 @@ from storage_client import CID, canonical_json, lineage
 from tests.conftest import small_config
 from tests.integration.test_bad_input import Mallory
 from trainer.cluster import LocalCluster
+from trainer.service import session_metadata
 from trainer.compression import CompressionConfig
 from trainer.config import InnerConfig, RoundConfig, RunConfig
 from trainer.data import load_corpus
@@ -117,11 +118,12 @@ def test_updates_and_reports_need_the_admitted_key(cluster: LocalCluster, chain:
     assert stale.value.code() == grpc.StatusCode.FAILED_PRECONDITION and "nonce" in stale.value.details()
     challenge = stub.Challenge(pb.ChallengeRequest(protocol_version=PROTOCOL_VERSION, worker_id="m"), timeout=10)
     evidence = attest(provider, key, challenge.run_digest, challenge.nonce, code_measurement(challenge.config_cid))
-    stub.Join(pb.JoinRequest(protocol_version=PROTOCOL_VERSION, worker_id="m", address=key.address,
-                             evidence=evidence.to_bytes(), nonce=challenge.nonce), timeout=30)
+    joined = stub.Join(pb.JoinRequest(protocol_version=PROTOCOL_VERSION, worker_id="m", address=key.address,
+                                      evidence=evidence.to_bytes(), nonce=challenge.nonce), timeout=30)
 
     # An update signed by some other key is refused before its payload is read.
-    m = Mallory(stub, "m", RunConfig.from_json(json.loads(challenge.config_json)))
+    m = Mallory(stub, "m", RunConfig.from_json(json.loads(challenge.config_json)),
+                session_metadata("m", joined.session_token))
     sha = sha256_hex(encode_params(m.zero))
     forged = WorkerKey.generate().sign_digest(update_digest(challenge.run_digest, 1, 0, 1, sha))
     details = m.refused(grpc.StatusCode.UNAUTHENTICATED, signature=forged)
@@ -150,6 +152,7 @@ def test_updates_and_reports_need_the_admitted_key(cluster: LocalCluster, chain:
 
     def submit(signed: SignedReport) -> pb.SubmitReportResponse:
         return stub.SubmitReport(pb.SubmitReportRequest(worker_id="m", signed_report=canonical_json(signed.to_json())),
+                                 metadata=m.session,
                                  timeout=30)
 
     other = WorkerKey.generate()

@@ -18,6 +18,7 @@ from tests.conftest import small_config
 from tests.integration.test_cluster import assert_rederivable
 from trainer.cluster import LocalCluster
 from trainer.config import InnerConfig, ModelConfig, RoundConfig
+from trainer.tls import ClientTls
 
 pytestmark = pytest.mark.integration
 
@@ -124,11 +125,11 @@ def test_stages_must_split_the_model() -> None:
 
     config = small_config(model=TINY)
     for stages in (0, 3):
-        worker = Worker("127.0.0.1:1", "w0", stages=stages)  # no connection is made
+        worker = Worker("127.0.0.1:1", "w0", stages=stages, tls=ClientTls(insecure=True))  # no connection is made
         with pytest.raises(WorkerError, match=rf"{stages} pipeline stages: this run's model has 2 layers"):
             worker._set_up(config, 0, 2)
         worker.channel.close()
-    worker = Worker("127.0.0.1:1", "w0", stages=2)
+    worker = Worker("127.0.0.1:1", "w0", stages=2, tls=ClientTls(insecure=True))
     odd = config.replace(inner=InnerConfig(steps=3, batch_size=3))
     with pytest.raises(WorkerError, match="batch of 3 sequences cannot be cut into 2 equal microbatches"):
         worker._set_up(odd, 0, 2)
@@ -144,11 +145,11 @@ class _Coordinator:
         self.heartbeats: list = []
         self.status = pb.StatusResponse(open_round=open_round, workers=workers)
 
-    def Heartbeat(self, request, timeout: float):  # noqa: N802 - the gRPC method's name
+    def Heartbeat(self, request, timeout: float, metadata=()):  # noqa: N802 - the gRPC method's name
         self.heartbeats.append((request.worker_id, request.round, request.phase))
         return pb.HeartbeatResponse(open_round=self.status.open_round)
 
-    def Status(self, request, timeout: float):  # noqa: N802
+    def Status(self, request, timeout: float, metadata=()):  # noqa: N802
         return self.status
 
 
@@ -163,7 +164,7 @@ def test_an_abandoned_round_is_trained_again_when_no_one_else_is_on_it(w0: dict,
     from trainer.pipeline import PipelineError
     from trainer.worker import Worker
 
-    worker = Worker("127.0.0.1:1", "w1", stages=2)
+    worker = Worker("127.0.0.1:1", "w1", stages=2, tls=ClientTls(insecure=True))
     worker.channel.close()
     worker.stub = _Coordinator(2, [pb.WorkerStatus(worker_id="w0", **w0),
                                    pb.WorkerStatus(worker_id="w1", alive=True, round=2, phase="abandoned")])

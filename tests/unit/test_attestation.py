@@ -205,7 +205,7 @@ def _dump(obj) -> bytes:
 @pytest.mark.parametrize(
     ("mutate", "needle"),
     [
-        (lambda o: b"\xff\xfe", "not JSON"),
+        (lambda o: b"\xff\xfe", "not UTF-8"),
         (lambda o: b"", "not JSON"),
         (lambda o: b"[1,2]", "must be a JSON object"),
         (lambda o: _dump({**o, "schema": "dilocox.evidence/v2"}), "schema"),
@@ -246,6 +246,48 @@ def test_evidence_construction_checks_shape(provider, key):
         Evidence.from_bytes("text")  # type: ignore[arg-type]
 
 
+@pytest.mark.parametrize(
+    "data",
+    [
+        b"[" * 100_000,
+        b'{"a":' * 50_000 + b"1" + b"}" * 50_000,
+        b'{"provider":"dev","quote":' + b"[" * 5_000 + b"]" * 5_000 + b',"schema":"dilocox.evidence/v1"}',
+        b'{"schema":{"x":{"y":1}}}',
+    ],
+    ids=["deep-array", "deep-object", "nested-field", "three-levels"],
+)
+def test_evidence_from_bytes_refuses_nesting_with_evidence_error(data):
+    """Deeply nested JSON once escaped as RecursionError; now every refusal is an EvidenceError."""
+    with pytest.raises(EvidenceError, match="nests deeper than 2 levels"):
+        Evidence.from_bytes(data)
+
+
+def test_evidence_from_bytes_bounds_size_and_echo(provider, key):
+    with pytest.raises(EvidenceError, match="more than"):
+        Evidence.from_bytes(b" " * (attestation.evidence.MAX_EVIDENCE_BYTES + 1))
+    obj = _dev_obj(provider, key)
+    long = "x" * 10_000
+    for data in (
+        _dump({**obj, "schema": long}),
+        _dump({**obj, "provider": long}),
+        _dump({**obj, long: 1}),
+        _dump(obj)[:-1] + f',"{long}":1,"{long}":2}}'.encode(),
+    ):
+        with pytest.raises(EvidenceError) as info:
+            Evidence.from_bytes(data)
+        assert len(str(info.value)) < 300 and "x" * 50 not in str(info.value)
+
+
+def test_evidence_keeps_the_quote_without_padding():
+    quote = build_quote_v4(report_data=bytes(range(64)))
+    padded = Evidence("tdx", quote + bytes(70))
+    assert padded.quote == quote and padded == Evidence("tdx", quote)
+    assert Evidence.from_bytes(padded.to_bytes()) == padded
+    obj = json.loads(padded.to_bytes())
+    with pytest.raises(EvidenceError, match="70 bytes after its declared signature data"):
+        Evidence.from_bytes(_dump({**obj, "quote": (quote + bytes(70)).hex()}))
+
+
 # --- dev provider ----------------------------------------------------------------------------
 
 
@@ -281,11 +323,22 @@ def test_dev_round_trip_verifies(provider, key, dev_policy):
     assert v.details["mrtd"] == (CODE + bytes(16)).hex()
     assert v.details["rtmr0"] == "00" * 48
     assert v.warnings == (DEV_WARNING,)
+    assert v.details["evidence"] == "DEV: PROVES NOTHING"
+    assert v.label == "DEV evidence: PROVES NOTHING" and "DEV evidence: PROVES NOTHING" in repr(v)
     # bytes are accepted too
     same = verify_evidence(
         ev.to_bytes(), expected_report_data=v.report_data, policy=dev_policy
     )
     assert same.measurement == CODE
+
+
+def test_accepting_dev_evidence_is_logged_as_dev(provider, key, dev_policy, caplog):
+    ev = attest(provider, key, RUN, NONCE, CODE)
+    with caplog.at_level(logging.INFO, logger="dilocox.attestation"):
+        verify_evidence(ev, expected_report_data=report_data(key.address, RUN, NONCE, CODE), policy=dev_policy)
+    accepted = [r for r in caplog.records if r.name == "dilocox.attestation"]
+    assert len(accepted) == 1 and accepted[0].levelno == logging.WARNING
+    assert "DEV" in accepted[0].getMessage() and "PROVES NOTHING" in accepted[0].getMessage()
 
 
 def test_dev_says_it_proves_nothing(provider, root, caplog):
@@ -304,7 +357,7 @@ def test_dev_refused_unless_policy_allows(provider, key, root):
     ev = attest(provider, key, RUN, NONCE, CODE)
     rd = report_data(key.address, RUN, NONCE, CODE)
     for policy in (Policy(), Policy(dev_roots=frozenset({root.address}))):
-        with pytest.raises(PolicyViolation, match="proves nothing") as info:
+        with pytest.raises(PolicyViolation, match="PROVES NOTHING") as info:
             verify_evidence(ev, expected_report_data=rd, policy=policy)
         assert info.value.check == "provider" and "allow_dev=False" in str(info.value)
     with pytest.raises(PolicyViolation, match="trusts no dev roots"):
@@ -349,7 +402,7 @@ def test_tampered_dev_quote_breaks_signature(provider, key, dev_policy, offset):
     assert "not a trusted dev root" in str(info.value)
 
 
-@pytest.mark.parametrize(("offset", "needle"), [(0, "version"), (4, "TEE type"), (12, "dev marker")])
+@pytest.mark.parametrize(("offset", "needle"), [(0, "body type"), (1, "version"), (4, "TEE type"), (12, "dev marker")])
 def test_tampered_dev_quote_header_refused_as_malformed(provider, key, offset, needle):
     ev = attest(provider, key, RUN, NONCE, CODE)
     quote = bytearray(ev.quote)
@@ -439,7 +492,8 @@ def test_policy_normalises_and_checks():
     p = Policy(dev_roots=frozenset({addr}), allowed_measurements=frozenset({bytes(32)}))
     assert p.dev_roots == frozenset({to_checksum_address(addr)})
     assert Policy().allow_dev is False and Policy().allow_debug is False
-    assert Policy().allowed_tcb_statuses == frozenset({"UpToDate"})
+    assert Policy().dcap.allowed_tcb_statuses == frozenset({"UpToDate"})
+    assert Policy().dcap.source is None  # no collateral: every TDX quote is refused
     with pytest.raises(ValueError, match="32 bytes"):
         Policy(allowed_measurements=frozenset({b"short"}))
     with pytest.raises(TypeError):

@@ -1,12 +1,13 @@
-"""Tests for attestation.tdx: the quote v4 layout, the configfs-tsm provider, DCAP glue."""
+"""Tests for attestation.tdx and the DCAP gate: the quote v4/v5 layouts (packed here independently),
+the configfs-tsm provider, and that no TDX quote is accepted without dcap-qvl's verification.
+
+Real quotes and collateral are exercised in test_tdx_real_quotes.py."""
 
 from __future__ import annotations
 
 import hashlib
 import shutil
 import struct
-import sys
-import types
 from pathlib import Path
 
 import pytest
@@ -14,6 +15,7 @@ import pytest
 from attestation import (
     AttestationError,
     AttestationUnavailable,
+    DcapSettings,
     Evidence,
     EvidenceError,
     Policy,
@@ -69,6 +71,27 @@ def pack_quote(
         q[off : off + 48] = value
     q[OFF_REPORT_DATA : OFF_REPORT_DATA + 64] = report_data
     return bytes(q) + struct.pack("<I", len(sig) if sig_len is None else sig_len) + sig
+
+
+def pack_quote_v5(
+    *,
+    body_type: int = 3,
+    body_size: int | None = None,
+    report_data: bytes = bytes(range(64)),
+    tee_tcb_svn2: bytes = b"\x31" * 16,
+    mrservicetd: bytes = b"\x32" * 48,
+    sig: bytes = b"signature-data",
+    sig_len: int | None = None,
+) -> bytes:
+    """A v5 quote: the v4 header with version 5, then u16 body type and u32 body size at 48, the
+    body at 54 (TD report 1.0 fields, and for type 3 TEE_TCB_SVN2 and MRSERVICETD), then the
+    signature data length and the signature data."""
+    v4 = pack_quote(version=5, report_data=report_data)
+    body10 = v4[48:632]
+    body = body10 + (tee_tcb_svn2 + mrservicetd if body_type == 3 else b"")
+    size = len(body) if body_size is None else body_size
+    return (v4[:48] + struct.pack("<HI", body_type, size) + body
+            + struct.pack("<I", len(sig) if sig_len is None else sig_len) + sig)
 
 
 def test_parser_reads_independently_packed_quote():
@@ -136,17 +159,25 @@ def test_measurement_of_is_sha256_of_mrtd_and_rtmrs():
     [
         (b"", "too short for the 48-byte header"),
         (pack_quote()[:47], "too short for the 48-byte header"),
-        (pack_quote(version=3), "version at offset 0 is 3, expected 4"),
-        (pack_quote(version=5), "version at offset 0 is 5"),
+        (pack_quote(version=3), "version at offset 0 is 3, expected 4 or 5"),
+        (pack_quote(version=6), "version at offset 0 is 6"),
+        (pack_quote(version=5), "body type at offset 48 is 257"),  # v4 layout labelled v5
         (pack_quote(key_type=3), "attestation key type at offset 2 is 3"),
         (pack_quote(tee_type=0), "TEE type at offset 4 is 0x0"),
         (pack_quote()[:100], "TD report body at offset 48"),
         (pack_quote()[:634], "signature data length at offset 632"),
         (pack_quote(sig=b""), "length at offset 632 is 0"),
         (pack_quote(sig=b"abc", sig_len=10), "short: signature data length at offset 632 says 10"),
-        (pack_quote(sig=b"abc", sig_len=2), "long: signature data length at offset 632 says 2"),
-        (pack_quote() + b"\x00", "long"),
         (pack_quote()[:-1], "short"),
+        (pack_quote_v5()[:50], "too short for the 6-byte body type and size at offset 48"),
+        (pack_quote_v5(body_type=1), "body type at offset 48 is 1"),
+        (pack_quote_v5(body_type=4), "body type at offset 48 is 4"),
+        (pack_quote_v5(body_type=3, body_size=584), "body size at offset 50 is 584, but body type 3"),
+        (pack_quote_v5(body_type=2, body_size=648), "body size at offset 50 is 648, but body type 2"),
+        (pack_quote_v5()[:600], "648-byte TD report body at offset 54 needs 702"),
+        (pack_quote_v5(body_type=2)[:640], "signature data length at offset 638"),
+        (pack_quote_v5(sig=b""), "length at offset 702 is 0"),
+        (pack_quote_v5(sig=b"abc", sig_len=4), "short: signature data length at offset 702 says 4"),
     ],
 )
 def test_malformed_quotes_are_refused_by_field(raw, needle):
@@ -154,6 +185,42 @@ def test_malformed_quotes_are_refused_by_field(raw, needle):
         parse_quote(raw)
     assert needle in str(info.value)
     assert isinstance(info.value, EvidenceError) and isinstance(info.value, ValueError)
+
+
+@pytest.mark.parametrize("padding", [b"", b"\x00", bytes(70), b"\nextra bytes\n" * 3],
+                         ids=["none", "one-zero", "70-zeros", "text"])
+def test_padding_after_the_signature_data_is_ignored(padding):
+    quote = pack_quote()
+    q = parse_quote(quote + padding)
+    assert q.raw == quote and q.signature_data == b"signature-data"
+    assert q.signed_region == quote[:632]
+    # a declared length shorter than what follows reads the rest as padding
+    q = parse_quote(pack_quote(sig=b"abc", sig_len=2) + padding)
+    assert q.signature_data == b"ab" and len(q.raw) == 636 + 2
+
+
+def test_parser_reads_independently_packed_v5_quotes():
+    raw = pack_quote_v5(body_type=3)
+    q = parse_quote(raw + bytes(39))
+    assert (q.version, q.body_type, q.body_offset) == (5, 3, 54)
+    assert q.raw == raw and len(raw) == 54 + 648 + 4 + len(b"signature-data")
+    assert q.tee_tcb_svn2 == b"\x31" * 16 and q.mrservicetd == b"\x32" * 48
+    assert q.mrtd == b"\x11" * 48 and q.rtmr3 == b"\x23" * 48 and q.report_data == bytes(range(64))
+    assert q.td_attributes == 0 and q.xfam == b"\x05" * 8
+    assert q.signature_data == b"signature-data"
+    assert q.signed_region == raw[: 54 + 648]
+    assert q.details()["mrservicetd"] == "32" * 48 and q.details()["body_type"] == "3"
+    assert measurement_of(q) == measurement_of(parse_quote(pack_quote()))  # same MRTD and RTMRs
+
+    q10 = parse_quote(pack_quote_v5(body_type=2))
+    assert (q10.version, q10.body_type) == (5, 2)
+    assert q10.tee_tcb_svn2 is None and q10.mrservicetd is None
+    assert q10.signed_region == pack_quote_v5(body_type=2)[: 54 + 584]
+    assert q10.report_data == bytes(range(64))
+
+    v4 = parse_quote(pack_quote())
+    assert v4.body_type is None and v4.tee_tcb_svn2 is None and v4.mrservicetd is None
+    assert "body_type" not in v4.details()
 
 
 def test_parser_refuses_non_bytes_and_huge_input():
@@ -286,138 +353,61 @@ def test_provider_requires_64_bytes(tmp_path):
         TdxProvider(tmp_path).quote(bytes(32))
 
 
-# --- DCAP verification policy ----------------------------------------------------------------
+# --- the DCAP gate: no TDX quote without dcap-qvl -------------------------------------------
+# (real quotes, real collateral and dcap-qvl's verdicts are in test_tdx_real_quotes.py)
 
 
 TDX_QUOTE = pack_quote(report_data=RD)
 
 
-@pytest.fixture
-def no_dcap(monkeypatch):
-    monkeypatch.setitem(sys.modules, "dcap_qvl", None)  # import raises ImportError
-    monkeypatch.delenv("DILOCOX_DCAP_COLLATERAL", raising=False)
-
-
-@pytest.fixture
-def fake_dcap(monkeypatch):
-    """A stand-in for the dcap_qvl module with the API this package calls."""
-    calls: list[tuple] = []
-    mod = types.ModuleType("dcap_qvl")
-    mod.status = "UpToDate"
-    mod.fail = None
-
-    class QuoteCollateralV3:
-        def __init__(self, text):
-            self.text = text
-
-        @classmethod
-        def from_json(cls, text):
-            if not text.startswith("{"):
-                raise ValueError("bad collateral json")
-            return cls(text)
-
-    def verify(quote, collateral, now):
-        calls.append((quote, collateral.text, now))
-        if mod.fail:
-            raise ValueError(mod.fail)
-        return types.SimpleNamespace(status=mod.status, advisory_ids=["INTEL-SA-00001"])
-
-    mod.QuoteCollateralV3 = QuoteCollateralV3
-    mod.verify = verify
-    mod.calls = calls
-    monkeypatch.setitem(sys.modules, "dcap_qvl", mod)
-    monkeypatch.delenv("DILOCOX_DCAP_COLLATERAL", raising=False)
-    return mod
-
-
-def test_tdx_without_dcap_is_accepted_but_proves_nothing(no_dcap):
-    v = verify_evidence(Evidence("tdx", TDX_QUOTE), expected_report_data=RD, policy=Policy())
-    assert v.provider == "tdx"
-    assert v.proves_nothing is True
-    assert "NOT verified" in v.warnings[0] and "dcap-qvl is not installed" in v.warnings[0]
-    assert v.measurement == measurement_of(parse_quote(TDX_QUOTE))
-    assert v.details["mrtd"] == "11" * 48
-
-
-def test_require_dcap_refuses_without_dcap(no_dcap):
-    with pytest.raises(PolicyViolation, match="require_dcap=True") as info:
-        verify_evidence(
-            Evidence("tdx", TDX_QUOTE), expected_report_data=RD, policy=Policy(require_dcap=True)
-        )
+def test_tdx_without_collateral_is_refused_not_admitted_unverified():
+    """The default policy names no collateral: TDX evidence is refused by the dcap check, and there
+    is no setting that accepts it unverified."""
+    with pytest.raises(PolicyViolation) as info:
+        verify_evidence(Evidence("tdx", TDX_QUOTE), expected_report_data=RD, policy=Policy())
     assert info.value.check == "dcap"
-    assert "dcap-qvl is not installed" in str(info.value)
+    assert "no DCAP collateral is configured" in str(info.value)
+    assert "never accepted" in str(info.value)
+    for gone in ("require_dcap", "allowed_tcb_statuses"):
+        with pytest.raises(TypeError):
+            Policy(**{gone: True})  # type: ignore[arg-type]
 
 
-def test_require_dcap_refuses_without_collateral(fake_dcap):
-    with pytest.raises(PolicyViolation, match="no DCAP collateral"):
-        verify_evidence(
-            Evidence("tdx", TDX_QUOTE), expected_report_data=RD, policy=Policy(require_dcap=True)
-        )
+def test_unsigned_quote_is_refused_by_dcap_qvl(tmp_path):
+    """A quote of the right layout but no Intel signature chain never reaches the later checks."""
+    collateral = tmp_path / "collateral.json"
+    collateral.write_text('{"tcb_info": "x"}')
+    policy = Policy(dcap=DcapSettings(collateral_file=collateral))
+    with pytest.raises(PolicyViolation) as info:
+        verify_evidence(Evidence("tdx", TDX_QUOTE), expected_report_data=RD, policy=policy)
+    assert info.value.check == "dcap" and "not QuoteCollateralV3 JSON" in str(info.value)
+    # refused whatever else the policy allows, and before REPORTDATA is even compared
+    lax = Policy(allow_debug=True, allow_dev=True, dcap=DcapSettings(collateral_file=tmp_path / "missing.json"))
+    with pytest.raises(PolicyViolation) as info:
+        verify_evidence(Evidence("tdx", pack_quote(report_data=RD, td_attributes=1)),
+                        expected_report_data=bytes(64), policy=lax)
+    assert info.value.check == "dcap" and "cannot read the DCAP collateral file" in str(info.value)
 
 
-def test_dcap_verified_quote_proves_something(fake_dcap, tmp_path, monkeypatch):
-    v = verify_evidence(
-        Evidence("tdx", TDX_QUOTE),
-        expected_report_data=RD,
-        policy=Policy(require_dcap=True),
-        collateral='{"tcb_info": "x"}',
-        now=1_700_000_000,
-    )
-    assert v.proves_nothing is False and v.warnings == ()
-    assert v.details["tcb_status"] == "UpToDate"
-    assert fake_dcap.calls == [(TDX_QUOTE, '{"tcb_info": "x"}', 1_700_000_000)]
-    # collateral from a file named by the environment
-    path = tmp_path / "collateral.json"
-    path.write_text('{"from": "env"}')
-    monkeypatch.setenv("DILOCOX_DCAP_COLLATERAL", str(path))
-    verify_evidence(Evidence("tdx", TDX_QUOTE), expected_report_data=RD, policy=Policy(require_dcap=True))
-    assert fake_dcap.calls[-1][1] == '{"from": "env"}'
-
-
-def test_dcap_failures_and_tcb_status_are_refused(fake_dcap):
-    ev = Evidence("tdx", TDX_QUOTE)
-    fake_dcap.status = "OutOfDate"
-    with pytest.raises(PolicyViolation, match="TCB status 'OutOfDate' is not allowed") as info:
-        verify_evidence(ev, expected_report_data=RD, policy=Policy(), collateral="{}")
-    assert info.value.check == "dcap" and "INTEL-SA-00001" in str(info.value)
-    ok = Policy(allowed_tcb_statuses=frozenset({"UpToDate", "OutOfDate"}))
-    assert verify_evidence(ev, expected_report_data=RD, policy=ok, collateral="{}").details[
-        "tcb_status"
-    ] == "OutOfDate"
-    fake_dcap.fail = "signature mismatch"
-    with pytest.raises(PolicyViolation, match="dcap-qvl refused the quote: signature mismatch"):
-        verify_evidence(ev, expected_report_data=RD, policy=Policy(), collateral="{}")
-    with pytest.raises(PolicyViolation, match="not valid QuoteCollateralV3 JSON"):
-        verify_evidence(ev, expected_report_data=RD, policy=Policy(), collateral="nope")
-
-
-def test_tdx_debug_refused_by_default_and_allowed_by_policy(no_dcap):
-    ev = Evidence("tdx", pack_quote(report_data=RD, td_attributes=1))
-    with pytest.raises(PolicyViolation, match="TUD.DEBUG") as info:
-        verify_evidence(ev, expected_report_data=RD, policy=Policy())
-    assert info.value.check == "debug"
-    v = verify_evidence(ev, expected_report_data=RD, policy=Policy(allow_debug=True))
-    assert v.debug is True
-
-
-def test_tdx_measurement_allowlist(no_dcap):
-    ev = Evidence("tdx", TDX_QUOTE)
-    m = measurement_of(parse_quote(TDX_QUOTE))
-    assert verify_evidence(
-        ev, expected_report_data=RD, policy=Policy(allowed_measurements=frozenset({m}))
-    ).measurement == m
-    with pytest.raises(PolicyViolation, match=f"measurement {m.hex()} is not in the policy's allowlist") as info:
-        verify_evidence(ev, expected_report_data=RD, policy=Policy(allowed_measurements=frozenset()))
-    assert info.value.check == "measurement"
-    # the code measurement in REPORTDATA[32:64] is not the tdx measurement
-    with pytest.raises(PolicyViolation, match="measurement"):
-        verify_evidence(
-            ev, expected_report_data=RD, policy=Policy(allowed_measurements=frozenset({RD[32:]}))
-        )
-
-
-def test_tdx_report_data_mismatch(no_dcap):
-    with pytest.raises(PolicyViolation, match="REPORTDATA is") as info:
-        verify_evidence(Evidence("tdx", TDX_QUOTE), expected_report_data=bytes(64), policy=Policy())
-    assert info.value.check == "report_data"
-    assert RD.hex() in str(info.value) and ("00" * 64) in str(info.value)
+def test_dcap_settings_validate():
+    assert DcapSettings().allowed_tcb_statuses == frozenset({"UpToDate"})
+    assert DcapSettings().source is None
+    assert DcapSettings(collateral_file="c.json").collateral_file == Path("c.json")
+    assert DcapSettings(pccs_url="https://pccs.example/").pccs_url == "https://pccs.example"
+    assert DcapSettings(pccs_url="https://pccs.example").source == "PCCS https://pccs.example"
+    with pytest.raises(ValueError, match="not both"):
+        DcapSettings(collateral_file="c.json", pccs_url="https://pccs.example")
+    with pytest.raises(ValueError, match="http"):
+        DcapSettings(pccs_url="file:///etc/passwd")
+    with pytest.raises(ValueError, match="unknown TCB status"):
+        DcapSettings(allowed_tcb_statuses=frozenset({"UpToDate", "Revoked"}))
+    with pytest.raises(ValueError, match="unknown TCB status"):
+        DcapSettings(allowed_tcb_statuses=frozenset({"uptodate"}))
+    with pytest.raises(ValueError, match="empty"):
+        DcapSettings(allowed_tcb_statuses=frozenset())
+    with pytest.raises(TypeError):
+        DcapSettings(allowed_tcb_statuses="UpToDate")  # type: ignore[arg-type]
+    with pytest.raises(TypeError, match="DcapSettings"):
+        Policy(dcap={"collateral_file": "c.json"})  # type: ignore[arg-type]
+    ok = DcapSettings(allowed_tcb_statuses=frozenset({"UpToDate", "SWHardeningNeeded"}))
+    assert Policy(dcap=ok).dcap.allowed_tcb_statuses == {"UpToDate", "SWHardeningNeeded"}

@@ -1,0 +1,356 @@
+"""Attacks from the network on a real coordinator: each refused by code, honest rounds unharmed.
+
+The attacker is a client written from proto/dilocox.proto alone (``Hostile``): it can reach the
+coordinator's port over TLS like anyone, may join under its own id (in runs without a ledger, where
+joining proves nothing), and sends what no worker would. Honest workers are real processes; the
+chain is a real anvil; every channel is TLS unless a test says otherwise.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+import threading
+import time
+from pathlib import Path
+from typing import Callable, Iterator
+
+import grpc
+import pytest
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+from attestation import DevProvider, DevRoot, WorkerKey, attest, code_measurement
+from proto import CHANNEL_OPTIONS, PROTOCOL_VERSION, SERVICE_NAME, pb, pb_grpc
+from storage_client import lineage
+from tests.conftest import small_config
+from tests.integration.test_trust import chain, ledger_of, pinned, start  # noqa: F401 (chain is a fixture)
+from trainer.cluster import LocalCluster
+from trainer.config import InnerConfig, RoundConfig
+from trainer.service import session_metadata
+from trainer.tls import ClientTls, open_channel
+
+pytestmark = pytest.mark.integration
+
+UNAUTHENTICATED = grpc.StatusCode.UNAUTHENTICATED
+INVALID = grpc.StatusCode.INVALID_ARGUMENT
+EXHAUSTED = grpc.StatusCode.RESOURCE_EXHAUSTED
+
+
+def code_of(call: Callable[[], object]) -> tuple[grpc.StatusCode, str]:
+    """The status code and details of a call expected to fail."""
+    try:
+        result = call()
+        if isinstance(result, Iterator):
+            list(result)
+    except grpc.RpcError as exc:
+        return exc.code(), exc.details() or ""
+    return grpc.StatusCode.OK, ""
+
+
+def nested(depth: int) -> bytes:
+    return b"[" * depth + b"]" * depth
+
+
+class Hostile:
+    """A client that knows only the .proto: it speaks every RPC, with or without a session."""
+
+    def __init__(self, cluster: LocalCluster) -> None:
+        self.channel = cluster.channel()
+        self.stub = pb_grpc.CoordinatorStub(self.channel)
+        self.health = health_pb2_grpc.HealthStub(self.channel)
+        self.session: tuple = ()
+
+    def join(self, worker_id: str) -> pb.JoinResponse:
+        joined = self.stub.Join(pb.JoinRequest(protocol_version=PROTOCOL_VERSION, worker_id=worker_id), timeout=10)
+        self.session = session_metadata(worker_id, joined.session_token)
+        return joined
+
+    def fetch(self, worker_id: str, metadata: tuple = (), min_round: int = 0, wait_s: float = 0.0):
+        return self.stub.FetchGlobal(pb.FetchGlobalRequest(worker_id=worker_id, min_round=min_round, wait_s=wait_s),
+                                     timeout=10, metadata=metadata)
+
+    def push(self, worker_id: str, metadata: tuple = (), **header: object) -> pb.PushUpdateResponse:
+        fields = dict(protocol_version=PROTOCOL_VERSION, run_id="test", round=1, worker_id=worker_id,
+                      encoding="dense-f32", payload_size=4, payload_sha256="0" * 64, train_loss=1.0, inner_steps=1,
+                      num_stages=1)
+        fields.update(header)
+        return self.stub.PushUpdate(iter([pb.UpdateChunk(header=pb.UpdateHeader(**fields))]), timeout=10,
+                                    metadata=metadata)
+
+    def heartbeat(self, worker_id: str, phase: str = "abandoned", metadata: tuple = ()) -> pb.HeartbeatResponse:
+        return self.stub.Heartbeat(pb.HeartbeatRequest(worker_id=worker_id, round=1, phase=phase), timeout=10,
+                                   metadata=metadata)
+
+    def report(self, worker_id: str, body: bytes, metadata: tuple = ()) -> pb.SubmitReportResponse:
+        return self.stub.SubmitReport(pb.SubmitReportRequest(worker_id=worker_id, signed_report=body), timeout=10,
+                                      metadata=metadata)
+
+    def responsive_within(self, seconds: float) -> float:
+        """Time health Check and Status take together; fails the test beyond ``seconds``."""
+        started = time.monotonic()
+        for service in ("", SERVICE_NAME):
+            reply = self.health.Check(health_pb2.HealthCheckRequest(service=service), timeout=seconds)
+            assert reply.status == health_pb2.HealthCheckResponse.SERVING
+        self.stub.Status(pb.StatusRequest(), timeout=seconds)
+        took = time.monotonic() - started
+        assert took < seconds, f"health and Status took {took:.2f}s"
+        return took
+
+    def close(self) -> None:
+        self.channel.close()
+
+
+def test_spoofed_calls_change_nothing_and_the_ledger_records_every_round(
+        cluster: LocalCluster, chain, tmp_path: Path) -> None:  # noqa: F811 (fixture)
+    """Fetch, push, heartbeat, report and challenge in an honest worker's name, all while it trains."""
+    config = pinned(small_config(
+        inner=InnerConfig(steps=300, batch_size=4, lr=1e-3),
+        rounds=RoundConfig(rounds=3, expected_workers=2, quorum=2, straggler_timeout_s=60.0,
+                           heartbeat_interval_s=0.5, liveness_timeout_s=5.0)))
+    _, wo_args = start(cluster, chain, config, tmp_path)
+    eve = Hostile(cluster)
+    # Evidence and reports nested past any sane depth are malformed, not a crash.
+    challenge = eve.stub.Challenge(pb.ChallengeRequest(protocol_version=PROTOCOL_VERSION, worker_id="eve"), timeout=10)
+    key = WorkerKey.generate()
+    code, details = code_of(lambda: eve.stub.Join(pb.JoinRequest(
+        protocol_version=PROTOCOL_VERSION, worker_id="eve", address=key.address, evidence=nested(50_000),
+        nonce=challenge.nonce), timeout=10))
+    assert code == INVALID and "nests deeper" in details, details
+    # Eve is a worker of her own, admitted on dev evidence: her session is hers, not w0's.
+    provider = DevProvider(DevRoot.load_or_create(cluster.run_dir.path / "dev-root"))
+    challenge = eve.stub.Challenge(pb.ChallengeRequest(protocol_version=PROTOCOL_VERSION, worker_id="eve"), timeout=10)
+    evidence = attest(provider, key, challenge.run_digest, challenge.nonce, code_measurement(challenge.config_cid))
+    joined = eve.stub.Join(pb.JoinRequest(protocol_version=PROTOCOL_VERSION, worker_id="eve", address=key.address,
+                                          evidence=evidence.to_bytes(), nonce=challenge.nonce), timeout=30)
+    eve.session = session_metadata("eve", joined.session_token)
+    code, details = code_of(lambda: eve.report("eve", nested(5_000), eve.session))
+    assert code == INVALID and "nests deeper" in details, details
+
+    cluster.start_worker("w0", extra=wo_args)
+    cluster.start_worker("w1", extra=wo_args)
+
+    codes: dict[str, set[grpc.StatusCode]] = {}
+    stop = threading.Event()
+
+    def spoof() -> None:
+        forged = session_metadata("w0", b"\x00" * 32)
+        while not stop.is_set():
+            for what, call in (
+                ("fetch", lambda: eve.fetch("w0")),
+                ("fetch-forged", lambda: eve.fetch("w0", forged)),
+                ("push", lambda: eve.push("w0")),
+                ("push-forged", lambda: eve.push("w0", forged)),
+                ("heartbeat", lambda: eve.heartbeat("w0")),
+                ("heartbeat-forged", lambda: eve.heartbeat("w0", "done", forged)),
+                ("report", lambda: eve.report("w0", b"{}")),
+                ("fetch-as-eve", lambda: eve.fetch("w0", eve.session)),
+                ("push-as-eve", lambda: eve.push("w0", eve.session)),
+                ("heartbeat-as-eve", lambda: eve.heartbeat("w0", "done", eve.session)),
+                ("report-as-eve", lambda: eve.report("w0", b"{}", eve.session)),
+                ("challenge", lambda: eve.stub.Challenge(pb.ChallengeRequest(
+                    protocol_version=PROTOCOL_VERSION, worker_id="w0"), timeout=10)),
+            ):
+                codes.setdefault(what, set()).add(code_of(call)[0])
+            stop.wait(0.05)
+
+    spoofer = threading.Thread(target=spoof, daemon=True)
+    spoofer.start()
+    try:
+        for name in ("w0", "w1", "coordinator"):
+            assert cluster.wait_exit(name, 240) == 0, cluster.log(name)
+    finally:
+        stop.set()
+        spoofer.join(timeout=30)
+        eve.close()
+
+    for what in ("fetch", "fetch-forged", "push", "push-forged", "heartbeat", "heartbeat-forged", "report",
+                 "fetch-as-eve", "push-as-eve", "heartbeat-as-eve", "report-as-eve"):
+        assert codes[what] <= {UNAUTHENTICATED, grpc.StatusCode.UNAVAILABLE}, (what, codes[what])
+        assert UNAUTHENTICATED in codes[what], what
+    # Challenges for w0's id are answered (or rate-limited) and never disturb w0's own join.
+    assert codes["challenge"] <= {grpc.StatusCode.OK, EXHAUSTED, grpc.StatusCode.UNAVAILABLE}
+
+    # Nothing was filed against the honest workers, and every round is on the ledger with both reports.
+    manifests = lineage(cluster.run_dir.store, cluster.run_dir.head())
+    assert [len(m.participants) for _, m in manifests] == [0, 2, 2, 2]
+    assert all(set(m.dropped) <= {"eve"} for _, m in manifests)  # eve joined and never trained
+    assert all(not s["refused"] for s in cluster.run_dir.logged_rounds())
+    ledger, run_id = ledger_of(cluster, chain)
+    assert ledger.run_of(run_id)["lastRound"] == 3
+    assert [len(r["reports"]) for r in ledger.recorded_rounds(run_id)] == [2, 2, 2]
+    assert "Traceback" not in cluster.log("coordinator", tail=100_000)
+
+
+def test_floods_are_bounded_and_health_answers_within_a_second(cluster: LocalCluster, make_config) -> None:
+    """Forty stalled pushes, forty long-polls, forty 100 kB ids and a 2.5 MB run id, while w0 trains."""
+    cluster.start_coordinator(make_config(
+        inner=InnerConfig(steps=60, batch_size=4, lr=1e-3),
+        rounds=RoundConfig(rounds=3, expected_workers=1, quorum=1, straggler_timeout_s=60.0,
+                           heartbeat_interval_s=0.5, liveness_timeout_s=5.0)),
+        extra=["--idle-timeout", "3"])
+    mallory = Hostile(cluster)
+    mallory.join("mallory")
+    cluster.start_worker("w0")
+
+    release = threading.Event()
+    outcomes: list[grpc.StatusCode] = []
+    lock = threading.Lock()
+
+    def stalled_push() -> None:
+        def messages() -> Iterator[pb.UpdateChunk]:
+            release.wait(60)  # the stream opens, and not a byte follows
+            yield pb.UpdateChunk(data=b"late")
+        code, _ = code_of(lambda: mallory.stub.PushUpdate(messages(), timeout=60, metadata=mallory.session))
+        with lock:
+            outcomes.append(code)
+
+    def long_poll() -> None:
+        code, _ = code_of(lambda: mallory.fetch("mallory", mallory.session, min_round=99, wait_s=8))
+        with lock:
+            outcomes.append(code)
+
+    threads = [threading.Thread(target=f, daemon=True) for f in [stalled_push] * 40 + [long_poll] * 40]
+    for t in threads:
+        t.start()
+    time.sleep(1.0)  # every stream is open or refused by now
+    worst = max(mallory.responsive_within(1.0) for _ in range(5))
+
+    # Calls that name no session, and fields of absurd size, are refused at once.
+    started = time.monotonic()
+    for _ in range(40):
+        assert code_of(lambda: mallory.push("w0"))[0] == UNAUTHENTICATED
+        code, details = code_of(lambda: mallory.stub.Challenge(pb.ChallengeRequest(
+            protocol_version=PROTOCOL_VERSION, worker_id="x" * 100_000), timeout=10))
+        assert code in (INVALID, EXHAUSTED) and len(details) < 300, (code, len(details))
+    assert time.monotonic() - started < 20
+    worst = max(worst, mallory.responsive_within(1.0))
+
+    # The stalled pushes are cancelled once idle (3 s here); the long-polls end when their wait does.
+    time.sleep(4.0)
+    worst = max(worst, mallory.responsive_within(1.0))
+    release.set()
+    for t in threads:
+        t.join(timeout=90)
+    assert len(outcomes) == 80
+    assert outcomes.count(EXHAUSTED) >= 80 - 8, outcomes  # 8 streams at most per caller
+    from collections import Counter
+    assert grpc.StatusCode.CANCELLED in outcomes or grpc.StatusCode.OK in outcomes, Counter(outcomes)
+    # With her streams free again, a 2.5 MB run id is refused by its length, quoted by its name only.
+    code, details = code_of(lambda: mallory.push("mallory", mallory.session, run_id="r" * 2_500_000))
+    assert code == INVALID and "run_id" in details and len(details) < 300, (code, details[:300])
+
+    assert cluster.wait_exit("w0", 180) == 0, cluster.log("w0")
+    assert cluster.wait_exit("coordinator", 60) == 0, cluster.log("coordinator")
+    status_size = len((cluster.run_dir.path / "rounds.jsonl").read_bytes())
+    assert status_size < 64_000
+    log = cluster.log("coordinator", tail=100_000)
+    assert "Traceback" not in log
+    assert "no progress for" in log  # the idle reaper named what it cancelled
+    print(f"health+Status under flood: worst {worst * 1000:.0f} ms")
+
+
+def test_undecodable_messages_cost_a_log_line_each_at_most(cluster: LocalCluster, make_config) -> None:
+    cluster.start_coordinator(make_config())
+    with cluster.channel() as channel:
+        for method in ("Challenge", "Join", "Heartbeat", "SubmitReport"):
+            call = channel.unary_unary(f"/{SERVICE_NAME}/{method}", request_serializer=lambda b: b,
+                                       response_deserializer=lambda b: b)
+            for garbage in (b"\xff" * 64, b"\x0a\xff\xff\xff\xff\x0f", bytes(range(256)) * 8):
+                code, details = code_of(lambda: call(garbage, timeout=10))
+                assert code in (INVALID, UNAUTHENTICATED, EXHAUSTED), (method, code, details)
+        hostile = Hostile(cluster)
+        for _ in range(200):
+            code, _ = code_of(lambda: hostile.stub.Challenge(pb.ChallengeRequest(
+                protocol_version=PROTOCOL_VERSION, worker_id="bad id!"), timeout=10))
+            assert code in (INVALID, EXHAUSTED)
+        hostile.responsive_within(1.0)
+        hostile.close()
+    log = cluster.log("coordinator", tail=100_000)
+    assert "Traceback" not in log
+    refusals = len(re.findall(r"refused", log))
+    assert refusals <= 40, f"{refusals} log lines for 212 bad messages"
+
+
+def test_plaintext_and_wrong_pins_are_refused(cluster: LocalCluster, make_config) -> None:
+    cluster.start_coordinator(make_config())
+    plain = grpc.insecure_channel(cluster.address, options=CHANNEL_OPTIONS)
+    code, _ = code_of(lambda: pb_grpc.CoordinatorStub(plain).Status(pb.StatusRequest(), timeout=5))
+    assert code == grpc.StatusCode.UNAVAILABLE
+    plain.close()
+    from trainer.tls import TlsError
+
+    with pytest.raises(TlsError, match="but the pin is"):
+        open_channel(cluster.address, ClientTls(fingerprint="ab" * 32), CHANNEL_OPTIONS)
+    # A worker given the wrong pin exits at once with one line; one given the right pin trains.
+    process = cluster._spawn("wrong-pin", ["worker", "--coordinator", cluster.address, "--worker-id", "w9",
+                                           "--tls-fingerprint", "ab" * 32])
+    assert process.wait(timeout=60) == 1
+    assert "but the pin is" in cluster.log("wrong-pin")
+    assert "Traceback" not in cluster.log("wrong-pin")
+
+
+def test_one_coordinator_per_run_directory_and_port(cluster: LocalCluster, make_config, tmp_path: Path) -> None:
+    cluster.start_coordinator(make_config())
+    second = cluster._spawn("second", ["coordinator", "--run-dir", str(cluster.run_dir.path), "--port", "0"])
+    assert second.wait(timeout=60) == 1
+    assert "another coordinator is serving" in cluster.log("second")
+    port = cluster.address.rsplit(":", 1)[1]
+    other = LocalCluster(tmp_path / "other")
+    config = tmp_path / "config.json"
+    try:
+        same_port = other._spawn("same-port", ["coordinator", "--run-dir", str(other.run_dir.path), "--config",
+                                               str(config), "--host", "127.0.0.1", "--port", port])
+        assert same_port.wait(timeout=60) == 1
+        assert f"cannot listen on 127.0.0.1:{port}" in other.log("same-port")
+    finally:
+        other.stop()
+    status = cluster.status()  # the first is untouched
+    assert status.run_id == "test"
+
+
+SHARED_QUOTES = Path(__file__).resolve().parents[2].parent / "shared" / "attestation" / "dcap-qvl"
+INSIDE_COLLATERAL_WINDOW = 1750809600  # 2025-06-25: the sample collateral was issued 06-19, next update 07-19
+
+
+@pytest.mark.skipif(not (SHARED_QUOTES / "tdx_quote").exists(),
+                    reason="../shared/attestation is absent: the real-TDX-quote Join test needs its quotes")
+def test_tdx_join_forged_quote_refused_genuine_quote_verified(cluster: LocalCluster, chain, tmp_path: Path) -> None:  # noqa: F811
+    from attestation import Evidence, measurement_of, parse_quote, report_data
+    from cli.demo import provision
+    from settlement import DEV_ACCOUNTS, Chain, Deployment, Registry
+
+    genuine = (SHARED_QUOTES / "tdx_quote").read_bytes()
+    config = pinned(small_config())
+    path = tmp_path / "config.json"
+    config.save(path)
+    co_args, _ = provision(cluster.run_dir.path, chain.rpc_url, config)
+    # The quote's measurement is on the allowlist, as it was in the attack.
+    deployment = Deployment.load(cluster.run_dir.path / "chain" / "deployment.json")
+    Registry(Chain(chain.rpc_url, DEV_ACCOUNTS[0]), deployment.registry).set_measurement(
+        measurement_of(parse_quote(genuine)))
+    cluster.start_coordinator(path, extra=[*co_args, "--dcap-collateral", str(SHARED_QUOTES / "tdx_quote_collateral.json"),
+                                           "--attestation-time", str(INSIDE_COLLATERAL_WINDOW)])
+    eve = Hostile(cluster)
+    key = WorkerKey.generate()
+
+    def join(forge: bool) -> tuple[grpc.StatusCode, str]:
+        challenge = eve.stub.Challenge(pb.ChallengeRequest(protocol_version=PROTOCOL_VERSION, worker_id="eve"),
+                                       timeout=10)
+        binding = report_data(key.address, challenge.run_digest, challenge.nonce, code_measurement(challenge.config_cid))
+        quote = genuine[:568] + binding + genuine[632:] if forge else genuine  # v4: REPORTDATA at 568
+        evidence = Evidence(provider="tdx", quote=quote).to_bytes()
+        return code_of(lambda: eve.stub.Join(pb.JoinRequest(
+            protocol_version=PROTOCOL_VERSION, worker_id="eve", address=key.address, evidence=evidence,
+            nonce=challenge.nonce), timeout=60))
+
+    # REPORTDATA rewritten to bind eve's key: the quote's signature no longer verifies.
+    code, details = join(forge=True)
+    assert code == grpc.StatusCode.PERMISSION_DENIED and "(dcap)" in details and "signature" in details, details
+    # The genuine quote passes DCAP inside its collateral window, and is refused because its
+    # REPORTDATA binds someone else's key, run and nonce, not eve's.
+    code, details = join(forge=False)
+    assert code == grpc.StatusCode.PERMISSION_DENIED and "(report_data)" in details, details
+    assert len(details) < 400
+    status = cluster.status()
+    assert not status.workers  # nobody was admitted
+    eve.close()

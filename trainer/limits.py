@@ -1,0 +1,259 @@
+"""Bounded resources for the coordinator's gRPC service: what any one peer can cost it.
+
+Every request is checked here before the coordinator's state machine sees it:
+
+    fields      every string, bytes and repeated field of every request message has a bound
+                (``FIELD_LIMITS``, else ``DEFAULT_STRING``/``DEFAULT_BYTES``/``DEFAULT_REPEATED``),
+                found by walking the message's descriptor, so a field added to the .proto later is
+                bounded too. Worker ids must match ``WORKER_ID`` and phases be one of ``PHASES``.
+    slots       calls that can hold a server thread for long (PushUpdate, FetchGlobal, Join) take a
+                slot: at most ``per_caller`` at once per caller (an authenticated worker, or the
+                peer address for calls made before a Join) and ``total`` in all; the server's
+                thread pool is larger than ``total``, so health, Status and the short calls always
+                find a thread. Beyond a limit a call is refused at once with RESOURCE_EXHAUSTED.
+    idle        a slot's call that makes no progress (no message received or sent) for its
+                allowance is cancelled by one reaper thread; a long-poll's wait is allowed for.
+    rate        ``TokenBucket`` per peer host, for Challenge and Join.
+    echo        ``clip`` quotes at most ``ECHO_CHARS`` of anything a caller sent.
+    log lines   ``LogBudget``: a malformed message costs at most one log line, and no more than
+                ``per_minute`` lines a minute for each kind of fault, never a traceback.
+"""
+
+from __future__ import annotations
+
+import logging
+import re
+import threading
+import time
+from collections import OrderedDict
+from dataclasses import dataclass, field
+from typing import Callable
+
+from google.protobuf.message import Message
+
+log = logging.getLogger("dilocox.limits")
+
+ECHO_CHARS = 64
+WORKER_ID = re.compile(r"[A-Za-z0-9._-]{1,64}")
+PHASES = frozenset({"starting", "joined", "waiting", "training", "pushing", "abandoned", "done"})
+
+DEFAULT_STRING = 128        # characters: ids, CIDs, digests, encodings
+DEFAULT_BYTES = 256         # nonces, signatures, tokens
+DEFAULT_REPEATED = 4096     # tensors in a layout, dimensions of a shape
+# Fields that are larger by nature, by (message name, field name).
+FIELD_LIMITS: dict[tuple[str, str], int] = {
+    ("JoinRequest", "evidence"): 256 << 10,             # a TDX quote with its certificate chain, as hex
+    ("UpdateHeader", "compression_header"): 4 << 20,     # one entry per tensor
+    ("UpdateChunk", "data"): 1 << 20,                    # proto.CHUNK_BYTES
+    ("SubmitReportRequest", "signed_report"): 16 << 10,
+    ("TensorSpec", "name"): 256,
+    ("TensorSpec", "shape"): 8,
+}
+
+
+class FieldError(ValueError):
+    """A request field over its bound or of the wrong form; the message names the field only."""
+
+
+def clip(text: object, limit: int = ECHO_CHARS) -> str:
+    """``repr`` of caller-supplied text, cut to ``limit`` characters with the full length named."""
+    s = str(text)
+    if len(s) <= limit:
+        return repr(s)
+    return f"{s[:limit]!r}… ({len(s)} characters)"
+
+
+def check_fields(message: Message, path: str = "") -> None:
+    """Refuse any string, bytes or repeated field of ``message`` (recursively) over its bound."""
+    name = message.DESCRIPTOR.name
+    for fd, value in message.ListFields():
+        where = f"{path}{name}.{fd.name}"
+        limit = FIELD_LIMITS.get((name, fd.name))
+        repeated = fd.is_repeated
+        if repeated:
+            bound = limit if limit is not None and fd.type not in (fd.TYPE_STRING, fd.TYPE_BYTES) else DEFAULT_REPEATED
+            if len(value) > bound:
+                raise FieldError(f"{where} has {len(value)} entries, more than {bound}")
+            items = value
+        else:
+            items = (value,)
+        for item in items:
+            if fd.type == fd.TYPE_MESSAGE:
+                check_fields(item, f"{where}/")
+            elif fd.type == fd.TYPE_STRING:
+                bound = limit or DEFAULT_STRING
+                if len(item) > bound:
+                    raise FieldError(f"{where} is {len(item)} characters, more than {bound}")
+            elif fd.type == fd.TYPE_BYTES:
+                bound = limit or DEFAULT_BYTES
+                if len(item) > bound:
+                    raise FieldError(f"{where} is {len(item)} bytes, more than {bound}")
+
+
+def check_worker_id(worker_id: str) -> None:
+    if not WORKER_ID.fullmatch(worker_id):
+        raise FieldError(f"worker id {clip(worker_id)} must match {WORKER_ID.pattern}")
+
+
+def check_phase(phase: str) -> None:
+    if phase not in PHASES:
+        raise FieldError(f"phase {clip(phase, 16)} is not one of {', '.join(sorted(PHASES))}")
+
+
+# ----------------------------------------------------------------------------------- rate
+
+
+@dataclass
+class TokenBucket:
+    """``rate`` events a second per key, bursts of ``burst``; at most ``max_keys`` keys remembered
+    (the least recently used go first, so a flood of new keys cannot grow memory)."""
+
+    rate: float
+    burst: float
+    max_keys: int = 4096
+    clock: Callable[[], float] = time.monotonic
+    _buckets: OrderedDict[str, tuple[float, float]] = field(default_factory=OrderedDict)
+    _lock: threading.Lock = field(default_factory=threading.Lock)
+
+    def allow(self, key: str) -> bool:
+        now = self.clock()
+        with self._lock:
+            tokens, then = self._buckets.pop(key, (self.burst, now))
+            tokens = min(self.burst, tokens + (now - then) * self.rate)
+            allowed = tokens >= 1.0
+            self._buckets[key] = (tokens - 1.0 if allowed else tokens, now)
+            while len(self._buckets) > self.max_keys:
+                self._buckets.popitem(last=False)
+            return allowed
+
+
+class LogBudget:
+    """At most ``per_minute`` log lines a minute for each kind of fault; the rest are counted and
+    summed up in the next line that is let through."""
+
+    def __init__(self, logger: logging.Logger, per_minute: int = 10, clock: Callable[[], float] = time.monotonic) -> None:
+        self.logger = logger
+        self.per_minute = per_minute
+        self.clock = clock
+        self._lock = threading.Lock()
+        self._window: dict[str, tuple[float, int, int]] = {}  # kind -> (window start, lines, suppressed)
+
+    def warning(self, kind: str, message: str, *args: object) -> None:
+        now = self.clock()
+        with self._lock:
+            start, lines, suppressed = self._window.get(kind, (now, 0, 0))
+            if now - start >= 60.0:
+                start, lines = now, 0
+            if lines >= self.per_minute:
+                self._window[kind] = (start, lines, suppressed + 1)
+                return
+            self._window[kind] = (start, lines + 1, 0)
+        if suppressed:
+            message += f" ({suppressed} more like it not logged)"
+        self.logger.warning(message, *args)
+
+
+# ----------------------------------------------------------------------------------- slots
+
+
+class Exhausted(Exception):
+    """No slot is free for this caller, or none at all; the message says which limit."""
+
+
+@dataclass
+class _Call:
+    caller: str
+    cancel: Callable[[], None]
+    allowance_s: float
+    last: float
+
+
+class CallSlots:
+    """Concurrency limits per caller and in total, and the idle reaper (module docstring)."""
+
+    def __init__(self, *, total: int, per_caller: int, idle_s: float, clock: Callable[[], float] = time.monotonic) -> None:
+        self.total = total
+        self.per_caller = per_caller
+        self.idle_s = idle_s
+        self.clock = clock
+        self._lock = threading.Lock()
+        self._calls: dict[int, _Call] = {}
+        self._per_caller: dict[str, int] = {}
+        self._next_id = 0
+        self._stop = threading.Event()
+        self._reaper = threading.Thread(target=self._reap, name="idle-reaper", daemon=True)
+        self._reaper.start()
+
+    def acquire(self, caller: str, cancel: Callable[[], None]) -> Slot:
+        with self._lock:
+            if len(self._calls) >= self.total:
+                raise Exhausted(f"the coordinator is serving {self.total} streams, its limit; retry shortly")
+            held = self._per_caller.get(caller, 0)
+            if held >= self.per_caller:
+                raise Exhausted(f"this caller already holds {held} streams, the limit per caller")
+            self._next_id += 1
+            self._calls[self._next_id] = _Call(caller, cancel, self.idle_s, self.clock())
+            self._per_caller[caller] = held + 1
+            return Slot(self, self._next_id)
+
+    def in_use(self) -> int:
+        with self._lock:
+            return len(self._calls)
+
+    def _touch(self, call_id: int, allowance_s: float | None) -> None:
+        with self._lock:
+            call = self._calls.get(call_id)
+            if call is not None:
+                call.last = self.clock()
+                call.allowance_s = self.idle_s if allowance_s is None else allowance_s + self.idle_s
+
+    def _release(self, call_id: int) -> None:
+        with self._lock:
+            call = self._calls.pop(call_id, None)
+            if call is None:
+                return
+            left = self._per_caller[call.caller] - 1
+            if left:
+                self._per_caller[call.caller] = left
+            else:
+                del self._per_caller[call.caller]
+
+    def _reap(self) -> None:
+        while not self._stop.wait(min(0.5, self.idle_s / 4)):
+            now = self.clock()
+            with self._lock:
+                idle = [(i, c) for i, c in self._calls.items() if now - c.last > c.allowance_s]
+            for call_id, call in idle:
+                log.warning("cancelled a stream of %s: no progress for %.0fs", call.caller, now - call.last)
+                self._release(call_id)
+                try:
+                    call.cancel()
+                except Exception as exc:  # a call that ended meanwhile: nothing left to cancel
+                    log.debug("cancel of an idle stream failed: %s", exc)
+
+    def close(self) -> None:
+        self._stop.set()
+
+
+@dataclass
+class Slot:
+    """One call's hold on a slot: ``progress()`` on every message, ``waiting(s)`` before a wait
+    of up to ``s`` seconds that is not idleness, ``release()`` (or ``with``) when the call ends."""
+
+    slots: CallSlots
+    call_id: int
+
+    def progress(self) -> None:
+        self.slots._touch(self.call_id, None)
+
+    def waiting(self, seconds: float) -> None:
+        self.slots._touch(self.call_id, seconds)
+
+    def release(self) -> None:
+        self.slots._release(self.call_id)
+
+    def __enter__(self) -> Slot:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.release()

@@ -1,0 +1,494 @@
+"""The coordinator's gRPC service: who may call, and what a call may cost, before the state machine.
+
+Every RPC passes these steps, in order, before trainer.coordinator sees it:
+
+  1. decoding    a message that does not decode is refused (INVALID_ARGUMENT) with one log line,
+                 never a traceback (``_parser``: the deserializer returns ``MALFORMED``);
+  2. fields      every string/bytes/repeated field is bounded, worker ids and phases have their
+                 form (trainer.limits); refusals quote at most a short prefix of what was sent;
+  3. identity    FetchGlobal, PushUpdate, SubmitReport and Heartbeat act for a worker: they carry
+                 its id and the session token of its latest Join in the call's metadata
+                 (``METADATA_WORKER``, ``METADATA_SESSION``), and the id in the request must be the
+                 same. Anything else is UNAUTHENTICATED and changes nothing: no refusal filed, no
+                 traffic counted, no phase or liveness set;
+  4. resources   Challenge and Join are rate-limited per peer host; PushUpdate and FetchGlobal hold
+                 one of a bounded number of slots per worker and in all, Join one of a few, and a
+                 slot whose call makes no progress for the idle allowance is cancelled
+                 (trainer.limits.CallSlots). The thread pool is larger than all slots together, so
+                 health and Status always answer.
+
+Then a trainer.refusal.Refusal becomes its status code; anything unexpected becomes INTERNAL with
+one rate-limited log line. A session token is 32 random bytes given in JoinResponse; only its
+sha256 is kept, and a new Join of the same worker replaces it (trainer.coordinator.Coordinator.join
+says who may re-join a live worker's id).
+"""
+
+from __future__ import annotations
+
+import fcntl
+import hashlib
+import hmac
+import logging
+import os
+import signal
+import threading
+import time
+from concurrent import futures
+from typing import Callable, Iterator, TypeVar
+
+import grpc
+from grpc_health.v1 import health, health_pb2, health_pb2_grpc
+
+from proto import CHANNEL_OPTIONS, CHUNK_BYTES, PROTOCOL_VERSION, SERVICE_NAME, pb
+from trainer.aggregation import InvalidUpdate, validate_payload
+from trainer.config import RunConfig
+from trainer.coordinator import Coordinator, GlobalState
+from trainer.limits import (
+    CallSlots, Exhausted, FieldError, LogBudget, Slot, TokenBucket, check_fields, check_phase, check_worker_id,
+    clip,
+)
+from trainer.refusal import Refusal
+from trainer.run_dir import RunDir
+from trainer.trust import TrustSettings
+from trainer.wire import ENCODING_DENSE_F32, ENCODING_HELD, ENCODING_LOWRANK_INT4, WireError, chunked, json_object, reassemble, sha256_hex
+
+log = logging.getLogger("dilocox.service")
+T = TypeVar("T")
+
+METADATA_WORKER = "dilocox-worker"
+METADATA_SESSION = "dilocox-session-bin"
+
+LONG_POLL_MAX_S = 30.0   # the longest a FetchGlobal may wait for a round to close
+STREAM_SLOTS = 32        # PushUpdate + FetchGlobal calls at once, in all
+STREAM_SLOTS_PER_WORKER = 8
+JOIN_SLOTS = 4           # Joins being verified at once (evidence, chain)
+THREADS = 64             # > STREAM_SLOTS + JOIN_SLOTS: the rest serve health, Status and short calls
+MAX_RPCS = 256           # beyond this gRPC itself answers RESOURCE_EXHAUSTED, before any thread
+MAX_STREAMS_PER_CONNECTION = 64
+
+
+class _Malformed:
+    """What a request that does not decode arrives as (see module docstring, step 1)."""
+
+    def __repr__(self) -> str:
+        return "MALFORMED"
+
+
+MALFORMED = _Malformed()
+
+
+def _parser(message_type: type) -> Callable[[bytes], object]:
+    def parse(data: bytes) -> object:
+        try:
+            return message_type.FromString(data)
+        except Exception:  # DecodeError, or worse on hostile bytes: never let gRPC log a traceback
+            return MALFORMED
+    return parse
+
+
+def _decoded(request: object, what: str) -> None:
+    if request is MALFORMED:
+        raise FieldError(f"the {what} message does not decode")
+
+
+def session_metadata(worker_id: str, token: bytes) -> tuple[tuple[str, str | bytes], ...]:
+    """The metadata a worker's calls carry after Join."""
+    return ((METADATA_WORKER, worker_id), (METADATA_SESSION, token))
+
+
+class Sessions:
+    """Session tokens of joined workers: worker id → sha256(token). Thread-safe; bounded by the
+    coordinator's worker registry (``retain``)."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._digests: dict[str, bytes] = {}
+
+    def issue(self, worker_id: str) -> bytes:
+        token = os.urandom(32)
+        with self._lock:
+            self._digests[worker_id] = hashlib.sha256(token).digest()
+        return token
+
+    def valid(self, worker_id: str, token: bytes) -> bool:
+        with self._lock:
+            digest = self._digests.get(worker_id)
+        return digest is not None and hmac.compare_digest(digest, hashlib.sha256(token).digest())
+
+    def retain(self, worker_ids: set[str]) -> None:
+        with self._lock:
+            self._digests = {w: d for w, d in self._digests.items() if w in worker_ids}
+
+
+def _peer_host(context: grpc.ServicerContext) -> str:
+    """"ipv4:127.0.0.1:5123" → "ipv4:127.0.0.1": the caller's host, for per-host rate limits."""
+    return context.peer().rsplit(":", 1)[0]
+
+
+class CoordinatorService:
+    """The Coordinator service's handlers (registered by ``handler``)."""
+
+    def __init__(self, coordinator: Coordinator, *, idle_s: float = 30.0) -> None:
+        self.c = coordinator
+        self.sessions = Sessions()
+        self.streams = CallSlots(total=STREAM_SLOTS, per_caller=STREAM_SLOTS_PER_WORKER, idle_s=idle_s)
+        self.joins = CallSlots(total=JOIN_SLOTS, per_caller=JOIN_SLOTS, idle_s=120.0)
+        self.challenges = TokenBucket(rate=5.0, burst=20.0)
+        self.join_rate = TokenBucket(rate=2.0, burst=10.0)
+        self.budget = LogBudget(log)
+
+    def close(self) -> None:
+        self.streams.close()
+        self.joins.close()
+
+    # ------------------------------------------------------------------------- the steps
+
+    def _call(self, context: grpc.ServicerContext, rpc: str, body: Callable[[], T]) -> T:
+        """Run ``body``; turn every refusal into its status code, and anything else into INTERNAL."""
+        try:
+            return body()
+        except Refusal as r:
+            code, message = r.code, r.message
+        except FieldError as exc:
+            self.budget.warning("field", "%s from %s refused: %s", rpc, _peer_host(context), exc)
+            code, message = grpc.StatusCode.INVALID_ARGUMENT, str(exc)
+        except Exhausted as exc:
+            self.budget.warning("exhausted", "%s from %s refused: %s", rpc, _peer_host(context), exc)
+            code, message = grpc.StatusCode.RESOURCE_EXHAUSTED, str(exc)
+        except grpc.RpcError:  # the call was cancelled (by the caller, or as idle) while we read it
+            self.budget.warning("cancelled", "%s from %s ended before its request was complete", rpc,
+                                _peer_host(context))
+            code, message = grpc.StatusCode.CANCELLED, "the call was cancelled"
+        except Exception as exc:  # a bug, not the caller's fault: one line, the traceback only at debug
+            self.budget.warning("internal", "%s failed: %s: %s", rpc, type(exc).__name__, clip(exc, 200))
+            log.debug("%s failed", rpc, exc_info=True)
+            code, message = grpc.StatusCode.INTERNAL, "internal error; the coordinator's log says more"
+        context.abort(code, message)
+        raise AssertionError("unreachable")  # abort raises
+
+    def _worker(self, context: grpc.ServicerContext, claimed: str | None = None) -> str:
+        """The worker a call acts for, proved by its session token (step 3)."""
+        metadata = dict(context.invocation_metadata() or ())
+        worker = metadata.get(METADATA_WORKER, "")
+        token = metadata.get(METADATA_SESSION, b"")
+        if not isinstance(worker, str) or not worker or not isinstance(token, bytes):
+            raise Refusal(grpc.StatusCode.UNAUTHENTICATED,
+                          f"this call acts for a worker: send {METADATA_WORKER} and {METADATA_SESSION} metadata "
+                          f"(the session token of your Join)")
+        check_worker_id(worker)
+        if not self.sessions.valid(worker, token):
+            raise Refusal(grpc.StatusCode.UNAUTHENTICATED,
+                          f"no session of worker {worker!r} has this token: Join again")
+        if claimed is not None and claimed != worker:
+            raise Refusal(grpc.StatusCode.UNAUTHENTICATED,
+                          f"the request names worker {clip(claimed)}, but the session is {worker!r}'s")
+        return worker
+
+    def _rate(self, context: grpc.ServicerContext, bucket: TokenBucket, what: str) -> None:
+        if not bucket.allow(_peer_host(context)):
+            raise Exhausted(f"too many {what} requests from this host; retry in a few seconds")
+
+    # ------------------------------------------------------------------------- unary
+
+    def Challenge(self, request: pb.ChallengeRequest, context: grpc.ServicerContext) -> pb.ChallengeResponse:
+        def body() -> pb.ChallengeResponse:
+            _decoded(request, "ChallengeRequest")
+            check_fields(request)
+            check_worker_id(request.worker_id)
+            self._rate(context, self.challenges, "Challenge")
+            nonce = self.c.challenge(request.worker_id, request.protocol_version)
+            chain_id, ledger = self._ledger()
+            return pb.ChallengeResponse(
+                nonce=nonce, run_digest=self.c.run_digest, config_json=self.c.config_bytes,
+                config_cid=str(self.c.config_cid), attestation_required=self.c.gate is not None,
+                chain_id=chain_id, ledger=ledger, coordinator_address=self.c.signer.address,
+            )
+        return self._call(context, "Challenge", body)
+
+    def Join(self, request: pb.JoinRequest, context: grpc.ServicerContext) -> pb.JoinResponse:
+        def body() -> pb.JoinResponse:
+            _decoded(request, "JoinRequest")
+            check_fields(request)
+            check_worker_id(request.worker_id)
+            self._rate(context, self.join_rate, "Join")
+            metadata = dict(context.invocation_metadata() or ())
+            token = metadata.get(METADATA_SESSION, b"")
+            proves = isinstance(token, bytes) and self.sessions.valid(request.worker_id, token)
+            with self.joins.acquire(_peer_host(context), context.cancel):
+                shard, open_round = self.c.join(request.worker_id, request.protocol_version, request.address,
+                                                request.evidence, request.nonce, proves_session=proves)
+            token = self.sessions.issue(request.worker_id)
+            self.sessions.retain(self.c.registered())
+            cfg = self.c.config
+            chain_id, ledger = self._ledger()
+            return pb.JoinResponse(
+                protocol_version=PROTOCOL_VERSION, run_id=cfg.run_id, config_json=self.c.config_bytes,
+                config_cid=str(self.c.config_cid), open_round=open_round, shard=shard,
+                num_shards=cfg.rounds.expected_workers, heartbeat_interval_s=cfg.rounds.heartbeat_interval_s,
+                run_digest=self.c.run_digest, chain_id=chain_id, ledger=ledger, session_token=token,
+                coordinator_address=self.c.signer.address,
+            )
+        return self._call(context, "Join", body)
+
+    def SubmitReport(self, request: pb.SubmitReportRequest, context: grpc.ServicerContext) -> pb.SubmitReportResponse:
+        def body() -> pb.SubmitReportResponse:
+            _decoded(request, "SubmitReportRequest")
+            check_fields(request)
+            worker = self._worker(context, request.worker_id)
+            return pb.SubmitReportResponse(accepted=True, round=self.c.submit_report(worker, request.signed_report))
+        return self._call(context, "SubmitReport", body)
+
+    def Heartbeat(self, request: pb.HeartbeatRequest, context: grpc.ServicerContext) -> pb.HeartbeatResponse:
+        def body() -> pb.HeartbeatResponse:
+            _decoded(request, "HeartbeatRequest")
+            check_fields(request)
+            worker = self._worker(context, request.worker_id)
+            check_phase(request.phase)
+            open_round, finished = self.c.heartbeat(worker, request.round, request.phase)
+            return pb.HeartbeatResponse(open_round=open_round, finished=finished)
+        return self._call(context, "Heartbeat", body)
+
+    def Status(self, request: pb.StatusRequest, context: grpc.ServicerContext) -> pb.StatusResponse:
+        return self._call(context, "Status", self.c.status)
+
+    def _ledger(self) -> tuple[int, str]:
+        gate = self.c.gate
+        return (gate.domain.chain_id, gate.domain.ledger) if gate else (0, "")
+
+    # ------------------------------------------------------------------------- streams
+
+    def PushUpdate(self, request_iterator: Iterator[pb.UpdateChunk], context: grpc.ServicerContext) -> pb.PushUpdateResponse:
+        def body() -> pb.PushUpdateResponse:
+            worker = self._worker(context)
+            with self.streams.acquire(worker, context.cancel) as slot:
+                return self._push(worker, request_iterator, slot)
+        return self._call(context, "PushUpdate", body)
+
+    def _push(self, worker: str, request_iterator: Iterator[pb.UpdateChunk], slot: Slot) -> pb.PushUpdateResponse:
+        first = next(request_iterator, None)
+        slot.progress()
+        if first is None or first is MALFORMED or not first.HasField("header"):
+            raise FieldError("the first message of a push must be its header")
+        check_fields(first)
+        header = first.header
+        if header.worker_id != worker:
+            raise Refusal(grpc.StatusCode.UNAUTHENTICATED,
+                          f"the push header names worker {clip(header.worker_id)}, but the session is {worker!r}'s")
+        wire_bytes = first.ByteSize()
+
+        def data() -> Iterator[bytes]:
+            nonlocal wire_bytes
+            for message in request_iterator:
+                slot.progress()
+                if message is MALFORMED or not message.HasField("data"):
+                    raise WireError("a push carries one header, then data chunks only")
+                wire_bytes += message.ByteSize()
+                yield message.data
+
+        try:
+            try:
+                declared = self.c.admit_header(header)  # refused before a payload byte is read
+                what = f"update from {worker} for round {header.round}"
+                payload = reassemble(data(), header.payload_size, header.payload_sha256, what=what)
+                update = validate_payload(payload, declared, self.c.bound, encoding=header.encoding,
+                                          codec_header=codec_header(header))
+            except (WireError, InvalidUpdate) as exc:
+                raise Refusal(grpc.StatusCode.INVALID_ARGUMENT, str(exc)) from exc
+            finally:
+                self.c.count_up(worker, wire_bytes)  # refused or not, these bytes crossed the network
+            cid, open_round = self.c.accept(header, update, wire_bytes)
+        except Refusal as r:
+            self.c.refuse(header, r)
+            raise
+        return pb.PushUpdateResponse(accepted=True, update_cid=str(cid), open_round=open_round)
+
+    def FetchGlobal(self, request: pb.FetchGlobalRequest, context: grpc.ServicerContext) -> Iterator[pb.GlobalChunk]:
+        def begin() -> tuple[str, Slot, tuple[GlobalState | None, int, bool]]:
+            _decoded(request, "FetchGlobalRequest")
+            check_fields(request)
+            worker = self._worker(context, request.worker_id)
+            slot = self.streams.acquire(worker, context.cancel)
+            try:
+                wait_s = min(max(request.wait_s, 0.0), LONG_POLL_MAX_S) if request.wait_s == request.wait_s else 0.0
+                slot.waiting(wait_s)
+                return worker, slot, self.c.wait_for_global(worker, request.min_round, wait_s)
+            except BaseException:
+                slot.release()
+                raise
+
+        worker, slot, (state, open_round, finished) = self._call(context, "FetchGlobal", begin)
+        context.add_callback(slot.release)
+        try:
+            sent = 0
+            for message in self._global_messages(state, open_round, finished, request.have_params_cid):
+                self.c.count_down(worker, message.ByteSize())
+                sent += message.ByteSize()
+                yield message
+                slot.progress()
+            if state is not None:
+                self.c.served_state(worker, str(state.params_cid), sent)
+        finally:
+            slot.release()
+
+    def _global_messages(self, state: GlobalState | None, open_round: int, finished: bool,
+                         have_params_cid: str) -> Iterator[pb.GlobalChunk]:
+        if state is None:
+            yield pb.GlobalChunk(header=pb.GlobalHeader(available=False, open_round=open_round))
+            return
+        header = pb.GlobalHeader(
+            available=True, round=state.round, params_cid=str(state.params_cid),
+            manifest_cid=str(state.manifest_cid), open_round=open_round, finished=finished,
+            eval_loss_e6=state.eval_loss_e6, encoding=ENCODING_DENSE_F32, signature=self.c.global_signature(state),
+        )
+        payload = state.payload
+        if have_params_cid == str(state.params_cid):
+            # The worker holds θ⁽ʳ⁾ already (θ⁽⁰⁾ it builds from the seed): the header says so.
+            payload, header.encoding = b"", ENCODING_HELD
+        elif state.downlink is not None and have_params_cid == state.downlink[2]:
+            # The worker holds θ⁽ʳ⁻¹⁾: the compressed global update is all it needs.
+            payload, header.compression_header, header.base_params_cid = state.downlink
+            header.encoding = ENCODING_LOWRANK_INT4
+        header.payload_size, header.payload_sha256 = len(payload), sha256_hex(payload)
+        yield pb.GlobalChunk(header=header)
+        for piece in chunked(payload, CHUNK_BYTES):
+            yield pb.GlobalChunk(data=piece)
+
+
+def codec_header(h: pb.UpdateHeader) -> dict | None:
+    """The compression header of a compressed push, parsed (None for dense pushes)."""
+    if h.encoding != ENCODING_LOWRANK_INT4:
+        return None
+    try:
+        return json_object(h.compression_header, "compression_header")
+    except WireError as exc:
+        raise InvalidUpdate(str(exc)) from exc
+
+
+class _Health(health.HealthServicer):
+    """grpc.health.v1 with Check only: Watch would hold a server thread per caller for ever."""
+
+    def Watch(self, request: health_pb2.HealthCheckRequest, context: grpc.ServicerContext,
+              send_response_callback: object = None) -> None:
+        context.abort(grpc.StatusCode.UNIMPLEMENTED, "Watch is not served; poll Check")
+
+
+def handler(service: CoordinatorService) -> grpc.GenericRpcHandler:
+    """The Coordinator service's method handlers, with deserializers that never raise (step 1)."""
+    unary, server_stream, client_stream = (grpc.unary_unary_rpc_method_handler, grpc.unary_stream_rpc_method_handler,
+                                           grpc.stream_unary_rpc_method_handler)
+    methods = {
+        "Challenge": (unary, pb.ChallengeRequest, service.Challenge),
+        "Join": (unary, pb.JoinRequest, service.Join),
+        "FetchGlobal": (server_stream, pb.FetchGlobalRequest, service.FetchGlobal),
+        "PushUpdate": (client_stream, pb.UpdateChunk, service.PushUpdate),
+        "SubmitReport": (unary, pb.SubmitReportRequest, service.SubmitReport),
+        "Heartbeat": (unary, pb.HeartbeatRequest, service.Heartbeat),
+        "Status": (unary, pb.StatusRequest, service.Status),
+    }
+    return grpc.method_handlers_generic_handler(SERVICE_NAME, {
+        name: kind(fn, request_deserializer=_parser(request_type),
+                   response_serializer=lambda m: m.SerializeToString())
+        for name, (kind, request_type, fn) in methods.items()
+    })
+
+
+def _settle_forever(coordinator: Coordinator, stop: threading.Event, interval_s: float = 0.5) -> None:
+    """Queue reported rounds and push the outbox to the chain, until told to stop."""
+    gate = coordinator.gate
+    assert gate is not None
+    while not stop.is_set():
+        try:
+            coordinator.settle()
+            gate.outbox.flush(gate.ledger)
+        except Exception:  # never let the settlement thread die silently: say why, keep going
+            log.exception("settlement step failed; retrying")
+        stop.wait(interval_s)
+
+
+class RunDirBusy(OSError):
+    """Another coordinator holds this run directory."""
+
+
+def lock_run_dir(run_dir: RunDir) -> int:
+    """An exclusive lock on <run>/coordinator.lock for this process's life: one coordinator a run."""
+    fd = os.open(run_dir.path / "coordinator.lock", os.O_RDWR | os.O_CREAT, 0o644)
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError:
+        os.close(fd)
+        raise RunDirBusy(f"another coordinator is serving {run_dir.path} (it holds coordinator.lock)") from None
+    os.ftruncate(fd, 0)
+    os.write(fd, f"{os.getpid()}\n".encode())
+    return fd
+
+
+def serve(run_dir: RunDir, config: RunConfig | None, host: str = "127.0.0.1", port: int = 0,
+          linger_s: float = 10.0, trust: TrustSettings | None = None, settle_timeout_s: float = 120.0,
+          credentials: grpc.ServerCredentials | None = None, idle_s: float = 30.0) -> int:
+    """Run the coordinator until the run's last round is published and, with a ledger, recorded
+    (or SIGTERM/SIGINT). Rounds the chain has not confirmed stay in <run>/outbox for next time.
+    ``credentials`` None serves plaintext, which the caller must have asked for (--insecure)."""
+    lock = lock_run_dir(run_dir)
+    coordinator = Coordinator(run_dir, config, trust=trust)
+    service = CoordinatorService(coordinator, idle_s=idle_s)
+    options = [*CHANNEL_OPTIONS, ("grpc.so_reuseport", 0), ("grpc.max_concurrent_streams", MAX_STREAMS_PER_CONNECTION)]
+    server = grpc.server(futures.ThreadPoolExecutor(max_workers=THREADS, thread_name_prefix="rpc"), options=options,
+                         maximum_concurrent_rpcs=MAX_RPCS)
+    server.add_generic_rpc_handlers((handler(service),))
+    health_servicer = _Health()
+    health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
+    where = f"{host}:{port}"
+    try:  # no SO_REUSEPORT: a port another process holds is refused, not silently shared
+        bound = server.add_secure_port(where, credentials) if credentials else server.add_insecure_port(where)
+    except RuntimeError:
+        bound = 0
+    if bound == 0:
+        raise OSError(f"cannot listen on {where}: the address is in use or not this machine's")
+    server.start()
+    for name in ("", SERVICE_NAME):
+        health_servicer.set(name, health_pb2.HealthCheckResponse.SERVING)
+    address = f"{host}:{bound}"
+    run_dir.write_address(address)
+    log.info("coordinator of run %s listening on %s (%s), open round %d of %d", coordinator.config.run_id,
+             address, "TLS" if credentials else "PLAINTEXT: --insecure", coordinator.round.number,
+             coordinator.config.rounds.rounds)
+
+    stop = threading.Event()
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        signal.signal(sig, lambda *_: stop.set())
+    settling = threading.Event()
+    settler = None
+    if coordinator.gate is not None:
+        settler = threading.Thread(target=_settle_forever, args=(coordinator, settling), name="settlement", daemon=True)
+        settler.start()
+    while not stop.is_set() and not coordinator.finished:
+        if coordinator.close_due():
+            coordinator.close_round()
+        else:
+            stop.wait(0.05)
+    if coordinator.finished:
+        # Let live workers fetch the final checkpoint and learn the run is over before going away.
+        deadline = time.monotonic() + linger_s
+        while not stop.is_set() and time.monotonic() < deadline:
+            if coordinator.live_workers_done():
+                break
+            stop.wait(0.1)
+        log.info("run %s finished: %d rounds, head %s", coordinator.config.run_id,
+                 coordinator.global_state.round, coordinator.global_state.manifest_cid)
+        deadline = time.monotonic() + settle_timeout_s
+        while not stop.is_set() and not coordinator.settled() and time.monotonic() < deadline:
+            stop.wait(0.2)
+        if not coordinator.settled():
+            log.error("not every round is recorded on the ledger yet; what is left stays queued in %s "
+                      "and is sent when the coordinator runs again", run_dir.path / "outbox")
+        elif coordinator.gate is not None:
+            log.info("every round is recorded on the ledger %s", coordinator.gate.domain.ledger)
+    settling.set()
+    if settler is not None:
+        settler.join(timeout=30)
+    for name in ("", SERVICE_NAME):
+        health_servicer.set(name, health_pb2.HealthCheckResponse.NOT_SERVING)
+    server.stop(grace=2.0).wait()
+    service.close()
+    os.close(lock)
+    return 0
