@@ -8,6 +8,7 @@
     dilocox audit --run runs/demo                  verify a run's lineage from ledger and store
     dilocox bench gas                              gas of the ledger's calls on a local chain
     dilocox bench ablation [--smoke]               the DiLoCoX ablation: loss, bytes, tokens/s per mode
+    dilocox bench flood                            health/Status latency while each limit is flooded
     dilocox config > cfg.json                      the default run configuration, to edit
 """
 
@@ -173,6 +174,11 @@ def cmd_bench(args: argparse.Namespace) -> int:
 
         run(settings_of(args))
         return 0
+    if args.what == "flood":
+        from benchmarks.flood import main as flood
+
+        flood(args)
+        return 0
     from settlement.gas import format_markdown, gas_table
 
     rows = gas_table()
@@ -270,6 +276,11 @@ def parser() -> argparse.ArgumentParser:
     ab = bench.add_parser("ablation", help="DiLoCoX ablation: held-out loss, bytes/token, tokens/s per mode",
                           description=ablation.__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ablation.add_arguments(ab)
+    from benchmarks import flood
+
+    fl = bench.add_parser("flood", help="health and Status latency while hostile clients hit each limit",
+                          description=flood.__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    flood.add_arguments(fl)
     be.set_defaults(func=cmd_bench)
 
     cf = sub.add_parser("config", help="print a run configuration to start from")

@@ -45,6 +45,8 @@ from cryptography.hazmat.primitives.asymmetric import ec
 from cryptography.hazmat.primitives.asymmetric.types import PrivateKeyTypes, PublicKeyTypes
 from cryptography.x509.oid import ExtendedKeyUsageOID, NameOID
 
+from storage_client import write_atomic
+
 log = logging.getLogger("dilocox.tls")
 
 CERT_FILE = "cert.pem"
@@ -176,29 +178,6 @@ def generate_self_signed(hosts: Sequence[str] = (), common_name: str = "dilocox 
     return cert.public_bytes(serialization.Encoding.PEM), key_pem
 
 
-def _write_private(path: Path, data: bytes, mode: int) -> None:
-    """Replace ``path`` atomically (temp file, fsync, rename) with a file of the given mode."""
-    fd, tmp = tempfile.mkstemp(prefix=".tmp-", dir=path.parent)  # mkstemp creates it 0600
-    try:
-        with os.fdopen(fd, "wb") as f:
-            os.fchmod(f.fileno(), mode)
-            f.write(data)
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, path)
-    except BaseException:
-        try:
-            os.unlink(tmp)
-        except FileNotFoundError:
-            pass
-        raise
-    dir_fd = os.open(path.parent, os.O_RDONLY)
-    try:
-        os.fsync(dir_fd)
-    finally:
-        os.close(dir_fd)
-
-
 def _read_pem(path: str | Path, what: str) -> bytes:
     p = Path(path)
     try:
@@ -280,8 +259,8 @@ def ensure_self_signed(directory: str | Path, hosts: Sequence[str] = ()) -> Serv
         fcntl.flock(lock.fileno(), fcntl.LOCK_EX)
         if not cert_path.exists():
             cert_pem, key_pem = generate_self_signed(hosts)
-            _write_private(key_path, key_pem, 0o600)
-            _write_private(cert_path, cert_pem, 0o644)
+            write_atomic(key_path, key_pem, mode=0o600)
+            write_atomic(cert_path, cert_pem, mode=0o644)
             log.info("created a self-signed TLS identity in %s", folder)
         elif not key_path.exists():
             raise TlsError(f"{cert_path} exists without its key {key_path}; restore the key or remove both "
@@ -427,8 +406,8 @@ def fetch_server_certificate(address: str, timeout_s: float = FETCH_TIMEOUT_S,
         key_pem, cert_pem = client_pair
         with tempfile.TemporaryDirectory(prefix="dilocox-tls-") as tmp:
             cert_tmp, key_tmp = Path(tmp) / "cert.pem", Path(tmp) / "key.pem"
-            _write_private(cert_tmp, cert_pem, 0o600)
-            _write_private(key_tmp, key_pem, 0o600)
+            write_atomic(cert_tmp, cert_pem, mode=0o600)
+            write_atomic(key_tmp, key_pem, mode=0o600)
             context.load_cert_chain(cert_tmp, key_tmp)
     try:
         with socket.create_connection((host, port), timeout=timeout_s) as sock:

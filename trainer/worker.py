@@ -124,6 +124,7 @@ class Worker:
         self.channel = self._open(tls)
         self.stub = pb_grpc.CoordinatorStub(self.channel)
         self.session: tuple[tuple[str, str | bytes], ...] = ()  # metadata of every call after Join
+        self._joining = threading.Lock()
         self.coordinator_key: str | None = None  # the address that signs global states, from the first Join
         self.round = 0
         self.phase = "starting"
@@ -194,11 +195,13 @@ class Worker:
 
     def join(self) -> pb.JoinResponse:
         """Challenge, attest (when the run has a ledger), join; set up on the first join. A worker
-        id still held by a live session is retried until that session lapses (a restarted worker)."""
+        id still held by a live session is retried until that session lapses (a restarted worker).
+        One join at a time: the heartbeat thread may join again while the main thread calls."""
         deadline = time.monotonic() + self.reconnect_timeout_s
         while True:
             try:
-                return self._join_once()
+                with self._joining:
+                    return self._join_once()
             except grpc.RpcError as exc:
                 if exc.code() != grpc.StatusCode.ALREADY_EXISTS or time.monotonic() >= deadline:
                     raise
@@ -308,6 +311,13 @@ class Worker:
                                                         phase=self.phase), timeout=5, metadata=self.session)
             except grpc.RpcError as exc:
                 log.debug("heartbeat failed: %s", exc.details())
+                if exc.code() == grpc.StatusCode.UNAUTHENTICATED:
+                    # The coordinator restarted and forgot this session: join again now rather than
+                    # at the next call, which may be a whole inner loop away, so it keeps us live.
+                    try:
+                        self.join()
+                    except (grpc.RpcError, WorkerError) as rejoin:
+                        log.warning("heartbeat: could not join again: %s", rejoin)
 
     # ----------------------------------------------------------------------------- a round
 

@@ -287,6 +287,16 @@ def test_plaintext_and_wrong_pins_are_refused(cluster: LocalCluster, make_config
     assert process.wait(timeout=60) == 1
     assert "but the pin is" in cluster.log("wrong-pin")
     assert "Traceback" not in cluster.log("wrong-pin")
+    # dilocox status verifies the coordinator like a worker does, and says how when not told.
+    import subprocess
+    import sys
+
+    status = subprocess.run([sys.executable, "-m", "cli.main", "status", "--coordinator", cluster.address,
+                             *cluster.tls_args()], capture_output=True, text=True, timeout=60)
+    assert status.returncode == 0 and json.loads(status.stdout)["runId"] == "test", status.stderr
+    untold = subprocess.run([sys.executable, "-m", "cli.main", "status", "--coordinator", cluster.address],
+                            capture_output=True, text=True, timeout=60)
+    assert untold.returncode == 1 and "--tls-fingerprint" in untold.stderr and "Traceback" not in untold.stderr
 
 
 def test_one_coordinator_per_run_directory_and_port(cluster: LocalCluster, make_config, tmp_path: Path) -> None:
@@ -354,3 +364,29 @@ def test_tdx_join_forged_quote_refused_genuine_quote_verified(cluster: LocalClus
     status = cluster.status()
     assert not status.workers  # nobody was admitted
     eve.close()
+
+
+def test_mutual_tls_refuses_workers_without_a_client_certificate(cluster: LocalCluster, make_config,
+                                                                tmp_path: Path) -> None:
+    from trainer.tls import generate_self_signed
+
+    cert, key = generate_self_signed(common_name="site-a worker")
+    (tmp_path / "worker.pem").write_bytes(cert)
+    (tmp_path / "worker.key").write_bytes(key)
+    (tmp_path / "worker.key").chmod(0o600)
+    other_cert, other_key = generate_self_signed(common_name="stranger")
+    (tmp_path / "other.pem").write_bytes(other_cert)
+    (tmp_path / "other.key").write_bytes(other_key)
+    cluster.start_coordinator(make_config(rounds=RoundConfig(rounds=1, expected_workers=1, quorum=1)),
+                              extra=["--tls-client-ca", str(tmp_path / "worker.pem")])
+    fingerprint = cluster.client_tls.fingerprint
+    for client in (ClientTls(fingerprint=fingerprint),
+                   ClientTls(fingerprint=fingerprint, client_cert_file=tmp_path / "other.pem",
+                             client_key_file=tmp_path / "other.key")):
+        with open_channel(cluster.address, client, CHANNEL_OPTIONS) as channel:
+            code, _ = code_of(lambda: pb_grpc.CoordinatorStub(channel).Status(pb.StatusRequest(), timeout=5))
+            assert code == grpc.StatusCode.UNAVAILABLE
+    cluster.start_worker("w0", extra=["--tls-client-cert", str(tmp_path / "worker.pem"),
+                                      "--tls-client-key", str(tmp_path / "worker.key")])
+    assert cluster.wait_exit("w0", 120) == 0, cluster.log("w0")
+    assert cluster.wait_exit("coordinator", 60) == 0, cluster.log("coordinator")

@@ -1,0 +1,154 @@
+"""Who may act for a worker, and what one caller may cost: the pure parts, under a fake clock.
+
+The state machine's registry (join takeover, the bound on remembered ids), stateless join nonces,
+field bounds, rate limits, stream slots and the log budget. The gRPC path over TLS is in
+tests/integration/test_hostile_network.py.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+
+import grpc
+import pytest
+
+from proto import PROTOCOL_VERSION, pb
+from tests.conftest import small_config
+from trainer.coordinator import Coordinator
+from trainer.limits import (
+    CallSlots, Exhausted, FieldError, LogBudget, TokenBucket, check_fields, check_phase, check_worker_id, clip,
+)
+from trainer.refusal import Refusal
+from trainer.run_dir import RunDir
+from trainer.trust import JoinNonces
+
+
+class Clock:
+    def __init__(self, now: float = 1000.0) -> None:
+        self.now = now
+
+    def __call__(self) -> float:
+        return self.now
+
+
+@pytest.fixture
+def coordinator(tmp_path) -> tuple[Coordinator, Clock]:
+    clock = Clock()
+    config = small_config()  # liveness 3 s, 2 expected workers: at most 16 ids remembered
+    return Coordinator(RunDir(tmp_path / "run"), config, clock=clock), clock
+
+
+def test_a_live_workers_id_is_taken_over_only_by_that_worker(coordinator) -> None:
+    c, clock = coordinator
+    c.join("w0", PROTOCOL_VERSION)
+    with pytest.raises(Refusal) as refused:
+        c.join("w0", PROTOCOL_VERSION)  # someone else, while w0 is live
+    assert refused.value.code == grpc.StatusCode.ALREADY_EXISTS and "held by a live worker" in refused.value.message
+    c.join("w0", PROTOCOL_VERSION, proves_session=True)  # w0 itself, with its session
+    clock.now += 3.5  # w0's liveness lapses: a restarted w0 (new process, no session) may take its id
+    assert c.join("w0", PROTOCOL_VERSION) == (0, 1)
+
+
+def test_the_registry_is_bounded_and_forgets_the_longest_silent(coordinator) -> None:
+    c, clock = coordinator
+    for i in range(c.max_registered):
+        c.join(f"w{i}", PROTOCOL_VERSION)
+        clock.now += 0.01
+    with pytest.raises(Refusal) as full:
+        c.join("late", PROTOCOL_VERSION)  # every remembered id is live
+    assert full.value.code == grpc.StatusCode.RESOURCE_EXHAUSTED
+    clock.now += 10  # all silent now
+    c.heartbeat("w0", 1, "training")
+    c.join("late", PROTOCOL_VERSION)
+    assert len(c.registered()) == c.max_registered
+    assert "w1" not in c.registered() and {"w0", "late"} <= c.registered()  # w1 was silent longest
+    assert set(c.run_dir.workers()) == c.registered()
+
+
+def test_join_nonces_are_bound_to_their_worker_id_single_use_and_expire() -> None:
+    clock = Clock(5000.0)
+    nonces = JoinNonces(ttl_s=300.0, clock=clock)
+    mine = nonces.issue("w0")
+    for _ in range(100):  # a flood of challenges in w0's name changes nothing for w0's own nonce
+        nonces.issue("w0")
+    with pytest.raises(Refusal, match="not issued to this worker id"):
+        nonces.take("eve", mine)
+    nonces.take("w0", mine)
+    with pytest.raises(Refusal, match="already used"):
+        nonces.take("w0", mine)
+    late = nonces.issue("w0")
+    clock.now += 301
+    with pytest.raises(Refusal, match="expired"):
+        nonces.take("w0", late)
+    with pytest.raises(Refusal, match="not issued"):
+        nonces.take("w0", b"\x00" * 32)
+    with pytest.raises(Refusal, match="not issued"):
+        JoinNonces(clock=clock).take("w0", nonces.issue("w0"))  # another coordinator's secret
+
+
+def test_every_request_field_is_bounded_and_refusals_quote_little() -> None:
+    check_fields(pb.JoinRequest(worker_id="w0", evidence=b"x" * 1000))
+    with pytest.raises(FieldError, match=r"JoinRequest.worker_id is 100000 characters, more than 128"):
+        check_fields(pb.JoinRequest(worker_id="x" * 100_000))
+    with pytest.raises(FieldError, match="UpdateHeader.run_id"):
+        check_fields(pb.UpdateChunk(header=pb.UpdateHeader(run_id="r" * 2_500_000)))
+    with pytest.raises(FieldError, match="TensorSpec.shape has 9 entries"):
+        check_fields(pb.UpdateHeader(tensors=[pb.TensorSpec(name="a", shape=[1] * 9)]))
+    with pytest.raises(FieldError, match="nonce is 300 bytes"):
+        check_fields(pb.JoinRequest(nonce=b"n" * 300))
+    with pytest.raises(FieldError) as bad_id:
+        check_worker_id("é" * 10_000)
+    assert len(str(bad_id.value)) < 200
+    with pytest.raises(FieldError):
+        check_phase("fetching; DROP TABLE")
+    check_phase("training")
+    assert clip("a" * 1000).endswith("(1000 characters)") and len(clip("a" * 1000)) < 100
+
+
+def test_token_bucket_limits_each_key_and_forgets_old_ones() -> None:
+    clock = Clock()
+    bucket = TokenBucket(rate=1.0, burst=3.0, max_keys=2, clock=clock)
+    assert [bucket.allow("a") for _ in range(4)] == [True, True, True, False]
+    assert bucket.allow("b")  # another host is not limited by a's flood
+    clock.now += 1.0
+    assert bucket.allow("a") and not bucket.allow("a")
+    bucket.allow("c")
+    assert len(bucket._buckets) == 2
+
+
+def test_stream_slots_per_caller_and_in_total_and_idle_ones_are_cancelled() -> None:
+    slots = CallSlots(total=3, per_caller=2, idle_s=0.2)
+    cancelled = threading.Event()
+    a1 = slots.acquire("a", cancelled.set)
+    slots.acquire("a", lambda: None).release()
+    a2 = slots.acquire("a", lambda: None)
+    with pytest.raises(Exhausted, match="per caller"):
+        slots.acquire("a", lambda: None)
+    b1 = slots.acquire("b", lambda: None)
+    with pytest.raises(Exhausted, match="its limit"):
+        slots.acquire("c", lambda: None)
+    for _ in range(10):  # a1 makes no progress, a2 and b1 do
+        a2.progress()
+        b1.progress()
+        if cancelled.wait(0.05):
+            break
+    assert cancelled.is_set() and slots.in_use() == 2
+    a1.release()  # releasing twice is harmless
+    b1.waiting(5.0)  # a long-poll's wait is not idleness
+    assert slots.in_use() == 2
+    slots.close()
+
+
+def test_log_budget_keeps_ten_lines_a_minute_per_kind(caplog) -> None:
+    clock = Clock()
+    budget = LogBudget(logging.getLogger("test.budget"), per_minute=10, clock=clock)
+    with caplog.at_level(logging.WARNING, logger="test.budget"):
+        for i in range(1000):
+            budget.warning("field", "bad field %d", i)
+        budget.warning("other", "another kind")
+        clock.now += 61
+        budget.warning("field", "after a minute")
+    lines = [r.getMessage() for r in caplog.records]
+    assert len(lines) == 12 and "another kind" in lines
+    assert lines[-1] == "after a minute (990 more like it not logged)"
