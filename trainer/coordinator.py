@@ -623,6 +623,7 @@ class Coordinator:
         with self._lock:
             if worker_id in self.workers:
                 served = self.served.setdefault(worker_id, {})
+                served.pop(params_cid, None)  # newest last
                 served[params_cid] = nbytes
                 while len(served) > 4:  # an update builds on the newest state or, overlapped, the one before
                     del served[next(iter(served))]

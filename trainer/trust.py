@@ -79,9 +79,10 @@ class JoinNonces:
 
         nonce = uint64be(issued, ms) ‖ HMAC-SHA256(secret, "dilocox/nonce/v1" ‖ worker id ‖ issued)[:24]
 
-    A nonce is valid for a Join of the worker id it was issued to, within ``ttl_s``, once: used
-    nonces are remembered until they expire (one entry per successful Join). The secret lives in
-    this process only, so a restart invalidates outstanding nonces (the worker asks again).
+    A nonce is valid for a Join of the worker id it was issued to, within ``ttl_s``, once: spent
+    nonces are remembered until they expire (one entry per Join that presented a genuine nonce, so
+    their number is bounded by the Join rate limit times ``ttl_s``). The secret lives in this
+    process only, so a restart invalidates outstanding nonces (the worker asks again).
     """
 
     ttl_s: float = NONCE_TTL_S
