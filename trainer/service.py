@@ -149,6 +149,8 @@ class CoordinatorService:
             return body()
         except Refusal as r:
             code, message = r.code, r.message
+            if code == grpc.StatusCode.UNAUTHENTICATED:  # someone acting for a worker it is not
+                self.budget.warning("unauthenticated", "%s from %s refused: %s", rpc, _peer_host(context), message)
         except FieldError as exc:
             self.budget.warning("field", "%s from %s refused: %s", rpc, _peer_host(context), exc)
             code, message = grpc.StatusCode.INVALID_ARGUMENT, str(exc)
