@@ -197,6 +197,7 @@ class Coordinator:
         self.genesis_cid, genesis = self.manifests[0]
         self.run_digest = self.genesis_cid.digest
         # Report deadlines of rounds published before a restart count from the restart.
+        self.started_at = self.clock()
         self.closed_at: dict[int, float] = {r: self.clock() for r in self.manifests}
         self.gate: TrustGate | None = None
         self.book: ReportBook | None = None
@@ -333,9 +334,14 @@ class Coordinator:
             return set(self.workers)
 
     def live_workers_done(self) -> bool:
-        """Every live worker has said it saw the end of the run."""
+        """Every live worker has said it saw the end of the run. A worker registered before a
+        restart and not heard from since counts as live for one liveness window after it: it is
+        reconnecting (TLS, a new Join) to fetch the final checkpoint."""
         with self._lock:
-            alive = self.alive(self.clock())
+            now = self.clock()
+            alive = self.alive(now)
+            if now - self.started_at <= self.config.rounds.liveness_timeout_s:
+                alive |= {w for w, s in self.workers.items() if not math.isfinite(s.last_seen)}
             return all(s.phase == "done" for w, s in self.workers.items() if w in alive)
 
     def status(self) -> pb.StatusResponse:

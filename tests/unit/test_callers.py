@@ -152,3 +152,14 @@ def test_log_budget_keeps_ten_lines_a_minute_per_kind(caplog) -> None:
     lines = [r.getMessage() for r in caplog.records]
     assert len(lines) == 12 and "another kind" in lines
     assert lines[-1] == "after a minute (990 more like it not logged)"
+
+
+def test_after_a_restart_registered_workers_get_one_liveness_window_to_come_back(tmp_path) -> None:
+    clock = Clock()
+    run = RunDir(tmp_path / "run")
+    first = Coordinator(run, small_config(), clock=clock)
+    first.join("w0", PROTOCOL_VERSION)
+    restarted = Coordinator(run, None, clock=clock)  # w0 has not reconnected yet
+    assert not restarted.live_workers_done()  # the final checkpoint is not left unfetched
+    clock.now += 3.5  # liveness_timeout_s = 3: w0 is gone for good
+    assert restarted.live_workers_done()
