@@ -163,3 +163,37 @@ def test_after_a_restart_registered_workers_get_one_liveness_window_to_come_back
     assert not restarted.live_workers_done()  # the final checkpoint is not left unfetched
     clock.now += 3.5  # liveness_timeout_s = 3: w0 is gone for good
     assert restarted.live_workers_done()
+
+
+def test_a_worker_trains_only_from_a_global_state_its_coordinator_signed() -> None:
+    from attestation import WorkerKey
+    from storage_client import CID
+    from trainer.tls import ClientTls
+    from trainer.trust import global_digest
+    from trainer.wire import WireError
+    from trainer.worker import Worker
+
+    worker = Worker("127.0.0.1:1", "w0", tls=ClientTls(insecure=True))  # no connection is made
+    worker.channel.close()
+    coordinator, mallory = WorkerKey.generate(), WorkerKey.generate()
+    worker.run_digest = b"\x07" * 32
+    worker._check_coordinator_key(coordinator.address)
+    params, manifest = CID.of(b"params"), CID.of(b"manifest")
+
+    def header(key: WorkerKey, round_: int = 3) -> pb.GlobalHeader:
+        signature = key.sign_digest(global_digest(worker.run_digest, round_, params.digest, manifest.digest))
+        return pb.GlobalHeader(available=True, round=3, params_cid=str(params), manifest_cid=str(manifest),
+                               signature=signature)
+
+    worker._checked_signature(header(coordinator))
+    with pytest.raises(WireError, match="is signed by .*, not by the coordinator's key"):
+        worker._checked_signature(header(mallory))
+    with pytest.raises(WireError, match="is signed by"):
+        worker._checked_signature(header(coordinator, round_=2))  # a signature of another round
+    with pytest.raises(WireError, match="no valid coordinator signature"):
+        worker._checked_signature(pb.GlobalHeader(available=True, round=3, params_cid=str(params),
+                                                  manifest_cid=str(manifest)))
+    from trainer.worker import WorkerError
+
+    with pytest.raises(WorkerError, match="signing key changed"):
+        worker._check_coordinator_key(mallory.address)
