@@ -49,7 +49,7 @@ from proto import PROTOCOL_VERSION, pb
 from storage_client import CID, Manifest, Participant, canonical_json, from_e6, lineage, loads_bounded, to_e6
 from storage_client.manifest import Downlink, Traffic
 from trainer.aggregation import (
-    InvalidUpdate, check_layout, check_norm, mean_pseudo_gradient, norm_bound, validate_payload,
+    InvalidUpdate, check_layout, check_norm, mean_pseudo_gradient, norm_bound,
 )
 from trainer.config import ConfigError, RunConfig
 from trainer.data import Corpus, eval_batches, load_corpus

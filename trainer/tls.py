@@ -28,7 +28,6 @@ import fcntl
 import hashlib
 import ipaddress
 import logging
-import os
 import re
 import socket
 import ssl
