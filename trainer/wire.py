@@ -8,7 +8,6 @@ transfer header and the content identifier of the stored object.
 from __future__ import annotations
 
 import hashlib
-import json
 from typing import Iterable, Iterator
 
 import torch
@@ -17,6 +16,7 @@ from safetensors.torch import load as st_load
 from safetensors.torch import save as st_save
 
 from proto import CHUNK_BYTES
+from storage_client import JSONBoundsError, loads_bounded
 
 Params = dict[str, torch.Tensor]
 # name -> (dtype, shape): what a payload must contain, checked before its bytes are trusted.
@@ -31,12 +31,16 @@ class WireError(ValueError):
     """Bytes that do not decode into what their header promised."""
 
 
-def json_object(text: str, what: str) -> dict:
-    """A header field that must hold a JSON object (``what`` names it in the error)."""
+MAX_HEADER_JSON = 4 << 20  # a codec header: one entry per tensor, within one gRPC message
+
+
+def json_object(text: str | bytes, what: str) -> dict:
+    """A header field that must hold a JSON object (``what`` names it in the error); its size and
+    nesting are bounded before it is parsed (storage_client.loads_bounded)."""
     try:
-        obj = json.loads(text)
-    except (ValueError, UnicodeDecodeError) as exc:
-        raise WireError(f"{what} is not JSON: {exc}") from exc
+        obj = loads_bounded(text, max_bytes=MAX_HEADER_JSON, what=what)
+    except JSONBoundsError as exc:
+        raise WireError(str(exc)) from exc
     if not isinstance(obj, dict):
         raise WireError(f"{what} must be a JSON object")
     return obj

@@ -119,6 +119,8 @@ def test_bad_updates_are_refused_and_the_round_completes(cluster: LocalCluster, 
     assert f"compressed update refused: tensor {name}" in details
     assert "not JSON" in m.refused(INVALID, payload=payload, encoding=ENCODING_LOWRANK_INT4,
                                    compression_header=b"{oops")
+    assert "nests deeper" in m.refused(INVALID, payload=payload, encoding=ENCODING_LOWRANK_INT4,
+                                       compression_header=b"[" * 100_000)
     # wrong run, a round not open yet, a stranger, an old protocol
     assert "this coordinator runs 'test'" in m.refused(PRECONDITION, run_id="other")
     assert "round 2 is not open yet; the open round is 1" in m.refused(PRECONDITION, round=2)
