@@ -119,7 +119,14 @@ def outer_step(cfg: OuterConfig, params: Params, momentum: Params, delta: Params
         direction = delta[name].add(m, alpha=mu) if cfg.nesterov else m
         new_params[name] = theta.sub(direction, alpha=lr)
         new_momentum[name] = m
+        if not bool(torch.isfinite(new_params[name]).all()):  # e.g. an outer lr of 1e30
+            raise OuterStepError(f"the outer step made {name} non-finite (outer lr {lr:g}, momentum {mu:g}); "
+                                 f"nothing is published")
     return new_params, new_momentum
+
+
+class OuterStepError(ArithmeticError):
+    """An outer step whose result is not finite: the round cannot be published."""
 
 
 MOMENTUM_PREFIX = "momentum."

@@ -157,6 +157,9 @@ class CoordinatorService:
         except Exhausted as exc:
             self.budget.warning("exhausted", "%s from %s refused: %s", rpc, _peer_host(context), exc)
             code, message = grpc.StatusCode.RESOURCE_EXHAUSTED, str(exc)
+        except OSError as exc:  # the store's disk is full or failing: the caller may retry later
+            self.budget.warning("storage", "%s failed to store: %s", rpc, clip(exc, 200))
+            code, message = grpc.StatusCode.UNAVAILABLE, "the coordinator cannot store data right now; retry later"
         except grpc.RpcError:  # the call was cancelled (by the caller, or as idle) while we read it
             self.budget.warning("cancelled", "%s from %s ended before its request was complete", rpc,
                                 _peer_host(context))
@@ -463,34 +466,53 @@ def serve(run_dir: RunDir, config: RunConfig | None, host: str = "127.0.0.1", po
     if coordinator.gate is not None:
         settler = threading.Thread(target=_settle_forever, args=(coordinator, settling), name="settlement", daemon=True)
         settler.start()
+    try:
+        code = _run_rounds(coordinator, run_dir, stop, linger_s, settle_timeout_s)
+    except Exception as exc:  # a round that cannot be published: stop at once, resumable from HEAD
+        log.error("cannot go on: round %d was not published: %s: %s. HEAD stays at round %d and the "
+                  "accepted updates stay journalled; fix the cause and start the coordinator again",
+                  coordinator.round.number, type(exc).__name__, clip(exc, 300), coordinator.global_state.round)
+        log.debug("publish failure", exc_info=True)
+        code = 1
+    finally:
+        settling.set()
+        if settler is not None:
+            settler.join(timeout=30)
+        for name in ("", SERVICE_NAME):
+            health_servicer.set(name, health_pb2.HealthCheckResponse.NOT_SERVING)
+        server.stop(grace=2.0).wait()
+        service.close()
+        os.close(lock)
+    return code
+
+
+def _run_rounds(coordinator: Coordinator, run_dir: RunDir, stop: threading.Event, linger_s: float,
+                settle_timeout_s: float) -> int:
+    """Close and publish rounds until the run is finished (or ``stop``), then let workers see the
+    end and the ledger catch up; returns the exit status: 1 when rounds remain unrecorded."""
     while not stop.is_set() and not coordinator.finished:
         if coordinator.close_due():
             coordinator.close_round()
         else:
             stop.wait(0.05)
-    if coordinator.finished:
-        # Let live workers fetch the final checkpoint and learn the run is over before going away.
-        deadline = time.monotonic() + linger_s
-        while not stop.is_set() and time.monotonic() < deadline:
-            if coordinator.live_workers_done():
-                break
-            stop.wait(0.1)
-        log.info("run %s finished: %d rounds, head %s", coordinator.config.run_id,
-                 coordinator.global_state.round, coordinator.global_state.manifest_cid)
-        deadline = time.monotonic() + settle_timeout_s
-        while not stop.is_set() and not coordinator.settled() and time.monotonic() < deadline:
-            stop.wait(0.2)
-        if not coordinator.settled():
-            log.error("not every round is recorded on the ledger yet; what is left stays queued in %s "
-                      "and is sent when the coordinator runs again", run_dir.path / "outbox")
-        elif coordinator.gate is not None:
-            log.info("every round is recorded on the ledger %s", coordinator.gate.domain.ledger)
-    settling.set()
-    if settler is not None:
-        settler.join(timeout=30)
-    for name in ("", SERVICE_NAME):
-        health_servicer.set(name, health_pb2.HealthCheckResponse.NOT_SERVING)
-    server.stop(grace=2.0).wait()
-    service.close()
-    os.close(lock)
+    if not coordinator.finished:
+        log.info("stopped at round %d by a signal; the run resumes from %s", coordinator.round.number, run_dir.path)
+        return 0
+    # Let live workers fetch the final checkpoint and learn the run is over before going away.
+    deadline = time.monotonic() + linger_s
+    while not stop.is_set() and time.monotonic() < deadline:
+        if coordinator.live_workers_done():
+            break
+        stop.wait(0.1)
+    log.info("run %s finished: %d rounds, head %s", coordinator.config.run_id,
+             coordinator.global_state.round, coordinator.global_state.manifest_cid)
+    deadline = time.monotonic() + settle_timeout_s
+    while not stop.is_set() and not coordinator.settled() and time.monotonic() < deadline:
+        stop.wait(0.2)
+    if not coordinator.settled():
+        log.error("not every round is recorded on the ledger yet; what is left stays queued in %s "
+                  "and is sent when the coordinator runs again", run_dir.path / "outbox")
+        return 1
+    if coordinator.gate is not None:
+        log.info("every round is recorded on the ledger %s", coordinator.gate.domain.ledger)
     return 0

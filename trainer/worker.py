@@ -663,6 +663,7 @@ class Worker:
         finally:
             self.phase = "done"
             self._stop.set()
+            beat.join(timeout=10)  # no gRPC call may still be in flight when the channel closes
             try:  # tell the coordinator at once, so it need not wait for liveness to lapse
                 self.stub.Heartbeat(pb.HeartbeatRequest(worker_id=self.worker_id, round=self.round,
                                                         phase="done"), timeout=2, metadata=self.session)

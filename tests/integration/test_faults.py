@@ -123,3 +123,51 @@ def test_update_accepted_before_a_coordinator_crash_is_kept(cluster: LocalCluste
     assert {p.worker: p.update for p in round1.participants}["w0"] == pending["w0"]["cid"]
     assert [p.worker for p in round1.participants] == ["w0", "w1"]
     assert "kept w0's update" in cluster.log("coordinator", tail=400)
+
+
+def test_a_round_that_cannot_be_published_stops_the_coordinator_resumably(cluster: LocalCluster,
+                                                                          make_config) -> None:
+    """HEAD cannot be written (here: a directory stands where the file goes, which refuses the write
+    as a full or failing disk would): the coordinator exits 1 at once with one line, the worker
+    waits it out, and a restarted coordinator finishes the run from the old HEAD and the journal."""
+    import time
+
+    cluster.start_coordinator(make_config(
+        inner=InnerConfig(steps=300, batch_size=4, lr=1e-3),
+        rounds=RoundConfig(rounds=3, expected_workers=1, quorum=1, heartbeat_interval_s=0.3,
+                           liveness_timeout_s=3.0)))
+    port = int(cluster.address.rsplit(":", 1)[1])
+    cluster.start_worker("w0")
+    run = cluster.run_dir
+    cluster.wait_for(lambda s: len(s.rounds) >= 2, 60, "round 1 to close")
+    head = run.path / "HEAD"
+    saved = head.read_bytes()
+    head.unlink()
+    head.mkdir()  # round 2's publication cannot move HEAD
+    started = time.monotonic()
+    assert cluster.wait_exit("coordinator", 60) == 1
+    assert time.monotonic() - started < 30
+    log = cluster.log("coordinator", tail=30)
+    assert "cannot go on: round 2 was not published" in log and "Traceback" not in log
+    head.rmdir()
+    head.write_bytes(saved)
+    cluster.start_coordinator(port=port)
+    for name in ("w0", "coordinator"):
+        assert cluster.wait_exit(name, 120) == 0, cluster.log(name)
+    assert [m.round for _, m in lineage(run.store, run.head())] == [0, 1, 2, 3]
+
+
+def test_sigterm_stops_the_coordinator_promptly_even_mid_round(cluster: LocalCluster, make_config) -> None:
+    import time
+
+    cluster.start_coordinator(make_config(
+        inner=InnerConfig(steps=100_000, batch_size=4, lr=1e-3),
+        rounds=RoundConfig(rounds=3, expected_workers=1, quorum=1, heartbeat_interval_s=0.3,
+                           liveness_timeout_s=3.0)))
+    cluster.start_worker("w0")
+    cluster.wait_for(lambda s: phase_of(s, "w0")[1] == "training", 60, "w0 to train")
+    started = time.monotonic()
+    cluster.processes["coordinator"].send_signal(signal.SIGTERM)
+    assert cluster.wait_exit("coordinator", 30) == 0
+    assert time.monotonic() - started < 10
+    assert "stopped at round 1 by a signal" in cluster.log("coordinator")
