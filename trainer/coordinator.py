@@ -201,6 +201,7 @@ class Coordinator:
         self.closed_at: dict[int, float] = {r: self.clock() for r in self.manifests}
         self.gate: TrustGate | None = None
         self.book: ReportBook | None = None
+        self.ledger_lag = 0  # published rounds not yet confirmed on chain; kept by the settlement thread
         if trust is not None:
             self.gate = open_gate(trust, self.store, run_dir, self.run_digest, self.config_cid)
             self.book = ReportBook(run_dir, self.gate, trust.report_timeout_s)
@@ -356,7 +357,7 @@ class Coordinator:
             rounds = [pb.RoundSummary(**dataclasses.asdict(s)) for s in self.summaries]
             return pb.StatusResponse(run_id=self.config.run_id, open_round=self.round.number,
                                      total_rounds=self.config.rounds.rounds, finished=self.finished,
-                                     workers=workers, rounds=rounds)
+                                     workers=workers, rounds=rounds, ledger_lag_rounds=max(0, self.ledger_lag))
 
     # ----------------------------------------------------------------------------- RPC logic
 
@@ -664,6 +665,13 @@ class Coordinator:
         with self._lock:
             manifests, closed_at = dict(self.manifests), dict(self.closed_at)
         return self.book.queue_due(manifests, closed_at, self.clock())
+
+    def recorded_through(self) -> int:
+        """The last round the ledger has confirmed: those queued, less those still in the outbox."""
+        if self.book is None or self.gate is None:
+            return self.global_state.round
+        waiting = sum(1 for item in self.gate.outbox.pending() if item["kind"] == "round")
+        return self.book.queued_through - waiting
 
     def settled(self) -> bool:
         """Every published round is queued and the outbox has confirmed it on chain."""

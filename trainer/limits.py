@@ -13,7 +13,7 @@ Every request is checked here before the coordinator's state machine sees it:
                 find a thread. Beyond a limit a call is refused at once with RESOURCE_EXHAUSTED.
     idle        a slot's call that makes no progress (no message received or sent) for its
                 allowance is cancelled by one reaper thread; a long-poll's wait is allowed for.
-    rate        ``TokenBucket`` per peer host, for Challenge and Join.
+    rate        ``TokenBucket`` per key (a connection, or "*" for everyone), for Challenge and Join.
     echo        ``clip`` quotes at most ``ECHO_CHARS`` of anything a caller sent.
     log lines   ``LogBudget``: a malformed message costs at most one log line, and no more than
                 ``per_minute`` lines a minute for each kind of fault, never a traceback.

@@ -11,7 +11,7 @@ Every RPC passes these steps, in order, before trainer.coordinator sees it:
                  (``METADATA_WORKER``, ``METADATA_SESSION``), and the id in the request must be the
                  same. Anything else is UNAUTHENTICATED and changes nothing: no refusal filed, no
                  traffic counted, no phase or liveness set;
-  4. resources   Challenge and Join are rate-limited per peer host; PushUpdate and FetchGlobal hold
+  4. resources   Challenge and Join are rate-limited per connection and in all; PushUpdate and FetchGlobal hold
                  one of a bounded number of slots per worker and in all, Join one of a few, and a
                  slot whose call makes no progress for the idle allowance is cancelled
                  (trainer.limits.CallSlots). The thread pool is larger than all slots together, so
@@ -121,7 +121,7 @@ class Sessions:
 
 
 def _peer_host(context: grpc.ServicerContext) -> str:
-    """"ipv4:127.0.0.1:5123" → "ipv4:127.0.0.1": the caller's host, for per-host rate limits."""
+    """"ipv4:127.0.0.1:5123" → "ipv4:127.0.0.1": the caller's host, for log lines and Join slots."""
     return context.peer().rsplit(":", 1)[0]
 
 
@@ -133,8 +133,12 @@ class CoordinatorService:
         self.sessions = Sessions()
         self.streams = CallSlots(total=STREAM_SLOTS, per_caller=STREAM_SLOTS_PER_WORKER, idle_s=idle_s)
         self.joins = CallSlots(total=JOIN_SLOTS, per_caller=JOIN_SLOTS, idle_s=120.0)
+        # Per connection, so a flood from one client (or many on the same host, as on loopback or
+        # behind one NAT) drains only its own buckets; the "*" buckets cap everyone together.
         self.challenges = TokenBucket(rate=5.0, burst=20.0)
         self.join_rate = TokenBucket(rate=2.0, burst=10.0)
+        self.all_challenges = TokenBucket(rate=200.0, burst=400.0)
+        self.all_joins = TokenBucket(rate=20.0, burst=40.0)
         self.budget = LogBudget(log)
 
     def close(self) -> None:
@@ -189,9 +193,11 @@ class CoordinatorService:
                           f"the request names worker {clip(claimed)}, but the session is {worker!r}'s")
         return worker
 
-    def _rate(self, context: grpc.ServicerContext, bucket: TokenBucket, what: str) -> None:
-        if not bucket.allow(_peer_host(context)):
-            raise Exhausted(f"too many {what} requests from this host; retry in a few seconds")
+    def _rate(self, context: grpc.ServicerContext, bucket: TokenBucket, everyone: TokenBucket, what: str) -> None:
+        if not bucket.allow(context.peer()):
+            raise Exhausted(f"too many {what} requests on this connection; retry in a few seconds")
+        if not everyone.allow("*"):
+            raise Exhausted(f"too many {what} requests from all callers; retry in a few seconds")
 
     # ------------------------------------------------------------------------- unary
 
@@ -200,7 +206,7 @@ class CoordinatorService:
             _decoded(request, "ChallengeRequest")
             check_fields(request)
             check_worker_id(request.worker_id)
-            self._rate(context, self.challenges, "Challenge")
+            self._rate(context, self.challenges, self.all_challenges, "Challenge")
             nonce = self.c.challenge(request.worker_id, request.protocol_version)
             chain_id, ledger = self._ledger()
             return pb.ChallengeResponse(
@@ -215,7 +221,7 @@ class CoordinatorService:
             _decoded(request, "JoinRequest")
             check_fields(request)
             check_worker_id(request.worker_id)
-            self._rate(context, self.join_rate, "Join")
+            self._rate(context, self.join_rate, self.all_joins, "Join")
             metadata = dict(context.invocation_metadata() or ())
             token = metadata.get(METADATA_SESSION, b"")
             proves = isinstance(token, bytes) and self.sessions.valid(request.worker_id, token)
@@ -405,6 +411,7 @@ def _settle_forever(coordinator: Coordinator, stop: threading.Event, interval_s:
         try:
             coordinator.settle()
             gate.outbox.flush(gate.ledger)
+            coordinator.ledger_lag = coordinator.global_state.round - coordinator.recorded_through()
         except Exception:  # never let the settlement thread die silently: say why, keep going
             log.exception("settlement step failed; retrying")
         stop.wait(interval_s)

@@ -185,12 +185,13 @@ def test_floods_are_bounded_and_health_answers_within_a_second(cluster: LocalClu
     """Forty stalled pushes, forty long-polls, forty 100 kB ids and a 2.5 MB run id, while w0 trains."""
     cluster.start_coordinator(make_config(
         inner=InnerConfig(steps=60, batch_size=4, lr=1e-3),
-        rounds=RoundConfig(rounds=3, expected_workers=1, quorum=1, straggler_timeout_s=60.0,
+        rounds=RoundConfig(rounds=100_000, expected_workers=1, quorum=1, straggler_timeout_s=60.0,
                            heartbeat_interval_s=0.5, liveness_timeout_s=5.0)),
         extra=["--idle-timeout", "3"])
     mallory = Hostile(cluster)
     mallory.join("mallory")
     cluster.start_worker("w0")
+    before = len(cluster.wait_for(lambda s: len(s.rounds) >= 2, 60, "w0's first round").rounds)
 
     release = threading.Event()
     outcomes: list[grpc.StatusCode] = []
@@ -239,10 +240,11 @@ def test_floods_are_bounded_and_health_answers_within_a_second(cluster: LocalClu
     code, details = code_of(lambda: mallory.push("mallory", mallory.session, run_id="r" * 2_500_000))
     assert code == INVALID and "run_id" in details and len(details) < 300, (code, details[:300])
 
-    assert cluster.wait_exit("w0", 180) == 0, cluster.log("w0")
-    assert cluster.wait_exit("coordinator", 60) == 0, cluster.log("coordinator")
-    status_size = len((cluster.run_dir.path / "rounds.jsonl").read_bytes())
-    assert status_size < 64_000
+    # w0's rounds kept completing through every flood, with nothing filed against it.
+    status = cluster.status()
+    assert len(status.rounds) > before + 3, (before, len(status.rounds))
+    assert all(list(r.participants) == ["w0"] for r in status.rounds[1:])
+    assert status.ByteSize() < 256_000
     log = cluster.log("coordinator", tail=100_000)
     assert "Traceback" not in log
     assert "no progress for" in log  # the idle reaper named what it cancelled

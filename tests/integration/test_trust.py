@@ -182,7 +182,8 @@ def test_chain_down_rounds_stay_queued_then_recorded(cluster: LocalCluster, chai
     port = int(chain.rpc_url.rsplit(":", 1)[1])
     chain.stop()  # the chain dies mid-run; training goes on
     assert cluster.wait_exit("w0", 120) == 0, cluster.log("w0")
-    cluster.wait_for(lambda s: s.finished, 60, "the run to finish")
+    # Status shows how far the ledger is behind while the chain is away.
+    cluster.wait_for(lambda s: s.finished and s.ledger_lag_rounds >= 2, 60, "the run to finish, the ledger behind")
     queued = list((cluster.run_dir.path / "outbox").glob("*.json"))
     assert queued, "rounds finished while the chain was down must wait in the outbox"
     deadline = time.monotonic() + 30  # the outbox says so once its retries are spent
