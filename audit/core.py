@@ -24,7 +24,8 @@ Checks, by name:
   parent                manifest.parent is the CID of the previous round's (recorded) manifest
   checkpoint            the round's on-chain checkpoint is the sha256 of the manifest's params
   parent-checkpoint     the round's on-chain parent is the previous round's params digest
-  rederive              Δ = mean of the stored updates, outer_step from the parent's stored params
+  rederive              Δ = the clipped mean of the stored updates (trainer.aggregation.aggregate, its
+                        threshold over their norms and the previous K rounds' stored norms), outer_step from the parent's stored params
                         and momentum, and with a compressed downlink θ = θ_parent − decompress(C)
                         with the carried error (audit.rederive): the bytes hash to the manifest's
                         params and outer_state (genesis momentum is zero); a downlink object is
@@ -83,7 +84,7 @@ from storage_client import (
 from trainer.config import ConfigError, RunConfig
 
 from .admission import AdmissionCheck, check_admission
-from .rederive import RederiveError, genesis_outer_state, rederive
+from .rederive import RederiveError, genesis_outer_state, rederive, update_norms
 from .result import AuditResult, Failure, RoundRow
 
 
@@ -118,6 +119,7 @@ class _Audit:
         self.config: RunConfig | None = None
         self._admission_checks: dict[tuple[str, bytes], tuple[int, AdmissionCheck]] = {}
         self._warned: set[str] = set()
+        self.norms: dict[int, list[float] | None] = {}  # round -> its stored updates' norms (keep_norms)
 
     # -- bookkeeping --------------------------------------------------------------------------------
 
@@ -294,10 +296,37 @@ class _Audit:
 
         if self.rederiving:
             self.check_rederive(r, manifest, parent, updates)
+            self.keep_norms(r, manifest, updates)
         self.check_reports(run_id, r, record, manifest, parent)
         return _Loaded(cid, manifest, params, outer)
 
+    def keep_norms(self, r: int, manifest: Manifest, updates: dict[str, bytes]) -> None:
+        """The norms of round r's stored updates, part of the clip threshold of the next K rounds
+        (trainer.aggregation); None when an update is unavailable or unreadable."""
+        self.norms[r] = None
+        if len(updates) == len(manifest.participants):
+            try:
+                self.norms[r] = list(update_norms(updates).values())
+            except RederiveError:
+                pass
+
+    def history(self, r: int) -> list[float] | None:
+        """The stored norms of rounds max(1, r-K)..r-1, or None when one of them is unknown."""
+        assert self.config is not None
+        out: list[float] = []
+        for earlier in range(max(1, r - self.config.rounds.clip_history_rounds), r):
+            norms = self.norms.get(earlier)
+            if norms is None:
+                return None
+            out.extend(norms)
+        return out
+
     def check_rederive(self, r: int, manifest: Manifest, parent: _Loaded | None, updates: dict[str, bytes]) -> None:
+        if self.config is not None and self.config.rounds.clip_multiple > 0 and self.history(r) is None:
+            self.fail(r, str(manifest.params), "rederive",
+                      f"cannot re-derive the round: the clip threshold takes the norms of the previous "
+                      f"{self.config.rounds.clip_history_rounds} round(s)' updates, and one of them is unavailable")
+            return
         if self.config is None or parent is None or parent.params is None or parent.outer_state is None \
                 or len(updates) != len(manifest.participants):
             self.fail(r, str(manifest.params), "rederive",
@@ -324,13 +353,14 @@ class _Audit:
                 self.fail(r, manifest.downlink.header, "rederive", f"the codec header is not JSON: {exc}")
                 return
         try:
-            derived = rederive(self.config.outer, parent.params, parent.outer_state, updates, downlink)
+            derived = rederive(self.config.outer, parent.params, parent.outer_state, updates, downlink,
+                               clip_multiple=self.config.rounds.clip_multiple, history=self.history(r) or ())
         except RederiveError as exc:
             self.fail(r, str(manifest.params), "rederive", str(exc))
             return
         if derived.params_digest != _digest(manifest.params):
             self.fail(r, manifest.params, "rederive",
-                      f"mean of the {len(updates)} stored update(s) + outer step from round {r - 1} gives params "
+                      f"clipped mean of the {len(updates)} stored update(s) + outer step from round {r - 1} gives params "
                       f"sha256 {derived.params_digest.hex()}, the manifest names {manifest.params}")
         if derived.outer_state_digest != _digest(manifest.outer_state):
             self.fail(r, manifest.outer_state, "rederive",

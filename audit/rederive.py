@@ -1,6 +1,8 @@
 """Re-derive a round's checkpoint from stored bytes: the coordinator's arithmetic, done again.
 
-    Δ⁽ʳ⁾      = mean of the participants' stored updates, summed in sorted worker order
+    Δ⁽ʳ⁾      = trainer.aggregation.aggregate of the participants' stored updates: each clipped to
+                c × the lower median of their norms and the previous K rounds' stored norms, then
+                the mean, summed in sorted worker order (c = 0: the plain mean)
     θ̃⁽ʳ⁾, m⁽ʳ⁾ = outer_step(config.outer, θ⁽ʳ⁻¹⁾, m⁽ʳ⁻¹⁾, Δ⁽ʳ⁾)
     θ⁽ʳ⁾      = θ̃⁽ʳ⁾                                      when the global update travelled dense
     θ⁽ʳ⁾      = θ⁽ʳ⁻¹⁾ − decompress(C⁽ʳ⁾)                  when it travelled compressed (C⁽ʳ⁾ the
@@ -19,12 +21,12 @@ from __future__ import annotations
 
 import hashlib
 from collections.abc import Mapping
-from dataclasses import dataclass
-from typing import Any
+from dataclasses import dataclass, field
+from typing import Any, Sequence
 
 import torch
 
-from trainer.aggregation import mean_pseudo_gradient
+from trainer.aggregation import aggregate, exact_norm
 from trainer.config import OuterConfig
 from trainer.compression import CompressionError
 from trainer.diloco import downlink_error_of, momentum_of, outer_state_of, outer_step, zero_momentum
@@ -39,6 +41,7 @@ class RederiveError(ValueError):
 class Derived:
     params: bytes
     outer_state: bytes
+    norms: dict[str, float] = field(default_factory=dict, compare=False)  # ‖Δᵢ‖ of each stored update
 
     @property
     def params_digest(self) -> bytes:
@@ -69,11 +72,20 @@ def genesis_outer_state(params_bytes: bytes) -> bytes:
     return encode_params(outer_state_of(zero_momentum(params)))
 
 
+def update_norms(updates: Mapping[str, bytes]) -> dict[str, float]:
+    """‖Δᵢ‖₂ of stored updates, as the coordinator computed them (trainer.aggregation.exact_norm):
+    what the next K rounds' clip threshold is taken over."""
+    return {w: exact_norm(_decode(f"update of {w}", data)) for w, data in sorted(updates.items())}
+
+
 def rederive(outer: OuterConfig, parent_params: bytes, parent_outer_state: bytes,
-             updates: Mapping[str, bytes], downlink: tuple[bytes, Mapping[str, Any]] | None = None) -> Derived:
+             updates: Mapping[str, bytes], downlink: tuple[bytes, Mapping[str, Any]] | None = None, *,
+             clip_multiple: float = 0.0, history: Sequence[float] = ()) -> Derived:
     """θ⁽ʳ⁾ and the outer state as bytes from round r-1's stored state, the round's stored updates
     (keyed by worker id, as in the manifest) and, when the global update travelled compressed, its
-    stored bytes and codec header."""
+    stored bytes and codec header. ``clip_multiple`` is the run's ``rounds.clip_multiple`` (0: the
+    plain mean) and ``history`` the norms of the stored updates of the previous
+    ``rounds.clip_history_rounds`` rounds (``update_norms``)."""
     if not updates:
         raise RederiveError("the round has no participants, so nothing to average")
     params = _decode("parent params", parent_params)
@@ -92,13 +104,14 @@ def rederive(outer: OuterConfig, parent_params: bytes, parent_outer_state: bytes
                                 f"{got.get(names[0], 'absent')} vs {layout.get(names[0], 'absent')}")
         decoded[worker] = update
     with torch.no_grad():
-        delta = mean_pseudo_gradient(decoded)
+        aggregated = aggregate(decoded, clip_multiple, history)
+        delta, norms = aggregated.delta, aggregated.norms
         new_params, new_momentum = outer_step(outer, params, momentum, delta)
         if downlink is None:
             if error:
                 raise RederiveError("the parent outer state carries a downlink error, but the round's global "
                                     "update is not compressed")
-            return Derived(encode_params(new_params), encode_params(outer_state_of(new_momentum)))
+            return Derived(encode_params(new_params), encode_params(outer_state_of(new_momentum)), norms)
         try:
             received = decode_update(downlink[0], downlink[1], layout)
         except CompressionError as exc:
@@ -106,4 +119,4 @@ def rederive(outer: OuterConfig, parent_params: bytes, parent_outer_state: bytes
         update = global_update(params, new_params)
         new_error = carried_error(update, error, received)
         published = apply_update(params, received)
-    return Derived(encode_params(published), encode_params(outer_state_of(new_momentum, new_error)))
+    return Derived(encode_params(published), encode_params(outer_state_of(new_momentum, new_error)), norms)

@@ -70,7 +70,7 @@ def run_demo(run_dir: Path, rounds: int | None = None, workers: int = 2, overlap
     console = Console()
     config = demo_config()
     config = config.replace(rounds=dataclasses.replace(
-        config.rounds, rounds=rounds or config.rounds.rounds, expected_workers=workers, quorum=workers,
+        config.rounds, rounds=config.rounds.rounds if rounds is None else rounds, expected_workers=workers, quorum=workers,
         overlap=config.rounds.overlap if overlap is None else overlap))
     # Pin the corpus now: the allowlisted measurement covers the configuration's CID.
     corpus = load_corpus(config.data, config.seed, config.model.block_size)

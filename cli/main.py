@@ -100,19 +100,23 @@ def _trust_settings(args: argparse.Namespace):  # -> TrustSettings | None
     if not any(given):
         return None
     if not all(given):
-        raise ValueError("--ledger, --chain-rpc and --chain-key-file go together")
+        missing = [flag for flag, value in zip(("--ledger", "--chain-rpc", "--chain-key-file"), given) if not value]
+        raise UsageError(f"--ledger, --chain-rpc and --chain-key-file go together: {', '.join(missing)} missing")
     from attestation import Policy
     from audit.cli import dcap_settings
     from settlement import Deployment
     from trainer.trust import TrustSettings
 
-    key_text = Path(args.chain_key_file).read_text().strip()
+    key_text = Path(args.chain_key_file).read_text(errors="replace").strip().removeprefix("0x")
+    if len(key_text) != 64 or not all(c in "0123456789abcdefABCDEF" for c in key_text):
+        raise UsageError(f"--chain-key-file {args.chain_key_file}: not a chain private key "
+                         f"(expected 64 hex digits, optionally 0x-prefixed)")
     dcap = dcap_settings(args.dcap_collateral, args.pccs_url, args.allow_tcb_status)
     if dcap.source is None:
         logging.getLogger("dilocox").warning(
             "no --dcap-collateral or --pccs-url: TDX quotes cannot be verified, so TDX workers are refused")
     policy = Policy(allow_dev=args.allow_dev, dev_roots=frozenset(args.dev_root), dcap=dcap)
-    return TrustSettings(rpc_url=args.chain_rpc, private_key=bytes.fromhex(key_text.removeprefix("0x")),
+    return TrustSettings(rpc_url=args.chain_rpc, private_key=bytes.fromhex(key_text),
                          deployment=Deployment.load(args.ledger), policy=policy,
                          report_timeout_s=args.report_timeout, verification_time=args.attestation_time)
 
@@ -141,8 +145,16 @@ def cmd_status(args: argparse.Namespace) -> int:
     from proto import CHANNEL_OPTIONS, pb, pb_grpc
     from trainer.tls import open_channel
 
+    import grpc
+
     with open_channel(args.coordinator, _client_tls(args), CHANNEL_OPTIONS) as channel:
-        status = pb_grpc.CoordinatorStub(channel).Status(pb.StatusRequest(), timeout=10)
+        try:
+            status = pb_grpc.CoordinatorStub(channel).Status(pb.StatusRequest(), timeout=10)
+        except grpc.RpcError as exc:
+            detail = (exc.details() or "").splitlines()[0][:300] if hasattr(exc, "details") else ""
+            code = exc.code().name if hasattr(exc, "code") and exc.code() is not None else "error"
+            raise ConnectionError(f"--coordinator {args.coordinator}: no answer from a coordinator "
+                                  f"({code}: {detail})") from None
     print(json.dumps(MessageToDict(status), indent=2))
     return 0
 
@@ -289,15 +301,88 @@ def parser() -> argparse.ArgumentParser:
     return p
 
 
+class UsageError(ValueError):
+    """Command-line arguments that cannot work together or are out of range (exit status 2)."""
+
+
+MAX_DEMO_WORKERS = 1024  # = the run configuration's bound on rounds.expected_workers
+
+
+def _port(value: int, flag: str, lowest: int) -> None:
+    if not lowest <= value <= 65535:
+        raise UsageError(f"{flag} {value} is out of range: must be in [{lowest}, 65535]")
+
+
+def _coordinator_address(address: str) -> None:
+    """--coordinator must be host:port with a port in [1, 65535] and a host that resolves."""
+    import socket
+
+    from trainer.tls import TlsError, split_address
+
+    try:
+        host, port = split_address(address)
+    except TlsError:
+        raise UsageError(f"--coordinator {address[:200]!r} is not host:port (port in [1, 65535]; "
+                         f"IPv6 as [addr]:port)") from None
+    try:
+        socket.getaddrinfo(host, port, type=socket.SOCK_STREAM)
+    except (socket.gaierror, UnicodeError) as exc:
+        raise UsageError(f"--coordinator {address[:200]}: cannot resolve host {host[:200]!r} "
+                         f"({getattr(exc, 'strerror', None) or exc})") from None
+
+
+def check_args(args: argparse.Namespace) -> None:
+    """Refuse out-of-range and contradictory arguments before anything starts, with one line each
+    naming the flag (argparse checks only types)."""
+    command = args.command
+    if command == "demo":
+        if args.rounds is not None and args.rounds < 1:
+            raise UsageError(f"--rounds {args.rounds} is out of range: must be >= 1")
+        if not 1 <= args.workers <= MAX_DEMO_WORKERS:
+            raise UsageError(f"--workers {args.workers} is out of range: must be in [1, {MAX_DEMO_WORKERS}]")
+    if command == "coordinator":
+        _port(args.port, "--port", 0)
+        given = [args.ledger, args.chain_rpc, args.chain_key_file]
+        if any(given) and not all(given):
+            missing = [flag for flag, value in zip(("--ledger", "--chain-rpc", "--chain-key-file"), given)
+                       if not value]
+            raise UsageError(f"--ledger, --chain-rpc and --chain-key-file go together: {', '.join(missing)} missing")
+        for flag, value in (("--threads", args.threads),):
+            if value < 1:
+                raise UsageError(f"{flag} {value} is out of range: must be >= 1")
+        for flag, value in (("--linger", args.linger), ("--report-timeout", args.report_timeout),
+                            ("--idle-timeout", args.idle_timeout)):
+            if not 0 <= value <= 86_400:  # also refuses NaN
+                raise UsageError(f"{flag} {value} is out of range: must be in [0, 86400] seconds")
+    if command == "worker":
+        from trainer.limits import WORKER_ID
+
+        if not WORKER_ID.fullmatch(args.worker_id):
+            raise UsageError(f"--worker-id {args.worker_id[:80]!r} must match [A-Za-z0-9._-]{{1,64}}")
+        if args.attestation == "dev" and not args.dev_root_dir:
+            raise UsageError("--attestation dev needs --dev-root-dir (the directory of the dev root key)")
+        if args.threads < 1 or args.stages < 1:
+            raise UsageError(f"--threads {args.threads} and --stages {args.stages} must be >= 1")
+        for flag, value in (("--link-bandwidth", args.link_bandwidth), ("--link-latency", args.link_latency),
+                            ("--reconnect-timeout", args.reconnect_timeout)):
+            if not 0 <= value < float("inf"):  # also refuses NaN
+                raise UsageError(f"{flag} {value} is out of range: must be a finite number >= 0")
+    if command in ("worker", "status"):
+        _coordinator_address(args.coordinator)
+
+
 def main(argv: list[str] | None = None) -> int:
     args = parser().parse_args(argv)
     _logging(args.verbose)
     try:
+        check_args(args)
         return args.func(args)
     except KeyboardInterrupt:
         return 130
     except Exception as exc:  # one clear line for expected failures; the traceback with -v
         from attestation import AttestationError, PolicyViolation
+        from settlement.anvil import AnvilError
+        from settlement.chain import ChainError
         from storage_client import StoreError
         from trainer.config import ConfigError
         from trainer.data import CorpusError
@@ -305,15 +390,16 @@ def main(argv: list[str] | None = None) -> int:
         from trainer.wire import WireError
 
         known = (ConfigError, CorpusError, StoreError, OSError, AttestationError, PolicyViolation, TlsError,
-                 WireError, ValueError)
+                 WireError, ValueError, ChainError, AnvilError)
         try:
             from trainer.worker import WorkerError
             known += (WorkerError,)
         except ImportError:
             pass
         if isinstance(exc, known) and not args.verbose:
-            logging.getLogger("dilocox").error("%s: %s", type(exc).__name__, exc)
-            return 1
+            text = " ".join(str(exc).split()) or type(exc).__name__  # one line, whatever the message holds
+            logging.getLogger("dilocox").error("%s: %s", type(exc).__name__, text)
+            return 2 if isinstance(exc, UsageError) else 1
         raise
 
 

@@ -60,7 +60,10 @@ def _unhex32(item: dict[str, Any], name: str) -> bytes:
     value = item.get(name)
     if not isinstance(value, str) or not value.startswith("0x") or len(value) != 66:
         raise OutboxError(f"outbox item {item.get('file')}: {name} is not 32 bytes of 0x-hex")
-    return bytes.fromhex(value[2:])
+    try:
+        return bytes.fromhex(value[2:])
+    except ValueError:
+        raise OutboxError(f"outbox item {item.get('file')}: {name} is not 32 bytes of 0x-hex") from None
 
 
 def _short(value: bytes) -> str:
@@ -256,7 +259,7 @@ class Outbox:
             return
         try:
             reports = [SignedReport.from_json(r) for r in item.get("reports") or []]
-        except ReportError as exc:
+        except (ReportError, ValueError, TypeError, KeyError, AttributeError) as exc:
             raise OutboxError(f"outbox item {item['file']}: {exc}") from None
         receipt = ledger.record_round(run_id, round_, _unhex32(item, "parent"), checkpoint, manifest, reports)
         log.info("round %d of run %s recorded on the ledger in block %d with %d report(s) (gas %d)", round_,

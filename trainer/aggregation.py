@@ -16,12 +16,45 @@ Mean (see trainer.diloco for the outer step that follows):
 
 so the result does not depend on the order in which updates arrived and any replica, or an
 auditor holding the stored updates, re-derives it bit for bit.
+
+Robust aggregation: clipping to a multiple of the median honest norm
+--------------------------------------------------------------------
+
+The bound of check 5 is derived from the worst case an inner loop can reach and sits ~100× above
+what honest workers actually send, so it is only a coarse pre-check. What enters the mean is
+bounded against the round's own updates (``aggregate``), with c = ``rounds.clip_multiple`` and
+K = ``rounds.clip_history_rounds``:
+
+    nᵢ   = ‖Δᵢ⁽ʳ⁾‖₂                       (``exact_norm``: correctly rounded, the same on every CPU)
+    R⁽ʳ⁾ = {nᵢ : i ∈ Sᵣ} ∪ {‖Δⱼ⁽ʳ'⁾‖₂ : j ∈ S_r', r−K ≤ r' < r}    (a multiset; raw stored norms)
+    ρ⁽ʳ⁾ = R⁽ʳ⁾₍⌊(|R|−1)/2⌋₎             the lower median (the smaller middle value when |R| is even)
+    τ⁽ʳ⁾ = c · ρ⁽ʳ⁾
+    sᵢ   = min(1, τ⁽ʳ⁾ / nᵢ)              computed in float64, applied as one float32 multiply
+    Δ⁽ʳ⁾ = (1 / |Sᵣ|) Σ_{i∈Sᵣ} sᵢ·Δᵢ⁽ʳ⁾      (an update with sᵢ = 1 is not multiplied at all)
+
+Breakdown: ρ can exceed every honest norm only if dishonest norms fill more than half of R
+(strictly: at least |R| − ⌊(|R|−1)/2⌋ of them), so while honest norms are a strict majority of R,
+every update enters with norm ≤ c · max honest norm, i.e. at most c times an honest update's
+influence on the mean. With two workers, one of them dishonest, the lower median is the smaller
+norm: a scaled-up update is clipped to c times the honest one. The K previous rounds' norms (raw
+norms of the stored updates, so an auditor recomputes them from the store alone) guard rounds with
+one or two participants. Deflation is easier: norms at least ⌈|R|/2⌉ of R that are tiny drag ρ
+down and shrink honest updates, which slows training but never moves the model further than an
+honest update would. The direction of a clipped update is not judged: an update of norm ≤ c·ρ
+pointing the wrong way still counts: screening by effect (``rounds.screen_margin``, off by
+default; trainer.coordinator.Coordinator.screen) refuses an update that raises the held-out loss
+of the round's start checkpoint by more than the margin on batches the coordinator draws.
+
+c = 0 turns clipping off (the plain mean); otherwise 1 ≤ c ≤ 100, 2 by default (honest updates of
+one round were measured within 1.5× of each other). ``aggregate`` is the only place this is
+computed: the coordinator calls it when a round closes and ``audit.rederive`` calls it again.
 """
 
 from __future__ import annotations
 
 import math
-from typing import Any, Mapping
+from dataclasses import dataclass
+from typing import Any, Mapping, Sequence
 
 import torch
 
@@ -131,8 +164,15 @@ def validate_payload(payload: bytes, declared: Layout, bound: float, *, encoding
     else:
         update = decode_update(payload, declared)
     check_finite(update)
+    check_nonzero(update)
     check_norm(update, bound)
     return update
+
+
+def check_nonzero(update: Params) -> None:
+    """An all-zero update trains nothing: a worker sending it would be credited for no work."""
+    if all(not bool(t.any()) for t in update.values()):
+        raise InvalidUpdate("the update is all zeros: it carries no training")
 
 
 def mean_pseudo_gradient(updates: Mapping[str, Params]) -> Params:
@@ -145,3 +185,60 @@ def mean_pseudo_gradient(updates: Mapping[str, Params]) -> Params:
         for name, t in updates[worker].items():
             total[name].add_(t)
     return {name: t.div_(len(workers)) for name, t in total.items()}
+
+
+# --------------------------------------------------------------------------------- robust mean
+
+
+def exact_norm(update: Params) -> float:
+    """‖Δ‖₂, the same bits on every CPU: each float32 value squared in float64 is exact, and
+    ``math.fsum`` rounds each tensor's sum of squares correctly whatever the order (torch's own
+    reductions do not fix their summation order across CPU capabilities); the per-tensor sums are
+    added with fsum in sorted name order."""
+    sums = [math.fsum(update[name].detach().reshape(-1).double().square().tolist()) for name in sorted(update)]
+    return math.sqrt(math.fsum(sums))
+
+
+def lower_median(values: Sequence[float]) -> float:
+    if not values:
+        raise ValueError("no norms to take a median of")
+    ordered = sorted(values)
+    return ordered[(len(ordered) - 1) // 2]
+
+
+@dataclass(frozen=True)
+class Aggregated:
+    """A round's Δ⁽ʳ⁾ and how it was reached (norms, the clip threshold τ, each scale sᵢ)."""
+
+    delta: Params
+    norms: dict[str, float]
+    threshold: float  # τ; inf when clipping is off
+    scales: dict[str, float]
+
+    @property
+    def clipped(self) -> list[str]:
+        return sorted(w for w, s in self.scales.items() if s < 1.0)
+
+
+def aggregate(updates: Mapping[str, Params], clip_multiple: float, history: Sequence[float] = (),
+              norms: Mapping[str, float] | None = None) -> Aggregated:
+    """Δ⁽ʳ⁾ by the rule of the module docstring. ``history``: the norms of the previous K rounds'
+    stored updates; ``norms``: the updates' ``exact_norm``s when already known (recomputed if not)."""
+    if not updates:
+        raise ValueError("cannot aggregate a round with no accepted updates")
+    own = {w: (norms[w] if norms is not None and w in norms else exact_norm(u)) for w, u in updates.items()}
+    if clip_multiple <= 0:
+        return Aggregated(mean_pseudo_gradient(updates), own, math.inf, {w: 1.0 for w in updates})
+    threshold = clip_multiple * lower_median([*own.values(), *history])
+    scales: dict[str, float] = {}
+    clipped: dict[str, Params] = {}
+    for worker in sorted(updates):
+        n = own[worker]
+        scale = 1.0 if n <= threshold else threshold / n
+        scales[worker] = scale
+        if scale < 1.0:
+            factor = torch.tensor(scale, dtype=torch.float32)
+            clipped[worker] = {name: t.mul(factor) for name, t in updates[worker].items()}
+        else:
+            clipped[worker] = updates[worker]
+    return Aggregated(mean_pseudo_gradient(clipped), own, threshold, scales)

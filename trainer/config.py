@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import math
 import re
 from dataclasses import dataclass, field, fields
 from pathlib import Path
@@ -29,11 +30,12 @@ _RUN_ID = re.compile(r"^[A-Za-z0-9._-]{1,64}$")
 class ModelConfig:
     """A nanoGPT-style decoder-only transformer; the default trains on 2 CPU cores."""
 
-    vocab_size: int = 256  # byte-level tokenizer: no vocabulary file, no download
-    block_size: int = 64
-    n_layer: int = 2
-    n_head: int = 4
-    n_embd: int = 128
+    vocab_size: int = 256  # [256, 262144]; byte-level tokenizer (256 tokens): no vocabulary file, no download
+    block_size: int = 64  # [2, 16384] tokens of context
+    n_layer: int = 2  # [1, 256]
+    n_head: int = 4  # [1, 256]
+    n_embd: int = 128  # [1, 16384], a multiple of n_head
+    # and at most MAX_PARAMETERS (1e10) parameters in all (estimated_parameters)
 
 
 @dataclass(frozen=True)
@@ -43,13 +45,13 @@ class InnerConfig:
     Defaults follow the DiLoCo lineage: lr 4e-4, weight decay 0.1, betas (0.9, 0.95).
     """
 
-    steps: int = 50
-    batch_size: int = 16
-    lr: float = 4e-4
-    weight_decay: float = 0.1
-    beta1: float = 0.9
-    beta2: float = 0.95
-    grad_clip: float = 1.0  # max global grad norm; 0 disables clipping
+    steps: int = 50  # [1, 1_000_000] inner steps (H) a round
+    batch_size: int = 16  # [1, 4096] sequences a step
+    lr: float = 4e-4  # (0, 10]
+    weight_decay: float = 0.1  # [0, 10]
+    beta1: float = 0.9  # [0, 1)
+    beta2: float = 0.95  # [0, 1)
+    grad_clip: float = 1.0  # [0, 1e6]: max global grad norm; 0 disables clipping
 
 
 @dataclass(frozen=True)
@@ -59,8 +61,8 @@ class OuterConfig:
     Defaults follow DiLoCo: lr 0.7, momentum 0.9, Nesterov.
     """
 
-    lr: float = 0.7
-    momentum: float = 0.9
+    lr: float = 0.7  # (0, 10]
+    momentum: float = 0.9  # [0, 1)
     nesterov: bool = True
 
 
@@ -75,7 +77,9 @@ class DataConfig:
 
     corpus: str = "embedded"
     corpus_sha256: str = ""
-    eval_fraction: float = 0.1
+    eval_fraction: float = 0.1  # (0, 0.5]: the tail of the corpus held out for evaluation
+    # [1, 10_000] batches of inner.batch_size, and eval_batches x batch_size x block_size at most
+    # MAX_EVAL_TOKENS (2^24): the held-out batches are kept in memory by every process
     eval_batches: int = 8
 
 
@@ -88,30 +92,46 @@ class RoundConfig:
     A worker silent for ``liveness_timeout_s`` is no longer waited for.
     """
 
-    rounds: int = 5
-    expected_workers: int = 2  # also the number of data shards
-    quorum: int = 2
-    straggler_timeout_s: float = 60.0
-    heartbeat_interval_s: float = 1.0
-    liveness_timeout_s: float = 6.0
-    max_update_norm: float = 0.0  # L2 bound on a pseudo-gradient; 0 derives it (see aggregation)
+    rounds: int = 5  # [1, 1_000_000]
+    expected_workers: int = 2  # [1, 1024]; also the number of data shards
+    quorum: int = 2  # [1, expected_workers]
+    straggler_timeout_s: float = 60.0  # [0.1, 86400] seconds
+    heartbeat_interval_s: float = 1.0  # [0.05, 60] seconds
+    liveness_timeout_s: float = 6.0  # [0.1, 3600] seconds, and > heartbeat_interval_s
+    # L2 bound on a pseudo-gradient; 0 derives it (see trainer.aggregation.norm_bound). An explicit
+    # bound must be in [inner.lr x sqrt(parameters), 1e12]: the floor is the norm of a single AdamW
+    # step (every coordinate moves by about lr), so a smaller bound would refuse every honest update
+    # and no round would ever close.
+    max_update_norm: float = 0.0
     # DiLoCoX's one-step-delay overlap of the exchange with the next round's compute (see
     # trainer.worker). Staleness and outer momentum compound: on the tiny GPT, 2 workers, 8 rounds
     # of 100 steps, eval loss was 1.56 synchronous, 2.10 overlapped at momentum 0.9, and 1.66
     # overlapped at momentum 0.5, so lower outer momentum when turning this on (the ablation benchmark
     # uses 0.3 for every DiLoCoX row; benchmarks/ablation.py says what it measured).
     overlap: bool = False
+    # Robust aggregation (trainer.aggregation.aggregate): each update is clipped to clip_multiple
+    # (c) x the lower median of the round's update norms and the previous clip_history_rounds (K)
+    # rounds' norms. c: 0 (off: the plain mean) or [1, 100]; K: [0, 64].
+    clip_multiple: float = 2.0
+    clip_history_rounds: int = 2
+    # Screening by effect (trainer.coordinator): refuse an update that raises the loss of the round's
+    # start checkpoint by more than screen_margin nats on held-out batches the coordinator draws
+    # privately each round. 0: off (the default); otherwise (0, 100].
+    screen_margin: float = 0.0
 
 
 @dataclass(frozen=True)
 class RunConfig:
     run_id: str = "dilocox"
-    seed: int = 1337
+    seed: int = 1337  # [0, 2^63 - 1]
     model: ModelConfig = field(default_factory=ModelConfig)
     inner: InnerConfig = field(default_factory=InnerConfig)
     outer: OuterConfig = field(default_factory=OuterConfig)
     data: DataConfig = field(default_factory=DataConfig)
     rounds: RoundConfig = field(default_factory=RoundConfig)
+    # Ranges checked here (trainer.compression checks less): target_energy (0, 1], min_rank and
+    # max_rank [1, 4096] with min <= max, window [1, 1000], max_rank_factor [1, 1000], group sizes
+    # [1, 2^20].
     compression: CompressionConfig = field(default_factory=CompressionConfig)
 
     def __post_init__(self) -> None:
@@ -204,26 +224,127 @@ def _exact(value: Any, kind: type, where: str) -> Any:
     return value
 
 
+# The accepted range of every numeric field, by "section.field": (low, high, low_open, high_open).
+# Each field's comment repeats its range; _validate refuses a value outside it (and any NaN or
+# infinity) with a message naming the field, the value and the range.
+_RANGES: dict[str, tuple[float, float, bool, bool]] = {
+    "seed": (0, 2**63 - 1, False, False),
+    "model.vocab_size": (256, 262_144, False, False),
+    "model.block_size": (2, 16_384, False, False),
+    "model.n_layer": (1, 256, False, False),
+    "model.n_head": (1, 256, False, False),
+    "model.n_embd": (1, 16_384, False, False),
+    "inner.steps": (1, 1_000_000, False, False),
+    "inner.batch_size": (1, 4096, False, False),
+    "inner.lr": (0.0, 10.0, True, False),
+    "inner.weight_decay": (0.0, 10.0, False, False),
+    "inner.beta1": (0.0, 1.0, False, True),
+    "inner.beta2": (0.0, 1.0, False, True),
+    "inner.grad_clip": (0.0, 1e6, False, False),
+    "outer.lr": (0.0, 10.0, True, False),
+    "outer.momentum": (0.0, 1.0, False, True),
+    "data.eval_fraction": (0.0, 0.5, True, False),
+    "data.eval_batches": (1, 10_000, False, False),
+    "rounds.rounds": (1, 1_000_000, False, False),
+    "rounds.expected_workers": (1, 1024, False, False),
+    "rounds.quorum": (1, 1024, False, False),
+    "rounds.straggler_timeout_s": (0.1, 86_400.0, False, False),
+    "rounds.heartbeat_interval_s": (0.05, 60.0, False, False),
+    "rounds.liveness_timeout_s": (0.1, 3600.0, False, False),
+    "rounds.max_update_norm": (0.0, 1e12, False, False),
+    "compression.target_energy": (0.0, 1.0, True, False),
+    "compression.min_rank": (1, 4096, False, False),
+    "compression.max_rank": (1, 4096, False, False),
+    "compression.window": (1, 1000, False, False),
+    "compression.max_rank_factor": (1.0, 1000.0, False, False),
+    "compression.int4_group_size": (1, 1 << 20, False, False),
+    "compression.int8_group_size": (1, 1 << 20, False, False),
+}
+# Held-out tokens (eval_batches x batch_size x block_size) the coordinator and every worker keep in
+# memory, as int64 inputs and targets: 2^24 tokens is 256 MiB. The default is 8 x 16 x 64 = 8192.
+MAX_EVAL_TOKENS = 1 << 24
+# Parameters of the GPT (an estimate from the model fields; the default has about 0.47M).
+MAX_PARAMETERS = 10_000_000_000
+
+
+def _interval(spec: tuple[float, float, bool, bool]) -> str:
+    lo, hi, lo_open, hi_open = spec
+    return f"{'(' if lo_open else '['}{lo:g}, {hi:g}{')' if hi_open else ']'}"
+
+
+def _in_range(value: float, spec: tuple[float, float, bool, bool]) -> bool:
+    lo, hi, lo_open, hi_open = spec
+    if not math.isfinite(value):
+        return False
+    return (lo < value if lo_open else lo <= value) and (value < hi if hi_open else value <= hi)
+
+
+def _numeric_fields(cfg: RunConfig) -> list[tuple[str, Any]]:
+    """Every int and float field of the configuration, as ("section.field", value); bools excluded."""
+    out: list[tuple[str, Any]] = []
+    for f in fields(cfg):
+        value = getattr(cfg, f.name)
+        if dataclasses.is_dataclass(value):
+            out += [(f"{f.name}.{g.name}", getattr(value, g.name)) for g in fields(value)]
+        else:
+            out.append((f.name, value))
+    return [(name, v) for name, v in out if isinstance(v, (int, float)) and not isinstance(v, bool)]
+
+
+def estimated_parameters(m: ModelConfig) -> int:
+    """The GPT's parameter count (untied embeddings, 12 n_embd^2 + 13 n_embd a block, biases)."""
+    d = m.n_embd
+    return 2 * m.vocab_size * d + m.block_size * d + m.n_layer * (12 * d * d + 13 * d) + 2 * d
+
+
 def _validate(cfg: RunConfig) -> list[str]:
-    m, i, o, d, r = cfg.model, cfg.inner, cfg.outer, cfg.data, cfg.rounds
-    checks = [
-        (bool(_RUN_ID.match(cfg.run_id)), "run_id must match [A-Za-z0-9._-]{1,64}"),
-        (m.vocab_size >= 2 and m.block_size >= 2, "model.vocab_size and block_size must be >= 2"),
-        (m.n_layer >= 1 and m.n_head >= 1, "model.n_layer and n_head must be >= 1"),
-        (m.n_embd % m.n_head == 0, "model.n_embd must be divisible by model.n_head"),
-        (i.steps >= 1 and i.batch_size >= 1, "inner.steps and inner.batch_size must be >= 1"),
-        (i.lr > 0 and i.weight_decay >= 0, "inner.lr must be > 0 and weight_decay >= 0"),
-        (0 <= i.beta1 < 1 and 0 <= i.beta2 < 1, "inner betas must be in [0, 1)"),
-        (i.grad_clip >= 0, "inner.grad_clip must be >= 0"),
-        (o.lr > 0 and 0 <= o.momentum < 1, "outer.lr must be > 0 and momentum in [0, 1)"),
-        (0 < d.eval_fraction < 1 and d.eval_batches >= 1, "data.eval_fraction in (0,1), eval_batches >= 1"),
-        (r.rounds >= 1 and r.expected_workers >= 1, "rounds.rounds and expected_workers must be >= 1"),
-        (1 <= r.quorum <= r.expected_workers, "rounds.quorum must be in [1, expected_workers]"),
-        (r.straggler_timeout_s > 0 and r.heartbeat_interval_s > 0, "round timeouts must be > 0"),
-        (r.liveness_timeout_s > r.heartbeat_interval_s, "liveness_timeout_s must exceed heartbeat_interval_s"),
-        (r.max_update_norm >= 0, "rounds.max_update_norm must be >= 0"),
-    ]
-    return [message for ok, message in checks if not ok]
+    problems: list[str] = []
+    if not (isinstance(cfg.run_id, str) and _RUN_ID.match(cfg.run_id)):
+        problems.append(f"run_id {cfg.run_id!r} must match [A-Za-z0-9._-]{{1,64}}")
+    for name, value in _numeric_fields(cfg):
+        spec = _RANGES.get(name)
+        if spec is None:  # a field without a listed range: at least refuse NaN and infinities
+            if isinstance(value, float) and not math.isfinite(value):
+                problems.append(f"{name} = {value!r} must be a finite number")
+            continue
+        if not _in_range(value, spec):
+            problems.append(f"{name} = {value!r} is out of range: must be in {_interval(spec)}")
+    if problems:  # the relations below assume every field is a finite number in its range
+        return problems
+    m, i, r, c = cfg.model, cfg.inner, cfg.rounds, cfg.compression
+    if m.n_embd % m.n_head != 0:
+        problems.append(f"model.n_embd must be divisible by model.n_head (n_embd {m.n_embd}, n_head {m.n_head})")
+    n_params = estimated_parameters(m)
+    if n_params > MAX_PARAMETERS:
+        problems.append(f"model has about {n_params:,} parameters; at most {MAX_PARAMETERS:,} are supported "
+                        f"(lower model.n_layer, n_embd or vocab_size)")
+    eval_tokens = cfg.data.eval_batches * i.batch_size * m.block_size
+    if eval_tokens > MAX_EVAL_TOKENS:
+        problems.append(f"data.eval_batches = {cfg.data.eval_batches} holds {eval_tokens:,} held-out tokens "
+                        f"(eval_batches x inner.batch_size x model.block_size); at most {MAX_EVAL_TOKENS:,}")
+    if not r.quorum <= r.expected_workers:
+        problems.append(f"rounds.quorum = {r.quorum} must be in [1, expected_workers = {r.expected_workers}]")
+    if not r.liveness_timeout_s > r.heartbeat_interval_s:
+        problems.append(f"rounds.liveness_timeout_s = {r.liveness_timeout_s!r} must exceed "
+                        f"rounds.heartbeat_interval_s = {r.heartbeat_interval_s!r}")
+    if r.max_update_norm > 0:
+        # One AdamW step moves every coordinate by about lr (exactly lr on the first step, where
+        # m/sqrt(v) = sign(g)), so an honest pseudo-gradient has a norm around lr x sqrt(P) or more;
+        # an explicit bound below that refuses every update and no round would ever close.
+        floor = i.lr * math.sqrt(n_params)
+        if r.max_update_norm < floor:
+            problems.append(f"rounds.max_update_norm = {r.max_update_norm!r} is below {floor:.4g}, the norm of one "
+                            f"inner step (inner.lr x sqrt(parameters)): every update would be refused; "
+                            f"use 0 to derive the bound")
+    if not c.min_rank <= c.max_rank:
+        problems.append(f"compression.min_rank = {c.min_rank} must not exceed compression.max_rank = {c.max_rank}")
+    if not (r.clip_multiple == 0 or 1 <= r.clip_multiple <= 100):
+        problems.append(f"rounds.clip_multiple = {r.clip_multiple!r} must be 0 (no clipping) or in [1, 100]")
+    if not 0 <= r.clip_history_rounds <= 64:
+        problems.append(f"rounds.clip_history_rounds = {r.clip_history_rounds} must be in [0, 64]")
+    if not 0 <= r.screen_margin <= 100:
+        problems.append(f"rounds.screen_margin = {r.screen_margin!r} must be 0 (no screening) or in (0, 100]")
+    return problems
 
 
 def demo_config() -> RunConfig:

@@ -11,10 +11,19 @@ Life of round r (the global checkpoint of round r-1 is the run's HEAD):
   close    when ``quorum`` updates are accepted and every live worker has delivered, or
            ``straggler_timeout_s`` after the first accepted update (late or dead workers, and
            workers missing a stage's slice, are dropped from the round; they rejoin at the next).
-  publish  Δ⁽ʳ⁾ = mean, (θ⁽ʳ⁾, m⁽ʳ⁾) = outer step (trainer.diloco); with compression on, the
+  publish  Δ⁽ʳ⁾ = the mean of the updates, each clipped to c × the lower median norm of the round's
+           and the previous K rounds' updates (trainer.aggregation.aggregate, the audit's own
+           arithmetic too), (θ⁽ʳ⁾, m⁽ʳ⁾) = outer step (trainer.diloco); with compression on, the
            global update travels compressed and θ⁽ʳ⁾ is what the replicas rebuild from those bytes
            (trainer.downlink). θ⁽ʳ⁾, m⁽ʳ⁾ (and the downlink bytes) go to the store, then the
            round's manifest, then HEAD moves to it, then round r+1 opens.
+
+Refused by name besides malformed pushes (trainer.aggregation's checks): an all-zero update, one
+byte-identical to an update already accepted in the run (``accepted_cids``, rebuilt on restart from
+the manifests and the pending journal), one that names no base or not the round's base, and claims
+of tokens or inner steps other than the config's (H × batch_size × block_size tokens, H steps:
+what the manifest records) or a train loss outside ``TRAIN_LOSS_BAND`` around the held-out loss of
+the round's start checkpoint.
 
 Traffic: every byte of every RPC stream is counted per worker and direction, into the round open
 at the time; the manifest records it (``traffic``, ``bytes_up``/``bytes_down``), and each
@@ -34,6 +43,7 @@ the place of the longest-silent one that is not live, or is refused.
 from __future__ import annotations
 
 import dataclasses
+import os
 import logging
 import math
 import re
@@ -49,10 +59,10 @@ from proto import PROTOCOL_VERSION, pb
 from storage_client import CID, Manifest, Participant, canonical_json, from_e6, lineage, loads_bounded, to_e6
 from storage_client.manifest import Downlink, Traffic
 from trainer.aggregation import (
-    InvalidUpdate, check_layout, check_norm, mean_pseudo_gradient, norm_bound,
+    InvalidUpdate, aggregate, check_layout, check_norm, exact_norm, norm_bound,
 )
 from trainer.config import ConfigError, RunConfig
-from trainer.data import Corpus, eval_batches, load_corpus
+from trainer.data import Corpus, eval_batches, load_corpus, sample_batch
 from trainer.compression import AdaptiveRankPolicy
 from trainer.diloco import (
     downlink_error_of, evaluate, load_params, momentum_of, outer_state_of, outer_step, params_of, zero_momentum,
@@ -71,6 +81,8 @@ from trainer.wire import ENCODING_DENSE_F32, ENCODING_LOWRANK_INT4, Layout, Para
 log = logging.getLogger("dilocox.coordinator")
 
 MAX_REPORT_JSON = 16 << 10
+# A declared train loss must lie in [a·L0, b·L0 + c], L0 the held-out loss of the round's start.
+TRAIN_LOSS_BAND = (0.2, 1.5, 0.5)
 MAX_REFUSALS_KEPT = 8  # per worker and round, in Status and rounds.jsonl
 _SHA256_HEX = re.compile(r"^[0-9a-f]{64}$")
 
@@ -88,6 +100,7 @@ def check_protocol(version: int) -> None:
 class Accepted:
     update: Params
     entry: dict  # the journal entry: cid, train_loss_e6, tokens, inner_steps, bytes_sent, bytes_received
+    norm: float | None = None  # exact_norm of a whole update, computed once (trainer.aggregation)
 
 
 @dataclass
@@ -192,6 +205,10 @@ class Coordinator:
             w: WorkerState(shard=s, last_seen=float("-inf")) for w, s in run_dir.workers().items()
         }
         self.round = OpenRound(number=self.global_state.round + 1, opened_at=self.clock())
+        # Every update accepted in this run, by CID: a byte-identical one is refused (a replay).
+        self.accepted_cids: dict[str, tuple[int, str]] = {
+            p.update: (r, p.worker) for r, (_, m) in sorted(self.manifests.items()) for p in m.participants}
+        self.norm_history: dict[int, list[float]] = {}  # round -> its updates' norms (see _history)
         self._reload_pending()
         # The run's on-chain identity is its genesis manifest: config, corpus and θ⁽⁰⁾ in one digest.
         self.genesis_cid, genesis = self.manifests[0]
@@ -226,6 +243,11 @@ class Coordinator:
             corpus, seed=config.seed, count=config.data.eval_batches,
             batch_size=config.inner.batch_size, block_size=config.model.block_size,
         )
+        # Screening by effect (rounds.screen_margin): a model of its own, and each round's batches.
+        self.eval_tokens = corpus.eval
+        self.screen_model = build_model(config.model, config.seed) if config.rounds.screen_margin > 0 else None
+        self._screen_lock = threading.Lock()
+        self._screening: tuple[int, float, list] | None = None  # (round, start loss, batches)
 
     def _genesis(self, config: RunConfig) -> None:
         corpus = load_corpus(config.data, config.seed, config.model.block_size)
@@ -287,6 +309,7 @@ class Coordinator:
         for worker, entry in sorted(self.run_dir.pending(self.round.number).items()):
             update = decode_params(self.store.get(entry["cid"]))  # re-hashed on read
             self.round.accepted[worker] = Accepted(update, entry)
+            self.accepted_cids.setdefault(entry["cid"], (self.round.number, worker))
             self.round.first_accept_at = self.round.first_accept_at or self.clock()
             log.info("round %d: kept %s's update %s from before the restart", self.round.number, worker, entry["cid"])
         for worker, held in sorted(self.run_dir.pending(self.round.number, "stages").items()):
@@ -458,10 +481,15 @@ class Coordinator:
             bases = {str(self.global_state.params_cid)}
             if self.config.rounds.overlap:  # one round stale is the point of the overlap
                 bases.add(self.manifests[max(h.round - 2, 0)][1].params)
-            if h.base_params_cid and h.base_params_cid not in bases:
+            if not h.base_params_cid:
+                raise Refusal(grpc.StatusCode.FAILED_PRECONDITION,
+                              f"update for round {h.round} names no base_params_cid: an update must say which "
+                              f"checkpoint it was computed from (the round starts from {self.global_state.params_cid})")
+            if h.base_params_cid not in bases:
                 raise Refusal(grpc.StatusCode.FAILED_PRECONDITION,
                               f"update for round {h.round} was computed from {clip(h.base_params_cid)}, but the "
                               f"round starts from {self.global_state.params_cid}")
+            start_loss = from_e6(self.global_state.eval_loss_e6)
         if h.encoding not in ENCODINGS:
             raise Refusal(grpc.StatusCode.INVALID_ARGUMENT,
                           f"unsupported update encoding {clip(h.encoding, 32)}; supported: {', '.join(ENCODINGS)}")
@@ -479,6 +507,20 @@ class Coordinator:
         if not (h.train_loss == h.train_loss and abs(h.train_loss) < 1e6) or h.inner_steps < 1:
             raise Refusal(grpc.StatusCode.INVALID_ARGUMENT,
                           f"implausible metrics: train_loss {h.train_loss}, inner_steps {h.inner_steps}")
+        # Tokens and steps are not the worker's to claim: the config fixes them.
+        cfg = self.config
+        if h.tokens != self.round_tokens or h.inner_steps != cfg.inner.steps:
+            raise Refusal(grpc.StatusCode.INVALID_ARGUMENT,
+                          f"claimed tokens {h.tokens}, inner_steps {h.inner_steps}; this run's round is "
+                          f"{cfg.inner.steps} inner steps of {cfg.inner.batch_size}x{cfg.model.block_size} tokens: "
+                          f"tokens {self.round_tokens}, inner_steps {cfg.inner.steps}")
+        # The declared train loss (the mean over the H inner steps from the round's start) is bounded
+        # against the coordinator's own held-out loss L0 of that start: in [0.2·L0, 1.5·L0 + 0.5].
+        low, high = TRAIN_LOSS_BAND[0] * start_loss, TRAIN_LOSS_BAND[1] * start_loss + TRAIN_LOSS_BAND[2]
+        if not low <= h.train_loss <= high:
+            raise Refusal(grpc.StatusCode.INVALID_ARGUMENT,
+                          f"claimed train_loss {h.train_loss:.4g} is outside [{low:.4g}, {high:.4g}], the band "
+                          f"around the round's start checkpoint's held-out loss {start_loss:.4g}")
         declared = {t.name: (t.dtype, tuple(int(d) for d in t.shape)) for t in h.tensors}
         if len(declared) != len(h.tensors):
             raise Refusal(grpc.StatusCode.INVALID_ARGUMENT, "header names a tensor twice")
@@ -547,18 +589,23 @@ class Coordinator:
     def accept(self, h: pb.UpdateHeader, update: Params, wire_bytes: int) -> tuple[CID, int]:
         """Store and journal an update, or a stage slice, that passed every check; returns its
         record's CID and the open round. The last slice of a worker completes its update."""
+        if h.num_stages == 1:
+            self.screen(h.round, update)
         cid = self.store.put(record_of(update))  # before the journal names it
+        norm = exact_norm(update) if h.num_stages == 1 else None  # outside the lock: a pass over Δ
         with self._lock:
             self._check_round(h.worker_id, h.round, h.stage, h.num_stages)  # the round may have moved
             # The fetch this update built on, as this coordinator counted it; after a restart it
             # has no count and takes the worker's (which the worker's signed report restates).
             received = self.served.get(h.worker_id, {}).get(h.base_params_cid, int(h.base_bytes_received))
+            # Tokens and inner steps follow from the config (admit_header refused any other claim).
             entry = {
-                "cid": str(cid), "train_loss_e6": to_e6(h.train_loss), "tokens": int(h.tokens),
-                "inner_steps": int(h.inner_steps), "bytes_sent": wire_bytes, "bytes_received": received,
+                "cid": str(cid), "train_loss_e6": to_e6(h.train_loss), "tokens": self.round_tokens,
+                "inner_steps": self.config.inner.steps, "bytes_sent": wire_bytes, "bytes_received": received,
             }
             if h.num_stages == 1:
-                self._accepted(h.worker_id, h.round, Accepted(update, entry))
+                self._check_replay(str(cid))
+                self._accepted(h.worker_id, h.round, Accepted(update, entry, norm))
                 open_round = self.round.number
                 log.info("round %d: accepted %s from %s (loss %.4f)", h.round, cid, h.worker_id, h.train_loss)
                 return cid, open_round
@@ -577,8 +624,52 @@ class Coordinator:
             self._complete(h, part)
         return cid, open_round
 
+    def screen(self, round_: int, update: Params) -> float:
+        """Screening by effect, when ``rounds.screen_margin`` > 0: the held-out loss of θ − Δᵢ, θ the
+        round's start checkpoint, on ``data.eval_batches`` batches the coordinator draws from the
+        held-out split with a private random seed once a round (workers cannot tune to them), must
+        not exceed that of θ by more than the margin; returns the loss change (0.0 when off).
+        Not part of the re-derivation: a refused update is in no manifest."""
+        margin = self.config.rounds.screen_margin
+        if self.screen_model is None or margin <= 0:
+            return 0.0
+        cfg, g = self.config, self.global_state
+        started = time.perf_counter()
+        with self._screen_lock, torch.no_grad():
+            if self._screening is None or self._screening[0] != g.round:
+                generator = torch.Generator().manual_seed(int.from_bytes(os.urandom(8), "little") >> 1)
+                batches = [sample_batch(self.eval_tokens, cfg.inner.batch_size, cfg.model.block_size, generator)
+                           for _ in range(cfg.data.eval_batches)]
+                load_params(self.screen_model, g.params)
+                self._screening = (g.round, evaluate(self.screen_model, batches), batches)
+            _, before, batches = self._screening
+            load_params(self.screen_model, {name: p - update[name] for name, p in g.params.items()})
+            after = evaluate(self.screen_model, batches)
+        log.info("round %d: screened an update in %.3fs: held-out loss %.4f -> %.4f", round_,
+                 time.perf_counter() - started, before, after)
+        if not after <= before + margin:  # NaN too
+            raise Refusal(grpc.StatusCode.INVALID_ARGUMENT,
+                          f"screened on held-out batches drawn for round {round_}, the update raises the loss of "
+                          f"the round's start from {before:.4f} to {after:.4f}, more than the margin {margin:g}")
+        return after - before
+
+    @property
+    def round_tokens(self) -> int:
+        """The tokens of one worker's round: H steps of batch_size sequences of block_size tokens."""
+        cfg = self.config
+        return cfg.inner.steps * cfg.inner.batch_size * cfg.model.block_size
+
+    def _check_replay(self, cid: str) -> None:
+        """Refuse an update byte-identical to one already accepted in this run (lock held)."""
+        seen = self.accepted_cids.get(cid)
+        if seen is not None:
+            raise Refusal(grpc.StatusCode.INVALID_ARGUMENT,
+                          f"update {cid} is byte-identical to the update {seen[1]} had accepted in round "
+                          f"{seen[0]}: a replayed update is refused")
+
     def _accepted(self, worker_id: str, round_: int, accepted: Accepted) -> None:
         """Count a worker's whole update in the open round and journal it (lock held)."""
+        self.accepted_cids.setdefault(accepted.entry["cid"], (round_, worker_id))
         self.round.accepted[worker_id] = accepted
         self.round.first_accept_at = self.round.first_accept_at or self.clock()
         self.run_dir.save_pending(round_, {w: a.entry for w, a in self.round.accepted.items()})
@@ -593,6 +684,7 @@ class Coordinator:
             norm = check_norm(update, self.bound)
         except InvalidUpdate as exc:
             raise Refusal(grpc.StatusCode.INVALID_ARGUMENT, f"the update of all {part.num_stages} stage slices: {exc}") from exc
+        self.screen(h.round, update)
         cid = self.store.put(record_of(update))
         first = part.slices[0].entry
         entry = {"cid": str(cid), "train_loss_e6": first["train_loss_e6"], "tokens": first["tokens"],
@@ -603,11 +695,28 @@ class Coordinator:
                 # The round closed without this worker meanwhile: none of its slices counts.
                 raise Refusal(grpc.StatusCode.FAILED_PRECONDITION,
                               f"round {h.round} closed before {h.worker_id}'s last stage slice was counted")
+            self._check_replay(str(cid))
             del self.round.partial[h.worker_id]
-            self._accepted(h.worker_id, h.round, Accepted(update, entry))
+            self._accepted(h.worker_id, h.round, Accepted(update, entry, exact_norm(update)))
             self._journal_partial()
         log.info("round %d: accepted %s from %s, %d stage slices (loss %.4f, norm %.4g)", h.round, cid,
                  h.worker_id, part.num_stages, h.train_loss, norm)
+
+    def _history(self, round_: int) -> list[float]:
+        """The norms of the updates of rounds max(1, r-K)..r-1, K = rounds.clip_history_rounds: kept
+        from their closing, or after a restart recomputed from the stored updates the manifests name
+        (as the audit does)."""
+        out: list[float] = []
+        for earlier in range(max(1, round_ - self.config.rounds.clip_history_rounds), round_):
+            norms = self.norm_history.get(earlier)
+            if norms is None:
+                _, manifest = self.manifests[earlier]
+                norms = [exact_norm(decode_params(self.store.get(p.update))) for p in manifest.participants]
+                self.norm_history[earlier] = norms
+            out.extend(norms)
+        for old in [k for k in self.norm_history if k < round_ - self.config.rounds.clip_history_rounds]:
+            del self.norm_history[old]
+        return out
 
     def wait_for_global(self, worker_id: str, min_round: int, wait_s: float) -> tuple[GlobalState | None, int, bool]:
         deadline = self.clock() + max(0.0, min(wait_s, 60.0))
@@ -701,7 +810,14 @@ class Coordinator:
         """Aggregate and publish the closing round (called by one thread, after close_due)."""
         r, g, cfg = self.round, self.global_state, self.config
         started = self.clock()
-        delta = mean_pseudo_gradient({w: a.update for w, a in r.accepted.items()})
+        aggregated = aggregate({w: a.update for w, a in r.accepted.items()}, cfg.rounds.clip_multiple,
+                               self._history(r.number),
+                               {w: a.norm for w, a in r.accepted.items() if a.norm is not None})
+        delta = aggregated.delta
+        if aggregated.clipped:
+            log.warning("round %d: clipped %s to norm %.4g (norms %s)", r.number,
+                        ", ".join(aggregated.clipped), aggregated.threshold,
+                        ", ".join(f"{w} {n:.4g}" for w, n in sorted(aggregated.norms.items())))
         params, momentum = outer_step(cfg.outer, g.params, g.momentum, delta)
         downlink, downlink_record, error = None, None, None
         if self.downlink is not None:
@@ -746,6 +862,7 @@ class Coordinator:
         summary = RoundSummary.of(manifest_cid, manifest, refused, seconds=self.clock() - r.opened_at)
         self.run_dir.log_round(dataclasses.asdict(summary))
         with self._lock:
+            self.norm_history[r.number] = [aggregated.norms[w] for w in sorted(aggregated.norms)]
             self.global_state = GlobalState(r.number, params, momentum, payload, params_cid, manifest_cid,
                                             manifest.eval_loss_e6, downlink)
             self.manifests[r.number] = (manifest_cid, manifest)

@@ -128,6 +128,8 @@ class Corpus:
 def load_corpus(cfg: DataConfig, seed: int, block_size: int) -> Corpus:
     """Read, check against ``cfg.corpus_sha256`` (when set) and split the corpus."""
     text = corpus_text(cfg, seed)
+    if not text:
+        raise CorpusError(f"corpus {cfg.corpus} is empty")
     digest = corpus_digest(text)
     if cfg.corpus_sha256 and digest != cfg.corpus_sha256:
         raise CorpusError(
@@ -136,8 +138,11 @@ def load_corpus(cfg: DataConfig, seed: int, block_size: int) -> Corpus:
         )
     tokens = encode(text)
     n_eval = int(len(tokens) * cfg.eval_fraction)
-    if n_eval <= block_size or len(tokens) - n_eval <= block_size:
-        raise CorpusError(f"corpus {cfg.corpus!r} is too small ({len(tokens)} tokens) to split")
+    if n_eval <= block_size + 1 or len(tokens) - n_eval <= block_size + 1:
+        need = int((block_size + 2) / min(cfg.eval_fraction, 1 - cfg.eval_fraction)) + 1
+        raise CorpusError(f"corpus {cfg.corpus} is too small ({len(tokens)} tokens) to split: with "
+                          f"data.eval_fraction {cfg.eval_fraction} and model.block_size {block_size} it "
+                          f"needs at least about {need} bytes")
     return Corpus(train=tokens[:-n_eval], eval=tokens[-n_eval:], sha256=digest)
 
 

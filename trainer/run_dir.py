@@ -29,6 +29,15 @@ from attestation import WorkerKey
 from storage_client import CID, ObjectStore, write_atomic
 
 
+class RunDirError(ValueError):
+    """A state file of the run that cannot be used; the message names the file."""
+
+
+def _reason(exc: BaseException) -> str:
+    text = getattr(exc, "strerror", None) or str(exc) or type(exc).__name__
+    return text.splitlines()[0][:200]
+
+
 class RunDir:
     def __init__(self, path: str | Path) -> None:
         self.path = Path(path)
@@ -44,17 +53,30 @@ class RunDir:
         return self.path / "logs"
 
     def head(self) -> CID | None:
+        path = self.path / "HEAD"
         try:
-            text = (self.path / "HEAD").read_text(encoding="ascii").strip()
+            text = path.read_text(encoding="ascii").strip()
         except FileNotFoundError:
             return None
-        return CID.parse(text)
+        except (OSError, ValueError) as exc:
+            raise RunDirError(f"state file {path} is unreadable: {_reason(exc)}") from None
+        try:
+            return CID.parse(text)
+        except Exception as exc:  # noqa: BLE001 - any parse failure means a damaged file
+            raise RunDirError(f"state file {path} does not hold a manifest CID ({_reason(exc)}); "
+                              f"the run's tip is damaged") from None
 
     def set_head(self, cid: CID) -> None:
         write_atomic(self.path / "HEAD", f"{cid}\n".encode("ascii"))
 
     def workers(self) -> dict[str, int]:
-        return self._read_json(self.path / "workers.json", {})
+        path = self.path / "workers.json"
+        shards = self._read_json(path, {})
+        for worker, shard in shards.items():
+            if type(shard) is not int or shard < 0:
+                raise RunDirError(f"state file {path} is damaged: worker {worker[:64]!r} has shard {shard!r}, "
+                                  f"not an integer >= 0")
+        return shards
 
     def save_workers(self, shards: dict[str, int]) -> None:
         self._write_json(self.path / "workers.json", shards)
@@ -64,7 +86,11 @@ class RunDir:
         return f"pending/{kind}-{round_:06d}.json"
 
     def pending(self, round_: int, kind: str = "round") -> dict[str, dict[str, Any]]:
-        return self.load(self._pending_name(round_, kind), {})
+        name = self._pending_name(round_, kind)
+        entries = self.load(name, {})
+        if not all(isinstance(v, dict) for v in entries.values()):
+            raise RunDirError(f"state file {self.path / name} is damaged: every entry must be a JSON object")
+        return entries
 
     def save_pending(self, round_: int, entries: dict[str, dict[str, Any]], kind: str = "round") -> None:
         self.save(self._pending_name(round_, kind), entries)
@@ -109,21 +135,46 @@ class RunDir:
         """The run's own signing key (for runs without a ledger account), created on first use."""
         path = self.path / "signing.key"
         try:
-            return WorkerKey(bytes.fromhex(path.read_text(encoding="ascii").strip()))
+            text = path.read_text(encoding="ascii").strip()
         except FileNotFoundError:
             key = os.urandom(32)
             write_atomic(path, key.hex().encode("ascii"), mode=0o600)
             return WorkerKey(key)
+        except (OSError, ValueError) as exc:
+            raise RunDirError(f"key file {path} is unreadable: {_reason(exc)}") from None
+        try:
+            return WorkerKey(bytes.fromhex(text))
+        except Exception as exc:  # noqa: BLE001 - not hex, or not a valid secp256k1 key
+            raise RunDirError(f"key file {path} does not hold a hex private key ({_reason(exc)})") from None
 
     def write_address(self, address: str) -> None:
         write_atomic(self.address_file, address.encode("ascii"))
 
     @staticmethod
     def _read_json(path: Path, default: Any) -> Any:
+        """The JSON in ``path``, or ``default`` when there is no such file.
+
+        A file that cannot be read, is not JSON (say, cut short), or is not of the default's shape
+        (a JSON object where the default is a dict, holding at least the default's keys with values of
+        the same types) raises RunDirError naming the file: it is the run's state, and guessing
+        would lose or repeat work.
+        """
         try:
-            return json.loads(path.read_text(encoding="utf-8"))
+            obj = json.loads(path.read_text(encoding="utf-8"))
         except FileNotFoundError:
             return default
+        except (OSError, ValueError) as exc:  # JSONDecodeError and UnicodeDecodeError are ValueErrors
+            raise RunDirError(f"state file {path} is damaged or unreadable ({_reason(exc)}); restore it "
+                              f"or move it away") from None
+        if isinstance(default, dict):
+            if not isinstance(obj, dict):
+                raise RunDirError(f"state file {path} is damaged: it holds a JSON {type(obj).__name__}, "
+                                  f"not an object")
+            for key, value in default.items():
+                if key not in obj or not isinstance(obj[key], type(value)):
+                    raise RunDirError(f"state file {path} is damaged: {key!r} is missing or not a "
+                                      f"{type(value).__name__}")
+        return obj
 
     @staticmethod
     def _write_json(path: Path, obj: Any) -> None:

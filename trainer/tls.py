@@ -439,7 +439,7 @@ def _target_name(cert: x509.Certificate, host: str) -> str | None:
     cns = cert.subject.get_attributes_for_oid(NameOID.COMMON_NAME)
     if cns and isinstance(cns[0].value, str):
         return cns[0].value
-    raise TlsError(f"the pinned certificate names no host (no SAN, no common name); cannot verify it")
+    raise TlsError("the pinned certificate names no host (no SAN, no common name); cannot verify it")
 
 
 def open_channel(address: str, tls: ClientTls, options: Sequence[tuple[str, object]] = (),

@@ -34,6 +34,11 @@ class Mallory:
         self.session = session  # metadata proving the session of mallory's Join
         model = build_model(config.model, config.seed)
         self.zero = {n: torch.zeros_like(p) for n, p in model.named_parameters()}
+        # What a push sends unless told otherwise: small, non-zero (an all-zero update is refused).
+        self.default = {n: torch.full_like(p, 1e-4) for n, p in self.zero.items()}
+        self.base: dict[str, object] | None = None  # base_params_cid of a push that names none
+        # Tokens and steps are derived from the config, so a push claims exactly those by default.
+        self.tokens = config.inner.steps * config.inner.batch_size * config.model.block_size
 
     @classmethod
     def joined(cls, cluster: LocalCluster, worker_id: str = "mallory") -> Mallory:
@@ -44,7 +49,7 @@ class Mallory:
 
     def push(self, tensors: dict[str, torch.Tensor] | None = None, *, payload: bytes | None = None,
              layout: dict | None = None, **header: object) -> pb.PushUpdateResponse:
-        tensors = self.zero if tensors is None else tensors
+        tensors = self.default if tensors is None else tensors
         payload = encode_params(tensors) if payload is None else payload
         layout = layout_of(tensors) if layout is None else layout
         fields = dict(
@@ -52,8 +57,11 @@ class Mallory:
             worker_id=self.worker_id, encoding=ENCODING_DENSE_F32,
             tensors=[pb.TensorSpec(name=n, dtype=d, shape=s) for n, (d, s) in layout.items()],
             payload_size=len(payload), payload_sha256=sha256_hex(payload), train_loss=2.0,
-            tokens=100, inner_steps=3, stage=0, num_stages=1,
+            tokens=self.tokens, inner_steps=self.config.inner.steps, stage=0, num_stages=1,
         )
+        if "base_params_cid" not in header:  # the state the run started from, fetched once
+            self.base = self.base or {"base_params_cid": self.fetch()["base_params_cid"]}
+            fields.update(self.base)
         fields.update(header)
 
         stream = [pb.UpdateChunk(header=pb.UpdateHeader(**fields))] + [pb.UpdateChunk(data=p) for p in chunked(payload)]
@@ -154,8 +162,7 @@ def test_bad_updates_are_refused_and_the_round_completes(cluster: LocalCluster, 
     chain = [manifest for _, manifest in lineage(run.store, run.head())]
     assert [len(x.participants) for x in chain] == [0, 2, 1]
     assert chain[2].dropped == ("mallory",)
-    # The round-1 average is exactly the honest update plus mallory's zeros, halved: no bad push
-    # entered it. (Checked through the stored update objects the manifest names.)
+    # Only mallory's valid push entered the round-1 average, no bad one: the manifest names it.
     round1: Manifest = chain[1]
     assert {p.worker for p in round1.participants} == {"mallory", "w0"}
     assert round1.participants[0].update == accepted.update_cid

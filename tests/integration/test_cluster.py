@@ -3,7 +3,7 @@
 import pytest
 
 from proto import MAX_MESSAGE_BYTES
-from audit.rederive import rederive
+from audit.rederive import rederive, update_norms
 from storage_client import CID, lineage
 from trainer.cluster import LocalCluster
 from trainer.compression import CompressionConfig
@@ -21,12 +21,16 @@ def assert_rederivable(run: RunDir) -> list:
     assert [m.round for _, m in chain] == list(range(len(chain)))
     config = RunConfig.from_json(run.store.get_json(chain[0][1].config))
     assert config.data.corpus_sha256  # pinned at genesis
+    norms: dict[int, list[float]] = {}  # each round's stored update norms: the next rounds' clip history
     for (parent_cid, parent), (_, m) in zip(chain, chain[1:], strict=False):
         assert m.parent == str(parent_cid)
         assert (m.downlink is not None) == config.compression.enabled
         downlink = m.downlink and (run.store.get(m.downlink.payload), run.store.get_json(m.downlink.header))
+        updates = {p.worker: run.store.get(p.update) for p in m.participants}
+        history = [n for r in range(max(1, m.round - config.rounds.clip_history_rounds), m.round) for n in norms[r]]
         derived = rederive(config.outer, run.store.get(parent.params), run.store.get(parent.outer_state),
-                           {p.worker: run.store.get(p.update) for p in m.participants}, downlink)
+                           updates, downlink, clip_multiple=config.rounds.clip_multiple, history=history)
+        norms[m.round] = list(update_norms(updates).values())
         assert derived.params_digest == CID.parse(m.params).digest, f"round {m.round} params do not re-derive"
         assert derived.outer_state_digest == CID.parse(m.outer_state).digest, f"round {m.round} outer state"
         # Every byte of the round is accounted for, per worker and direction.
@@ -97,7 +101,6 @@ def test_worker_speaking_another_protocol_version_is_refused(cluster: LocalClust
 
 
 def test_health_service_reports_serving(cluster: LocalCluster, make_config) -> None:
-    import grpc
     from grpc_health.v1 import health_pb2, health_pb2_grpc
 
     from proto import SERVICE_NAME

@@ -51,8 +51,8 @@ def test_slices_count_together_and_an_incomplete_worker_is_dropped(cluster: Loca
     m.push(first, stage=0, num_stages=2)
     assert "already pushed stage 0 of 2 for round 1" in m.refused(grpc.StatusCode.ALREADY_EXISTS, first,
                                                                    stage=0, num_stages=2)
-    assert "stage 1 of 2 says tokens 99, but stage 0" in m.refused(INVALID, second, stage=1, num_stages=2,
-                                                                   tokens=99)
+    assert "stage 1 of 2 says train_loss_e6 2500000, but stage 0" in m.refused(INVALID, second, stage=1,
+                                                                              num_stages=2, train_loss=2.5)
     assert "splits into" in m.refused(INVALID, second, stage=1, num_stages=5)
     base = m.fetch()
     m.push(first, stage=0, num_stages=2, **base)

@@ -124,7 +124,7 @@ def test_updates_and_reports_need_the_admitted_key(cluster: LocalCluster, chain:
     # An update signed by some other key is refused before its payload is read.
     m = Mallory(stub, "m", RunConfig.from_json(json.loads(challenge.config_json)),
                 session_metadata("m", joined.session_token))
-    sha = sha256_hex(encode_params(m.zero))
+    sha = sha256_hex(encode_params(m.default))
     forged = WorkerKey.generate().sign_digest(update_digest(challenge.run_digest, 1, 0, 1, sha))
     details = m.refused(grpc.StatusCode.UNAUTHENTICATED, signature=forged)
     assert f"not by worker 'm''s admitted key {key.address}" in details

@@ -56,8 +56,16 @@ def test_norm_bound() -> None:
 
 
 def test_valid_payload_decodes() -> None:
-    update = validate_payload(encode_params(good()), layout_of(good()), bound=1.0)
-    assert set(update) == {"w", "b"}
+    update = {"w": torch.full((2, 3), 0.01), "b": torch.zeros(3)}
+    assert set(validate_payload(encode_params(update), layout_of(update), bound=1.0)) == {"w", "b"}
+
+
+def test_an_all_zero_update_is_refused() -> None:
+    with pytest.raises(InvalidUpdate, match="all zeros"):
+        validate_payload(encode_params(good()), layout_of(good()), bound=1.0)
+    update = good()
+    update["b"][2] = 1e-30  # one non-zero value is enough
+    validate_payload(encode_params(update), layout_of(update), bound=1.0)
 
 
 def test_mean_does_not_depend_on_arrival_order() -> None:

@@ -69,3 +69,160 @@ def test_corpus_digest_mismatch_is_refused(tmp_path) -> None:
         load_corpus(DataConfig(corpus=str(path), corpus_sha256="0" * 64), seed=0, block_size=16)
     with pytest.raises(CorpusError, match="cannot read corpus"):
         load_corpus(DataConfig(corpus=str(tmp_path / "missing.txt")), seed=0, block_size=16)
+
+
+# -- every numeric field has a range; values outside it, NaN and infinities are refused by name ----
+
+import dataclasses  # noqa: E402
+import math  # noqa: E402
+
+from trainer import config as config_module  # noqa: E402
+from trainer.config import InnerConfig, ModelConfig, RoundConfig, demo_config  # noqa: E402
+
+# (field, values outside its range): each must be refused with the field named.
+OUT_OF_RANGE = [
+    ("seed", [-1, 2**63]),
+    ("model.vocab_size", [255, 262_145]),
+    ("model.block_size", [1, 16_385]),
+    ("model.n_layer", [0, 257]),
+    ("model.n_head", [0, 257]),
+    ("model.n_embd", [0, 16_385]),
+    ("inner.steps", [0, 1_000_001]),
+    ("inner.batch_size", [0, 4097]),
+    ("inner.lr", [0.0, -1e-3, 10.5]),
+    ("inner.weight_decay", [-0.1, 11.0]),
+    ("inner.beta1", [-0.1, 1.0]),
+    ("inner.beta2", [-0.1, 1.0]),
+    ("inner.grad_clip", [-1.0, 2e6]),
+    ("outer.lr", [0.0, 11.0]),
+    ("outer.momentum", [-0.1, 1.0]),
+    ("data.eval_fraction", [0.0, 0.6]),
+    ("data.eval_batches", [0, 10_001, 10_000_000]),
+    ("rounds.rounds", [0, 1_000_001]),
+    ("rounds.expected_workers", [0, 1025, 100_000]),
+    ("rounds.quorum", [0]),
+    ("rounds.straggler_timeout_s", [0.0, 0.01, 86_401.0]),
+    ("rounds.heartbeat_interval_s", [0.0, 0.01, 61.0]),
+    ("rounds.liveness_timeout_s", [0.0, 3601.0]),
+    ("rounds.max_update_norm", [-1.0, 2e12]),
+    ("compression.target_energy", [0.0, 1.5]),
+    ("compression.min_rank", [4097]),
+    ("compression.max_rank", [4097]),
+    ("compression.window", [1001]),
+    ("compression.max_rank_factor", [1001.0]),
+    ("compression.int4_group_size", [(1 << 20) + 1]),
+    ("compression.int8_group_size", [(1 << 20) + 1]),
+]
+
+
+def _with(name: str, value: object) -> RunConfig:
+    base = RunConfig()
+    if "." not in name:
+        return base.replace(**{name: value})
+    section, field_name = name.split(".")
+    if section == "compression":  # past CompressionConfig's own (narrower) checks, to reach _validate
+        return base.replace(compression=_bypass_compression(**{field_name: value}))
+    return base.replace(**{section: dataclasses.replace(getattr(base, section), **{field_name: value})})
+
+
+def _refused(name: str, value: object) -> str:
+    with pytest.raises(ConfigError) as info:
+        _with(name, value)
+    message = str(info.value)
+    assert name in message, message
+    return message
+
+
+@pytest.mark.parametrize("name, values", OUT_OF_RANGE, ids=[n for n, _ in OUT_OF_RANGE])
+def test_out_of_range_values_are_refused_naming_field_value_and_range(name: str, values: list) -> None:
+    for value in values:
+        message = _refused(name, value)
+        assert repr(value) in message or str(value) in message, message
+        if name != "rounds.quorum":
+            assert "must be in" in message, message
+
+
+def test_every_ranged_field_is_tested_and_exists() -> None:
+    assert {name for name, _ in OUT_OF_RANGE} == set(config_module._RANGES)
+    numeric = {name for name, _ in config_module._numeric_fields(RunConfig())}
+    assert set(config_module._RANGES) <= numeric
+
+
+@pytest.mark.parametrize("name", sorted(config_module._RANGES))
+@pytest.mark.parametrize("value", [math.nan, math.inf, -math.inf])
+def test_non_finite_values_are_refused(name: str, value: float) -> None:
+    message = _refused(name, value)
+    assert "must be in" in message, message
+
+
+def test_non_finite_from_json_is_refused() -> None:
+    obj = RunConfig().to_json()
+    for section, name in (("inner", "lr"), ("outer", "lr"), ("rounds", "straggler_timeout_s")):
+        for text in ("inf", "nan", "-inf"):
+            with pytest.raises(ConfigError, match=rf"{section}\.{name} = "):
+                RunConfig.from_json({**obj, section: {**obj[section], name: text}})
+
+
+def test_defaults_and_demo_config_are_valid() -> None:
+    RunConfig()
+    demo_config()
+    small_config()
+    assert config_module._validate(RunConfig()) == []
+    assert config_module._validate(demo_config()) == []
+
+
+def test_relations_between_fields() -> None:
+    with pytest.raises(ConfigError, match=r"rounds\.quorum = 3 must be in \[1, expected_workers = 2\]"):
+        RunConfig(rounds=RoundConfig(expected_workers=2, quorum=3))
+    with pytest.raises(ConfigError, match=r"rounds\.liveness_timeout_s = 1\.0 must exceed"):
+        RunConfig(rounds=RoundConfig(heartbeat_interval_s=1.0, liveness_timeout_s=1.0))
+    with pytest.raises(ConfigError, match="compression.min_rank = 9 must not exceed compression.max_rank = 8"):
+        RunConfig(compression=_bypass_compression(min_rank=9, max_rank=8))
+
+
+def _bypass_compression(**changes: object):
+    """A CompressionConfig with values its own __post_init__ would refuse, to reach _validate."""
+    c = dataclasses.replace(RunConfig().compression)
+    for name, value in changes.items():
+        object.__setattr__(c, name, value)
+    return c
+
+
+def test_eval_memory_and_model_size_are_bounded() -> None:
+    # 10_000 batches is in range alone, but not with 4096-sequence batches of 16k tokens
+    with pytest.raises(ConfigError, match=r"data\.eval_batches = 10000 holds .* held-out tokens"):
+        RunConfig(data=DataConfig(eval_batches=10_000), inner=InnerConfig(batch_size=64),
+                  model=ModelConfig(block_size=1024))
+    RunConfig(data=DataConfig(eval_batches=10_000), inner=InnerConfig(batch_size=1), model=ModelConfig(block_size=64))
+    with pytest.raises(ConfigError, match="parameters; at most"):
+        RunConfig(model=ModelConfig(n_layer=256, n_embd=16_384, n_head=256))
+
+
+def test_explicit_update_norm_below_one_inner_step_is_refused() -> None:
+    """An explicit bound smaller than one AdamW step's norm would refuse every honest update, so no
+    round would ever close; 0 (derive) and a plausible bound are accepted."""
+    with pytest.raises(ConfigError, match=r"rounds\.max_update_norm = 1e-09 is below .*use 0 to derive"):
+        RunConfig(rounds=RoundConfig(max_update_norm=1e-9))
+    RunConfig(rounds=RoundConfig(max_update_norm=0.0))
+    floor = RunConfig().inner.lr * math.sqrt(config_module.estimated_parameters(ModelConfig()))
+    RunConfig(rounds=RoundConfig(max_update_norm=floor * 1.01))
+    with pytest.raises(ConfigError, match="max_update_norm"):
+        RunConfig(rounds=RoundConfig(max_update_norm=floor * 0.99))
+
+
+def test_estimated_parameters_match_the_model() -> None:
+    from trainer.model import GPT
+
+    for cfg in (ModelConfig(), ModelConfig(block_size=32, n_layer=1, n_head=2, n_embd=32)):
+        assert config_module.estimated_parameters(cfg) == sum(p.numel() for p in GPT(cfg).parameters())
+
+
+def test_empty_and_too_small_corpus_are_refused_naming_the_file(tmp_path) -> None:
+    empty = tmp_path / "empty.txt"
+    empty.write_text("")
+    with pytest.raises(CorpusError, match=f"corpus {empty} is empty"):
+        load_corpus(DataConfig(corpus=str(empty)), seed=0, block_size=16)
+    small = tmp_path / "small.txt"
+    small.write_text("x" * 100)
+    with pytest.raises(CorpusError, match=f"corpus {small} is too small"):
+        load_corpus(DataConfig(corpus=str(small)), seed=0, block_size=16)
