@@ -47,6 +47,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     add_dcap_arguments(parser)
     parser.add_argument("--no-rederive", action="store_true",
                         help="skip recomputing each round's checkpoint from the stored updates")
+    parser.add_argument("--max-unrecorded", type=int, default=0, metavar="N",
+                        help="rounds the store's lineage may go past the ledger's last round (default 0: a "
+                             "finished run must be recorded to its end)")
     parser.add_argument("--run-id", metavar="HEX",
                         help="the run to audit (0x + 64 hex); default: the ledger's run whose genesis is in the store")
 
@@ -64,6 +67,10 @@ def run(args: argparse.Namespace) -> int:
         if len(run_id) != 32:
             Console(stderr=True).print(f"[red]--run-id must be 0x followed by 64 hex digits, got {args.run_id!r}[/]")
             return EXIT_ERROR
+    if not 0 <= args.max_unrecorded <= 1_000_000:
+        Console(stderr=True).print(f"[red]--max-unrecorded {args.max_unrecorded} is out of range: must be in "
+                                   f"[0, 1000000][/]")
+        return EXIT_ERROR
     try:
         dcap = dcap_settings(args.dcap_collateral, args.pccs_url, args.allow_tcb_status)
     except ValueError as exc:
@@ -73,7 +80,7 @@ def run(args: argparse.Namespace) -> int:
         return EXIT_ERROR
     return audit_run_dir(Path(args.run), rpc_url=args.rpc, allow_dev=args.allow_dev, rederive=not args.no_rederive,
                          json_path=Path(args.json) if args.json else None, run_id=run_id,
-                         dev_roots=tuple(args.dev_root), dcap=dcap)
+                         dev_roots=tuple(args.dev_root), dcap=dcap, max_unrecorded=args.max_unrecorded)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -126,7 +133,7 @@ def policy_for(run_dir: Path, allow_dev: bool, dev_roots: tuple[str, ...] = (),
 
 def audit_run_dir(run_dir: Path, *, rpc_url: str | None = None, allow_dev: bool = False, rederive: bool = True,
                   json_path: Path | None = None, run_id: bytes | None = None, dev_roots: tuple[str, ...] = (),
-                  console: Console | None = None, dcap: DcapSettings | None = None) -> int:
+                  console: Console | None = None, dcap: DcapSettings | None = None, max_unrecorded: int = 0) -> int:
     """Audit ``run_dir`` and print the table and verdict; returns the exit status."""
     from rich.console import Console
     from rich.markup import escape
@@ -157,7 +164,7 @@ def audit_run_dir(run_dir: Path, *, rpc_url: str | None = None, allow_dev: bool 
     store = ObjectStore(run_dir / "store")
     try:
         if rpc_url is not None:
-            result = _audit_on(rpc_url, store, deployment, run_id, policy, rederive)
+            result = _audit_on(rpc_url, store, deployment, run_id, policy, rederive, max_unrecorded)
         else:
             state = run_dir / "chain" / "state.json"
             if not state.is_file():
@@ -168,7 +175,7 @@ def audit_run_dir(run_dir: Path, *, rpc_url: str | None = None, allow_dev: bool 
                 shutil.copyfile(state, copy)  # anvil re-dumps its state file; keep the run's own intact
                 with Anvil(state_file=copy, chain_id=deployment.chain_id) as anvil:
                     console.print(f"local chain {anvil.rpc_url} restored from {state}")
-                    result = _audit_on(anvil.rpc_url, store, deployment, run_id, policy, rederive)
+                    result = _audit_on(anvil.rpc_url, store, deployment, run_id, policy, rederive, max_unrecorded)
     except (ChainError, AnvilError) as exc:
         console.print(f"[bold red]cannot audit[/]: {escape(str(exc))}")
         return EXIT_ERROR
@@ -181,7 +188,7 @@ def audit_run_dir(run_dir: Path, *, rpc_url: str | None = None, allow_dev: bool 
 
 
 def _audit_on(rpc_url: str, store: ObjectStore, deployment: Deployment, run_id: bytes | None, policy: Policy,
-              rederive: bool) -> AuditResult:
+              rederive: bool, max_unrecorded: int = 0) -> AuditResult:
     from settlement import Chain, ChainError, Ledger, Registry
 
     from .core import run_audit
@@ -192,7 +199,8 @@ def _audit_on(rpc_url: str, store: ObjectStore, deployment: Deployment, run_id: 
         raise ChainError(f"{rpc_url} is chain {chain.chain_id}, but the deployment is on chain {deployment.chain_id}")
     ledger = Ledger(chain, deployment.ledger, from_block=deployment.deployed_block)
     registry = Registry(chain, deployment.registry, from_block=deployment.deployed_block)
-    return run_audit(store, ledger, registry, run_id=run_id, policy=policy, rederive=rederive)
+    return run_audit(store, ledger, registry, run_id=run_id, policy=policy, rederive=rederive,
+                     max_unrecorded=max_unrecorded)
 
 
 def _short(text: str | None, head: int = 10, tail: int = 6) -> str:
@@ -209,15 +217,18 @@ def render(result: AuditResult, console: Console) -> None:
 
     table = Table(title=f"lineage audit of run {_short(_hex(result.run_id), 12, 8)}", box=box.SIMPLE_HEAD,
                   pad_edge=False)
-    for column, justify in (("round", "right"), ("manifest", "left"), ("checkpoint", "left"),
-                            ("workers", "right"), ("reports", "right"), ("eval loss", "right"),
-                            ("status", "left")):
+    unreported = any(row.unreported for row in result.rounds)  # a column only when some round has them
+    columns = [("round", "right"), ("manifest", "left"), ("checkpoint", "left"), ("workers", "right"),
+               ("reports", "right"), *([("unreported", "right")] if unreported else []), ("eval loss", "right"),
+               ("status", "left")]
+    for column, justify in columns:
         table.add_column(column, justify=justify, no_wrap=True)  # type: ignore[arg-type]
     for row in result.rounds:
         status = "[green]ok[/]" if row.status == "ok" else "[bold red]FAIL[/]"
         table.add_row(
             str(row.round), "—" if not row.manifest else "…" + row.manifest[-12:], _short(row.checkpoint, 12, 0),
             "—" if row.participants is None else str(row.participants), str(row.reports),
+            *([str(row.unreported)] if unreported else []),
             "—" if row.eval_loss is None else f"{row.eval_loss:.4f}", status,
         )
     console.print(table)

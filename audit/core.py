@@ -30,7 +30,8 @@ Checks, by name:
                         with the carried error (audit.rederive): the bytes hash to the manifest's
                         params and outer_state (genesis momentum is zero); a downlink object is
                         present exactly when the config compresses
-  report-count          the recording call carried as many reports as the event says
+  report-count          the recording call carried as many reports and unreported updates as the
+                        event says
   report-signature      the EIP-712 signature recovers to report.worker (this chain, this ledger)
   report-binding        report runId / round / parentCheckpoint / checkpoint are the round's
   report-participant    report.updateDigest is the update CID of one manifest participant
@@ -45,7 +46,14 @@ Checks, by name:
                         names the worker and the measurement
   evidence              the evidence exists, re-hashes and passes attestation.verify_evidence with
                         the REPORTDATA the record implies, under the auditor's policy
+  unreported            each update the coordinator recorded without a report is one participant's,
+                        and no participant's update is both reported and unreported
+  ghost                 every participant is accounted for on the ledger: by a worker's signed report,
+                        or by the coordinator's unreported list (an update in the average that nobody
+                        answers for is a ghost)
   tally                 ledger.contribution_of(run, worker) equals the reports' tokens and rounds
+  unrecorded            the store's lineage goes at most ``max_unrecorded`` rounds past the ledger's
+                        last round (manifests of the run whose parent chain leads to it)
 
 "As of the recording block" is the state after that whole block, rebuilt from the registry's
 events (WorkerAdmitted, WorkerRevoked, MeasurementSet), never from the registry's current views: a
@@ -53,9 +61,9 @@ worker revoked after a round was recorded does not spoil that round, and a key r
 same block as the recording counts as revoked. Historical ``eth_call`` is not used because a chain
 restored from an anvil state file has no history of state, only of blocks and logs.
 
-Participants without a report on the ledger are warnings, not failures: the coordinator may record
-a round once a timeout passes without every report (docs/trust.md); their updates still count in
-the re-derivation.
+A participant without a worker's report is a failure (``ghost``) unless the coordinator recorded
+its update as unreported; such updates are listed as warnings, because they count in the round on
+the coordinator's word alone (docs/trust.md).
 """
 
 from __future__ import annotations
@@ -80,7 +88,9 @@ from storage_client import (
     ObjectStore,
     StoreError,
     from_e6,
+    loads_bounded,
 )
+from storage_client.manifest import SCHEMA as MANIFEST_SCHEMA
 from trainer.config import ConfigError, RunConfig
 
 from .admission import AdmissionCheck, check_admission
@@ -108,8 +118,9 @@ class _Loaded:
 
 class _Audit:
     def __init__(self, store: ObjectStore, ledger: Ledger, registry: Registry, policy: Policy,
-                 rederive: bool) -> None:
+                 rederive: bool, max_unrecorded: int = 0) -> None:
         self.store = store
+        self.max_unrecorded = max_unrecorded
         self.ledger = ledger
         self.registry = registry
         self.policy = policy
@@ -243,10 +254,12 @@ class _Audit:
             self.fail(r, f"round {r} on chain", "parent-checkpoint",
                       f"the ledger recorded parent 0x{record.get('parentCheckpoint', b'').hex()}, but the previous "
                       f"round's checkpoint on chain is 0x{parent_checkpoint.hex()}")
-        if int(record["reportCount"]) != len(reports):
+        unreported: list[bytes] = record.get("unreported", [])
+        row.unreported = len(unreported)
+        if (int(record["reportCount"]), int(record.get("unreportedCount", 0))) != (len(reports), len(unreported)):
             self.fail(r, f"round {r} on chain", "report-count",
-                      f"RoundRecorded says {record['reportCount']} report(s), the recording call carried "
-                      f"{len(reports)}")
+                      f"RoundRecorded says {record['reportCount']} report(s) and {record.get('unreportedCount', 0)} "
+                      f"unreported update(s), the recording call carried {len(reports)} and {len(unreported)}")
         stored = self.ledger.round_of(run_id, r)
         if (stored["checkpoint"], stored["manifestDigest"]) != (record["checkpoint"], record["manifestDigest"]):
             self.fail(r, f"round {r} on chain", "ledger",
@@ -354,7 +367,7 @@ class _Audit:
                 return
         try:
             derived = rederive(self.config.outer, parent.params, parent.outer_state, updates, downlink,
-                               clip_multiple=self.config.rounds.clip_multiple, history=self.history(r) or ())
+                               rounds=self.config.rounds, history=self.history(r) or ())
         except RederiveError as exc:
             self.fail(r, str(manifest.params), "rederive", str(exc))
             return
@@ -430,10 +443,33 @@ class _Audit:
                 self.check_signer(run_id, r, label, rep.worker, block)
 
         if manifest is not None:
-            for p in manifest.participants:
-                if p.worker not in matched:
-                    self.warn(f"round {r}: participant {p.worker} has no signed report on the ledger; its update "
-                              f"{p.update} counts in the round without a worker's signature")
+            self.check_accounted(r, record, manifest, matched)
+
+    def check_accounted(self, r: int, record: dict[str, Any], manifest: Manifest, matched: dict[str, str]) -> None:
+        """Every participant has a worker's report or is on the coordinator's unreported list; every
+        unreported entry is a participant that has no report."""
+        unreported: list[bytes] = record.get("unreported", [])
+        by_update = {_digest(p.update): p for p in manifest.participants}
+        vouched: set[str] = set()
+        for j, digest in enumerate(unreported):
+            p = by_update.get(digest)
+            label = f"unreported[{j}] 0x{digest.hex()}"
+            if p is None:
+                self.fail(r, label, "unreported", "the coordinator recorded an unreported update that is no "
+                                                  "participant's update in the manifest")
+            elif p.worker in matched:
+                self.fail(r, label, "unreported", f"participant {p.worker}'s update is recorded both as reported "
+                                                  f"({matched[p.worker]}) and as unreported")
+            else:
+                vouched.add(p.worker)
+        for p in manifest.participants:
+            if p.worker in vouched:
+                self.warn(f"round {r}: participant {p.worker} did not report; its update {p.update} counts in the "
+                          f"round on the coordinator's word alone (recorded as unreported, credited to nobody)")
+            elif p.worker not in matched:
+                self.fail(r, p.update, "ghost",
+                          f"participant {p.worker}'s update is in the round, but no worker signed a report for it "
+                          f"and the coordinator did not record it as unreported")
 
     def check_signer(self, run_id: bytes, r: int, label: str, worker: str, block: int) -> None:
         admitted = [a for a in self.admissions.get(worker, []) if a["block"] <= block]
@@ -549,7 +585,30 @@ class _Audit:
             parent = self.check_round(run_id, record, parent, genesis, parent_checkpoint)
             parent_checkpoint = bytes(record["checkpoint"])
         self.check_tallies(run_id, rounds)
+        if genesis is not None:
+            last = CID(Codec.JSON, bytes(rounds[-1]["manifestDigest"])) if rounds else genesis.cid
+            self.check_unrecorded(genesis.manifest.run_id, last, len(rounds))
         return self.finish()
+
+    def check_unrecorded(self, run_name: str, last: CID, last_round: int) -> None:
+        """How far the store's lineage goes past the ledger's last round: the longest chain of the
+        run's manifests in the store whose parent links lead to ``last``."""
+        children = _manifests_by_parent(self.store, run_name)
+        depth, tip, frontier = 0, last, [last]
+        while frontier:
+            nxt = [c for cid in frontier for c in children.get(str(cid), [])]
+            if not nxt:
+                break
+            depth, tip, frontier = depth + 1, nxt[0], nxt
+        if depth == 0:
+            return
+        rounds = f"round {last_round + 1}" if depth == 1 else f"rounds {last_round + 1}..{last_round + depth}"
+        message = (f"the store holds {rounds} of this run past the ledger's last round {last_round} (up to manifest "
+                   f"{tip}), which the ledger does not record")
+        if depth > self.max_unrecorded:
+            self.fail(None, str(tip), "unrecorded", f"{message}; at most {self.max_unrecorded} allowed")
+        else:
+            self.warn(message)
 
     def finish(self) -> AuditResult:
         result = self.result
@@ -562,8 +621,35 @@ class _Audit:
         return result
 
 
+_MAX_MANIFEST_BYTES = 4 << 20  # larger objects in a store are tensors, not manifests
+
+
+def _manifests_by_parent(store: ObjectStore, run_name: str) -> dict[str, list[CID]]:
+    """The run's manifests in the store, by their parent's CID (sorted, so the result is the same
+    on every machine). Objects that are not small JSON manifests of this run are skipped."""
+    children: dict[str, list[CID]] = defaultdict(list)
+    for hex_digest in store:
+        cid = CID(Codec.JSON, bytes.fromhex(hex_digest))
+        path = store.path_of(cid)
+        try:
+            if path.stat().st_size > _MAX_MANIFEST_BYTES:
+                continue
+            with path.open("rb") as f:
+                if f.read(1) != b"{":
+                    continue
+            data = loads_bounded(store.get(cid), max_bytes=_MAX_MANIFEST_BYTES, what="manifest")
+            if not isinstance(data, dict) or data.get("schema") != MANIFEST_SCHEMA:
+                continue
+            manifest = Manifest.from_json(data)
+        except (OSError, StoreError, ManifestError, ValueError):
+            continue
+        if manifest.run_id == run_name and manifest.parent is not None:
+            children[manifest.parent].append(cid)
+    return {parent: sorted(kids, key=str) for parent, kids in children.items()}
+
+
 def run_audit(store: ObjectStore, ledger: Ledger, registry: Registry, *, run_id: bytes | None = None,
-              policy: Policy, rederive: bool = True) -> AuditResult:
+              policy: Policy, rederive: bool = True, max_unrecorded: int = 0) -> AuditResult:
     """Verify a run from the ledger (its views and events) and the store alone.
 
     @param store the run's object store
@@ -573,10 +659,15 @@ def run_audit(store: ObjectStore, ledger: Ledger, registry: Registry, *, run_id:
         manifest is in the store, when there is exactly one
     @param policy which attestation evidence the auditor accepts (dev evidence only with allow_dev)
     @param rederive recompute each round's params and outer state from the stored updates
+    @param max_unrecorded how many rounds the store's lineage may go past the ledger's last round
+        (0 for a finished run; more while the ledger catches up)
     @return every failure, one row per round, and warnings; ``ok`` only when every check passed
     @raise settlement.ChainUnavailable when the chain does not answer
     """
     if run_id is not None and (not isinstance(run_id, (bytes, bytearray)) or len(run_id) != 32):
         raise ValueError("run_id must be 32 bytes")
-    return _Audit(store, ledger, registry, policy, rederive).run(None if run_id is None else bytes(run_id))
+    if type(max_unrecorded) is not int or max_unrecorded < 0:
+        raise ValueError("max_unrecorded must be an integer >= 0")
+    return _Audit(store, ledger, registry, policy, rederive, max_unrecorded).run(
+        None if run_id is None else bytes(run_id))
 

@@ -1,8 +1,9 @@
 """Re-derive a round's checkpoint from stored bytes: the coordinator's arithmetic, done again.
 
-    Δ⁽ʳ⁾      = trainer.aggregation.aggregate of the participants' stored updates: each clipped to
-                c × the lower median of their norms and the previous K rounds' stored norms, then
-                the mean, summed in sorted worker order (c = 0: the plain mean)
+    Δ⁽ʳ⁾      = trainer.aggregation.aggregate of the participants' stored updates under the run's
+                ``rounds`` section: each clipped to c × the lower median of their norms and the
+                previous K rounds' stored norms (c = 0: no clip), then the mean, trimmed mean or
+                coordinate-wise median of the clipped updates (rounds.aggregator)
     θ̃⁽ʳ⁾, m⁽ʳ⁾ = outer_step(config.outer, θ⁽ʳ⁻¹⁾, m⁽ʳ⁻¹⁾, Δ⁽ʳ⁾)
     θ⁽ʳ⁾      = θ̃⁽ʳ⁾                                      when the global update travelled dense
     θ⁽ʳ⁾      = θ⁽ʳ⁻¹⁾ − decompress(C⁽ʳ⁾)                  when it travelled compressed (C⁽ʳ⁾ the
@@ -26,8 +27,8 @@ from typing import Any, Sequence
 
 import torch
 
-from trainer.aggregation import aggregate, exact_norm
-from trainer.config import OuterConfig
+from trainer.aggregation import PLAIN_MEAN, aggregate, exact_norm
+from trainer.config import OuterConfig, RoundConfig
 from trainer.compression import CompressionError
 from trainer.diloco import downlink_error_of, momentum_of, outer_state_of, outer_step, zero_momentum
 from trainer.downlink import apply_update, carried_error, decode_update, global_update
@@ -80,12 +81,13 @@ def update_norms(updates: Mapping[str, bytes]) -> dict[str, float]:
 
 def rederive(outer: OuterConfig, parent_params: bytes, parent_outer_state: bytes,
              updates: Mapping[str, bytes], downlink: tuple[bytes, Mapping[str, Any]] | None = None, *,
-             clip_multiple: float = 0.0, history: Sequence[float] = ()) -> Derived:
+             rounds: RoundConfig = PLAIN_MEAN, history: Sequence[float] = ()) -> Derived:
     """θ⁽ʳ⁾ and the outer state as bytes from round r-1's stored state, the round's stored updates
     (keyed by worker id, as in the manifest) and, when the global update travelled compressed, its
-    stored bytes and codec header. ``clip_multiple`` is the run's ``rounds.clip_multiple`` (0: the
-    plain mean) and ``history`` the norms of the stored updates of the previous
-    ``rounds.clip_history_rounds`` rounds (``update_norms``)."""
+    stored bytes and codec header. ``rounds`` is the run's ``rounds`` section, whose clip_multiple,
+    aggregator and trim_fraction fix the rule (default: no clip, the plain mean), and ``history``
+    the norms of the stored updates of the previous ``rounds.clip_history_rounds`` rounds
+    (``update_norms``)."""
     if not updates:
         raise RederiveError("the round has no participants, so nothing to average")
     params = _decode("parent params", parent_params)
@@ -104,7 +106,7 @@ def rederive(outer: OuterConfig, parent_params: bytes, parent_outer_state: bytes
                                 f"{got.get(names[0], 'absent')} vs {layout.get(names[0], 'absent')}")
         decoded[worker] = update
     with torch.no_grad():
-        aggregated = aggregate(decoded, clip_multiple, history)
+        aggregated = aggregate(decoded, rounds, history)
         delta, norms = aggregated.delta, aggregated.norms
         new_params, new_momentum = outer_step(outer, params, momentum, delta)
         if downlink is None:

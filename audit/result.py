@@ -3,7 +3,8 @@
 ``AuditResult.to_json()`` is the ``--json`` file of ``dilocox audit``:
 
     {"ok": bool, "run_id": "0x…" | null, "failures": [{"round", "object", "check", "message"}],
-     "rounds": [{"round", "manifest", "checkpoint", "participants", "reports", "eval_loss", "status"}],
+     "rounds": [{"round", "manifest", "checkpoint", "participants", "reports", "eval_loss", "status",
+                 "unreported"}],
      "warnings": [str]}
 """
 
@@ -47,6 +48,7 @@ class RoundRow:
     reports: int
     eval_loss: float | None
     status: str = "ok"
+    unreported: int = 0  # participants recorded on the coordinator's word, without a report
 
     def to_json(self) -> dict[str, Any]:
         return asdict(self)

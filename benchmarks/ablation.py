@@ -92,6 +92,11 @@ link actually produced (AllReduce comm_s / compute_s under the link).
 Targets, for ``dilocox`` against ``allreduce``, printed as met/missed on both measures: held-out
 loss ≤ 1.05×; ≥ 1000× fewer bytes per token; ≥ 300× tokens/s; ≥ 85% compute utilisation.
 
+A mode that fails (a process exits non-zero, a run raises) is a row ``failed: <one line>`` in its
+table and the benchmark goes on with the others; without the AllReduce row there is nothing to
+take ratios against (they print as —), and without its step time no link to emulate, so Part 2's
+rows then say so.
+
 Output: markdown tables on stdout and in ``<out>/ablation.md``, raw numbers in
 ``<out>/ablation.json``, the plot in ``<out>/ablation_loss.png``; the header names the machine,
 the data, the model and every setting. The runs' directories go to ``<out>/runs/`` and are deleted
@@ -465,6 +470,30 @@ def steady_state(run: DilocoRun, rounds: int) -> dict[str, Any]:
             "steady_step_s": mean(step_s)}
 
 
+def one_line(exc: BaseException) -> str:
+    """An exception as one line: its type, its message's first line and, for a message that
+    carries a process's log (run_diloco's), the log's last line, where the error usually is."""
+    lines = [line.strip() for line in str(exc).splitlines() if line.strip()]
+    text = lines[0] if lines else ""
+    if len(lines) > 1:
+        text += f" … {lines[-1]}"
+    text = f"{type(exc).__name__}: {text}" if text else type(exc).__name__
+    return text if len(text) <= 300 else text[:299] + "…"
+
+
+def failed_row(mode: Mode, exc: BaseException) -> dict[str, Any]:
+    return {"name": mode.name, "failed": f"failed: {one_line(exc)}"}
+
+
+def ran(rows: dict[str, Any]) -> list[dict[str, Any]]:
+    """The rows of the modes that did not fail."""
+    return [r for r in rows.values() if "failed" not in r]
+
+
+def _ratio(a: float | None, b: float | None) -> float:
+    return a / b if a is not None and b is not None and b != 0 else float("nan")
+
+
 # -------------------------------------------------------------------------------------- reporting
 
 
@@ -483,6 +512,10 @@ def machine() -> dict[str, Any]:
             "python": platform.python_version(), "load_average": list(os.getloadavg())}
 
 
+def _count(n: int | None) -> str:
+    return "—" if n is None else f"{n:,}"
+
+
 def _mb(n: float) -> str:
     return f"{n / 1e6:,.3f} MB" if n < 1e9 else f"{n / 1e9:,.2f} GB"
 
@@ -499,7 +532,7 @@ def _outer(o: dict[str, Any]) -> str:
 
 def report(result: dict[str, Any]) -> str:
     s, conv, thr, cal = result["settings"], result["convergence"], result["throughput"], result["calibration"]
-    base_c, base_t = conv["allreduce"], thr["allreduce"]
+    base_c, base_t = conv.get("allreduce", {}), thr.get("allreduce", {})
     m = result["machine"]
     lines = [
         f"# DiLoCoX ablation (arXiv:2506.21263){' — SMOKE configuration, numbers mean nothing' if s['smoke'] else ''}",
@@ -513,7 +546,7 @@ def report(result: dict[str, Any]) -> str:
         f"held-out eval: {s['eval_batches']} fixed batches of {s['batch_size']} × {s['model']['block_size']} tokens",
         f"settings: W = {s['workers']} workers (1 torch thread per process), H = {s['inner_steps']} inner steps; "
         f"convergence R = {s['rounds']} rounds ({s['rounds'] * s['inner_steps']} steps, "
-        f"{base_c['tokens']:,} tokens per mode); throughput R_t = {s['throughput_rounds']} rounds "
+        f"{_count(base_c.get('tokens'))} tokens per mode); throughput R_t = {s['throughput_rounds']} rounds "
         f"({s['throughput_rounds'] * s['inner_steps']} steps) per DiLoCo mode, "
         f"{s['allreduce_throughput_steps']} steps of AllReduce; compression of the DiLoCoX rows: τ = {DILOCOX_COMPRESSION['target_energy']}, "
         f"rank [{DILOCOX_COMPRESSION['min_rank']}, {DILOCOX_COMPRESSION['max_rank']}] (fixed-rank row: {FIXED_RANK}), "
@@ -526,6 +559,9 @@ def report(result: dict[str, Any]) -> str:
         "| --- | ---: | :---: | --- | --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: |",
     ]
     for key, r in conv.items():
+        if "failed" in r:
+            lines.append(f"| {r['name']} | {r['failed']} |" + " |" * 10)
+            continue
         lines.append(
             f"| {r['name']} | {r['stages'] if key != 'allreduce' else '—'} | "
             f"{'yes' if r['overlap'] else 'no'} | {r['compression'] if key != 'allreduce' else 'none (fp32)'} | "
@@ -546,11 +582,14 @@ def report(result: dict[str, Any]) -> str:
         f"for every worker of every mode. Measured AllReduce all-reduce time / step time: "
         f"{base_t.get('comm_to_step', float('nan')):.0f}× (target {s['link_ratio']:g}×).",
         "",
-        f"| mode | steps per worker | steady state: compute ms / step | tokens/s | × AllReduce | compute utilisation "
-        f"| whole run: tokens | wall s | tokens/s | × AllReduce | compute utilisation |",
+        "| mode | steps per worker | steady state: compute ms / step | tokens/s | × AllReduce | compute utilisation "
+        "| whole run: tokens | wall s | tokens/s | × AllReduce | compute utilisation |",
         "| --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |",
     ]
     for key, r in thr.items():
+        if "failed" in r:
+            lines.append(f"| {r['name']} | {r['failed']} |" + " |" * 9)
+            continue
         steps = f"{r['steps']}" + (f" ({r['rounds']} × {s['inner_steps']})" if "rounds" in r else "")
         lines.append(f"| {r['name']} | {steps} | {1e3 * r['steady_step_s']:.1f} | {r['steady_tokens_per_s']:,.1f} | "
                      f"{_x(r['steady_throughput_x'])} | "
@@ -572,11 +611,13 @@ def report(result: dict[str, Any]) -> str:
         "## Targets (DiLoCoX vs AllReduce)",
         "",
     ]
+    if not result["targets"]:
+        lines.append("- not judged: the DiLoCoX or the AllReduce row failed (see above)")
     for t in result["targets"]:
         verdicts = "; ".join(f"{label + ': ' if label else ''}{value} — **{'met' if met else 'MISSED'}**"
                              for label, value, met in t["values"])
         lines.append(f"- {t['what']} (target {t['target']}): {verdicts}")
-    warnings = [f"{r['name']}: {w}" for r in conv.values() for w in r.get("warnings", [])]
+    warnings = [f"{r['name']}: {w}" for r in ran(conv) for w in r.get("warnings", [])]
     if warnings:
         lines += ["", "warnings:"] + [f"- {w}" for w in warnings]
     lines += ["", f"benchmark wall time {result['wall_s']:.0f} s"]
@@ -590,7 +631,8 @@ def plot(result: dict[str, Any], path: Path) -> None:
     import matplotlib.pyplot as plt
 
     fig, ax = plt.subplots(figsize=(8, 5), dpi=120)
-    for r in result["convergence"].values():
+    rows = ran(result["convergence"])
+    for r in rows:
         tokens, losses = zip(*r["curve"])
         ax.plot([t / 1e3 for t in tokens], losses, marker="o", markersize=3,
                 linestyle="--" if r["name"] == "AllReduce" else "-", label=f"{r['name']} ({r['final_loss']:.3f})")
@@ -598,13 +640,14 @@ def plot(result: dict[str, Any], path: Path) -> None:
     ax.set_ylabel("held-out loss (nats / byte token)")
     ax.set_title(f"DiLoCoX ablation: held-out loss vs tokens ({'WikiText-2 test' if result['wikitext'] else 'embedded corpus'})")
     # Genesis (loss ≈ ln 256) would flatten every later difference: zoom on the trained checkpoints.
-    trained = [loss for r in result["convergence"].values() for tokens, loss in r["curve"] if tokens > 0]
-    if trained:
-        genesis = max(loss for r in result["convergence"].values() for tokens, loss in r["curve"] if tokens == 0)
+    trained = [loss for r in rows for tokens, loss in r["curve"] if tokens > 0]
+    genesis = [loss for r in rows for tokens, loss in r["curve"] if tokens == 0]
+    if trained and genesis:
         ax.set_ylim(min(trained) - 0.05, max(trained) + 0.1)
-        ax.set_title(ax.get_title() + f"\n(genesis {genesis:.2f}, at 0 tokens, is above the plot)", fontsize=10)
+        ax.set_title(ax.get_title() + f"\n(genesis {max(genesis):.2f}, at 0 tokens, is above the plot)", fontsize=10)
     ax.grid(True, alpha=0.3)
-    ax.legend(fontsize=8)
+    if rows:
+        ax.legend(fontsize=8)
     fig.tight_layout()
     fig.savefig(path, format="png")
     plt.close(fig)
@@ -612,7 +655,7 @@ def plot(result: dict[str, Any], path: Path) -> None:
 
 def targets(conv: dict[str, Any], thr: dict[str, Any], rounds: int) -> list[dict[str, Any]]:
     """DiLoCoX against AllReduce; each target judged on the headline measure and the alternative."""
-    if "dilocox" not in conv or "dilocox" not in thr:
+    if any(k not in rows or "failed" in rows[k] for rows in (conv, thr) for k in ("dilocox", "allreduce")):
         return []
     c, t = conv["dilocox"], thr["dilocox"]
     lo, bx, tx, ut = (TARGETS[k] for k in ("loss_ratio", "bytes_x_fewer", "throughput_x", "utilisation"))
@@ -662,18 +705,23 @@ def run(s: Settings) -> dict[str, Any]:
     for mode in modes:
         say(f"[ablation] convergence: {mode.name} ...")
         torch.set_num_threads(threads)
-        conv[mode.key] = convergence_row(mode, s, data, evaluate, runs / "convergence")
+        try:
+            conv[mode.key] = convergence_row(mode, s, data, evaluate, runs / "convergence")
+        except Exception as exc:  # one failed mode is a row that says so; the others still run
+            conv[mode.key] = failed_row(mode, exc)
+            say(f"[ablation]   {conv[mode.key]['failed']}")
+            continue
         say(f"[ablation]   held-out loss {conv[mode.key]['final_loss']:.4f} in {conv[mode.key]['seconds']:.0f}s")
-    base = conv["allreduce"]
-    for r in conv.values():
-        r["loss_ratio"] = r["final_loss"] / base["final_loss"]
-        r["bytes_x_fewer"] = base["bytes_per_token"] / r["bytes_per_token"]
+    base = conv.get("allreduce", {})
+    for r in ran(conv):
+        r["loss_ratio"] = _ratio(r["final_loss"], base.get("final_loss"))
+        r["bytes_x_fewer"] = _ratio(base.get("bytes_per_token"), r["bytes_per_token"])
 
     from trainer.allreduce import ring_allreduce_bytes
 
-    t_step = base["t_step_s"]
+    t_step = base.get("t_step_s", float("nan"))
     ring = ring_allreduce_bytes(4 * (n_params + 1), s.workers)  # the gradients and the loss, fp32
-    link_bps = 8 * ring / (s.link_ratio * t_step)
+    link_bps = 8 * ring / (s.link_ratio * t_step) if t_step > 0 else float("nan")
     latency_s = s.link_latency_ms / 1e3
     calibration = {"t_step_s": t_step, "ring_bytes_per_worker": ring, "link_bandwidth_bps": link_bps,
                    "link_latency_s": latency_s,
@@ -684,12 +732,20 @@ def run(s: Settings) -> dict[str, Any]:
     for mode in modes:
         say(f"[ablation] throughput: {mode.name} ...")
         torch.set_num_threads(threads)
-        thr[mode.key] = throughput_row(mode, s, data, runs / "throughput", link_bps, latency_s)
+        try:
+            if not math.isfinite(link_bps):
+                raise RuntimeError("no link to emulate: the AllReduce convergence run, which calibrates it, failed")
+            thr[mode.key] = throughput_row(mode, s, data, runs / "throughput", link_bps, latency_s)
+        except Exception as exc:
+            thr[mode.key] = failed_row(mode, exc)
+            say(f"[ablation]   {thr[mode.key]['failed']}")
+            continue
         say(f"[ablation]   {thr[mode.key]['tokens_per_s']:.1f} tokens/s, "
             f"utilisation {100 * thr[mode.key]['utilisation']:.0f}%")
-    for r in thr.values():
-        r["throughput_x"] = r["tokens_per_s"] / thr["allreduce"]["tokens_per_s"]
-        r["steady_throughput_x"] = r["steady_tokens_per_s"] / thr["allreduce"]["steady_tokens_per_s"]
+    base_t = thr.get("allreduce", {})
+    for r in ran(thr):
+        r["throughput_x"] = _ratio(r["tokens_per_s"], base_t.get("tokens_per_s"))
+        r["steady_throughput_x"] = _ratio(r["steady_tokens_per_s"], base_t.get("steady_tokens_per_s"))
     torch.set_num_threads(threads)
 
     settings = {k: (str(v) if isinstance(v, Path) else v) for k, v in asdict(s).items()}

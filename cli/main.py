@@ -9,6 +9,7 @@
     dilocox bench gas                              gas of the ledger's calls on a local chain
     dilocox bench ablation [--smoke]               the DiLoCoX ablation: loss, bytes, tokens/s per mode
     dilocox bench flood                            health/Status latency while each limit is flooded
+    dilocox bench robust [--quick]                 one dishonest worker against each aggregation setting
     dilocox config > cfg.json                      the default run configuration, to edit
 """
 
@@ -118,7 +119,8 @@ def _trust_settings(args: argparse.Namespace):  # -> TrustSettings | None
     policy = Policy(allow_dev=args.allow_dev, dev_roots=frozenset(args.dev_root), dcap=dcap)
     return TrustSettings(rpc_url=args.chain_rpc, private_key=bytes.fromhex(key_text),
                          deployment=Deployment.load(args.ledger), policy=policy,
-                         report_timeout_s=args.report_timeout, verification_time=args.attestation_time)
+                         report_timeout_s=args.report_timeout, verification_time=args.attestation_time,
+                         confirmations=args.confirmations)
 
 
 def cmd_worker(args: argparse.Namespace) -> int:
@@ -136,7 +138,22 @@ def cmd_worker(args: argparse.Namespace) -> int:
     worker = Worker(args.coordinator, args.worker_id, tls=_client_tls(args), attestation=provider,
                     reconnect_timeout_s=args.reconnect_timeout, link=link,
                     metrics=Path(args.metrics) if args.metrics else None, stages=args.stages)
-    return worker.run()
+    return _exit_now(worker.run())
+
+
+def _exit_now(code: int) -> int:
+    """Leave with ``code`` once the work is done, skipping the C++ runtime's teardown at exit.
+
+    Everything the worker owes is on disk or sent by now (its threads joined, its channel and stage
+    processes closed, its files written atomically). What is left is the static destruction of
+    torch's and gRPC's native thread pools, which under load has aborted a finished worker
+    ("terminate called without an active exception", SIGABRT) and turned a clean finish into a
+    crash; a finished process must exit with its own code.
+    """
+    logging.shutdown()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(code)
 
 
 def cmd_status(args: argparse.Namespace) -> int:
@@ -191,6 +208,13 @@ def cmd_bench(args: argparse.Namespace) -> int:
 
         flood(args)
         return 0
+    if args.what == "robust":
+        import shlex
+
+        from benchmarks.robustness import run as robust, settings_of as robust_settings
+
+        robust(robust_settings(args), shlex.join(["dilocox", *sys.argv[1:]]))
+        return 0
     from settlement.gas import format_markdown, gas_table
 
     rows = gas_table()
@@ -234,7 +258,11 @@ def parser() -> argparse.ArgumentParser:
                     help="accept dev attestation, which PROVES NOTHING (local development only)")
     co.add_argument("--dev-root", action="append", default=[], help="address of a trusted dev root (repeatable)")
     co.add_argument("--report-timeout", type=float, default=30.0,
-                    help="seconds to wait for every participant's report before recording a round")
+                    help="seconds to wait for every participant's report before recording a round (its "
+                         "unreported updates then on the coordinator's word, credited to nobody)")
+    co.add_argument("--confirmations", type=int, default=1,
+                    help="blocks deep a round must be on the ledger before its outbox copy is set aside "
+                         "(1: in a block; a chain that mines only on transactions never goes deeper)")
     from audit.cli import add_dcap_arguments
 
     add_dcap_arguments(co)
@@ -293,6 +321,11 @@ def parser() -> argparse.ArgumentParser:
     fl = bench.add_parser("flood", help="health and Status latency while hostile clients hit each limit",
                           description=flood.__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     flood.add_arguments(fl)
+    from benchmarks import robustness  # argument definitions only: torch and the trainer load in cmd_bench
+
+    ro = bench.add_parser("robust", help="one admitted dishonest worker against each aggregation setting",
+                          description=robustness.__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    robustness.add_arguments(ro)
     be.set_defaults(func=cmd_bench)
 
     cf = sub.add_parser("config", help="print a run configuration to start from")
@@ -350,6 +383,8 @@ def check_args(args: argparse.Namespace) -> None:
         for flag, value in (("--threads", args.threads),):
             if value < 1:
                 raise UsageError(f"{flag} {value} is out of range: must be >= 1")
+        if not 1 <= args.confirmations <= 1024:
+            raise UsageError(f"--confirmations {args.confirmations} is out of range: must be in [1, 1024]")
         for flag, value in (("--linger", args.linger), ("--report-timeout", args.report_timeout),
                             ("--idle-timeout", args.idle_timeout)):
             if not 0 <= value <= 86_400:  # also refuses NaN

@@ -6,7 +6,7 @@ so the node never holds the key. Three things make failures legible:
 
 * a revert, whether found while estimating gas or in a mined receipt, becomes ``TxReverted`` whose
   message is the contract's custom error with its arguments, e.g.
-  ``WrongParent(expected=0xab…, got=0xcd…)``, decoded from the 4-byte selectors of every error in
+  ``LedgerWrongParent(expected=0xab…, got=0xcd…)``, decoded from the 4-byte selectors of every error in
   the registry's and the ledger's ABIs (OpenZeppelin's included) plus ``Error(string)`` and
   ``Panic(uint256)``;
 * transient transport failures (refused or reset connections, timeouts, 5xx answers) are retried
@@ -70,8 +70,8 @@ class ChainUnavailable(ChainError):
 class TxReverted(ChainError):
     """A transaction or call was refused by a contract. ``str()`` is the decoded error.
 
-    @param message the decoded error with its arguments, e.g. ``WorkerNotActive(worker=0x…)``
-    @param error the error's name (``WorkerNotActive``), or None when the revert carried no data
+    @param message the decoded error with its arguments, e.g. ``LedgerWorkerNotActive(worker=0x…)``
+    @param error the error's name (``LedgerWorkerNotActive``), or None when the revert carried no data
     @param fields the error's arguments by name, as decoded
     @param function the contract function that was called
     @param tx_hash the mined transaction, when the revert happened on chain rather than at estimation

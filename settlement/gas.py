@@ -90,6 +90,11 @@ def gas_table(report_counts: Sequence[int] = (1, 2, 4, 8, 16)) -> list[dict[str,
             receipt = ledger.record_round(run_id, round_, parent, checkpoint, _digest("manifest", round_), reports)
             rows.append(_row("recordRound", int(receipt["gasUsed"]), count))
             parent = checkpoint
+        # a round no worker reported, recorded on the coordinator's word with one unreported update
+        round_ = len(report_counts) + 1
+        receipt = ledger.record_round(run_id, round_, parent, _digest("checkpoint", round_), _digest("manifest", round_),
+                                      [], [_digest("update", round_, 0)])
+        rows.append(_row("recordRound, 1 unreported update", int(receipt["gasUsed"])))
     return rows
 
 

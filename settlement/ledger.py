@@ -274,16 +274,24 @@ class Ledger(_Contract):
         return self.chain.transact(fn)
 
     def record_round(self, run_id: bytes, round: int, parent: bytes, checkpoint: bytes, manifest_digest: bytes,
-                     reports: Sequence[SignedReport]) -> Any:
-        """Record the run's next round with its workers' signed reports. Returns the receipt.
+                     reports: Sequence[SignedReport], unreported: Sequence[bytes] = ()) -> Any:
+        """Record the run's next round. Returns the receipt.
 
-        @raise TxReverted with the ledger's refusal, e.g. ``WrongParent(expected=…, got=…)``
+        @param reports the signed reports of the participants that reported (their workers are credited)
+        @param unreported the update digests of the participants that did not, on this account's word
+            (sorted here; nobody is credited for them)
+        @raise TxReverted with the ledger's refusal, e.g. ``LedgerWrongParent(expected=…, got=…)``
         """
         signed = [(_report_tuple(s.report), bytes(s.signature)) for s in reports]
+        vouched = sorted(_bytes32("unreported update", u) for u in unreported)
         fn = self._contract.functions.recordRound(
             _bytes32("run_id", run_id), round, _bytes32("parent", parent), _bytes32("checkpoint", checkpoint),
-            _bytes32("manifest_digest", manifest_digest), signed)
+            _bytes32("manifest_digest", manifest_digest), signed, vouched)
         return self.chain.transact(fn)
+
+    def head_block(self) -> int:
+        """The chain's latest block number (a round recorded in block b is at depth head − b + 1)."""
+        return int(self.chain.read(lambda: self.chain.w3.eth.block_number, "eth_blockNumber"))
 
     def run_of(self, run_id: bytes) -> dict[str, Any] | None:
         """``{coordinator, lastRound, lastCheckpoint, genesisCheckpoint, configDigest, genesisManifest}``,
@@ -292,7 +300,7 @@ class Ledger(_Contract):
         return None if run["coordinator"] == _ZERO_ADDRESS else run
 
     def round_of(self, run_id: bytes, round: int) -> dict[str, Any]:
-        """``{checkpoint, manifestDigest, reportCount, recordedAt}`` (all zero if not recorded)."""
+        """``{checkpoint, manifestDigest, reportCount, recordedAt, unreportedCount}`` (all zero if not recorded)."""
         return self._view_struct("roundOf", _bytes32("run_id", run_id), round)
 
     def contribution_of(self, run_id: bytes, worker: str) -> dict[str, int]:
@@ -319,8 +327,9 @@ class Ledger(_Contract):
         """Every recorded round of a run, oldest first, with the reports that recorded it.
 
         Each item: the ``RoundRecorded`` fields ``{runId, round, checkpoint, manifestDigest,
-        reportCount}``, ``block``, ``tx_hash``, ``log_index``, and from the transaction's calldata
-        ``parentCheckpoint`` and ``reports`` (``SignedReport`` objects exactly as submitted).
+        reportCount, unreportedCount}``, ``block``, ``tx_hash``, ``log_index``, and from the
+        transaction's calldata ``parentCheckpoint``, ``reports`` (``SignedReport`` objects exactly as
+        submitted) and ``unreported`` (the update digests the coordinator recorded without a report).
 
         @raise ChainError when a round was not recorded by a direct ``recordRound`` call to this
             ledger (its calldata then cannot be decoded), or the calldata disagrees with the event
@@ -338,6 +347,7 @@ class Ledger(_Contract):
                                  f"{record['round']}")
             record["parentCheckpoint"] = bytes(params["parentCheckpoint"])
             record["reports"] = [_signed_from_abi(entry) for entry in params["reports"]]
+            record["unreported"] = [bytes(u) for u in params["unreported"]]
         return rounds
 
     def accepted_reports(self, run_id: bytes) -> list[dict[str, Any]]:

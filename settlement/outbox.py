@@ -1,16 +1,27 @@
-"""The ledger outbox: ledger writes kept on disk until the chain has confirmed them.
+"""The ledger outbox: ledger writes kept on disk, and re-sent whenever the chain lacks them.
 
-This is what makes "no finished round is lost because the chain was down" true. The coordinator
-never writes to the chain from its training path; it enqueues (one atomic JSON file per write, in
-order) and a settlement thread flushes. A file is removed only after its transaction's receipt, so
-a crash, a killed coordinator or a dead RPC node leaves the write queued for the next flush or the
-next start.
+This is what makes "no finished round is lost because the chain was down, or came back behind"
+true. The coordinator never writes to the chain from its training path; it enqueues (one atomic
+JSON file per write, in order) and a settlement thread flushes.
+
+An item's life:
+
+    queued     ``outbox/NNNNNN-<kind>.json``: sent on the next flush unless the chain already has it;
+    sent       still queued, until the ledger shows the round at a depth of ``confirmations``
+               blocks (head − recordedAt + 1 ≥ N; a run counts as deep once it exists);
+    confirmed  moved to ``outbox/confirmed/``, and kept there for the life of the run directory.
+
+Every flush first asks the chain where the run stands. A chain that comes back behind what was
+confirmed (a reorg deeper than N, a node restored from an older state file, a fresh chain at the
+same address) shows an older ``lastRound``, or no run at all: the confirmed items past that point
+move back to the queue, keeping their order, and are sent again, each once. A chain whose record
+of an item differs from it (another genesis, another round r) is a conflict no retry can fix:
+``RecordConflict`` (a ``ChainError``) names both.
 
 Flushing is idempotent. Before sending an item it asks the chain whether the write is already
-there (a crash can fall between the receipt and the file's removal): a run that exists with the
-same genesis, or a round whose recorded checkpoint and manifest equal the item's, is recognised and
-removed without a second transaction. A recorded round that differs is a conflict no retry can fix,
-so it raises ``RecordConflict`` (a ``ChainError``) naming both.
+there (a crash can fall between a receipt and the file's move): a run that exists with the same
+genesis, or a round whose recorded checkpoint and manifest equal the item's, is recognised, not
+sent twice.
 
 Files: ``NNNNNN-create_run.json`` and ``NNNNNN-round.json``, processed in the order of ``NNNNNN``.
 """
@@ -19,6 +30,7 @@ from __future__ import annotations
 
 import json
 import logging
+import os
 import re
 import threading
 import time
@@ -36,7 +48,7 @@ __all__ = ["SCHEMA", "Outbox", "OutboxError", "RecordConflict"]
 
 log = logging.getLogger("dilocox.settlement")
 
-SCHEMA = "dilocox.outbox/v1"
+SCHEMA = "dilocox.outbox/v2"
 _NAME = re.compile(r"^(\d{6,})-(create_run|round)\.json$")
 _REPEAT_LOG_S = 60.0  # the same failure is logged again at most this often
 
@@ -73,11 +85,17 @@ def _short(value: bytes) -> str:
 class Outbox:
     """A durable, ordered queue of ledger writes in ``directory``. Thread-safe.
 
-    @param directory where the item files live (created on first enqueue)
+    @param directory where the item files live (created on first enqueue); confirmed items move to
+        ``directory/confirmed``
+    @param confirmations N: a round is confirmed once the ledger shows it N blocks deep (1: in a block)
     """
 
-    def __init__(self, directory: Path) -> None:
+    def __init__(self, directory: Path, confirmations: int = 1) -> None:
+        if type(confirmations) is not int or not 1 <= confirmations <= 1024:
+            raise ValueError(f"confirmations must be an integer in [1, 1024], got {confirmations!r}")
         self.directory = Path(directory)
+        self.archive = self.directory / "confirmed"
+        self.confirmations = confirmations
         self._files_lock = threading.Lock()  # item numbering and listing
         self._flush_lock = threading.Lock()  # one flush at a time
         self._last_seq = 0
@@ -100,22 +118,27 @@ class Outbox:
         })
 
     def enqueue_round(self, run_id: bytes, round: int, parent: bytes, checkpoint: bytes, manifest_digest: bytes,
-                      reports: Sequence[SignedReport | dict[str, Any]]) -> Path:
+                      reports: Sequence[SignedReport | dict[str, Any]], unreported: Sequence[bytes] = ()) -> Path:
         """Queue ``recordRound``. Returns the item's file.
 
         @param reports the signed reports, as ``SignedReport`` or its ``to_json()`` form (checked here,
             so a malformed report is refused now rather than when the chain is asked)
+        @param unreported the update digests of the participants that did not report (recorded on the
+            coordinator's word, credited to nobody)
         """
         if type(round) is not int or round < 1:
             raise ValueError(f"round must be an integer >= 1, got {round!r}")
         signed = [r if isinstance(r, SignedReport) else SignedReport.from_json(r) for r in reports]
-        if not signed:
-            raise ValueError(f"round {round} has no reports; the ledger needs at least one")
+        vouched = sorted({_hex32("unreported update", u) for u in unreported})
+        if len(vouched) != len(unreported):
+            raise ValueError(f"round {round}: an unreported update is listed twice")
+        if not signed and not vouched:
+            raise ValueError(f"round {round} has no participants; the ledger needs a report or an unreported update")
         return self._enqueue("round", {
             "run_id": _hex32("run_id", run_id), "round": round, "parent": _hex32("parent", parent),
             "checkpoint": _hex32("checkpoint", checkpoint),
             "manifest_digest": _hex32("manifest_digest", manifest_digest),
-            "reports": [s.to_json() for s in signed],
+            "reports": [s.to_json() for s in signed], "unreported": vouched,
         })
 
     def _enqueue(self, kind: str, body: dict[str, Any]) -> Path:
@@ -131,7 +154,8 @@ class Outbox:
                     same = False
                 if same:
                     return path
-            seq = max([self._last_seq, *(s for s, _ in existing)]) + 1
+            archived = self._list(self.archive)
+            seq = max([self._last_seq, *(s for s, _ in existing), *(s for s, _ in archived[-1:])]) + 1
             self._last_seq = seq
             path = self.directory / f"{seq:06d}-{kind}.json"
             write_atomic(path, (json.dumps(item, indent=1, sort_keys=True) + "\n").encode())
@@ -139,11 +163,12 @@ class Outbox:
 
     # -- reading -------------------------------------------------------------------------------------
 
-    def _list(self) -> list[tuple[int, Path]]:
-        if not self.directory.is_dir():
+    def _list(self, folder: Path | None = None) -> list[tuple[int, Path]]:
+        folder = self.directory if folder is None else folder
+        if not folder.is_dir():
             return []
         items = []
-        for path in self.directory.iterdir():
+        for path in folder.iterdir():
             match = _NAME.match(path.name)
             if match:
                 items.append((int(match.group(1)), path))
@@ -155,20 +180,37 @@ class Outbox:
             item = json.loads(path.read_text())
         except (OSError, ValueError) as exc:
             raise OutboxError(f"outbox item {path} is unreadable: {exc}") from None
-        if (not isinstance(item, dict) or item.get("schema") != SCHEMA
+        if (not isinstance(item, dict) or item.get("schema") not in (SCHEMA, "dilocox.outbox/v1")
                 or not path.name.endswith(f"-{item.get('kind')}.json")):
             raise OutboxError(f"outbox item {path} is not a {SCHEMA} item of the kind its name says")
         return {**item, "seq": seq, "file": str(path)}
 
     def pending(self) -> list[dict[str, Any]]:
-        """The queued items, oldest first: their JSON plus ``seq`` and ``file``."""
+        """The queued items (sent or not, not yet confirmed), oldest first: their JSON plus ``seq`` and
+        ``file``."""
         with self._files_lock:
             return [self._read(path, seq) for seq, path in self._list()]
+
+    def confirmed(self) -> list[dict[str, Any]]:
+        """The confirmed items, oldest first (kept so a chain that comes back behind can be caught up)."""
+        with self._files_lock:
+            return [self._read(path, seq) for seq, path in self._list(self.archive)]
+
+    def _archive(self, item: dict[str, Any]) -> None:
+        with self._files_lock:
+            path = Path(item["file"])
+            self.archive.mkdir(parents=True, exist_ok=True)
+            os.replace(path, self.archive / path.name)
+
+    def _requeue(self, item: dict[str, Any]) -> None:
+        with self._files_lock:
+            path = Path(item["file"])
+            os.replace(path, self.directory / path.name)
 
     # -- flushing ------------------------------------------------------------------------------------
 
     def flush(self, ledger: Ledger) -> list[int]:
-        """Send the queued writes, in order, each only if the chain does not have it yet.
+        """Catch the chain up: re-queue what it lost, send what it lacks, confirm what is deep enough.
 
         Stops, leaving the rest queued, at the first item the chain cannot take now, and logs why in
         one error line (not again on every flush while the cause stays the same): an unreachable
@@ -176,19 +218,24 @@ class Outbox:
         refusing the transaction (say, an account without funds).
 
         @param ledger the ledger client, sending as the run's coordinator
-        @return the rounds confirmed on chain by this flush (sent now, or found already recorded)
+        @return the rounds confirmed by this flush (at depth ``confirmations`` on the ledger)
         @raise RecordConflict (a ChainError) when the chain holds a different record than an item
         @raise OutboxError when an item file cannot be read
         """
         done: list[int] = []
         with self._flush_lock:
+            try:
+                self._requeue_lost(ledger)
+            except ChainUnavailable as exc:
+                self._error(str(exc), f"ledger outbox: {exc}; {len(self._list())} write(s) stay queued in "
+                            f"{self.directory} and are sent when the chain answers again")
+                return done
             for item in self.pending():
                 try:
                     if item["kind"] == "create_run":
-                        self._create_run(ledger, item)
+                        deep = self._create_run(ledger, item)
                     else:
-                        self._round(ledger, item)
-                        done.append(int(item["round"]))
+                        deep = self._round(ledger, item)
                 except ChainUnavailable as exc:
                     left = len(self._list())
                     self._error(str(exc), f"ledger outbox: {exc}; {left} write(s) stay queued in {self.directory} "
@@ -205,12 +252,57 @@ class Outbox:
                     self._error(str(exc), f"ledger outbox: {exc}; {Path(item['file']).name} and the writes after "
                                 f"it stay queued")
                     return done
-                with self._files_lock:
-                    Path(item["file"]).unlink(missing_ok=True)
+                if deep:
+                    self._archive(item)
+                    if item["kind"] == "round":
+                        done.append(int(item["round"]))
             if self._last_error is not None:
-                log.info("ledger outbox: the chain takes writes again; the queued writes are confirmed")
+                log.info("ledger outbox: the chain takes writes again; the queued writes are sent")
                 self._last_error = None
         return done
+
+    def _requeue_lost(self, ledger: Ledger) -> None:
+        """Move confirmed items the chain no longer shows back to the queue (in their order).
+
+        Reads only the newest confirmed items (rounds are confirmed in order), so a flush costs one
+        or two chain reads however long the run."""
+        with self._files_lock:
+            archived = self._list(self.archive)
+        if not archived:
+            return
+        newest = self._read(archived[-1][1], archived[-1][0])
+        run_id = _unhex32(newest, "run_id")
+        run = ledger.run_of(run_id)
+        last = -1 if run is None else int(run["lastRound"])  # -1: not even the run is there
+        lost: list[dict[str, Any]] = []
+        for seq, path in reversed(archived):
+            item = self._read(path, seq)
+            if item["kind"] == "round" and int(item["round"]) > last or item["kind"] == "create_run" and last < 0:
+                lost.append(item)
+                continue
+            if item["kind"] == "round":  # the newest round the chain still has must be ours
+                recorded = ledger.round_of(run_id, int(item["round"]))
+                if (recorded["checkpoint"], recorded["manifestDigest"]) != (_unhex32(item, "checkpoint"),
+                                                                            _unhex32(item, "manifest_digest")):
+                    raise RecordConflict(
+                        f"round {item['round']} of run {_short(run_id)} is on the ledger with checkpoint "
+                        f"{_short(recorded['checkpoint'])} and manifest {_short(recorded['manifestDigest'])}, but "
+                        f"the confirmed copy {path} has checkpoint {item['checkpoint']} and manifest "
+                        f"{item['manifest_digest']}")
+            break
+        if not lost:
+            return
+        lost.reverse()
+        rounds = [int(i["round"]) for i in lost if i["kind"] == "round"]
+        what = f"rounds {rounds[0]}..{rounds[-1]}" if rounds else "the run"
+        where = "has no record of the run" if run is None else f"shows round {last} as its last"
+        log.error("ledger outbox: the chain came back behind: it %s, but %s had been confirmed; re-sending "
+                  "%d write(s) from %s, in order", where, what, len(lost), self.archive)
+        for item in lost:
+            self._requeue(item)
+
+    def _depth(self, ledger: Ledger, block: int) -> int:
+        return ledger.head_block() - block + 1 if block > 0 else 0
 
     def _error(self, key: str, message: str) -> None:
         """Log a failure once, not on every flush of a settlement loop (again after a while, or when
@@ -221,7 +313,9 @@ class Outbox:
             self._last_error_at = now
         self._last_error = key
 
-    def _create_run(self, ledger: Ledger, item: dict[str, Any]) -> None:
+    def _create_run(self, ledger: Ledger, item: dict[str, Any]) -> bool:
+        """Send ``createRun`` unless the run exists; True once the run is on the ledger (a run is not
+        depth-checked: every flush looks for it again, in ``_requeue_lost``)."""
         run_id = _unhex32(item, "run_id")
         genesis = _unhex32(item, "genesis_checkpoint")
         run = ledger.run_of(run_id)
@@ -233,13 +327,14 @@ class Outbox:
             if run["coordinator"] != ledger.chain.address:
                 log.warning("run %s exists on the ledger with coordinator %s, not this account %s; it cannot "
                             "record rounds", _short(run_id), run["coordinator"], ledger.chain.address)
-            log.info("run %s is already on the ledger; nothing to send", _short(run_id))
-            return
+            return True
         receipt = ledger.create_run(run_id, genesis, _unhex32(item, "config_digest"),
                                     _unhex32(item, "genesis_manifest"))
         log.info("run %s created on the ledger in block %d", _short(run_id), receipt["blockNumber"])
+        return True
 
-    def _round(self, ledger: Ledger, item: dict[str, Any]) -> None:
+    def _round(self, ledger: Ledger, item: dict[str, Any]) -> bool:
+        """Send ``recordRound`` unless the round is recorded; True once it is ``confirmations`` deep."""
         run_id = _unhex32(item, "run_id")
         round_ = item.get("round")
         if type(round_) is not int or round_ < 1:
@@ -254,13 +349,20 @@ class Outbox:
                     f"round {round_} of run {_short(run_id)} is on the ledger with checkpoint "
                     f"{_short(recorded['checkpoint'])} and manifest {_short(recorded['manifestDigest'])}, but the "
                     f"outbox item {item['file']} has checkpoint {_short(checkpoint)} and manifest {_short(manifest)}")
-            log.info("round %d of run %s is already on the ledger (block %d); not sent again", round_,
-                     _short(run_id), recorded["recordedAt"])
-            return
+            depth = self._depth(ledger, int(recorded["recordedAt"]))
+            if depth >= self.confirmations:
+                log.info("round %d of run %s is on the ledger, %d block(s) deep (block %d)", round_,
+                         _short(run_id), depth, recorded["recordedAt"])
+                return True
+            return False
         try:
             reports = [SignedReport.from_json(r) for r in item.get("reports") or []]
+            unreported = [_unhex32({"file": item["file"], "u": u}, "u") for u in item.get("unreported") or []]
         except (ReportError, ValueError, TypeError, KeyError, AttributeError) as exc:
             raise OutboxError(f"outbox item {item['file']}: {exc}") from None
-        receipt = ledger.record_round(run_id, round_, _unhex32(item, "parent"), checkpoint, manifest, reports)
-        log.info("round %d of run %s recorded on the ledger in block %d with %d report(s) (gas %d)", round_,
-                 _short(run_id), receipt["blockNumber"], len(reports), receipt["gasUsed"])
+        receipt = ledger.record_round(run_id, round_, _unhex32(item, "parent"), checkpoint, manifest, reports,
+                                      unreported)
+        log.info("round %d of run %s recorded on the ledger in block %d with %d report(s)%s (gas %d)", round_,
+                 _short(run_id), receipt["blockNumber"], len(reports),
+                 f" and {len(unreported)} unreported update(s)" if unreported else "", receipt["gasUsed"])
+        return self.confirmations <= 1

@@ -46,19 +46,55 @@ default; trainer.coordinator.Coordinator.screen) refuses an update that raises t
 of the round's start checkpoint by more than the margin on batches the coordinator draws.
 
 c = 0 turns clipping off (the plain mean); otherwise 1 ≤ c ≤ 100, 2 by default (honest updates of
-one round were measured within 1.5× of each other). ``aggregate`` is the only place this is
-computed: the coordinator calls it when a round closes and ``audit.rederive`` calls it again.
+one round were measured within 1.5× of each other).
+
+Robust mean: trimmed mean or coordinate-wise median
+---------------------------------------------------
+
+The clip bounds how far one update moves the model, not where it moves it. ``rounds.aggregator``
+replaces the mean of the clipped updates uᵢ = sᵢ·Δᵢ⁽ʳ⁾ by a statistic taken coordinate by
+coordinate. With n = |Sᵣ|, the uᵢ stacked in sorted worker-id order and sorted along the worker
+dimension (a stable sort), u₍₁₎ⱼ ≤ … ≤ u₍ₙ₎ⱼ are coordinate j's n values, and β = ``rounds.trim_fraction``:
+
+    mean          Δ⁽ʳ⁾ⱼ = (1 / n) Σ_{i∈Sᵣ} uᵢⱼ                       (above; the default)
+    trimmed_mean  b = ⌊β·n⌋
+                  Δ⁽ʳ⁾ⱼ = (1 / (n − 2b)) Σ_{k=b+1}^{n−b} u₍ₖ₎ⱼ        summed k = b+1, b+2, …, n−b in that
+                                                                  order, one float32 add at a time,
+                                                                  then one division by n − 2b
+    median        Δ⁽ʳ⁾ⱼ = u₍⌊(n+1)/2⌋₎ⱼ                              the lower median: the smaller middle
+                                                                  value when n is even
+
+Every step is elementwise (the sort, the adds, the division), so the bits depend neither on the
+order in which updates arrived nor on the thread count, and the audit re-derives them. The median
+does no arithmetic at all: each coordinate is a value some worker sent (after its clip). With b = 0
+(n < 1/β: with β = 0.2, fewer than 5 updates) the trimmed mean is the mean, computed by the mean's
+own code, so it gives the mean's bits.
+
+Breakdown, per coordinate: the trimmed mean's Δ⁽ʳ⁾ⱼ stays within the range of the honest values of
+coordinate j while at most b of the n updates are dishonest (each kept value has b + 1 values,
+itself included, at or below it and b + 1 at or above it, so an honest value bounds it from each
+side), and b + 1 dishonest updates can place it anywhere their clip allows; the lower median
+tolerates ⌈n/2⌉ − 1 (with n = 2 none: it is the coordinate-wise minimum, which one update drags as
+low as its clip allows). Within the honest range a dishonest update still chooses, coordinate by
+coordinate, which honest extreme to pull towards; the clip above still bounds its norm. On honest
+rounds both rules cost accuracy: the median of n = 2 is biased low (the minimum of two values), and
+every trimmed value is information thrown away; benchmarks/robustness.py measures both, with and
+without an attacker (docs/robustness.md).
+
+``aggregate`` is the only place Δ⁽ʳ⁾ is computed: the coordinator calls it when a round closes and
+``audit.rederive`` calls it again, each with the run's ``rounds`` section.
 """
 
 from __future__ import annotations
 
 import math
 from dataclasses import dataclass
+from fractions import Fraction
 from typing import Any, Mapping, Sequence
 
 import torch
 
-from trainer.config import RunConfig
+from trainer.config import AGGREGATORS, RoundConfig, RunConfig
 from trainer.compression import CompressionError, decompress
 from trainer.wire import (
     ENCODING_DENSE_F32, ENCODING_LOWRANK_INT4, Layout, Params, WireError, decode_params, layout_of,
@@ -206,6 +242,40 @@ def lower_median(values: Sequence[float]) -> float:
     return ordered[(len(ordered) - 1) // 2]
 
 
+# The rule with clipping off and the plain mean: what ``audit.rederive`` assumes unless told.
+PLAIN_MEAN = RoundConfig(clip_multiple=0.0, aggregator="mean")
+
+
+def trimmed_count(n: int, trim_fraction: float) -> int:
+    """b = ⌊β·n⌋ values dropped from each end of every coordinate, β taken as the decimal the
+    configuration states (its repr: 0.29 × 100 is 29, not the 28.99… of binary floating point)."""
+    return min(math.floor(Fraction(repr(trim_fraction)) * n), (n - 1) // 2)
+
+
+def coordinate_wise(updates: Mapping[str, Params], aggregator: str, trim_fraction: float) -> Params:
+    """Δ⁽ʳ⁾ by ``aggregator`` (the module docstring's rules) of updates already clipped."""
+    if not updates:
+        raise ValueError("cannot aggregate a round with no accepted updates")
+    if aggregator not in AGGREGATORS:
+        raise ValueError(f"unknown aggregator {aggregator!r}: one of {', '.join(AGGREGATORS)}")
+    workers = sorted(updates)
+    n = len(workers)
+    b = trimmed_count(n, trim_fraction)
+    if aggregator == "mean" or (aggregator == "trimmed_mean" and b == 0):
+        return mean_pseudo_gradient(updates)
+    out: Params = {}
+    for name in updates[workers[0]]:
+        ordered = torch.sort(torch.stack([updates[w][name] for w in workers]), dim=0, stable=True).values
+        if aggregator == "median":
+            out[name] = ordered[(n - 1) // 2].clone()
+            continue
+        total = ordered[b].clone()
+        for k in range(b + 1, n - b):
+            total.add_(ordered[k])
+        out[name] = total.div_(n - 2 * b)
+    return out
+
+
 @dataclass(frozen=True)
 class Aggregated:
     """A round's Δ⁽ʳ⁾ and how it was reached (norms, the clip threshold τ, each scale sᵢ)."""
@@ -214,31 +284,34 @@ class Aggregated:
     norms: dict[str, float]
     threshold: float  # τ; inf when clipping is off
     scales: dict[str, float]
+    aggregator: str = "mean"  # rounds.aggregator
+    trimmed: int = 0  # b, the values dropped from each end of every coordinate (trimmed_mean)
 
     @property
     def clipped(self) -> list[str]:
         return sorted(w for w, s in self.scales.items() if s < 1.0)
 
 
-def aggregate(updates: Mapping[str, Params], clip_multiple: float, history: Sequence[float] = (),
+def aggregate(updates: Mapping[str, Params], rounds: RoundConfig, history: Sequence[float] = (),
               norms: Mapping[str, float] | None = None) -> Aggregated:
-    """Δ⁽ʳ⁾ by the rule of the module docstring. ``history``: the norms of the previous K rounds'
-    stored updates; ``norms``: the updates' ``exact_norm``s when already known (recomputed if not)."""
+    """Δ⁽ʳ⁾ by the rules of the module docstring and the run's ``rounds`` section (clip_multiple,
+    aggregator, trim_fraction): each update clipped, then the robust mean of the clipped updates.
+    ``history``: the norms of the previous K rounds' stored updates; ``norms``: the updates'
+    ``exact_norm``s when already known (recomputed if not)."""
     if not updates:
         raise ValueError("cannot aggregate a round with no accepted updates")
     own = {w: (norms[w] if norms is not None and w in norms else exact_norm(u)) for w, u in updates.items()}
-    if clip_multiple <= 0:
-        return Aggregated(mean_pseudo_gradient(updates), own, math.inf, {w: 1.0 for w in updates})
-    threshold = clip_multiple * lower_median([*own.values(), *history])
-    scales: dict[str, float] = {}
-    clipped: dict[str, Params] = {}
-    for worker in sorted(updates):
-        n = own[worker]
-        scale = 1.0 if n <= threshold else threshold / n
-        scales[worker] = scale
-        if scale < 1.0:
-            factor = torch.tensor(scale, dtype=torch.float32)
-            clipped[worker] = {name: t.mul(factor) for name, t in updates[worker].items()}
-        else:
-            clipped[worker] = updates[worker]
-    return Aggregated(mean_pseudo_gradient(clipped), own, threshold, scales)
+    threshold = math.inf
+    scales = {w: 1.0 for w in updates}
+    clipped: dict[str, Params] = dict(updates)
+    if rounds.clip_multiple > 0:
+        threshold = rounds.clip_multiple * lower_median([*own.values(), *history])
+        for worker in sorted(updates):
+            n = own[worker]
+            if n > threshold:
+                scales[worker] = threshold / n
+                factor = torch.tensor(scales[worker], dtype=torch.float32)
+                clipped[worker] = {name: t.mul(factor) for name, t in updates[worker].items()}
+    trimmed = trimmed_count(len(updates), rounds.trim_fraction) if rounds.aggregator == "trimmed_mean" else 0
+    delta = coordinate_wise(clipped, rounds.aggregator, rounds.trim_fraction)
+    return Aggregated(delta, own, threshold, scales, rounds.aggregator, trimmed)

@@ -23,6 +23,8 @@ from storage_client import CID, canonical_json, digest_json
 from trainer.compression import CompressionConfig
 
 SCHEMA = "dilocox.config/v1"
+# The values of rounds.aggregator (trainer.aggregation.aggregate states each rule).
+AGGREGATORS = ("mean", "trimmed_mean", "median")
 _RUN_ID = re.compile(r"^[A-Za-z0-9._-]{1,64}$")
 
 
@@ -114,6 +116,12 @@ class RoundConfig:
     # rounds' norms. c: 0 (off: the plain mean) or [1, 100]; K: [0, 64].
     clip_multiple: float = 2.0
     clip_history_rounds: int = 2
+    # Robust mean of the clipped updates, coordinate by coordinate (trainer.aggregation.aggregate):
+    # one of AGGREGATORS: "mean" (the plain mean), "trimmed_mean" (drop the floor(trim_fraction x n)
+    # lowest and as many highest of the n values, average the rest) or "median" (the lower median).
+    # trim_fraction: [0, 0.5); it matters only to "trimmed_mean", and trims nothing below n = 1/trim_fraction.
+    aggregator: str = "mean"
+    trim_fraction: float = 0.2
     # Screening by effect (trainer.coordinator): refuse an update that raises the loss of the round's
     # start checkpoint by more than screen_margin nats on held-out batches the coordinator draws
     # privately each round. 0: off (the default); otherwise (0, 100].
@@ -301,6 +309,8 @@ def _validate(cfg: RunConfig) -> list[str]:
     problems: list[str] = []
     if not (isinstance(cfg.run_id, str) and _RUN_ID.match(cfg.run_id)):
         problems.append(f"run_id {cfg.run_id!r} must match [A-Za-z0-9._-]{{1,64}}")
+    if cfg.rounds.aggregator not in AGGREGATORS:
+        problems.append(f"rounds.aggregator = {cfg.rounds.aggregator!r} must be one of {', '.join(AGGREGATORS)}")
     for name, value in _numeric_fields(cfg):
         spec = _RANGES.get(name)
         if spec is None:  # a field without a listed range: at least refuse NaN and infinities
@@ -342,6 +352,8 @@ def _validate(cfg: RunConfig) -> list[str]:
         problems.append(f"rounds.clip_multiple = {r.clip_multiple!r} must be 0 (no clipping) or in [1, 100]")
     if not 0 <= r.clip_history_rounds <= 64:
         problems.append(f"rounds.clip_history_rounds = {r.clip_history_rounds} must be in [0, 64]")
+    if not 0 <= r.trim_fraction < 0.5:
+        problems.append(f"rounds.trim_fraction = {r.trim_fraction!r} must be in [0, 0.5)")
     if not 0 <= r.screen_margin <= 100:
         problems.append(f"rounds.screen_margin = {r.screen_margin!r} must be 0 (no screening) or in (0, 100]")
     return problems

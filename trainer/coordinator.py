@@ -810,7 +810,7 @@ class Coordinator:
         """Aggregate and publish the closing round (called by one thread, after close_due)."""
         r, g, cfg = self.round, self.global_state, self.config
         started = self.clock()
-        aggregated = aggregate({w: a.update for w, a in r.accepted.items()}, cfg.rounds.clip_multiple,
+        aggregated = aggregate({w: a.update for w, a in r.accepted.items()}, cfg.rounds,
                                self._history(r.number),
                                {w: a.norm for w, a in r.accepted.items() if a.norm is not None})
         delta = aggregated.delta

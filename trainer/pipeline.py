@@ -498,7 +498,14 @@ def _stage_main(index: int, setup: _Setup, jobs: Any, results: Any, round_fn: Ro
             results.put(("ok", index, seq, round_fn(runner, job)))
     except BaseException as exc:  # noqa: BLE001 - everything goes back to the parent
         results.put(("error", index, seq, f"{type(exc).__name__}: {exc}", traceback.format_exc()))
-    # No destroy_process_group: after a failure it may wait on dead peers; exiting frees it all.
+    finally:
+        # No destroy_process_group: after a failure it may wait on dead peers. What this process
+        # owes is in the results queue: send it, then leave without the C++ runtime's teardown,
+        # whose gloo threads can abort a finished process ("terminate called without an active
+        # exception"); exiting frees the sockets and memory all the same.
+        results.close()
+        results.join_thread()
+        os._exit(0)
 
 
 @dataclass(frozen=True)

@@ -40,6 +40,7 @@ import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 
 from proto import CHANNEL_OPTIONS, CHUNK_BYTES, PROTOCOL_VERSION, SERVICE_NAME, pb
+from settlement import OutboxError, RecordConflict
 from trainer.aggregation import InvalidUpdate, validate_payload
 from trainer.config import RunConfig
 from trainer.coordinator import Coordinator, GlobalState
@@ -403,18 +404,28 @@ def handler(service: CoordinatorService) -> grpc.GenericRpcHandler:
     })
 
 
-def _settle_forever(coordinator: Coordinator, stop: threading.Event, interval_s: float = 0.5) -> None:
-    """Queue reported rounds and push the outbox to the chain, until told to stop."""
+def _settle_forever(coordinator: Coordinator, settling: threading.Event, stop: threading.Event,
+                    failure: list[str], interval_s: float = 0.5) -> None:
+    """Queue reported rounds and push the outbox to the chain until ``settling`` is set. A chain
+    that holds another record than ours, or an outbox item that cannot be read, cannot be fixed
+    by retrying: that is put in ``failure`` and ``stop`` is set, so the coordinator exits 1."""
     gate = coordinator.gate
     assert gate is not None
-    while not stop.is_set():
+    last_error = ""
+    while not settling.is_set():
         try:
             coordinator.settle()
             gate.outbox.flush(gate.ledger)
             coordinator.ledger_lag = coordinator.global_state.round - coordinator.recorded_through()
-        except Exception:  # never let the settlement thread die silently: say why, keep going
-            log.exception("settlement step failed; retrying")
-        stop.wait(interval_s)
+        except (RecordConflict, OutboxError) as exc:
+            failure.append(f"the ledger cannot be caught up: {clip(exc, 400)}")
+            stop.set()
+            return
+        except Exception as exc:  # never let the settlement thread die silently: say why (once), keep going
+            if str(exc) != last_error:
+                log.exception("settlement step failed; retrying")
+                last_error = str(exc)
+        settling.wait(interval_s)
 
 
 class RunDirBusy(OSError):
@@ -469,12 +480,18 @@ def serve(run_dir: RunDir, config: RunConfig | None, host: str = "127.0.0.1", po
     for sig in (signal.SIGTERM, signal.SIGINT):
         signal.signal(sig, lambda *_: stop.set())
     settling = threading.Event()
+    failure: list[str] = []
     settler = None
     if coordinator.gate is not None:
-        settler = threading.Thread(target=_settle_forever, args=(coordinator, settling), name="settlement", daemon=True)
+        settler = threading.Thread(target=_settle_forever, args=(coordinator, settling, stop, failure),
+                                   name="settlement", daemon=True)
         settler.start()
     try:
         code = _run_rounds(coordinator, run_dir, stop, linger_s, settle_timeout_s)
+        if failure:
+            log.error("cannot go on: %s. Rounds stay published in %s; nothing was sent in their place",
+                      failure[0], run_dir.path)
+            code = 1
     except Exception as exc:  # a round that cannot be published: stop at once, resumable from HEAD
         log.error("cannot go on: round %d was not published: %s: %s. HEAD stays at round %d and the "
                   "accepted updates stay journalled; fix the cause and start the coordinator again",

@@ -237,6 +237,7 @@ class TrustSettings:
     policy: Policy
     report_timeout_s: float = 30.0
     verification_time: int | None = None  # unix seconds evidence is verified at; None: the clock
+    confirmations: int = 1  # blocks deep a round must be before its outbox copy is set aside
 
     def __repr__(self) -> str:
         return f"TrustSettings(rpc_url={self.rpc_url!r}, ledger={self.deployment.ledger}, key=<hidden>)"
@@ -248,7 +249,7 @@ def open_gate(settings: TrustSettings, store: ObjectStore, run_dir: RunDir, run_
     dep = settings.deployment
     return TrustGate(
         store=store, registry=Registry(chain, dep.registry), ledger=Ledger(chain, dep.ledger),
-        outbox=Outbox(run_dir.path / "outbox"), policy=settings.policy, run_id=run_id,
+        outbox=Outbox(run_dir.path / "outbox", settings.confirmations), policy=settings.policy, run_id=run_id,
         domain=Domain(dep.chain_id, dep.ledger), code=code_measurement(str(config_cid)),
         verification_time=settings.verification_time,
     )
@@ -258,9 +259,11 @@ class ReportBook:
     """Signed reports by round, kept on disk until their round is queued for the ledger.
 
     Rounds are queued strictly in order (the ledger refuses gaps): round r goes once every
-    participant of r has reported, or ``report_timeout_s`` after r closed with at least one
-    report. A round nobody reported on cannot be recorded (the ledger needs a signed report) and
-    holds back the rounds after it; the coordinator logs that loudly.
+    participant of r has reported, or ``report_timeout_s`` after r closed, whatever has arrived by
+    then. A participant without a report is listed by its update digest as unreported: the ledger
+    records it on the coordinator's word and credits nobody, and the audit lists it. So a round
+    whose participants all died before reporting is still recorded, and never blocks the rounds
+    after it.
     """
 
     def __init__(self, run_dir: RunDir, gate: TrustGate, report_timeout_s: float) -> None:
@@ -269,7 +272,6 @@ class ReportBook:
         self.report_timeout_s = report_timeout_s
         self.state = run_dir.load("settlement.json", {"run_created": False, "queued_through": 0})
         self._lock = threading.Lock()
-        self._warned: set[int] = set()
 
     @property
     def queued_through(self) -> int:
@@ -311,21 +313,20 @@ class ReportBook:
                 held = self.run_dir.pending(r, "reports")
                 expected = {p.worker for p in manifest.participants}
                 waited = now - closed_at.get(r, now)
-                if not (expected <= set(held) or (held and waited >= self.report_timeout_s)):
-                    if not held and waited >= self.report_timeout_s and r not in self._warned:
-                        self._warned.add(r)
-                        log.error("round %d: no participant has reported after %.0fs; the ledger cannot "
-                                  "record it (nor later rounds) until one does", r, waited)
+                if not (expected <= set(held) or waited >= self.report_timeout_s):
                     break
                 parent = manifests[r - 1][1]
+                unreported = {p.worker: CID.parse(p.update).digest for p in manifest.participants
+                              if p.worker not in held}
                 self.gate.outbox.enqueue_round(
                     run_id=self.gate.run_id, round=r, parent=CID.parse(parent.params).digest,
                     checkpoint=CID.parse(manifest.params).digest, manifest_digest=cid.digest,
-                    reports=[held[w] for w in sorted(held)],
+                    reports=[held[w] for w in sorted(held)], unreported=list(unreported.values()),
                 )
-                missing = sorted(expected - set(held))
-                if missing:
-                    log.warning("round %d queued without reports from %s", r, ", ".join(missing))
+                if unreported:
+                    log.warning("round %d: no report from %s after %.0fs; queued for the ledger with %s update(s) "
+                                "unreported (on the coordinator's word, credited to nobody)", r,
+                                ", ".join(sorted(unreported)), waited, "its" if not held else "their")
                 self.state["queued_through"] = r
                 self._save()
                 self.run_dir.clear_pending(r, "reports")

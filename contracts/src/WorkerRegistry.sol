@@ -2,6 +2,7 @@
 pragma solidity ^0.8.24;
 
 import {Ownable} from "@openzeppelin/contracts/access/Ownable.sol";
+import {IWorkerRegistry} from "./IWorkerRegistry.sol";
 
 /**
  * @title WorkerRegistry
@@ -11,43 +12,10 @@ import {Ownable} from "@openzeppelin/contracts/access/Ownable.sol";
  * worker's attestation evidence off chain and admits the worker's key with the evidence digest.
  * A worker is active while it is admitted, not revoked, and its measurement is still allowed.
  */
-contract WorkerRegistry is Ownable {
-    /// @notice What the registry knows about one worker key. Block numbers; `revokedAt == 0` means never.
-    struct Worker {
-        bytes32 measurement;
-        bytes32 evidenceDigest;
-        address verifier;
-        uint64 admittedAt;
-        uint64 revokedAt;
-    }
-
+contract WorkerRegistry is IWorkerRegistry, Ownable {
     mapping(bytes32 measurement => bool) private _allowedMeasurements;
     mapping(address verifier => bool) private _verifiers;
     mapping(address worker => Worker) private _workers;
-
-    /// @notice The caller is not an enabled verifier (nor, for revocation, the owner).
-    error NotVerifier(address caller);
-    /// @notice The measurement is not on the allowlist.
-    error MeasurementNotAllowed(bytes32 measurement);
-    /// @notice The zero address cannot be a worker or a verifier.
-    error ZeroAddress();
-    /// @notice The worker key was admitted before (revoked keys are not re-admitted).
-    error AlreadyAdmitted(address worker);
-    /// @notice The worker key was never admitted.
-    error NotAdmitted(address worker);
-    /// @notice The worker key is already revoked.
-    error AlreadyRevoked(address worker);
-
-    /// @notice A measurement was allowlisted (`allowed`) or removed from the allowlist.
-    event MeasurementSet(bytes32 indexed measurement, bool allowed);
-    /// @notice A verifier account was enabled or disabled.
-    event VerifierSet(address indexed verifier, bool enabled);
-    /// @notice A verifier admitted a worker key.
-    event WorkerAdmitted(
-        address indexed worker, bytes32 indexed measurement, bytes32 evidenceDigest, address indexed verifier
-    );
-    /// @notice A worker key was revoked by the owner or a verifier.
-    event WorkerRevoked(address indexed worker, address indexed by);
 
     /// @param initialOwner The account that manages measurements and verifiers.
     constructor(address initialOwner) Ownable(initialOwner) {}
@@ -69,7 +37,7 @@ contract WorkerRegistry is Ownable {
      * @param enabled Whether it may admit and revoke workers.
      */
     function setVerifier(address verifier, bool enabled) external onlyOwner {
-        if (verifier == address(0)) revert ZeroAddress();
+        if (verifier == address(0)) revert RegistryZeroAddress();
         _verifiers[verifier] = enabled;
         emit VerifierSet(verifier, enabled);
     }
@@ -81,10 +49,10 @@ contract WorkerRegistry is Ownable {
      * @param evidenceDigest sha256 of the evidence bytes, kept in the store as a raw object.
      */
     function admitWorker(address worker, bytes32 measurement, bytes32 evidenceDigest) external {
-        if (!_verifiers[msg.sender]) revert NotVerifier(msg.sender);
-        if (!_allowedMeasurements[measurement]) revert MeasurementNotAllowed(measurement);
-        if (worker == address(0)) revert ZeroAddress();
-        if (_isAdmitted(_workers[worker])) revert AlreadyAdmitted(worker);
+        if (!_verifiers[msg.sender]) revert RegistryNotVerifier(msg.sender);
+        if (!_allowedMeasurements[measurement]) revert RegistryMeasurementNotAllowed(measurement);
+        if (worker == address(0)) revert RegistryZeroAddress();
+        if (_isAdmitted(_workers[worker])) revert RegistryAlreadyAdmitted(worker);
 
         _workers[worker] = Worker({
             measurement: measurement,
@@ -101,10 +69,10 @@ contract WorkerRegistry is Ownable {
      * @param worker The worker's signing address.
      */
     function revokeWorker(address worker) external {
-        if (msg.sender != owner() && !_verifiers[msg.sender]) revert NotVerifier(msg.sender);
+        if (msg.sender != owner() && !_verifiers[msg.sender]) revert RegistryNotVerifier(msg.sender);
         Worker storage w = _workers[worker];
-        if (!_isAdmitted(w)) revert NotAdmitted(worker);
-        if (w.revokedAt != 0) revert AlreadyRevoked(worker);
+        if (!_isAdmitted(w)) revert RegistryNotAdmitted(worker);
+        if (w.revokedAt != 0) revert RegistryAlreadyRevoked(worker);
 
         w.revokedAt = uint64(block.number);
         emit WorkerRevoked(worker, msg.sender);

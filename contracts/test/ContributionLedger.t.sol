@@ -2,6 +2,7 @@
 pragma solidity ^0.8.24;
 
 import {ContributionLedger} from "../src/ContributionLedger.sol";
+import {IContributionLedger} from "../src/IContributionLedger.sol";
 import {WorkerRegistry} from "../src/WorkerRegistry.sol";
 import {LedgerBase} from "./LedgerBase.sol";
 
@@ -28,12 +29,12 @@ contract ContributionLedgerTest is LedgerBase {
     }
 
     function testDigestMatchesIndependentEncoding() public view {
-        ContributionLedger.RoundReport memory r = report(2, 7, 123_456);
+        IContributionLedger.RoundReport memory r = report(2, 7, 123_456);
         r.trainLossE6 = -5; // negative ints are sign-extended in EIP-712
         assertEq(ledger.reportDigest(r), independentDigest(address(ledger), r), "digest");
     }
 
-    function testFuzzDigestMatchesIndependentEncoding(ContributionLedger.RoundReport memory r) public view {
+    function testFuzzDigestMatchesIndependentEncoding(IContributionLedger.RoundReport memory r) public view {
         assertEq(ledger.reportDigest(r), independentDigest(address(ledger), r), "digest");
     }
 
@@ -47,11 +48,11 @@ contract ContributionLedgerTest is LedgerBase {
         bytes32 id = keccak256("run 2");
         address coordinator = address(0xC2);
         vm.expectEmit(true, true, false, true, address(ledger));
-        emit ContributionLedger.RunCreated(id, coordinator, GENESIS, CONFIG, GENESIS_MANIFEST);
+        emit IContributionLedger.RunCreated(id, coordinator, GENESIS, CONFIG, GENESIS_MANIFEST);
         vm.prank(coordinator);
         ledger.createRun(id, GENESIS, CONFIG, GENESIS_MANIFEST);
 
-        ContributionLedger.Run memory run = ledger.runOf(id);
+        IContributionLedger.Run memory run = ledger.runOf(id);
         assertEq(run.coordinator, coordinator, "coordinator");
         assertEq(run.lastRound, 0, "lastRound");
         assertEq(run.lastCheckpoint, GENESIS, "lastCheckpoint");
@@ -61,7 +62,7 @@ contract ContributionLedgerTest is LedgerBase {
     }
 
     function testCreateRunExists() public {
-        vm.expectRevert(abi.encodeWithSelector(ContributionLedger.RunExists.selector, RUN));
+        vm.expectRevert(abi.encodeWithSelector(IContributionLedger.LedgerRunExists.selector, RUN));
         vm.prank(address(0xC2));
         ledger.createRun(RUN, keccak256("other"), CONFIG, GENESIS_MANIFEST);
     }
@@ -74,23 +75,23 @@ contract ContributionLedgerTest is LedgerBase {
     // --- happy paths ---
 
     function testRecordRoundOneReport() public {
-        ContributionLedger.SignedReport memory s = signed(0, 1, 4096);
+        IContributionLedger.SignedReport memory s = signed(0, 1, 4096);
         bytes32 digest = ledger.reportDigest(s.report);
         vm.roll(100);
 
         vm.expectEmit(true, true, true, true, address(ledger));
-        emit ContributionLedger.ReportAccepted(RUN, 1, worker(0), digest, 4096);
+        emit IContributionLedger.ReportAccepted(RUN, 1, worker(0), digest, 4096);
         vm.expectEmit(true, true, false, true, address(ledger));
-        emit ContributionLedger.RoundRecorded(RUN, 1, ckpt(1), manifest(1), 1);
+        emit IContributionLedger.RoundRecorded(RUN, 1, ckpt(1), manifest(1), 1, 0);
         record(1, one(s));
 
-        ContributionLedger.RoundRecord memory rec = ledger.roundOf(RUN, 1);
+        IContributionLedger.RoundRecord memory rec = ledger.roundOf(RUN, 1);
         assertEq(rec.checkpoint, ckpt(1), "checkpoint");
         assertEq(rec.manifestDigest, manifest(1), "manifest");
         assertEq(rec.reportCount, 1, "reportCount");
         assertEq(rec.recordedAt, 100, "recordedAt");
 
-        ContributionLedger.Run memory run = ledger.runOf(RUN);
+        IContributionLedger.Run memory run = ledger.runOf(RUN);
         assertEq(run.lastRound, 1, "lastRound");
         assertEq(run.lastCheckpoint, ckpt(1), "lastCheckpoint");
         assertEq(run.genesisCheckpoint, GENESIS, "genesis kept");
@@ -104,16 +105,16 @@ contract ContributionLedgerTest is LedgerBase {
     }
 
     function testRecordRoundTwoReports() public {
-        ContributionLedger.SignedReport[] memory s = signedBatch(2, 1);
+        IContributionLedger.SignedReport[] memory s = signedBatch(2, 1);
         bytes32 d0 = ledger.reportDigest(s[0].report);
         bytes32 d1 = ledger.reportDigest(s[1].report);
 
         vm.expectEmit(true, true, true, true, address(ledger));
-        emit ContributionLedger.ReportAccepted(RUN, 1, worker(0), d0, 1000);
+        emit IContributionLedger.ReportAccepted(RUN, 1, worker(0), d0, 1000);
         vm.expectEmit(true, true, true, true, address(ledger));
-        emit ContributionLedger.ReportAccepted(RUN, 1, worker(1), d1, 2000);
+        emit IContributionLedger.ReportAccepted(RUN, 1, worker(1), d1, 2000);
         vm.expectEmit(true, true, false, true, address(ledger));
-        emit ContributionLedger.RoundRecorded(RUN, 1, ckpt(1), manifest(1), 2);
+        emit IContributionLedger.RoundRecorded(RUN, 1, ckpt(1), manifest(1), 2, 0);
         record(1, s);
 
         assertEq(ledger.roundOf(RUN, 1).reportCount, 2, "reportCount");
@@ -125,7 +126,7 @@ contract ContributionLedgerTest is LedgerBase {
         for (uint64 round = 1; round <= 3; ++round) {
             vm.roll(10 * round);
             record(round, signedBatch(WORKERS, round));
-            ContributionLedger.RoundRecord memory rec = ledger.roundOf(RUN, round);
+            IContributionLedger.RoundRecord memory rec = ledger.roundOf(RUN, round);
             assertEq(rec.reportCount, WORKERS, "reportCount");
             assertEq(rec.recordedAt, 10 * round, "recordedAt");
             assertEq(rec.checkpoint, ckpt(round), "checkpoint");
@@ -133,10 +134,10 @@ contract ContributionLedgerTest is LedgerBase {
         assertEq(ledger.runOf(RUN).lastRound, 3, "lastRound");
         assertEq(ledger.runOf(RUN).lastCheckpoint, ckpt(3), "lastCheckpoint");
         for (uint256 i = 0; i < WORKERS; ++i) {
-            ContributionLedger.Contribution memory c = ledger.contributionOf(RUN, worker(i));
+            IContributionLedger.Contribution memory c = ledger.contributionOf(RUN, worker(i));
             assertEq(c.tokens, 3 * 1000 * (i + 1), "run tokens");
             assertEq(c.rounds, 3, "run rounds");
-            ContributionLedger.Contribution memory t = ledger.totalContributionOf(worker(i));
+            IContributionLedger.Contribution memory t = ledger.totalContributionOf(worker(i));
             assertEq(t.tokens, c.tokens, "total tokens = run tokens with one run");
             assertEq(t.rounds, 3, "total rounds");
         }
@@ -162,11 +163,11 @@ contract ContributionLedgerTest is LedgerBase {
 
         record(1, one(signed(0, 1, 700)));
 
-        ContributionLedger.RoundReport memory r = report(0, 1, 300);
+        IContributionLedger.RoundReport memory r = report(0, 1, 300);
         r.runId = run2;
-        ContributionLedger.SignedReport[] memory s = one(signWith(key(0), r));
+        IContributionLedger.SignedReport[] memory s = one(signWith(key(0), r));
         vm.prank(coordinator2);
-        ledger.recordRound(run2, 1, GENESIS, ckpt(1), manifest(1), s);
+        ledger.recordRound(run2, 1, GENESIS, ckpt(1), manifest(1), s, NONE);
 
         assertEq(ledger.contributionOf(RUN, worker(0)).tokens, 700, "run 1");
         assertEq(ledger.contributionOf(run2, worker(0)).tokens, 300, "run 2");
@@ -180,97 +181,162 @@ contract ContributionLedgerTest is LedgerBase {
 
     function testUnknownRun() public {
         bytes32 id = keccak256("nope");
-        ContributionLedger.SignedReport[] memory s = one(signed(0, 1, 1));
-        vm.expectRevert(abi.encodeWithSelector(ContributionLedger.UnknownRun.selector, id));
+        IContributionLedger.SignedReport[] memory s = one(signed(0, 1, 1));
+        vm.expectRevert(abi.encodeWithSelector(IContributionLedger.LedgerUnknownRun.selector, id));
         vm.prank(COORDINATOR);
-        ledger.recordRound(id, 1, GENESIS, ckpt(1), manifest(1), s);
+        ledger.recordRound(id, 1, GENESIS, ckpt(1), manifest(1), s, NONE);
     }
 
     function testNotCoordinator() public {
-        ContributionLedger.SignedReport[] memory s = one(signed(0, 1, 1));
-        vm.expectRevert(abi.encodeWithSelector(ContributionLedger.NotCoordinator.selector, worker(0)));
+        IContributionLedger.SignedReport[] memory s = one(signed(0, 1, 1));
+        vm.expectRevert(abi.encodeWithSelector(IContributionLedger.LedgerNotCoordinator.selector, worker(0)));
         vm.prank(worker(0));
-        ledger.recordRound(RUN, 1, GENESIS, ckpt(1), manifest(1), s);
+        ledger.recordRound(RUN, 1, GENESIS, ckpt(1), manifest(1), s, NONE);
     }
 
     function testRoundZeroOutOfOrder() public {
-        ContributionLedger.SignedReport[] memory s = one(signed(0, 1, 1));
-        vm.expectRevert(abi.encodeWithSelector(ContributionLedger.RoundOutOfOrder.selector, 1, 0));
+        IContributionLedger.SignedReport[] memory s = one(signed(0, 1, 1));
+        vm.expectRevert(abi.encodeWithSelector(IContributionLedger.LedgerRoundOutOfOrder.selector, 1, 0));
         vm.prank(COORDINATOR);
-        ledger.recordRound(RUN, 0, GENESIS, ckpt(1), manifest(1), s);
+        ledger.recordRound(RUN, 0, GENESIS, ckpt(1), manifest(1), s, NONE);
     }
 
     function testRoundSkippedOutOfOrder() public {
-        ContributionLedger.SignedReport[] memory s = one(signed(0, 2, 1));
-        vm.expectRevert(abi.encodeWithSelector(ContributionLedger.RoundOutOfOrder.selector, 1, 2));
+        IContributionLedger.SignedReport[] memory s = one(signed(0, 2, 1));
+        vm.expectRevert(abi.encodeWithSelector(IContributionLedger.LedgerRoundOutOfOrder.selector, 1, 2));
         record(2, s);
     }
 
     function testRoundRepeatedOutOfOrder() public {
         record(1, one(signed(0, 1, 1)));
-        ContributionLedger.SignedReport[] memory s = one(signed(1, 1, 1));
-        vm.expectRevert(abi.encodeWithSelector(ContributionLedger.RoundOutOfOrder.selector, 2, 1));
+        IContributionLedger.SignedReport[] memory s = one(signed(1, 1, 1));
+        vm.expectRevert(abi.encodeWithSelector(IContributionLedger.LedgerRoundOutOfOrder.selector, 2, 1));
         record(1, s);
     }
 
     function testWrongParentAtRoundOne() public {
         bytes32 parent = keccak256("not genesis");
-        ContributionLedger.SignedReport[] memory s = one(signed(0, 1, 1));
-        vm.expectRevert(abi.encodeWithSelector(ContributionLedger.WrongParent.selector, GENESIS, parent));
+        IContributionLedger.SignedReport[] memory s = one(signed(0, 1, 1));
+        vm.expectRevert(abi.encodeWithSelector(IContributionLedger.LedgerWrongParent.selector, GENESIS, parent));
         vm.prank(COORDINATOR);
-        ledger.recordRound(RUN, 1, parent, ckpt(1), manifest(1), s);
+        ledger.recordRound(RUN, 1, parent, ckpt(1), manifest(1), s, NONE);
     }
 
     function testWrongParentLater() public {
         record(1, one(signed(0, 1, 1)));
-        ContributionLedger.SignedReport[] memory s = one(signed(0, 2, 1));
-        vm.expectRevert(abi.encodeWithSelector(ContributionLedger.WrongParent.selector, ckpt(1), GENESIS));
+        IContributionLedger.SignedReport[] memory s = one(signed(0, 2, 1));
+        vm.expectRevert(abi.encodeWithSelector(IContributionLedger.LedgerWrongParent.selector, ckpt(1), GENESIS));
         vm.prank(COORDINATOR);
-        ledger.recordRound(RUN, 2, GENESIS, ckpt(2), manifest(2), s);
+        ledger.recordRound(RUN, 2, GENESIS, ckpt(2), manifest(2), s, NONE);
     }
 
-    function testNoReports() public {
-        ContributionLedger.SignedReport[] memory s = new ContributionLedger.SignedReport[](0);
-        vm.expectRevert(abi.encodeWithSelector(ContributionLedger.NoReports.selector));
+    function testNoParticipants() public {
+        IContributionLedger.SignedReport[] memory s = new IContributionLedger.SignedReport[](0);
+        vm.expectRevert(abi.encodeWithSelector(IContributionLedger.LedgerNoParticipants.selector));
         record(1, s);
+    }
+
+    // --- rounds with unreported participants ---
+
+    function testRoundNobodyReportedIsRecordedAndCreditsNobody() public {
+        bytes32[] memory u = new bytes32[](2);
+        (u[0], u[1]) = ghost(0, 1) < ghost(1, 1) ? (ghost(0, 1), ghost(1, 1)) : (ghost(1, 1), ghost(0, 1));
+        vm.roll(50);
+        vm.expectEmit(true, true, false, true, address(ledger));
+        emit IContributionLedger.UpdateUnreported(RUN, 1, u[0]);
+        vm.expectEmit(true, true, false, true, address(ledger));
+        emit IContributionLedger.UpdateUnreported(RUN, 1, u[1]);
+        vm.expectEmit(true, true, false, true, address(ledger));
+        emit IContributionLedger.RoundRecorded(RUN, 1, ckpt(1), manifest(1), 0, 2);
+        recordWith(1, new IContributionLedger.SignedReport[](0), u);
+
+        IContributionLedger.RoundRecord memory rec = ledger.roundOf(RUN, 1);
+        assertEq(rec.reportCount, 0, "reportCount");
+        assertEq(rec.unreportedCount, 2, "unreportedCount");
+        assertEq(rec.recordedAt, 50, "recordedAt");
+        assertEq(ledger.runOf(RUN).lastRound, 1, "lastRound moves on");
+        for (uint256 i = 0; i < WORKERS; ++i) {
+            assertEq(ledger.contributionOf(RUN, worker(i)).rounds, 0, "nobody credited");
+        }
+        // the next round is not blocked, and is credited as usual
+        record(2, one(signed(0, 2, 77)));
+        assertEq(ledger.runOf(RUN).lastRound, 2, "round 2 recorded");
+        assertEq(ledger.contributionOf(RUN, worker(0)).tokens, 77, "round 2 credited");
+    }
+
+    function testReportsBesideAnUnreportedUpdate() public {
+        bytes32[] memory u = new bytes32[](1);
+        u[0] = ghost(3, 1);
+        vm.expectEmit(true, true, false, true, address(ledger));
+        emit IContributionLedger.RoundRecorded(RUN, 1, ckpt(1), manifest(1), 2, 1);
+        recordWith(1, signedBatch(2, 1), u);
+        assertEq(ledger.roundOf(RUN, 1).unreportedCount, 1, "unreportedCount");
+        assertEq(ledger.contributionOf(RUN, worker(1)).tokens, 2000, "reporters credited");
+    }
+
+    function _expectBadUnreported(bytes32[] memory u, uint256 index, IContributionLedger.SignedReport[] memory s)
+        internal
+    {
+        vm.expectRevert(abi.encodeWithSelector(IContributionLedger.LedgerBadUnreported.selector, index));
+        recordWith(1, s, u);
+    }
+
+    function testUnreportedZeroRefused() public {
+        bytes32[] memory u = new bytes32[](1);
+        _expectBadUnreported(u, 0, new IContributionLedger.SignedReport[](0));
+    }
+
+    function testUnreportedRepeatedOrUnsortedRefused() public {
+        bytes32[] memory u = new bytes32[](2);
+        (u[0], u[1]) = (bytes32(uint256(7)), bytes32(uint256(7)));
+        _expectBadUnreported(u, 1, new IContributionLedger.SignedReport[](0));
+        (u[0], u[1]) = (bytes32(uint256(8)), bytes32(uint256(7)));
+        _expectBadUnreported(u, 1, new IContributionLedger.SignedReport[](0));
+    }
+
+    function testUnreportedThatIsAReportedUpdateRefused() public {
+        IContributionLedger.SignedReport[] memory s = one(signed(0, 1, 1));
+        bytes32[] memory u = new bytes32[](1);
+        u[0] = s[0].report.updateDigest;
+        _expectBadUnreported(u, 0, s);
     }
 
     // --- refusals: a report that does not match the round ---
 
-    function _expectMismatchAtIndexOne(ContributionLedger.RoundReport memory bad) internal {
-        ContributionLedger.SignedReport[] memory s = two(signed(0, 1, 1), signWith(key(1), bad));
-        vm.expectRevert(abi.encodeWithSelector(ContributionLedger.ReportMismatch.selector, 1));
+    function _expectMismatchAtIndexOne(IContributionLedger.RoundReport memory bad) internal {
+        IContributionLedger.SignedReport[] memory s = two(signed(0, 1, 1), signWith(key(1), bad));
+        vm.expectRevert(abi.encodeWithSelector(IContributionLedger.LedgerReportMismatch.selector, 1));
         record(1, s);
     }
 
     function testReportMismatchRunId() public {
-        ContributionLedger.RoundReport memory r = report(1, 1, 1);
+        IContributionLedger.RoundReport memory r = report(1, 1, 1);
         r.runId = keccak256("other run");
         _expectMismatchAtIndexOne(r);
     }
 
     function testReportMismatchRound() public {
-        ContributionLedger.RoundReport memory r = report(1, 1, 1);
+        IContributionLedger.RoundReport memory r = report(1, 1, 1);
         r.round = 2;
         _expectMismatchAtIndexOne(r);
     }
 
     function testReportMismatchParent() public {
-        ContributionLedger.RoundReport memory r = report(1, 1, 1);
+        IContributionLedger.RoundReport memory r = report(1, 1, 1);
         r.parentCheckpoint = keccak256("other parent");
         _expectMismatchAtIndexOne(r);
     }
 
     function testReportMismatchCheckpoint() public {
-        ContributionLedger.RoundReport memory r = report(1, 1, 1);
+        IContributionLedger.RoundReport memory r = report(1, 1, 1);
         r.checkpoint = keccak256("other checkpoint");
         _expectMismatchAtIndexOne(r);
     }
 
     // --- refusals: signatures ---
 
-    function _expectInvalidSignature(uint256 index, ContributionLedger.SignedReport[] memory s) internal {
-        vm.expectRevert(abi.encodeWithSelector(ContributionLedger.InvalidSignature.selector, index));
+    function _expectInvalidSignature(uint256 index, IContributionLedger.SignedReport[] memory s) internal {
+        vm.expectRevert(abi.encodeWithSelector(IContributionLedger.LedgerInvalidSignature.selector, index));
         record(1, s);
     }
 
@@ -280,7 +346,7 @@ contract ContributionLedgerTest is LedgerBase {
     }
 
     function testMalleableHighSRefused() public {
-        ContributionLedger.RoundReport memory r = report(1, 1, 1);
+        IContributionLedger.RoundReport memory r = report(1, 1, 1);
         bytes32 digest = ledger.reportDigest(r);
         (uint8 v, bytes32 rr, bytes32 s) = vm.sign(key(1), digest);
         bytes32 highS = bytes32(SECP256K1_N - uint256(s));
@@ -288,36 +354,36 @@ contract ContributionLedgerTest is LedgerBase {
         // The twin is a valid signature for the bare precompile ...
         assertEq(ecrecover(digest, otherV, rr, highS), worker(1), "ecrecover accepts the twin");
         // ... and the ledger refuses it.
-        ContributionLedger.SignedReport memory twin =
-            ContributionLedger.SignedReport({report: r, signature: abi.encodePacked(rr, highS, otherV)});
+        IContributionLedger.SignedReport memory twin =
+            IContributionLedger.SignedReport({report: r, signature: abi.encodePacked(rr, highS, otherV)});
         _expectInvalidSignature(1, two(signed(0, 1, 1), twin));
     }
 
     function testShortSignatureRefused() public {
-        ContributionLedger.SignedReport memory s = signed(0, 1, 1);
+        IContributionLedger.SignedReport memory s = signed(0, 1, 1);
         (bytes32 rr, bytes32 ss) = abi.decode(s.signature, (bytes32, bytes32));
         s.signature = abi.encodePacked(rr, ss); // 64 bytes (ERC-2098 form is not accepted)
         _expectInvalidSignature(0, one(s));
     }
 
     function testEmptySignatureRefused() public {
-        ContributionLedger.SignedReport memory s = signed(0, 1, 1);
+        IContributionLedger.SignedReport memory s = signed(0, 1, 1);
         s.signature = "";
         _expectInvalidSignature(0, one(s));
     }
 
     function testBadVRefused() public {
-        ContributionLedger.SignedReport memory s = signed(0, 1, 1);
+        IContributionLedger.SignedReport memory s = signed(0, 1, 1);
         s.signature[64] = bytes1(uint8(29));
         _expectInvalidSignature(0, one(s));
     }
 
     function testSignatureForAnotherLedgerRefused() public {
         ContributionLedger other = new ContributionLedger(registry);
-        ContributionLedger.RoundReport memory r = report(0, 1, 1);
+        IContributionLedger.RoundReport memory r = report(0, 1, 1);
         (uint8 v, bytes32 rr, bytes32 s) = vm.sign(key(0), other.reportDigest(r));
         _expectInvalidSignature(
-            0, one(ContributionLedger.SignedReport({report: r, signature: abi.encodePacked(rr, s, v)}))
+            0, one(IContributionLedger.SignedReport({report: r, signature: abi.encodePacked(rr, s, v)}))
         );
     }
 
@@ -325,10 +391,10 @@ contract ContributionLedgerTest is LedgerBase {
 
     function testNeverAdmittedWorkerRefused() public {
         uint256 pk = 0xBAD;
-        ContributionLedger.RoundReport memory r = report(0, 1, 1);
+        IContributionLedger.RoundReport memory r = report(0, 1, 1);
         r.worker = vm.addr(pk);
-        ContributionLedger.SignedReport[] memory s = one(signWith(pk, r));
-        vm.expectRevert(abi.encodeWithSelector(ContributionLedger.WorkerNotActive.selector, vm.addr(pk)));
+        IContributionLedger.SignedReport[] memory s = one(signWith(pk, r));
+        vm.expectRevert(abi.encodeWithSelector(IContributionLedger.LedgerWorkerNotActive.selector, vm.addr(pk)));
         record(1, s);
     }
 
@@ -336,8 +402,8 @@ contract ContributionLedgerTest is LedgerBase {
         record(1, two(signed(0, 1, 1), signed(1, 1, 1)));
         vm.prank(VERIFIER);
         registry.revokeWorker(worker(1));
-        ContributionLedger.SignedReport[] memory s = two(signed(0, 2, 1), signed(1, 2, 1));
-        vm.expectRevert(abi.encodeWithSelector(ContributionLedger.WorkerNotActive.selector, worker(1)));
+        IContributionLedger.SignedReport[] memory s = two(signed(0, 2, 1), signed(1, 2, 1));
+        vm.expectRevert(abi.encodeWithSelector(IContributionLedger.LedgerWorkerNotActive.selector, worker(1)));
         record(2, s);
         // without the revoked worker the round goes through
         record(2, one(signed(0, 2, 1)));
@@ -347,30 +413,30 @@ contract ContributionLedgerTest is LedgerBase {
     function testDisallowedMeasurementRefused() public {
         registry.setMeasurement(MEASUREMENT, false);
         assertEq(registry.isActive(worker(0)), false, "inactive");
-        ContributionLedger.SignedReport[] memory s = one(signed(0, 1, 1));
-        vm.expectRevert(abi.encodeWithSelector(ContributionLedger.WorkerNotActive.selector, worker(0)));
+        IContributionLedger.SignedReport[] memory s = one(signed(0, 1, 1));
+        vm.expectRevert(abi.encodeWithSelector(IContributionLedger.LedgerWorkerNotActive.selector, worker(0)));
         record(1, s);
     }
 
     function testReportReplayedInOneCall() public {
-        ContributionLedger.SignedReport memory s = signed(0, 1, 1);
+        IContributionLedger.SignedReport memory s = signed(0, 1, 1);
         bytes32 digest = ledger.reportDigest(s.report);
-        vm.expectRevert(abi.encodeWithSelector(ContributionLedger.ReportReplayed.selector, digest));
+        vm.expectRevert(abi.encodeWithSelector(IContributionLedger.LedgerReportReplayed.selector, digest));
         record(1, two(s, s));
     }
 
     function testDuplicateWorker() public {
-        ContributionLedger.SignedReport memory a = signed(0, 1, 1);
-        ContributionLedger.RoundReport memory r = report(0, 1, 1);
+        IContributionLedger.SignedReport memory a = signed(0, 1, 1);
+        IContributionLedger.RoundReport memory r = report(0, 1, 1);
         r.updateDigest = keccak256("a second update");
-        ContributionLedger.SignedReport[] memory s = two(a, signWith(key(0), r));
-        vm.expectRevert(abi.encodeWithSelector(ContributionLedger.DuplicateWorker.selector, worker(0)));
+        IContributionLedger.SignedReport[] memory s = two(a, signWith(key(0), r));
+        vm.expectRevert(abi.encodeWithSelector(IContributionLedger.LedgerDuplicateWorker.selector, worker(0)));
         record(1, s);
     }
 
     function testRefusedRoundChangesNothing() public {
-        ContributionLedger.SignedReport[] memory s = two(signed(0, 1, 1), signWith(key(0), report(1, 1, 1)));
-        vm.expectRevert(abi.encodeWithSelector(ContributionLedger.InvalidSignature.selector, 1));
+        IContributionLedger.SignedReport[] memory s = two(signed(0, 1, 1), signWith(key(0), report(1, 1, 1)));
+        vm.expectRevert(abi.encodeWithSelector(IContributionLedger.LedgerInvalidSignature.selector, 1));
         record(1, s);
         assertEq(ledger.runOf(RUN).lastRound, 0, "lastRound");
         assertEq(ledger.roundOf(RUN, 1).recordedAt, 0, "round");
@@ -381,7 +447,7 @@ contract ContributionLedgerTest is LedgerBase {
     // --- helpers ---
 
     /// @dev EIP-712 digest built field by field, without the ledger's code.
-    function independentDigest(address verifyingContract, ContributionLedger.RoundReport memory r)
+    function independentDigest(address verifyingContract, IContributionLedger.RoundReport memory r)
         internal
         view
         returns (bytes32)

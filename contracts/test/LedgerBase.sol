@@ -2,6 +2,7 @@
 pragma solidity ^0.8.24;
 
 import {ContributionLedger} from "../src/ContributionLedger.sol";
+import {IContributionLedger} from "../src/IContributionLedger.sol";
 import {WorkerRegistry} from "../src/WorkerRegistry.sol";
 import {BaseTest} from "./Base.sol";
 
@@ -19,6 +20,9 @@ abstract contract LedgerBase is BaseTest {
     bytes32 internal constant GENESIS_MANIFEST = keccak256("genesis manifest");
 
     uint256 internal constant WORKERS = 5;
+
+    /// @dev No unreported updates (an empty storage array, passed as empty calldata).
+    bytes32[] internal NONE;
     uint256 internal constant FIRST_KEY = 0xA11CE;
 
     function setUp() public virtual {
@@ -55,10 +59,10 @@ abstract contract LedgerBase is BaseTest {
     function report(uint256 i, uint64 round, uint64 tokens)
         internal
         pure
-        returns (ContributionLedger.RoundReport memory r)
+        returns (IContributionLedger.RoundReport memory r)
     {
         // forge-lint: disable-next-item(unsafe-typecast) -- i is a small worker index
-        r = ContributionLedger.RoundReport({
+        r = IContributionLedger.RoundReport({
             runId: RUN,
             round: round,
             worker: worker(i),
@@ -76,53 +80,65 @@ abstract contract LedgerBase is BaseTest {
     }
 
     /// @dev Signs with `pk` through the ledger's own digest (an external call: do it before expectRevert).
-    function signWith(uint256 pk, ContributionLedger.RoundReport memory r)
+    function signWith(uint256 pk, IContributionLedger.RoundReport memory r)
         internal
         view
-        returns (ContributionLedger.SignedReport memory)
+        returns (IContributionLedger.SignedReport memory)
     {
         (uint8 v, bytes32 rr, bytes32 s) = vm.sign(pk, ledger.reportDigest(r));
-        return ContributionLedger.SignedReport({report: r, signature: abi.encodePacked(rr, s, v)});
+        return IContributionLedger.SignedReport({report: r, signature: abi.encodePacked(rr, s, v)});
     }
 
     function signed(uint256 i, uint64 round, uint64 tokens)
         internal
         view
-        returns (ContributionLedger.SignedReport memory)
+        returns (IContributionLedger.SignedReport memory)
     {
         return signWith(key(i), report(i, round, tokens));
     }
 
     /// @dev Signed reports of workers 0..n-1 for `round`; worker i reports 1000 * (i + 1) tokens.
-    function signedBatch(uint256 n, uint64 round) internal view returns (ContributionLedger.SignedReport[] memory s) {
-        s = new ContributionLedger.SignedReport[](n);
+    function signedBatch(uint256 n, uint64 round) internal view returns (IContributionLedger.SignedReport[] memory s) {
+        s = new IContributionLedger.SignedReport[](n);
         for (uint256 i = 0; i < n; ++i) {
             s[i] = signed(i, round, uint64(1000 * (i + 1)));
         }
     }
 
-    function one(ContributionLedger.SignedReport memory s)
+    function one(IContributionLedger.SignedReport memory s)
         internal
         pure
-        returns (ContributionLedger.SignedReport[] memory a)
+        returns (IContributionLedger.SignedReport[] memory a)
     {
-        a = new ContributionLedger.SignedReport[](1);
+        a = new IContributionLedger.SignedReport[](1);
         a[0] = s;
     }
 
-    function two(ContributionLedger.SignedReport memory s0, ContributionLedger.SignedReport memory s1)
+    function two(IContributionLedger.SignedReport memory s0, IContributionLedger.SignedReport memory s1)
         internal
         pure
-        returns (ContributionLedger.SignedReport[] memory a)
+        returns (IContributionLedger.SignedReport[] memory a)
     {
-        a = new ContributionLedger.SignedReport[](2);
+        a = new IContributionLedger.SignedReport[](2);
         a[0] = s0;
         a[1] = s1;
     }
 
     /// @dev Records `round` of the test run as the coordinator.
-    function record(uint64 round, ContributionLedger.SignedReport[] memory reports) internal {
+    function record(uint64 round, IContributionLedger.SignedReport[] memory reports) internal {
+        recordWith(round, reports, NONE);
+    }
+
+    /// @dev Records `round` with `unreported` update digests beside the reports.
+    function recordWith(uint64 round, IContributionLedger.SignedReport[] memory reports, bytes32[] memory unreported)
+        internal
+    {
         vm.prank(COORDINATOR);
-        ledger.recordRound(RUN, round, ckpt(round - 1), ckpt(round), manifest(round), reports);
+        ledger.recordRound(RUN, round, ckpt(round - 1), ckpt(round), manifest(round), reports, unreported);
+    }
+
+    /// @dev The update digest of an unreported participant `i` of `round` (never a report's).
+    function ghost(uint256 i, uint64 round) internal pure returns (bytes32) {
+        return keccak256(abi.encode("unreported update", i, round));
     }
 }

@@ -2,7 +2,7 @@
 pragma solidity ^0.8.24;
 
 import {EIP712} from "@openzeppelin/contracts/utils/cryptography/EIP712.sol";
-import {ContributionLedger} from "../src/ContributionLedger.sol";
+import {IContributionLedger} from "../src/IContributionLedger.sol";
 import {WorkerRegistry} from "../src/WorkerRegistry.sol";
 
 /**
@@ -30,6 +30,7 @@ contract LyingLedger is EIP712 {
         bytes32 manifestDigest;
         uint64 reportCount;
         uint64 recordedAt;
+        uint64 unreportedCount;
     }
 
     struct Contribution {
@@ -66,8 +67,14 @@ contract LyingLedger is EIP712 {
     event ReportAccepted(
         bytes32 indexed runId, uint64 indexed round, address indexed worker, bytes32 digest, uint64 tokens
     );
+    event UpdateUnreported(bytes32 indexed runId, uint64 indexed round, bytes32 updateDigest);
     event RoundRecorded(
-        bytes32 indexed runId, uint64 indexed round, bytes32 checkpoint, bytes32 manifestDigest, uint256 reportCount
+        bytes32 indexed runId,
+        uint64 indexed round,
+        bytes32 checkpoint,
+        bytes32 manifestDigest,
+        uint256 reportCount,
+        uint256 unreportedCount
     );
 
     constructor(WorkerRegistry registry_) EIP712("DiLoCoX Contribution Ledger", "1") {
@@ -93,7 +100,8 @@ contract LyingLedger is EIP712 {
         bytes32 parentCheckpoint,
         bytes32 checkpoint,
         bytes32 manifestDigest,
-        ContributionLedger.SignedReport[] calldata reports
+        IContributionLedger.SignedReport[] calldata reports,
+        bytes32[] calldata unreported
     ) external {
         parentCheckpoint; // accepted as given
         Run storage run = _runs[runId];
@@ -103,22 +111,30 @@ contract LyingLedger is EIP712 {
             checkpoint: checkpoint,
             manifestDigest: manifestDigest,
             reportCount: uint64(reports.length),
-            recordedAt: uint64(block.number)
+            recordedAt: uint64(block.number),
+            unreportedCount: uint64(unreported.length)
         });
         for (uint256 i = 0; i < reports.length; ++i) {
-            ContributionLedger.RoundReport calldata report = reports[i].report;
-            bytes32 digest = reportDigest(report);
-            _recorded[digest] = true;
-            RunTally storage tally = _tallies[runId][report.worker];
-            tally.tokens += report.tokens;
-            tally.rounds += 1;
-            tally.lastRound = round;
-            Contribution storage total = _totals[report.worker];
-            total.tokens += report.tokens;
-            total.rounds += 1;
-            emit ReportAccepted(runId, round, report.worker, digest, report.tokens);
+            _credit(runId, round, reports[i].report);
         }
-        emit RoundRecorded(runId, round, checkpoint, manifestDigest, reports.length);
+        for (uint256 j = 0; j < unreported.length; ++j) {
+            emit UpdateUnreported(runId, round, unreported[j]);
+        }
+        emit RoundRecorded(runId, round, checkpoint, manifestDigest, reports.length, unreported.length);
+    }
+
+    /// @dev Tallies a report as given (the real ledger checks it first).
+    function _credit(bytes32 runId, uint64 round, IContributionLedger.RoundReport calldata report) private {
+        bytes32 digest = reportDigest(report);
+        _recorded[digest] = true;
+        RunTally storage tally = _tallies[runId][report.worker];
+        tally.tokens += report.tokens;
+        tally.rounds += 1;
+        tally.lastRound = round;
+        Contribution storage total = _totals[report.worker];
+        total.tokens += report.tokens;
+        total.rounds += 1;
+        emit ReportAccepted(runId, round, report.worker, digest, report.tokens);
     }
 
     /// @dev Rewrites a worker's per-run tally (a ledger that miscounts).
@@ -128,7 +144,7 @@ contract LyingLedger is EIP712 {
         tally.rounds = rounds;
     }
 
-    function reportDigest(ContributionLedger.RoundReport calldata report) public view returns (bytes32) {
+    function reportDigest(IContributionLedger.RoundReport calldata report) public view returns (bytes32) {
         return _hashTypedDataV4(keccak256(abi.encode(ROUND_REPORT_TYPEHASH, report)));
     }
 

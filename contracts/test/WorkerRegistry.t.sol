@@ -2,6 +2,7 @@
 pragma solidity ^0.8.24;
 
 import {Ownable} from "@openzeppelin/contracts/access/Ownable.sol";
+import {IWorkerRegistry} from "../src/IWorkerRegistry.sol";
 import {WorkerRegistry} from "../src/WorkerRegistry.sol";
 import {BaseTest} from "./Base.sol";
 
@@ -38,13 +39,13 @@ contract WorkerRegistryTest is BaseTest {
         bytes32 m = keccak256("other");
         assertEq(registry.isMeasurementAllowed(m), false, "not allowed yet");
         vm.expectEmit(true, false, false, true, address(registry));
-        emit WorkerRegistry.MeasurementSet(m, true);
+        emit IWorkerRegistry.MeasurementSet(m, true);
         vm.prank(OWNER);
         registry.setMeasurement(m, true);
         assertEq(registry.isMeasurementAllowed(m), true, "allowed");
 
         vm.expectEmit(true, false, false, true, address(registry));
-        emit WorkerRegistry.MeasurementSet(m, false);
+        emit IWorkerRegistry.MeasurementSet(m, false);
         vm.prank(OWNER);
         registry.setMeasurement(m, false);
         assertEq(registry.isMeasurementAllowed(m), false, "disallowed");
@@ -52,13 +53,13 @@ contract WorkerRegistryTest is BaseTest {
 
     function testSetVerifierEmitsAndToggles() public {
         vm.expectEmit(true, false, false, true, address(registry));
-        emit WorkerRegistry.VerifierSet(STRANGER, true);
+        emit IWorkerRegistry.VerifierSet(STRANGER, true);
         vm.prank(OWNER);
         registry.setVerifier(STRANGER, true);
         assertEq(registry.isVerifier(STRANGER), true, "enabled");
 
         vm.expectEmit(true, false, false, true, address(registry));
-        emit WorkerRegistry.VerifierSet(STRANGER, false);
+        emit IWorkerRegistry.VerifierSet(STRANGER, false);
         vm.prank(OWNER);
         registry.setVerifier(STRANGER, false);
         assertEq(registry.isVerifier(STRANGER), false, "disabled");
@@ -77,7 +78,7 @@ contract WorkerRegistryTest is BaseTest {
     }
 
     function testSetVerifierZeroAddress() public {
-        vm.expectRevert(abi.encodeWithSelector(WorkerRegistry.ZeroAddress.selector));
+        vm.expectRevert(abi.encodeWithSelector(IWorkerRegistry.RegistryZeroAddress.selector));
         vm.prank(OWNER);
         registry.setVerifier(address(0), true);
     }
@@ -97,10 +98,10 @@ contract WorkerRegistryTest is BaseTest {
     function testAdmitWorker() public {
         vm.roll(42);
         vm.expectEmit(true, true, true, true, address(registry));
-        emit WorkerRegistry.WorkerAdmitted(WORKER, MEASUREMENT, EVIDENCE, VERIFIER);
+        emit IWorkerRegistry.WorkerAdmitted(WORKER, MEASUREMENT, EVIDENCE, VERIFIER);
         _admit(WORKER);
 
-        WorkerRegistry.Worker memory w = registry.workerOf(WORKER);
+        IWorkerRegistry.Worker memory w = registry.workerOf(WORKER);
         assertEq(w.measurement, MEASUREMENT, "measurement");
         assertEq(w.evidenceDigest, EVIDENCE, "evidence");
         assertEq(w.verifier, VERIFIER, "verifier");
@@ -111,18 +112,18 @@ contract WorkerRegistryTest is BaseTest {
 
     function testUnknownWorkerInactive() public view {
         assertEq(registry.isActive(WORKER), false, "inactive");
-        WorkerRegistry.Worker memory w = registry.workerOf(WORKER);
+        IWorkerRegistry.Worker memory w = registry.workerOf(WORKER);
         assertEq(w.verifier, address(0), "empty record");
     }
 
     function testAdmitNotVerifier() public {
-        vm.expectRevert(abi.encodeWithSelector(WorkerRegistry.NotVerifier.selector, STRANGER));
+        vm.expectRevert(abi.encodeWithSelector(IWorkerRegistry.RegistryNotVerifier.selector, STRANGER));
         vm.prank(STRANGER);
         registry.admitWorker(WORKER, MEASUREMENT, EVIDENCE);
     }
 
     function testAdmitByOwnerRefused() public {
-        vm.expectRevert(abi.encodeWithSelector(WorkerRegistry.NotVerifier.selector, OWNER));
+        vm.expectRevert(abi.encodeWithSelector(IWorkerRegistry.RegistryNotVerifier.selector, OWNER));
         vm.prank(OWNER);
         registry.admitWorker(WORKER, MEASUREMENT, EVIDENCE);
     }
@@ -130,27 +131,27 @@ contract WorkerRegistryTest is BaseTest {
     function testAdmitByDisabledVerifierRefused() public {
         vm.prank(OWNER);
         registry.setVerifier(VERIFIER, false);
-        vm.expectRevert(abi.encodeWithSelector(WorkerRegistry.NotVerifier.selector, VERIFIER));
+        vm.expectRevert(abi.encodeWithSelector(IWorkerRegistry.RegistryNotVerifier.selector, VERIFIER));
         vm.prank(VERIFIER);
         registry.admitWorker(WORKER, MEASUREMENT, EVIDENCE);
     }
 
     function testAdmitMeasurementNotAllowed() public {
         bytes32 m = keccak256("unknown build");
-        vm.expectRevert(abi.encodeWithSelector(WorkerRegistry.MeasurementNotAllowed.selector, m));
+        vm.expectRevert(abi.encodeWithSelector(IWorkerRegistry.RegistryMeasurementNotAllowed.selector, m));
         vm.prank(VERIFIER);
         registry.admitWorker(WORKER, m, EVIDENCE);
     }
 
     function testAdmitZeroAddress() public {
-        vm.expectRevert(abi.encodeWithSelector(WorkerRegistry.ZeroAddress.selector));
+        vm.expectRevert(abi.encodeWithSelector(IWorkerRegistry.RegistryZeroAddress.selector));
         vm.prank(VERIFIER);
         registry.admitWorker(address(0), MEASUREMENT, EVIDENCE);
     }
 
     function testAdmitTwiceRefused() public {
         _admit(WORKER);
-        vm.expectRevert(abi.encodeWithSelector(WorkerRegistry.AlreadyAdmitted.selector, WORKER));
+        vm.expectRevert(abi.encodeWithSelector(IWorkerRegistry.RegistryAlreadyAdmitted.selector, WORKER));
         vm.prank(VERIFIER);
         registry.admitWorker(WORKER, MEASUREMENT, keccak256("new evidence"));
     }
@@ -159,14 +160,14 @@ contract WorkerRegistryTest is BaseTest {
         _admit(WORKER);
         vm.prank(OWNER);
         registry.revokeWorker(WORKER);
-        vm.expectRevert(abi.encodeWithSelector(WorkerRegistry.AlreadyAdmitted.selector, WORKER));
+        vm.expectRevert(abi.encodeWithSelector(IWorkerRegistry.RegistryAlreadyAdmitted.selector, WORKER));
         vm.prank(VERIFIER);
         registry.admitWorker(WORKER, MEASUREMENT, EVIDENCE);
     }
 
     function testFuzzAdmitRefusesNonVerifiers(address caller, address worker) public {
         vm.assume(caller != VERIFIER);
-        vm.expectRevert(abi.encodeWithSelector(WorkerRegistry.NotVerifier.selector, caller));
+        vm.expectRevert(abi.encodeWithSelector(IWorkerRegistry.RegistryNotVerifier.selector, caller));
         vm.prank(caller);
         registry.admitWorker(worker, MEASUREMENT, EVIDENCE);
     }
@@ -177,7 +178,7 @@ contract WorkerRegistryTest is BaseTest {
         _admit(WORKER);
         vm.roll(77);
         vm.expectEmit(true, true, false, true, address(registry));
-        emit WorkerRegistry.WorkerRevoked(WORKER, VERIFIER);
+        emit IWorkerRegistry.WorkerRevoked(WORKER, VERIFIER);
         vm.prank(VERIFIER);
         registry.revokeWorker(WORKER);
         assertEq(registry.workerOf(WORKER).revokedAt, 77, "revokedAt");
@@ -187,7 +188,7 @@ contract WorkerRegistryTest is BaseTest {
     function testRevokeByOwner() public {
         _admit(WORKER);
         vm.expectEmit(true, true, false, true, address(registry));
-        emit WorkerRegistry.WorkerRevoked(WORKER, OWNER);
+        emit IWorkerRegistry.WorkerRevoked(WORKER, OWNER);
         vm.prank(OWNER);
         registry.revokeWorker(WORKER);
         assertEq(registry.isActive(WORKER), false, "inactive");
@@ -195,14 +196,14 @@ contract WorkerRegistryTest is BaseTest {
 
     function testRevokeByOtherRefused() public {
         _admit(WORKER);
-        vm.expectRevert(abi.encodeWithSelector(WorkerRegistry.NotVerifier.selector, STRANGER));
+        vm.expectRevert(abi.encodeWithSelector(IWorkerRegistry.RegistryNotVerifier.selector, STRANGER));
         vm.prank(STRANGER);
         registry.revokeWorker(WORKER);
         assertEq(registry.isActive(WORKER), true, "still active");
     }
 
     function testRevokeNotAdmitted() public {
-        vm.expectRevert(abi.encodeWithSelector(WorkerRegistry.NotAdmitted.selector, WORKER));
+        vm.expectRevert(abi.encodeWithSelector(IWorkerRegistry.RegistryNotAdmitted.selector, WORKER));
         vm.prank(OWNER);
         registry.revokeWorker(WORKER);
     }
@@ -211,7 +212,7 @@ contract WorkerRegistryTest is BaseTest {
         _admit(WORKER);
         vm.prank(VERIFIER);
         registry.revokeWorker(WORKER);
-        vm.expectRevert(abi.encodeWithSelector(WorkerRegistry.AlreadyRevoked.selector, WORKER));
+        vm.expectRevert(abi.encodeWithSelector(IWorkerRegistry.RegistryAlreadyRevoked.selector, WORKER));
         vm.prank(OWNER);
         registry.revokeWorker(WORKER);
     }

@@ -10,6 +10,8 @@ storage, no checks. The audit must catch what the ledger let through.
 
 from __future__ import annotations
 
+import hashlib
+
 import dataclasses
 import json
 import os
@@ -149,10 +151,12 @@ class RunBuilder:
         return SignedReport(report, key.sign_digest(report.digest(self.domain)))
 
     def round(self, *, parent: CID | None = None, reports: Callable[[Manifest], list[SignedReport]] | None = None,
-              nudge: bool = False, mangle: Callable[[dict[str, Any]], None] | None = None) -> Manifest:
+              nudge: bool = False, mangle: Callable[[dict[str, Any]], None] | None = None,
+              unreported: Callable[[Manifest], list[bytes]] | None = None, record: bool = True) -> Manifest:
         """Train, aggregate, store and record the next round. ``parent`` overrides the manifest's
-        parent, ``reports`` makes the reports, ``nudge`` moves θ off what the updates give, ``mangle``
-        edits the manifest's JSON before it is stored (and recorded) without validation."""
+        parent, ``reports`` makes the reports, ``unreported`` the update digests recorded without a
+        report, ``nudge`` moves θ off what the updates give, ``mangle`` edits the manifest's JSON
+        before it is stored (and recorded) without validation; ``record=False`` only stores it."""
         r = len(self.manifests)
         global_bytes = len(encode_params(self.params))  # what each worker fetched, as if sent dense
         generator = torch.Generator().manual_seed(r)
@@ -191,8 +195,10 @@ class RunBuilder:
         self.manifests.append((cid, manifest))
         signed = reports(manifest) if reports else [self.report(w, manifest) for w in self.keys]
         self.reports[r] = signed
-        self.ledger.record_round(self.run_id, r, CID.parse(prev.params).digest, CID.parse(manifest.params).digest,
-                                 cid.digest, signed)
+        if record:
+            self.ledger.record_round(self.run_id, r, CID.parse(prev.params).digest,
+                                     CID.parse(manifest.params).digest, cid.digest, signed,
+                                     unreported(manifest) if unreported else [])
         return manifest
 
     def lie(self) -> Any:
@@ -203,9 +209,16 @@ class RunBuilder:
         self.owner.w3.provider.make_request("anvil_setCode", [self.deployment.ledger, "0x" + bytes(code).hex()])
         return self.coordinator.contract(self.deployment.ledger, artifact["abi"])
 
-    def audit(self, store: ObjectStore | None = None, policy: Policy | None = None, rederive: bool = True):
+    def audit(self, store: ObjectStore | None = None, policy: Policy | None = None, rederive: bool = True,
+              max_unrecorded: int = 0):
         return run_audit(store or self.store, self.ledger, self.registry, policy=policy or self.policy,
-                         rederive=rederive)
+                         rederive=rederive, max_unrecorded=max_unrecorded)
+
+
+def update_of(manifest: Manifest, worker: str) -> bytes:
+    """The digest of a participant's update: what reports and the unreported list name."""
+    (p,) = [p for p in manifest.participants if p.worker == worker]
+    return CID.parse(p.update).digest
 
 
 def checks(result) -> set[tuple[int | None, str]]:
@@ -249,7 +262,7 @@ def test_happy_path(honest: RunBuilder) -> None:
     assert {"ok", "failures", "rounds", "warnings"} <= set(doc)
     assert doc["ok"] is True and doc["failures"] == []
     assert set(doc["rounds"][1]) == {"round", "manifest", "checkpoint", "participants", "reports", "eval_loss",
-                                     "status"}
+                                     "status", "unreported"}
 
 
 def test_changed_checkpoint_byte(honest: RunBuilder, tmp_path: Path) -> None:
@@ -385,14 +398,60 @@ def test_report_that_restates_the_manifest_wrongly(anvil: Anvil, tmp_path: Path)
         report = dataclasses.replace(honest_report, tokens=honest_report.tokens + 1000)
         return [SignedReport(report, key.sign_digest(report.digest(builder.domain)))]
 
-    builder.round(reports=inflated)
+    builder.round(reports=inflated, unreported=lambda m: [update_of(m, "w0")])
     builder.round()
     result = builder.audit()
     assert checks(result) == {(1, "report-fields")}
     (failure,) = result.failures
     assert builder.keys["w1"].address in failure.object and "tokens" in failure.message
-    assert any("participant w0 has no signed report" in w for w in result.warnings)
+    assert any("participant w0 did not report" in w for w in result.warnings)
     assert [row.reports for row in result.rounds] == [0, 1, 2]
+
+
+def test_a_ghost_participant_fails_the_audit(anvil: Anvil, tmp_path: Path) -> None:
+    """An update in the average that no worker signed for, and the coordinator did not own up to."""
+    builder = RunBuilder(tmp_path, anvil.rpc_url, run_name="ghost")
+    builder.round(reports=lambda m: [builder.report("w0", m)])  # w1's update is in; nobody answers for it
+    builder.round()
+    result = builder.audit()
+    assert checks(result) == {(1, "ghost")}
+    (failure,) = result.failures
+    assert "w1" in failure.message and failure.object == [p.update for p in builder.manifests[1][1].participants
+                                                          if p.worker == "w1"][0]
+
+
+def test_a_round_nobody_reported_is_recorded_listed_and_credits_nobody(anvil: Anvil, tmp_path: Path) -> None:
+    builder = RunBuilder(tmp_path, anvil.rpc_url, run_name="unreported")
+    builder.round(reports=lambda m: [], unreported=lambda m: [update_of(m, "w0"), update_of(m, "w1")])
+    builder.round()  # the next round is not blocked behind it
+    result = builder.audit()
+    assert result.ok, [str(f) for f in result.failures]
+    assert [(row.reports, row.unreported) for row in result.rounds] == [(0, 0), (0, 2), (2, 0)]
+    assert sum("did not report" in w for w in result.warnings) == 2
+    assert builder.ledger.contribution_of(builder.run_id, builder.keys["w0"].address)["rounds"] == 1
+
+
+def test_an_unreported_entry_must_be_an_unreported_participant(anvil: Anvil, tmp_path: Path) -> None:
+    builder = RunBuilder(tmp_path, anvil.rpc_url, run_name="vouched")
+    stranger = hashlib.sha256(b"no participant's update").digest()
+    builder.round(reports=lambda m: [builder.report("w0", m)], unreported=lambda m: [update_of(m, "w1"), stranger])
+    result = builder.audit()
+    assert checks(result) == {(1, "unreported")}
+    assert "no participant's update" in result.failures[0].message
+
+
+def test_a_store_lineage_past_the_ledger_fails_the_audit(anvil: Anvil, tmp_path: Path) -> None:
+    """A 3-round run of which the ledger records only round 1 does not pass as a 1-round run."""
+    builder = RunBuilder(tmp_path, anvil.rpc_url, run_name="unrecorded")
+    builder.round()
+    builder.round(record=False)
+    builder.round(record=False)
+    result = builder.audit()
+    assert checks(result) == {(None, "unrecorded")}
+    assert "rounds 2..3" in result.failures[0].message and "last round 1" in result.failures[0].message
+    assert str(builder.manifests[3][0]) == result.failures[0].object
+    allowed = builder.audit(max_unrecorded=2)  # a run still catching up, audited with a stated lag
+    assert allowed.ok and any("rounds 2..3" in w for w in allowed.warnings)
 
 
 def test_report_that_misstates_the_download(anvil: Anvil, tmp_path: Path) -> None:

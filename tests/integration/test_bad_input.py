@@ -1,87 +1,24 @@
 """Bad pushes against a real coordinator: each refused by name, none entering the average.
 
-"mallory" is a hand-driven gRPC client that joins the run like a worker; "w0" is an honest worker
-process. Round 1 closes with both valid updates despite every bad push before them; round 2 closes
+"mallory" is a hand-driven gRPC client that joins the run like a worker (benchmarks.hostile); "w0"
+is an honest worker process. Round 1 closes with both valid updates despite every bad push before them; round 2 closes
 with w0 alone once silent mallory is no longer live.
 """
 
 from __future__ import annotations
 
-import json
 import grpc
 import pytest
 import torch
 
-from proto import PROTOCOL_VERSION, pb
+from benchmarks.hostile import Mallory
 from storage_client import Manifest, canonical_json, lineage
 from trainer.cluster import LocalCluster
-from trainer.config import InnerConfig, RoundConfig, RunConfig
-from trainer.model import build_model
-from trainer.service import session_metadata
+from trainer.config import InnerConfig, RoundConfig
 from trainer.compression import AdaptiveRankPolicy, compress
-from trainer.wire import ENCODING_DENSE_F32, ENCODING_LOWRANK_INT4, chunked, encode_params, layout_of, sha256_hex
+from trainer.wire import ENCODING_LOWRANK_INT4, encode_params, layout_of
 
 pytestmark = pytest.mark.integration
-
-
-class Mallory:
-    """A hand-driven client that speaks the protocol directly, to send what no worker would."""
-
-    def __init__(self, stub, worker_id: str, config: RunConfig, session: tuple = ()) -> None:
-        self.stub = stub
-        self.worker_id = worker_id
-        self.config = config
-        self.session = session  # metadata proving the session of mallory's Join
-        model = build_model(config.model, config.seed)
-        self.zero = {n: torch.zeros_like(p) for n, p in model.named_parameters()}
-        # What a push sends unless told otherwise: small, non-zero (an all-zero update is refused).
-        self.default = {n: torch.full_like(p, 1e-4) for n, p in self.zero.items()}
-        self.base: dict[str, object] | None = None  # base_params_cid of a push that names none
-        # Tokens and steps are derived from the config, so a push claims exactly those by default.
-        self.tokens = config.inner.steps * config.inner.batch_size * config.model.block_size
-
-    @classmethod
-    def joined(cls, cluster: LocalCluster, worker_id: str = "mallory") -> Mallory:
-        stub = cluster.stub()
-        joined = stub.Join(pb.JoinRequest(protocol_version=PROTOCOL_VERSION, worker_id=worker_id), timeout=10)
-        return cls(stub, worker_id, RunConfig.from_json(json.loads(joined.config_json)),
-                   session_metadata(worker_id, joined.session_token))
-
-    def push(self, tensors: dict[str, torch.Tensor] | None = None, *, payload: bytes | None = None,
-             layout: dict | None = None, **header: object) -> pb.PushUpdateResponse:
-        tensors = self.default if tensors is None else tensors
-        payload = encode_params(tensors) if payload is None else payload
-        layout = layout_of(tensors) if layout is None else layout
-        fields = dict(
-            protocol_version=PROTOCOL_VERSION, run_id=self.config.run_id, round=1,
-            worker_id=self.worker_id, encoding=ENCODING_DENSE_F32,
-            tensors=[pb.TensorSpec(name=n, dtype=d, shape=s) for n, (d, s) in layout.items()],
-            payload_size=len(payload), payload_sha256=sha256_hex(payload), train_loss=2.0,
-            tokens=self.tokens, inner_steps=self.config.inner.steps, stage=0, num_stages=1,
-        )
-        if "base_params_cid" not in header:  # the state the run started from, fetched once
-            self.base = self.base or {"base_params_cid": self.fetch()["base_params_cid"]}
-            fields.update(self.base)
-        fields.update(header)
-
-        stream = [pb.UpdateChunk(header=pb.UpdateHeader(**fields))] + [pb.UpdateChunk(data=p) for p in chunked(payload)]
-        self.wire_bytes = sum(message.ByteSize() for message in stream)  # what the coordinator counts
-        return self.stub.PushUpdate(iter(stream), timeout=30, metadata=self.session)
-
-    def fetch(self, min_round: int = 0) -> dict[str, object]:
-        """Fetch the global parameters as a worker would; returns the header fields a push that
-        builds on them names (the CID, and the wire bytes of the fetch)."""
-        stream = list(self.stub.FetchGlobal(pb.FetchGlobalRequest(worker_id=self.worker_id, min_round=min_round,
-                                                                  wait_s=10), timeout=30, metadata=self.session))
-        assert stream[0].header.available
-        return {"base_params_cid": stream[0].header.params_cid,
-                "base_bytes_received": sum(message.ByteSize() for message in stream)}
-
-    def refused(self, code: grpc.StatusCode, *args: object, **kwargs: object) -> str:
-        with pytest.raises(grpc.RpcError) as err:
-            self.push(*args, **kwargs)
-        assert err.value.code() == code, err.value.details()
-        return err.value.details()
 
 
 def test_bad_updates_are_refused_and_the_round_completes(cluster: LocalCluster, make_config) -> None:

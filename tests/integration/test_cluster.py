@@ -7,7 +7,7 @@ from audit.rederive import rederive, update_norms
 from storage_client import CID, lineage
 from trainer.cluster import LocalCluster
 from trainer.compression import CompressionConfig
-from trainer.config import ModelConfig, RunConfig
+from trainer.config import ModelConfig, RoundConfig, RunConfig
 from trainer.model import build_model
 from trainer.run_dir import RunDir
 
@@ -29,7 +29,7 @@ def assert_rederivable(run: RunDir) -> list:
         updates = {p.worker: run.store.get(p.update) for p in m.participants}
         history = [n for r in range(max(1, m.round - config.rounds.clip_history_rounds), m.round) for n in norms[r]]
         derived = rederive(config.outer, run.store.get(parent.params), run.store.get(parent.outer_state),
-                           updates, downlink, clip_multiple=config.rounds.clip_multiple, history=history)
+                           updates, downlink, rounds=config.rounds, history=history)
         norms[m.round] = list(update_norms(updates).values())
         assert derived.params_digest == CID.parse(m.params).digest, f"round {m.round} params do not re-derive"
         assert derived.outer_state_digest == CID.parse(m.outer_state).digest, f"round {m.round} outer state"
@@ -85,6 +85,28 @@ def test_compressed_updates_travel_small_and_still_rederive(cluster: LocalCluste
     # Round 1 starts from θ⁽⁰⁾, fetched dense; from round 2 on each worker holds the round before.
     assert all(p.bytes_received * 10 < dense for p in chain[2][1].participants), chain[2][1].participants
     assert "compressed" in cluster.log("w0") and "global update compressed" in cluster.log("coordinator")
+
+
+@pytest.mark.parametrize(("aggregator", "trim_fraction", "workers"), [
+    ("trimmed_mean", 0.34, 3),  # b = ⌊0.34 × 3⌋ = 1: each coordinate keeps its middle value
+    ("median", 0.2, 2),  # the lower median of two: the coordinate-wise minimum
+])
+def test_a_robust_mean_run_rederives(cluster: LocalCluster, make_config, aggregator: str, trim_fraction: float,
+                                     workers: int) -> None:
+    config = make_config(rounds=RoundConfig(rounds=2, expected_workers=workers, quorum=workers,
+                                            straggler_timeout_s=30.0, heartbeat_interval_s=0.5,
+                                            liveness_timeout_s=3.0, aggregator=aggregator,
+                                            trim_fraction=trim_fraction))
+    cluster.start_coordinator(config)
+    names = [f"w{k}" for k in range(workers)]
+    for name in names:
+        cluster.start_worker(name)
+    for name in [*names, "coordinator"]:
+        assert cluster.wait_exit(name, 180) == 0, cluster.log(name)
+    chain = assert_rederivable(cluster.run_dir)  # with the run's own aggregator, read from its stored config
+    assert [[p.worker for p in m.participants] for _, m in chain[1:]] == [names, names]
+    stored = RunConfig.from_json(cluster.run_dir.store.get_json(chain[0][1].config)).rounds
+    assert (stored.aggregator, stored.trim_fraction) == (aggregator, trim_fraction)
 
 
 def test_worker_speaking_another_protocol_version_is_refused(cluster: LocalCluster, make_config) -> None:

@@ -1,8 +1,9 @@
 """Admitted but dishonest workers against a real coordinator and an honest worker process.
 
-"mallory" is the hand-driven client of test_bad_input; where it needs an honest update it trains
-one in this process exactly as a worker would (trainer.diloco.InnerLoop on its shard's batches),
-so the only thing dishonest about it is what it does with the result. "w0" is an honest worker.
+"mallory" is the hand-driven client of benchmarks.hostile; where it needs an honest update it trains
+one in this process exactly as a worker would (benchmarks.hostile.Trainer: trainer.diloco.InnerLoop
+on its shard's batches), so the only thing dishonest about it is what it does with the result.
+"w0" is an honest worker. benchmarks/robustness.py runs the same attacks at benchmark size.
 """
 
 from __future__ import annotations
@@ -14,53 +15,19 @@ import grpc
 import pytest
 import torch
 
-from proto import pb
+from benchmarks.hostile import Mallory, Trainer
 from storage_client import from_e6
 from tests.conftest import small_config
-from tests.integration.test_bad_input import Mallory
 from tests.integration.test_cluster import assert_rederivable
 from trainer.cluster import LocalCluster
 from trainer.config import InnerConfig, RoundConfig
 from trainer.data import load_corpus, round_batches
 from trainer.diloco import InnerLoop
 from trainer.model import build_model
-from trainer.wire import decode_params
 
 pytestmark = pytest.mark.integration
 
 INVALID, PRECONDITION = grpc.StatusCode.INVALID_ARGUMENT, grpc.StatusCode.FAILED_PRECONDITION
-
-
-class Trainer:
-    """Mallory's honest inner loop: the update an honest worker on its shard would push."""
-
-    def __init__(self, m: Mallory, cluster: LocalCluster) -> None:
-        cfg = m.config
-        (shard,) = [w.shard for w in cluster.status().workers if w.worker_id == m.worker_id]
-        self.shard_index = shard
-        self.shard = load_corpus(cfg.data, cfg.seed, cfg.model.block_size).shard(shard, cfg.rounds.expected_workers)
-        self.loop = InnerLoop(build_model(cfg.model, cfg.seed), cfg.inner)
-        self.m = m
-        self.received: dict[str, int] = {}  # wire bytes of the fetch of each base, as a worker reports them
-
-    def fetch(self, min_round: int) -> tuple[str, dict[str, torch.Tensor]]:
-        stream = list(self.m.stub.FetchGlobal(pb.FetchGlobalRequest(
-            worker_id=self.m.worker_id, min_round=min_round, wait_s=30), timeout=60, metadata=self.m.session))
-        header = stream[0].header
-        assert header.available and header.encoding == "dense-f32"
-        self.received[header.params_cid] = sum(c.ByteSize() for c in stream)
-        return header.params_cid, decode_params(b"".join(c.data for c in stream[1:]))
-
-    def update(self, round_: int) -> tuple[str, dict[str, torch.Tensor]]:
-        """The round's base CID and Mallory's honest update (its mean train loss in ``self.loss``)."""
-        cfg = self.m.config
-        base, params = self.fetch(round_ - 1)
-        batches = round_batches(self.shard, seed=cfg.seed, shard_index=self.shard_index, round_=round_,
-                                steps=cfg.inner.steps, batch_size=cfg.inner.batch_size,
-                                block_size=cfg.model.block_size)
-        result = self.loop.run(params, batches)
-        self.loss = result.mean_loss
-        return base, result.pseudo_gradient
 
 
 def run_with(cluster: LocalCluster, config: Path, scale: float, rounds: int) -> tuple[list[float], list[int]]:

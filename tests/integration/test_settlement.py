@@ -169,8 +169,8 @@ def test_reverts_are_decoded(setup: Setup) -> None:
     with pytest.raises(TxReverted) as exc:
         s.ledger.record_round(s.run_id, 3, wrong_parent, h("checkpoint", 3), h("manifest", 3),
                               signed_reports(s, 3, wrong_parent, h("checkpoint", 3)))
-    assert str(exc.value) == f"WrongParent(expected=0x{h('checkpoint', 2).hex()}, got=0x{wrong_parent.hex()})"
-    assert exc.value.error == "WrongParent" and exc.value.fields["got"] == wrong_parent
+    assert str(exc.value) == f"LedgerWrongParent(expected=0x{h('checkpoint', 2).hex()}, got=0x{wrong_parent.hex()})"
+    assert exc.value.error == "LedgerWrongParent" and exc.value.fields["got"] == wrong_parent
 
     stranger = WorkerKey.generate()
     with pytest.raises(TxReverted, match=f"WorkerNotActive\\(worker={stranger.address}\\)"):
@@ -184,9 +184,9 @@ def test_reverts_are_decoded(setup: Setup) -> None:
         s.ledger.record_round(s.run_id, 5, h("checkpoint", 2), h("checkpoint", 5), h("manifest", 5),
                               signed_reports(s, 5, h("checkpoint", 2), h("checkpoint", 5)))
     # A transaction mined with too little gas estimate skipped: the revert is replayed and decoded.
-    with pytest.raises(TxReverted, match="WrongParent") as mined:
+    with pytest.raises(TxReverted, match="LedgerWrongParent") as mined:
         s.ledger.chain.transact(s.ledger._contract.functions.recordRound(
-            s.run_id, 3, wrong_parent, h("checkpoint", 3), h("manifest", 3), []), gas=200_000)
+            s.run_id, 3, wrong_parent, h("checkpoint", 3), h("manifest", 3), [], []), gas=200_000)
     assert mined.value.tx_hash is not None
     assert s.ledger.run_of(s.run_id)["lastRound"] == 2  # nothing refused changed the run
 
@@ -277,7 +277,7 @@ def test_unknown_run_and_not_coordinator(setup: Setup) -> None:
     stray = replace(s, ledger=Ledger(s.owner, s.deployment.ledger))
     with pytest.raises(TxReverted, match=f"NotCoordinator\\(caller={s.owner.address}\\)"):
         record(stray, 1)
-    with pytest.raises(TxReverted, match="UnknownRun"):
+    with pytest.raises(TxReverted, match="LedgerUnknownRun"):
         s.ledger.record_round(h("nope"), 1, s.genesis, h("c"), h("m"), signed_reports(s, 1, s.genesis, h("c")))
     with pytest.raises(TxReverted, match=f"RunExists\\(runId=0x{s.run_id.hex()}\\)"):
         s.ledger.create_run(s.run_id, s.genesis, h("config"), s.run_id)

@@ -30,7 +30,8 @@ def test_json_shape() -> None:
     assert doc["ok"] is True and doc["failures"] == [] and doc["warnings"] == []
     assert doc["run_id"] == "0x" + bytes(range(32)).hex()
     assert doc["rounds"][1] == {"round": 1, "manifest": "bagaaierarround1", "checkpoint": "0x" + "11" * 32,
-                                "participants": 2, "reports": 2, "eval_loss": 5.25, "status": "ok"}
+                                "participants": 2, "reports": 2, "eval_loss": 5.25, "status": "ok",
+                                "unreported": 0}
 
     bad = sample([Failure(1, "bafkreiupdate", "object", "the update of participant w1 is missing from the store")])
     doc = bad.to_json()

@@ -27,10 +27,10 @@ from settlement import (
 from settlement.gas import format_markdown
 
 ABI = [
-    {"type": "error", "name": "WrongParent",
+    {"type": "error", "name": "LedgerWrongParent",
      "inputs": [{"name": "expected", "type": "bytes32"}, {"name": "got", "type": "bytes32"}]},
-    {"type": "error", "name": "WorkerNotActive", "inputs": [{"name": "worker", "type": "address"}]},
-    {"type": "error", "name": "RoundOutOfOrder",
+    {"type": "error", "name": "LedgerWorkerNotActive", "inputs": [{"name": "worker", "type": "address"}]},
+    {"type": "error", "name": "LedgerRoundOutOfOrder",
      "inputs": [{"name": "expected", "type": "uint64"}, {"name": "got", "type": "uint64"}]},
     {"type": "error", "name": "NoReports", "inputs": []},
     {"type": "function", "name": "ignored", "inputs": [], "outputs": []},
@@ -44,21 +44,21 @@ def selector(signature: str) -> bytes:
 def test_revert_decoder_names_errors_and_arguments() -> None:
     decoder = RevertDecoder([ABI, ABI])  # the same error in two ABIs is fine
     a, b = b"\xab" * 32, b"\xcd" * 32
-    data = selector("WrongParent(bytes32,bytes32)") + encode(["bytes32", "bytes32"], [a, b])
+    data = selector("LedgerWrongParent(bytes32,bytes32)") + encode(["bytes32", "bytes32"], [a, b])
     name, fields, text = decoder.decode(data)
-    assert (name, fields) == ("WrongParent", {"expected": a, "got": b})
-    assert text == f"WrongParent(expected=0x{a.hex()}, got=0x{b.hex()})"
+    assert (name, fields) == ("LedgerWrongParent", {"expected": a, "got": b})
+    assert text == f"LedgerWrongParent(expected=0x{a.hex()}, got=0x{b.hex()})"
     worker = "0x70997970c51812dc3a010c7d01b50e0d17dc79c8"
-    text = decoder.decode(selector("WorkerNotActive(address)") + encode(["address"], [worker]))[2]
-    assert text == "WorkerNotActive(worker=0x70997970C51812dc3A010C7d01b50e0d17dc79C8)"
-    assert decoder.decode(selector("RoundOutOfOrder(uint64,uint64)") + encode(["uint64", "uint64"], [3, 5]))[2] \
-        == "RoundOutOfOrder(expected=3, got=5)"
+    text = decoder.decode(selector("LedgerWorkerNotActive(address)") + encode(["address"], [worker]))[2]
+    assert text == "LedgerWorkerNotActive(worker=0x70997970C51812dc3A010C7d01b50e0d17dc79C8)"
+    assert decoder.decode(selector("LedgerRoundOutOfOrder(uint64,uint64)") + encode(["uint64", "uint64"], [3, 5]))[2] \
+        == "LedgerRoundOutOfOrder(expected=3, got=5)"
     assert decoder.decode(selector("NoReports()"))[2] == "NoReports()"
     assert decoder.decode(selector("Error(string)") + encode(["string"], ["nope"]))[2] == 'Error(message="nope")'
     assert decoder.decode(selector("Panic(uint256)") + encode(["uint256"], [0x11]))[2] == "Panic(code=17)"
     assert decoder.decode(b"")[0] is None
     assert decoder.decode(b"\x01\x02\x03\x04\x05")[2] == "unknown error 0x01020304 (revert data 0x0102030405)"
-    assert "undecodable" in decoder.decode(selector("WorkerNotActive(address)") + b"\x01")[2]
+    assert "undecodable" in decoder.decode(selector("LedgerWorkerNotActive(address)") + b"\x01")[2]
 
 
 def test_chain_never_shows_its_key() -> None:

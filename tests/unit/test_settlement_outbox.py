@@ -56,6 +56,7 @@ class FakeLedger:
     down: bool = False
     refuse: str | None = None
     fail: str | None = None
+    head: int = 1
 
     def _check(self) -> None:
         if self.down:
@@ -81,17 +82,37 @@ class FakeLedger:
                              "genesisCheckpoint": genesis}
         return {"blockNumber": 1, "gasUsed": 1}
 
+    def head_block(self) -> int:
+        if self.down:
+            raise ChainUnavailable("http://127.0.0.1:9", "connection refused")
+        return self.head
+
     def record_round(self, run_id: bytes, round_: int, parent: bytes, checkpoint: bytes, manifest: bytes,
-                     signed: list[SignedReport]) -> dict[str, int]:
+                     signed: list[SignedReport], unreported: list[bytes] = ()) -> dict[str, int]:
         self._check()
+        assert signed or unreported
         run = self.runs[run_id]
         assert round_ == run["lastRound"] + 1 and parent == run["lastCheckpoint"]
         assert all(isinstance(s, SignedReport) for s in signed)
         self.sent.append(f"round {round_}")
         run.update(lastRound=round_, lastCheckpoint=checkpoint)
+        self.head += 1
         self.rounds[(run_id, round_)] = {"checkpoint": checkpoint, "manifestDigest": manifest,
-                                         "reportCount": len(signed), "recordedAt": 7}
-        return {"blockNumber": 2, "gasUsed": 1}
+                                         "reportCount": len(signed), "recordedAt": self.head,
+                                         "unreportedCount": len(unreported)}
+        return {"blockNumber": self.head, "gasUsed": 1}
+
+    def lose_after(self, round_: int) -> None:
+        """The chain comes back behind: rounds after ``round_`` are gone (0: only the run is left;
+        -1: the run too)."""
+        for key in [k for k in self.rounds if k[1] > round_]:
+            del self.rounds[key]
+        if round_ < 0:
+            self.runs.clear()
+            return
+        for run_id, run in self.runs.items():
+            run.update(lastRound=round_, lastCheckpoint=self.rounds[(run_id, round_)]["checkpoint"]
+                       if round_ else run["genesisCheckpoint"])
 
 
 def queue_run(outbox: Outbox, rounds: int) -> None:
@@ -121,7 +142,7 @@ def test_enqueue_refuses_bad_input_and_keeps_duplicates_once(tmp_path: Path) -> 
         outbox.enqueue_create_run(b"short", h(0), h(1), h(2))
     with pytest.raises(ValueError, match="round must be an integer >= 1"):
         outbox.enqueue_round(RUN, 0, h(0), h(1), h(2), reports(1))
-    with pytest.raises(ValueError, match="no reports"):
+    with pytest.raises(ValueError, match="no participants"):
         outbox.enqueue_round(RUN, 1, h(0), h(1), h(2), [])
     with pytest.raises(ValueError):
         outbox.enqueue_round(RUN, 1, h(0), h(1), h(2), [{"report": {}, "signature": "0x00"}])
@@ -186,10 +207,10 @@ def test_a_refused_write_stops_the_flush(tmp_path: Path, caplog: pytest.LogCaptu
     outbox, ledger = Outbox(tmp_path), FakeLedger()
     queue_run(outbox, 2)
     ledger.create_run(RUN, h("ckpt", 0), h("config"), h("genesis"))
-    ledger.refuse = "WorkerNotActive(worker=0xabc)"
+    ledger.refuse = "LedgerWorkerNotActive(worker=0xabc)"
     with caplog.at_level(logging.ERROR, logger="dilocox.settlement"):
         assert outbox.flush(ledger) == []
-    assert "recordRound for round 1 was refused by the ledger: WorkerNotActive(worker=0xabc)" in caplog.text
+    assert "recordRound for round 1 was refused by the ledger: LedgerWorkerNotActive(worker=0xabc)" in caplog.text
     assert [i["kind"] for i in outbox.pending()] == ["round", "round"]  # create_run was recognised
 
 
@@ -234,3 +255,103 @@ def test_concurrent_enqueues_and_flushes(tmp_path: Path) -> None:
     done.extend(outbox.flush(ledger))
     assert done == list(range(1, 21))
     assert ledger.sent == ["create_run"] + [f"round {r}" for r in range(1, 21)]
+
+
+# -- confirmation depth, and a chain that comes back behind -------------------------------------------
+
+
+def test_a_round_stays_queued_until_it_is_confirmations_deep_and_then_is_kept(tmp_path: Path) -> None:
+    outbox, ledger = Outbox(tmp_path, confirmations=3), FakeLedger()
+    queue_run(outbox, 2)
+    assert outbox.flush(ledger) == []  # sent in blocks 2 and 3 (head 3): depth 2 and 1
+    assert ledger.sent == ["create_run", "round 1", "round 2"]
+    assert [i["kind"] for i in outbox.pending()] == ["round", "round"]  # the run exists: set aside
+    assert [i["kind"] for i in outbox.confirmed()] == ["create_run"]
+    ledger.head += 1  # round 1 is 3 deep now, round 2 only 2
+    assert outbox.flush(ledger) == [1]
+    ledger.head += 1
+    assert outbox.flush(ledger) == [2]
+    assert outbox.pending() == [] and ledger.sent == ["create_run", "round 1", "round 2"]  # nothing sent twice
+    assert [i["kind"] for i in outbox.confirmed()] == ["create_run", "round", "round"]  # the copies are kept
+    with pytest.raises(ValueError, match="confirmations"):
+        Outbox(tmp_path, confirmations=0)
+
+
+def test_rounds_lost_by_the_chain_are_sent_again_in_order_once(tmp_path: Path,
+                                                                 caplog: pytest.LogCaptureFixture) -> None:
+    outbox, ledger = Outbox(tmp_path), FakeLedger()
+    queue_run(outbox, 4)
+    assert outbox.flush(ledger) == [1, 2, 3, 4]
+    ledger.lose_after(2)  # e.g. anvil restored from a state file dumped two blocks earlier
+    ledger.sent.clear()
+    outbox.enqueue_round(RUN, 5, h("ckpt", 4), h("ckpt", 5), h("manifest", 5), reports(5))
+    with caplog.at_level(logging.ERROR, logger="dilocox.settlement"):
+        assert outbox.flush(ledger) == [3, 4, 5]
+    assert "came back behind: it shows round 2 as its last, but rounds 3..4 had been confirmed" in caplog.text
+    assert ledger.sent == ["round 3", "round 4", "round 5"]
+    assert outbox.flush(ledger) == [] and ledger.sent == ["round 3", "round 4", "round 5"]  # once
+    assert [i.get("round") for i in outbox.confirmed()] == [None, 1, 2, 3, 4, 5]
+
+
+def test_a_chain_that_lost_the_run_itself_gets_it_all_again(tmp_path: Path) -> None:
+    outbox, ledger = Outbox(tmp_path), FakeLedger()
+    queue_run(outbox, 2)
+    outbox.flush(ledger)
+    ledger.lose_after(-1)  # a fresh chain at the same address
+    ledger.sent.clear()
+    assert outbox.flush(ledger) == [1, 2]
+    assert ledger.sent == ["create_run", "round 1", "round 2"]
+
+
+def test_a_chain_that_holds_another_round_is_a_conflict_even_after_confirmation(tmp_path: Path) -> None:
+    outbox, ledger = Outbox(tmp_path), FakeLedger()
+    queue_run(outbox, 2)
+    outbox.flush(ledger)
+    ledger.lose_after(1)
+    ledger.record_round(RUN, 2, h("ckpt", 1), h("someone else's"), h("manifest", 2), reports(2))
+    with pytest.raises(RecordConflict, match="round 2"):
+        outbox.flush(ledger)
+
+
+def test_a_round_nobody_reported_is_queued_with_its_unreported_updates(tmp_path: Path) -> None:
+    outbox, ledger = Outbox(tmp_path), FakeLedger()
+    outbox.enqueue_create_run(RUN, h("ckpt", 0), h("config"), h("genesis"))
+    outbox.enqueue_round(RUN, 1, h("ckpt", 0), h("ckpt", 1), h("manifest", 1), [], [h("u2"), h("u1")])
+    item = outbox.pending()[-1]
+    assert item["reports"] == [] and item["unreported"] == sorted("0x" + h(u).hex() for u in ("u1", "u2"))
+    with pytest.raises(ValueError, match="listed twice"):
+        outbox.enqueue_round(RUN, 2, h("ckpt", 1), h("ckpt", 2), h("manifest", 2), [], [h("u"), h("u")])
+    assert outbox.flush(ledger) == [1]
+    assert ledger.rounds[(RUN, 1)]["unreportedCount"] == 2 and ledger.rounds[(RUN, 1)]["reportCount"] == 0
+
+
+def test_items_written_by_the_previous_version_are_still_sent(tmp_path: Path) -> None:
+    outbox, ledger = Outbox(tmp_path), FakeLedger()
+    queue_run(outbox, 1)
+    for item in outbox.pending():  # v1 items had no "unreported" list
+        body = json.loads(Path(item["file"]).read_text())
+        body["schema"] = "dilocox.outbox/v1"
+        body.pop("unreported", None)
+        Path(item["file"]).write_text(json.dumps(body))
+    assert outbox.flush(ledger) == [1]
+
+
+def test_a_conflict_stops_the_settlement_thread_and_the_coordinator(tmp_path: Path) -> None:
+    """No retry fixes a chain holding another round r: the coordinator is told to stop (exit 1)."""
+    from types import SimpleNamespace
+
+    from trainer.service import _settle_forever
+
+    outbox, ledger = Outbox(tmp_path), FakeLedger()
+    queue_run(outbox, 1)
+    outbox.flush(ledger)
+    ledger.lose_after(0)
+    ledger.record_round(RUN, 1, h("ckpt", 0), h("forked"), h("manifest", 1), reports(1, h("forked")))
+    coordinator = SimpleNamespace(gate=SimpleNamespace(outbox=outbox, ledger=ledger), settle=lambda: [],
+                                  global_state=SimpleNamespace(round=1), recorded_through=lambda: 1, ledger_lag=0)
+    settling, stop, failure = threading.Event(), threading.Event(), []
+    thread = threading.Thread(target=_settle_forever, args=(coordinator, settling, stop, failure, 0.01))
+    thread.start()
+    assert stop.wait(10)
+    thread.join(10)
+    assert not thread.is_alive() and len(failure) == 1 and "round 1" in failure[0]

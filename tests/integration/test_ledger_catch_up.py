@@ -1,0 +1,131 @@
+"""A ledger that always catches up: unreported rounds, and a chain that comes back behind.
+
+Real anvil, contracts, coordinator and worker processes. "m" is an attested, hand-driven client
+(test_bad_input.Mallory) that pushes an update and is gone before the round it took part in is
+published, so it never reports: exactly a worker killed between push and report.
+"""
+
+from __future__ import annotations
+
+import json
+import shutil
+import time
+from pathlib import Path
+
+import pytest
+from rich.console import Console
+
+from attestation import DevProvider, DevRoot, WorkerKey, attest, code_measurement
+from audit.cli import audit_run_dir
+from proto import PROTOCOL_VERSION, pb
+from settlement import Anvil
+from storage_client import CID, lineage
+from tests.conftest import small_config
+from tests.integration.test_bad_input import Mallory
+from tests.integration.test_trust import ledger_of, pinned, start
+from trainer.cluster import LocalCluster
+from trainer.config import InnerConfig, RoundConfig, RunConfig
+from trainer.service import session_metadata
+from trainer.trust import update_digest
+from trainer.wire import encode_params, sha256_hex
+
+pytestmark = pytest.mark.integration
+
+
+@pytest.fixture
+def chain(tmp_path: Path):
+    with Anvil(state_file=tmp_path / "run" / "chain" / "state.json") as anvil:
+        yield anvil
+
+
+def attested_mallory(cluster: LocalCluster, worker_id: str = "m") -> tuple[Mallory, WorkerKey, bytes]:
+    stub = cluster.stub()
+    challenge = stub.Challenge(pb.ChallengeRequest(protocol_version=PROTOCOL_VERSION, worker_id=worker_id), timeout=10)
+    key = WorkerKey.generate()
+    provider = DevProvider(DevRoot.load_or_create(cluster.run_dir.path / "dev-root"))
+    evidence = attest(provider, key, challenge.run_digest, challenge.nonce, code_measurement(challenge.config_cid))
+    joined = stub.Join(pb.JoinRequest(protocol_version=PROTOCOL_VERSION, worker_id=worker_id, address=key.address,
+                                      evidence=evidence.to_bytes(), nonce=challenge.nonce), timeout=30)
+    m = Mallory(stub, worker_id, RunConfig.from_json(json.loads(challenge.config_json)),
+                session_metadata(worker_id, joined.session_token))
+    return m, key, challenge.run_digest
+
+
+def audit(cluster: LocalCluster, rpc_url: str) -> tuple[int, str]:
+    console = Console(record=True, width=200)
+    code = audit_run_dir(cluster.run_dir.path, rpc_url=rpc_url, allow_dev=True, console=console)
+    return code, console.export_text()
+
+
+def test_a_round_whose_participant_died_before_reporting_blocks_nothing(cluster: LocalCluster, chain: Anvil,
+                                                                        tmp_path: Path) -> None:
+    rounds = 11
+    config = pinned(small_config(rounds=RoundConfig(rounds=rounds, expected_workers=1, quorum=1,
+                                                    heartbeat_interval_s=0.5, liveness_timeout_s=3.0)))
+    _, wo_args = start(cluster, chain, config, tmp_path)  # --report-timeout 10
+    m, key, run_digest = attested_mallory(cluster)
+    sha = sha256_hex(encode_params(m.default))
+    m.push(signature=key.sign_digest(update_digest(run_digest, 1, 0, 1, sha)))  # ... and m is gone for good
+    cluster.wait_for(lambda s: len(s.rounds) >= 2, 60, "round 1 to close on m's update alone")
+    cluster.start_worker("w0", extra=wo_args)  # an honest worker carries the run through ten more rounds
+    assert cluster.wait_exit("w0", 240) == 0, cluster.log("w0")
+    assert cluster.wait_exit("coordinator", 120) == 0, cluster.log("coordinator", tail=80)
+    assert "round 1: no report from m" in cluster.log("coordinator", tail=2000)
+
+    ledger, run_id = ledger_of(cluster, chain)
+    assert ledger.run_of(run_id)["lastRound"] == rounds
+    recorded = ledger.recorded_rounds(run_id)
+    assert [r["round"] for r in recorded] == list(range(1, rounds + 1))  # all of them, once, in order
+    manifests = lineage(cluster.run_dir.store, cluster.run_dir.head())[1:]
+    (m_update,) = [CID.parse(p.update).digest for p in manifests[0][1].participants]
+    assert (len(recorded[0]["reports"]), recorded[0]["unreported"]) == (0, [m_update])
+    assert all(len(r["reports"]) == 1 and r["unreported"] == [] for r in recorded[1:])
+    assert ledger.contribution_of(run_id, key.address) == {"tokens": 0, "rounds": 0}  # nobody is credited
+
+    code, text = audit(cluster, chain.rpc_url)
+    assert code == 0, text
+    assert "participant m did not report" in text and "AUDIT PASSED" in text
+
+
+def test_a_chain_restored_behind_gets_every_round_again_once_in_order(cluster: LocalCluster, chain: Anvil,
+                                                                     tmp_path: Path) -> None:
+    rounds = 8
+    config = pinned(small_config(inner=InnerConfig(steps=150, batch_size=4, lr=1e-3),
+                                 rounds=RoundConfig(rounds=rounds, expected_workers=1, quorum=1,
+                                                    heartbeat_interval_s=0.5, liveness_timeout_s=3.0)))
+    _, wo_args = start(cluster, chain, config, tmp_path)
+    cluster.start_worker("w0", extra=wo_args)
+
+    def recorded_through() -> int:
+        return cluster.status().rounds[-1].round - cluster.status().ledger_lag_rounds
+
+    deadline = time.monotonic() + 120
+    while recorded_through() < 2 and time.monotonic() < deadline:
+        time.sleep(0.1)
+    time.sleep(1.5)  # anvil dumps its state every second: this copy holds round 2 (and maybe more)
+    older = tmp_path / "older-state.json"
+    shutil.copyfile(chain.state_file, older)
+    deadline = time.monotonic() + 120
+    while recorded_through() < 5 and time.monotonic() < deadline:
+        time.sleep(0.1)
+    assert recorded_through() >= 5, cluster.log("coordinator", tail=60)
+    port = int(chain.rpc_url.rsplit(":", 1)[1])
+    chain._process.kill()  # SIGKILL: no final dump
+    chain._process.wait()
+    chain.stop()
+    with Anvil(state_file=older, port=port) as restored:  # the same node, back from an older state
+        ledger, run_id = ledger_of(cluster, restored)
+        behind = ledger.run_of(run_id)["lastRound"]
+        assert behind < 5
+        assert cluster.wait_exit("w0", 240) == 0, cluster.log("w0")
+        assert cluster.wait_exit("coordinator", 120) == 0, cluster.log("coordinator", tail=80)
+        log = cluster.log("coordinator", tail=4000)
+        assert "the chain came back behind" in log
+        recorded = ledger.recorded_rounds(run_id)
+        assert [r["round"] for r in recorded] == list(range(1, rounds + 1))  # once each, in order
+        manifests = lineage(cluster.run_dir.store, cluster.run_dir.head())[1:]
+        assert [r["manifestDigest"] for r in recorded] == [cid.digest for cid, _ in manifests]
+        assert not list((cluster.run_dir.path / "outbox").glob("*.json"))
+        assert len(list((cluster.run_dir.path / "outbox" / "confirmed").glob("*-round.json"))) == rounds
+        code, text = audit(cluster, restored.rpc_url)
+        assert code == 0, text
