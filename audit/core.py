@@ -24,9 +24,9 @@ Checks, by name:
   parent                manifest.parent is the CID of the previous round's (recorded) manifest
   checkpoint            the round's on-chain checkpoint is the sha256 of the manifest's params
   parent-checkpoint     the round's on-chain parent is the previous round's params digest
-  rederive              Δ = the clipped mean of the stored updates (trainer.aggregation.aggregate, its
-                        threshold over their norms and the previous K rounds' stored norms), outer_step from the parent's stored params
-                        and momentum, and with a compressed downlink θ = θ_parent − decompress(C)
+  rederive              Δ = the stored updates, clipped (threshold over their norms and the previous K
+                        rounds' ρ̃) and averaged by the config's rule (trainer.aggregation.aggregate),
+                        outer_step from the parent's stored params and momentum, and with a compressed downlink θ = θ_parent − decompress(C)
                         with the carried error (audit.rederive): the bytes hash to the manifest's
                         params and outer_state (genesis momentum is zero); a downlink object is
                         present exactly when the config compresses
@@ -94,7 +94,7 @@ from storage_client.manifest import SCHEMA as MANIFEST_SCHEMA
 from trainer.config import ConfigError, RunConfig
 
 from .admission import AdmissionCheck, check_admission
-from .rederive import RederiveError, genesis_outer_state, rederive, update_norms
+from .rederive import RederiveError, genesis_outer_state, rederive, stored_round_norm
 from .result import AuditResult, Failure, RoundRow
 
 
@@ -314,17 +314,17 @@ class _Audit:
         return _Loaded(cid, manifest, params, outer)
 
     def keep_norms(self, r: int, manifest: Manifest, updates: dict[str, bytes]) -> None:
-        """The norms of round r's stored updates, part of the clip threshold of the next K rounds
-        (trainer.aggregation); None when an update is unavailable or unreadable."""
+        """Round r's ρ̃ (trainer.aggregation.round_norm of its stored updates' norms), part of the clip
+        threshold of the next K rounds; None when an update is unavailable or unreadable."""
         self.norms[r] = None
         if len(updates) == len(manifest.participants):
             try:
-                self.norms[r] = list(update_norms(updates).values())
+                self.norms[r] = [stored_round_norm(updates)]
             except RederiveError:
                 pass
 
     def history(self, r: int) -> list[float] | None:
-        """The stored norms of rounds max(1, r-K)..r-1, or None when one of them is unknown."""
+        """ρ̃ of rounds max(1, r-K)..r-1, or None when one of them is unknown."""
         assert self.config is not None
         out: list[float] = []
         for earlier in range(max(1, r - self.config.rounds.clip_history_rounds), r):
@@ -373,7 +373,7 @@ class _Audit:
             return
         if derived.params_digest != _digest(manifest.params):
             self.fail(r, manifest.params, "rederive",
-                      f"clipped mean of the {len(updates)} stored update(s) + outer step from round {r - 1} gives params "
+                      f"aggregate of the {len(updates)} stored update(s) + outer step from round {r - 1} gives params "
                       f"sha256 {derived.params_digest.hex()}, the manifest names {manifest.params}")
         if derived.outer_state_digest != _digest(manifest.outer_state):
             self.fail(r, manifest.outer_state, "rederive",

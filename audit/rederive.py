@@ -27,7 +27,7 @@ from typing import Any, Sequence
 
 import torch
 
-from trainer.aggregation import PLAIN_MEAN, aggregate, exact_norm
+from trainer.aggregation import PLAIN_MEAN, aggregate, exact_norm, round_norm
 from trainer.config import OuterConfig, RoundConfig
 from trainer.compression import CompressionError
 from trainer.diloco import downlink_error_of, momentum_of, outer_state_of, outer_step, zero_momentum
@@ -77,6 +77,12 @@ def update_norms(updates: Mapping[str, bytes]) -> dict[str, float]:
     """‖Δᵢ‖₂ of stored updates, as the coordinator computed them (trainer.aggregation.exact_norm):
     what the next K rounds' clip threshold is taken over."""
     return {w: exact_norm(_decode(f"update of {w}", data)) for w, data in sorted(updates.items())}
+
+
+def stored_round_norm(updates: Mapping[str, bytes]) -> float:
+    """ρ̃ of a closed round from its stored updates (trainer.aggregation.round_norm of their
+    ``exact_norm``s): what the round adds to the clip history of the next K rounds."""
+    return round_norm(list(update_norms(updates).values()))
 
 
 def rederive(outer: OuterConfig, parent_params: bytes, parent_outer_state: bytes,

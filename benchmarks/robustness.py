@@ -245,7 +245,7 @@ def held_out_curve(run_dir: Path, evaluate: Any) -> list[tuple[int, float]]:
 def rederives(run_dir: Path) -> bool:
     """Every round's params and outer state re-derive bit for bit from the stored updates (the
     audit's arithmetic, audit.rederive, under the run's own ``rounds`` section)."""
-    from audit.rederive import rederive, update_norms
+    from audit.rederive import rederive, stored_round_norm
     from storage_client import CID, lineage
     from trainer.config import RunConfig
     from trainer.run_dir import RunDir
@@ -260,7 +260,7 @@ def rederives(run_dir: Path) -> bool:
         history = [n for r in range(max(1, m.round - k), m.round) for n in norms[r]]
         derived = rederive(config.outer, run.store.get(parent.params), run.store.get(parent.outer_state), updates,
                            rounds=config.rounds, history=history)
-        norms[m.round] = list(update_norms(updates).values())
+        norms[m.round] = [stored_round_norm(updates)]
         if (derived.params_digest != CID.parse(m.params).digest
                 or derived.outer_state_digest != CID.parse(m.outer_state).digest):
             return False

@@ -26,7 +26,9 @@ bounded against the round's own updates (``aggregate``), with c = ``rounds.clip_
 K = ``rounds.clip_history_rounds``:
 
     nᵢ   = ‖Δᵢ⁽ʳ⁾‖₂                       (``exact_norm``: correctly rounded, the same on every CPU)
-    R⁽ʳ⁾ = {nᵢ : i ∈ Sᵣ} ∪ {‖Δⱼ⁽ʳ'⁾‖₂ : j ∈ S_r', r−K ≤ r' < r}    (a multiset; raw stored norms)
+    ρ̃⁽ʳ'⁾ = lower median of {‖Δⱼ⁽ʳ'⁾‖₂ : j ∈ S_r'}   (``round_norm``: one value per earlier round, from
+                                           its stored updates alone)
+    R⁽ʳ⁾ = {nᵢ : i ∈ Sᵣ} ∪ {ρ̃⁽ʳ'⁾ : r−K ≤ r' < r}    (a multiset)
     ρ⁽ʳ⁾ = R⁽ʳ⁾₍⌊(|R|−1)/2⌋₎             the lower median (the smaller middle value when |R| is even)
     τ⁽ʳ⁾ = c · ρ⁽ʳ⁾
     sᵢ   = min(1, τ⁽ʳ⁾ / nᵢ)              computed in float64, applied as one float32 multiply
@@ -36,9 +38,12 @@ Breakdown: ρ can exceed every honest norm only if dishonest norms fill more tha
 (strictly: at least |R| − ⌊(|R|−1)/2⌋ of them), so while honest norms are a strict majority of R,
 every update enters with norm ≤ c · max honest norm, i.e. at most c times an honest update's
 influence on the mean. With two workers, one of them dishonest, the lower median is the smaller
-norm: a scaled-up update is clipped to c times the honest one. The K previous rounds' norms (raw
-norms of the stored updates, so an auditor recomputes them from the store alone) guard rounds with
-one or two participants. Deflation is easier: norms at least ⌈|R|/2⌉ of R that are tiny drag ρ
+norm: a scaled-up update is clipped to c times an honest one. The K previous rounds enter as one
+value each, their own lower median ρ̃ (recomputed by an auditor from the stored updates alone, no
+recursion through earlier thresholds): a dishonest minority of a round cannot raise its ρ̃, so a
+persistent attacker's raw norms never reach the history (taking every earlier norm in, as a first
+version did, let a ×86 update set half of its own threshold: it entered at 4.3× the honest norm).
+They guard rounds with one or two participants. Deflation is easier: norms at least ⌈|R|/2⌉ of R that are tiny drag ρ
 down and shrink honest updates, which slows training but never moves the model further than an
 honest update would. The direction of a clipped update is not judged: an update of norm ≤ c·ρ
 pointing the wrong way still counts: screening by effect (``rounds.screen_margin``, off by
@@ -235,6 +240,12 @@ def exact_norm(update: Params) -> float:
     return math.sqrt(math.fsum(sums))
 
 
+def round_norm(norms: Sequence[float]) -> float:
+    """ρ̃⁽ʳ⁾: what a closed round contributes to the next K rounds' clip thresholds, the lower median
+    of its updates' ``exact_norm``s."""
+    return lower_median(norms)
+
+
 def lower_median(values: Sequence[float]) -> float:
     if not values:
         raise ValueError("no norms to take a median of")
@@ -296,7 +307,7 @@ def aggregate(updates: Mapping[str, Params], rounds: RoundConfig, history: Seque
               norms: Mapping[str, float] | None = None) -> Aggregated:
     """Δ⁽ʳ⁾ by the rules of the module docstring and the run's ``rounds`` section (clip_multiple,
     aggregator, trim_fraction): each update clipped, then the robust mean of the clipped updates.
-    ``history``: the norms of the previous K rounds' stored updates; ``norms``: the updates'
+    ``history``: ρ̃ of each of the previous K rounds (``round_norm``); ``norms``: the updates'
     ``exact_norm``s when already known (recomputed if not)."""
     if not updates:
         raise ValueError("cannot aggregate a round with no accepted updates")

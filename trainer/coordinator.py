@@ -11,9 +11,9 @@ Life of round r (the global checkpoint of round r-1 is the run's HEAD):
   close    when ``quorum`` updates are accepted and every live worker has delivered, or
            ``straggler_timeout_s`` after the first accepted update (late or dead workers, and
            workers missing a stage's slice, are dropped from the round; they rejoin at the next).
-  publish  Δ⁽ʳ⁾ = the mean of the updates, each clipped to c × the lower median norm of the round's
-           and the previous K rounds' updates (trainer.aggregation.aggregate, the audit's own
-           arithmetic too), (θ⁽ʳ⁾, m⁽ʳ⁾) = outer step (trainer.diloco); with compression on, the
+  publish  Δ⁽ʳ⁾ = the updates, each clipped to c × the lower median of the round's norms and the
+           previous K rounds' ρ̃, averaged by the config's rule (mean, trimmed mean or median;
+           trainer.aggregation.aggregate, the audit's own arithmetic too), (θ⁽ʳ⁾, m⁽ʳ⁾) = outer step (trainer.diloco); with compression on, the
            global update travels compressed and θ⁽ʳ⁾ is what the replicas rebuild from those bytes
            (trainer.downlink). θ⁽ʳ⁾, m⁽ʳ⁾ (and the downlink bytes) go to the store, then the
            round's manifest, then HEAD moves to it, then round r+1 opens.
@@ -59,7 +59,7 @@ from proto import PROTOCOL_VERSION, pb
 from storage_client import CID, Manifest, Participant, canonical_json, from_e6, lineage, loads_bounded, to_e6
 from storage_client.manifest import Downlink, Traffic
 from trainer.aggregation import (
-    InvalidUpdate, aggregate, check_layout, check_norm, exact_norm, norm_bound,
+    InvalidUpdate, aggregate, check_layout, check_norm, exact_norm, norm_bound, round_norm,
 )
 from trainer.config import ConfigError, RunConfig
 from trainer.data import Corpus, eval_batches, load_corpus, sample_batch
@@ -208,7 +208,7 @@ class Coordinator:
         # Every update accepted in this run, by CID: a byte-identical one is refused (a replay).
         self.accepted_cids: dict[str, tuple[int, str]] = {
             p.update: (r, p.worker) for r, (_, m) in sorted(self.manifests.items()) for p in m.participants}
-        self.norm_history: dict[int, list[float]] = {}  # round -> its updates' norms (see _history)
+        self.norm_history: dict[int, list[float]] = {}  # round -> [its ρ̃] (see _history)
         self._reload_pending()
         # The run's on-chain identity is its genesis manifest: config, corpus and θ⁽⁰⁾ in one digest.
         self.genesis_cid, genesis = self.manifests[0]
@@ -589,9 +589,12 @@ class Coordinator:
     def accept(self, h: pb.UpdateHeader, update: Params, wire_bytes: int) -> tuple[CID, int]:
         """Store and journal an update, or a stage slice, that passed every check; returns its
         record's CID and the open round. The last slice of a worker completes its update."""
+        record = record_of(update)
         if h.num_stages == 1:
+            with self._lock:  # a replay is refused by its hash before any held-out evaluation
+                self._check_replay(str(CID.of(record)))
             self.screen(h.round, update)
-        cid = self.store.put(record_of(update))  # before the journal names it
+        cid = self.store.put(record)  # before the journal names it
         norm = exact_norm(update) if h.num_stages == 1 else None  # outside the lock: a pass over Δ
         with self._lock:
             self._check_round(h.worker_id, h.round, h.stage, h.num_stages)  # the round may have moved
@@ -703,15 +706,16 @@ class Coordinator:
                  h.worker_id, part.num_stages, h.train_loss, norm)
 
     def _history(self, round_: int) -> list[float]:
-        """The norms of the updates of rounds max(1, r-K)..r-1, K = rounds.clip_history_rounds: kept
-        from their closing, or after a restart recomputed from the stored updates the manifests name
-        (as the audit does)."""
+        """ρ̃ of rounds max(1, r-K)..r-1, K = rounds.clip_history_rounds (trainer.aggregation.round_norm):
+        kept from their closing, or after a restart recomputed from the stored updates the manifests
+        name (as the audit does)."""
         out: list[float] = []
         for earlier in range(max(1, round_ - self.config.rounds.clip_history_rounds), round_):
             norms = self.norm_history.get(earlier)
             if norms is None:
                 _, manifest = self.manifests[earlier]
-                norms = [exact_norm(decode_params(self.store.get(p.update))) for p in manifest.participants]
+                norms = [round_norm([exact_norm(decode_params(self.store.get(p.update)))
+                                     for p in manifest.participants])]
                 self.norm_history[earlier] = norms
             out.extend(norms)
         for old in [k for k in self.norm_history if k < round_ - self.config.rounds.clip_history_rounds]:
@@ -862,7 +866,7 @@ class Coordinator:
         summary = RoundSummary.of(manifest_cid, manifest, refused, seconds=self.clock() - r.opened_at)
         self.run_dir.log_round(dataclasses.asdict(summary))
         with self._lock:
-            self.norm_history[r.number] = [aggregated.norms[w] for w in sorted(aggregated.norms)]
+            self.norm_history[r.number] = [round_norm(list(aggregated.norms.values()))]
             self.global_state = GlobalState(r.number, params, momentum, payload, params_cid, manifest_cid,
                                             manifest.eval_loss_e6, downlink)
             self.manifests[r.number] = (manifest_cid, manifest)

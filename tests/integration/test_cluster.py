@@ -3,7 +3,7 @@
 import pytest
 
 from proto import MAX_MESSAGE_BYTES
-from audit.rederive import rederive, update_norms
+from audit.rederive import rederive, stored_round_norm
 from storage_client import CID, lineage
 from trainer.cluster import LocalCluster
 from trainer.compression import CompressionConfig
@@ -21,7 +21,7 @@ def assert_rederivable(run: RunDir) -> list:
     assert [m.round for _, m in chain] == list(range(len(chain)))
     config = RunConfig.from_json(run.store.get_json(chain[0][1].config))
     assert config.data.corpus_sha256  # pinned at genesis
-    norms: dict[int, list[float]] = {}  # each round's stored update norms: the next rounds' clip history
+    norms: dict[int, list[float]] = {}  # each round's ρ̃ (round_norm): the next rounds' clip history
     for (parent_cid, parent), (_, m) in zip(chain, chain[1:], strict=False):
         assert m.parent == str(parent_cid)
         assert (m.downlink is not None) == config.compression.enabled
@@ -30,7 +30,7 @@ def assert_rederivable(run: RunDir) -> list:
         history = [n for r in range(max(1, m.round - config.rounds.clip_history_rounds), m.round) for n in norms[r]]
         derived = rederive(config.outer, run.store.get(parent.params), run.store.get(parent.outer_state),
                            updates, downlink, rounds=config.rounds, history=history)
-        norms[m.round] = list(update_norms(updates).values())
+        norms[m.round] = [stored_round_norm(updates)]
         assert derived.params_digest == CID.parse(m.params).digest, f"round {m.round} params do not re-derive"
         assert derived.outer_state_digest == CID.parse(m.outer_state).digest, f"round {m.round} outer state"
         # Every byte of the round is accounted for, per worker and direction.

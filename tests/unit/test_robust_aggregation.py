@@ -261,3 +261,23 @@ def test_aggregator_config_is_validated() -> None:
     assert RunConfig.from_json(config.to_json()) == config  # travels as the string and the float's repr
     with pytest.raises(ValueError, match="unknown aggregator"):  # an unvalidated section, refused anyway
         aggregate({"w": update(0)}, RoundConfig(aggregator="krum"))
+
+
+def test_an_attackers_raw_norms_never_reach_the_clip_history() -> None:
+    """Each earlier round enters the history as its own lower median ρ̃, so one attacker among two
+    cannot raise the threshold of later rounds (raw norms in the history let a ×86 update set half
+    of its own threshold and enter at 4.3× the honest norm)."""
+    from trainer.aggregation import round_norm
+
+    honest, attacker = [11.9, 5.5, 5.6], [1023.0, 473.0, 481.6]
+    history = [round_norm([h, a]) for h, a in zip(honest[:2], attacker[:2])]
+    assert history == honest[:2]  # the smaller of each pair: the honest norm
+    rounds = RoundConfig(clip_multiple=2.0)
+    g = torch.Generator().manual_seed(0)
+    w0 = {"w": torch.randn(64, generator=g)}
+    w0 = {"w": w0["w"] * (honest[2] / float(w0["w"].norm()))}
+    mallory = {"w": w0["w"] * (attacker[2] / honest[2])}
+    out = aggregate({"w0": w0, "mallory": mallory}, rounds, history)
+    # R = {5.6, 481.6, 11.9, 5.5}: lower median 5.6, so mallory enters at 2 × 5.6, not 2 × 11.9
+    assert out.threshold == pytest.approx(2 * honest[2], rel=1e-6)
+    assert out.scales["w0"] == 1.0 and out.clipped == ["mallory"]
