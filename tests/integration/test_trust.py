@@ -184,7 +184,10 @@ def test_chain_down_rounds_stay_queued_then_recorded(cluster: LocalCluster, chai
     assert cluster.wait_exit("w0", 120) == 0, cluster.log("w0")
     # Status shows how far the ledger is behind while the chain is away.
     cluster.wait_for(lambda s: s.finished and s.ledger_lag_rounds >= 2, 60, "the run to finish, the ledger behind")
-    queued = list((cluster.run_dir.path / "outbox").glob("*.json"))
+    deadline = time.monotonic() + 30  # the last rounds are queued once reported (or --report-timeout)
+    while not list((cluster.run_dir.path / "outbox").glob("*-round.json")) and time.monotonic() < deadline:
+        time.sleep(0.2)
+    queued = list((cluster.run_dir.path / "outbox").glob("*-round.json"))
     assert queued, "rounds finished while the chain was down must wait in the outbox"
     deadline = time.monotonic() + 30  # the outbox says so once its retries are spent
     while "is unreachable" not in cluster.log("coordinator", tail=400) and time.monotonic() < deadline:
