@@ -142,18 +142,11 @@ def cmd_worker(args: argparse.Namespace) -> int:
 
 
 def _exit_now(code: int) -> int:
-    """Leave with ``code`` once the work is done, skipping the C++ runtime's teardown at exit.
+    """A finished worker leaves with its own code (trainer.pipeline.leave says why): its threads are
+    joined, its channel and stage processes closed and its files written by now."""
+    from trainer.pipeline import leave
 
-    Everything the worker owes is on disk or sent by now (its threads joined, its channel and stage
-    processes closed, its files written atomically). What is left is the static destruction of
-    torch's and gRPC's native thread pools, which under load has aborted a finished worker
-    ("terminate called without an active exception", SIGABRT) and turned a clean finish into a
-    crash; a finished process must exit with its own code.
-    """
-    logging.shutdown()
-    sys.stdout.flush()
-    sys.stderr.flush()
-    os._exit(code)
+    leave(code)
 
 
 def cmd_status(args: argparse.Namespace) -> int:

@@ -86,7 +86,8 @@ itself when the worker is gone, so a killed worker leaves no stage processes beh
 :meth:`PipelinedInnerLoop.close` stops them at once.
 
 Under ``torchrun`` call :func:`init_from_env`, build one :class:`StageRunner` in each process and
-call its :meth:`StageRunner.run` every round: its AdamW state persists in the runner.
+call its :meth:`StageRunner.run` every round: its AdamW state persists in the runner; end the
+process with :func:`leave` once its results are written.
 """
 
 from __future__ import annotations
@@ -95,11 +96,12 @@ import logging
 import os
 import queue as queue_mod
 import socket
+import sys
 import time
 import traceback
 from dataclasses import dataclass
 from datetime import timedelta
-from typing import Any, Callable, Sequence
+from typing import Any, Callable, NoReturn, Sequence
 
 import numpy as np
 import torch
@@ -216,6 +218,29 @@ def init_from_env(timeout_s: float = DEFAULT_TIMEOUT_S, backend: str | None = No
     if backend == "nccl":
         torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
     dist.init_process_group(backend, timeout=timedelta(seconds=timeout_s))
+
+
+def leave(code: int = 0) -> NoReturn:
+    """End a process that has finished its work with ``code``, without the C++ runtime's teardown.
+
+    At interpreter exit, the static destruction of gloo's (and gRPC's) native threads has aborted
+    finished processes under load ("terminate called without an active exception", SIGABRT, exit
+    −6), even after ``destroy_process_group``: a clean finish then reads as a crash. Call this once
+    everything the process owes is written (files are written atomically; queues flushed by the
+    caller); the process group is left first when one stands.
+    """
+    if dist.is_available() and dist.is_initialized():
+        try:
+            dist.destroy_process_group()
+        except Exception:  # noqa: BLE001 - leaving anyway; peers see the group end either way
+            pass
+    logging.shutdown()
+    for stream in (sys.stdout, sys.stderr):
+        try:
+            stream.flush()
+        except (OSError, ValueError):
+            pass
+    os._exit(code)
 
 
 def _default_device() -> torch.device:
@@ -499,10 +524,9 @@ def _stage_main(index: int, setup: _Setup, jobs: Any, results: Any, round_fn: Ro
     except BaseException as exc:  # noqa: BLE001 - everything goes back to the parent
         results.put(("error", index, seq, f"{type(exc).__name__}: {exc}", traceback.format_exc()))
     finally:
-        # No destroy_process_group: after a failure it may wait on dead peers. What this process
-        # owes is in the results queue: send it, then leave without the C++ runtime's teardown,
-        # whose gloo threads can abort a finished process ("terminate called without an active
-        # exception"); exiting frees the sockets and memory all the same.
+        # What this process owes is in the results queue: send it, then leave (see ``leave``; no
+        # destroy_process_group here: after a failure it may wait on dead peers, and exiting
+        # frees the sockets and memory all the same).
         results.close()
         results.join_thread()
         os._exit(0)

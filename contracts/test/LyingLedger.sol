@@ -15,29 +15,7 @@ import {WorkerRegistry} from "../src/WorkerRegistry.sol";
  * whatever this contract lets through, because an auditor cannot trust a ledger's checks, only
  * what it recorded.
  */
-contract LyingLedger is EIP712 {
-    struct Run {
-        address coordinator;
-        uint64 lastRound;
-        bytes32 lastCheckpoint;
-        bytes32 genesisCheckpoint;
-        bytes32 configDigest;
-        bytes32 genesisManifest;
-    }
-
-    struct RoundRecord {
-        bytes32 checkpoint;
-        bytes32 manifestDigest;
-        uint64 reportCount;
-        uint64 recordedAt;
-        uint64 unreportedCount;
-    }
-
-    struct Contribution {
-        uint64 tokens;
-        uint64 rounds;
-    }
-
+contract LyingLedger is IContributionLedger, EIP712 {
     struct RunTally {
         uint64 tokens;
         uint64 rounds;
@@ -56,26 +34,6 @@ contract LyingLedger is EIP712 {
     mapping(bytes32 digest => bool) private _recorded;
     mapping(bytes32 runId => mapping(address worker => RunTally)) private _tallies;
     mapping(address worker => Contribution) private _totals;
-
-    event RunCreated(
-        bytes32 indexed runId,
-        address indexed coordinator,
-        bytes32 genesisCheckpoint,
-        bytes32 configDigest,
-        bytes32 genesisManifest
-    );
-    event ReportAccepted(
-        bytes32 indexed runId, uint64 indexed round, address indexed worker, bytes32 digest, uint64 tokens
-    );
-    event UpdateUnreported(bytes32 indexed runId, uint64 indexed round, bytes32 updateDigest);
-    event RoundRecorded(
-        bytes32 indexed runId,
-        uint64 indexed round,
-        bytes32 checkpoint,
-        bytes32 manifestDigest,
-        uint256 reportCount,
-        uint256 unreportedCount
-    );
 
     constructor(WorkerRegistry registry_) EIP712("DiLoCoX Contribution Ledger", "1") {
         _registry = registry_;
@@ -100,7 +58,7 @@ contract LyingLedger is EIP712 {
         bytes32 parentCheckpoint,
         bytes32 checkpoint,
         bytes32 manifestDigest,
-        IContributionLedger.SignedReport[] calldata reports,
+        SignedReport[] calldata reports,
         bytes32[] calldata unreported
     ) external {
         parentCheckpoint; // accepted as given
@@ -124,7 +82,7 @@ contract LyingLedger is EIP712 {
     }
 
     /// @dev Tallies a report as given (the real ledger checks it first).
-    function _credit(bytes32 runId, uint64 round, IContributionLedger.RoundReport calldata report) private {
+    function _credit(bytes32 runId, uint64 round, RoundReport calldata report) private {
         bytes32 digest = reportDigest(report);
         _recorded[digest] = true;
         RunTally storage tally = _tallies[runId][report.worker];
@@ -144,7 +102,7 @@ contract LyingLedger is EIP712 {
         tally.rounds = rounds;
     }
 
-    function reportDigest(IContributionLedger.RoundReport calldata report) public view returns (bytes32) {
+    function reportDigest(RoundReport calldata report) public view returns (bytes32) {
         return _hashTypedDataV4(keccak256(abi.encode(ROUND_REPORT_TYPEHASH, report)));
     }
 

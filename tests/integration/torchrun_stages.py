@@ -33,9 +33,11 @@ def main(out: Path, batch_seed: int) -> None:
         (out / f"stage{result.stage}.safetensors").write_bytes(encode_params(result.pseudo_gradient))
         (out / f"stage{result.stage}.json").write_text(json.dumps(
             {"world_size": dist.get_world_size(), "losses": result.losses, "tokens": result.tokens}))
-    finally:
+    except BaseException:
         dist.destroy_process_group()
+        raise
 
 
 if __name__ == "__main__":
     main(Path(sys.argv[1]), int(sys.argv[2]))
+    pp.leave(0)  # the documented way out: a finished rank must not abort in the runtime's teardown
