@@ -94,7 +94,7 @@ from storage_client.manifest import SCHEMA as MANIFEST_SCHEMA
 from trainer.config import ConfigError, RunConfig
 
 from .admission import AdmissionCheck, check_admission
-from .rederive import RederiveError, genesis_outer_state, rederive, stored_round_norm
+from .rederive import RederiveError, clip_history, genesis_outer_state, rederive, stored_round_norm
 from .result import AuditResult, Failure, RoundRow
 
 
@@ -326,13 +326,7 @@ class _Audit:
     def history(self, r: int) -> list[float] | None:
         """ρ̃ of rounds max(1, r-K)..r-1, or None when one of them is unknown."""
         assert self.config is not None
-        out: list[float] = []
-        for earlier in range(max(1, r - self.config.rounds.clip_history_rounds), r):
-            norms = self.norms.get(earlier)
-            if norms is None:
-                return None
-            out.extend(norms)
-        return out
+        return clip_history(self.norms, r, self.config.rounds.clip_history_rounds)
 
     def check_rederive(self, r: int, manifest: Manifest, parent: _Loaded | None, updates: dict[str, bytes]) -> None:
         if self.config is not None and self.config.rounds.clip_multiple > 0 and self.history(r) is None:

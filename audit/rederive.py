@@ -85,6 +85,18 @@ def stored_round_norm(updates: Mapping[str, bytes]) -> float:
     return round_norm(list(update_norms(updates).values()))
 
 
+def clip_history(round_norms: Mapping[int, Sequence[float] | None], round_: int, k: int) -> list[float] | None:
+    """The ``history`` round r's ``aggregate`` takes: the ρ̃ of rounds max(1, r−K)..r−1, from
+    ``round_norms`` (round → [ρ̃], as ``stored_round_norm`` gives); None when one is unknown."""
+    out: list[float] = []
+    for earlier in range(max(1, round_ - k), round_):
+        norms = round_norms.get(earlier)
+        if norms is None:
+            return None
+        out.extend(norms)
+    return out
+
+
 def rederive(outer: OuterConfig, parent_params: bytes, parent_outer_state: bytes,
              updates: Mapping[str, bytes], downlink: tuple[bytes, Mapping[str, Any]] | None = None, *,
              rounds: RoundConfig = PLAIN_MEAN, history: Sequence[float] = ()) -> Derived:

@@ -245,7 +245,7 @@ def held_out_curve(run_dir: Path, evaluate: Any) -> list[tuple[int, float]]:
 def rederives(run_dir: Path) -> bool:
     """Every round's params and outer state re-derive bit for bit from the stored updates (the
     audit's arithmetic, audit.rederive, under the run's own ``rounds`` section)."""
-    from audit.rederive import rederive, stored_round_norm
+    from audit.rederive import clip_history, rederive, stored_round_norm
     from storage_client import CID, lineage
     from trainer.config import RunConfig
     from trainer.run_dir import RunDir
@@ -256,8 +256,7 @@ def rederives(run_dir: Path) -> bool:
     norms: dict[int, list[float]] = {}
     for (_, parent), (_, m) in zip(chain, chain[1:]):
         updates = {p.worker: run.store.get(p.update) for p in m.participants}
-        k = config.rounds.clip_history_rounds
-        history = [n for r in range(max(1, m.round - k), m.round) for n in norms[r]]
+        history = clip_history(norms, m.round, config.rounds.clip_history_rounds)
         derived = rederive(config.outer, run.store.get(parent.params), run.store.get(parent.outer_state), updates,
                            rounds=config.rounds, history=history)
         norms[m.round] = [stored_round_norm(updates)]

@@ -3,7 +3,7 @@
 import pytest
 
 from proto import MAX_MESSAGE_BYTES
-from audit.rederive import rederive, stored_round_norm
+from audit.rederive import clip_history, rederive, stored_round_norm
 from storage_client import CID, lineage
 from trainer.cluster import LocalCluster
 from trainer.compression import CompressionConfig
@@ -27,7 +27,7 @@ def assert_rederivable(run: RunDir) -> list:
         assert (m.downlink is not None) == config.compression.enabled
         downlink = m.downlink and (run.store.get(m.downlink.payload), run.store.get_json(m.downlink.header))
         updates = {p.worker: run.store.get(p.update) for p in m.participants}
-        history = [n for r in range(max(1, m.round - config.rounds.clip_history_rounds), m.round) for n in norms[r]]
+        history = clip_history(norms, m.round, config.rounds.clip_history_rounds)
         derived = rederive(config.outer, run.store.get(parent.params), run.store.get(parent.outer_state),
                            updates, downlink, rounds=config.rounds, history=history)
         norms[m.round] = [stored_round_norm(updates)]
