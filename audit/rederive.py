@@ -1,15 +1,9 @@
-"""Re-derive a round's checkpoint from stored bytes: the coordinator's arithmetic, done again.
+"""Re-derive a round's checkpoint from stored bytes: the coordinator's own round transition
+(``trainer.transition.round_transition``), run again by the auditor.
 
-    Δ⁽ʳ⁾      = trainer.aggregation.aggregate of the participants' stored updates under the run's
-                ``rounds`` section: each clipped to c × the lower median of their norms and the
-                previous K rounds' stored norms (c = 0: no clip), then the mean, trimmed mean or
-                coordinate-wise median of the clipped updates (rounds.aggregator)
-    θ̃⁽ʳ⁾, m⁽ʳ⁾ = outer_step(config.outer, θ⁽ʳ⁻¹⁾, m⁽ʳ⁻¹⁾, Δ⁽ʳ⁾)
-    θ⁽ʳ⁾      = θ̃⁽ʳ⁾                                      when the global update travelled dense
-    θ⁽ʳ⁾      = θ⁽ʳ⁻¹⁾ − decompress(C⁽ʳ⁾)                  when it travelled compressed (C⁽ʳ⁾ the
-    e⁽ʳ⁾      = fl32(θ⁽ʳ⁻¹⁾ − θ̃⁽ʳ⁾ + e⁽ʳ⁻¹⁾ − decompress(C⁽ʳ⁾))   manifest's downlink object; e the
-                                                           downlink error in the outer state,
-                                                           trainer.downlink)
+The transition's equations and the rules that make its bytes the same on every CPU are in its
+module docstring; the auditor passes the stored compressed global update C⁽ʳ⁾ (the manifest's
+downlink object) where the coordinator passed its compressor.
 
 θ⁽ʳ⁻¹⁾ and m⁽ʳ⁻¹⁾ are decoded from round r-1's stored params and outer state (momentum tensors are
 named ``momentum.<param>``). The results are encoded with ``trainer.wire.encode_params`` (no
@@ -25,14 +19,11 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any, Sequence
 
-import torch
-
-from trainer.aggregation import PLAIN_MEAN, aggregate, exact_norm, round_norm
+from trainer.aggregation import PLAIN_MEAN, exact_norm, round_norm
 from trainer.config import OuterConfig, RoundConfig
-from trainer.compression import CompressionError
-from trainer.diloco import downlink_error_of, momentum_of, outer_state_of, outer_step, zero_momentum
-from trainer.downlink import apply_update, carried_error, decode_update, global_update
-from trainer.wire import Params, WireError, decode_params, encode_params, layout_of
+from trainer.diloco import outer_state_of, zero_momentum
+from trainer.transition import OuterState, TransitionError, round_transition, stored_downlink
+from trainer.wire import Params, WireError, decode_params, encode_params
 
 class RederiveError(ValueError):
     """Stored bytes that cannot be combined as the round says (bad encoding, mismatched tensors)."""
@@ -58,13 +49,6 @@ def _decode(what: str, data: bytes) -> Params:
         return decode_params(data)
     except WireError as exc:
         raise RederiveError(f"{what}: {exc}") from None
-
-
-def _outer_state(state: Params) -> tuple[Params, Params]:
-    try:
-        return momentum_of(state), downlink_error_of(state)
-    except ValueError as exc:
-        raise RederiveError(str(exc)) from None
 
 
 def genesis_outer_state(params_bytes: bytes) -> bytes:
@@ -102,41 +86,20 @@ def rederive(outer: OuterConfig, parent_params: bytes, parent_outer_state: bytes
              rounds: RoundConfig = PLAIN_MEAN, history: Sequence[float] = ()) -> Derived:
     """θ⁽ʳ⁾ and the outer state as bytes from round r-1's stored state, the round's stored updates
     (keyed by worker id, as in the manifest) and, when the global update travelled compressed, its
-    stored bytes and codec header. ``rounds`` is the run's ``rounds`` section, whose clip_multiple,
-    aggregator and trim_fraction fix the rule (default: no clip, the plain mean), and ``history``
-    the norms of the stored updates of the previous ``rounds.clip_history_rounds`` rounds
-    (``update_norms``)."""
+    stored bytes and codec header: ``trainer.transition.round_transition``, the coordinator's own
+    function, with the stored C⁽ʳ⁾ as the downlink. ``rounds`` is the run's ``rounds`` section, whose
+    clip_multiple, aggregator and trim_fraction fix the rule (default: no clip, the plain mean), and
+    ``history`` ρ̃ of the previous ``rounds.clip_history_rounds`` rounds (``clip_history``)."""
     if not updates:
         raise RederiveError("the round has no participants, so nothing to average")
-    params = _decode("parent params", parent_params)
-    momentum, error = _outer_state(_decode("parent outer state", parent_outer_state))
-    layout = layout_of(params)
-    if layout_of(momentum) != layout:
-        raise RederiveError("parent outer state does not have one momentum tensor per parameter "
-                            "with the parameter's dtype and shape")
-    decoded: dict[str, Params] = {}
-    for worker in sorted(updates):
-        update = _decode(f"update of {worker}", updates[worker])
-        got = layout_of(update)
-        if got != layout:
-            names = sorted(n for n in set(got) | set(layout) if got.get(n) != layout.get(n))
-            raise RederiveError(f"update of {worker} does not match the parameters at tensor {names[0]}: "
-                                f"{got.get(names[0], 'absent')} vs {layout.get(names[0], 'absent')}")
-        decoded[worker] = update
-    with torch.no_grad():
-        aggregated = aggregate(decoded, rounds, history)
-        delta, norms = aggregated.delta, aggregated.norms
-        new_params, new_momentum = outer_step(outer, params, momentum, delta)
-        if downlink is None:
-            if error:
-                raise RederiveError("the parent outer state carries a downlink error, but the round's global "
-                                    "update is not compressed")
-            return Derived(encode_params(new_params), encode_params(outer_state_of(new_momentum)), norms)
-        try:
-            received = decode_update(downlink[0], downlink[1], layout)
-        except CompressionError as exc:
-            raise RederiveError(f"compressed global update: {exc}") from None
-        update = global_update(params, new_params)
-        new_error = carried_error(update, error, received)
-        published = apply_update(params, received)
-    return Derived(encode_params(published), encode_params(outer_state_of(new_momentum, new_error)), norms)
+    try:
+        parent = OuterState.decode(parent_params, parent_outer_state)
+    except TransitionError as exc:
+        raise RederiveError(f"parent state: {exc}") from None
+    decoded = {worker: _decode(f"update of {worker}", updates[worker]) for worker in sorted(updates)}
+    encoder = stored_downlink(*downlink) if downlink is not None else None
+    try:
+        result = round_transition(parent, decoded, outer=outer, rounds=rounds, history=history, downlink=encoder)
+    except TransitionError as exc:
+        raise RederiveError(str(exc)) from None
+    return Derived(result.state.params_bytes(), result.state.outer_state_bytes(), result.aggregated.norms)

@@ -12,10 +12,10 @@ Life of round r (the global checkpoint of round r-1 is the run's HEAD):
            ``straggler_timeout_s`` after the first accepted update (late or dead workers, and
            workers missing a stage's slice, are dropped from the round; they rejoin at the next).
   publish  Δ⁽ʳ⁾ = the updates, each clipped to c × the lower median of the round's norms and the
-           previous K rounds' ρ̃, averaged by the config's rule (mean, trimmed mean or median;
-           trainer.aggregation.aggregate, the audit's own arithmetic too), (θ⁽ʳ⁾, m⁽ʳ⁾) = outer step (trainer.diloco); with compression on, the
-           global update travels compressed and θ⁽ʳ⁾ is what the replicas rebuild from those bytes
-           (trainer.downlink). θ⁽ʳ⁾, m⁽ʳ⁾ (and the downlink bytes) go to the store, then the
+           previous K rounds' ρ̃, averaged by the config's rule (mean, trimmed mean or median),
+           (θ⁽ʳ⁾, m⁽ʳ⁾) = outer step; with compression on, the global update travels compressed and
+           θ⁽ʳ⁾ is what the replicas rebuild from those bytes. All of it is
+           trainer.transition.round_transition, the function the audit re-runs. θ⁽ʳ⁾, m⁽ʳ⁾ (and the downlink bytes) go to the store, then the
            round's manifest, then HEAD moves to it, then round r+1 opens.
 
 Refused by name besides malformed pushes (trainer.aggregation's checks): an all-zero update, one
@@ -59,15 +59,16 @@ from proto import PROTOCOL_VERSION, pb
 from storage_client import CID, Manifest, Participant, canonical_json, from_e6, lineage, loads_bounded, to_e6
 from storage_client.manifest import Downlink, Traffic
 from trainer.aggregation import (
-    InvalidUpdate, aggregate, check_layout, check_norm, exact_norm, norm_bound, round_norm,
+    InvalidUpdate, check_layout, check_norm, exact_norm, norm_bound, round_norm,
 )
 from trainer.config import ConfigError, RunConfig
 from trainer.data import Corpus, eval_batches, load_corpus, sample_batch
 from trainer.compression import AdaptiveRankPolicy
 from trainer.diloco import (
-    downlink_error_of, evaluate, load_params, momentum_of, outer_state_of, outer_step, params_of, zero_momentum,
+    downlink_error_of, evaluate, load_params, momentum_of, outer_state_of, params_of, zero_momentum,
 )
 from trainer.downlink import DownlinkCompressor
+from trainer.transition import OuterState, round_transition
 from trainer.model import build_model, param_count
 from trainer.pipeline import stage_param_names
 from trainer.uplink import record_of
@@ -148,6 +149,11 @@ class GlobalState:
     # The compressed global update C⁽ʳ⁾ and its codec header (canonical JSON), and the CID of
     # θ⁽ʳ⁻¹⁾ it applies to; None when the round's update travels dense.
     downlink: tuple[bytes, bytes, str] | None = None
+    downlink_error: Params = field(default_factory=dict)  # e⁽ʳ⁾, part of the outer state
+
+    @property
+    def outer(self) -> OuterState:
+        return OuterState(self.params, self.momentum, self.downlink_error)
 
 
 @dataclass(frozen=True)
@@ -290,16 +296,14 @@ class Coordinator:
         params = decode_params(payload)
         outer_state = decode_params(self.store.get(tip.outer_state))
         momentum = momentum_of(outer_state)
-        if self.downlink is not None:
-            # e carries on from the stored outer state; the rank policy's window starts afresh.
-            self.downlink.error = downlink_error_of(outer_state)
         downlink = None
         if tip.downlink is not None:
             header = canonical_json(self.store.get_json(tip.downlink.header))
             downlink = (self.store.get(tip.downlink.payload), header, chain[-2][1].params)
         load_params(self.model, params)
+        # e carries on from the stored outer state; the rank policy's window starts afresh.
         self.global_state = GlobalState(tip.round, params, momentum, payload, CID.parse(tip.params), tip_cid,
-                                        tip.eval_loss_e6, downlink)
+                                        tip.eval_loss_e6, downlink, downlink_error_of(outer_state))
         self.manifests = {m.round: (cid, m) for cid, m in chain}
         self.summaries = [RoundSummary.of(cid, m) for cid, m in chain]
         log.info("run %s: resumed at round %d from %s", stored.run_id, tip.round, tip_cid)
@@ -814,27 +818,27 @@ class Coordinator:
         """Aggregate and publish the closing round (called by one thread, after close_due)."""
         r, g, cfg = self.round, self.global_state, self.config
         started = self.clock()
-        aggregated = aggregate({w: a.update for w, a in r.accepted.items()}, cfg.rounds,
-                               self._history(r.number),
-                               {w: a.norm for w, a in r.accepted.items() if a.norm is not None})
-        delta = aggregated.delta
+        result = round_transition(g.outer, {w: a.update for w, a in r.accepted.items()}, outer=cfg.outer,
+                                  rounds=cfg.rounds, history=self._history(r.number),
+                                  norms={w: a.norm for w, a in r.accepted.items() if a.norm is not None},
+                                  downlink=self.downlink)
+        aggregated, child = result.aggregated, result.state
         if aggregated.clipped:
             log.warning("round %d: clipped %s to norm %.4g (norms %s)", r.number,
                         ", ".join(aggregated.clipped), aggregated.threshold,
                         ", ".join(f"{w} {n:.4g}" for w, n in sorted(aggregated.norms.items())))
-        params, momentum = outer_step(cfg.outer, g.params, g.momentum, delta)
-        downlink, downlink_record, error = None, None, None
-        if self.downlink is not None:
-            params, sent, header, decision = self.downlink.publish(g.params, params)
-            error = self.downlink.error
-            header_bytes = canonical_json(header)
-            downlink = (sent, header_bytes, str(g.params_cid))
+        params = child.params
+        downlink, downlink_record = None, None
+        if result.downlink is not None and self.downlink is not None:
+            sent, header = result.downlink.payload, dict(result.downlink.header)
+            downlink = (sent, canonical_json(header), str(g.params_cid))
             downlink_record = Downlink(payload=str(self.store.put(sent)), header=str(self.store.put_json(header)))
+            decision = self.downlink.last_decision
             log.info("round %d: global update compressed to %d bytes (mean rank %.1f, energy %.3f)",
                      r.number, len(sent), decision.mean_rank, decision.energy)
-        payload = encode_params(params)
+        payload = child.params_bytes()
         params_cid = self.store.put(payload)
-        outer_cid = self.store.put(encode_params(outer_state_of(momentum, error)))
+        outer_cid = self.store.put(child.outer_state_bytes())
         load_params(self.model, params)
         eval_loss = evaluate(self.model, self.eval_batches)
         with self._lock:
@@ -867,8 +871,8 @@ class Coordinator:
         self.run_dir.log_round(dataclasses.asdict(summary))
         with self._lock:
             self.norm_history[r.number] = [round_norm(list(aggregated.norms.values()))]
-            self.global_state = GlobalState(r.number, params, momentum, payload, params_cid, manifest_cid,
-                                            manifest.eval_loss_e6, downlink)
+            self.global_state = GlobalState(r.number, params, child.momentum, payload, params_cid, manifest_cid,
+                                            manifest.eval_loss_e6, downlink, child.downlink_error)
             self.manifests[r.number] = (manifest_cid, manifest)
             self.closed_at[r.number] = self.clock()
             self.summaries.append(summary)

@@ -18,9 +18,10 @@ one step of SGD with Nesterov momentum (μ = 0.9, η = 0.7), starting from m⁽�
     θ⁽ʳ⁾ = θ⁽ʳ⁻¹⁾ − η (Δ⁽ʳ⁾ + μ m⁽ʳ⁾)                                (Nesterov)
     θ⁽ʳ⁾ = θ⁽ʳ⁻¹⁾ − η m⁽ʳ⁾                                           (plain momentum, nesterov=False)
 
-This is exactly ``torch.optim.SGD(lr=η, momentum=μ, nesterov=True)`` applied with the gradient
-set to Δ⁽ʳ⁾; it is written out as a pure function so its state is one plain tensor per parameter,
-stored as safetensors beside each checkpoint and re-derivable by an auditor.
+This is ``torch.optim.SGD(lr=η, momentum=μ, nesterov=True)`` applied with the gradient set to Δ⁽ʳ⁾,
+written out as a pure function so its state is one plain tensor per parameter, stored as
+safetensors beside each checkpoint, and computed with one rounding per operation (no fused
+multiply-add), so that an auditor on any CPU re-derives the same bits (trainer.transition).
 """
 
 from __future__ import annotations
@@ -106,22 +107,29 @@ def zero_momentum(params: Params) -> Params:
 
 
 def outer_step(cfg: OuterConfig, params: Params, momentum: Params, delta: Params) -> tuple[Params, Params]:
-    """(θ⁽ʳ⁾, m⁽ʳ⁾) from θ⁽ʳ⁻¹⁾, m⁽ʳ⁻¹⁾ and Δ⁽ʳ⁾; see the module docstring.
+    """(θ⁽ʳ⁾, m⁽ʳ⁾) from θ⁽ʳ⁻¹⁾, m⁽ʳ⁻¹⁾ and Δ⁽ʳ⁾; see the module docstring. One rounding per
+    operation, no fused multiply-add (trainer.transition's rules), μ and η rounded to each tensor's
+    dtype first:
+
+        m⁽ʳ⁾ = fl(fl(μ·m⁽ʳ⁻¹⁾) + Δ⁽ʳ⁾)
+        d    = fl(Δ⁽ʳ⁾ + fl(μ·m⁽ʳ⁾))          (Nesterov; d = m⁽ʳ⁾ without)
+        θ⁽ʳ⁾ = fl(θ⁽ʳ⁻¹⁾ − fl(η·d))
 
     Pure: the inputs are left untouched, so a round that fails half-way through being published
     leaves the previous global state intact.
     """
-    lr, mu = cfg.lr, cfg.momentum
     new_params: Params = {}
     new_momentum: Params = {}
     for name, theta in params.items():
-        m = momentum[name].mul(mu).add_(delta[name])
-        direction = delta[name].add(m, alpha=mu) if cfg.nesterov else m
-        new_params[name] = theta.sub(direction, alpha=lr)
+        mu = torch.tensor(cfg.momentum, dtype=theta.dtype)
+        lr = torch.tensor(cfg.lr, dtype=theta.dtype)
+        m = torch.mul(momentum[name], mu).add_(delta[name])
+        direction = torch.add(delta[name], torch.mul(m, mu)) if cfg.nesterov else m
+        new_params[name] = torch.sub(theta, torch.mul(direction, lr))
         new_momentum[name] = m
         if not bool(torch.isfinite(new_params[name]).all()):  # e.g. an outer lr of 1e30
-            raise OuterStepError(f"the outer step made {name} non-finite (outer lr {lr:g}, momentum {mu:g}); "
-                                 f"nothing is published")
+            raise OuterStepError(f"the outer step made {name} non-finite (outer lr {cfg.lr:g}, momentum "
+                                 f"{cfg.momentum:g}); nothing is published")
     return new_params, new_momentum
 
 

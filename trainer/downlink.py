@@ -30,12 +30,13 @@ A worker that does not hold θ⁽ʳ⁻¹⁾ (it joined late, or fell behind) is 
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import Any, Mapping
 
 import torch
 
 from trainer.compression import AdaptiveRankPolicy, RoundDecision, compress, decompress
-from trainer.wire import Layout, Params, layout_of
+from trainer.wire import Layout, Params
 
 
 def global_update(previous: Params, target: Params) -> Params:
@@ -66,20 +67,27 @@ def decode_update(payload: bytes, header: Mapping[str, Any], layout: Layout) -> 
     return decompress(payload, header, layout)
 
 
+@dataclass(frozen=True)
+class EncodedDownlink:
+    """C⁽ʳ⁾: the compressed global update as sent, and its codec header."""
+
+    payload: bytes
+    header: Mapping[str, Any]
+
+
 class DownlinkCompressor:
-    """The coordinator's side: its rank policy and error buffer e (restored from the outer state)."""
+    """The coordinator's ``trainer.transition.DownlinkEncoder``: chooses C⁽ʳ⁾ with its rank policy.
+    e⁽ʳ⁻¹⁾ belongs to the outer state, not to this object; the transition derives e⁽ʳ⁾."""
 
-    def __init__(self, policy: AdaptiveRankPolicy, error: Params | None = None) -> None:
+    def __init__(self, policy: AdaptiveRankPolicy) -> None:
         self.policy = policy
-        self.error: Params = dict(error or {})
 
-    def publish(self, previous: Params, target: Params) -> tuple[Params, bytes, dict[str, Any], RoundDecision]:
-        """(θ⁽ʳ⁾, C⁽ʳ⁾, header, decisions); e becomes e⁽ʳ⁾. ``previous`` and ``target`` are untouched."""
-        update = global_update(previous, target)
-        # compress() would update a buffer in place; give it a copy and derive e⁽ʳ⁾ with the same
-        # function the audit uses, so there is one definition of what is carried.
-        payload, header = compress(update, dict(self.error), self.policy)
+    def __call__(self, update: Params, error: Params) -> EncodedDownlink:
+        # compress() would update a buffer in place; it gets a copy (e⁽ʳ⁾ is carried_error's).
+        payload, header = compress(update, dict(error), self.policy)
+        return EncodedDownlink(payload, header)
+
+    @property
+    def last_decision(self) -> RoundDecision:
         assert self.policy.last_decision is not None
-        received = decode_update(payload, header, layout_of(previous))
-        self.error = carried_error(update, self.error, received)
-        return apply_update(previous, received), payload, header, self.policy.last_decision
+        return self.policy.last_decision

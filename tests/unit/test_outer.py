@@ -28,7 +28,9 @@ def test_plain_momentum_hand_computed() -> None:
     assert theta["w"].item() == 1.25 and m["w"].item() == 1.5
 
 
-def test_matches_torch_sgd_nesterov_bit_for_bit() -> None:
+def test_matches_torch_sgd_nesterov_up_to_fused_rounding() -> None:
+    """torch's SGD fuses multiply-add on vectorised CPUs (one rounding where outer_step has two, so
+    that every CPU agrees: trainer.transition); the two differ by float32 rounding only."""
     torch.manual_seed(0)
     cfg = OuterConfig()
     start = {"a": torch.randn(5, 3), "b": torch.randn(7)}
@@ -43,7 +45,7 @@ def test_matches_torch_sgd_nesterov_bit_for_bit() -> None:
         sgd.step()
         theta, m = outer_step(cfg, theta, m, delta)
     for k in start:
-        assert torch.equal(theta[k], ref[k].detach()), k
+        torch.testing.assert_close(theta[k], ref[k].detach(), rtol=1e-6, atol=1e-6)
 
 
 def test_outer_step_leaves_inputs_untouched() -> None:
