@@ -50,6 +50,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--max-unrecorded", type=int, default=0, metavar="N",
                         help="rounds the store's lineage may go past the ledger's last round (default 0: a "
                              "finished run must be recorded to its end)")
+    parser.add_argument("--replay", type=int, default=0, metavar="K",
+                        help="re-run K sampled (round, worker) contributions from their parent checkpoint, shard "
+                             "and committed state, compare with the stored updates, and re-score their rounds")
+    parser.add_argument("--replay-seed", type=int, default=None, metavar="N",
+                        help="seed of the replay's sample (default: random; the audit prints the one it drew)")
     parser.add_argument("--run-id", metavar="HEX",
                         help="the run to audit (0x + 64 hex); default: the ledger's run whose genesis is in the store")
 
@@ -67,6 +72,9 @@ def run(args: argparse.Namespace) -> int:
         if len(run_id) != 32:
             Console(stderr=True).print(f"[red]--run-id must be 0x followed by 64 hex digits, got {args.run_id!r}[/]")
             return EXIT_ERROR
+    if not 0 <= args.replay <= 1_000_000 or (args.replay_seed is not None and not 0 <= args.replay_seed < 2**63):
+        Console(stderr=True).print("[red]--replay must be in [0, 1000000] and --replay-seed in [0, 2^63)[/]")
+        return EXIT_ERROR
     if not 0 <= args.max_unrecorded <= 1_000_000:
         Console(stderr=True).print(f"[red]--max-unrecorded {args.max_unrecorded} is out of range: must be in "
                                    f"[0, 1000000][/]")
@@ -80,7 +88,8 @@ def run(args: argparse.Namespace) -> int:
         return EXIT_ERROR
     return audit_run_dir(Path(args.run), rpc_url=args.rpc, allow_dev=args.allow_dev, rederive=not args.no_rederive,
                          json_path=Path(args.json) if args.json else None, run_id=run_id,
-                         dev_roots=tuple(args.dev_root), dcap=dcap, max_unrecorded=args.max_unrecorded)
+                         dev_roots=tuple(args.dev_root), dcap=dcap, max_unrecorded=args.max_unrecorded,
+                         replay=(args.replay, args.replay_seed))
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -133,8 +142,10 @@ def policy_for(run_dir: Path, allow_dev: bool, dev_roots: tuple[str, ...] = (),
 
 def audit_run_dir(run_dir: Path, *, rpc_url: str | None = None, allow_dev: bool = False, rederive: bool = True,
                   json_path: Path | None = None, run_id: bytes | None = None, dev_roots: tuple[str, ...] = (),
-                  console: Console | None = None, dcap: DcapSettings | None = None, max_unrecorded: int = 0) -> int:
-    """Audit ``run_dir`` and print the table and verdict; returns the exit status."""
+                  console: Console | None = None, dcap: DcapSettings | None = None, max_unrecorded: int = 0,
+                  replay: tuple[int, int | None] = (0, None)) -> int:
+    """Audit ``run_dir`` and print the table and verdict; returns the exit status. ``replay``: how
+    many contributions to replay, and the sample's seed (None: random)."""
     from rich.console import Console
     from rich.markup import escape
 
@@ -164,7 +175,7 @@ def audit_run_dir(run_dir: Path, *, rpc_url: str | None = None, allow_dev: bool 
     store = ObjectStore(run_dir / "store")
     try:
         if rpc_url is not None:
-            result = _audit_on(rpc_url, store, deployment, run_id, policy, rederive, max_unrecorded)
+            result = _audit_on(rpc_url, store, deployment, run_id, policy, rederive, max_unrecorded, replay)
         else:
             state = run_dir / "chain" / "state.json"
             if not state.is_file():
@@ -175,7 +186,8 @@ def audit_run_dir(run_dir: Path, *, rpc_url: str | None = None, allow_dev: bool 
                 shutil.copyfile(state, copy)  # anvil re-dumps its state file; keep the run's own intact
                 with Anvil(state_file=copy, chain_id=deployment.chain_id) as anvil:
                     console.print(f"local chain {anvil.rpc_url} restored from {state}")
-                    result = _audit_on(anvil.rpc_url, store, deployment, run_id, policy, rederive, max_unrecorded)
+                    result = _audit_on(anvil.rpc_url, store, deployment, run_id, policy, rederive, max_unrecorded,
+                                       replay)
     except (ChainError, AnvilError) as exc:
         console.print(f"[bold red]cannot audit[/]: {escape(str(exc))}")
         return EXIT_ERROR
@@ -188,7 +200,7 @@ def audit_run_dir(run_dir: Path, *, rpc_url: str | None = None, allow_dev: bool 
 
 
 def _audit_on(rpc_url: str, store: ObjectStore, deployment: Deployment, run_id: bytes | None, policy: Policy,
-              rederive: bool, max_unrecorded: int = 0) -> AuditResult:
+              rederive: bool, max_unrecorded: int = 0, replay: tuple[int, int | None] = (0, None)) -> AuditResult:
     from settlement import Chain, ChainError, Ledger, Registry
 
     from .core import run_audit
@@ -200,7 +212,7 @@ def _audit_on(rpc_url: str, store: ObjectStore, deployment: Deployment, run_id: 
     ledger = Ledger(chain, deployment.ledger, from_block=deployment.deployed_block)
     registry = Registry(chain, deployment.registry, from_block=deployment.deployed_block)
     return run_audit(store, ledger, registry, run_id=run_id, policy=policy, rederive=rederive,
-                     max_unrecorded=max_unrecorded)
+                     max_unrecorded=max_unrecorded, replay=replay[0], replay_seed=replay[1])
 
 
 def _short(text: str | None, head: int = 10, tail: int = 6) -> str:
@@ -232,6 +244,8 @@ def render(result: AuditResult, console: Console) -> None:
             "—" if row.eval_loss is None else f"{row.eval_loss:.4f}", status,
         )
     console.print(table)
+    if result.replay is not None:
+        render_replay(result.replay, console)
     for warning in result.warnings:
         console.print(f"[bold yellow]warning[/]: {escape(warning)}")
     for failure in result.failures:
@@ -244,6 +258,34 @@ def render(result: AuditResult, console: Console) -> None:
     else:
         console.print(f"[bold red]AUDIT FAILED[/]: {len(result.failures)} check(s) failed over genesis and "
                       f"{recorded} recorded round(s)")
+
+
+def render_replay(outcome, console: Console) -> None:  # audit.replay.ReplayOutcome
+    """The replayed contributions (sampled ones first marked *), the re-scores, and the cost."""
+    from rich import box
+    from rich.markup import escape
+    from rich.table import Table
+
+    table = Table(title=f"replay (seed {outcome.seed})", box=box.SIMPLE_HEAD, pad_edge=False)
+    for column in ("round", "worker", "sampled", "distance", "status"):
+        table.add_column(column, no_wrap=True)
+    shown = [row for row in outcome.rows if row.status != "not replayed"]
+    for row in shown:
+        status = {"ok": "[green]ok[/]", "MISMATCH": "[bold red]MISMATCH[/]"}.get(row.status, row.status)
+        table.add_row(str(row.round), escape(row.worker), "*" if row.sampled else "",
+                      "—" if row.distance is None else f"{row.distance:.2e}", status)
+    console.print(table)
+    skipped = [row for row in outcome.rows if row.status == "not replayed"]
+    if skipped:
+        reasons = sorted({row.note for row in skipped})
+        console.print(f"{len(skipped)} contribution(s) not replayable: {escape('; '.join(reasons))}")
+    for score in outcome.rescored:
+        mark = "[green]ok[/]" if score.ok else "[bold red]differs[/]"
+        console.print(f"re-scored round {score.round}: held-out loss {score.recomputed:.6f}, reported "
+                      f"{score.reported:.6f} {mark}")
+    if outcome.checked_steps:
+        console.print(f"replayed {outcome.steps} inner steps in {outcome.seconds:.1f}s to check "
+                      f"{outcome.checked_steps} sampled steps ({outcome.seconds / max(outcome.steps, 1):.3f}s a step)")
 
 
 def _hex(b: bytes | None) -> str | None:

@@ -54,6 +54,11 @@ Checks, by name:
   tally                 ledger.contribution_of(run, worker) equals the reports' tokens and rounds
   unrecorded            the store's lineage goes at most ``max_unrecorded`` rounds past the ledger's
                         last round (manifests of the run whose parent chain leads to it)
+  replay                (``replay`` > 0) each sampled contribution, and each one replayed on the way to
+                        rebuild a worker's AdamW state, is within REPLAY_TOLERANCE of what H inner
+                        steps on its shard from its parent checkpoint give (audit.replay)
+  rescore               (``replay`` > 0) the held-out loss of each sampled round's checkpoint,
+                        recomputed, is within EVAL_TOLERANCE of the manifest's
 
 "As of the recording block" is the state after that whole block, rebuilt from the registry's
 events (WorkerAdmitted, WorkerRevoked, MeasurementSet), never from the registry's current views: a
@@ -70,6 +75,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import os
 from collections import defaultdict
 from dataclasses import dataclass
 from typing import Any
@@ -94,6 +100,7 @@ from storage_client.manifest import SCHEMA as MANIFEST_SCHEMA
 from trainer.config import ConfigError, RunConfig
 
 from .admission import AdmissionCheck, check_admission
+from .replay import EVAL_TOLERANCE, REPLAY_TOLERANCE, replay_run
 from .rederive import RederiveError, clip_history, genesis_outer_state, rederive, stored_round_norm
 from .result import AuditResult, Failure, RoundRow
 
@@ -118,8 +125,10 @@ class _Loaded:
 
 class _Audit:
     def __init__(self, store: ObjectStore, ledger: Ledger, registry: Registry, policy: Policy,
-                 rederive: bool, max_unrecorded: int = 0) -> None:
+                 rederive: bool, max_unrecorded: int = 0, replay: int = 0, replay_seed: int = 0) -> None:
         self.store = store
+        self.replay = replay
+        self.replay_seed = replay_seed
         self.max_unrecorded = max_unrecorded
         self.ledger = ledger
         self.registry = registry
@@ -575,14 +584,48 @@ class _Audit:
                       f"the ledger's lastRound is {last}, but its RoundRecorded events are for rounds {numbers}")
 
         parent, parent_checkpoint = genesis, bytes(run["genesisCheckpoint"])
+        loaded = {0: genesis.manifest} if genesis is not None else {}
         for record in rounds:
             parent = self.check_round(run_id, record, parent, genesis, parent_checkpoint)
             parent_checkpoint = bytes(record["checkpoint"])
+            if parent is not None:
+                loaded[parent.manifest.round] = parent.manifest
+        if self.replay > 0:
+            self.check_replay(loaded)
         self.check_tallies(run_id, rounds)
         if genesis is not None:
             last = CID(Codec.JSON, bytes(rounds[-1]["manifestDigest"])) if rounds else genesis.cid
             self.check_unrecorded(genesis.manifest.run_id, last, len(rounds))
         return self.finish()
+
+    def check_replay(self, manifests: dict[int, Manifest]) -> None:
+        """``--replay K``: K sampled contributions re-run from their parent checkpoint, shard and
+        committed state, and their rounds re-scored (audit.replay)."""
+        if self.config is None:
+            self.fail(None, "replay", "replay", "the run config could not be read, so nothing can be replayed")
+            return
+        outcome = replay_run(self.store, self.config, manifests, self.replay, self.replay_seed)
+        self.result.replay = outcome
+        for round_, obj, message in outcome.problems:
+            self.fail(round_, obj, "replay", message)
+        for row in outcome.rows:
+            if row.status != "MISMATCH":
+                continue
+            update = {p.worker: p.update for p in manifests[row.round].participants}[row.worker]
+            if row.distance is None:
+                self.fail(row.round, update, "replay", f"{row.worker}'s update cannot be replayed: {row.note}")
+            else:
+                self.fail(row.round, update, "replay",
+                          f"{row.worker}'s update is {row.distance:.3g} away (relative L2) from what "
+                          f"{self.config.inner.steps} inner steps on shard "
+                          f"{ {p.worker: p.shard for p in manifests[row.round].participants}[row.worker]} "
+                          f"from round {row.round - 1}'s checkpoint give; an honest replay is within "
+                          f"{REPLAY_TOLERANCE:g}")
+        for score in outcome.rescored:
+            if not score.ok:
+                self.fail(score.round, manifests[score.round].params, "rescore",
+                          f"the held-out loss of round {score.round}'s checkpoint is {score.recomputed:.6f}, the "
+                          f"manifest and its reports say {score.reported:.6f} (tolerance {EVAL_TOLERANCE:g})")
 
     def check_unrecorded(self, run_name: str, last: CID, last_round: int) -> None:
         """How far the store's lineage goes past the ledger's last round: the longest chain of the
@@ -643,7 +686,8 @@ def _manifests_by_parent(store: ObjectStore, run_name: str) -> dict[str, list[CI
 
 
 def run_audit(store: ObjectStore, ledger: Ledger, registry: Registry, *, run_id: bytes | None = None,
-              policy: Policy, rederive: bool = True, max_unrecorded: int = 0) -> AuditResult:
+              policy: Policy, rederive: bool = True, max_unrecorded: int = 0, replay: int = 0,
+              replay_seed: int | None = None) -> AuditResult:
     """Verify a run from the ledger (its views and events) and the store alone.
 
     @param store the run's object store
@@ -655,6 +699,8 @@ def run_audit(store: ObjectStore, ledger: Ledger, registry: Registry, *, run_id:
     @param rederive recompute each round's params and outer state from the stored updates
     @param max_unrecorded how many rounds the store's lineage may go past the ledger's last round
         (0 for a finished run; more while the ledger catches up)
+    @param replay how many sampled contributions to re-run (audit.replay); 0: none
+    @param replay_seed the sample's seed; None draws one from os.urandom (reported in the result)
     @return every failure, one row per round, and warnings; ``ok`` only when every check passed
     @raise settlement.ChainUnavailable when the chain does not answer
     """
@@ -662,6 +708,9 @@ def run_audit(store: ObjectStore, ledger: Ledger, registry: Registry, *, run_id:
         raise ValueError("run_id must be 32 bytes")
     if type(max_unrecorded) is not int or max_unrecorded < 0:
         raise ValueError("max_unrecorded must be an integer >= 0")
-    return _Audit(store, ledger, registry, policy, rederive, max_unrecorded).run(
+    if type(replay) is not int or replay < 0:
+        raise ValueError("replay must be an integer >= 0")
+    seed = int.from_bytes(os.urandom(4), "big") if replay_seed is None else int(replay_seed)
+    return _Audit(store, ledger, registry, policy, rederive, max_unrecorded, replay, seed).run(
         None if run_id is None else bytes(run_id))
 

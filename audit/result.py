@@ -5,7 +5,10 @@
     {"ok": bool, "run_id": "0x…" | null, "failures": [{"round", "object", "check", "message"}],
      "rounds": [{"round", "manifest", "checkpoint", "participants", "reports", "eval_loss", "status",
                  "unreported"}],
-     "warnings": [str]}
+     "warnings": [str],
+     "replay": null | {"seed", "steps", "checked_steps", "seconds",
+                       "contributions": [{"round", "worker", "sampled", "distance", "status", "note"}],
+                       "rescored": [{"round", "reported", "recomputed", "ok"}]}}
 """
 
 from __future__ import annotations
@@ -63,6 +66,7 @@ class AuditResult:
     rounds: list[RoundRow] = field(default_factory=list)
     warnings: list[str] = field(default_factory=list)
     rederived: bool = False
+    replay: Any = None  # audit.replay.ReplayOutcome of ``--replay K``; None when nothing was replayed
 
     @property
     def ok(self) -> bool:
@@ -79,4 +83,5 @@ class AuditResult:
             "failures": [f.to_json() for f in self.failures],
             "rounds": [r.to_json() for r in self.rounds],
             "warnings": list(self.warnings),
+            "replay": None if self.replay is None else self.replay.to_json(),
         }

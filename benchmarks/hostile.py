@@ -29,7 +29,7 @@ from proto import PROTOCOL_VERSION, pb
 from trainer.cluster import LocalCluster
 from trainer.config import RunConfig
 from trainer.data import load_corpus, round_batches
-from trainer.diloco import InnerLoop
+from trainer.diloco import FRESH_STATE, InnerLoop, inner_state_digest
 from trainer.model import build_model
 from trainer.service import session_metadata
 from trainer.wire import ENCODING_DENSE_F32, chunked, decode_params, encode_params, layout_of, sha256_hex
@@ -73,11 +73,14 @@ class Mallory:
             tensors=[pb.TensorSpec(name=n, dtype=d, shape=s) for n, (d, s) in layout.items()],
             payload_size=len(payload), payload_sha256=sha256_hex(payload), train_loss=2.0,
             tokens=self.tokens, inner_steps=self.config.inner.steps, stage=0, num_stages=1,
+            inner_state_sha256=FRESH_STATE,
         )
         if "base_params_cid" not in header:  # the state the run started from, fetched once
             self.base = self.base or {"base_params_cid": self.fetch()["base_params_cid"]}
             fields.update(self.base)
         fields.update(header)
+        if fields["num_stages"] != 1 and "inner_state_sha256" not in header:
+            fields["inner_state_sha256"] = ""  # a stage slice commits no inner state
 
         stream = [pb.UpdateChunk(header=pb.UpdateHeader(**fields))] + [pb.UpdateChunk(data=p) for p in chunked(payload)]
         self.wire_bytes = sum(message.ByteSize() for message in stream)  # what the coordinator counts
@@ -150,6 +153,7 @@ class Trainer:
         self.m = m
         self.received: dict[str, int] = {}  # wire bytes of the fetch of each base, as a worker reports them
         self.loss = float("nan")
+        self.state = FRESH_STATE  # digest of the inner state the last ``train`` started from
 
     def fetch(self, min_round: int) -> tuple[str, Params]:
         stream = list(self.m.stub.FetchGlobal(pb.FetchGlobalRequest(
@@ -161,13 +165,15 @@ class Trainer:
         self.received[header.params_cid] = sum(c.ByteSize() for c in stream)
         return header.params_cid, decode_params(b"".join(c.data for c in stream[1:]))
 
-    def train(self, params: Params, round_: int) -> Params:
-        """H inner steps from ``params`` on the round's batches of mallory's shard; the mean train
-        loss in ``self.loss``."""
+    def train(self, params: Params, round_: int, steps: int | None = None) -> Params:
+        """H inner steps (or ``steps``) from ``params`` on the round's batches of mallory's shard; the
+        mean train loss in ``self.loss``, the digest of the inner state it started from in
+        ``self.state`` (what a worker's push commits to)."""
         cfg = self.m.config
         batches = round_batches(self.shard, seed=cfg.seed, shard_index=self.shard_index, round_=round_,
-                                steps=cfg.inner.steps, batch_size=cfg.inner.batch_size,
+                                steps=steps or cfg.inner.steps, batch_size=cfg.inner.batch_size,
                                 block_size=cfg.model.block_size)
+        self.state = inner_state_digest(self.loop.state())
         result = self.loop.run(params, batches)
         self.loss = result.mean_loss
         return result.pseudo_gradient

@@ -17,6 +17,12 @@ silently; `Manifest.new` is the convenience builder that sorts for you.
 Losses are stored as fixed-point ints (x 1e6, see `to_e6`) because canonical
 JSON refuses floats.
 
+Participants (schema v3) also name the data `shard` their update was trained
+on and `state`, the sha256 of the worker's inner state (AdamW moments and step,
+and its error-feedback buffer when the uplink is compressed) at the start of the
+round, or null where it is not committed: what `dilocox audit --replay` needs to
+re-run the contribution.
+
 Traffic (schema v2). `bytes_up` / `bytes_down` are the round's total wire bytes
 from the workers to the coordinator and back. Each participant records both directions of
 its own contribution: `bytes_sent`, the wire bytes of the accepted update, and
@@ -41,7 +47,7 @@ from .canonical import canonical_json, digest_json
 from .cid import CID, Codec, InvalidCIDError
 from .store import ObjectStore
 
-SCHEMA = "dilocox.manifest/v2"
+SCHEMA = "dilocox.manifest/v3"
 E6 = 1_000_000
 
 _PARTICIPANT_KEYS = {
@@ -52,6 +58,8 @@ _PARTICIPANT_KEYS = {
     "inner_steps",
     "bytes_sent",
     "bytes_received",
+    "shard",
+    "state",
 }
 
 _DOWNLINK_KEYS = {"payload", "header"}
@@ -168,6 +176,10 @@ class Participant:
     # wire bytes of the FetchGlobal stream that delivered the global state this worker's update was
     # computed from (0 when not counted)
     bytes_received: int = 0
+    shard: int = 0  # the data shard the update was trained on (trainer.data.Corpus.shard)
+    # sha256 (hex) of the worker's inner state at the start of the round (trainer.inner_state), or
+    # None where it is not committed (a worker of several pipeline stages)
+    state: str | None = None
 
     def __post_init__(self) -> None:
         _validate_participant(self.to_json(), at="participant")
@@ -181,6 +193,8 @@ class Participant:
             "inner_steps": self.inner_steps,
             "bytes_sent": self.bytes_sent,
             "bytes_received": self.bytes_received,
+            "shard": self.shard,
+            "state": self.state,
         }
 
     @classmethod
@@ -198,6 +212,11 @@ def _validate_participant(obj: Any, at: str) -> None:
     _check_int(f"{at}.train_loss_e6", obj["train_loss_e6"])
     _check_int(f"{at}.tokens", obj["tokens"], minimum=0)
     _check_int(f"{at}.inner_steps", obj["inner_steps"], minimum=0)
+    _check_int(f"{at}.shard", obj["shard"], minimum=0)
+    state = obj["state"]
+    if state is not None and not (isinstance(state, str) and len(state) == 64
+                                  and all(c in "0123456789abcdef" for c in state)):
+        raise ManifestError(f"manifest field {at + '.state'!r}: expected null or 64 lowercase hex digits")
     _check_int(f"{at}.bytes_sent", obj["bytes_sent"], minimum=0)
     _check_int(f"{at}.bytes_received", obj["bytes_received"], minimum=0)
 

@@ -533,6 +533,14 @@ class Coordinator:
         except InvalidUpdate as exc:
             where = f"stage {h.stage} of {h.num_stages}: " if h.num_stages > 1 else ""
             raise Refusal(grpc.StatusCode.INVALID_ARGUMENT, where + str(exc)) from exc
+        if h.num_stages == 1 and not _SHA256_HEX.match(h.inner_state_sha256):
+            # What the update grew from besides θ: without it no auditor can replay the round.
+            raise Refusal(grpc.StatusCode.INVALID_ARGUMENT,
+                          f"inner_state_sha256 {clip(h.inner_state_sha256)} is not 64 lowercase hex digits: a "
+                          f"one-process worker commits to the inner state each round starts from")
+        if h.num_stages > 1 and h.inner_state_sha256:
+            raise Refusal(grpc.StatusCode.INVALID_ARGUMENT,
+                          "a stage slice names an inner_state_sha256; workers of several stages commit none")
         return declared
 
     def _check_round(self, worker_id: str, round_: int, stage: int = 0, num_stages: int = 1) -> None:
@@ -609,6 +617,9 @@ class Coordinator:
             entry = {
                 "cid": str(cid), "train_loss_e6": to_e6(h.train_loss), "tokens": self.round_tokens,
                 "inner_steps": self.config.inner.steps, "bytes_sent": wire_bytes, "bytes_received": received,
+                "shard": self.workers[h.worker_id].shard,
+                # A worker of several stages commits no inner state (each stage holds its own).
+                "state": h.inner_state_sha256 if h.num_stages == 1 else None,
             }
             if h.num_stages == 1:
                 self._check_replay(str(cid))
@@ -696,6 +707,7 @@ class Coordinator:
         first = part.slices[0].entry
         entry = {"cid": str(cid), "train_loss_e6": first["train_loss_e6"], "tokens": first["tokens"],
                  "inner_steps": first["inner_steps"], "bytes_received": first["bytes_received"],
+                 "shard": first.get("shard", 0), "state": None,
                  "bytes_sent": sum(a.entry["bytes_sent"] for a in part.slices.values())}
         with self._lock:
             if self.round.number != h.round or self.round.closing or self.round.partial.get(h.worker_id) is not part:
@@ -855,7 +867,8 @@ class Coordinator:
             participants=tuple(
                 Participant(worker=w, update=a.entry["cid"], train_loss_e6=a.entry["train_loss_e6"],
                             tokens=a.entry["tokens"], inner_steps=a.entry["inner_steps"],
-                            bytes_sent=a.entry["bytes_sent"], bytes_received=a.entry.get("bytes_received", 0))
+                            bytes_sent=a.entry["bytes_sent"], bytes_received=a.entry.get("bytes_received", 0),
+                            shard=a.entry.get("shard", 0), state=a.entry.get("state"))
                 for w, a in sorted(r.accepted.items())
             ),
             dropped=dropped, eval_loss_e6=to_e6(eval_loss), bytes_up=sum(t.up for t in traffic),

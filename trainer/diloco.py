@@ -26,6 +26,8 @@ multiply-add), so that an auditor on any CPU re-derives the same bits (trainer.t
 
 from __future__ import annotations
 
+import copy
+import hashlib
 from dataclasses import dataclass
 from typing import Iterable
 
@@ -33,7 +35,7 @@ import torch
 import torch.nn as nn
 
 from trainer.config import InnerConfig, OuterConfig
-from trainer.wire import Params
+from trainer.wire import Params, encode_params
 
 
 def params_of(model: nn.Module) -> Params:
@@ -67,7 +69,15 @@ class InnerResult:
 
 
 class InnerLoop:
-    """A worker's H local AdamW steps; the AdamW state lives as long as the worker process."""
+    """A worker's H local AdamW steps; the AdamW state lives as long as the worker process.
+
+    The state a round starts from is committed: ``state()`` names its tensors (``exp_avg.<p>``,
+    ``exp_avg_sq.<p>``, ``step.<p>``; empty before the first step) and ``inner_state_digest`` hashes
+    them, so a worker's push names the state its update grew from and ``dilocox audit --replay``
+    can re-run the round from the same place. A round whose update does not count is undone
+    (``snapshot`` / ``restore``): the AdamW state moves only through counted rounds, so an auditor
+    rebuilds it from the run's manifests alone, round after counted round, from a fresh start.
+    """
 
     def __init__(self, model: nn.Module, cfg: InnerConfig) -> None:
         self.model = model
@@ -99,6 +109,31 @@ class InnerLoop:
         end = params_of(self.model)
         delta = {name: start[name] - end[name] for name in start}
         return InnerResult(delta, sum(losses) / len(losses), tokens, len(losses))
+
+    def state(self) -> Params:
+        """The AdamW state by parameter name (empty while no step has been taken)."""
+        out: Params = {}
+        for name, p in self.model.named_parameters():
+            for key, value in sorted(self.optimizer.state.get(p, {}).items()):
+                out[f"{key}.{name}"] = value.detach().reshape(value.shape)
+        return out
+
+    def snapshot(self) -> dict:
+        """A copy of the AdamW state, to ``restore`` if the round about to run does not count."""
+        return copy.deepcopy(self.optimizer.state_dict())
+
+    def restore(self, snapshot: dict) -> None:
+        self.optimizer.load_state_dict(snapshot)
+
+
+def inner_state_digest(*states: Params) -> str:
+    """sha256 (hex) of a worker's inner state: its AdamW state and, when the uplink is compressed,
+    its error-feedback buffers, in one byte-deterministic safetensors file
+    (``trainer.wire.encode_params``). ``FRESH_STATE`` is the digest of a worker that has taken no step."""
+    merged: Params = {}
+    for state in states:
+        merged.update(state)
+    return hashlib.sha256(encode_params(merged)).hexdigest()
 
 
 def zero_momentum(params: Params) -> Params:
@@ -178,3 +213,6 @@ def evaluate(model: nn.Module, batches: list[tuple[torch.Tensor, torch.Tensor]])
     model.eval()
     losses = [model(x, y)[1].item() for x, y in batches]  # type: ignore[union-attr]
     return sum(losses) / len(losses)
+
+
+FRESH_STATE = inner_state_digest()  # no AdamW step taken, no error carried

@@ -142,6 +142,15 @@ class Uplink:
             self._fold()
             return encode_slice(delta, 0, 1, self.compressors[0])
 
+    def error_state(self) -> Params:
+        """A one-process worker's error-feedback buffer as the next ``encode`` will use it
+        (``error.<param>``; empty when dense): part of the inner state a round commits to."""
+        if self.compressors is None:
+            return {}
+        with self._lock:
+            self._fold()
+            return {f"error.{name}": e for name, e in sorted(self.compressors[0].errors.items())}
+
     def carry_back(self, slices: Sequence[Slice]) -> None:
         """The coordinator holds none of these slices: their Δ̂ goes out again next round."""
         if self.compressors is None:

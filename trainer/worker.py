@@ -64,7 +64,7 @@ from trainer.compression import CompressionError, RoundDecision
 from trainer.downlink import apply_update, decode_update
 from trainer.config import RunConfig
 from trainer.data import eval_batches, load_corpus, round_batches
-from trainer.diloco import InnerLoop, InnerResult, evaluate, load_params, params_of
+from trainer.diloco import InnerLoop, InnerResult, evaluate, inner_state_digest, load_params, params_of
 from trainer.link import Link
 from trainer.service import session_metadata
 from trainer.tls import ClientTls, TlsUnreachable, open_channel
@@ -97,6 +97,8 @@ class RoundWork:
 
     result: InnerResult
     slices: list[Slice]
+    state: str = ""  # sha256 of the inner state the round started from; "" where not committed
+    snapshot: dict | None = None  # the AdamW state before the round, restored if it does not count
 
 
 @dataclass(frozen=True)
@@ -511,7 +513,7 @@ class Worker:
         wire_bytes = 0
         for piece in work.slices:
             try:
-                wire_bytes += self._push_slice(round_, result, piece, base_cid, received)
+                wire_bytes += self._push_slice(round_, result, piece, base_cid, received, work.state)
             except grpc.RpcError as exc:
                 code = exc.code()
                 if code in (grpc.StatusCode.FAILED_PRECONDITION, grpc.StatusCode.INVALID_ARGUMENT,
@@ -520,12 +522,16 @@ class Worker:
                                 exc.details())
                     # Error feedback assumed these values arrived; none of them counts, so carry them.
                     self.uplink.carry_back(work.slices)
+                    if work.snapshot is not None and isinstance(self.inner, InnerLoop):
+                        # The AdamW state moves only through counted rounds (trainer.diloco.InnerLoop).
+                        self.inner.restore(work.snapshot)
                     return None
                 raise
         return Pushed(round_, CID.of(record).digest, to_e6(result.mean_loss), result.tokens,
                       result.steps, wire_bytes, received, CID.parse(base_cid).digest)
 
-    def _push_slice(self, round_: int, result: InnerResult, piece: Slice, base_cid: str, received: int) -> int:
+    def _push_slice(self, round_: int, result: InnerResult, piece: Slice, base_cid: str, received: int,
+                    state: str = "") -> int:
         """One slice's PushUpdate stream; returns its wire bytes (what the coordinator counts)."""
         payload = piece.payload
         sha = sha256_hex(payload)
@@ -537,6 +543,7 @@ class Worker:
             payload_size=len(payload), payload_sha256=sha, train_loss=result.mean_loss,
             tokens=result.tokens, inner_steps=result.steps, base_params_cid=base_cid,
             base_bytes_received=received, stage=piece.stage, num_stages=piece.num_stages,
+            inner_state_sha256=state,
         )
         if self.key is not None:
             header.signature = self.key.sign_digest(
@@ -602,8 +609,11 @@ class Worker:
             self.uplink.update(piped.uplink_states)
             return RoundWork(InnerResult(piped.pseudo_gradient, piped.mean_loss, piped.tokens, piped.steps),
                              piped.slices)
+        state = inner_state_digest(self.inner.state(), self.uplink.error_state())
+        # Overlapped, the next round is training when a refusal comes back: nothing to undo then.
+        snapshot = None if cfg.rounds.overlap else self.inner.snapshot()
         result = self.inner.run(params, batches)
-        return RoundWork(result, [self.uplink.encode(result.pseudo_gradient)])
+        return RoundWork(result, [self.uplink.encode(result.pseudo_gradient)], state, snapshot)
 
     def _abandon(self, round_: int, exc: PipelineError, inflight: Future | None = None) -> int:
         """Drop out of ``round_`` after a pipeline stage failed: push nothing for it, and tell the

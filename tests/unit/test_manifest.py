@@ -141,7 +141,7 @@ def _mutated(path: list, value) -> dict:
     "path, value, field",
     [
         (["schema"], "dilocox.manifest/v1", "'schema'"),
-        (["schema"], "dilocox.manifest/v3", "'schema'"),
+        (["schema"], "dilocox.manifest/v9", "'schema'"),
         (["schema"], KeyError, "schema"),
         (["eval_loss_e6"], KeyError, "eval_loss_e6"),
         (["surprise"], 1, "surprise"),

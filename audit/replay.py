@@ -1,0 +1,266 @@
+"""Re-checking the work: ``dilocox audit --replay K`` re-runs sampled contributions and re-scores
+the checkpoints they built.
+
+The re-derivation (audit.rederive) proves that a checkpoint is what the stored updates give; this
+module checks that an update is what its worker's declared work gives. For a contribution of
+worker w to round r (a manifest participant: its update Δ, data shard s, committed inner state σ):
+
+    θ_start  = θ⁽ʳ⁻¹⁾                               round r-1's stored parameters
+    AdamW    = fresh                                 when σ = FRESH_STATE (trainer.diloco)
+             = the state after w's previous counted   otherwise: replayed first, back to w's last
+               contribution                            fresh start (the worker's "chain")
+    batches  = round_batches(shard s, seed, s, r, H)  trainer.data: fixed by the config alone
+    Δ'       = θ_start − θ_H                         H AdamW steps, trainer.diloco.InnerLoop
+    d        = ‖Δ' − Δ‖₂ / ‖Δ‖₂                      refused when d > REPLAY_TOLERANCE
+
+Re-score: the held-out loss of θ⁽ʳ⁾ of each sampled round is recomputed on the run's evaluation
+batches (trainer.data.eval_batches) and must lie within EVAL_TOLERANCE of the manifest's
+``eval_loss_e6`` (which every report restates).
+
+Tolerance. An honest worker's Δ and the replay's differ only by floating-point rounding: torch's
+kernels (which fuse multiply-add on some CPUs and not others), the thread count of each matmul,
+and the worker's own process. Over H AdamW steps those differences grow; REPLAY_TOLERANCE is set
+from their measured size (docs/verification.md: the same contributions replayed under
+ATEN_CPU_CAPABILITY=default and the best capability, 1 and 2 threads) with a margin, and stays
+far below what a dishonest update is off by (an update scaled by 1.5 is 0.5 off; the
+measurements for noise, fewer steps and a stale start are in the same document).
+
+What cannot be replayed is said, not passed: a worker of several pipeline stages commits no inner
+state; overlapped rounds (rounds.overlap) start from the worker's own previous end, and a
+compressed uplink sends C(Δ + e) with an error-feedback buffer e the manifest does not hold. Those
+contributions are listed as not replayed, with the reason, and are not sampled.
+"""
+
+from __future__ import annotations
+
+import math
+import random
+import time
+from collections import defaultdict
+from dataclasses import dataclass
+from typing import Iterable, Mapping
+
+from storage_client import Manifest, ObjectStore, from_e6
+from trainer.config import RunConfig
+from trainer.data import CorpusError, eval_batches, load_corpus, round_batches
+from trainer.diloco import FRESH_STATE, InnerLoop, evaluate, load_params
+from trainer.model import build_model
+from trainer.wire import Params, WireError, decode_params
+
+# ‖Δ' − Δ‖ / ‖Δ‖ an honest contribution stays within (see the module docstring).
+REPLAY_TOLERANCE = 0.05
+# nats: a re-scored held-out loss may differ from the manifest's by this much (reduction order).
+EVAL_TOLERANCE = 1e-3
+
+
+@dataclass
+class ReplayRow:
+    """One replayed contribution. ``sampled``: drawn by the auditor; the others were replayed on the
+    way, to rebuild a sampled one's AdamW state, and are checked all the same."""
+
+    round: int
+    worker: str
+    sampled: bool
+    distance: float | None  # ‖Δ' − Δ‖ / ‖Δ‖; None when not replayed
+    status: str  # "ok", "MISMATCH" or "not replayed"
+    note: str = ""
+
+    def to_json(self) -> dict:
+        return {"round": self.round, "worker": self.worker, "sampled": self.sampled,
+                "distance": self.distance, "status": self.status, "note": self.note}
+
+
+@dataclass
+class RescoreRow:
+    round: int
+    reported: float  # the manifest's eval loss, which every report restates
+    recomputed: float
+    ok: bool
+
+    def to_json(self) -> dict:
+        return {"round": self.round, "reported": self.reported, "recomputed": self.recomputed, "ok": self.ok}
+
+
+@dataclass
+class ReplayOutcome:
+    rows: list[ReplayRow]
+    rescored: list[RescoreRow]
+    seed: int
+    steps: int  # inner steps replayed in all
+    checked_steps: int  # inner steps of the sampled contributions
+    seconds: float
+    problems: list[tuple[int | None, str, str]]  # (round, object, message): what stopped a replay
+
+    def to_json(self) -> dict:
+        return {"seed": self.seed, "steps": self.steps, "checked_steps": self.checked_steps,
+                "seconds": round(self.seconds, 3), "contributions": [r.to_json() for r in self.rows],
+                "rescored": [r.to_json() for r in self.rescored]}
+
+
+def unreplayable_reason(config: RunConfig, manifest: Manifest, worker: str) -> str | None:
+    """Why a contribution cannot be replayed from the store and the config alone, or None."""
+    if config.rounds.overlap:
+        return "overlapped rounds start from the worker's own previous end, which is not stored"
+    if config.compression.enabled:
+        return "a compressed update carries the worker's error feedback, which is not stored"
+    participant = {p.worker: p for p in manifest.participants}[worker]
+    if participant.state is None:
+        return "the worker ran several pipeline stages and committed no inner state"
+    return None
+
+
+class Replayer:
+    """Replays contributions of one run from its verified manifests (round → manifest)."""
+
+    def __init__(self, store: ObjectStore, config: RunConfig, manifests: Mapping[int, Manifest]) -> None:
+        self.store = store
+        self.config = config
+        self.manifests = dict(manifests)
+        self.problems: list[tuple[int | None, str, str]] = []
+        self._corpus = None
+
+    # -- what to replay ----------------------------------------------------------------------------
+
+    def contributions(self) -> list[tuple[int, str]]:
+        return [(r, p.worker) for r, m in sorted(self.manifests.items()) if r > 0 for p in m.participants]
+
+    def sample(self, k: int, seed: int) -> tuple[list[tuple[int, str]], list[ReplayRow]]:
+        """K contributions drawn uniformly from the replayable ones (``random.Random(seed)``), and a
+        row for every contribution that cannot be replayed."""
+        replayable, skipped = [], []
+        for r, worker in self.contributions():
+            reason = unreplayable_reason(self.config, self.manifests[r], worker)
+            if reason is None:
+                replayable.append((r, worker))
+            else:
+                skipped.append(ReplayRow(r, worker, False, None, "not replayed", reason))
+        picked = random.Random(seed).sample(replayable, min(k, len(replayable)))
+        return sorted(picked), skipped
+
+    def chain(self, round_: int, worker: str) -> list[int]:
+        """The rounds to replay, in order, to rebuild ``worker``'s AdamW state for ``round_``: back to
+        its last contribution that committed a fresh state."""
+        rounds = [r for r, m in sorted(self.manifests.items())
+                  if 0 < r <= round_ and any(p.worker == worker for p in m.participants)]
+        out: list[int] = []
+        for r in reversed(rounds):
+            out.append(r)
+            if self._participant(r, worker).state == FRESH_STATE:
+                return out[::-1]
+        return out[::-1]  # no fresh start: the first one is refused in replay()
+
+    def _participant(self, round_: int, worker: str):
+        return {p.worker: p for p in self.manifests[round_].participants}[worker]
+
+    # -- replaying ---------------------------------------------------------------------------------
+
+    @property
+    def corpus_loaded(self) -> bool:
+        return self._corpus is not None
+
+    def _load_corpus(self):
+        if self._corpus is None:
+            cfg = self.config
+            self._corpus = load_corpus(cfg.data, cfg.seed, cfg.model.block_size)
+        return self._corpus
+
+    def _params(self, round_: int, what: str) -> Params | None:
+        cid = self.manifests[round_].params
+        try:
+            return decode_params(self.store.get(cid))
+        except (OSError, ValueError, WireError) as exc:  # StoreError is an OSError or ValueError
+            self.problems.append((round_, cid, f"{what} cannot be read: {exc}"))
+            return None
+
+    def replay(self, targets: Iterable[tuple[int, str]]) -> tuple[list[ReplayRow], int]:
+        """Every target, with the chains they need (each worker's rounds replayed once, in order);
+        returns the rows and the inner steps replayed."""
+        cfg = self.config
+        try:
+            corpus = self._load_corpus()
+        except CorpusError as exc:
+            self.problems.append((None, cfg.data.corpus, f"the run's corpus is not available to replay on: {exc}"))
+            return [], 0
+        sampled = set(targets)
+        by_worker: dict[str, set[int]] = defaultdict(set)
+        for r, worker in sampled:
+            by_worker[worker].update(self.chain(r, worker))
+        rows: list[ReplayRow] = []
+        steps = 0
+        for worker in sorted(by_worker):
+            model = build_model(cfg.model, cfg.seed)
+            inner: InnerLoop | None = None
+            previous: int | None = None
+            for r in sorted(by_worker[worker]):
+                p = self._participant(r, worker)
+                if p.state == FRESH_STATE:
+                    inner = InnerLoop(model, cfg.inner)
+                elif inner is None or previous is None or not self._consecutive(worker, previous, r):
+                    rows.append(ReplayRow(r, worker, (r, worker) in sampled, None, "MISMATCH",
+                                          "the committed inner state is not fresh, and no counted contribution "
+                                          "of this worker before it was replayed to continue from"))
+                    inner = None
+                    continue
+                start = self._params(r - 1, f"θ⁽{r - 1}⁾")
+                try:
+                    stored = decode_params(self.store.get(p.update))
+                except (OSError, ValueError, WireError) as exc:
+                    self.problems.append((r, p.update, f"the update of {worker} cannot be read: {exc}"))
+                    inner = None
+                    continue
+                if start is None:
+                    inner = None
+                    continue
+                batches = round_batches(corpus.shard(p.shard, cfg.rounds.expected_workers), seed=cfg.seed,
+                                        shard_index=p.shard, round_=r, steps=cfg.inner.steps,
+                                        batch_size=cfg.inner.batch_size, block_size=cfg.model.block_size)
+                result = inner.run(start, batches)
+                steps += result.steps
+                distance = relative_distance(result.pseudo_gradient, stored)
+                ok = distance <= REPLAY_TOLERANCE
+                rows.append(ReplayRow(r, worker, (r, worker) in sampled, distance, "ok" if ok else "MISMATCH"))
+                previous = r
+        return sorted(rows, key=lambda row: (row.round, row.worker)), steps
+
+    def _consecutive(self, worker: str, earlier: int, later: int) -> bool:
+        """``earlier`` is ``worker``'s last counted contribution before ``later``."""
+        return all(not any(p.worker == worker for p in self.manifests[r].participants)
+                   for r in range(earlier + 1, later) if r in self.manifests)
+
+    def rescore(self, rounds: Iterable[int]) -> list[RescoreRow]:
+        cfg = self.config
+        corpus = self._load_corpus()
+        batches = eval_batches(corpus, seed=cfg.seed, count=cfg.data.eval_batches,
+                               batch_size=cfg.inner.batch_size, block_size=cfg.model.block_size)
+        model = build_model(cfg.model, cfg.seed)
+        out = []
+        for r in sorted(set(rounds)):
+            params = self._params(r, f"θ⁽{r}⁾")
+            if params is None:
+                continue
+            load_params(model, params)
+            recomputed = evaluate(model, batches)
+            reported = from_e6(self.manifests[r].eval_loss_e6)
+            out.append(RescoreRow(r, reported, recomputed, abs(recomputed - reported) <= EVAL_TOLERANCE))
+        return out
+
+
+def relative_distance(replayed: Params, stored: Params) -> float:
+    """‖a − b‖₂ / ‖b‖₂ over every tensor, in float64 (inf when the names or shapes differ)."""
+    if set(replayed) != set(stored) or any(replayed[n].shape != stored[n].shape for n in stored):
+        return math.inf
+    diff = sum(float((replayed[n].double() - stored[n].double()).square().sum()) for n in sorted(stored))
+    norm = sum(float(stored[n].double().square().sum()) for n in sorted(stored))
+    return math.sqrt(diff) / math.sqrt(norm) if norm > 0 else math.inf
+
+
+def replay_run(store: ObjectStore, config: RunConfig, manifests: Mapping[int, Manifest], k: int,
+               seed: int) -> ReplayOutcome:
+    """Sample ``k`` contributions with ``seed``, replay them (and their chains), re-score their rounds."""
+    started = time.perf_counter()
+    replayer = Replayer(store, config, manifests)
+    targets, skipped = replayer.sample(k, seed)
+    rows, steps = replayer.replay(targets)
+    rescored = replayer.rescore(r for r, _ in targets) if replayer.corpus_loaded else []
+    return ReplayOutcome(rows + skipped, rescored, seed, steps, len(targets) * config.inner.steps,
+                         time.perf_counter() - started, replayer.problems)

@@ -1,0 +1,92 @@
+"""``dilocox audit --replay``: the work itself re-checked, on a real run.
+
+An honest worker process ("w0") and four dishonest clients train together (benchmarks.hostile:
+each computes the update an honest worker on its shard would, as a worker does, and commits its
+inner state like one). Each cheats in one way, inside every bound the coordinator enforces:
+
+    scaled   pushes 1.5 × its update
+    noisy    adds Gaussian noise of half its update's norm
+    lazy     trains H/2 steps and claims H
+    stale    trains from the checkpoint before the round's (from round 2 on) and names the round's
+
+The coordinator accepts all of them (their norms are within the clip's reach); the replay names
+every dishonest contribution, with its round and distance, and passes every honest one, including
+w0's, computed in another process.
+"""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+
+from audit.replay import REPLAY_TOLERANCE, replay_run
+from benchmarks.hostile import Heartbeats, Mallory, Trainer
+from storage_client import lineage
+from trainer.cluster import LocalCluster
+from trainer.config import InnerConfig, RoundConfig, RunConfig
+
+pytestmark = pytest.mark.integration
+
+CHEATS = ("lazy", "noisy", "scaled", "stale")
+ROUNDS = 3
+
+
+def test_the_replay_names_scaled_noisy_lazy_and_stale_updates(cluster: LocalCluster, make_config) -> None:
+    cluster.start_coordinator(make_config(
+        inner=InnerConfig(steps=12, batch_size=4, lr=1e-3),
+        rounds=RoundConfig(rounds=ROUNDS, expected_workers=5, quorum=5, straggler_timeout_s=120.0,
+                           heartbeat_interval_s=0.5, liveness_timeout_s=10.0, max_update_norm=1000.0)))
+    clients = {name: Mallory.joined(cluster, name) for name in CHEATS}
+    trainers = {name: Trainer(m, cluster) for name, m in clients.items()}
+    cluster.start_worker("w0")
+    noise = torch.Generator().manual_seed(7)
+    held: dict[str, dict] = {}  # the checkpoint each client fetched last round (what "stale" trains from)
+    beats = [Heartbeats(m, 0.5).__enter__() for m in clients.values()]
+    try:
+        for r in range(1, ROUNDS + 1):
+            for name, m in clients.items():
+                t = trainers[name]
+                base, params = t.fetch(r - 1)
+                start = held.get(name, params) if name == "stale" else params
+                delta = t.train(start, r, steps=m.config.inner.steps // 2 if name == "lazy" else None)
+                held[name] = params
+                if name == "scaled":
+                    delta = {k: 1.5 * v for k, v in delta.items()}
+                elif name == "noisy":
+                    norm = math.sqrt(sum(float(v.double().square().sum()) for v in delta.values()))
+                    size = sum(v.numel() for v in delta.values())
+                    delta = {k: v + 0.5 * norm / math.sqrt(size) * torch.randn(v.shape, generator=noise)
+                             for k, v in delta.items()}
+                m.push(delta, round=r, base_params_cid=base, train_loss=t.loss, inner_state_sha256=t.state,
+                       base_bytes_received=t.received[base])
+            cluster.wait_for(lambda s, r=r: len(s.rounds) > r, 120, f"round {r} to close")
+    finally:
+        for beat in beats:
+            beat.__exit__(None, None, None)
+    assert cluster.wait_exit("w0", 120) == 0, cluster.log("w0")
+    assert cluster.wait_exit("coordinator", 60) == 0, cluster.log("coordinator")
+
+    chain = lineage(cluster.run_dir.store, cluster.run_dir.head())
+    manifests = {m.round: m for _, m in chain}
+    assert all(len(manifests[r].participants) == 5 for r in range(1, ROUNDS + 1))  # every cheat was accepted
+    config = RunConfig.from_json(cluster.run_dir.store.get_json(manifests[0].config))
+    outcome = replay_run(cluster.run_dir.store, config, manifests, k=5 * ROUNDS, seed=1)
+    assert not outcome.problems, outcome.problems
+    verdict = {(row.round, row.worker): row for row in outcome.rows}
+    assert len(verdict) == 5 * ROUNDS and all(row.sampled for row in outcome.rows)
+    for (r, worker), row in sorted(verdict.items()):
+        print(f"round {r} {worker:>6}: distance {row.distance:.3g} {row.status}")
+    honest = [(r, "w0") for r in range(1, ROUNDS + 1)] + [(1, "stale")]  # round 1's "stale" start is current
+    for key in honest:
+        assert verdict[key].status == "ok", (key, verdict[key])
+        assert verdict[key].distance < REPLAY_TOLERANCE / 5  # far inside the tolerance
+    for key, row in verdict.items():
+        if key not in honest:
+            assert row.status == "MISMATCH", (key, row)
+            assert row.distance > 2 * REPLAY_TOLERANCE  # far outside it
+    # Re-scoring: every round's held-out loss, recomputed, is the manifest's.
+    assert sorted(s.round for s in outcome.rescored) == list(range(1, ROUNDS + 1))
+    assert all(s.ok for s in outcome.rescored)
+    assert outcome.steps == outcome.checked_steps == 5 * ROUNDS * config.inner.steps
