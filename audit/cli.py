@@ -16,7 +16,6 @@ deployment file, no chain).
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import shutil
 import tempfile
@@ -150,7 +149,7 @@ def audit_run_dir(run_dir: Path, *, rpc_url: str | None = None, allow_dev: bool 
     from rich.markup import escape
 
     from settlement import Anvil, AnvilError, ChainError, Deployment, DeploymentError
-    from storage_client import ObjectStore, write_atomic
+    from storage_client import ObjectStore, strict_json, write_atomic
 
     console = console or Console()
     run_dir = Path(run_dir)
@@ -194,7 +193,7 @@ def audit_run_dir(run_dir: Path, *, rpc_url: str | None = None, allow_dev: bool 
 
     render(result, console)
     if json_path is not None:
-        write_atomic(json_path, (json.dumps(result.to_json(), indent=2) + "\n").encode())
+        write_atomic(json_path, (strict_json(result.to_json(), indent=2) + "\n").encode())
         console.print(f"result written to {json_path}")
     return EXIT_OK if result.ok else EXIT_FAILED
 

@@ -120,6 +120,8 @@ from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Sequence
 
+from storage_client import strict_json
+
 if TYPE_CHECKING:  # torch and the trainer load when the benchmark runs, not when the CLI parses
     import torch
 
@@ -755,7 +757,7 @@ def run(s: Settings) -> dict[str, Any]:
     text = report(result)
     print(text, end="", flush=True)
     (s.out / "ablation.md").write_text(text, encoding="utf-8")
-    (s.out / "ablation.json").write_text(json.dumps(result, indent=1) + "\n", encoding="utf-8")
+    (s.out / "ablation.json").write_text(strict_json(result, indent=1) + "\n", encoding="utf-8")
     plot(result, s.out / "ablation_loss.png")
     if not s.keep_runs:
         shutil.rmtree(runs, ignore_errors=True)

@@ -67,6 +67,8 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from storage_client import strict_json
+
 if TYPE_CHECKING:  # torch, grpc and the trainer load when the benchmark runs, not when the CLI parses
     import torch
 
@@ -530,7 +532,7 @@ def run(s: Settings, command: str = "dilocox bench robust") -> dict[str, Any]:
     text = report(result)
     print(text, end="", flush=True)
     (s.out / "robustness.md").write_text(text, encoding="utf-8")
-    (s.out / "robustness.json").write_text(json.dumps(result, indent=1) + "\n", encoding="utf-8")
+    (s.out / "robustness.json").write_text(strict_json(result, indent=1) + "\n", encoding="utf-8")
     if not s.keep_runs:
         shutil.rmtree(runs, ignore_errors=True)
     say(f"[robust] wrote {s.out / 'robustness.md'} and robustness.json ({result['wall_s']:.0f} s in all)")

@@ -17,7 +17,6 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
-import json
 import logging
 import os
 import sys
@@ -153,6 +152,7 @@ def cmd_status(args: argparse.Namespace) -> int:
     from google.protobuf.json_format import MessageToDict
 
     from proto import CHANNEL_OPTIONS, pb, pb_grpc
+    from storage_client import strict_json
     from trainer.tls import open_channel
 
     import grpc
@@ -165,15 +165,16 @@ def cmd_status(args: argparse.Namespace) -> int:
             code = exc.code().name if hasattr(exc, "code") and exc.code() is not None else "error"
             raise ConnectionError(f"--coordinator {args.coordinator}: no answer from a coordinator "
                                   f"({code}: {detail})") from None
-    print(json.dumps(MessageToDict(status), indent=2))
+    print(strict_json(MessageToDict(status), indent=2))
     return 0
 
 
 def cmd_config(args: argparse.Namespace) -> int:
+    from storage_client import strict_json
     from trainer.config import RunConfig, demo_config
 
     config = demo_config() if args.demo else RunConfig()
-    print(json.dumps(config.to_json(), indent=2, sort_keys=True))
+    print(strict_json(config.to_json(), indent=2, sort_keys=True))
     return 0
 
 

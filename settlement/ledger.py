@@ -24,7 +24,7 @@ from eth_utils import to_checksum_address
 from hexbytes import HexBytes
 
 from attestation.report import Domain, RoundReport, SignedReport
-from storage_client import write_atomic
+from storage_client import strict_json, write_atomic
 
 from .artifacts import Artifact, ledger_artifact, registry_artifact
 from .chain import Chain, ChainError
@@ -57,7 +57,7 @@ class Deployment:
 
     def save(self, path: Path) -> None:
         """Write the deployment as JSON, atomically."""
-        write_atomic(Path(path), (json.dumps(asdict(self), indent=2) + "\n").encode())
+        write_atomic(Path(path), (strict_json(asdict(self), indent=2) + "\n").encode())
 
     @classmethod
     def load(cls, path: Path) -> Deployment:

@@ -39,7 +39,7 @@ from pathlib import Path
 from typing import Any
 
 from attestation.report import ReportError, SignedReport
-from storage_client import write_atomic
+from storage_client import strict_json, write_atomic
 
 from .chain import ChainError, ChainUnavailable, TxReverted
 from .ledger import Ledger
@@ -158,7 +158,7 @@ class Outbox:
             seq = max([self._last_seq, *(s for s, _ in existing), *(s for s, _ in archived[-1:])]) + 1
             self._last_seq = seq
             path = self.directory / f"{seq:06d}-{kind}.json"
-            write_atomic(path, (json.dumps(item, indent=1, sort_keys=True) + "\n").encode())
+            write_atomic(path, (strict_json(item, indent=1, sort_keys=True) + "\n").encode())
         return path
 
     # -- reading -------------------------------------------------------------------------------------

@@ -11,7 +11,7 @@ round to its parent, giving a hash chain from any checkpoint back to genesis.
     manifest Manifest / Participant / Downlink / Traffic / lineage: the per-round record and its chain
 """
 
-from .canonical import JSONBoundsError, canonical_json, digest_json, loads_bounded
+from .canonical import JSONBoundsError, canonical_json, digest_json, loads_bounded, strict_json
 from .cid import CID, Codec, InvalidCIDError, decode_varint, encode_varint
 from .manifest import (
     SCHEMA,
@@ -39,6 +39,7 @@ __all__ = [
     "encode_varint",
     "decode_varint",
     "canonical_json",
+    "strict_json",
     "JSONBoundsError",
     "loads_bounded",
     "digest_json",

@@ -12,6 +12,7 @@ refused outright because their text form differs between languages (1e-06 vs
 from __future__ import annotations
 
 import json
+import math
 import re
 from typing import Any
 
@@ -70,6 +71,23 @@ def canonical_json(obj: Any) -> bytes:
         allow_nan=False,
     )
     return text.encode("utf-8")
+
+
+def strict_json(obj: Any, **options: Any) -> str:
+    """``json.dumps`` that never writes NaN or Infinity (not JSON: strict parsers refuse them): a
+    non-finite float becomes null. Every JSON file and line the project writes goes through here
+    (or through ``canonical_json``, which refuses floats altogether)."""
+    return json.dumps(_finite(obj), allow_nan=False, **options)
+
+
+def _finite(obj: Any) -> Any:
+    if isinstance(obj, float):
+        return obj if math.isfinite(obj) else None
+    if isinstance(obj, dict):
+        return {k: _finite(v) for k, v in obj.items()}
+    if isinstance(obj, (list, tuple)):
+        return [_finite(v) for v in obj]
+    return obj
 
 
 def digest_json(obj: Any) -> CID:

@@ -19,7 +19,7 @@ from dataclasses import dataclass, field, fields
 from pathlib import Path
 from typing import Any, TypeVar, get_type_hints
 
-from storage_client import CID, canonical_json, digest_json
+from storage_client import CID, canonical_json, digest_json, strict_json
 from trainer.compression import CompressionConfig
 
 SCHEMA = "dilocox.config/v1"
@@ -176,7 +176,7 @@ class RunConfig:
             raise ConfigError(f"{path}: not JSON: {exc}") from exc
 
     def save(self, path: str | Path) -> None:
-        Path(path).write_text(json.dumps(self.to_json(), indent=2, sort_keys=True) + "\n")
+        Path(path).write_text(strict_json(self.to_json(), indent=2, sort_keys=True) + "\n")
 
 
 class ConfigError(ValueError):

@@ -161,7 +161,7 @@ class RoundSummary:
     round: int
     manifest_cid: str
     eval_loss: float
-    mean_train_loss: float
+    mean_train_loss: float  # NaN for a round without participants (genesis): null in rounds.jsonl
     participants: tuple[str, ...]
     dropped: tuple[str, ...]
     refused: tuple[str, ...]

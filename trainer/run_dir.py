@@ -26,7 +26,7 @@ from pathlib import Path
 from typing import Any
 
 from attestation import WorkerKey
-from storage_client import CID, ObjectStore, write_atomic
+from storage_client import CID, ObjectStore, strict_json, write_atomic
 
 
 class RunDirError(ValueError):
@@ -105,7 +105,7 @@ class RunDir:
     def log_round(self, summary: dict[str, Any]) -> None:
         """Append a round's summary (the manifest stays the record; this is its readable trace)."""
         with open(self.rounds_log, "a", encoding="utf-8") as f:
-            f.write(json.dumps(summary, sort_keys=True) + "\n")
+            f.write(strict_json(summary, sort_keys=True) + "\n")
             f.flush()
             os.fsync(f.fileno())
 
@@ -178,4 +178,4 @@ class RunDir:
 
     @staticmethod
     def _write_json(path: Path, obj: Any) -> None:
-        write_atomic(path, (json.dumps(obj, indent=1, sort_keys=True) + "\n").encode("utf-8"))
+        write_atomic(path, (strict_json(obj, indent=1, sort_keys=True) + "\n").encode("utf-8"))

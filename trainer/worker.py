@@ -59,7 +59,7 @@ from attestation import (
     code_measurement, recover_address,
 )
 from proto import CHANNEL_OPTIONS, PROTOCOL_VERSION, pb, pb_grpc
-from storage_client import CID, Codec, canonical_json, to_e6
+from storage_client import CID, Codec, canonical_json, strict_json, to_e6
 from trainer.compression import CompressionError, RoundDecision
 from trainer.downlink import apply_update, decode_update
 from trainer.config import RunConfig
@@ -337,7 +337,7 @@ class Worker:
         """Append one JSON line to the metrics file, when the worker was given one."""
         if self.metrics is not None:
             with open(self.metrics, "a", encoding="utf-8") as f:
-                f.write(json.dumps(record, sort_keys=True) + "\n")
+                f.write(strict_json(record, sort_keys=True) + "\n")
 
     def _round_done(self, round_: int, work: RoundWork, trained_s: float, waited_s: float) -> None:
         """Progress of one round: a log line, and a metrics record (bytes since the last one)."""
