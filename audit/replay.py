@@ -13,6 +13,20 @@ worker w to round r (a manifest participant: its update Δ, data shard s, commit
     Δ'       = θ_start − θ_H                         H AdamW steps, trainer.diloco.InnerLoop
     d        = ‖Δ' − Δ‖₂ / ‖Δ‖₂                      refused when d > REPLAY_TOLERANCE
 
+With a compressed uplink the stored update is Â = decompress(C(Δ + e)), e the worker's error
+feedback (part of its committed state, fresh = 0). The replay rebuilds e along the chain too:
+
+    A'       = Δ' + e'
+    U        = best rank-k approximation of A'       k: the ranks Â has (trainer.compression.rank_of;
+                                                     the worker's policy chose them); U = A' for
+                                                     tensors sent dense
+    q        = ‖decompress(C(A')) − U‖₂ / ‖U‖₂        the codec's own error at this point
+    d        = ‖Â − U‖₂ / ‖U‖₂ − q                   the distance beyond the codec's error
+    e'       ← fl32(A' − Â)                          as the worker's e ← A − Â
+
+(comparing Â with decompress(C(A')) directly would measure the int4 quantiser: a replay a
+thousandth off flips quantisation levels and lands several percent away).
+
 Re-score: the held-out loss of θ⁽ʳ⁾ of each sampled round is recomputed on the run's evaluation
 batches (trainer.data.eval_batches) and must lie within EVAL_TOLERANCE of the manifest's
 ``eval_loss_e6`` (which every report restates).
@@ -22,13 +36,12 @@ kernels (which fuse multiply-add on some CPUs and not others), the thread count 
 and the worker's own process. Over H AdamW steps those differences grow; REPLAY_TOLERANCE is set
 from their measured size (docs/verification.md: the same contributions replayed under
 ATEN_CPU_CAPABILITY=default and the best capability, 1 and 2 threads) with a margin, and stays
-far below what a dishonest update is off by (an update scaled by 1.5 is 0.5 off; the
+far below what a dishonest update is off by (an update scaled by 1.5 is 0.33 off; the
 measurements for noise, fewer steps and a stale start are in the same document).
 
 What cannot be replayed is said, not passed: a worker of several pipeline stages commits no inner
-state; overlapped rounds (rounds.overlap) start from the worker's own previous end, and a
-compressed uplink sends C(Δ + e) with an error-feedback buffer e the manifest does not hold. Those
-contributions are listed as not replayed, with the reason, and are not sampled.
+state, and overlapped rounds (rounds.overlap) start from the worker's own previous end, which is
+not stored. Those contributions are listed as not replayed, with the reason, and are not sampled.
 """
 
 from __future__ import annotations
@@ -40,17 +53,24 @@ from collections import defaultdict
 from dataclasses import dataclass
 from typing import Iterable, Mapping
 
+import torch
+
 from storage_client import Manifest, ObjectStore, from_e6
+from trainer.compression import CompressionError, PinnedRankPolicy, compress, decompress, rank_of
 from trainer.config import RunConfig
 from trainer.data import CorpusError, eval_batches, load_corpus, round_batches
 from trainer.diloco import FRESH_STATE, InnerLoop, evaluate, load_params
 from trainer.model import build_model
-from trainer.wire import Params, WireError, decode_params
+from trainer.wire import Params, WireError, decode_params, layout_of
 
 # ‖Δ' − Δ‖ / ‖Δ‖ an honest contribution stays within (see the module docstring).
 REPLAY_TOLERANCE = 0.05
 # nats: a re-scored held-out loss may differ from the manifest's by this much (reduction order).
 EVAL_TOLERANCE = 1e-3
+
+
+class ReplayError(ValueError):
+    """A replay that cannot be carried out (not a verdict on the worker)."""
 
 
 @dataclass
@@ -101,8 +121,6 @@ def unreplayable_reason(config: RunConfig, manifest: Manifest, worker: str) -> s
     """Why a contribution cannot be replayed from the store and the config alone, or None."""
     if config.rounds.overlap:
         return "overlapped rounds start from the worker's own previous end, which is not stored"
-    if config.compression.enabled:
-        return "a compressed update carries the worker's error feedback, which is not stored"
     participant = {p.worker: p for p in manifest.participants}[worker]
     if participant.state is None:
         return "the worker ran several pipeline stages and committed no inner state"
@@ -191,10 +209,11 @@ class Replayer:
             model = build_model(cfg.model, cfg.seed)
             inner: InnerLoop | None = None
             previous: int | None = None
+            errors: Params = {}  # the worker's error feedback e, rebuilt along the chain
             for r in sorted(by_worker[worker]):
                 p = self._participant(r, worker)
                 if p.state == FRESH_STATE:
-                    inner = InnerLoop(model, cfg.inner)
+                    inner, errors = InnerLoop(model, cfg.inner), {}
                 elif inner is None or previous is None or not self._consecutive(worker, previous, r):
                     rows.append(ReplayRow(r, worker, (r, worker) in sampled, None, "MISMATCH",
                                           "the committed inner state is not fresh, and no counted contribution "
@@ -216,11 +235,54 @@ class Replayer:
                                         batch_size=cfg.inner.batch_size, block_size=cfg.model.block_size)
                 result = inner.run(start, batches)
                 steps += result.steps
-                distance = relative_distance(result.pseudo_gradient, stored)
+                if cfg.compression.enabled:
+                    try:
+                        errors, distance = self._recompressed(result.pseudo_gradient, errors, stored)
+                    except ReplayError as exc:
+                        self.problems.append((r, p.update, f"{worker}: {exc}"))
+                        inner = None
+                        continue
+                else:
+                    distance = relative_distance(result.pseudo_gradient, stored)
                 ok = distance <= REPLAY_TOLERANCE
                 rows.append(ReplayRow(r, worker, (r, worker) in sampled, distance, "ok" if ok else "MISMATCH"))
                 previous = r
         return sorted(rows, key=lambda row: (row.round, row.worker)), steps
+
+    def _recompressed(self, delta: Params, errors: Params, stored: Params) -> tuple[Params, Params, float]:
+        """With a compressed uplink the stored update is Â = decompress(C(Δ + e)). The replay forms
+        A' = Δ' + e' and, at the ranks Â has (``rank_of``: the worker's policy chose them), its
+        best low-rank approximation U (float64 SVD, no quantisation; U = A' for the dense kinds),
+        and puts A' through the same codec, Â' = decompress(C(A')). Comparing Â with Â' directly
+        would measure the quantiser, not the worker: a replay a thousandth off flips int4 levels
+        and lands several percent away. So the replay asks how far Â is from U beyond the codec's
+        own error at that point, q = ‖Â' − U‖ / ‖U‖:
+
+            d = ‖Â − U‖ / ‖U‖ − q
+
+        and carries e' ← fl32(A' − Â) on, as the worker carried its own e ← A − Â."""
+        cfg = self.config.compression
+        ranks = {name: rank_of(t.reshape(t.shape[0], -1)) for name, t in stored.items() if t.dim() >= 2 and t.numel()}
+        try:
+            payload, header = compress(delta, dict(errors), PinnedRankPolicy(cfg, ranks))
+            recompressed = decompress(payload, header, layout_of(stored))
+        except CompressionError as exc:
+            raise ReplayError(f"the replayed update cannot be re-compressed: {exc}") from None
+        best: Params = {}
+        for name, d in delta.items():
+            a = d.double() + (errors[name].double() if name in errors else 0.0)
+            entry = next(e for e in header["tensors"] if e["name"] == name)
+            if entry["rank"]:
+                u, sigma, vh = torch.linalg.svd(a.reshape(a.shape[0], -1), full_matrices=False)
+                k = int(entry["rank"])
+                a = ((u[:, :k] * sigma[:k]) @ vh[:k]).reshape(a.shape)
+            best[name] = a
+        scale = _norm({n: t for n, t in best.items()})
+        codec_error = _norm({n: recompressed[n].double() - best[n] for n in best}) / scale if scale else math.inf
+        off = _norm({n: stored[n].double() - best[n] for n in best}) / scale if scale else math.inf
+        carried = {name: (d.double() + (errors[name].double() if name in errors else 0.0)
+                          - stored[name].double()).float() for name, d in delta.items()}
+        return carried, max(0.0, off - codec_error)
 
     def _consecutive(self, worker: str, earlier: int, later: int) -> bool:
         """``earlier`` is ``worker``'s last counted contribution before ``later``."""
@@ -243,6 +305,10 @@ class Replayer:
             reported = from_e6(self.manifests[r].eval_loss_e6)
             out.append(RescoreRow(r, reported, recomputed, abs(recomputed - reported) <= EVAL_TOLERANCE))
         return out
+
+
+def _norm(tensors: Params) -> float:
+    return math.sqrt(sum(float(t.double().square().sum()) for _, t in sorted(tensors.items())))
 
 
 def relative_distance(replayed: Params, stored: Params) -> float:

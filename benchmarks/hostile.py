@@ -26,13 +26,15 @@ import grpc
 import torch
 
 from proto import PROTOCOL_VERSION, pb
+from storage_client import canonical_json
 from trainer.cluster import LocalCluster
+from trainer.compression import AdaptiveRankPolicy, ErrorFeedbackCompressor
 from trainer.config import RunConfig
 from trainer.data import load_corpus, round_batches
 from trainer.diloco import FRESH_STATE, InnerLoop, inner_state_digest
 from trainer.model import build_model
 from trainer.service import session_metadata
-from trainer.wire import ENCODING_DENSE_F32, chunked, decode_params, encode_params, layout_of, sha256_hex
+from trainer.wire import ENCODING_DENSE_F32, ENCODING_LOWRANK_INT4, chunked, decode_params, encode_params, layout_of, sha256_hex
 
 Params = dict[str, torch.Tensor]
 
@@ -154,6 +156,9 @@ class Trainer:
         self.received: dict[str, int] = {}  # wire bytes of the fetch of each base, as a worker reports them
         self.loss = float("nan")
         self.state = FRESH_STATE  # digest of the inner state the last ``train`` started from
+        # With compression on, mallory's error feedback, as a one-process worker keeps it.
+        self.compressor = (ErrorFeedbackCompressor(AdaptiveRankPolicy(cfg.compression))
+                           if cfg.compression.enabled else None)
 
     def fetch(self, min_round: int) -> tuple[str, Params]:
         stream = list(self.m.stub.FetchGlobal(pb.FetchGlobalRequest(
@@ -173,10 +178,19 @@ class Trainer:
         batches = round_batches(self.shard, seed=cfg.seed, shard_index=self.shard_index, round_=round_,
                                 steps=steps or cfg.inner.steps, batch_size=cfg.inner.batch_size,
                                 block_size=cfg.model.block_size)
-        self.state = inner_state_digest(self.loop.state())
+        errors = {} if self.compressor is None else {f"error.{n}": e for n, e in sorted(self.compressor.errors.items())}
+        self.state = inner_state_digest(self.loop.state(), errors)
         result = self.loop.run(params, batches)
         self.loss = result.mean_loss
         return result.pseudo_gradient
+
+    def compressed(self, delta: Params) -> dict[str, object]:
+        """``delta`` through mallory's compressor (its error feedback moves on): the keyword
+        arguments of a compressed ``Mallory.push``."""
+        assert self.compressor is not None
+        payload, header, _ = self.compressor.compress(delta)
+        return {"tensors": delta, "payload": payload, "encoding": ENCODING_LOWRANK_INT4,
+                "compression_header": canonical_json(header)}
 
     def update(self, round_: int) -> tuple[str, Params]:
         """The round's base CID and mallory's honest update (its mean train loss in ``self.loss``)."""

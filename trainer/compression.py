@@ -386,6 +386,33 @@ class AdaptiveRankPolicy:
 # --------------------------------------------------------------------------------------------
 
 
+class PinnedRankPolicy(AdaptiveRankPolicy):
+    """The rank of each matrix fixed in advance (an auditor re-compressing a replayed update at the
+    ranks the worker sent); the kind follows as for ``AdaptiveRankPolicy``."""
+
+    def __init__(self, config: CompressionConfig, ranks: Mapping[str, int]) -> None:
+        super().__init__(config)
+        self.ranks = dict(ranks)
+
+    def decide(self, name: str, sigma: torch.Tensor, matrix: tuple[int, int]) -> TensorDecision:
+        d = min(matrix)
+        rank = max(1, min(self.ranks.get(name, d), d))
+        decision = TensorDecision(name=name, matrix=(int(matrix[0]), int(matrix[1])), rank=rank, target_rank=rank,
+                                  energy=float("nan"), window_energy=float("nan"), total_energy=float("nan"),
+                                  kind=KIND_LOWRANK if 2 * rank < d else KIND_INT4)
+        self._pending[name] = decision
+        return decision
+
+
+def rank_of(matrix: torch.Tensor, relative: float = 1e-5) -> int:
+    """The numerical rank of a dense reconstruction: singular values above ``relative`` × the
+    largest (a rank-r product rounded to float32 leaves the others near 1e-7 of it)."""
+    sigma = torch.linalg.svdvals(matrix.to(torch.float64))
+    if sigma.numel() == 0 or float(sigma[0]) == 0.0:
+        return 0
+    return int((sigma > relative * sigma[0]).sum())
+
+
 def _error_dtype(dtype: torch.dtype) -> torch.dtype:
     """e is kept in float32 (float64 for float64 tensors): a 16-bit buffer would lose the residual."""
     return torch.float64 if dtype == torch.float64 else torch.float32

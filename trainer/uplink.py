@@ -151,6 +151,16 @@ class Uplink:
             self._fold()
             return {f"error.{name}": e for name, e in sorted(self.compressors[0].errors.items())}
 
+    def snapshot(self) -> list[Params] | None:
+        """Every compressor's state (error buffer and rank policy) before a round, to ``restore`` if
+        the round does not count (a one-process worker undoes it: trainer.diloco.InnerLoop)."""
+        return self.states()
+
+    def restore(self, snapshot: list[Params] | None) -> None:
+        with self._lock:
+            self._carry = [{} for _ in range(self.num_stages)]
+        self.update(snapshot)
+
     def carry_back(self, slices: Sequence[Slice]) -> None:
         """The coordinator holds none of these slices: their Δ̂ goes out again next round."""
         if self.compressors is None:

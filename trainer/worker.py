@@ -98,7 +98,8 @@ class RoundWork:
     result: InnerResult
     slices: list[Slice]
     state: str = ""  # sha256 of the inner state the round started from; "" where not committed
-    snapshot: dict | None = None  # the AdamW state before the round, restored if it does not count
+    # The AdamW and error-feedback state before the round, restored if the round does not count.
+    snapshot: tuple[dict, list | None] | None = None
 
 
 @dataclass(frozen=True)
@@ -520,11 +521,14 @@ class Worker:
                             grpc.StatusCode.PERMISSION_DENIED, grpc.StatusCode.UNAUTHENTICATED):
                     log.warning("round %d: %s refused (%s): %s", round_, _slice_name(piece), code.name,
                                 exc.details())
-                    # Error feedback assumed these values arrived; none of them counts, so carry them.
-                    self.uplink.carry_back(work.slices)
                     if work.snapshot is not None and isinstance(self.inner, InnerLoop):
-                        # The AdamW state moves only through counted rounds (trainer.diloco.InnerLoop).
-                        self.inner.restore(work.snapshot)
+                        # The inner state moves only through counted rounds (trainer.diloco.InnerLoop),
+                        # so that an auditor can rebuild it from the manifests: undo this round.
+                        self.inner.restore(work.snapshot[0])
+                        self.uplink.restore(work.snapshot[1])
+                    else:
+                        # Error feedback assumed these values arrived; none counts, so carry them.
+                        self.uplink.carry_back(work.slices)
                     return None
                 raise
         return Pushed(round_, CID.of(record).digest, to_e6(result.mean_loss), result.tokens,
@@ -611,7 +615,7 @@ class Worker:
                              piped.slices)
         state = inner_state_digest(self.inner.state(), self.uplink.error_state())
         # Overlapped, the next round is training when a refusal comes back: nothing to undo then.
-        snapshot = None if cfg.rounds.overlap else self.inner.snapshot()
+        snapshot = None if cfg.rounds.overlap else (self.inner.snapshot(), self.uplink.snapshot())
         result = self.inner.run(params, batches)
         return RoundWork(result, [self.uplink.encode(result.pseudo_gradient)], state, snapshot)
 

@@ -25,6 +25,7 @@ from audit.replay import REPLAY_TOLERANCE, replay_run
 from benchmarks.hostile import Heartbeats, Mallory, Trainer
 from storage_client import lineage
 from trainer.cluster import LocalCluster
+from trainer.compression import CompressionConfig
 from trainer.config import InnerConfig, RoundConfig, RunConfig
 
 pytestmark = pytest.mark.integration
@@ -33,11 +34,17 @@ CHEATS = ("lazy", "noisy", "scaled", "stale")
 ROUNDS = 3
 
 
-def test_the_replay_names_scaled_noisy_lazy_and_stale_updates(cluster: LocalCluster, make_config) -> None:
+@pytest.mark.parametrize("compressed", [False, True], ids=["dense", "compressed"])
+def test_the_replay_names_scaled_noisy_lazy_and_stale_updates(cluster: LocalCluster, make_config,
+                                                              compressed: bool) -> None:
+    """Compressed: each update is decompress(C(Δ + e)); the cheats feed their lie to their own
+    compressor, so their error feedback stays consistent with it, and the replay rebuilds each
+    worker's e along its chain (audit.replay)."""
     cluster.start_coordinator(make_config(
         inner=InnerConfig(steps=12, batch_size=4, lr=1e-3),
         rounds=RoundConfig(rounds=ROUNDS, expected_workers=5, quorum=5, straggler_timeout_s=120.0,
-                           heartbeat_interval_s=0.5, liveness_timeout_s=10.0, max_update_norm=1000.0)))
+                           heartbeat_interval_s=0.5, liveness_timeout_s=10.0, max_update_norm=1000.0),
+        compression=CompressionConfig(enabled=compressed, min_rank=2, max_rank=8)))
     clients = {name: Mallory.joined(cluster, name) for name in CHEATS}
     trainers = {name: Trainer(m, cluster) for name, m in clients.items()}
     cluster.start_worker("w0")
@@ -59,7 +66,8 @@ def test_the_replay_names_scaled_noisy_lazy_and_stale_updates(cluster: LocalClus
                     size = sum(v.numel() for v in delta.values())
                     delta = {k: v + 0.5 * norm / math.sqrt(size) * torch.randn(v.shape, generator=noise)
                              for k, v in delta.items()}
-                m.push(delta, round=r, base_params_cid=base, train_loss=t.loss, inner_state_sha256=t.state,
+                sent = t.compressed(delta) if compressed else {"tensors": delta}
+                m.push(**sent, round=r, base_params_cid=base, train_loss=t.loss, inner_state_sha256=t.state,
                        base_bytes_received=t.received[base])
             cluster.wait_for(lambda s, r=r: len(s.rounds) > r, 120, f"round {r} to close")
     finally:
@@ -90,3 +98,4 @@ def test_the_replay_names_scaled_noisy_lazy_and_stale_updates(cluster: LocalClus
     assert sorted(s.round for s in outcome.rescored) == list(range(1, ROUNDS + 1))
     assert all(s.ok for s in outcome.rescored)
     assert outcome.steps == outcome.checked_steps == 5 * ROUNDS * config.inner.steps
+
