@@ -7,6 +7,9 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import os
+import subprocess
+import sys
 import time
 from pathlib import Path
 
@@ -87,6 +90,18 @@ def test_attested_workers_every_round_recorded(cluster: LocalCluster, chain: Anv
     for worker, tokens in total.items():
         assert ledger.contribution_of(run_id, worker)["tokens"] == tokens
     assert not list((cluster.run_dir.path / "outbox").glob("*.json"))
+
+    # The same verdict on any CPU: the full audit, replaying every contribution, under torch's
+    # generic kernels and under this machine's best, in fresh processes.
+    for capability in ("default", None):
+        env = {k: v for k, v in os.environ.items() if k != "ATEN_CPU_CAPABILITY"}
+        if capability:
+            env["ATEN_CPU_CAPABILITY"] = capability
+        done = subprocess.run([sys.executable, "-m", "cli.main", "audit", "--run", str(cluster.run_dir.path),
+                               "--rpc", chain.rpc_url, "--allow-dev", "--replay", "4", "--replay-seed", "5"],
+                              env=env, capture_output=True, text=True, timeout=300)
+        assert done.returncode == 0 and "AUDIT PASSED" in done.stdout, (capability, done.stdout[-3000:], done.stderr[-2000:])
+        assert f"replayed {4 * config.inner.steps} inner steps" in done.stdout and "MISMATCH" not in done.stdout, done.stdout[-3000:]
 
 
 def test_unattested_and_untrusted_workers_are_refused(cluster: LocalCluster, chain: Anvil, tmp_path: Path) -> None:
