@@ -7,7 +7,7 @@
    pinned by the workers by its fingerprint; ``--insecure`` runs plaintext instead, to measure what
    TLS costs); workers attest with the ``dev`` provider (which PROVES NOTHING, and says so), are
    admitted on chain, train, and sign a report per round; every round is recorded on the ledger;
-4. the lineage audit, from the ledger and the store alone.
+4. the lineage audit, from the ledger and the store alone, replaying two sampled contributions.
 
 Shows one line per finished round (eval loss, mean inner loss, bytes each way, time), a summary
 and the audit's table. Afterwards ``dilocox audit --run <run>`` re-verifies the run on its own.
@@ -30,6 +30,8 @@ from settlement import DEV_ACCOUNTS, Anvil, Chain, Registry, deploy
 from storage_client import write_atomic
 from trainer.config import RunConfig, demo_config
 from trainer.data import load_corpus
+
+DEMO_REPLAYS = 2  # contributions the demo's audit re-runs (audit.replay)
 
 
 def _mb(n: int) -> str:
@@ -88,11 +90,14 @@ def run_demo(run_dir: Path, rounds: int | None = None, workers: int = 2, overlap
         code = _train(console, run_dir, config, config_path, workers, coordinator_args, worker_args, insecure)
         if code != 0:
             return code
-        console.print("\n[bold]audit[/]: re-verifying the run from the ledger and the store alone")
+        console.print("\n[bold]audit[/]: re-verifying the run from the ledger and the store alone, and "
+                      f"replaying {DEMO_REPLAYS} sampled contributions")
         from audit.cli import audit_run_dir
 
-        code = audit_run_dir(run_dir, rpc_url=anvil.rpc_url, allow_dev=True, console=console)
-    console.print(f"re-verify any time, from {run_dir} alone: dilocox audit --run {run_dir} --allow-dev")
+        code = audit_run_dir(run_dir, rpc_url=anvil.rpc_url, allow_dev=True, console=console,
+                             replay=(DEMO_REPLAYS, None))
+    console.print(f"re-verify any time, from {run_dir} alone, on any CPU: dilocox audit --run {run_dir} --allow-dev "
+                  f"[--replay K]")
     return code
 
 
