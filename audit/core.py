@@ -39,6 +39,8 @@ Checks, by name:
   report-fields         trainLossE6, tokens, innerSteps, bytesSent, bytesReceived equal the
                         participant entry
   report-eval-loss      evalLossE6 equals the manifest's eval_loss_e6
+  data-digest           dataDigest is the digest of the shard the participant trained on, from the
+                        run's config and corpus (trainer.trust.shard_digest)
   admitted              the signer has a WorkerAdmitted event at or before the recording block
   revoked               ... and no WorkerRevoked event at or before it
   measurement-allowed   its admitted measurement was allowlisted as of the recording block
@@ -92,12 +94,15 @@ from storage_client import (
     ManifestError,
     MissingObjectError,
     ObjectStore,
+    Participant,
     StoreError,
     from_e6,
     loads_bounded,
 )
 from storage_client.manifest import SCHEMA as MANIFEST_SCHEMA
 from trainer.config import ConfigError, RunConfig
+from trainer.data import CorpusError, load_corpus
+from trainer.trust import shard_digest
 
 from .admission import AdmissionCheck, check_admission
 from .replay import EVAL_TOLERANCE, REPLAY_TOLERANCE, replay_run
@@ -140,6 +145,7 @@ class _Audit:
         self._admission_checks: dict[tuple[str, bytes], tuple[int, AdmissionCheck]] = {}
         self._warned: set[str] = set()
         self.norms: dict[int, list[float] | None] = {}  # round -> its stored updates' norms (keep_norms)
+        self._shard_digests: list[bytes] | None = None  # shard_digests()
 
     # -- bookkeeping --------------------------------------------------------------------------------
 
@@ -439,6 +445,7 @@ class _Audit:
                         self.fail(r, label, "report-fields",
                                   f"the report for participant {p.worker} differs from the manifest: "
                                   + ", ".join(diffs))
+                    self.check_data_digest(r, label, p, rep.data_digest)
                 if rep.eval_loss_e6 != manifest.eval_loss_e6:
                     self.fail(r, label, "report-eval-loss",
                               f"evalLossE6 {rep.eval_loss_e6}, the manifest says {manifest.eval_loss_e6}")
@@ -447,6 +454,36 @@ class _Audit:
 
         if manifest is not None:
             self.check_accounted(r, record, manifest, matched)
+
+    def check_data_digest(self, r: int, label: str, p: Participant, signed: bytes) -> None:
+        """A report's dataDigest is the digest of the shard its participant trained on, as the
+        config implies it (trainer.trust.shard_digest of trainer.data.Corpus.shard)."""
+        digests = self.shard_digests()
+        if digests is None:
+            return
+        if p.shard >= len(digests):
+            self.fail(r, label, "data-digest", f"participant {p.worker} names shard {p.shard}, but the config "
+                                               f"splits the corpus into {len(digests)}")
+        elif signed != digests[p.shard]:
+            self.fail(r, label, "data-digest",
+                      f"dataDigest 0x{signed.hex()} is not the digest of shard {p.shard} of {len(digests)} of the "
+                      f"run's corpus (0x{digests[p.shard].hex()}), which participant {p.worker} trained on")
+
+    def shard_digests(self) -> list[bytes] | None:
+        """Each shard's digest, from the run's config and corpus (computed once); None, with one
+        failure, when the corpus cannot be read here."""
+        if self._shard_digests is None and self.config is not None:
+            cfg = self.config
+            try:
+                corpus = load_corpus(cfg.data, cfg.seed, cfg.model.block_size)
+            except CorpusError as exc:
+                self.fail(None, cfg.data.corpus, "data-digest",
+                          f"the run's corpus cannot be read here, so no report's dataDigest can be checked: {exc}")
+                self._shard_digests = []
+            else:
+                n = cfg.rounds.expected_workers
+                self._shard_digests = [shard_digest(corpus.shard(i, n)) for i in range(n)]
+        return self._shard_digests or None
 
     def check_accounted(self, r: int, record: dict[str, Any], manifest: Manifest, matched: dict[str, str]) -> None:
         """Every participant has a worker's report or is on the coordinator's unreported list; every

@@ -243,8 +243,7 @@ class Coordinator:
             self.downlink = DownlinkCompressor(AdaptiveRankPolicy(config.compression))
         corpus = corpus or load_corpus(config.data, config.seed, config.model.block_size)
         shards = config.rounds.expected_workers
-        self.shard_digests = [shard_digest(corpus.shard(i, shards).to(torch.uint8).numpy().tobytes())
-                              for i in range(shards)]
+        self.shard_digests = [shard_digest(corpus.shard(i, shards)) for i in range(shards)]
         self.eval_batches = eval_batches(
             corpus, seed=config.seed, count=config.data.eval_batches,
             batch_size=config.inner.batch_size, block_size=config.model.block_size,

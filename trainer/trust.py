@@ -30,6 +30,7 @@ from dataclasses import dataclass, field
 from typing import Callable
 
 import grpc
+import torch
 
 from attestation import (
     Evidence, EvidenceError, Policy, PolicyViolation, ReportError, SignatureError, SignedReport,
@@ -68,9 +69,10 @@ def global_digest(run_id: bytes, round_: int, params_digest: bytes, manifest_dig
     ).digest()
 
 
-def shard_digest(tokens_uint8: bytes) -> bytes:
-    """dataDigest of a report: sha256 of the shard's tokens as bytes."""
-    return hashlib.sha256(tokens_uint8).digest()
+def shard_digest(shard: torch.Tensor) -> bytes:
+    """dataDigest of a report: sha256 of the shard's byte tokens (trainer.data.Corpus.shard), one
+    byte each. The worker signs it, the coordinator and the audit derive it from the config."""
+    return hashlib.sha256(shard.to(torch.uint8).numpy().tobytes()).digest()
 
 
 @dataclass

@@ -279,7 +279,7 @@ class Worker:
         self.shard_index = shard
         corpus = load_corpus(config.data, config.seed, config.model.block_size)
         self.shard = corpus.shard(shard, num_shards)
-        self.data_digest = shard_digest(self.shard.to(torch.uint8).numpy().tobytes())
+        self.data_digest = shard_digest(self.shard)
         self.eval_batches = eval_batches(
             corpus, seed=config.seed, count=config.data.eval_batches,
             batch_size=config.inner.batch_size, block_size=config.model.block_size,

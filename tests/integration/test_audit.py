@@ -44,12 +44,15 @@ from trainer.config import InnerConfig, ModelConfig, RoundConfig, RunConfig
 from trainer.diloco import (
     InnerLoop,
     evaluate,
+    inner_state_digest,
     load_params,
     outer_step,
     params_of,
     zero_momentum,
 )
+from trainer.data import load_corpus
 from trainer.model import build_model
+from trainer.trust import shard_digest
 from trainer.wire import encode_params
 
 pytestmark = pytest.mark.integration
@@ -93,6 +96,9 @@ class RunBuilder:
 
         self.config = tiny_config(run_name)
         self.config_cid = self.store.put_json(self.config.to_json())
+        corpus = load_corpus(self.config.data, self.config.seed, self.config.model.block_size)
+        n = self.config.rounds.expected_workers
+        self.shard_digests = [shard_digest(corpus.shard(i, n)) for i in range(n)]
         self.measurement = code_measurement(str(self.config_cid))
         self.owner_registry.set_verifier(self.coordinator.address)
         self.owner_registry.set_measurement(self.measurement)
@@ -144,7 +150,7 @@ class RunBuilder:
         report = RoundReport(
             run_id=self.run_id, round=manifest.round, worker=key.address,
             parent_checkpoint=CID.parse(parent.params).digest, checkpoint=CID.parse(manifest.params).digest,
-            update_digest=CID.parse(entry.update).digest, data_digest=bytes(32),
+            update_digest=CID.parse(entry.update).digest, data_digest=self.shard_digests[entry.shard],
             train_loss_e6=entry.train_loss_e6, eval_loss_e6=manifest.eval_loss_e6, tokens=entry.tokens,
             inner_steps=entry.inner_steps, bytes_sent=entry.bytes_sent, bytes_received=entry.bytes_received,
         )
@@ -161,16 +167,18 @@ class RunBuilder:
         global_bytes = len(encode_params(self.params))  # what each worker fetched, as if sent dense
         generator = torch.Generator().manual_seed(r)
         deltas, participants = {}, []
-        for worker, loop in self.loops.items():
+        for shard, (worker, loop) in enumerate(self.loops.items()):
             batches = [(x, torch.roll(x, -1, 1)) for x in (torch.randint(0, 256, (2, 8), generator=generator)
                                                         for _ in range(self.config.inner.steps))]
+            state = inner_state_digest(loop.state())  # what a worker's push commits to
             result = loop.run(self.params, batches)
             payload = encode_params(result.pseudo_gradient)
             deltas[worker] = result.pseudo_gradient
             participants.append(Participant(worker=worker, update=str(self.store.put(payload)),
                                             train_loss_e6=to_e6(result.mean_loss), tokens=result.tokens,
                                             inner_steps=result.steps, bytes_sent=len(payload),
-                                            bytes_received=global_bytes))
+                                            bytes_received=global_bytes, shard=shard % len(self.shard_digests),
+                                            state=state))
         self.params, self.momentum = outer_step(self.config.outer, self.params, self.momentum,
                                                 mean_pseudo_gradient(deltas))
         if nudge:
@@ -406,6 +414,24 @@ def test_report_that_restates_the_manifest_wrongly(anvil: Anvil, tmp_path: Path)
     assert builder.keys["w1"].address in failure.object and "tokens" in failure.message
     assert any("participant w0 did not report" in w for w in result.warnings)
     assert [row.reports for row in result.rounds] == [0, 1, 2]
+
+
+def test_report_with_another_shards_data_digest(anvil: Anvil, tmp_path: Path) -> None:
+    """w1 trained on shard 1 but signs shard 0's digest: the ledger cannot tell, the audit derives
+    each shard's digest from the config and the corpus and names the report."""
+    builder = RunBuilder(tmp_path, anvil.rpc_url, run_name="data")
+
+    def wrong_data(manifest: Manifest) -> list[SignedReport]:
+        honest = [builder.report("w0", manifest)]
+        report = dataclasses.replace(builder.report("w1", manifest).report, data_digest=builder.shard_digests[0])
+        return honest + [SignedReport(report, builder.keys["w1"].sign_digest(report.digest(builder.domain)))]
+
+    builder.round()
+    builder.round(reports=wrong_data)
+    result = builder.audit()
+    assert checks(result) == {(2, "data-digest")}
+    (failure,) = result.failures
+    assert builder.keys["w1"].address in failure.object and "shard 1 of 2" in failure.message
 
 
 def test_a_ghost_participant_fails_the_audit(anvil: Anvil, tmp_path: Path) -> None:

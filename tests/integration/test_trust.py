@@ -15,7 +15,6 @@ from pathlib import Path
 
 import grpc
 import pytest
-import torch
 
 from attestation import DevProvider, DevRoot, Domain, RoundReport, SignedReport, WorkerKey, attest, code_measurement
 from cli.demo import provision
@@ -160,7 +159,7 @@ def test_updates_and_reports_need_the_admitted_key(cluster: LocalCluster, chain:
     report = RoundReport(
         run_id=challenge.run_digest, round=1, worker=key.address, parent_checkpoint=CID.parse(genesis.params).digest,
         checkpoint=CID.parse(manifest.params).digest, update_digest=CID.parse(entry.update).digest,
-        data_digest=shard_digest(corpus.shard(0, 1).to(torch.uint8).numpy().tobytes()),
+        data_digest=shard_digest(corpus.shard(0, 1)),
         train_loss_e6=entry.train_loss_e6, eval_loss_e6=manifest.eval_loss_e6, tokens=entry.tokens,
         inner_steps=entry.inner_steps, bytes_sent=entry.bytes_sent, bytes_received=entry.bytes_received,
     )
