@@ -165,7 +165,8 @@ def test_spoofed_calls_change_nothing_and_the_ledger_records_every_round(
 
     for what in ("fetch", "fetch-forged", "push", "push-forged", "heartbeat", "heartbeat-forged", "report",
                  "fetch-as-eve", "push-as-eve", "heartbeat-as-eve", "report-as-eve"):
-        assert codes[what] <= {UNAUTHENTICATED, grpc.StatusCode.UNAVAILABLE}, (what, codes[what])
+        # UNAVAILABLE / CANCELLED: the call was in flight when the finished coordinator shut down.
+        assert codes[what] <= {UNAUTHENTICATED, grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.CANCELLED}, (what, codes[what])
         assert UNAUTHENTICATED in codes[what], what
     # Challenges for w0's id are answered (or rate-limited) and never disturb w0's own join.
     assert codes["challenge"] <= {grpc.StatusCode.OK, EXHAUSTED, grpc.StatusCode.UNAVAILABLE}
