@@ -28,6 +28,7 @@ ROUND_REPORT_TYPE = [
     {"name": "worker", "type": "address"},
     {"name": "parentCheckpoint", "type": "bytes32"},
     {"name": "checkpoint", "type": "bytes32"},
+    {"name": "manifestDigest", "type": "bytes32"},
     {"name": "updateDigest", "type": "bytes32"},
     {"name": "dataDigest", "type": "bytes32"},
     {"name": "trainLossE6", "type": "int64"},
@@ -63,6 +64,7 @@ class RoundReport:
     worker: str
     parent_checkpoint: bytes
     checkpoint: bytes
+    manifest_digest: bytes  # sha256 of the round's manifest: every manifest field is signed through it
     update_digest: bytes
     data_digest: bytes
     train_loss_e6: int
@@ -73,7 +75,7 @@ class RoundReport:
     bytes_received: int  # wire bytes of the FetchGlobal stream the update started from (bytes_received)
 
     def __post_init__(self) -> None:
-        for name in ("run_id", "parent_checkpoint", "checkpoint", "update_digest", "data_digest"):
+        for name in ("run_id", "parent_checkpoint", "checkpoint", "manifest_digest", "update_digest", "data_digest"):
             value = getattr(self, name)
             if not isinstance(value, bytes) or len(value) != 32:
                 raise ReportError(f"report field {name} must be 32 bytes")
@@ -96,7 +98,7 @@ class RoundReport:
         return {
             "runId": self.run_id, "round": self.round, "worker": self.worker,
             "parentCheckpoint": self.parent_checkpoint, "checkpoint": self.checkpoint,
-            "updateDigest": self.update_digest, "dataDigest": self.data_digest,
+            "manifestDigest": self.manifest_digest, "updateDigest": self.update_digest, "dataDigest": self.data_digest,
             "trainLossE6": self.train_loss_e6, "evalLossE6": self.eval_loss_e6,
             "tokens": self.tokens, "innerSteps": self.inner_steps, "bytesSent": self.bytes_sent,
             "bytesReceived": self.bytes_received,

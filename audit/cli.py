@@ -201,6 +201,7 @@ def audit_run_dir(run_dir: Path, *, rpc_url: str | None = None, allow_dev: bool 
 def _audit_on(rpc_url: str, store: ObjectStore, deployment: Deployment, run_id: bytes | None, policy: Policy,
               rederive: bool, max_unrecorded: int = 0, replay: tuple[int, int | None] = (0, None)) -> AuditResult:
     from settlement import Chain, ChainError, Ledger, Registry
+    from settlement.rewards import RewardPool
 
     from .core import run_audit
 
@@ -210,8 +211,9 @@ def _audit_on(rpc_url: str, store: ObjectStore, deployment: Deployment, run_id: 
         raise ChainError(f"{rpc_url} is chain {chain.chain_id}, but the deployment is on chain {deployment.chain_id}")
     ledger = Ledger(chain, deployment.ledger, from_block=deployment.deployed_block)
     registry = Registry(chain, deployment.registry, from_block=deployment.deployed_block)
+    rewards = RewardPool(chain, deployment.rewards, ledger, from_block=deployment.deployed_block)
     return run_audit(store, ledger, registry, run_id=run_id, policy=policy, rederive=rederive,
-                     max_unrecorded=max_unrecorded, replay=replay[0], replay_seed=replay[1])
+                     max_unrecorded=max_unrecorded, replay=replay[0], replay_seed=replay[1], rewards=rewards)
 
 
 def _short(text: str | None, head: int = 10, tail: int = 6) -> str:
@@ -245,6 +247,8 @@ def render(result: AuditResult, console: Console) -> None:
     console.print(table)
     if result.replay is not None:
         render_replay(result.replay, console)
+    if result.tallies:
+        render_tallies(result, console)
     for warning in result.warnings:
         console.print(f"[bold yellow]warning[/]: {escape(warning)}")
     for failure in result.failures:
@@ -257,6 +261,23 @@ def render(result: AuditResult, console: Console) -> None:
     else:
         console.print(f"[bold red]AUDIT FAILED[/]: {len(result.failures)} check(s) failed over genesis and "
                       f"{recorded} recorded round(s)")
+
+
+def render_tallies(result: AuditResult, console: Console) -> None:
+    """Each worker's tally in the run and over all runs, and, with a reward pool, its payout."""
+    from rich import box
+    from rich.table import Table
+
+    accounts = {} if result.rewards is None else result.rewards.workers
+    table = Table(title="contributions and rewards", box=box.SIMPLE_HEAD, pad_edge=False)
+    for column in ("worker", "rounds", "tokens", "all runs", *(("earned", "paid") if result.rewards else ())):
+        table.add_column(column, justify="left" if column == "worker" else "right", no_wrap=True)
+    for worker, tally in sorted(result.tallies.items()):
+        account = accounts.get(worker)
+        money = (f"{account.earned / 1e18:,.2f}", f"{account.paid / 1e18:,.2f}") if account else ("—", "—")
+        table.add_row(f"{worker[:8]}…{worker[-4:]}", str(tally["rounds"]), f"{tally['tokens']:,}", f"{tally.get('total_tokens', 0):,}",
+                      *(money if result.rewards else ()))
+    console.print(table)
 
 
 def render_replay(outcome, console: Console) -> None:  # audit.replay.ReplayOutcome

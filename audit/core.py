@@ -18,8 +18,9 @@ Checks, by name:
   config                the chain's configDigest is the config's CID; every round names that config
                         and the genesis run id; the config parses
   rounds                the ledger's rounds are 1..lastRound, each once, in order
-  ledger                the ledger's round views agree with its RoundRecorded events, and the
-                        recording transactions can be decoded
+  ledger                the ledger's roundCommitment of each round equals its RoundRecorded event's and
+                        the hash of the facts recorded (block, workers, tokens, checkpoint, manifest),
+                        and the recording transactions can be decoded
   manifest-round        manifest.round is the round it was recorded as
   parent                manifest.parent is the CID of the previous round's (recorded) manifest
   checkpoint            the round's on-chain checkpoint is the sha256 of the manifest's params
@@ -30,10 +31,11 @@ Checks, by name:
                         with the carried error (audit.rederive): the bytes hash to the manifest's
                         params and outer_state (genesis momentum is zero); a downlink object is
                         present exactly when the config compresses
-  report-count          the recording call carried as many reports and unreported updates as the
-                        event says
+  report-count          the workers the event credits are the signers of the call's reports, and the
+                        call carried as many unreported updates as the event says
   report-signature      the EIP-712 signature recovers to report.worker (this chain, this ledger)
-  report-binding        report runId / round / parentCheckpoint / checkpoint are the round's
+  report-binding        report runId / round / parentCheckpoint / checkpoint / manifestDigest are the
+                        round's
   report-participant    report.updateDigest is the update CID of one manifest participant
   report-duplicate      one report per worker, one per participant
   report-fields         trainLossE6, tokens, innerSteps, bytesSent, bytesReceived equal the
@@ -54,6 +56,12 @@ Checks, by name:
                         or by the coordinator's unreported list (an update in the average that nobody
                         answers for is a ghost)
   tally                 ledger.contribution_of(run, worker) equals the reports' tokens and rounds
+  total-contribution    ledger.total_contribution_of(worker) equals the worker's credits over every run
+                        the ledger created (their RoundRecorded events)
+  payout                (with the deployment's reward pool) every RewardPaid out of the run is what a
+                        recorded round entitles its worker to, once, and the run is not paid past its
+                        funding
+  recorder              each round's recording transaction was sent by the run's coordinator
   unrecorded            the store's lineage goes at most ``max_unrecorded`` rounds past the ledger's
                         last round (manifests of the run whose parent chain leads to it)
   replay                (``replay`` > 0) each sampled contribution, and each one replayed on the way to
@@ -85,6 +93,8 @@ from typing import Any
 from attestation import DEV_WARNING, Policy, ReportError, SignedReport, checksum_address
 from attestation.report import Domain
 from settlement import ChainError, Ledger, Registry, registry_artifact
+from settlement.ledger import commitment_of
+from settlement.rewards import RewardPool
 from storage_client import (
     CID,
     Codec,
@@ -130,8 +140,10 @@ class _Loaded:
 
 class _Audit:
     def __init__(self, store: ObjectStore, ledger: Ledger, registry: Registry, policy: Policy,
-                 rederive: bool, max_unrecorded: int = 0, replay: int = 0, replay_seed: int = 0) -> None:
+                 rederive: bool, max_unrecorded: int = 0, replay: int = 0, replay_seed: int = 0,
+                 rewards: RewardPool | None = None) -> None:
         self.store = store
+        self.rewards = rewards
         self.replay = replay
         self.replay_seed = replay_seed
         self.max_unrecorded = max_unrecorded
@@ -146,6 +158,7 @@ class _Audit:
         self._warned: set[str] = set()
         self.norms: dict[int, list[float] | None] = {}  # round -> its stored updates' norms (keep_norms)
         self._shard_digests: list[bytes] | None = None  # shard_digests()
+        self.run_view: dict[str, Any] = {}  # the ledger's runOf view of the audited run
 
     # -- bookkeeping --------------------------------------------------------------------------------
 
@@ -271,14 +284,26 @@ class _Audit:
                       f"round's checkpoint on chain is 0x{parent_checkpoint.hex()}")
         unreported: list[bytes] = record.get("unreported", [])
         row.unreported = len(unreported)
-        if (int(record["reportCount"]), int(record.get("unreportedCount", 0))) != (len(reports), len(unreported)):
+        credited = [checksum_address(w) for w in record.get("workers", [])]
+        signers = [rep.report.worker for rep in reports]
+        if credited != signers or int(record.get("unreportedCount", 0)) != len(unreported):
             self.fail(r, f"round {r} on chain", "report-count",
-                      f"RoundRecorded says {record['reportCount']} report(s) and {record.get('unreportedCount', 0)} "
-                      f"unreported update(s), the recording call carried {len(reports)} and {len(unreported)}")
-        stored = self.ledger.round_of(run_id, r)
-        if (stored["checkpoint"], stored["manifestDigest"]) != (record["checkpoint"], record["manifestDigest"]):
+                      f"RoundRecorded credits {len(credited)} worker(s) and says {record.get('unreportedCount', 0)} "
+                      f"unreported update(s); the recording call carried reports of {len(signers)} and "
+                      f"{len(unreported)} unreported" + ("" if len(credited) != len(signers) else
+                                                         ": the credited workers are not the reports' signers"))
+        stored = self.ledger.round_commitment(run_id, r)
+        derived = commitment_of(record)
+        if stored != record.get("commitment") or stored != derived:
             self.fail(r, f"round {r} on chain", "ledger",
-                      "the ledger's roundOf view disagrees with its RoundRecorded event (the round was overwritten)")
+                      f"the ledger keeps commitment 0x{stored.hex()} for the round, its RoundRecorded event says "
+                      f"0x{bytes(record.get('commitment', b'')).hex()}, and the recorded facts hash to "
+                      f"0x{derived.hex()} (the round was overwritten, or the ledger is not what it claims)")
+        coordinator = checksum_address(self.run_view["coordinator"])
+        if record.get("sender") != coordinator:
+            self.fail(r, f"round {r} on chain", "recorder",
+                      f"round {r} was recorded by {record.get('sender')} (tx {record.get('tx_hash')}), not by the run's "
+                      f"coordinator {coordinator}")
 
         manifest = self.load_manifest(r, cid)
         if manifest is None:
@@ -418,6 +443,8 @@ class _Audit:
                 wrong.append(f"parentCheckpoint 0x{rep.parent_checkpoint.hex()} (not round {r - 1}'s params)")
             if rep.checkpoint != record["checkpoint"]:
                 wrong.append(f"checkpoint 0x{rep.checkpoint.hex()}")
+            if rep.manifest_digest != record["manifestDigest"]:
+                wrong.append(f"manifestDigest 0x{rep.manifest_digest.hex()}")
             if wrong:
                 self.fail(r, label, "report-binding", "the report is not about this round: " + ", ".join(wrong))
             if rep.worker in signers:
@@ -574,24 +601,72 @@ class _Audit:
     # -- tallies ------------------------------------------------------------------------------------
 
     def check_tallies(self, run_id: bytes, rounds: list[dict[str, Any]]) -> None:
+        """``contributionOf(run, worker)`` equals the run's recorded reports of that worker, and
+        ``totalContributionOf(worker)`` the worker's credits over every run on this ledger (summed from
+        each run's RoundRecorded events: the tokens each round credits each of its workers)."""
         tokens: dict[str, int] = defaultdict(int)
         counted: dict[str, int] = defaultdict(int)
         for record in rounds:
             for signed in record.get("reports", []):
                 tokens[signed.report.worker] += signed.report.tokens
                 counted[signed.report.worker] += 1
-        workers = set(tokens)
-        try:
-            workers |= {checksum_address(e["worker"]) for e in self.ledger.accepted_reports(run_id)}
-        except ChainError:
-            pass
+        workers = set(tokens) | {checksum_address(w) for record in rounds for w in record.get("workers", [])}
         for worker in sorted(workers):
             got = self.ledger.contribution_of(run_id, worker)
             want = {"tokens": tokens.get(worker, 0), "rounds": counted.get(worker, 0)}
+            self.result.tallies[worker] = {"tokens": want["tokens"], "rounds": want["rounds"]}
             if (int(got["tokens"]), int(got["rounds"])) != (want["tokens"], want["rounds"]):
                 self.fail(None, worker, "tally",
                           f"the ledger credits {worker} with {got['tokens']} tokens over {got['rounds']} round(s); "
                           f"its recorded reports sum to {want['tokens']} tokens over {want['rounds']} round(s)")
+        if not workers:
+            return
+        try:
+            totals = self.totals_over_runs()
+        except ChainError as exc:
+            self.fail(None, self.ledger.address, "total-contribution", f"the ledger's runs cannot be read: {exc}")
+            return
+        for worker in sorted(workers):
+            got = self.ledger.total_contribution_of(worker)
+            want = totals.get(worker, {"tokens": 0, "rounds": 0})
+            self.result.tallies[worker]["total_tokens"] = want["tokens"]
+            if (int(got["tokens"]), int(got["rounds"])) != (want["tokens"], want["rounds"]):
+                self.fail(None, worker, "total-contribution",
+                          f"the ledger's totalContributionOf({worker}) is {got['tokens']} tokens over {got['rounds']} "
+                          f"round(s); its rounds over all {len(self.ledger.runs_created())} run(s) credit "
+                          f"{want['tokens']} tokens over {want['rounds']} round(s)")
+
+    def totals_over_runs(self) -> dict[str, dict[str, int]]:
+        """Each worker's credits over every run this ledger created, from the RoundRecorded events."""
+        totals: dict[str, dict[str, int]] = defaultdict(lambda: {"tokens": 0, "rounds": 0})
+        for created in self.ledger.runs_created():
+            for event in self.ledger.recorded_round_events(bytes(created["runId"])):
+                for worker in event["workers"]:
+                    total = totals[checksum_address(worker)]
+                    total["tokens"] += int(event["tokens"])
+                    total["rounds"] += 1
+        return totals
+
+    def check_payouts(self, run_id: bytes) -> None:
+        """Every reward the pool paid out of this run is one a recorded round entitles (``payout``),
+        and each worker's earnings and payments go in the result (settlement.rewards.statement)."""
+        if self.rewards is None:
+            return
+        try:
+            statement = self.rewards.statement(run_id)
+        except ChainError as exc:
+            self.fail(None, self.rewards.address, "payout", f"the reward pool cannot be read: {exc}")
+            return
+        if statement is None:
+            return
+        self.result.rewards = statement
+        for worker, account in sorted(statement.workers.items()):
+            for problem in account.overpaid:
+                self.fail(None, worker, "payout", f"the reward pool paid {worker} for a round no record entitles "
+                                                  f"it to: {problem}")
+        if statement.paid > statement.funded:
+            self.fail(None, self.rewards.address, "payout",
+                      f"the pool paid {statement.paid} out of this run, funded with {statement.funded}")
 
     # -- everything ---------------------------------------------------------------------------------
 
@@ -605,6 +680,7 @@ class _Audit:
         if resolved is None:
             return self.finish()
         run_id, run = resolved
+        self.run_view = run
         self.result.run_id = run_id
         self.read_registry()
         genesis = self.check_genesis(run_id, run)
@@ -630,6 +706,7 @@ class _Audit:
         if self.replay > 0:
             self.check_replay(loaded)
         self.check_tallies(run_id, rounds)
+        self.check_payouts(run_id)
         if genesis is not None:
             last = CID(Codec.JSON, bytes(rounds[-1]["manifestDigest"])) if rounds else genesis.cid
             self.check_unrecorded(genesis.manifest.run_id, last, len(rounds))
@@ -724,7 +801,7 @@ def _manifests_by_parent(store: ObjectStore, run_name: str) -> dict[str, list[CI
 
 def run_audit(store: ObjectStore, ledger: Ledger, registry: Registry, *, run_id: bytes | None = None,
               policy: Policy, rederive: bool = True, max_unrecorded: int = 0, replay: int = 0,
-              replay_seed: int | None = None) -> AuditResult:
+              replay_seed: int | None = None, rewards: RewardPool | None = None) -> AuditResult:
     """Verify a run from the ledger (its views and events) and the store alone.
 
     @param store the run's object store
@@ -738,6 +815,8 @@ def run_audit(store: ObjectStore, ledger: Ledger, registry: Registry, *, run_id:
         (0 for a finished run; more while the ledger catches up)
     @param replay how many sampled contributions to re-run (audit.replay); 0: none
     @param replay_seed the sample's seed; None draws one from os.urandom (reported in the result)
+    @param rewards the deployment's reward pool: every payout out of the run is checked against the
+        ledger's records, and each worker's earnings and payments reported
     @return every failure, one row per round, and warnings; ``ok`` only when every check passed
     @raise settlement.ChainUnavailable when the chain does not answer
     """
@@ -748,6 +827,6 @@ def run_audit(store: ObjectStore, ledger: Ledger, registry: Registry, *, run_id:
     if type(replay) is not int or replay < 0:
         raise ValueError("replay must be an integer >= 0")
     seed = int.from_bytes(os.urandom(4), "big") if replay_seed is None else int(replay_seed)
-    return _Audit(store, ledger, registry, policy, rederive, max_unrecorded, replay, seed).run(
+    return _Audit(store, ledger, registry, policy, rederive, max_unrecorded, replay, seed, rewards).run(
         None if run_id is None else bytes(run_id))
 

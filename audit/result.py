@@ -6,6 +6,8 @@
      "rounds": [{"round", "manifest", "checkpoint", "participants", "reports", "eval_loss", "status",
                  "unreported"}],
      "warnings": [str],
+     "tallies": {worker: {"tokens", "rounds", "total_tokens"}},
+     "rewards": null | settlement.rewards.Statement.to_json(),
      "replay": null | {"seed", "steps", "checked_steps", "seconds",
                        "contributions": [{"round", "worker", "sampled", "distance", "status", "note"}],
                        "rescored": [{"round", "reported", "recomputed", "ok"}]}}
@@ -67,6 +69,8 @@ class AuditResult:
     warnings: list[str] = field(default_factory=list)
     rederived: bool = False
     replay: Any = None  # audit.replay.ReplayOutcome of ``--replay K``; None when nothing was replayed
+    tallies: dict[str, dict[str, int]] = field(default_factory=dict)  # worker -> tokens, rounds, total_tokens
+    rewards: Any = None  # settlement.rewards.Statement of the run's pool; None without one
 
     @property
     def ok(self) -> bool:
@@ -84,4 +88,6 @@ class AuditResult:
             "rounds": [r.to_json() for r in self.rounds],
             "warnings": list(self.warnings),
             "replay": None if self.replay is None else self.replay.to_json(),
+            "tallies": {w: dict(t) for w, t in sorted(self.tallies.items())},
+            "rewards": None if self.rewards is None else self.rewards.to_json(),
         }

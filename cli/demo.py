@@ -26,12 +26,14 @@ from rich.table import Table
 
 from trainer.cluster import ClusterError, LocalCluster
 from attestation import DEV_WARNING, DevRoot, code_measurement
-from settlement import DEV_ACCOUNTS, Anvil, Chain, Registry, deploy
+from settlement import DEV_ACCOUNTS, Anvil, Chain, Deployment, Ledger, Registry, deploy
 from storage_client import write_atomic
 from trainer.config import RunConfig, demo_config
 from trainer.data import load_corpus
 
 DEMO_REPLAYS = 2  # contributions the demo's audit re-runs (audit.replay)
+DEMO_CHALLENGE_WINDOW = 4  # blocks; the demo mines past it before it settles
+DEMO_POOL = 1_000 * 10**18  # reward tokens (18 decimals) the demo's run is funded with
 
 
 def _mb(n: int) -> str:
@@ -62,9 +64,28 @@ def provision(run_dir: Path, rpc_url: str, config: RunConfig) -> tuple[list[str]
     registry.set_measurement(code_measurement(str(config.cid)))
     dev_root = DevRoot.load_or_create(run_dir / "dev-root")
     coordinator_args = ["--ledger", str(chain_dir / "deployment.json"), "--chain-rpc", rpc_url,
-                        "--chain-key-file", str(key_file), "--allow-dev", "--dev-root", dev_root.address]
+                        "--chain-key-file", str(key_file), "--allow-dev", "--dev-root", dev_root.address,
+                        "--challenge-window", str(DEMO_CHALLENGE_WINDOW)]
     worker_args = ["--attestation", "dev", "--dev-root-dir", str(run_dir / "dev-root")]
     return coordinator_args, worker_args
+
+
+def fund_and_mature(run_dir: Path, rpc_url: str, rounds: int) -> None:
+    """The demo's coordinator opens its run's reward pool (the owner mints the tokens), then the
+    chain mines past the challenge window."""
+    from settlement.rewards import RewardPool, RewardToken
+    from storage_client import lineage
+    from trainer.run_dir import RunDir
+
+    deployment = Deployment.load(run_dir / "chain" / "deployment.json")
+    local = RunDir(run_dir)
+    run_id = lineage(local.store, local.head())[0][0].digest
+    owner, coordinator = Chain(rpc_url, DEV_ACCOUNTS[0]), Chain(rpc_url, DEV_ACCOUNTS[1])
+    RewardToken(owner, deployment.token).mint(coordinator.address, DEMO_POOL)
+    RewardToken(coordinator, deployment.token).approve(deployment.rewards, DEMO_POOL)
+    ledger = Ledger(coordinator, deployment.ledger, from_block=deployment.deployed_block)
+    RewardPool(coordinator, deployment.rewards, ledger).open_pool(run_id, DEMO_POOL, rounds)
+    coordinator.w3.provider.make_request("anvil_mine", [hex(DEMO_CHALLENGE_WINDOW)])
 
 
 def run_demo(run_dir: Path, rounds: int | None = None, workers: int = 2, overlap: bool | None = None,
@@ -88,6 +109,14 @@ def run_demo(run_dir: Path, rounds: int | None = None, workers: int = 2, overlap
         coordinator_args, worker_args = provision(run_dir, anvil.rpc_url, config)
         console.print(f"local chain {anvil.rpc_url} (state kept in {run_dir / 'chain'}); contracts deployed")
         code = _train(console, run_dir, config, config_path, workers, coordinator_args, worker_args, insecure)
+        if code != 0:
+            return code
+        console.print("\n[bold]rewards[/]: the coordinator funds the run's pool; once the rounds are "
+                      f"{DEMO_CHALLENGE_WINDOW} blocks old, every worker's share is claimed")
+        fund_and_mature(run_dir, anvil.rpc_url, config.rounds.rounds)
+        from cli.settle import settle_run_dir
+
+        code = settle_run_dir(run_dir, rpc_url=anvil.rpc_url, claim=True, key=DEV_ACCOUNTS[3], console=console)
         if code != 0:
             return code
         console.print("\n[bold]audit[/]: re-verifying the run from the ledger and the store alone, and "

@@ -24,6 +24,10 @@ from pathlib import Path
 
 from rich.logging import RichHandler
 
+# Blocks a recorded round waits before its rewards can be claimed (about a day of 12 s blocks): time
+# for an auditor to re-check the round, and for a revocation, before anyone is paid for it.
+DEFAULT_CHALLENGE_WINDOW = 7200
+
 
 def _logging(verbose: bool) -> None:
     handler: logging.Handler
@@ -119,7 +123,7 @@ def _trust_settings(args: argparse.Namespace):  # -> TrustSettings | None
     return TrustSettings(rpc_url=args.chain_rpc, private_key=bytes.fromhex(key_text),
                          deployment=Deployment.load(args.ledger), policy=policy,
                          report_timeout_s=args.report_timeout, verification_time=args.attestation_time,
-                         confirmations=args.confirmations)
+                         confirmations=args.confirmations, challenge_window=args.challenge_window)
 
 
 def cmd_worker(args: argparse.Namespace) -> int:
@@ -191,6 +195,12 @@ def cmd_audit(args: argparse.Namespace) -> int:
     return run(args)
 
 
+def cmd_settle(args: argparse.Namespace) -> int:
+    from cli.settle import run
+
+    return run(args)
+
+
 def cmd_bench(args: argparse.Namespace) -> int:
     if args.what == "ablation":
         from benchmarks.ablation import run, settings_of
@@ -212,8 +222,8 @@ def cmd_bench(args: argparse.Namespace) -> int:
     from settlement.gas import format_markdown, gas_table
 
     rows = gas_table()
-    print("Gas of the registry's and ledger's calls on a fresh local anvil (1.7.1, chain 31337); "
-          "contracts from solc-js 0.8.28, optimizer 200 runs. Reports are signed by fresh random keys, "
+    print("Gas of the registry's, ledger's and reward pool's calls on a fresh local anvil (1.7.1, chain 31337); "
+          "contracts from solc-js 0.8.28, optimizer 100,000 runs. Reports are signed by fresh random keys, "
           "so per-report figures move by a few dozen gas between runs (calldata zero bytes).\n")
     print(format_markdown(rows))
     return 0
@@ -254,6 +264,9 @@ def parser() -> argparse.ArgumentParser:
     co.add_argument("--report-timeout", type=float, default=30.0,
                     help="seconds to wait for every participant's report before recording a round (its "
                          "unreported updates then on the coordinator's word, credited to nobody)")
+    co.add_argument("--challenge-window", type=int, default=DEFAULT_CHALLENGE_WINDOW, metavar="BLOCKS",
+                    help="blocks a recorded round waits before its rewards can be claimed, set when the run is "
+                         f"created on the ledger (default {DEFAULT_CHALLENGE_WINDOW}, about a day of 12 s blocks)")
     co.add_argument("--confirmations", type=int, default=1,
                     help="blocks deep a round must be on the ledger before its outbox copy is set aside "
                          "(1: in a block; a chain that mines only on transactions never goes deeper)")
@@ -301,6 +314,12 @@ def parser() -> argparse.ArgumentParser:
 
     add_arguments(au)
     au.set_defaults(func=cmd_audit)
+
+    se = sub.add_parser("settle", help="what each worker of a run is owed from its reward pool; --claim pays it")
+    from cli.settle import add_arguments as settle_arguments
+
+    settle_arguments(se)
+    se.set_defaults(func=cmd_settle)
 
     be = sub.add_parser("bench", help="benchmarks")
     bench = be.add_subparsers(dest="what", required=True)
@@ -379,6 +398,8 @@ def check_args(args: argparse.Namespace) -> None:
                 raise UsageError(f"{flag} {value} is out of range: must be >= 1")
         if not 1 <= args.confirmations <= 1024:
             raise UsageError(f"--confirmations {args.confirmations} is out of range: must be in [1, 1024]")
+        if not 0 <= args.challenge_window < 2**32:
+            raise UsageError(f"--challenge-window {args.challenge_window} is out of range: must be in [0, 2^32)")
         for flag, value in (("--linger", args.linger), ("--report-timeout", args.report_timeout),
                             ("--idle-timeout", args.idle_timeout)):
             if not 0 <= value <= 86_400:  # also refuses NaN

@@ -1,10 +1,13 @@
-"""What the trust path costs on chain: gas used by each ledger write, measured on a fresh anvil.
+"""What the trust path costs on chain: gas used by each ledger and reward write, on a fresh anvil.
 
-``gas_table`` deploys the registry and the ledger on a throwaway in-memory anvil, admits 16
-workers, creates a run and records consecutive rounds with 1, 2, 4, 8 and 16 correctly signed
-reports (realistic, non-zero digests, losses and counts, since zero bytes are cheaper in calldata),
-and reads ``gasUsed`` from each receipt. The numbers are what a coordinator pays per round and
-show how the cost grows with the number of workers.
+``gas_table`` deploys the registry, the ledger, a reward token and the reward pool on a throwaway
+in-memory anvil, admits 16 workers, creates a run, records one round in which all 16 report for the
+first time in the run (each first credit opens the worker's tally slot and lists the run under
+it), then consecutive rounds with 1, 2, 4, 8 and 16 correctly signed reports of workers already
+credited in the run (the steady state), a round recorded with one unreported update only, and
+opens the run's reward pool and claims one and eight rounds. Digests, losses and counts are
+realistic and non-zero, since zero bytes are cheaper in calldata. ``gasUsed`` comes from each
+receipt: what a coordinator pays per round, and how the cost grows with the number of workers.
 
     python -m settlement.gas        # the same table as `dilocox bench gas`
 """
@@ -20,11 +23,14 @@ from attestation.keys import WorkerKey
 from attestation.report import RoundReport, SignedReport
 
 from .anvil import DEV_ACCOUNTS, Anvil
-from .artifacts import ledger_artifact, registry_artifact
+from .artifacts import ledger_artifact, load_artifact, registry_artifact
 from .chain import Chain
 from .ledger import Ledger, Registry
+from .rewards import RewardPool, RewardToken
 
 __all__ = ["format_markdown", "gas_table", "main"]
+
+TOKENS = 2_048_000  # tokens the run's config credits each report
 
 
 def _digest(*parts: Any) -> bytes:
@@ -41,11 +47,25 @@ def _row(operation: str, gas: int, reports: int | None = None) -> dict[str, Any]
             "gas_per_report": gas // reports if reports else None}
 
 
-def gas_table(report_counts: Sequence[int] = (1, 2, 4, 8, 16)) -> list[dict[str, Any]]:
-    """Measure the gas of each ledger write on a fresh local chain.
+def _reports(workers: Sequence[WorkerKey], run_id: bytes, round_: int, parent: bytes, checkpoint: bytes,
+             manifest: bytes, domain: Any) -> list[SignedReport]:
+    out = []
+    for i, key in enumerate(workers):
+        report = RoundReport(
+            run_id=run_id, round=round_, worker=key.address, parent_checkpoint=parent, checkpoint=checkpoint,
+            manifest_digest=manifest, update_digest=_digest("update", round_, i), data_digest=_digest("shard", i),
+            train_loss_e6=3_412_345 - 97_531 * round_ + 1_234 * i, eval_loss_e6=3_398_765 - 95_001 * round_,
+            tokens=TOKENS, inner_steps=500, bytes_sent=24_117_248 + 4_096 * i, bytes_received=25_165_824 + 2_048 * i,
+        )
+        out.append(SignedReport(report, key.sign_digest(report.digest(domain))))
+    return out
 
-    @param report_counts the number of signed reports in each recorded round (consecutive rounds
-        1, 2, ...); workers are admitted for the largest
+
+def gas_table(report_counts: Sequence[int] = (1, 2, 4, 8, 16)) -> list[dict[str, Any]]:
+    """Measure the gas of each ledger and reward write on a fresh local chain.
+
+    @param report_counts the number of signed reports in each steady-state round (consecutive rounds
+        after the first, in which every worker reports); workers are admitted for the largest
     @return rows ``{operation, reports, gas_used, gas_per_report}`` (reports and gas_per_report are
         None for writes without reports), in the order they were sent
     """
@@ -60,7 +80,14 @@ def gas_table(report_counts: Sequence[int] = (1, 2, 4, 8, 16)) -> list[dict[str,
         led = ledger_artifact()
         ledger_address, gas = _deploy_gas(chain, led.abi, led.bytecode, registry_address)
         rows.append(_row("deploy ContributionLedger", gas))
+        tok = load_artifact("RewardToken")
+        token_address, gas = _deploy_gas(chain, tok.abi, tok.bytecode, chain.address)
+        rows.append(_row("deploy RewardToken", gas))
+        rew = load_artifact("RewardPool")
+        pool_address, gas = _deploy_gas(chain, rew.abi, rew.bytecode, ledger_address, token_address)
+        rows.append(_row("deploy RewardPool", gas))
         registry, ledger = Registry(chain, registry_address), Ledger(chain, ledger_address)
+        token, pool = RewardToken(chain, token_address), RewardPool(chain, pool_address, ledger)
 
         measurement = _digest("code measurement")
         rows.append(_row("setMeasurement", int(registry.set_measurement(measurement)["gasUsed"])))
@@ -72,39 +99,60 @@ def gas_table(report_counts: Sequence[int] = (1, 2, 4, 8, 16)) -> list[dict[str,
 
         run_id = _digest("genesis manifest", os.urandom(8))
         parent = _digest("checkpoint", 0)
-        rows.append(_row("createRun", int(ledger.create_run(run_id, parent, _digest("config"), run_id)["gasUsed"])))
+        rows.append(_row("createRun", int(ledger.create_run(run_id, parent, _digest("config"), run_id, 0)["gasUsed"])))
 
         domain = ledger.domain()
-        for round_, count in enumerate(report_counts, start=1):
-            checkpoint = _digest("checkpoint", round_)
-            reports = []
-            for i, key in enumerate(workers[:count]):
-                report = RoundReport(
-                    run_id=run_id, round=round_, worker=key.address, parent_checkpoint=parent, checkpoint=checkpoint,
-                    update_digest=_digest("update", round_, i), data_digest=_digest("shard", i),
-                    train_loss_e6=3_412_345 - 97_531 * round_ + 1_234 * i, eval_loss_e6=3_398_765 - 95_001 * round_,
-                    tokens=2_048_000 + 512 * i, inner_steps=500, bytes_sent=24_117_248 + 4_096 * i,
-                    bytes_received=25_165_824 + 2_048 * i,
-                )
-                reports.append(SignedReport(report, key.sign_digest(report.digest(domain))))
-            receipt = ledger.record_round(run_id, round_, parent, checkpoint, _digest("manifest", round_), reports)
-            rows.append(_row("recordRound", int(receipt["gasUsed"]), count))
+        blocks: dict[int, int] = {}
+        for round_, count in enumerate((len(workers), *report_counts), start=1):
+            checkpoint, manifest = _digest("checkpoint", round_), _digest("manifest", round_)
+            reports = _reports(workers[:count], run_id, round_, parent, checkpoint, manifest, domain)
+            receipt = ledger.record_round(run_id, round_, parent, checkpoint, manifest, reports)
+            what = "recordRound, every worker's first round in the run" if round_ == 1 else "recordRound"
+            rows.append(_row(what, int(receipt["gasUsed"]), count))
+            blocks[round_] = int(receipt["blockNumber"])
             parent = checkpoint
         # a round no worker reported, recorded on the coordinator's word with one unreported update
-        round_ = len(report_counts) + 1
+        round_ = len(report_counts) + 2
         receipt = ledger.record_round(run_id, round_, parent, _digest("checkpoint", round_), _digest("manifest", round_),
                                       [], [_digest("update", round_, 0)])
         rows.append(_row("recordRound, 1 unreported update", int(receipt["gasUsed"])))
+
+        funded = 10**24
+        token.mint(chain.address, funded)
+        token.approve(pool_address, funded)
+        rows.append(_row("openPool", int(pool.open_pool(run_id, funded, round_)["gasUsed"])))
+        first = workers[0].address  # reported in every round
+        rows.append(_row("claim, 1 round", int(_claim(pool, run_id, first, rounds=1)["gasUsed"])))
+        rows.append(_row("claim, 8 rounds", int(_claim(pool, run_id, first, rounds=8)["gasUsed"])))
     return rows
 
 
+def _claim(pool: RewardPool, run_id: bytes, worker: str, rounds: int) -> Any:
+    """Claim the first ``rounds`` unpaid rounds of ``worker`` in one call."""
+    from .ledger import _bytes32, round_facts
+
+    paid = {int(p["round"]) for p in pool.payments(run_id) if p["worker"] == worker}
+    claims = []
+    for event in pool.ledger.recorded_round_events(run_id):
+        if worker in event["workers"] and int(event["round"]) not in paid and len(claims) < rounds:
+            claims.append((int(event["round"]), list(event["workers"]).index(worker), round_facts(event)))
+    return pool.chain.transact(pool._contract.functions.claim(_bytes32("run_id", run_id), worker, claims))
+
+
 def format_markdown(rows: Sequence[dict[str, Any]]) -> str:
-    """The rows as a Markdown table: operation | reports | gas used | gas per report."""
-    lines = ["| operation | reports | gas used | gas per report |", "| --- | ---: | ---: | ---: |"]
+    """The rows as a Markdown table: operation | reports | gas used | gas per report | gas per further
+    report (a steady-state round's cost over the 1-report round's, per added report: what one more
+    worker costs the coordinator each round)."""
+    lines = ["| operation | reports | gas used | gas per report | gas per further report |",
+             "| --- | ---: | ---: | ---: | ---: |"]
+    single = next((r["gas_used"] for r in rows if r["operation"] == "recordRound" and r.get("reports") == 1), None)
     for row in rows:
         reports = "" if row.get("reports") is None else str(row["reports"])
         per = "" if row.get("gas_per_report") is None else f"{row['gas_per_report']:,}"
-        lines.append(f"| {row['operation']} | {reports} | {row['gas_used']:,} | {per} |")
+        further = ""
+        if row["operation"] == "recordRound" and single is not None and (row.get("reports") or 0) > 1:
+            further = f"{(row['gas_used'] - single) // (row['reports'] - 1):,}"
+        lines.append(f"| {row['operation']} | {reports} | {row['gas_used']:,} | {per} | {further} |")
     return "\n".join(lines) + "\n"
 
 

@@ -26,7 +26,7 @@ from hexbytes import HexBytes
 from attestation.report import Domain, RoundReport, SignedReport
 from storage_client import strict_json, write_atomic
 
-from .artifacts import Artifact, ledger_artifact, registry_artifact
+from .artifacts import Artifact, ledger_artifact, load_artifact, registry_artifact
 from .chain import Chain, ChainError
 
 __all__ = ["Deployment", "DeploymentError", "Ledger", "Registry", "deploy"]
@@ -47,6 +47,8 @@ class Deployment:
     @param ledger the ``ContributionLedger`` address (bound to ``registry``)
     @param owner the registry's owner (the deploying account)
     @param deployed_block the block of the registry's deployment: where log scans can start
+    @param token the ERC-20 rewards are paid in (a ``RewardToken`` the owner mints, locally)
+    @param rewards the ``RewardPool`` paying each run's workers from the ledger's records
     """
 
     chain_id: int
@@ -54,6 +56,8 @@ class Deployment:
     ledger: str
     owner: str
     deployed_block: int
+    token: str
+    rewards: str
 
     def save(self, path: Path) -> None:
         """Write the deployment as JSON, atomically."""
@@ -72,7 +76,7 @@ class Deployment:
             raise DeploymentError(f"deployment file {path} does not exist") from None
         except (OSError, ValueError) as exc:
             raise DeploymentError(f"deployment file {path} is not readable JSON: {exc}") from None
-        names = {"chain_id", "registry", "ledger", "owner", "deployed_block"}
+        names = {"chain_id", "registry", "ledger", "owner", "deployed_block", "token", "rewards"}
         if not isinstance(data, dict) or set(data) != names:
             raise DeploymentError(f"deployment file {path} must hold exactly {sorted(names)}")
         try:
@@ -80,7 +84,8 @@ class Deployment:
                 raise ValueError("chain_id and deployed_block must be integers")
             return cls(chain_id=data["chain_id"], registry=to_checksum_address(data["registry"]),
                        ledger=to_checksum_address(data["ledger"]), owner=to_checksum_address(data["owner"]),
-                       deployed_block=data["deployed_block"])
+                       deployed_block=data["deployed_block"], token=to_checksum_address(data["token"]),
+                       rewards=to_checksum_address(data["rewards"]))
         except (TypeError, ValueError) as exc:
             raise DeploymentError(f"deployment file {path} is malformed: {exc}") from None
 
@@ -92,14 +97,17 @@ def _deploy(chain: Chain, artifact: Artifact, *args: Any) -> tuple[str, int]:
 
 
 def deploy(chain: Chain) -> Deployment:
-    """Deploy a ``WorkerRegistry`` owned by ``chain.address`` and a ``ContributionLedger`` bound to it.
+    """Deploy a ``WorkerRegistry`` owned by ``chain.address``, a ``ContributionLedger`` bound to it, a
+    ``RewardToken`` it mints and a ``RewardPool`` paying in it from the ledger's records.
 
     The owner still has to allowlist measurements and name verifiers (``Registry``).
     """
     registry, block = _deploy(chain, registry_artifact(), chain.address)
     ledger, _ = _deploy(chain, ledger_artifact(), registry)
+    token, _ = _deploy(chain, load_artifact("RewardToken"), chain.address)
+    rewards, _ = _deploy(chain, load_artifact("RewardPool"), ledger, token)
     return Deployment(chain_id=chain.chain_id, registry=registry, ledger=ledger, owner=chain.address,
-                      deployed_block=block)
+                      deployed_block=block, token=token, rewards=rewards)
 
 
 def _bytes32(name: str, value: bytes) -> bytes:
@@ -220,31 +228,92 @@ class Registry(_Contract):
 
 
 def _report_tuple(report: RoundReport) -> tuple[Any, ...]:
+    """The full EIP-712 struct, in the Solidity field order (for ``reportDigest``)."""
     return (report.run_id, report.round, report.worker, report.parent_checkpoint, report.checkpoint,
-            report.update_digest, report.data_digest, report.train_loss_e6, report.eval_loss_e6, report.tokens,
-            report.inner_steps, report.bytes_sent, report.bytes_received)
+            report.manifest_digest, report.update_digest, report.data_digest, report.train_loss_e6,
+            report.eval_loss_e6, report.tokens, report.inner_steps, report.bytes_sent, report.bytes_received)
 
 
-_REPORT_FIELDS = ("runId", "round", "worker", "parentCheckpoint", "checkpoint", "updateDigest", "dataDigest",
-                  "trainLossE6", "evalLossE6", "tokens", "innerSteps", "bytesSent", "bytesReceived")
+# What a round's reports share (``RoundHeader``) and what each adds (``WorkerReport``): the ledger
+# takes the shared fields once per call and rebuilds each signed ``RoundReport`` from the two.
+_HEADER_FIELDS = ("run_id", "round", "parent_checkpoint", "checkpoint", "manifest_digest", "eval_loss_e6",
+                  "tokens", "inner_steps")
 
 
-def _report_from_abi(value: Sequence[Any] | dict[str, Any]) -> RoundReport:
-    """A ``RoundReport`` from decoded calldata (web3 gives structs as dicts keyed by field name)."""
-    if isinstance(value, dict):
-        value = [value[name] for name in _REPORT_FIELDS]
-    (run_id, round_, worker, parent, checkpoint, update, data, train_loss, eval_loss, tokens, inner_steps,
-     bytes_sent, bytes_received) = value
-    return RoundReport(run_id=bytes(run_id), round=int(round_), worker=worker, parent_checkpoint=bytes(parent),
-                       checkpoint=bytes(checkpoint), update_digest=bytes(update), data_digest=bytes(data),
-                       train_loss_e6=int(train_loss), eval_loss_e6=int(eval_loss), tokens=int(tokens),
-                       inner_steps=int(inner_steps), bytes_sent=int(bytes_sent),
-                       bytes_received=int(bytes_received))
+@dataclass(frozen=True)
+class RoundHeader:
+    """``IContributionLedger.RoundHeader``: the fields every report of a round shares."""
+
+    run_id: bytes
+    round: int
+    parent_checkpoint: bytes
+    checkpoint: bytes
+    manifest_digest: bytes
+    eval_loss_e6: int = 0
+    tokens: int = 0
+    inner_steps: int = 0
+
+    def as_abi(self) -> tuple[Any, ...]:
+        return tuple(getattr(self, name) for name in _HEADER_FIELDS)
+
+    @classmethod
+    def of(cls, reports: Sequence[SignedReport], run_id: bytes, round: int, parent: bytes, checkpoint: bytes,
+           manifest_digest: bytes) -> RoundHeader:
+        """The header of a recording call: the round's own fields, and what its reports share (which
+        must agree with them and with each other)."""
+        header = cls(run_id, round, parent, checkpoint, manifest_digest)
+        if reports:
+            first = reports[0].report
+            header = cls(run_id, round, parent, checkpoint, manifest_digest, first.eval_loss_e6, first.tokens,
+                         first.inner_steps)
+        for signed in reports:
+            report = signed.report
+            differing = [name for name in _HEADER_FIELDS if getattr(report, name) != getattr(header, name)]
+            if differing:
+                raise ValueError(f"the report of {report.worker} differs from round {round}'s other reports or "
+                                 f"the recording call in {', '.join(differing)}")
+        return header
 
 
-def _signed_from_abi(value: Sequence[Any] | dict[str, Any]) -> SignedReport:
-    report, signature = (value["report"], value["signature"]) if isinstance(value, dict) else value
-    return SignedReport(_report_from_abi(report), bytes(signature))
+def _worker_tuple(signed: SignedReport) -> tuple[Any, ...]:
+    r = signed.report
+    return (r.worker, r.update_digest, r.data_digest, r.train_loss_e6, r.bytes_sent, r.bytes_received,
+            bytes(signed.signature))
+
+
+def _field(value: Sequence[Any] | dict[str, Any], name: str, index: int) -> Any:
+    return value[name] if isinstance(value, dict) else value[index]
+
+
+def _signed_from_abi(header: Sequence[Any] | dict[str, Any], part: Sequence[Any] | dict[str, Any]) -> SignedReport:
+    """The ``SignedReport`` a worker signed, rebuilt from a recording call's decoded header and one of
+    its worker parts (web3 gives structs as dicts keyed by field name)."""
+    h = [_field(header, name, i) for i, name in enumerate(
+        ("runId", "round", "parentCheckpoint", "checkpoint", "manifestDigest", "evalLossE6", "tokens", "innerSteps"))]
+    w = [_field(part, name, i) for i, name in enumerate(
+        ("worker", "updateDigest", "dataDigest", "trainLossE6", "bytesSent", "bytesReceived", "signature"))]
+    report = RoundReport(
+        run_id=bytes(h[0]), round=int(h[1]), worker=w[0], parent_checkpoint=bytes(h[2]), checkpoint=bytes(h[3]),
+        manifest_digest=bytes(h[4]), update_digest=bytes(w[1]), data_digest=bytes(w[2]), train_loss_e6=int(w[3]),
+        eval_loss_e6=int(h[5]), tokens=int(h[6]), inner_steps=int(h[7]), bytes_sent=int(w[4]),
+        bytes_received=int(w[5]))
+    return SignedReport(report, bytes(w[6]))
+
+
+def round_facts(record: dict[str, Any]) -> tuple[bytes, bytes, int, int, int, list[str]]:
+    """``IContributionLedger.RoundFacts`` of a recorded round (as ``recorded_rounds`` gives it), in
+    the struct's order: what its commitment hashes and a reward claim proves."""
+    return (record["checkpoint"], record["manifestDigest"], int(record["tokens"]), int(record["block"]),
+            int(record["unreportedCount"]), [to_checksum_address(w) for w in record["workers"]])
+
+
+def commitment_of(record: dict[str, Any]) -> bytes:
+    """keccak256(abi.encode(RoundFacts)): what the ledger keeps of a recorded round."""
+    from eth_abi import encode
+    from eth_utils import keccak
+
+    encoded = encode(["(bytes32,bytes32,uint64,uint64,uint64,address[])"], [round_facts(record)])
+    return keccak(encoded)
 
 
 class Ledger(_Contract):
@@ -266,11 +335,15 @@ class Ledger(_Contract):
         return str(self.chain.call(self._contract.functions.registry()))
 
     def create_run(self, run_id: bytes, genesis_checkpoint: bytes, config_digest: bytes,
-                   genesis_manifest: bytes) -> Any:
-        """Create a run; this account becomes its coordinator. Returns the receipt."""
+                   genesis_manifest: bytes, challenge_window: int = 0) -> Any:
+        """Create a run; this account becomes its coordinator. ``challenge_window``: blocks a recorded
+        round waits before rewards for it can be claimed. Returns the receipt."""
+        if type(challenge_window) is not int or not 0 <= challenge_window < 2**32:
+            raise ValueError(f"challenge_window must be a uint32, got {challenge_window!r}")
         fn = self._contract.functions.createRun(
             _bytes32("run_id", run_id), _bytes32("genesis_checkpoint", genesis_checkpoint),
-            _bytes32("config_digest", config_digest), _bytes32("genesis_manifest", genesis_manifest))
+            _bytes32("config_digest", config_digest), _bytes32("genesis_manifest", genesis_manifest),
+            challenge_window)
         return self.chain.transact(fn)
 
     def record_round(self, run_id: bytes, round: int, parent: bytes, checkpoint: bytes, manifest_digest: bytes,
@@ -282,11 +355,12 @@ class Ledger(_Contract):
             (sorted here; nobody is credited for them)
         @raise TxReverted with the ledger's refusal, e.g. ``LedgerWrongParent(expected=…, got=…)``
         """
-        signed = [(_report_tuple(s.report), bytes(s.signature)) for s in reports]
+        header = RoundHeader.of(reports, _bytes32("run_id", run_id), round, _bytes32("parent", parent),
+                                _bytes32("checkpoint", checkpoint), _bytes32("manifest_digest", manifest_digest))
+        # The ledger takes reports in strictly ascending worker order (so none is credited twice).
+        ordered = sorted(reports, key=lambda s: int(s.report.worker, 16))
         vouched = sorted(_bytes32("unreported update", u) for u in unreported)
-        fn = self._contract.functions.recordRound(
-            _bytes32("run_id", run_id), round, _bytes32("parent", parent), _bytes32("checkpoint", checkpoint),
-            _bytes32("manifest_digest", manifest_digest), signed, vouched)
+        fn = self._contract.functions.recordRound(header.as_abi(), [_worker_tuple(s) for s in ordered], vouched)
         return self.chain.transact(fn)
 
     def head_block(self) -> int:
@@ -294,14 +368,27 @@ class Ledger(_Contract):
         return int(self.chain.read(lambda: self.chain.w3.eth.block_number, "eth_blockNumber"))
 
     def run_of(self, run_id: bytes) -> dict[str, Any] | None:
-        """``{coordinator, lastRound, lastCheckpoint, genesisCheckpoint, configDigest, genesisManifest}``,
-        or None when no such run exists."""
+        """``{coordinator, lastRound, challengeWindow, lastCheckpoint, genesisCheckpoint, configDigest,
+        genesisManifest}``, or None when no such run exists."""
         run = self._view_struct("runOf", _bytes32("run_id", run_id))
         return None if run["coordinator"] == _ZERO_ADDRESS else run
 
     def round_of(self, run_id: bytes, round: int) -> dict[str, Any]:
-        """``{checkpoint, manifestDigest, reportCount, recordedAt, unreportedCount}`` (all zero if not recorded)."""
-        return self._view_struct("roundOf", _bytes32("run_id", run_id), round)
+        """A recorded round as its ``RoundRecorded`` event tells it (the newest such event), with
+        ``recordedAt`` (its block) and ``reportCount``: ``{checkpoint, manifestDigest, tokens, workers,
+        unreportedCount, commitment, recordedAt, reportCount}``; zeros when the round is not recorded."""
+        events = self._logs("RoundRecorded", runId=_bytes32("run_id", run_id), round=round)
+        if not events:
+            return {"checkpoint": bytes(32), "manifestDigest": bytes(32), "tokens": 0, "workers": [],
+                    "unreportedCount": 0, "commitment": bytes(32), "recordedAt": 0, "reportCount": 0}
+        event = events[-1]
+        return {**{k: event[k] for k in ("checkpoint", "manifestDigest", "tokens", "workers", "unreportedCount",
+                                         "commitment")},
+                "recordedAt": event["block"], "reportCount": len(event["workers"])}
+
+    def round_commitment(self, run_id: bytes, round: int) -> bytes:
+        """What the ledger keeps of a recorded round: ``commitment_of`` its facts (zero if not recorded)."""
+        return bytes(self.chain.call(self._contract.functions.roundCommitment(_bytes32("run_id", run_id), round)))
 
     def contribution_of(self, run_id: bytes, worker: str) -> dict[str, int]:
         """``{tokens, rounds}`` credited to ``worker`` in one run."""
@@ -311,25 +398,33 @@ class Ledger(_Contract):
         """``{tokens, rounds}`` credited to ``worker`` over all runs."""
         return self._view_struct("totalContributionOf", to_checksum_address(worker))
 
+    def runs_of(self, worker: str) -> list[bytes]:
+        """The runs ``worker`` has been credited in, in the order of its first credit in each."""
+        return [bytes(r) for r in self.chain.call(self._contract.functions.runsOf(to_checksum_address(worker)))]
+
     def report_digest(self, report: RoundReport) -> bytes:
         """The EIP-712 digest the ledger computes for ``report`` (must equal ``report.digest(domain)``)."""
         return bytes(self.chain.call(self._contract.functions.reportDigest(_report_tuple(report))))
-
-    def is_report_recorded(self, digest: bytes) -> bool:
-        return bool(self.chain.call(self._contract.functions.isReportRecorded(_bytes32("digest", digest))))
 
     def runs_created(self) -> list[dict[str, Any]]:
         """``RunCreated`` events: ``{runId, coordinator, genesisCheckpoint, configDigest, genesisManifest,
         block, tx_hash, log_index}``."""
         return self._logs("RunCreated")
 
+    def recorded_round_events(self, run_id: bytes) -> list[dict[str, Any]]:
+        """``RoundRecorded`` events of a run, oldest first, without reading any calldata: ``{runId, round,
+        checkpoint, manifestDigest, tokens, workers, unreportedCount, commitment, block, tx_hash,
+        log_index}``."""
+        return self._logs("RoundRecorded", runId=_bytes32("run_id", run_id))
+
     def recorded_rounds(self, run_id: bytes) -> list[dict[str, Any]]:
         """Every recorded round of a run, oldest first, with the reports that recorded it.
 
-        Each item: the ``RoundRecorded`` fields ``{runId, round, checkpoint, manifestDigest,
-        reportCount, unreportedCount}``, ``block``, ``tx_hash``, ``log_index``, and from the
-        transaction's calldata ``parentCheckpoint``, ``reports`` (``SignedReport`` objects exactly as
-        submitted) and ``unreported`` (the update digests the coordinator recorded without a report).
+        Each item: the ``RoundRecorded`` fields ``{runId, round, checkpoint, manifestDigest, tokens,
+        workers, unreportedCount, commitment}``, ``block``, ``tx_hash``, ``log_index``, ``sender`` (the
+        account that sent the recording transaction), and from its calldata ``parentCheckpoint``,
+        ``reports`` (each ``SignedReport`` exactly as its worker signed it) and ``unreported`` (the
+        update digests the coordinator recorded without a report).
 
         @raise ChainError when a round was not recorded by a direct ``recordRound`` call to this
             ledger (its calldata then cannot be decoded), or the calldata disagrees with the event
@@ -341,16 +436,16 @@ class Ledger(_Contract):
                 raise ChainError(f"round {record['round']} was recorded by tx {record['tx_hash']}, which does not "
                                  f"call the ledger directly; its reports cannot be read from the calldata")
             fn, params = self._contract.decode_function_input(tx["input"])
-            if fn.fn_name != "recordRound" or bytes(params["runId"]) != record["runId"] \
-                    or int(params["round"]) != record["round"]:
+            header = params.get("header") if fn.fn_name == "recordRound" else None
+            if header is None or bytes(_field(header, "runId", 0)) != record["runId"] \
+                    or int(_field(header, "round", 1)) != record["round"]:
                 raise ChainError(f"tx {record['tx_hash']} does not hold the recordRound call of round "
                                  f"{record['round']}")
-            record["parentCheckpoint"] = bytes(params["parentCheckpoint"])
-            record["reports"] = [_signed_from_abi(entry) for entry in params["reports"]]
+            record["sender"] = to_checksum_address(tx["from"])
+            record["parentCheckpoint"] = bytes(_field(header, "parentCheckpoint", 2))
+            record["reports"] = [_signed_from_abi(header, part) for part in params["reports"]]
             record["unreported"] = [bytes(u) for u in params["unreported"]]
+            record["reportCount"] = len(record["workers"])
         return rounds
 
-    def accepted_reports(self, run_id: bytes) -> list[dict[str, Any]]:
-        """``ReportAccepted`` events of a run, oldest first: ``{runId, round, worker, digest, tokens,
-        block, tx_hash, log_index}``."""
-        return self._logs("ReportAccepted", runId=_bytes32("run_id", run_id))
+

@@ -108,13 +108,16 @@ class Outbox:
     # -- queueing ------------------------------------------------------------------------------------
 
     def enqueue_create_run(self, run_id: bytes, genesis_checkpoint: bytes, config_digest: bytes,
-                           genesis_manifest: bytes) -> Path:
+                           genesis_manifest: bytes, challenge_window: int = 0) -> Path:
         """Queue ``createRun``. Returns the item's file."""
+        if type(challenge_window) is not int or not 0 <= challenge_window < 2**32:
+            raise OutboxError(f"challenge_window must be a uint32, got {challenge_window!r}")
         return self._enqueue("create_run", {
             "run_id": _hex32("run_id", run_id),
             "genesis_checkpoint": _hex32("genesis_checkpoint", genesis_checkpoint),
             "config_digest": _hex32("config_digest", config_digest),
             "genesis_manifest": _hex32("genesis_manifest", genesis_manifest),
+            "challenge_window": challenge_window,
         })
 
     def enqueue_round(self, run_id: bytes, round: int, parent: bytes, checkpoint: bytes, manifest_digest: bytes,
@@ -328,8 +331,11 @@ class Outbox:
                 log.warning("run %s exists on the ledger with coordinator %s, not this account %s; it cannot "
                             "record rounds", _short(run_id), run["coordinator"], ledger.chain.address)
             return True
+        window = item.get("challenge_window", 0)
+        if type(window) is not int or not 0 <= window < 2**32:
+            raise OutboxError(f"outbox item {item['file']}: challenge_window is not a uint32")
         receipt = ledger.create_run(run_id, genesis, _unhex32(item, "config_digest"),
-                                    _unhex32(item, "genesis_manifest"))
+                                    _unhex32(item, "genesis_manifest"), window)
         log.info("run %s created on the ledger in block %d", _short(run_id), receipt["blockNumber"])
         return True
 

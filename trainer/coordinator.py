@@ -227,7 +227,7 @@ class Coordinator:
         self.ledger_lag = 0  # published rounds not yet confirmed on chain; kept by the settlement thread
         if trust is not None:
             self.gate = open_gate(trust, self.store, run_dir, self.run_digest, self.config_cid)
-            self.book = ReportBook(run_dir, self.gate, trust.report_timeout_s)
+            self.book = ReportBook(run_dir, self.gate, trust.report_timeout_s, trust.challenge_window)
             self.book.ensure_run(self.genesis_cid, genesis)
         else:
             log.warning("no ledger configured: workers are not attested and rounds are not recorded on chain")
@@ -780,7 +780,7 @@ class Coordinator:
             parent = self.manifests.get(r - 1)
         if published is None or parent is None or r == 0:
             raise Refusal(grpc.StatusCode.FAILED_PRECONDITION, f"round {r} has no published checkpoint to report on")
-        self.gate.check_report(worker_id, state.address, signed, published[1], parent[1],
+        self.gate.check_report(worker_id, state.address, signed, published[0], published[1], parent[1],
                                self.shard_digests[state.shard])
         self.book.add(worker_id, signed)
         log.info("round %d: report from %s (%s) accepted", r, worker_id, state.address)

@@ -195,8 +195,8 @@ class TrustGate:
                                f"update for round {round_} is signed by {signer}, not by worker "
                                f"{worker_id!r}'s admitted key {address}")
 
-    def check_report(self, worker_id: str, address: str | None, signed: SignedReport, manifest: Manifest,
-                     parent: Manifest, data_digest: bytes) -> None:
+    def check_report(self, worker_id: str, address: str | None, signed: SignedReport, manifest_cid: CID,
+                     manifest: Manifest, parent: Manifest, data_digest: bytes) -> None:
         """A participant's report must be signed by its key and restate the manifest exactly."""
         r = signed.report
         if address is None:
@@ -214,7 +214,8 @@ class TrustGate:
                                f"worker {worker_id!r} did not contribute to round {manifest.round}")
         expected = {
             "run_id": self.run_id, "parent_checkpoint": CID.parse(parent.params).digest,
-            "checkpoint": CID.parse(manifest.params).digest, "update_digest": CID.parse(entry.update).digest,
+            "checkpoint": CID.parse(manifest.params).digest, "manifest_digest": manifest_cid.digest,
+            "update_digest": CID.parse(entry.update).digest,
             "data_digest": data_digest, "train_loss_e6": entry.train_loss_e6,
             "eval_loss_e6": manifest.eval_loss_e6, "tokens": entry.tokens,
             "inner_steps": entry.inner_steps, "bytes_sent": entry.bytes_sent,
@@ -240,6 +241,7 @@ class TrustSettings:
     report_timeout_s: float = 30.0
     verification_time: int | None = None  # unix seconds evidence is verified at; None: the clock
     confirmations: int = 1  # blocks deep a round must be before its outbox copy is set aside
+    challenge_window: int = 0  # blocks before a recorded round's rewards can be claimed (CLI: --challenge-window)
 
     def __repr__(self) -> str:
         return f"TrustSettings(rpc_url={self.rpc_url!r}, ledger={self.deployment.ledger}, key=<hidden>)"
@@ -268,10 +270,12 @@ class ReportBook:
     after it.
     """
 
-    def __init__(self, run_dir: RunDir, gate: TrustGate, report_timeout_s: float) -> None:
+    def __init__(self, run_dir: RunDir, gate: TrustGate, report_timeout_s: float,
+                 challenge_window: int = 0) -> None:
         self.run_dir = run_dir
         self.gate = gate
         self.report_timeout_s = report_timeout_s
+        self.challenge_window = challenge_window
         self.state = run_dir.load("settlement.json", {"run_created": False, "queued_through": 0})
         self._lock = threading.Lock()
 
@@ -289,6 +293,7 @@ class ReportBook:
             self.gate.outbox.enqueue_create_run(
                 run_id=self.gate.run_id, genesis_checkpoint=CID.parse(genesis.params).digest,
                 config_digest=CID.parse(genesis.config).digest, genesis_manifest=genesis_cid.digest,
+                challenge_window=self.challenge_window,
             )
             self.state["run_created"] = True
             self._save()

@@ -584,7 +584,7 @@ class Worker:
         report = RoundReport(
             run_id=self.run_digest, round=pushed.round, worker=self.key.address,
             parent_checkpoint=pushed.parent, checkpoint=CID.parse(header.params_cid).digest,
-            update_digest=pushed.update, data_digest=self.data_digest, train_loss_e6=pushed.train_loss_e6,
+            manifest_digest=CID.parse(header.manifest_cid).digest, update_digest=pushed.update, data_digest=self.data_digest, train_loss_e6=pushed.train_loss_e6,
             eval_loss_e6=header.eval_loss_e6, tokens=pushed.tokens, inner_steps=pushed.inner_steps,
             bytes_sent=pushed.bytes_sent, bytes_received=pushed.bytes_received,
         )

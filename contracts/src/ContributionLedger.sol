@@ -12,10 +12,12 @@ import {WorkerRegistry} from "./WorkerRegistry.sol";
  * recorded them.
  *
  * The account that creates a run is its coordinator. Every report must be signed by its worker,
- * whose key must be active in the registry, at most once per worker and round and once ever.
+ * whose key must be active in the registry. Storage per round: one commitment slot, and one tally
+ * slot per reporting worker (its run tally); a worker's total over runs is summed from its run
+ * tallies when asked ({totalContributionOf}), so a report costs no second slot.
  */
 contract ContributionLedger is IContributionLedger, EIP712 {
-    /// @dev A per-run tally; `lastRound` (same storage slot) catches a second report in one round.
+    /// @dev A worker's tally in one run (one slot).
     struct RunTally {
         uint64 tokens;
         uint64 rounds;
@@ -24,16 +26,15 @@ contract ContributionLedger is IContributionLedger, EIP712 {
 
     /// @notice The EIP-712 type hash of {RoundReport}.
     bytes32 public constant ROUND_REPORT_TYPEHASH = keccak256(
-        "RoundReport(bytes32 runId,uint64 round,address worker,bytes32 parentCheckpoint,bytes32 checkpoint,bytes32 updateDigest,bytes32 dataDigest,int64 trainLossE6,int64 evalLossE6,uint64 tokens,uint32 innerSteps,uint64 bytesSent,uint64 bytesReceived)"
+        "RoundReport(bytes32 runId,uint64 round,address worker,bytes32 parentCheckpoint,bytes32 checkpoint,bytes32 manifestDigest,bytes32 updateDigest,bytes32 dataDigest,int64 trainLossE6,int64 evalLossE6,uint64 tokens,uint32 innerSteps,uint64 bytesSent,uint64 bytesReceived)"
     );
 
     WorkerRegistry private immutable _registry;
 
     mapping(bytes32 runId => Run) private _runs;
-    mapping(bytes32 runId => mapping(uint64 round => RoundRecord)) private _rounds;
-    mapping(bytes32 digest => bool) private _recorded;
+    mapping(bytes32 runId => mapping(uint64 round => bytes32 commitment)) private _rounds;
     mapping(bytes32 runId => mapping(address worker => RunTally)) private _tallies;
-    mapping(address worker => Contribution) private _totals;
+    mapping(address worker => bytes32[] runIds) private _runsOf;
 
     /// @param registry_ The registry that says which worker keys are active.
     constructor(WorkerRegistry registry_) EIP712("DiLoCoX Contribution Ledger", "1") {
@@ -41,18 +42,23 @@ contract ContributionLedger is IContributionLedger, EIP712 {
     }
 
     /// @inheritdoc IContributionLedger
-    function createRun(bytes32 runId, bytes32 genesisCheckpoint, bytes32 configDigest, bytes32 genesisManifest)
-        external
-    {
+    function createRun(
+        bytes32 runId,
+        bytes32 genesisCheckpoint,
+        bytes32 configDigest,
+        bytes32 genesisManifest,
+        uint32 challengeWindow
+    ) external {
         Run storage run = _runs[runId];
         if (run.coordinator != address(0)) revert LedgerRunExists(runId);
 
         run.coordinator = msg.sender;
+        run.challengeWindow = challengeWindow;
         run.lastCheckpoint = genesisCheckpoint;
         run.genesisCheckpoint = genesisCheckpoint;
         run.configDigest = configDigest;
         run.genesisManifest = genesisManifest;
-        emit RunCreated(runId, msg.sender, genesisCheckpoint, configDigest, genesisManifest);
+        emit RunCreated(runId, msg.sender, genesisCheckpoint, configDigest, genesisManifest, challengeWindow);
     }
 
     /**
@@ -61,56 +67,61 @@ contract ContributionLedger is IContributionLedger, EIP712 {
      * immutable registry (a STATICCALL, so it cannot re-enter and change state); the whole call
      * reverts on any refusal.
      */
-    function recordRound(
-        bytes32 runId,
-        uint64 round,
-        bytes32 parentCheckpoint,
-        bytes32 checkpoint,
-        bytes32 manifestDigest,
-        SignedReport[] calldata reports,
-        bytes32[] calldata unreported
-    ) external {
-        Run storage run = _runs[runId];
-        if (run.coordinator == address(0)) revert LedgerUnknownRun(runId);
+    function recordRound(RoundHeader calldata header, WorkerReport[] calldata reports, bytes32[] calldata unreported)
+        external
+    {
+        Run storage run = _runs[header.runId];
+        if (run.coordinator == address(0)) revert LedgerUnknownRun(header.runId);
         if (msg.sender != run.coordinator) revert LedgerNotCoordinator(msg.sender);
-        if (round != run.lastRound + 1) revert LedgerRoundOutOfOrder(run.lastRound + 1, round);
-        if (parentCheckpoint != run.lastCheckpoint) revert LedgerWrongParent(run.lastCheckpoint, parentCheckpoint);
+        if (header.round != run.lastRound + 1) revert LedgerRoundOutOfOrder(run.lastRound + 1, header.round);
+        if (header.parentCheckpoint != run.lastCheckpoint) {
+            revert LedgerWrongParent(run.lastCheckpoint, header.parentCheckpoint);
+        }
         if (reports.length + unreported.length == 0) revert LedgerNoParticipants();
         _checkUnreported(reports, unreported);
 
-        run.lastRound = round;
-        run.lastCheckpoint = checkpoint;
-        _rounds[runId][round] = RoundRecord({
-            checkpoint: checkpoint,
-            manifestDigest: manifestDigest,
-            reportCount: uint64(reports.length),
-            recordedAt: uint64(block.number),
-            unreportedCount: uint64(unreported.length)
-        });
-
+        run.lastRound = header.round;
+        run.lastCheckpoint = header.checkpoint;
+        address[] memory workers = new address[](reports.length);
         for (uint256 i = 0; i < reports.length; ++i) {
-            RoundReport calldata report = reports[i].report;
-            if (
-                report.runId != runId || report.round != round || report.parentCheckpoint != parentCheckpoint
-                    || report.checkpoint != checkpoint
-            ) revert LedgerReportMismatch(i);
-            _accept(report, reports[i].signature, i);
+            workers[i] = _credit(header, reports[i], i, i == 0 ? address(0) : workers[i - 1]);
         }
+        bytes32 commitment = keccak256(
+            abi.encode(
+                RoundFacts({
+                    checkpoint: header.checkpoint,
+                    manifestDigest: header.manifestDigest,
+                    tokens: header.tokens,
+                    recordedAt: uint64(block.number),
+                    unreportedCount: uint64(unreported.length),
+                    workers: workers
+                })
+            )
+        );
+        _rounds[header.runId][header.round] = commitment;
         for (uint256 j = 0; j < unreported.length; ++j) {
-            emit UpdateUnreported(runId, round, unreported[j]);
+            emit UpdateUnreported(header.runId, header.round, unreported[j]);
         }
-        emit RoundRecorded(runId, round, checkpoint, manifestDigest, reports.length, unreported.length);
+        emit RoundRecorded(
+            header.runId,
+            header.round,
+            header.checkpoint,
+            header.manifestDigest,
+            header.tokens,
+            workers,
+            unreported.length,
+            commitment
+        );
     }
 
     /// @inheritdoc IContributionLedger
-    function reportDigest(RoundReport calldata report) public view returns (bytes32) {
-        // Every field is a static type, so abi.encode lays them out as EIP-712's encodeData does.
-        return _hashTypedDataV4(keccak256(abi.encode(ROUND_REPORT_TYPEHASH, report)));
+    function reportDigest(RoundReport calldata report) external view returns (bytes32) {
+        return _digest(report);
     }
 
     /// @inheritdoc IContributionLedger
-    function isReportRecorded(bytes32 digest) external view returns (bool) {
-        return _recorded[digest];
+    function commitmentOf(RoundFacts calldata facts) external pure returns (bytes32) {
+        return keccak256(abi.encode(facts));
     }
 
     /// @inheritdoc IContributionLedger
@@ -119,7 +130,7 @@ contract ContributionLedger is IContributionLedger, EIP712 {
     }
 
     /// @inheritdoc IContributionLedger
-    function roundOf(bytes32 runId, uint64 round) external view returns (RoundRecord memory) {
+    function roundCommitment(bytes32 runId, uint64 round) external view returns (bytes32) {
         return _rounds[runId][round];
     }
 
@@ -130,8 +141,18 @@ contract ContributionLedger is IContributionLedger, EIP712 {
     }
 
     /// @inheritdoc IContributionLedger
-    function totalContributionOf(address worker) external view returns (Contribution memory) {
-        return _totals[worker];
+    function totalContributionOf(address worker) external view returns (Contribution memory total) {
+        bytes32[] storage runIds = _runsOf[worker];
+        for (uint256 i = 0; i < runIds.length; ++i) {
+            RunTally storage tally = _tallies[runIds[i]][worker];
+            total.tokens += tally.tokens;
+            total.rounds += tally.rounds;
+        }
+    }
+
+    /// @inheritdoc IContributionLedger
+    function runsOf(address worker) external view returns (bytes32[] memory) {
+        return _runsOf[worker];
     }
 
     /// @notice The worker registry this ledger consults.
@@ -144,34 +165,56 @@ contract ContributionLedger is IContributionLedger, EIP712 {
      * of one of the reports: each participant is accounted for once, by a report or on the
      * coordinator's word.
      */
-    function _checkUnreported(SignedReport[] calldata reports, bytes32[] calldata unreported) private pure {
+    function _checkUnreported(WorkerReport[] calldata reports, bytes32[] calldata unreported) private pure {
         for (uint256 j = 0; j < unreported.length; ++j) {
             if (unreported[j] == bytes32(0) || (j > 0 && unreported[j] <= unreported[j - 1])) {
                 revert LedgerBadUnreported(j);
             }
             for (uint256 i = 0; i < reports.length; ++i) {
-                if (reports[i].report.updateDigest == unreported[j]) revert LedgerBadUnreported(j);
+                if (reports[i].updateDigest == unreported[j]) revert LedgerBadUnreported(j);
             }
         }
     }
 
-    /// @dev Checks one report that matches the round, then credits its worker.
-    function _accept(RoundReport calldata report, bytes calldata signature, uint256 index) private {
-        bytes32 digest = reportDigest(report);
-        (address signer, ECDSA.RecoverError err,) = ECDSA.tryRecoverCalldata(digest, signature);
+    /// @dev Checks report `index` (above `previous` in worker order, signed by its active worker), then
+    /// credits its worker; returns the worker.
+    function _credit(RoundHeader calldata header, WorkerReport calldata report, uint256 index, address previous)
+        private
+        returns (address)
+    {
+        if (report.worker <= previous) revert LedgerReportsNotSorted(index);
+        bytes32 digest = _digest(
+            RoundReport({
+                runId: header.runId,
+                round: header.round,
+                worker: report.worker,
+                parentCheckpoint: header.parentCheckpoint,
+                checkpoint: header.checkpoint,
+                manifestDigest: header.manifestDigest,
+                updateDigest: report.updateDigest,
+                dataDigest: report.dataDigest,
+                trainLossE6: report.trainLossE6,
+                evalLossE6: header.evalLossE6,
+                tokens: header.tokens,
+                innerSteps: header.innerSteps,
+                bytesSent: report.bytesSent,
+                bytesReceived: report.bytesReceived
+            })
+        );
+        (address signer, ECDSA.RecoverError err,) = ECDSA.tryRecoverCalldata(digest, report.signature);
         if (err != ECDSA.RecoverError.NoError || signer != report.worker) revert LedgerInvalidSignature(index);
         if (!_registry.isActive(signer)) revert LedgerWorkerNotActive(signer);
-        if (_recorded[digest]) revert LedgerReportReplayed(digest);
-        RunTally storage tally = _tallies[report.runId][signer];
-        if (tally.lastRound == report.round) revert LedgerDuplicateWorker(signer);
 
-        _recorded[digest] = true;
-        tally.tokens += report.tokens;
+        RunTally storage tally = _tallies[header.runId][signer];
+        if (tally.rounds == 0) _runsOf[signer].push(header.runId);
+        tally.tokens += header.tokens;
         tally.rounds += 1;
-        tally.lastRound = report.round;
-        Contribution storage total = _totals[signer];
-        total.tokens += report.tokens;
-        total.rounds += 1;
-        emit ReportAccepted(report.runId, report.round, signer, digest, report.tokens);
+        tally.lastRound = header.round;
+        return signer;
+    }
+
+    function _digest(RoundReport memory report) private view returns (bytes32) {
+        // Every field is a static type, so abi.encode lays them out as EIP-712's encodeData does.
+        return _hashTypedDataV4(keccak256(abi.encode(ROUND_REPORT_TYPEHASH, report)));
     }
 }

@@ -12,13 +12,22 @@ pragma solidity ^0.8.24;
  * `unreported` list (nobody is credited; the coordinator alone vouches for that update, and an
  * auditor sees it). A round no worker reported is still recorded that way, so later rounds are
  * never blocked behind it.
+ *
+ * What a worker signs is the whole {RoundReport}. What the round's reports share (run, round,
+ * parent, checkpoint, manifest, held-out loss, tokens and steps, which the run's config fixes) is
+ * sent once per call as a {RoundHeader}; each report adds only its worker's own fields
+ * ({WorkerReport}). A report can only be recorded in its own round's call, rounds only move
+ * forward, and a call's reports are in strictly ascending worker order, so no report is ever
+ * recorded twice and no worker is credited twice for a round, without a storage slot per report.
+ * A recorded round is kept as one 32-byte commitment to its {RoundFacts}: what a reward claim
+ * ({IRewardPool}) or an auditor proves against.
  */
 interface IContributionLedger {
     /**
-     * @notice What a worker signs for one round. Field meanings: docs/trust.md. `bytesSent` and
-     * `bytesReceived` are the wire bytes of the worker's pushed update and of the FetchGlobal stream
-     * that delivered the global state it started from, as in the manifest's participant entry; they
-     * are signed and recorded, not tallied.
+     * @notice What a worker signs for one round. Field meanings: docs/trust.md. `manifestDigest` is
+     * the round's manifest, so no field of the manifest (per-worker traffic, byte counts) can change
+     * without breaking every report's signature. `bytesSent` and `bytesReceived` are the wire bytes
+     * of the worker's pushed update and of the FetchGlobal stream it started from.
      */
     struct RoundReport {
         bytes32 runId;
@@ -26,6 +35,7 @@ interface IContributionLedger {
         address worker;
         bytes32 parentCheckpoint;
         bytes32 checkpoint;
+        bytes32 manifestDigest;
         bytes32 updateDigest;
         bytes32 dataDigest;
         int64 trainLossE6;
@@ -36,16 +46,36 @@ interface IContributionLedger {
         uint64 bytesReceived;
     }
 
-    /// @notice A report with its 65-byte (r, s, v) signature over {reportDigest}.
-    struct SignedReport {
-        RoundReport report;
+    /// @notice The fields every report of a round shares, sent once per recording call.
+    struct RoundHeader {
+        bytes32 runId;
+        uint64 round;
+        bytes32 parentCheckpoint;
+        bytes32 checkpoint;
+        bytes32 manifestDigest;
+        int64 evalLossE6;
+        uint64 tokens;
+        uint32 innerSteps;
+    }
+
+    /// @notice One worker's own fields of its {RoundReport}, with its 65-byte (r, s, v) signature over
+    /// the whole report ({reportDigest}).
+    struct WorkerReport {
+        address worker;
+        bytes32 updateDigest;
+        bytes32 dataDigest;
+        int64 trainLossE6;
+        uint64 bytesSent;
+        uint64 bytesReceived;
         bytes signature;
     }
 
-    /// @notice A run: its coordinator, the last recorded round and where it started.
+    /// @notice A run: its coordinator, the last recorded round, where it started, and how many blocks a
+    /// recorded round waits before rewards for it can be claimed.
     struct Run {
         address coordinator;
         uint64 lastRound;
+        uint32 challengeWindow;
         bytes32 lastCheckpoint;
         bytes32 genesisCheckpoint;
         bytes32 configDigest;
@@ -53,15 +83,17 @@ interface IContributionLedger {
     }
 
     /**
-     * @notice A recorded round. `recordedAt` is a block number; `unreportedCount` is how many of its
-     * participants no worker signed for (the coordinator's `unreported` list).
+     * @notice What a recorded round's commitment ({roundCommitment}) binds: its checkpoint and manifest,
+     * the tokens credited to each reporting worker, the block it was recorded in, how many of its
+     * participants were recorded unreported, and the credited workers in ascending order.
      */
-    struct RoundRecord {
+    struct RoundFacts {
         bytes32 checkpoint;
         bytes32 manifestDigest;
-        uint64 reportCount;
+        uint64 tokens;
         uint64 recordedAt;
         uint64 unreportedCount;
+        address[] workers;
     }
 
     /// @notice Tokens and rounds credited to a worker.
@@ -82,16 +114,13 @@ interface IContributionLedger {
     error LedgerWrongParent(bytes32 expected, bytes32 got);
     /// @notice A round needs at least one participant: a report or an unreported update.
     error LedgerNoParticipants();
-    /// @notice Report `index` names another run, round, parent or checkpoint than the call.
-    error LedgerReportMismatch(uint256 index);
     /// @notice Report `index` is not validly signed by its `worker`.
     error LedgerInvalidSignature(uint256 index);
     /// @notice The worker is not active in the registry.
     error LedgerWorkerNotActive(address worker);
-    /// @notice A report with this digest was recorded already.
-    error LedgerReportReplayed(bytes32 digest);
-    /// @notice The worker has a report in this round already.
-    error LedgerDuplicateWorker(address worker);
+    /// @notice Report `index`'s worker is not above the previous report's: reports are in strictly
+    /// ascending worker order, so no worker reports twice in a round.
+    error LedgerReportsNotSorted(uint256 index);
     /// @notice Unreported update `index` is zero, out of strictly ascending order (so repeated), or
     /// the update of one of the call's reports.
     error LedgerBadUnreported(uint256 index);
@@ -102,22 +131,24 @@ interface IContributionLedger {
         address indexed coordinator,
         bytes32 genesisCheckpoint,
         bytes32 configDigest,
-        bytes32 genesisManifest
-    );
-    /// @notice A worker's report was accepted; `digest` is its EIP-712 digest.
-    event ReportAccepted(
-        bytes32 indexed runId, uint64 indexed round, address indexed worker, bytes32 digest, uint64 tokens
+        bytes32 genesisManifest,
+        uint32 challengeWindow
     );
     /// @notice A participant's update was recorded without a worker's report, on the coordinator's word.
     event UpdateUnreported(bytes32 indexed runId, uint64 indexed round, bytes32 updateDigest);
-    /// @notice A round was recorded.
+    /**
+     * @notice A round was recorded: each of `workers` (ascending) reported and was credited `tokens`;
+     * `commitment` is {roundCommitment} of its {RoundFacts} (recordedAt: this block).
+     */
     event RoundRecorded(
         bytes32 indexed runId,
         uint64 indexed round,
         bytes32 checkpoint,
         bytes32 manifestDigest,
-        uint256 reportCount,
-        uint256 unreportedCount
+        uint64 tokens,
+        address[] workers,
+        uint256 unreportedCount,
+        bytes32 commitment
     );
 
     /**
@@ -126,46 +157,46 @@ interface IContributionLedger {
      * @param genesisCheckpoint sha256 of θ⁽⁰⁾'s safetensors bytes: round 1's parent.
      * @param configDigest Digest of the run configuration.
      * @param genesisManifest Digest of the genesis manifest object.
+     * @param challengeWindow Blocks a recorded round waits before rewards for it can be claimed.
      */
-    function createRun(bytes32 runId, bytes32 genesisCheckpoint, bytes32 configDigest, bytes32 genesisManifest) external;
+    function createRun(
+        bytes32 runId,
+        bytes32 genesisCheckpoint,
+        bytes32 configDigest,
+        bytes32 genesisManifest,
+        uint32 challengeWindow
+    ) external;
 
     /**
      * @notice Records the next round of a run. Only the run's coordinator.
-     * @param runId The run.
-     * @param round The run's last round plus one.
-     * @param parentCheckpoint The previous round's checkpoint (the genesis checkpoint for round 1).
-     * @param checkpoint sha256 of θ⁽ʳ⁾'s safetensors bytes.
-     * @param manifestDigest Digest of the round's manifest.
-     * @param reports One signed report per reporting participant, each for this run, round, parent and
-     * checkpoint; its worker is credited.
+     * @param header The round: the run's last round plus one, the previous round's checkpoint as
+     * parent (the genesis checkpoint for round 1), and what every report of it shares.
+     * @param reports One signed report per reporting participant, in strictly ascending worker order;
+     * each worker is credited `header.tokens`.
      * @param unreported The update digests of the participants without a report, strictly ascending;
      * nobody is credited for them.
      */
-    function recordRound(
-        bytes32 runId,
-        uint64 round,
-        bytes32 parentCheckpoint,
-        bytes32 checkpoint,
-        bytes32 manifestDigest,
-        SignedReport[] calldata reports,
-        bytes32[] calldata unreported
-    ) external;
+    function recordRound(RoundHeader calldata header, WorkerReport[] calldata reports, bytes32[] calldata unreported)
+        external;
 
     /// @notice The EIP-712 digest a worker signs for `report` (this ledger's domain and chain).
     function reportDigest(RoundReport calldata report) external view returns (bytes32);
 
-    /// @notice Whether a report with this EIP-712 digest has been recorded.
-    function isReportRecorded(bytes32 digest) external view returns (bool);
+    /// @notice The commitment a recorded round is kept as: keccak256 of the ABI encoding of `facts`.
+    function commitmentOf(RoundFacts calldata facts) external pure returns (bytes32);
 
     /// @notice A run (coordinator zero if it does not exist).
     function runOf(bytes32 runId) external view returns (Run memory);
 
-    /// @notice A recorded round (all zero if not recorded).
-    function roundOf(bytes32 runId, uint64 round) external view returns (RoundRecord memory);
+    /// @notice The commitment of a recorded round (zero if not recorded).
+    function roundCommitment(bytes32 runId, uint64 round) external view returns (bytes32);
 
     /// @notice Tokens and rounds credited to `worker` in one run.
     function contributionOf(bytes32 runId, address worker) external view returns (Contribution memory);
 
     /// @notice Tokens and rounds credited to `worker` over all runs.
     function totalContributionOf(address worker) external view returns (Contribution memory);
+
+    /// @notice The runs `worker` has been credited in, in the order of its first credit in each.
+    function runsOf(address worker) external view returns (bytes32[] memory);
 }

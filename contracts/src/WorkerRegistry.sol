@@ -11,11 +11,27 @@ import {IWorkerRegistry} from "./IWorkerRegistry.sol";
  * The owner allowlists code measurements and names verifier accounts. A verifier checks a
  * worker's attestation evidence off chain and admits the worker's key with the evidence digest.
  * A worker is active while it is admitted, not revoked, and its measurement is still allowed.
+ *
+ * Storage is laid out for {isActive}, which the ledger asks once per report: a worker's admission
+ * and revocation blocks and its measurement's number share one slot, and a measurement's allowance
+ * is kept by number (warm after the first report of a round, since workers share measurements). So
+ * {isActive} reads one cold slot per worker; the evidence digest and verifier live apart.
  */
 contract WorkerRegistry is IWorkerRegistry, Ownable {
-    mapping(bytes32 measurement => bool) private _allowedMeasurements;
+    /// @dev What {isActive} reads, in one slot. `measurementId` numbers measurements from 1.
+    struct Status {
+        uint64 admittedAt;
+        uint64 revokedAt;
+        uint64 measurementId;
+    }
+
+    mapping(bytes32 measurement => uint64 id) private _measurementIds;
+    bytes32[] private _measurements; // _measurements[id - 1]
+    mapping(uint64 id => bool) private _allowed;
     mapping(address verifier => bool) private _verifiers;
-    mapping(address worker => Worker) private _workers;
+    mapping(address worker => Status) private _status;
+    mapping(address worker => bytes32) private _evidence;
+    mapping(address worker => address) private _admittedBy;
 
     /// @param initialOwner The account that manages measurements and verifiers.
     constructor(address initialOwner) Ownable(initialOwner) {}
@@ -27,7 +43,13 @@ contract WorkerRegistry is IWorkerRegistry, Ownable {
      * @param allowed Whether workers with this measurement may be active.
      */
     function setMeasurement(bytes32 measurement, bool allowed) external onlyOwner {
-        _allowedMeasurements[measurement] = allowed;
+        uint64 id = _measurementIds[measurement];
+        if (id == 0) {
+            _measurements.push(measurement);
+            id = uint64(_measurements.length);
+            _measurementIds[measurement] = id;
+        }
+        _allowed[id] = allowed;
         emit MeasurementSet(measurement, allowed);
     }
 
@@ -50,17 +72,14 @@ contract WorkerRegistry is IWorkerRegistry, Ownable {
      */
     function admitWorker(address worker, bytes32 measurement, bytes32 evidenceDigest) external {
         if (!_verifiers[msg.sender]) revert RegistryNotVerifier(msg.sender);
-        if (!_allowedMeasurements[measurement]) revert RegistryMeasurementNotAllowed(measurement);
+        uint64 id = _measurementIds[measurement];
+        if (!_allowed[id]) revert RegistryMeasurementNotAllowed(measurement);
         if (worker == address(0)) revert RegistryZeroAddress();
-        if (_isAdmitted(_workers[worker])) revert RegistryAlreadyAdmitted(worker);
+        if (_admittedBy[worker] != address(0)) revert RegistryAlreadyAdmitted(worker);
 
-        _workers[worker] = Worker({
-            measurement: measurement,
-            evidenceDigest: evidenceDigest,
-            verifier: msg.sender,
-            admittedAt: uint64(block.number),
-            revokedAt: 0
-        });
+        _status[worker] = Status({admittedAt: uint64(block.number), revokedAt: 0, measurementId: id});
+        _evidence[worker] = evidenceDigest;
+        _admittedBy[worker] = msg.sender;
         emit WorkerAdmitted(worker, measurement, evidenceDigest, msg.sender);
     }
 
@@ -70,11 +89,11 @@ contract WorkerRegistry is IWorkerRegistry, Ownable {
      */
     function revokeWorker(address worker) external {
         if (msg.sender != owner() && !_verifiers[msg.sender]) revert RegistryNotVerifier(msg.sender);
-        Worker storage w = _workers[worker];
-        if (!_isAdmitted(w)) revert RegistryNotAdmitted(worker);
-        if (w.revokedAt != 0) revert RegistryAlreadyRevoked(worker);
+        Status storage status = _status[worker];
+        if (_admittedBy[worker] == address(0)) revert RegistryNotAdmitted(worker);
+        if (status.revokedAt != 0) revert RegistryAlreadyRevoked(worker);
 
-        w.revokedAt = uint64(block.number);
+        status.revokedAt = uint64(block.number);
         emit WorkerRevoked(worker, msg.sender);
     }
 
@@ -83,8 +102,9 @@ contract WorkerRegistry is IWorkerRegistry, Ownable {
      * @param worker The worker's signing address.
      */
     function isActive(address worker) external view returns (bool) {
-        Worker storage w = _workers[worker];
-        return _isAdmitted(w) && w.revokedAt == 0 && _allowedMeasurements[w.measurement];
+        Status memory status = _status[worker];
+        // admittedAt is the admission's block number, never 0 on a real chain once admitted
+        return status.measurementId != 0 && status.revokedAt == 0 && _allowed[status.measurementId];
     }
 
     /**
@@ -92,7 +112,15 @@ contract WorkerRegistry is IWorkerRegistry, Ownable {
      * @param worker The worker's signing address.
      */
     function workerOf(address worker) external view returns (Worker memory) {
-        return _workers[worker];
+        Status memory status = _status[worker];
+        if (status.measurementId == 0) return Worker(bytes32(0), bytes32(0), address(0), 0, 0);
+        return Worker({
+            measurement: _measurements[status.measurementId - 1],
+            evidenceDigest: _evidence[worker],
+            verifier: _admittedBy[worker],
+            admittedAt: status.admittedAt,
+            revokedAt: status.revokedAt
+        });
     }
 
     /**
@@ -100,7 +128,7 @@ contract WorkerRegistry is IWorkerRegistry, Ownable {
      * @param measurement The measurement.
      */
     function isMeasurementAllowed(bytes32 measurement) external view returns (bool) {
-        return _allowedMeasurements[measurement];
+        return _allowed[_measurementIds[measurement]];
     }
 
     /**
@@ -109,10 +137,5 @@ contract WorkerRegistry is IWorkerRegistry, Ownable {
      */
     function isVerifier(address account) external view returns (bool) {
         return _verifiers[account];
-    }
-
-    /// @dev Admission always records the (nonzero) verifier, so it marks an admitted key.
-    function _isAdmitted(Worker storage w) private view returns (bool) {
-        return w.verifier != address(0);
     }
 }

@@ -7,13 +7,15 @@ import {WorkerRegistry} from "../src/WorkerRegistry.sol";
 
 /**
  * @dev TEST ONLY. A ledger that lies: the ABI, events, storage layout and EIP-712 domain of
- * {ContributionLedger}, but `recordRound` skips every report check (signature, active worker,
- * replay, one report per worker) and `forgeTally` rewrites a worker's tally at will.
+ * {ContributionLedger}, but `recordRound` skips every check (caller, order, parent, signature,
+ * active worker, report order), and `forgeTally`, `forgeTotal` and `forgeCommitment` rewrite what it
+ * answers at will.
  *
  * The audit tests put its runtime code at a real ledger's address (`anvil_setCode`); the storage
- * layout matches, so the runs and tallies recorded so far stay readable. The audit must catch
- * whatever this contract lets through, because an auditor cannot trust a ledger's checks, only
- * what it recorded.
+ * layout matches (its own slots come after the real ledger's), so the runs and tallies recorded so
+ * far stay readable. The audit must catch whatever this contract lets through, because an auditor
+ * cannot trust a ledger's checks, only what it recorded; the reward pool must not pay out more than
+ * a run was funded with, whatever this contract answers.
  */
 contract LyingLedger is IContributionLedger, EIP712 {
     struct RunTally {
@@ -23,76 +25,82 @@ contract LyingLedger is IContributionLedger, EIP712 {
     }
 
     bytes32 public constant ROUND_REPORT_TYPEHASH = keccak256(
-        "RoundReport(bytes32 runId,uint64 round,address worker,bytes32 parentCheckpoint,bytes32 checkpoint,bytes32 updateDigest,bytes32 dataDigest,int64 trainLossE6,int64 evalLossE6,uint64 tokens,uint32 innerSteps,uint64 bytesSent,uint64 bytesReceived)"
+        "RoundReport(bytes32 runId,uint64 round,address worker,bytes32 parentCheckpoint,bytes32 checkpoint,bytes32 manifestDigest,bytes32 updateDigest,bytes32 dataDigest,int64 trainLossE6,int64 evalLossE6,uint64 tokens,uint32 innerSteps,uint64 bytesSent,uint64 bytesReceived)"
     );
 
     WorkerRegistry private immutable _registry;
 
     // Same order as ContributionLedger, so the state it wrote stays where this code reads it.
     mapping(bytes32 runId => Run) private _runs;
-    mapping(bytes32 runId => mapping(uint64 round => RoundRecord)) private _rounds;
-    mapping(bytes32 digest => bool) private _recorded;
+    mapping(bytes32 runId => mapping(uint64 round => bytes32 commitment)) private _rounds;
     mapping(bytes32 runId => mapping(address worker => RunTally)) private _tallies;
-    mapping(address worker => Contribution) private _totals;
+    mapping(address worker => bytes32[] runIds) private _runsOf;
+    // Its own, after the real ledger's slots.
+    mapping(address worker => Contribution) private _forgedTotals;
 
     constructor(WorkerRegistry registry_) EIP712("DiLoCoX Contribution Ledger", "1") {
         _registry = registry_;
     }
 
-    function createRun(bytes32 runId, bytes32 genesisCheckpoint, bytes32 configDigest, bytes32 genesisManifest)
-        external
-    {
+    function createRun(
+        bytes32 runId,
+        bytes32 genesisCheckpoint,
+        bytes32 configDigest,
+        bytes32 genesisManifest,
+        uint32 challengeWindow
+    ) external {
         Run storage run = _runs[runId];
         run.coordinator = msg.sender;
+        run.challengeWindow = challengeWindow;
         run.lastCheckpoint = genesisCheckpoint;
         run.genesisCheckpoint = genesisCheckpoint;
         run.configDigest = configDigest;
         run.genesisManifest = genesisManifest;
-        emit RunCreated(runId, msg.sender, genesisCheckpoint, configDigest, genesisManifest);
+        emit RunCreated(runId, msg.sender, genesisCheckpoint, configDigest, genesisManifest, challengeWindow);
     }
 
-    /// @dev No checks at all: whatever the caller says is recorded and tallied.
-    function recordRound(
-        bytes32 runId,
-        uint64 round,
-        bytes32 parentCheckpoint,
-        bytes32 checkpoint,
-        bytes32 manifestDigest,
-        SignedReport[] calldata reports,
-        bytes32[] calldata unreported
-    ) external {
-        parentCheckpoint; // accepted as given
-        Run storage run = _runs[runId];
-        run.lastRound = round;
-        run.lastCheckpoint = checkpoint;
-        _rounds[runId][round] = RoundRecord({
-            checkpoint: checkpoint,
-            manifestDigest: manifestDigest,
-            reportCount: uint64(reports.length),
-            recordedAt: uint64(block.number),
-            unreportedCount: uint64(unreported.length)
-        });
+    /// @dev No checks at all, not even the caller: whatever it says is recorded and tallied.
+    function recordRound(RoundHeader calldata header, WorkerReport[] calldata reports, bytes32[] calldata unreported)
+        external
+    {
+        Run storage run = _runs[header.runId];
+        run.lastRound = header.round;
+        run.lastCheckpoint = header.checkpoint;
+        address[] memory workers = new address[](reports.length);
         for (uint256 i = 0; i < reports.length; ++i) {
-            _credit(runId, round, reports[i].report);
+            workers[i] = reports[i].worker;
+            RunTally storage tally = _tallies[header.runId][reports[i].worker];
+            if (tally.rounds == 0) _runsOf[reports[i].worker].push(header.runId);
+            tally.tokens += header.tokens;
+            tally.rounds += 1;
+            tally.lastRound = header.round;
         }
+        bytes32 commitment = keccak256(
+            abi.encode(
+                RoundFacts(
+                    header.checkpoint,
+                    header.manifestDigest,
+                    header.tokens,
+                    uint64(block.number),
+                    uint64(unreported.length),
+                    workers
+                )
+            )
+        );
+        _rounds[header.runId][header.round] = commitment;
         for (uint256 j = 0; j < unreported.length; ++j) {
-            emit UpdateUnreported(runId, round, unreported[j]);
+            emit UpdateUnreported(header.runId, header.round, unreported[j]);
         }
-        emit RoundRecorded(runId, round, checkpoint, manifestDigest, reports.length, unreported.length);
-    }
-
-    /// @dev Tallies a report as given (the real ledger checks it first).
-    function _credit(bytes32 runId, uint64 round, RoundReport calldata report) private {
-        bytes32 digest = reportDigest(report);
-        _recorded[digest] = true;
-        RunTally storage tally = _tallies[runId][report.worker];
-        tally.tokens += report.tokens;
-        tally.rounds += 1;
-        tally.lastRound = round;
-        Contribution storage total = _totals[report.worker];
-        total.tokens += report.tokens;
-        total.rounds += 1;
-        emit ReportAccepted(runId, round, report.worker, digest, report.tokens);
+        emit RoundRecorded(
+            header.runId,
+            header.round,
+            header.checkpoint,
+            header.manifestDigest,
+            header.tokens,
+            workers,
+            unreported.length,
+            commitment
+        );
     }
 
     /// @dev Rewrites a worker's per-run tally (a ledger that miscounts).
@@ -102,19 +110,29 @@ contract LyingLedger is IContributionLedger, EIP712 {
         tally.rounds = rounds;
     }
 
+    /// @dev Makes totalContributionOf(worker) answer this (a ledger whose totals drift from its runs).
+    function forgeTotal(address worker, uint64 tokens, uint64 rounds) external {
+        _forgedTotals[worker] = Contribution(tokens, rounds);
+    }
+
+    /// @dev Rewrites a round's commitment (a ledger that answers claims as it likes).
+    function forgeCommitment(bytes32 runId, uint64 round, bytes32 commitment) external {
+        _rounds[runId][round] = commitment;
+    }
+
     function reportDigest(RoundReport calldata report) public view returns (bytes32) {
         return _hashTypedDataV4(keccak256(abi.encode(ROUND_REPORT_TYPEHASH, report)));
     }
 
-    function isReportRecorded(bytes32 digest) external view returns (bool) {
-        return _recorded[digest];
+    function commitmentOf(RoundFacts calldata facts) external pure returns (bytes32) {
+        return keccak256(abi.encode(facts));
     }
 
     function runOf(bytes32 runId) external view returns (Run memory) {
         return _runs[runId];
     }
 
-    function roundOf(bytes32 runId, uint64 round) external view returns (RoundRecord memory) {
+    function roundCommitment(bytes32 runId, uint64 round) external view returns (bytes32) {
         return _rounds[runId][round];
     }
 
@@ -123,8 +141,18 @@ contract LyingLedger is IContributionLedger, EIP712 {
         return Contribution({tokens: tally.tokens, rounds: tally.rounds});
     }
 
-    function totalContributionOf(address worker) external view returns (Contribution memory) {
-        return _totals[worker];
+    function totalContributionOf(address worker) external view returns (Contribution memory total) {
+        Contribution memory forged = _forgedTotals[worker];
+        if (forged.tokens != 0 || forged.rounds != 0) return forged;
+        bytes32[] storage runIds = _runsOf[worker];
+        for (uint256 i = 0; i < runIds.length; ++i) {
+            total.tokens += _tallies[runIds[i]][worker].tokens;
+            total.rounds += _tallies[runIds[i]][worker].rounds;
+        }
+    }
+
+    function runsOf(address worker) external view returns (bytes32[] memory) {
+        return _runsOf[worker];
     }
 
     function registry() external view returns (WorkerRegistry) {

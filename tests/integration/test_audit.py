@@ -38,6 +38,7 @@ from audit import run_audit
 from audit.cli import main as audit_main
 from settlement import DEV_ACCOUNTS, Anvil, Chain, Ledger, Registry, deploy
 from settlement.artifacts import CONTRACTS_DIR
+from settlement.ledger import RoundHeader, _worker_tuple
 from storage_client import CID, Manifest, ObjectStore, Participant, Traffic, to_e6
 from trainer.aggregation import mean_pseudo_gradient
 from trainer.config import InnerConfig, ModelConfig, RoundConfig, RunConfig
@@ -116,7 +117,7 @@ class RunBuilder:
         )
         self.manifests: list[tuple[CID, Manifest]] = [(genesis.store(self.store), genesis)]
         self.run_id = self.manifests[0][0].digest
-        self.ledger.create_run(self.run_id, CID.parse(genesis.params).digest, self.config_cid.digest, self.run_id)
+        self.ledger.create_run(self.run_id, CID.parse(genesis.params).digest, self.config_cid.digest, self.run_id, 0)
 
         self.dev_root = DevRoot.load_or_create(root / "dev-root")
         self.provider = DevProvider(self.dev_root)
@@ -143,14 +144,17 @@ class RunBuilder:
         self.registry.admit_worker(key.address, self.measurement, record.digest)
         return record
 
-    def report(self, worker: str, manifest: Manifest, key: WorkerKey | None = None) -> SignedReport:
+    def report(self, worker: str, manifest: Manifest, key: WorkerKey | None = None,
+               manifest_digest: bytes | None = None) -> SignedReport:
+        """``worker``'s signed report of ``manifest`` (of the manifest whose digest is ``manifest_digest``,
+        when given: the one the worker was shown)."""
         key = key or self.keys[worker]
         entry = next(p for p in manifest.participants if p.worker == worker)
         parent = self.manifests[manifest.round - 1][1]
         report = RoundReport(
             run_id=self.run_id, round=manifest.round, worker=key.address,
             parent_checkpoint=CID.parse(parent.params).digest, checkpoint=CID.parse(manifest.params).digest,
-            update_digest=CID.parse(entry.update).digest, data_digest=self.shard_digests[entry.shard],
+            manifest_digest=manifest_digest or manifest.cid.digest, update_digest=CID.parse(entry.update).digest, data_digest=self.shard_digests[entry.shard],
             train_loss_e6=entry.train_loss_e6, eval_loss_e6=manifest.eval_loss_e6, tokens=entry.tokens,
             inner_steps=entry.inner_steps, bytes_sent=entry.bytes_sent, bytes_received=entry.bytes_received,
         )
@@ -158,11 +162,13 @@ class RunBuilder:
 
     def round(self, *, parent: CID | None = None, reports: Callable[[Manifest], list[SignedReport]] | None = None,
               nudge: bool = False, mangle: Callable[[dict[str, Any]], None] | None = None,
-              unreported: Callable[[Manifest], list[bytes]] | None = None, record: bool = True) -> Manifest:
+              unreported: Callable[[Manifest], list[bytes]] | None = None, record: bool = True,
+              recorder: Chain | None = None, header_from_recorded: bool = False) -> Manifest:
         """Train, aggregate, store and record the next round. ``parent`` overrides the manifest's
         parent, ``reports`` makes the reports, ``unreported`` the update digests recorded without a
         report, ``nudge`` moves θ off what the updates give, ``mangle`` edits the manifest's JSON
-        before it is stored (and recorded) without validation; ``record=False`` only stores it."""
+        before it is stored (and recorded) without validation; ``record=False`` only stores it;
+        ``recorder`` sends the recording transaction instead of the run's coordinator."""
         r = len(self.manifests)
         global_bytes = len(encode_params(self.params))  # what each worker fetched, as if sent dense
         generator = torch.Generator().manual_seed(r)
@@ -201,10 +207,21 @@ class RunBuilder:
             mangle(obj)
             cid = self.store.put_json(obj)
         self.manifests.append((cid, manifest))
-        signed = reports(manifest) if reports else [self.report(w, manifest) for w in self.keys]
+        signed = reports(manifest) if reports else [self.report(w, manifest, manifest_digest=cid.digest)
+                                                    for w in self.keys]
         self.reports[r] = signed
-        if record:
-            self.ledger.record_round(self.run_id, r, CID.parse(prev.params).digest,
+        if record and header_from_recorded:
+            # Straight to the contract: the round's header names the recorded manifest whatever the
+            # reports signed (the client refuses to send reports that disagree with their round).
+            header = RoundHeader(self.run_id, r, CID.parse(prev.params).digest, CID.parse(manifest.params).digest,
+                                 cid.digest, signed[0].report.eval_loss_e6, signed[0].report.tokens,
+                                 signed[0].report.inner_steps)
+            ordered = sorted(signed, key=lambda s: int(s.report.worker, 16))
+            self.coordinator.transact(self.ledger._contract.functions.recordRound(
+                header.as_abi(), [_worker_tuple(s) for s in ordered], []))
+        elif record:
+            ledger = self.ledger if recorder is None else Ledger(recorder, self.deployment.ledger)
+            ledger.record_round(self.run_id, r, CID.parse(prev.params).digest,
                                      CID.parse(manifest.params).digest, cid.digest, signed,
                                      unreported(manifest) if unreported else [])
         return manifest
@@ -374,9 +391,64 @@ def test_lying_ledger_tally(anvil: Anvil, tmp_path: Path) -> None:
     true_tokens = builder.reports[1][0].report.tokens
     builder.coordinator.transact(lying.functions.forgeTally(builder.run_id, w0, true_tokens * 10, 1))
     result = builder.audit()
+    # the run's tally, and so the total over runs, which the ledger sums from its run tallies
+    assert {(f.check, f.round, f.object) for f in result.failures} == {("tally", None, w0),
+                                                                       ("total-contribution", None, w0)}
+    assert all(str(true_tokens * 10) in f.message and str(true_tokens) in f.message for f in result.failures)
+
+
+def test_lying_ledger_total(anvil: Anvil, tmp_path: Path) -> None:
+    """A total over runs that drifts from the runs' records is named, though every run tally is right."""
+    builder = RunBuilder(tmp_path, anvil.rpc_url, run_name="total")
+    builder.round()
+    builder.round()
+    lying = builder.lie()
+    w1 = builder.keys["w1"].address
+    true_tokens = 2 * builder.reports[1][0].report.tokens
+    builder.coordinator.transact(lying.functions.forgeTotal(w1, true_tokens + 1, 2))
+    result = builder.audit()
     (failure,) = result.failures
-    assert failure.check == "tally" and failure.round is None and failure.object == w0
-    assert str(true_tokens * 10) in failure.message and str(true_tokens) in failure.message
+    assert (failure.check, failure.round, failure.object) == ("total-contribution", None, w1)
+    assert f"is {true_tokens + 1} tokens" in failure.message and f"credit {true_tokens} tokens" in failure.message
+
+
+def test_a_round_recorded_by_another_account(anvil: Anvil, tmp_path: Path) -> None:
+    """The real ledger refuses any sender but the run's coordinator (LedgerNotCoordinator, forge and
+    test_settlement); a ledger that does not is caught by the audit, which checks the sender of every
+    recording transaction."""
+    builder = RunBuilder(tmp_path, anvil.rpc_url, run_name="recorder")
+    builder.round()
+    builder.lie()
+    builder.round(recorder=builder.owner)
+    result = builder.audit()
+    (failure,) = result.failures
+    assert (failure.check, failure.round, failure.object) == ("recorder", 2, "round 2 on chain")
+    assert builder.owner.address in failure.message and builder.coordinator.address in failure.message
+
+
+def test_a_manifest_changed_after_the_workers_signed(anvil: Anvil, tmp_path: Path) -> None:
+    """The coordinator shows its workers one manifest and records another with other traffic (a field no
+    report restates): every report signed the first manifest's digest. The real ledger refuses the
+    recording (LedgerInvalidSignature: testReportForAnotherManifestRefused); a ledger that takes it is
+    caught by the audit, which recomputes every report's digest with the recorded manifest and names
+    each signature."""
+    builder = RunBuilder(tmp_path, anvil.rpc_url, run_name="traffic")
+    builder.round()
+
+    def inflate(obj: dict[str, Any]) -> None:
+        for t in obj["traffic"]:
+            t["up"] *= 10
+        obj["bytes_up"] = sum(t["up"] for t in obj["traffic"])
+
+    def signed_as_shown(manifest: Manifest) -> list[SignedReport]:  # the workers saw the honest manifest
+        return [builder.report(w, manifest, manifest_digest=manifest.cid.digest) for w in builder.keys]
+
+    builder.lie()
+    builder.round(mangle=inflate, reports=signed_as_shown, header_from_recorded=True)
+    result = builder.audit()
+    failures = result.failures
+    assert {(f.check, f.round) for f in failures} == {("report-signature", 2)} and len(failures) == 2
+    assert {f.object.split()[-1] for f in failures} == {key.address for key in builder.keys.values()}
 
 
 def test_dev_evidence_needs_allow_dev(honest: RunBuilder) -> None:

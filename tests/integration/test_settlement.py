@@ -33,6 +33,7 @@ from settlement import (
     TxReverted,
     deploy,
 )
+from settlement.ledger import commitment_of
 
 pytestmark = pytest.mark.integration
 
@@ -79,12 +80,13 @@ def signed_reports(s: Setup, round_: int, parent: bytes, checkpoint: bytes,
     for i, key in enumerate(workers if workers is not None else s.workers):
         report = RoundReport(
             run_id=s.run_id, round=round_, worker=key.address, parent_checkpoint=parent, checkpoint=checkpoint,
-            update_digest=h("update", round_, i), data_digest=h("shard", i), train_loss_e6=3_400_000 - 1000 * round_,
-            eval_loss_e6=-5 if i else 3_390_000, tokens=1000 * (i + 1) + round_, inner_steps=50, bytes_sent=4096 + i,
-            bytes_received=8192 + 3 * i,
+            manifest_digest=h("manifest", round_), update_digest=h("update", round_, i), data_digest=h("shard", i),
+            train_loss_e6=-5 if i else 3_400_000 - 1000 * round_, eval_loss_e6=3_390_000, tokens=1000 + round_,
+            inner_steps=50, bytes_sent=4096 + i, bytes_received=8192 + 3 * i,
         )
         out.append(SignedReport(report, key.sign_digest(report.digest(domain))))
-    return out
+    # in the order the ledger takes them, and gives them back
+    return sorted(out, key=lambda signed: int(signed.report.worker, 16))
 
 
 def record(s: Setup, round_: int) -> list[SignedReport]:
@@ -129,7 +131,6 @@ def test_rounds_recorded_and_read_back(setup: Setup, tmp_path: Path) -> None:
     # The digest a worker signs in Python is the one the ledger computes.
     report = sent[2][1].report
     assert s.ledger.report_digest(report) == report.digest(s.ledger.domain())
-    assert s.ledger.is_report_recorded(report.digest(s.ledger.domain()))
 
     run = s.ledger.run_of(s.run_id)
     assert run is not None and run["coordinator"] == s.coordinator.address
@@ -139,10 +140,11 @@ def test_rounds_recorded_and_read_back(setup: Setup, tmp_path: Path) -> None:
     assert s.ledger.round_of(s.run_id, 2)["manifestDigest"] == h("manifest", 2)
     assert s.ledger.round_of(s.run_id, 2)["reportCount"] == 2
     assert s.ledger.round_of(s.run_id, 3)["checkpoint"] == bytes(32)
-    for i, w in enumerate(s.workers):
-        expected = sum(sent[r][i].report.tokens for r in (1, 2))
+    for w in s.workers:
+        expected = sum(sent[r][0].report.tokens for r in (1, 2))  # every report of a round: the same tokens
         assert s.ledger.contribution_of(s.run_id, w.address) == {"tokens": expected, "rounds": 2}
         assert s.ledger.total_contribution_of(w.address) == {"tokens": expected, "rounds": 2}
+        assert s.ledger.runs_of(w.address) == [s.run_id]
 
     recorded = s.ledger.recorded_rounds(s.run_id)
     assert [r["round"] for r in recorded] == [1, 2]
@@ -151,10 +153,12 @@ def test_rounds_recorded_and_read_back(setup: Setup, tmp_path: Path) -> None:
         assert r["checkpoint"] == h("checkpoint", r["round"]) and r["manifestDigest"] == h("manifest", r["round"])
         assert r["reportCount"] == 2 and r["tx_hash"].startswith("0x") and r["block"] > s.deployment.deployed_block
         assert all(sr.signer(s.ledger.domain()) == sr.report.worker for sr in r["reports"])
+        assert r["sender"] == s.coordinator.address
+        # the one slot the ledger keeps of a round commits to what its event and calldata say
+        assert s.ledger.round_commitment(s.run_id, r["round"]) == r["commitment"] == commitment_of(r)
+        assert r["workers"] == [sr.report.worker for sr in r["reports"]]
     assert recorded[0]["parentCheckpoint"] == s.genesis and recorded[1]["parentCheckpoint"] == h("checkpoint", 1)
-    accepted = s.ledger.accepted_reports(s.run_id)
-    assert [(a["round"], a["worker"]) for a in accepted] == [(r, w.address) for r in (1, 2) for w in s.workers]
-    assert accepted[-1]["digest"] == report.digest(s.ledger.domain())
+    assert s.ledger.round_commitment(s.run_id, 3) == bytes(32)
 
     s.registry.revoke_worker(s.workers[0].address)
     assert not s.registry.is_active(s.workers[0].address)
@@ -186,7 +190,7 @@ def test_reverts_are_decoded(setup: Setup) -> None:
     # A transaction mined with too little gas estimate skipped: the revert is replayed and decoded.
     with pytest.raises(TxReverted, match="LedgerWrongParent") as mined:
         s.ledger.chain.transact(s.ledger._contract.functions.recordRound(
-            s.run_id, 3, wrong_parent, h("checkpoint", 3), h("manifest", 3), [], []), gas=200_000)
+            (s.run_id, 3, wrong_parent, h("checkpoint", 3), h("manifest", 3), 0, 0, 0), [], [h("u")]), gas=200_000)
     assert mined.value.tx_hash is not None
     assert s.ledger.run_of(s.run_id)["lastRound"] == 2  # nothing refused changed the run
 
@@ -265,7 +269,7 @@ def test_chain_state_survives_restart(tmp_path: Path) -> None:
         assert (ledger.run_of(s.run_id), ledger.round_of(s.run_id, 1), registry.admissions()) == before
         recorded = ledger.recorded_rounds(s.run_id)
         assert len(recorded) == 1 and recorded[0]["reports"] == sent
-        assert len(ledger.accepted_reports(s.run_id)) == len(sent)
+        assert ledger.round_commitment(s.run_id, 1) == commitment_of(recorded[0])
         # And the chain goes on from there.
         s.ledger = Ledger(Chain(node.rpc_url, DEV_ACCOUNTS[1]), s.deployment.ledger)
         record(s, 2)
@@ -278,6 +282,8 @@ def test_unknown_run_and_not_coordinator(setup: Setup) -> None:
     with pytest.raises(TxReverted, match=f"NotCoordinator\\(caller={s.owner.address}\\)"):
         record(stray, 1)
     with pytest.raises(TxReverted, match="LedgerUnknownRun"):
+        s.ledger.record_round(h("nope"), 1, s.genesis, h("c"), h("m"), [], [h("u")])
+    with pytest.raises(ValueError, match="differs from round 1's other reports or the recording call in run_id"):
         s.ledger.record_round(h("nope"), 1, s.genesis, h("c"), h("m"), signed_reports(s, 1, s.genesis, h("c")))
     with pytest.raises(TxReverted, match=f"RunExists\\(runId=0x{s.run_id.hex()}\\)"):
         s.ledger.create_run(s.run_id, s.genesis, h("config"), s.run_id)

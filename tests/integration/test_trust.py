@@ -150,7 +150,7 @@ def test_updates_and_reports_need_the_admitted_key(cluster: LocalCluster, chain:
 
     cluster.wait_for(lambda s: len(s.rounds) >= 2, 60, "round 1 to close")
     # A report signed by another key, and one restating the manifest wrongly, are refused.
-    _, manifest = lineage(cluster.run_dir.store, cluster.run_dir.head())[-1]
+    manifest_cid, manifest = lineage(cluster.run_dir.store, cluster.run_dir.head())[-1]
     deployment = Deployment.load(cluster.run_dir.path / "chain" / "deployment.json")
     domain = Domain(deployment.chain_id, deployment.ledger)
     entry = manifest.participants[0]
@@ -158,8 +158,8 @@ def test_updates_and_reports_need_the_admitted_key(cluster: LocalCluster, chain:
     corpus = load_corpus(m.config.data, m.config.seed, m.config.model.block_size)
     report = RoundReport(
         run_id=challenge.run_digest, round=1, worker=key.address, parent_checkpoint=CID.parse(genesis.params).digest,
-        checkpoint=CID.parse(manifest.params).digest, update_digest=CID.parse(entry.update).digest,
-        data_digest=shard_digest(corpus.shard(0, 1)),
+        checkpoint=CID.parse(manifest.params).digest, manifest_digest=manifest_cid.digest,
+        update_digest=CID.parse(entry.update).digest, data_digest=shard_digest(corpus.shard(0, 1)),
         train_loss_e6=entry.train_loss_e6, eval_loss_e6=manifest.eval_loss_e6, tokens=entry.tokens,
         inner_steps=entry.inner_steps, bytes_sent=entry.bytes_sent, bytes_received=entry.bytes_received,
     )
@@ -181,6 +181,11 @@ def test_updates_and_reports_need_the_admitted_key(cluster: LocalCluster, chain:
     with pytest.raises(grpc.RpcError) as wrong_download:
         submit(SignedReport(lying, key.sign_digest(lying.digest(domain))))
     assert "bytes_received is" in wrong_download.value.details()
+    # A report signing another manifest (one with other traffic, say) is refused by name.
+    lying = dataclasses.replace(report, manifest_digest=bytes(32))
+    with pytest.raises(grpc.RpcError) as wrong_manifest:
+        submit(SignedReport(lying, key.sign_digest(lying.digest(domain))))
+    assert "manifest_digest is 0x00" in wrong_manifest.value.details()
     assert submit(SignedReport(report, key.sign_digest(report.digest(domain)))).accepted
     assert cluster.wait_exit("coordinator", 120) == 0, cluster.log("coordinator", tail=100)
 

@@ -93,7 +93,9 @@ def test_unreachable_node_is_retried_then_named(caplog: pytest.LogCaptureFixture
 def test_deployment_round_trip_and_malformed_files(tmp_path: Path) -> None:
     dep = Deployment(chain_id=31337, registry="0x5fbdb2315678afecb367f032d93f642f64180aa3",
                      ledger="0xe7f1725E7734CE288F8367e1Bb143E90bb3F0512",
-                     owner="0xf39Fd6e51aad88F6F4ce6aB8827279cffFb92266", deployed_block=1)
+                     owner="0xf39Fd6e51aad88F6F4ce6aB8827279cffFb92266", deployed_block=1,
+                     token="0x9fE46736679d2D9a65F0992F2272dE9f3c7fa6e0",
+                     rewards="0xCf7Ed3AccA5a467e9e704C703E8D87F634fB0Fc9")
     dep.save(tmp_path / "d" / "deployment.json")
     loaded = Deployment.load(tmp_path / "d" / "deployment.json")
     assert loaded.registry == "0x5FbDB2315678afecb367f032d93F642f64180aa3" and loaded.deployed_block == 1
@@ -117,10 +119,12 @@ def test_missing_artifact_says_how_to_build_it() -> None:
 
 def test_gas_table_markdown() -> None:
     rows = [{"operation": "createRun", "reports": None, "gas_used": 136682, "gas_per_report": None},
-            {"operation": "recordRound", "reports": 4, "gas_used": 409628, "gas_per_report": 102407}]
+            {"operation": "recordRound", "reports": 1, "gas_used": 89568, "gas_per_report": 89568},
+            {"operation": "recordRound", "reports": 4, "gas_used": 154043, "gas_per_report": 38510}]
     assert format_markdown(rows).splitlines() == [
-        "| operation | reports | gas used | gas per report |",
-        "| --- | ---: | ---: | ---: |",
-        "| createRun |  | 136,682 |  |",
-        "| recordRound | 4 | 409,628 | 102,407 |",
+        "| operation | reports | gas used | gas per report | gas per further report |",
+        "| --- | ---: | ---: | ---: | ---: |",
+        "| createRun |  | 136,682 |  |  |",
+        "| recordRound | 1 | 89,568 | 89,568 |  |",
+        "| recordRound | 4 | 154,043 | 38,510 | 21,491 |",
     ]

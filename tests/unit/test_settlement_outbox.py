@@ -34,7 +34,8 @@ RUN = h("run")
 def reports(round_: int, checkpoint: bytes | None = None) -> list[SignedReport]:
     key = WorkerKey.generate()
     report = RoundReport(run_id=RUN, round=round_, worker=key.address, parent_checkpoint=h("ckpt", round_ - 1),
-                         checkpoint=checkpoint or h("ckpt", round_), update_digest=h("u"), data_digest=h("d"),
+                         checkpoint=checkpoint or h("ckpt", round_), manifest_digest=h("manifest", round_),
+                         update_digest=h("u"), data_digest=h("d"),
                          train_loss_e6=-1, eval_loss_e6=2, tokens=10, inner_steps=3, bytes_sent=4,
                          bytes_received=5)
     return [SignedReport(report, key.sign_digest(report.digest(DOMAIN)))]
@@ -75,7 +76,8 @@ class FakeLedger:
         return self.rounds.get((run_id, round_), {"checkpoint": bytes(32), "manifestDigest": bytes(32),
                                                   "reportCount": 0, "recordedAt": 0})
 
-    def create_run(self, run_id: bytes, genesis: bytes, config: bytes, manifest: bytes) -> dict[str, int]:
+    def create_run(self, run_id: bytes, genesis: bytes, config: bytes, manifest: bytes,
+                   challenge_window: int = 0) -> dict[str, int]:
         self._check()
         self.sent.append("create_run")
         self.runs[run_id] = {"coordinator": ADDRESS, "lastRound": 0, "lastCheckpoint": genesis,

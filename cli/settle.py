@@ -1,0 +1,143 @@
+"""``dilocox settle --run DIR``: what each worker of a run is owed from its reward pool, and claims.
+
+Reads ``DIR/chain/deployment.json`` and the run's genesis from ``DIR/store`` (to know which run on
+the ledger is this directory's). Without ``--rpc`` it starts the local anvil from
+``DIR/chain/state.json`` itself (not a copy: claims are kept). The table comes from the ledger's
+and the pool's events alone (settlement.rewards.RewardPool.statement): per worker the rounds it was
+credited in, what they earn it, what it was paid, what it can claim now (rounds past the run's
+challenge window) and what is still inside the window. ``--claim`` claims every worker's matured
+rounds; any account may send a claim, the tokens always go to the worker.
+
+Exit status: 0 when the statement (and any claim) went through, 1 when the pool paid more than the
+records entitle, 2 when it could not run (no deployment, no chain, no pool).
+"""
+
+from __future__ import annotations
+
+import argparse
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from rich.console import Console
+
+    from settlement.rewards import Statement
+
+EXIT_OK, EXIT_FAILED, EXIT_ERROR = 0, 1, 2
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--run", required=True, metavar="DIR", help="run directory (its store/ and chain/)")
+    parser.add_argument("--rpc", metavar="URL", help="chain RPC; default: the local anvil of DIR/chain/state.json")
+    parser.add_argument("--claim", action="store_true", help="claim every worker's matured rounds")
+    parser.add_argument("--chain-key-file", metavar="FILE",
+                        help="file with the key (hex) that sends claims; default on the local anvil: a dev account")
+    parser.add_argument("--json", metavar="FILE", help="also write the statement as JSON to FILE")
+
+
+def run(args: argparse.Namespace) -> int:
+    key = None
+    if args.chain_key_file:
+        key = Path(args.chain_key_file).read_text().strip()
+    return settle_run_dir(Path(args.run), rpc_url=args.rpc, claim=args.claim, key=key,
+                          json_path=Path(args.json) if args.json else None)
+
+
+def settle_run_dir(run_dir: Path, *, rpc_url: str | None = None, claim: bool = False, key: str | None = None,
+                   console: Console | None = None, json_path: Path | None = None) -> int:
+    """Print the run's reward statement and, with ``claim``, claim what is due; returns the exit status."""
+    from rich.console import Console
+    from rich.markup import escape
+
+    from settlement import DEV_ACCOUNTS, Anvil, AnvilError, ChainError, Deployment, DeploymentError
+
+    console = console or Console()
+    try:
+        deployment = Deployment.load(run_dir / "chain" / "deployment.json")
+    except DeploymentError as exc:
+        console.print(f"[bold red]cannot settle[/]: {escape(str(exc))}")
+        return EXIT_ERROR
+    try:
+        if rpc_url is not None:
+            if claim and key is None:
+                console.print("[bold red]cannot settle[/]: --claim on --rpc needs --chain-key-file")
+                return EXIT_ERROR
+            return _settle_on(rpc_url, run_dir, deployment, claim, key or DEV_ACCOUNTS[3], console, json_path)
+        state = run_dir / "chain" / "state.json"
+        if not state.is_file():
+            console.print(f"[bold red]cannot settle[/]: no --rpc given and no chain state at {state}")
+            return EXIT_ERROR
+        with Anvil(state_file=state, chain_id=deployment.chain_id) as anvil:
+            console.print(f"local chain {anvil.rpc_url} restored from {state}")
+            return _settle_on(anvil.rpc_url, run_dir, deployment, claim, key or DEV_ACCOUNTS[3], console, json_path)
+    except (ChainError, AnvilError) as exc:
+        console.print(f"[bold red]cannot settle[/]: {escape(str(exc))}")
+        return EXIT_ERROR
+
+
+def _settle_on(rpc_url: str, run_dir: Path, deployment, claim: bool, key: str, console: Console,
+               json_path: Path | None) -> int:
+    from settlement import Chain, Ledger
+    from settlement.rewards import RewardPool
+    from storage_client import ObjectStore, strict_json, write_atomic
+
+    chain = Chain(rpc_url, key)
+    ledger = Ledger(chain, deployment.ledger, from_block=deployment.deployed_block)
+    pool = RewardPool(chain, deployment.rewards, ledger, from_block=deployment.deployed_block)
+    run_id = run_of(ObjectStore(run_dir / "store"), ledger)
+    if run_id is None:
+        console.print("[bold red]cannot settle[/]: no run on the ledger has its genesis manifest in this store")
+        return EXIT_ERROR
+    statement = pool.statement(run_id)
+    if statement is None:
+        console.print(f"[bold red]cannot settle[/]: run 0x{run_id.hex()[:12]}… has no reward pool")
+        return EXIT_ERROR
+    if claim:
+        for worker, account in sorted(statement.workers.items()):
+            if account.claimable > 0:
+                amount, _ = pool.claim(run_id, worker)
+                console.print(f"claimed {_tokens(amount)} for {worker}")
+        statement = pool.statement(run_id)
+        assert statement is not None
+    render_statement(statement, console)
+    if json_path is not None:
+        write_atomic(json_path, (strict_json(statement.to_json(), indent=2) + "\n").encode())
+    overpaid = [w for w, a in statement.workers.items() if a.overpaid] or statement.paid > statement.funded
+    return EXIT_FAILED if overpaid else EXIT_OK
+
+
+def run_of(store, ledger) -> bytes | None:
+    """The ledger's run whose genesis manifest is in ``store`` (the newest, should there be several)."""
+    from storage_client import CID, Codec
+
+    found = None
+    for created in ledger.runs_created():
+        if CID(Codec.JSON, bytes(created["genesisManifest"])) in store:
+            found = bytes(created["runId"])
+    return found
+
+
+def _tokens(amount: int) -> str:
+    """An 18-decimal token amount, readably."""
+    return f"{amount / 10**18:,.2f}"
+
+
+def render_statement(statement: Statement, console: Console) -> None:
+    """Per worker: rounds credited, earned, paid, claimable now, still in the challenge window."""
+    from rich import box
+    from rich.table import Table
+
+    table = Table(title=f"rewards of run 0x{statement.run_id.hex()[:12]}… (pool {_tokens(statement.funded)} for "
+                        f"{statement.total_rounds} rounds, challenge window {statement.challenge_window} blocks, "
+                        f"block {statement.head})", box=box.SIMPLE_HEAD, pad_edge=False)
+    for column in ("worker", "rounds", "earned", "paid", "claimable", "in window"):
+        table.add_column(column, justify="left" if column == "worker" else "right", no_wrap=True)
+    for worker, account in sorted(statement.workers.items()):
+        table.add_row(f"{worker[:8]}…{worker[-4:]}", str(len(account.rounds)), _tokens(account.earned),
+                      _tokens(account.paid),
+                      _tokens(account.claimable), _tokens(account.pending))
+    console.print(table)
+    console.print(f"paid {_tokens(statement.paid)} of {_tokens(statement.funded)}")
+    for worker, account in sorted(statement.workers.items()):
+        for problem in account.overpaid:
+            console.print(f"[bold red]OVERPAID[/] {worker}: {problem}")

@@ -1,0 +1,102 @@
+// SPDX-License-Identifier: MIT
+pragma solidity ^0.8.24;
+
+import {IERC20} from "@openzeppelin/contracts/token/ERC20/IERC20.sol";
+import {SafeERC20} from "@openzeppelin/contracts/token/ERC20/utils/SafeERC20.sol";
+import {IContributionLedger} from "./IContributionLedger.sol";
+import {IRewardPool} from "./IRewardPool.sol";
+
+/**
+ * @title RewardPool
+ * @notice {IRewardPool} over one ledger and one ERC-20 token.
+ *
+ * Arithmetic: per round p = ⌊funded / totalRounds⌋, per worker ⌊p / n⌋. Rounds 1..totalRounds each
+ * pay at most n·⌊p / n⌋ ≤ p, so a run pays at most totalRounds·p ≤ funded; the pool also checks
+ * `paid ≤ funded` on every claim, so a ledger that lies about its rounds cannot make it pay more.
+ */
+contract RewardPool is IRewardPool {
+    using SafeERC20 for IERC20;
+
+    IContributionLedger public immutable ledger;
+    IERC20 public immutable token;
+
+    mapping(bytes32 runId => Pool) private _pools;
+    /// @dev One bit per (run, worker, round): word round / 256, bit round % 256.
+    mapping(bytes32 runId => mapping(address worker => mapping(uint256 word => uint256))) private _claimed;
+
+    constructor(IContributionLedger ledger_, IERC20 token_) {
+        ledger = ledger_;
+        token = token_;
+    }
+
+    /// @inheritdoc IRewardPool
+    function openPool(bytes32 runId, uint128 amount, uint64 totalRounds) external {
+        if (_pools[runId].funder != address(0)) revert RewardPoolExists(runId);
+        if (ledger.runOf(runId).coordinator != msg.sender) revert RewardNotCoordinator(msg.sender);
+        if (amount == 0 || totalRounds == 0) revert RewardEmptyPool();
+        _pools[runId] = Pool({funder: msg.sender, totalRounds: totalRounds, funded: amount, paid: 0});
+        emit PoolOpened(runId, msg.sender, amount, totalRounds);
+        token.safeTransferFrom(msg.sender, address(this), amount);
+    }
+
+    /**
+     * @inheritdoc IRewardPool
+     * @dev Checks and effects for every round first, then the one token transfer.
+     */
+    function claim(bytes32 runId, address worker, RoundClaim[] calldata rounds) external returns (uint256 total) {
+        Pool storage pool = _pools[runId];
+        if (pool.funder == address(0)) revert RewardNoPool(runId);
+        uint256 window = ledger.runOf(runId).challengeWindow;
+        for (uint256 k = 0; k < rounds.length; ++k) {
+            total += _claimRound(runId, worker, rounds[k], window, pool.totalRounds, pool.funded);
+        }
+        uint256 paid = pool.paid + total;
+        if (paid > pool.funded) revert RewardPoolExhausted(runId);
+        pool.paid = uint128(paid);
+        if (total > 0) token.safeTransfer(worker, total);
+    }
+
+    /// @inheritdoc IRewardPool
+    function rewardPerWorker(bytes32 runId, uint64 round, uint256 workers) public view returns (uint256) {
+        Pool storage pool = _pools[runId];
+        return _share(round, workers, pool.totalRounds, pool.funded);
+    }
+
+    /// @inheritdoc IRewardPool
+    function isClaimed(bytes32 runId, address worker, uint64 round) external view returns (bool) {
+        return _claimed[runId][worker][round >> 8] & (uint256(1) << (round & 0xff)) != 0;
+    }
+
+    /// @inheritdoc IRewardPool
+    function poolOf(bytes32 runId) external view returns (Pool memory) {
+        return _pools[runId];
+    }
+
+    function _claimRound(
+        bytes32 runId,
+        address worker,
+        RoundClaim calldata c,
+        uint256 window,
+        uint64 totalRounds,
+        uint128 funded
+    ) private returns (uint256 amount) {
+        bytes32 committed = ledger.roundCommitment(runId, c.round);
+        if (committed == bytes32(0) || keccak256(abi.encode(c.facts)) != committed) revert RewardBadProof(c.round);
+        uint256 matureAt = uint256(c.facts.recordedAt) + window;
+        if (block.number < matureAt) revert RewardNotMatured(c.round, matureAt);
+        if (c.index >= c.facts.workers.length || c.facts.workers[c.index] != worker) {
+            revert RewardNotContributor(c.round, worker);
+        }
+        uint256 bit = uint256(1) << (c.round & 0xff);
+        mapping(uint256 => uint256) storage words = _claimed[runId][worker];
+        if (words[c.round >> 8] & bit != 0) revert RewardAlreadyClaimed(c.round, worker);
+        words[c.round >> 8] |= bit;
+        amount = _share(c.round, c.facts.workers.length, totalRounds, funded);
+        emit RewardPaid(runId, worker, c.round, amount);
+    }
+
+    function _share(uint64 round, uint256 workers, uint64 totalRounds, uint128 funded) private pure returns (uint256) {
+        if (round == 0 || round > totalRounds || workers == 0) return 0;
+        return (uint256(funded) / totalRounds) / workers;
+    }
+}

@@ -1,0 +1,171 @@
+"""Client of the ``RewardPool`` (contracts/src/RewardPool.sol) and its ``RewardToken``.
+
+A run's coordinator opens the run's pool once (``open_pool``: funded amount, number of rounds it
+pays for). Each recorded round r ≤ that number carries ⌊funded / rounds⌋, split equally among the
+round's reporting workers (they are all credited the same tokens), rounded down; a worker claims,
+or anyone claims for it, once the round is ``challengeWindow`` blocks old. ``statement`` works out,
+from the ledger's events alone, what each worker is owed, what it was paid, and what it can claim
+now; ``claim`` sends the claims, proving each round's facts against the ledger's commitment.
+"""
+
+from __future__ import annotations
+
+from collections import defaultdict
+from dataclasses import dataclass, field
+from typing import Any
+
+from eth_utils import to_checksum_address
+
+from .artifacts import load_artifact
+from .chain import Chain
+from .ledger import Ledger, _bytes32, _Contract, round_facts
+
+__all__ = ["RewardPool", "RewardToken", "Statement", "WorkerStatement"]
+
+
+class RewardToken(_Contract):
+    """Client of the local ``RewardToken`` (an ERC-20 its owner mints)."""
+
+    def __init__(self, chain: Chain, address: str, *, from_block: int = 0) -> None:
+        super().__init__(chain, address, load_artifact("RewardToken"), from_block)
+
+    def mint(self, to: str, amount: int) -> Any:
+        return self.chain.transact(self._contract.functions.mint(to_checksum_address(to), amount))
+
+    def approve(self, spender: str, amount: int) -> Any:
+        return self.chain.transact(self._contract.functions.approve(to_checksum_address(spender), amount))
+
+    def balance_of(self, account: str) -> int:
+        return int(self.chain.call(self._contract.functions.balanceOf(to_checksum_address(account))))
+
+
+@dataclass
+class WorkerStatement:
+    """One worker's account with a run's pool. Amounts in the token's smallest unit."""
+
+    worker: str
+    rounds: list[int] = field(default_factory=list)  # rounds the ledger credited it in
+    earned: int = 0  # what those rounds entitle it to
+    paid: int = 0  # RewardPaid to it so far
+    claimable: int = 0  # earned, unpaid, and past the challenge window now
+    pending: int = 0  # earned, unpaid, still inside the window
+    overpaid: list[str] = field(default_factory=list)  # payments no recorded round entitles
+
+    def to_json(self) -> dict[str, Any]:
+        return {"worker": self.worker, "rounds": list(self.rounds), "earned": self.earned, "paid": self.paid,
+                "claimable": self.claimable, "pending": self.pending, "overpaid": list(self.overpaid)}
+
+
+@dataclass
+class Statement:
+    """A run's pool and every credited worker's account, as of block ``head``."""
+
+    run_id: bytes
+    funded: int
+    total_rounds: int
+    challenge_window: int
+    head: int
+    workers: dict[str, WorkerStatement]
+
+    @property
+    def paid(self) -> int:
+        return sum(w.paid for w in self.workers.values())
+
+    def to_json(self) -> dict[str, Any]:
+        return {"run_id": "0x" + self.run_id.hex(), "funded": self.funded, "total_rounds": self.total_rounds,
+                "challenge_window": self.challenge_window, "head": self.head, "paid": self.paid,
+                "workers": [w.to_json() for _, w in sorted(self.workers.items())]}
+
+
+class RewardPool(_Contract):
+    """Client of a ``RewardPool``.
+
+    @param chain the account that sends (the run's coordinator to open a pool; anyone to claim)
+    @param address the pool
+    @param ledger the ledger the pool pays from (its events tell who is owed what)
+    """
+
+    def __init__(self, chain: Chain, address: str, ledger: Ledger, *, from_block: int = 0) -> None:
+        super().__init__(chain, address, load_artifact("RewardPool"), from_block)
+        self.ledger = ledger
+
+    def token_address(self) -> str:
+        return to_checksum_address(self.chain.call(self._contract.functions.token()))
+
+    def open_pool(self, run_id: bytes, amount: int, total_rounds: int) -> Any:
+        """Open and fund the run's pool (the run's coordinator; approve ``amount`` to the pool first)."""
+        return self.chain.transact(self._contract.functions.openPool(_bytes32("run_id", run_id), amount, total_rounds))
+
+    def pool_of(self, run_id: bytes) -> dict[str, Any] | None:
+        """``{funder, totalRounds, funded, paid}``, or None when the run has no pool."""
+        pool = self._view_struct("poolOf", _bytes32("run_id", run_id))
+        return None if int(pool["funded"]) == 0 else pool
+
+    def payments(self, run_id: bytes) -> list[dict[str, Any]]:
+        """``RewardPaid`` events of the run: ``{runId, worker, round, amount, block, tx_hash, log_index}``."""
+        return self._logs("RewardPaid", runId=_bytes32("run_id", run_id))
+
+    def statement(self, run_id: bytes) -> Statement | None:
+        """What each worker the ledger credited in the run has earned, been paid and can claim now, from
+        the ledger's ``RoundRecorded`` events and the pool's ``RewardPaid`` events; None without a pool."""
+        pool = self.pool_of(run_id)
+        if pool is None:
+            return None
+        run = self.ledger.run_of(run_id) or {}
+        window = int(run.get("challengeWindow", 0))
+        head = self.ledger.head_block()
+        funded, total = int(pool["funded"]), int(pool["totalRounds"])
+        per_round = funded // total if total else 0
+        accounts: dict[str, WorkerStatement] = {}
+        earned: dict[tuple[str, int], tuple[int, bool]] = {}
+        for event in self.ledger.recorded_round_events(run_id):
+            workers = [to_checksum_address(w) for w in event["workers"]]
+            share = per_round // len(workers) if workers and 1 <= event["round"] <= total else 0
+            mature = event["block"] + window <= head
+            for w in workers:
+                account = accounts.setdefault(w, WorkerStatement(w))
+                account.rounds.append(int(event["round"]))
+                account.earned += share
+                earned[(w, int(event["round"]))] = (share, mature)
+        paid: dict[tuple[str, int], int] = defaultdict(int)
+        for payment in self.payments(run_id):
+            w, r = to_checksum_address(payment["worker"]), int(payment["round"])
+            account = accounts.setdefault(w, WorkerStatement(w))
+            account.paid += int(payment["amount"])
+            paid[(w, r)] += int(payment["amount"])
+            if (w, r) not in earned or paid[(w, r)] > earned[(w, r)][0]:
+                account.overpaid.append(f"round {r}: paid {paid[(w, r)]}, entitled to "
+                                        f"{earned.get((w, r), (0, False))[0]}")
+        for (w, r), (share, mature) in earned.items():
+            if paid.get((w, r), 0) == 0 and share > 0:
+                if mature:
+                    accounts[w].claimable += share
+                else:
+                    accounts[w].pending += share
+        return Statement(run_id, funded, total, window, head, accounts)
+
+    def claim(self, run_id: bytes, worker: str) -> tuple[int, Any | None]:
+        """Claim every matured, unpaid round of ``worker`` in one call; returns (amount, receipt), or
+        (0, None) when there is nothing to claim."""
+        worker = to_checksum_address(worker)
+        statement = self.statement(run_id)
+        if statement is None:
+            return 0, None
+        account = statement.workers.get(worker)
+        paid_rounds = {int(p["round"]) for p in self.payments(run_id) if to_checksum_address(p["worker"]) == worker}
+        claims = []
+        for event in self.ledger.recorded_round_events(run_id):
+            workers = [to_checksum_address(w) for w in event["workers"]]
+            r = int(event["round"])
+            if worker not in workers or r in paid_rounds or r > statement.total_rounds:
+                continue
+            if event["block"] + statement.challenge_window > statement.head:
+                continue
+            facts = round_facts({**event, "checkpoint": event["checkpoint"], "manifestDigest": event["manifestDigest"]})
+            claims.append((r, workers.index(worker), facts))
+        if not claims or account is None:
+            return 0, None
+        receipt = self.chain.transact(self._contract.functions.claim(_bytes32("run_id", run_id), worker, claims))
+        amount = sum(int(e["amount"]) for e in self._logs("RewardPaid", runId=run_id, worker=worker)
+                     if e["tx_hash"] == "0x" + bytes(receipt["transactionHash"]).hex())
+        return amount, receipt
