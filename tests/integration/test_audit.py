@@ -38,7 +38,8 @@ from audit import run_audit
 from audit.cli import main as audit_main
 from settlement import DEV_ACCOUNTS, Anvil, Chain, Ledger, Registry, deploy
 from settlement.artifacts import CONTRACTS_DIR
-from settlement.ledger import RoundHeader, _worker_tuple
+from settlement.ledger import RoundHeader, _worker_tuple, round_facts
+from settlement.rewards import RewardPool, RewardToken
 from storage_client import CID, Manifest, ObjectStore, Participant, Traffic, to_e6
 from trainer.aggregation import mean_pseudo_gradient
 from trainer.config import InnerConfig, ModelConfig, RoundConfig, RunConfig
@@ -236,8 +237,17 @@ class RunBuilder:
 
     def audit(self, store: ObjectStore | None = None, policy: Policy | None = None, rederive: bool = True,
               max_unrecorded: int = 0):
+        rewards = RewardPool(self.coordinator, self.deployment.rewards, self.ledger)
         return run_audit(store or self.store, self.ledger, self.registry, policy=policy or self.policy,
-                         rederive=rederive, max_unrecorded=max_unrecorded)
+                         rederive=rederive, max_unrecorded=max_unrecorded, rewards=rewards)
+
+    def fund(self, amount: int, rounds: int) -> RewardPool:
+        """Open the run's reward pool as its coordinator (the owner mints the tokens)."""
+        RewardToken(self.owner, self.deployment.token).mint(self.coordinator.address, amount)
+        RewardToken(self.coordinator, self.deployment.token).approve(self.deployment.rewards, amount)
+        pool = RewardPool(self.coordinator, self.deployment.rewards, self.ledger)
+        pool.open_pool(self.run_id, amount, rounds)
+        return pool
 
 
 def update_of(manifest: Manifest, worker: str) -> bytes:
@@ -608,3 +618,43 @@ def test_cli_from_saved_state(tmp_path: Path, capsys: pytest.CaptureFixture[str]
     assert "AUDIT FAILED" in printed
     doc = json.loads(out.read_text())
     assert doc["ok"] is False and {f["check"] for f in doc["failures"]} == {"evidence", "admission"}
+
+
+def test_rewards_are_claimed_and_audited(anvil: Anvil, tmp_path: Path) -> None:
+    """Each worker claims its share of each recorded round once it is past the challenge window (0
+    here); the audit shows what each earned and was paid, and passes."""
+    builder = RunBuilder(tmp_path, anvil.rpc_url, run_name="paid")
+    pool = builder.fund(1000, rounds=2)
+    builder.round()
+    builder.round()
+    for key in builder.keys.values():
+        amount, _ = pool.claim(builder.run_id, key.address)
+        assert amount == 2 * (1000 // 2 // 2)  # two rounds of ⌊500 / 2 workers⌋
+        assert pool.claim(builder.run_id, key.address) == (0, None)  # nothing left to claim
+    result = builder.audit()
+    assert result.ok, result.failures
+    assert result.rewards is not None and result.rewards.paid == 1000
+    assert {w: (a.earned, a.paid) for w, a in result.rewards.workers.items()} == {
+        key.address: (500, 500) for key in builder.keys.values()}
+    assert result.to_json()["rewards"]["paid"] == 1000
+
+
+def test_a_payout_no_record_entitles_is_named(anvil: Anvil, tmp_path: Path) -> None:
+    """A ledger that answers the pool with a round of its own making (only w0, so w0 takes the whole
+    round) gets the pool to pay; the audit recomputes every entitlement from the RoundRecorded events
+    and names the payment."""
+    builder = RunBuilder(tmp_path, anvil.rpc_url, run_name="overpaid")
+    pool = builder.fund(1000, rounds=1)
+    builder.round()
+    lying = builder.lie()
+    w0 = builder.keys["w0"].address
+    (event,) = builder.ledger.recorded_round_events(builder.run_id)
+    forged = {**event, "workers": [w0]}
+    from settlement.ledger import commitment_of
+
+    builder.coordinator.transact(lying.functions.forgeCommitment(builder.run_id, 1, commitment_of(forged)))
+    builder.coordinator.transact(pool._contract.functions.claim(builder.run_id, w0, [(1, 0, round_facts(forged))]))
+    result = builder.audit()
+    failures = [f for f in result.failures if f.check == "payout"]
+    assert len(failures) == 1 and failures[0].object == w0
+    assert "paid 1000, entitled to 500" in failures[0].message
