@@ -183,6 +183,9 @@ class Replayer:
         return self._corpus
 
     def _params(self, round_: int, what: str) -> Params | None:
+        if round_ not in self.manifests:
+            self.problems.append((round_, f"round {round_}", f"{what}: the round's manifest could not be read"))
+            return None
         cid = self.manifests[round_].params
         try:
             return decode_params(self.store.get(cid))

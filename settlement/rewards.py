@@ -161,8 +161,7 @@ class RewardPool(_Contract):
                 continue
             if event["block"] + statement.challenge_window > statement.head:
                 continue
-            facts = round_facts({**event, "checkpoint": event["checkpoint"], "manifestDigest": event["manifestDigest"]})
-            claims.append((r, workers.index(worker), facts))
+            claims.append((r, workers.index(worker), round_facts(event)))
         if not claims or account is None:
             return 0, None
         receipt = self.chain.transact(self._contract.functions.claim(_bytes32("run_id", run_id), worker, claims))
