@@ -42,7 +42,7 @@ Checks, by name:
                         participant entry
   report-eval-loss      evalLossE6 equals the manifest's eval_loss_e6
   data-digest           dataDigest is the digest of the shard the participant trained on, from the
-                        run's config and corpus (trainer.trust.shard_digest)
+                        run's config and corpus (trainer.data.shard_digest)
   admitted              the signer has a WorkerAdmitted event at or before the recording block
   revoked               ... and no WorkerRevoked event at or before it
   measurement-allowed   its admitted measurement was allowlisted as of the recording block
@@ -111,8 +111,7 @@ from storage_client import (
 )
 from storage_client.manifest import SCHEMA as MANIFEST_SCHEMA
 from trainer.config import ConfigError, RunConfig
-from trainer.data import CorpusError, load_corpus
-from trainer.trust import shard_digest
+from trainer.data import CorpusError, load_corpus, shard_digest
 
 from .admission import AdmissionCheck, check_admission
 from .replay import EVAL_TOLERANCE, REPLAY_TOLERANCE, replay_run
@@ -484,7 +483,7 @@ class _Audit:
 
     def check_data_digest(self, r: int, label: str, p: Participant, signed: bytes) -> None:
         """A report's dataDigest is the digest of the shard its participant trained on, as the
-        config implies it (trainer.trust.shard_digest of trainer.data.Corpus.shard)."""
+        config implies it (trainer.data.shard_digest of Corpus.shard)."""
         digests = self.shard_digests()
         if digests is None:
             return

@@ -62,7 +62,7 @@ from trainer.aggregation import (
     InvalidUpdate, check_layout, check_norm, exact_norm, norm_bound, round_norm,
 )
 from trainer.config import ConfigError, RunConfig
-from trainer.data import Corpus, eval_batches, load_corpus, sample_batch
+from trainer.data import Corpus, eval_batches, load_corpus, sample_batch, shard_digest
 from trainer.compression import AdaptiveRankPolicy
 from trainer.diloco import (
     downlink_error_of, evaluate, load_params, momentum_of, outer_state_of, params_of, zero_momentum,
@@ -76,7 +76,7 @@ from attestation import SignedReport, WorkerKey
 from trainer.refusal import Refusal
 from trainer.run_dir import RunDir
 from trainer.limits import clip
-from trainer.trust import ReportBook, TrustGate, TrustSettings, global_digest, open_gate, shard_digest
+from trainer.trust import ReportBook, TrustGate, TrustSettings, global_digest, open_gate
 from trainer.wire import ENCODING_DENSE_F32, ENCODING_LOWRANK_INT4, Layout, Params, decode_params, encode_params, layout_of
 
 log = logging.getLogger("dilocox.coordinator")

@@ -125,6 +125,12 @@ class Corpus:
         return self.train[index * size : (index + 1) * size]
 
 
+def shard_digest(shard: torch.Tensor) -> bytes:
+    """dataDigest of a report: sha256 of the shard's byte tokens (``Corpus.shard``), one byte each.
+    The worker signs it; the coordinator and the audit derive it from the config and the corpus."""
+    return hashlib.sha256(shard.to(torch.uint8).numpy().tobytes()).digest()
+
+
 def load_corpus(cfg: DataConfig, seed: int, block_size: int) -> Corpus:
     """Read, check against ``cfg.corpus_sha256`` (when set) and split the corpus."""
     text = corpus_text(cfg, seed)

@@ -30,7 +30,6 @@ from dataclasses import dataclass, field
 from typing import Callable
 
 import grpc
-import torch
 
 from attestation import (
     Evidence, EvidenceError, Policy, PolicyViolation, ReportError, SignatureError, SignedReport,
@@ -67,12 +66,6 @@ def global_digest(run_id: bytes, round_: int, params_digest: bytes, manifest_dig
     return hashlib.sha256(
         GLOBAL_DOMAIN + run_id + round_.to_bytes(8, "big") + params_digest + manifest_digest
     ).digest()
-
-
-def shard_digest(shard: torch.Tensor) -> bytes:
-    """dataDigest of a report: sha256 of the shard's byte tokens (trainer.data.Corpus.shard), one
-    byte each. The worker signs it, the coordinator and the audit derive it from the config."""
-    return hashlib.sha256(shard.to(torch.uint8).numpy().tobytes()).digest()
 
 
 @dataclass

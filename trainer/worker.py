@@ -63,12 +63,12 @@ from storage_client import CID, Codec, canonical_json, strict_json, to_e6
 from trainer.compression import CompressionError, RoundDecision
 from trainer.downlink import apply_update, decode_update
 from trainer.config import RunConfig
-from trainer.data import eval_batches, load_corpus, round_batches
+from trainer.data import eval_batches, load_corpus, round_batches, shard_digest
 from trainer.diloco import InnerLoop, InnerResult, evaluate, inner_state_digest, load_params, params_of
 from trainer.link import Link
 from trainer.service import session_metadata
 from trainer.tls import ClientTls, TlsUnreachable, open_channel
-from trainer.trust import EVAL_TOLERANCE_E6, global_digest, shard_digest, update_digest
+from trainer.trust import EVAL_TOLERANCE_E6, global_digest, update_digest
 from trainer.model import build_model
 from trainer.pipeline import PipelinedInnerLoop, PipelineError
 from trainer.uplink import Slice, Uplink, merged, merged_decision, record_of

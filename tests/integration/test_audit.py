@@ -52,9 +52,8 @@ from trainer.diloco import (
     params_of,
     zero_momentum,
 )
-from trainer.data import load_corpus
+from trainer.data import load_corpus, shard_digest
 from trainer.model import build_model
-from trainer.trust import shard_digest
 from trainer.wire import encode_params
 
 pytestmark = pytest.mark.integration

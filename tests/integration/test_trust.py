@@ -27,8 +27,8 @@ from trainer.cluster import LocalCluster
 from trainer.service import session_metadata
 from trainer.compression import CompressionConfig
 from trainer.config import InnerConfig, RoundConfig, RunConfig
-from trainer.data import load_corpus
-from trainer.trust import shard_digest, update_digest
+from trainer.data import load_corpus, shard_digest
+from trainer.trust import update_digest
 from trainer.wire import encode_params, sha256_hex
 
 pytestmark = pytest.mark.integration
