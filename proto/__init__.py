@@ -1,22 +1,14 @@
 """The coordinator-worker wire contract, generated from ``proto/dilocox.proto``.
 
-The generated modules are build outputs (``make stubs``), not sources; importing this package
-without them fails with a message that says how to make them.
+The generated modules are build outputs (``make stubs``), not sources. The protocol's size limits
+below are plain constants, importable without them (the pure codec, ``trainer.wire``, needs only
+those); ``pb``, ``pb_grpc``, ``PROTOCOL_VERSION`` and ``SERVICE_NAME`` load the stubs on first use,
+and without them fail with a message that says how to make them.
 """
 
 from __future__ import annotations
 
-try:
-    from proto import dilocox_pb2 as pb
-    from proto import dilocox_pb2_grpc as pb_grpc
-except ImportError as exc:  # pragma: no cover - exercised only on a broken checkout
-    raise ImportError(
-        "gRPC stubs are missing: run `make stubs` (or `make demo` / `make test`, which do it) "
-        "to generate proto/dilocox_pb2.py from proto/dilocox.proto"
-    ) from exc
-
-PROTOCOL_VERSION: int = pb.PROTOCOL_VERSION_CURRENT
-SERVICE_NAME: str = pb.DESCRIPTOR.services_by_name["Coordinator"].full_name
+from typing import Any
 
 # grpcio refuses received messages over 4 MiB by default; every bulk transfer is chunked well below.
 CHUNK_BYTES: int = 1 << 20
@@ -28,3 +20,24 @@ CHANNEL_OPTIONS: tuple[tuple[str, int], ...] = (
 )
 
 __all__ = ["pb", "pb_grpc", "PROTOCOL_VERSION", "SERVICE_NAME", "CHUNK_BYTES", "MAX_MESSAGE_BYTES", "CHANNEL_OPTIONS"]
+
+
+def _stubs() -> dict[str, Any]:
+    try:
+        from proto import dilocox_pb2 as pb
+        from proto import dilocox_pb2_grpc as pb_grpc
+    except ImportError as exc:  # pragma: no cover - exercised only on a broken checkout
+        raise ImportError(
+            "gRPC stubs are missing: run `make stubs` (or `make demo` / `make test`, which do it) "
+            "to generate proto/dilocox_pb2.py from proto/dilocox.proto"
+        ) from exc
+    return {"pb": pb, "pb_grpc": pb_grpc, "PROTOCOL_VERSION": int(pb.PROTOCOL_VERSION_CURRENT),
+            "SERVICE_NAME": pb.DESCRIPTOR.services_by_name["Coordinator"].full_name}
+
+
+def __getattr__(name: str) -> Any:
+    if name in ("pb", "pb_grpc", "PROTOCOL_VERSION", "SERVICE_NAME"):
+        values = _stubs()
+        globals().update(values)  # later lookups find them directly
+        return values[name]
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

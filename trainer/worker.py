@@ -21,10 +21,17 @@ A worker of P pipeline stages (``--stages P``, trainer.pipeline) pushes Δᵢ⁽
 stream each, every slice encoded by the stage that computed it (trainer.uplink); a one-process
 worker pushes its whole Δᵢ⁽ʳ⁾ as stage 0 of 1. With compression on (``compression.enabled``), both
 directions travel as adaptive low-rank + int4: a slice is C(Δᵢ,ₛ⁽ʳ⁾ + eᵢ,ₛ) with this worker's
-error feedback eᵢ,ₛ (a refused push puts every slice's Δ̂ back into e, so nothing is lost), and the
-fetch of θ⁽ʳ⁾ by a worker holding θ⁽ʳ⁻¹⁾ is the coordinator's compressed global update,
-θ⁽ʳ⁾ = θ⁽ʳ⁻¹⁾ − decompress(C⁽ʳ⁾) (trainer.downlink), checked against the published CID before it
-is used.
+error feedback eᵢ,ₛ, and the fetch of θ⁽ʳ⁾ by a worker holding θ⁽ʳ⁻¹⁾ is the coordinator's
+compressed global update, θ⁽ʳ⁾ = θ⁽ʳ⁻¹⁾ − decompress(C⁽ʳ⁾) (trainer.downlink), checked against the
+published CID before it is used.
+
+The inner state a round starts from (AdamW, and the error feedback when compressed) is committed in
+each push (``inner_state_sha256``, trainer.diloco.inner_state_digest) and moves only through counted
+rounds: when a one-process worker's push is refused, the round is undone (AdamW and error feedback
+restored), so an auditor rebuilds the state from the manifests alone (``dilocox audit --replay``).
+A worker of several stages, and an overlapped one (whose next round is already training when the
+refusal arrives), carries every refused slice's Δ̂ into its error feedback instead, so nothing is lost;
+their contributions are not replayed.
 
 Every byte is counted per direction: the log line and the ``--metrics`` record of each round, the
 update header (``base_bytes_received``: the fetch this update built on) and the signed report
@@ -60,7 +67,7 @@ from attestation import (
 )
 from proto import CHANNEL_OPTIONS, PROTOCOL_VERSION, pb, pb_grpc
 from storage_client import CID, Codec, canonical_json, strict_json, to_e6
-from trainer.compression import CompressionError, RoundDecision
+from trainer.compression import CompressionError
 from trainer.downlink import apply_update, decode_update
 from trainer.config import RunConfig
 from trainer.data import eval_batches, load_corpus, round_batches, shard_digest
@@ -148,7 +155,6 @@ class Worker:
         self.compute_s = 0.0  # time in the inner loop, all rounds
         self.tokens = 0
         self._counted = (0, 0)  # bytes sent/received up to the last progress record
-        self.last_decision: RoundDecision | None = None  # the uplink compressors' last decisions
 
     # ----------------------------------------------------------------------------- plumbing
 
@@ -498,7 +504,7 @@ class Worker:
     def push(self, round_: int, work: RoundWork, base_cid: str) -> Pushed | None:
         """Send Δ for ``round_``, one stream per stage slice; what was sent if the coordinator holds
         every slice, None if one was refused (the coordinator then drops the others: the worker is
-        out of the round, and every slice's Δ̂ is carried into the next round's error feedback)."""
+        out of the round, which is undone or carried forward as the module docstring says)."""
         self.phase = "pushing"
         result = work.result
         received = self.received_for.get(base_cid, 0)
@@ -507,7 +513,6 @@ class Worker:
         record = record_of(merged(work.slices))
         decision = merged_decision(round_, work.slices)
         if decision is not None:
-            self.last_decision = decision
             log.info("round %d: compressed %d -> %d bytes in %d slice(s) (mean rank %.1f, energy %.3f)",
                      round_, len(record), sum(len(s.payload) for s in work.slices), len(work.slices),
                      decision.mean_rank, decision.energy)

@@ -44,6 +44,6 @@ def test_smoke_ablation_reports_every_mode(tmp_path: Path) -> None:
     markdown = (tmp_path / "ablation.md").read_text()
     for m in MODES:
         assert f"| {m.name} |" in markdown
-    assert "held" in markdown.lower() and "test.txt" in markdown or "NOT WikiText-2" in markdown
+    assert "held" in markdown.lower() and ("test.txt" in markdown or "NOT WikiText-2" in markdown)
     assert (tmp_path / "ablation_loss.png").read_bytes()[:8] == PNG_SIGNATURE
     assert not (tmp_path / "runs").exists()  # run directories are removed unless --keep-runs
