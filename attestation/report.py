@@ -18,26 +18,44 @@ from eth_account.messages import _hash_eip191_message, encode_typed_data
 from eth_utils import to_checksum_address
 
 from attestation.keys import SignatureError, recover_address
+from storage_client import CID, Manifest, Participant
 
 DOMAIN_NAME = "DiLoCoX Contribution Ledger"
 DOMAIN_VERSION = "1"
 
-ROUND_REPORT_TYPE = [
-    {"name": "runId", "type": "bytes32"},
-    {"name": "round", "type": "uint64"},
-    {"name": "worker", "type": "address"},
-    {"name": "parentCheckpoint", "type": "bytes32"},
-    {"name": "checkpoint", "type": "bytes32"},
-    {"name": "manifestDigest", "type": "bytes32"},
-    {"name": "updateDigest", "type": "bytes32"},
-    {"name": "dataDigest", "type": "bytes32"},
-    {"name": "trainLossE6", "type": "int64"},
-    {"name": "evalLossE6", "type": "int64"},
-    {"name": "tokens", "type": "uint64"},
-    {"name": "innerSteps", "type": "uint32"},
-    {"name": "bytesSent", "type": "uint64"},
-    {"name": "bytesReceived", "type": "uint64"},
-]
+
+
+@dataclass(frozen=True)
+class ReportField:
+    """One member of the ``RoundReport`` struct: its Python name, its Solidity name and ABI type,
+    and whether every report of a round shares it (``IContributionLedger.RoundHeader``) or each
+    worker's report has its own (``WorkerReport``)."""
+
+    name: str
+    solidity: str
+    abi_type: str
+    shared: bool
+
+
+# The one table of the struct, in the Solidity field order: the EIP-712 type, the message, the
+# range checks, the ledger's tuples and the header/worker split are all read off it.
+REPORT_FIELDS: tuple[ReportField, ...] = (
+    ReportField("run_id", "runId", "bytes32", True),
+    ReportField("round", "round", "uint64", True),
+    ReportField("worker", "worker", "address", False),
+    ReportField("parent_checkpoint", "parentCheckpoint", "bytes32", True),
+    ReportField("checkpoint", "checkpoint", "bytes32", True),
+    ReportField("manifest_digest", "manifestDigest", "bytes32", True),
+    ReportField("update_digest", "updateDigest", "bytes32", False),
+    ReportField("data_digest", "dataDigest", "bytes32", False),
+    ReportField("train_loss_e6", "trainLossE6", "int64", False),
+    ReportField("eval_loss_e6", "evalLossE6", "int64", True),
+    ReportField("tokens", "tokens", "uint64", True),
+    ReportField("inner_steps", "innerSteps", "uint32", True),
+    ReportField("bytes_sent", "bytesSent", "uint64", False),
+    ReportField("bytes_received", "bytesReceived", "uint64", False),
+)
+ROUND_REPORT_TYPE = [{"name": f.solidity, "type": f.abi_type} for f in REPORT_FIELDS]
 TYPE_STRING = "RoundReport(" + ",".join(f"{f['type']} {f['name']}" for f in ROUND_REPORT_TYPE) + ")"
 
 
@@ -75,19 +93,15 @@ class RoundReport:
     bytes_received: int  # wire bytes of the FetchGlobal stream the update started from (bytes_received)
 
     def __post_init__(self) -> None:
-        for name in ("run_id", "parent_checkpoint", "checkpoint", "manifest_digest", "update_digest", "data_digest"):
-            value = getattr(self, name)
-            if not isinstance(value, bytes) or len(value) != 32:
-                raise ReportError(f"report field {name} must be 32 bytes")
-        limits = {"round": 64, "tokens": 64, "inner_steps": 32, "bytes_sent": 64, "bytes_received": 64}
-        for name, bits in limits.items():
-            value = getattr(self, name)
-            if type(value) is not int or not 0 <= value < 2**bits:
-                raise ReportError(f"report field {name} must be a uint{bits}, got {value!r}")
-        for name in ("train_loss_e6", "eval_loss_e6"):
-            value = getattr(self, name)
-            if type(value) is not int or not -(2**63) <= value < 2**63:
-                raise ReportError(f"report field {name} must be an int64, got {value!r}")
+        for f in REPORT_FIELDS:
+            value = getattr(self, f.name)
+            if f.abi_type == "bytes32" and not (isinstance(value, bytes) and len(value) == 32):
+                raise ReportError(f"report field {f.name} must be 32 bytes")
+            if f.abi_type.startswith(("uint", "int")):
+                bits = int(f.abi_type.removeprefix("u").removeprefix("int"))
+                low, high = (0, 2**bits) if f.abi_type.startswith("u") else (-(2 ** (bits - 1)), 2 ** (bits - 1))
+                if type(value) is not int or not low <= value < high:
+                    raise ReportError(f"report field {f.name} must be a {f.abi_type}, got {value!r}")
         try:
             object.__setattr__(self, "worker", to_checksum_address(self.worker))
         except ValueError as exc:
@@ -95,14 +109,11 @@ class RoundReport:
 
     def message(self) -> dict[str, Any]:
         """The EIP-712 message, keys as in the Solidity struct."""
-        return {
-            "runId": self.run_id, "round": self.round, "worker": self.worker,
-            "parentCheckpoint": self.parent_checkpoint, "checkpoint": self.checkpoint,
-            "manifestDigest": self.manifest_digest, "updateDigest": self.update_digest, "dataDigest": self.data_digest,
-            "trainLossE6": self.train_loss_e6, "evalLossE6": self.eval_loss_e6,
-            "tokens": self.tokens, "innerSteps": self.inner_steps, "bytesSent": self.bytes_sent,
-            "bytesReceived": self.bytes_received,
-        }
+        return {f.solidity: getattr(self, f.name) for f in REPORT_FIELDS}
+
+    def as_abi(self) -> tuple[Any, ...]:
+        """The struct as an ABI tuple, in the Solidity field order."""
+        return tuple(getattr(self, f.name) for f in REPORT_FIELDS)
 
     def typed_data(self, domain: Domain) -> dict[str, Any]:
         return {
@@ -181,3 +192,41 @@ class SignedReport:
             raise ReportError("signature is not hex") from exc
         return cls(RoundReport.from_json(obj["report"]), signature)
 
+
+
+@dataclass(frozen=True)
+class ReportDifference:
+    """A report field that does not say what the round's manifest says."""
+
+    field: ReportField
+    got: Any
+    want: Any
+
+    def __str__(self) -> str:
+        show = (lambda v: "0x" + v.hex()) if isinstance(self.want, bytes) else repr
+        return f"{self.field.solidity} is {show(self.got)}, the manifest says {show(self.want)}"
+
+
+def manifest_claims(run_id: bytes, manifest_digest: bytes, manifest: Manifest, parent: Manifest,
+                    participant: Participant, data_digest: bytes | None) -> dict[str, Any]:
+    """What a participant's report of a round must say, field by field, read off the round's
+    manifest (and its parent's) and the digest of the participant's shard: the one statement of
+    the report-versus-manifest rule, which the coordinator enforces on intake and the audit re-checks
+    on chain. ``data_digest`` None leaves dataDigest out (an auditor without the corpus)."""
+    claims: dict[str, Any] = {
+        "run_id": run_id, "round": manifest.round, "parent_checkpoint": CID.parse(parent.params).digest,
+        "checkpoint": CID.parse(manifest.params).digest, "manifest_digest": manifest_digest,
+        "update_digest": CID.parse(participant.update).digest, "train_loss_e6": participant.train_loss_e6,
+        "eval_loss_e6": manifest.eval_loss_e6, "tokens": participant.tokens,
+        "inner_steps": participant.inner_steps, "bytes_sent": participant.bytes_sent,
+        "bytes_received": participant.bytes_received,
+    }
+    if data_digest is not None:
+        claims["data_digest"] = data_digest
+    return claims
+
+
+def report_differences(report: RoundReport, claims: dict[str, Any]) -> list[ReportDifference]:
+    """The fields of ``report`` that differ from ``claims`` (``manifest_claims``), in struct order."""
+    return [ReportDifference(f, getattr(report, f.name), claims[f.name])
+            for f in REPORT_FIELDS if f.name in claims and getattr(report, f.name) != claims[f.name]]

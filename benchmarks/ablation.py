@@ -8,7 +8,7 @@
 Modes, one row each (``--modes`` takes the keys):
 
     allreduce        synchronous data parallel: gloo all-reduce of the gradients every step
-                     (trainer.allreduce.run_allreduce), the baseline; always run
+                     (benchmarks.allreduce.run_allreduce), the baseline; always run
     diloco           DiLoCo: dense fp32 pseudo-gradients both ways, synchronous rounds, 1 stage
     dilocox          compression (adaptive low-rank + int4, both directions, error feedback)
                      + one-step-delay overlap + 2 pipeline stages per worker
@@ -18,7 +18,7 @@ Modes, one row each (``--modes`` takes the keys):
     fixed-rank       dilocox with a fixed rank 24 (compression.min_rank = max_rank = 24, the middle
                      of the adaptive policy's [16, 32], so both send about the same bytes)
 
-Every DiLoCo mode runs real processes through trainer.cluster.LocalCluster: one coordinator and W
+Every DiLoCo mode runs real processes through benchmarks.cluster.LocalCluster: one coordinator and W
 workers (``dilocox worker --metrics FILE [--stages 2]``), one torch thread per worker process, over
 gRPC on 127.0.0.1.
 
@@ -297,7 +297,7 @@ class DilocoRun:
 def run_diloco(mode: Mode, s: Settings, config: RunConfig, where: Path, *, link_bps: float = 0.0,
                latency_s: float = 0.0) -> DilocoRun:
     """One coordinator and W workers as OS processes; each worker writes its metrics."""
-    from trainer.cluster import LocalCluster
+    from benchmarks.cluster import LocalCluster
 
     shutil.rmtree(where, ignore_errors=True)
     where.mkdir(parents=True)
@@ -364,7 +364,7 @@ def convergence_row(mode: Mode, s: Settings, data: Data, evaluate: Evaluator, ro
                            if mode.compression else "none",
                            "outer": asdict(config.outer), "warnings": []}
     if mode.allreduce:
-        from trainer.allreduce import run_allreduce
+        from benchmarks.allreduce import run_allreduce
         from trainer.model import build_model
         from trainer.diloco import params_of
 
@@ -419,7 +419,7 @@ def throughput_row(mode: Mode, s: Settings, data: Data, root: Path, link_bps: fl
                    latency_s: float) -> dict[str, Any]:
     row: dict[str, Any] = {"name": mode.name}
     if mode.allreduce:
-        from trainer.allreduce import run_allreduce
+        from benchmarks.allreduce import run_allreduce
 
         config = run_config(mode, s, data, 1)
         result = run_allreduce(config, workers=s.workers, steps=s.allreduce_throughput_steps,
@@ -719,7 +719,7 @@ def run(s: Settings) -> dict[str, Any]:
         r["loss_ratio"] = _ratio(r["final_loss"], base.get("final_loss"))
         r["bytes_x_fewer"] = _ratio(base.get("bytes_per_token"), r["bytes_per_token"])
 
-    from trainer.allreduce import ring_allreduce_bytes
+    from benchmarks.allreduce import ring_allreduce_bytes
 
     t_step = base.get("t_step_s", float("nan"))
     ring = ring_allreduce_bytes(4 * (n_params + 1), s.workers)  # the gradients and the loss, fp32

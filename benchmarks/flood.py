@@ -48,9 +48,9 @@ def _code(call: Callable[[], object]) -> str:
 
 
 def run(streams: int = 40, samples: int = 50, idle_timeout_s: float = 3.0) -> list[dict[str, object]]:
-    from trainer.cluster import LocalCluster
+    from benchmarks.cluster import LocalCluster
     from trainer.config import InnerConfig, RoundConfig, demo_config
-    from trainer.service import session_metadata
+    from proto import session_metadata
 
     rows: list[dict[str, object]] = []
     with tempfile.TemporaryDirectory(prefix="dilocox-flood-") as tmp, LocalCluster(Path(tmp) / "run") as cluster:

@@ -6,7 +6,7 @@
     m.push(delta * 86, round=r, base_params_cid=base, train_loss=trainer.loss)
     m.refused(grpc.StatusCode.INVALID_ARGUMENT, m.zero)   the details of an expected refusal
 
-``Mallory`` speaks the protocol directly (trainer.service's RPCs), so every header field of a push
+``Mallory`` speaks the protocol directly (trainer.coordinator.service's RPCs), so every header field of a push
 is its to choose; by default a push claims exactly what an honest worker's would (tokens and steps
 from the config, the base it fetched). ``Trainer`` computes the update an honest worker on
 mallory's shard would push (trainer.diloco.InnerLoop on trainer.data.round_batches), so the only
@@ -25,16 +25,16 @@ from typing import Any
 import grpc
 import torch
 
-from proto import PROTOCOL_VERSION, pb
+from proto import PROTOCOL_VERSION, Encoding, WorkerPhase, pb
 from storage_client import canonical_json
-from trainer.cluster import LocalCluster
+from benchmarks.cluster import LocalCluster
 from trainer.compression import AdaptiveRankPolicy, ErrorFeedbackCompressor
 from trainer.config import RunConfig
 from trainer.data import load_corpus, round_batches
 from trainer.diloco import FRESH_STATE, InnerLoop, inner_state_digest
 from trainer.model import build_model
-from trainer.service import session_metadata
-from trainer.wire import ENCODING_DENSE_F32, ENCODING_LOWRANK_INT4, chunked, decode_params, encode_params, layout_of, sha256_hex
+from proto import session_metadata
+from trainer.wire import chunked, decode_params, encode_params, layout_of, sha256_hex
 
 Params = dict[str, torch.Tensor]
 
@@ -71,7 +71,7 @@ class Mallory:
         layout = layout_of(tensors) if layout is None else layout
         fields = dict(
             protocol_version=PROTOCOL_VERSION, run_id=self.config.run_id, round=1,
-            worker_id=self.worker_id, encoding=ENCODING_DENSE_F32,
+            worker_id=self.worker_id, encoding=Encoding.DENSE_F32,
             tensors=[pb.TensorSpec(name=n, dtype=d, shape=s) for n, (d, s) in layout.items()],
             payload_size=len(payload), payload_sha256=sha256_hex(payload), train_loss=2.0,
             tokens=self.tokens, inner_steps=self.config.inner.steps, stage=0, num_stages=1,
@@ -108,7 +108,7 @@ class Mallory:
             return exc.details()
         raise AssertionError(f"the push was accepted; expected a refusal with {code.name}")
 
-    def heartbeat(self, round_: int, phase: str) -> None:
+    def heartbeat(self, round_: int, phase: WorkerPhase) -> None:
         self.stub.Heartbeat(pb.HeartbeatRequest(worker_id=self.worker_id, round=round_, phase=phase),
                             timeout=10, metadata=self.session)
 
@@ -119,7 +119,7 @@ class Heartbeats:
 
     def __init__(self, m: Mallory, interval_s: float) -> None:
         self.m, self.interval_s = m, interval_s
-        self.round, self.phase = 1, "training"
+        self.round, self.phase = 1, WorkerPhase.TRAINING
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, name="mallory-heartbeat", daemon=True)
 
@@ -131,7 +131,7 @@ class Heartbeats:
         self._stop.set()
         self._thread.join()
         try:
-            self.m.heartbeat(self.round, "done")
+            self.m.heartbeat(self.round, WorkerPhase.DONE)
         except grpc.RpcError:
             pass  # the coordinator may have finished already
 
@@ -189,7 +189,7 @@ class Trainer:
         arguments of a compressed ``Mallory.push``."""
         assert self.compressor is not None
         payload, header, _ = self.compressor.compress(delta)
-        return {"tensors": delta, "payload": payload, "encoding": ENCODING_LOWRANK_INT4,
+        return {"tensors": delta, "payload": payload, "encoding": Encoding.LOWRANK_INT4,
                 "compression_header": canonical_json(header)}
 
     def update(self, round_: int) -> tuple[str, Params]:

@@ -14,7 +14,7 @@ import platform
 import tempfile
 from pathlib import Path
 
-from trainer.cluster import LocalCluster
+from benchmarks.cluster import LocalCluster
 from trainer.config import DataConfig, InnerConfig, ModelConfig, OuterConfig, RoundConfig, RunConfig
 
 MODES = [

@@ -4,7 +4,7 @@
                          [--aggregations a1,a2,...] [--honest-workers K] [--trim-fraction β]
                          [--screen-margin M] [--scale X] [--data DIR] [--keep-runs]
 
-Every run is real processes on 127.0.0.1 (trainer.cluster.LocalCluster): a coordinator and K
+Every run is real processes on 127.0.0.1 (benchmarks.cluster.LocalCluster): a coordinator and K
 honest ``dilocox worker`` processes (w0, w1, …; K = 1 by default), one torch thread each, plus
 "mallory", an admitted client driven from this process (benchmarks.hostile): it joins as a worker,
 keeps itself live with heartbeats, and each round fetches θ⁽ʳ⁻¹⁾, trains the update an honest
@@ -67,6 +67,7 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from proto import WorkerPhase
 from storage_client import strict_json
 
 if TYPE_CHECKING:  # torch, grpc and the trainer load when the benchmark runs, not when the CLI parses
@@ -197,7 +198,7 @@ class Play:
 
         from trainer.aggregation import exact_norm
 
-        self.beats.round, self.beats.phase = r, "training"
+        self.beats.round, self.beats.phase = r, WorkerPhase.TRAINING
         base, params = self.trainer.fetch(r - 1)
         used = (base, params) if self.key != "stale" or self.previous is None else self.previous
         self.previous = (base, params)
@@ -218,14 +219,14 @@ class Play:
             push = self.m.zero
         elif self.key == "tokens":
             header["tokens"] = self.m.tokens * TOKENS_CLAIMED
-        self.beats.phase = "pushing"
+        self.beats.phase = WorkerPhase.PUSHING
         outcome: dict[str, Any] = {"round": r, "norm": exact_norm(push), "honest_norm": exact_norm(delta)}
         try:
             self.m.push(push, **header)
             outcome["accepted"] = True
         except grpc.RpcError as exc:
             outcome.update(accepted=False, code=exc.code().name, details=exc.details() or "")
-        self.beats.phase = "waiting"
+        self.beats.phase = WorkerPhase.WAITING
         return outcome
 
 
@@ -289,7 +290,7 @@ def one_run(s: Settings, data: Data, agg: Aggregation, scenario: str | None, eva
 
     from benchmarks.hostile import Heartbeats, Mallory, Trainer
     from trainer.aggregation import norm_bound
-    from trainer.cluster import LocalCluster
+    from benchmarks.cluster import LocalCluster
     from trainer.model import build_model
 
     shutil.rmtree(where, ignore_errors=True)

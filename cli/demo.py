@@ -24,7 +24,7 @@ from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 from rich.table import Table
 
-from trainer.cluster import ClusterError, LocalCluster
+from benchmarks.cluster import ClusterError, LocalCluster
 from attestation import DEV_WARNING, DevRoot, code_measurement
 from settlement import DEV_ACCOUNTS, Anvil, Chain, Deployment, Ledger, Registry, deploy
 from storage_client import write_atomic

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import functools
 import logging
 import os
 import sys
@@ -50,7 +51,7 @@ def _threads(n: int) -> None:
 def cmd_coordinator(args: argparse.Namespace) -> int:
     from trainer.config import RunConfig
     from trainer.run_dir import RunDir
-    from trainer.service import serve
+    from trainer.coordinator.server import serve
 
     _threads(args.threads)
     run_dir = RunDir(args.run_dir)
@@ -60,8 +61,14 @@ def cmd_coordinator(args: argparse.Namespace) -> int:
         if config is None:
             raise SystemExit("--overlap/--no-overlap applies when starting a run: give --config too")
         config = config.replace(rounds=dataclasses.replace(config.rounds, overlap=args.overlap))
-    return serve(run_dir, config, host=args.host, port=args.port, linger_s=args.linger,
-                 trust=_trust_settings(args), credentials=credentials, idle_s=args.idle_timeout)
+    settings = _trust_settings(args)
+    trust = None
+    if settings is not None:
+        from settlement.ledger_trust import open_trust
+
+        trust = functools.partial(open_trust, settings)
+    return serve(run_dir, config, host=args.host, port=args.port, linger_s=args.linger, trust=trust,
+                 credentials=credentials, idle_s=args.idle_timeout)
 
 
 def _server_credentials(args: argparse.Namespace, run_dir):  # -> grpc.ServerCredentials | None
@@ -109,7 +116,7 @@ def _trust_settings(args: argparse.Namespace):  # -> TrustSettings | None
     from attestation import Policy
     from audit.cli import dcap_settings
     from settlement import Deployment
-    from trainer.trust import TrustSettings
+    from settlement.gate import TrustSettings
 
     key_text = Path(args.chain_key_file).read_text(errors="replace").strip().removeprefix("0x")
     if len(key_text) != 64 or not all(c in "0123456789abcdefABCDEF" for c in key_text):

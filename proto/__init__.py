@@ -8,6 +8,7 @@ and without them fail with a message that says how to make them.
 
 from __future__ import annotations
 
+import enum
 from typing import Any
 
 # grpcio refuses received messages over 4 MiB by default; every bulk transfer is chunked well below.
@@ -19,7 +20,50 @@ CHANNEL_OPTIONS: tuple[tuple[str, int], ...] = (
     ("grpc.max_send_message_length", MAX_MESSAGE_BYTES),
 )
 
-__all__ = ["pb", "pb_grpc", "PROTOCOL_VERSION", "SERVICE_NAME", "CHUNK_BYTES", "MAX_MESSAGE_BYTES", "CHANNEL_OPTIONS"]
+
+
+class Encoding(enum.IntEnum):
+    """How a payload travels: the .proto's ``Encoding``, number for number (a unit test checks)."""
+
+    UNSPECIFIED = 0
+    DENSE_F32 = 1
+    LOWRANK_INT4 = 2  # trainer.compression: low-rank + int4 factors, int8 vectors
+    HELD = 3  # a global state the fetching worker already holds: the header alone
+
+
+class WorkerPhase(enum.IntEnum):
+    """Where a worker is in its round: the .proto's ``WorkerPhase``, number for number."""
+
+    UNSPECIFIED = 0
+    STARTING = 1
+    JOINED = 2  # the coordinator's, on Join
+    WAITING = 3
+    TRAINING = 4
+    PUSHING = 5
+    ABANDONED = 6
+    DONE = 7
+
+    @property
+    def label(self) -> str:
+        return self.name.lower()
+
+
+# Calls acting for a worker carry its id and the session token of its latest Join as metadata.
+METADATA_WORKER = "dilocox-worker"
+METADATA_SESSION = "dilocox-session-bin"
+
+
+def session_metadata(worker_id: str, token: bytes) -> tuple[tuple[str, str | bytes], ...]:
+    """The metadata a worker's calls carry after Join."""
+    return ((METADATA_WORKER, worker_id), (METADATA_SESSION, token))
+
+
+# What a worker may say in a heartbeat (JOINED is the coordinator's to set).
+HEARTBEAT_PHASES = frozenset(WorkerPhase) - {WorkerPhase.UNSPECIFIED, WorkerPhase.JOINED}
+PUSH_ENCODINGS = (Encoding.DENSE_F32, Encoding.LOWRANK_INT4)
+
+__all__ = ["Encoding", "WorkerPhase", "HEARTBEAT_PHASES", "PUSH_ENCODINGS", "METADATA_WORKER", "METADATA_SESSION",
+           "session_metadata", "pb", "pb_grpc", "PROTOCOL_VERSION", "SERVICE_NAME", "CHUNK_BYTES", "MAX_MESSAGE_BYTES", "CHANNEL_OPTIONS"]
 
 
 def _stubs() -> dict[str, Any]:

@@ -23,7 +23,7 @@ from typing import Any
 from eth_utils import to_checksum_address
 from hexbytes import HexBytes
 
-from attestation.report import Domain, RoundReport, SignedReport
+from attestation.report import REPORT_FIELDS, Domain, ReportField, RoundReport, SignedReport
 from storage_client import strict_json, write_atomic
 
 from .artifacts import Artifact, ledger_artifact, load_artifact, registry_artifact
@@ -227,17 +227,10 @@ class Registry(_Contract):
                 for e in self._logs("WorkerRevoked", **filters)]
 
 
-def _report_tuple(report: RoundReport) -> tuple[Any, ...]:
-    """The full EIP-712 struct, in the Solidity field order (for ``reportDigest``)."""
-    return (report.run_id, report.round, report.worker, report.parent_checkpoint, report.checkpoint,
-            report.manifest_digest, report.update_digest, report.data_digest, report.train_loss_e6,
-            report.eval_loss_e6, report.tokens, report.inner_steps, report.bytes_sent, report.bytes_received)
-
-
 # What a round's reports share (``RoundHeader``) and what each adds (``WorkerReport``): the ledger
 # takes the shared fields once per call and rebuilds each signed ``RoundReport`` from the two.
-_HEADER_FIELDS = ("run_id", "round", "parent_checkpoint", "checkpoint", "manifest_digest", "eval_loss_e6",
-                  "tokens", "inner_steps")
+_HEADER_FIELDS = tuple(f for f in REPORT_FIELDS if f.shared)
+_WORKER_FIELDS = tuple(f for f in REPORT_FIELDS if not f.shared)
 
 
 @dataclass(frozen=True)
@@ -254,7 +247,7 @@ class RoundHeader:
     inner_steps: int = 0
 
     def as_abi(self) -> tuple[Any, ...]:
-        return tuple(getattr(self, name) for name in _HEADER_FIELDS)
+        return tuple(getattr(self, f.name) for f in _HEADER_FIELDS)
 
     @classmethod
     def of(cls, reports: Sequence[SignedReport], run_id: bytes, round: int, parent: bytes, checkpoint: bytes,
@@ -268,7 +261,7 @@ class RoundHeader:
                          first.inner_steps)
         for signed in reports:
             report = signed.report
-            differing = [name for name in _HEADER_FIELDS if getattr(report, name) != getattr(header, name)]
+            differing = [f.name for f in _HEADER_FIELDS if getattr(report, f.name) != getattr(header, f.name)]
             if differing:
                 raise ValueError(f"the report of {report.worker} differs from round {round}'s other reports or "
                                  f"the recording call in {', '.join(differing)}")
@@ -276,9 +269,7 @@ class RoundHeader:
 
 
 def _worker_tuple(signed: SignedReport) -> tuple[Any, ...]:
-    r = signed.report
-    return (r.worker, r.update_digest, r.data_digest, r.train_loss_e6, r.bytes_sent, r.bytes_received,
-            bytes(signed.signature))
+    return (*(getattr(signed.report, f.name) for f in _WORKER_FIELDS), bytes(signed.signature))
 
 
 def _field(value: Sequence[Any] | dict[str, Any], name: str, index: int) -> Any:
@@ -288,16 +279,17 @@ def _field(value: Sequence[Any] | dict[str, Any], name: str, index: int) -> Any:
 def _signed_from_abi(header: Sequence[Any] | dict[str, Any], part: Sequence[Any] | dict[str, Any]) -> SignedReport:
     """The ``SignedReport`` a worker signed, rebuilt from a recording call's decoded header and one of
     its worker parts (web3 gives structs as dicts keyed by field name)."""
-    h = [_field(header, name, i) for i, name in enumerate(
-        ("runId", "round", "parentCheckpoint", "checkpoint", "manifestDigest", "evalLossE6", "tokens", "innerSteps"))]
-    w = [_field(part, name, i) for i, name in enumerate(
-        ("worker", "updateDigest", "dataDigest", "trainLossE6", "bytesSent", "bytesReceived", "signature"))]
-    report = RoundReport(
-        run_id=bytes(h[0]), round=int(h[1]), worker=w[0], parent_checkpoint=bytes(h[2]), checkpoint=bytes(h[3]),
-        manifest_digest=bytes(h[4]), update_digest=bytes(w[1]), data_digest=bytes(w[2]), train_loss_e6=int(w[3]),
-        eval_loss_e6=int(h[5]), tokens=int(h[6]), inner_steps=int(h[7]), bytes_sent=int(w[4]),
-        bytes_received=int(w[5]))
-    return SignedReport(report, bytes(w[6]))
+    values = {f.name: _field(header, f.solidity, i) for i, f in enumerate(_HEADER_FIELDS)}
+    values |= {f.name: _field(part, f.solidity, i) for i, f in enumerate(_WORKER_FIELDS)}
+    report = RoundReport(**{f.name: _abi_value(f, values[f.name]) for f in REPORT_FIELDS})
+    signature = part["signature"] if isinstance(part, dict) else part[len(_WORKER_FIELDS)]
+    return SignedReport(report, bytes(signature))
+
+
+def _abi_value(field: ReportField, value: Any) -> Any:
+    if field.abi_type == "bytes32":
+        return bytes(value)
+    return value if field.abi_type == "address" else int(value)
 
 
 def round_facts(record: dict[str, Any]) -> tuple[bytes, bytes, int, int, int, list[str]]:
@@ -404,7 +396,7 @@ class Ledger(_Contract):
 
     def report_digest(self, report: RoundReport) -> bytes:
         """The EIP-712 digest the ledger computes for ``report`` (must equal ``report.digest(domain)``)."""
-        return bytes(self.chain.call(self._contract.functions.reportDigest(_report_tuple(report))))
+        return bytes(self.chain.call(self._contract.functions.reportDigest(report.as_abi())))
 
     def runs_created(self) -> list[dict[str, Any]]:
         """``RunCreated`` events: ``{runId, coordinator, genesisCheckpoint, configDigest, genesisManifest,

@@ -8,7 +8,7 @@ from typing import Callable, Iterator
 
 import pytest
 
-from trainer.cluster import LocalCluster
+from benchmarks.cluster import LocalCluster
 from trainer.config import DataConfig, InnerConfig, ModelConfig, RoundConfig, RunConfig
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")

@@ -101,9 +101,8 @@ import torch
 
 from trainer.config import AGGREGATORS, RoundConfig, RunConfig
 from trainer.compression import CompressionError, decompress
-from trainer.wire import (
-    ENCODING_DENSE_F32, ENCODING_LOWRANK_INT4, Layout, Params, WireError, decode_params, layout_of,
-)
+from proto import Encoding
+from trainer.wire import Layout, Params, WireError, decode_params, layout_of
 
 
 class InvalidUpdate(ValueError):
@@ -189,7 +188,7 @@ def check_norm(update: Params, bound: float) -> float:
     return norm
 
 
-def validate_payload(payload: bytes, declared: Layout, bound: float, *, encoding: str = ENCODING_DENSE_F32,
+def validate_payload(payload: bytes, declared: Layout, bound: float, *, encoding: str = Encoding.DENSE_F32,
                      codec_header: Mapping[str, Any] | None = None) -> Params:
     """Checks 3-5, for a payload whose declared layout (1) and digest (2) already passed.
 
@@ -197,7 +196,7 @@ def validate_payload(payload: bytes, declared: Layout, bound: float, *, encoding
     scales, packed lengths) before anything is decompressed, then checked as the dense update it
     reconstructs to.
     """
-    if encoding == ENCODING_LOWRANK_INT4:
+    if encoding == Encoding.LOWRANK_INT4:
         try:
             update = decompress(payload, codec_header or {}, declared)
         except CompressionError as exc:

@@ -5,7 +5,7 @@ Every request is checked here before the coordinator's state machine sees it:
     fields      every string, bytes and repeated field of every request message has a bound
                 (``FIELD_LIMITS``, else ``DEFAULT_STRING``/``DEFAULT_BYTES``/``DEFAULT_REPEATED``),
                 found by walking the message's descriptor, so a field added to the .proto later is
-                bounded too. Worker ids must match ``WORKER_ID`` and phases be one of ``PHASES``.
+                bounded too. Worker ids must match ``WORKER_ID`` and phases be one of ``proto.HEARTBEAT_PHASES``.
     slots       calls that can hold a server thread for long (PushUpdate, FetchGlobal, Join) take a
                 slot: at most ``per_caller`` at once per caller (an authenticated worker, or the
                 peer address for calls made before a Join) and ``total`` in all; the server's
@@ -31,11 +31,12 @@ from typing import Callable
 
 from google.protobuf.message import Message
 
+from proto import HEARTBEAT_PHASES
+
 log = logging.getLogger("dilocox.limits")
 
 ECHO_CHARS = 64
 WORKER_ID = re.compile(r"[A-Za-z0-9._-]{1,64}")
-PHASES = frozenset({"starting", "joined", "waiting", "training", "pushing", "abandoned", "done"})
 
 DEFAULT_STRING = 128        # characters: ids, CIDs, digests, encodings
 DEFAULT_BYTES = 256         # nonces, signatures, tokens
@@ -95,9 +96,10 @@ def check_worker_id(worker_id: str) -> None:
         raise FieldError(f"worker id {clip(worker_id)} must match {WORKER_ID.pattern}")
 
 
-def check_phase(phase: str) -> None:
-    if phase not in PHASES:
-        raise FieldError(f"phase {clip(phase, 16)} is not one of {', '.join(sorted(PHASES))}")
+def check_phase(phase: int) -> None:
+    if phase not in HEARTBEAT_PHASES:
+        raise FieldError(f"phase {phase} is not one a worker may send: "
+                         f"{', '.join(f'{p.value} ({p.name})' for p in sorted(HEARTBEAT_PHASES))}")
 
 
 # ----------------------------------------------------------------------------------- rate

@@ -67,8 +67,9 @@ rounds, as :class:`trainer.diloco.InnerLoop` keeps them in the worker process: o
 inputs and Δ_s cross the queues, as numpy arrays pickled by value. The queues join the worker to its
 own children only, so nothing received from the network is unpickled.
 
-The stages meet through a ``TCPStore`` the worker opens on 127.0.0.1 with an OS-chosen port (no
-race for a free port), and gloo is bound to the loopback interface, so nothing leaves the host. The
+The stages are one trainer.procgroup.LocalGroup: they meet through a ``TCPStore`` the worker opens
+on 127.0.0.1 with an OS-chosen port (no race for a free port), and gloo is bound to the loopback
+interface, so nothing leaves the host. The
 process group is created with ``timeout=timeout_s``, which bounds the rendezvous and every
 collective and point-to-point wait, so a stage whose peer stops responding fails instead of waiting
 forever. While it waits for a round the worker polls its stages' liveness: a stage that exits
@@ -95,10 +96,8 @@ from __future__ import annotations
 import logging
 import os
 import queue as queue_mod
-import socket
 import sys
 import time
-import traceback
 from dataclasses import dataclass
 from datetime import timedelta
 from typing import Any, Callable, NoReturn, Sequence
@@ -114,6 +113,7 @@ from trainer.compression import CompressionConfig
 from trainer.config import InnerConfig, ModelConfig
 from trainer.diloco import load_params
 from trainer.model import GPT, build_model
+from trainer.procgroup import LocalGroup, Member, available_cpus, join_group, leave_child, report_error
 from trainer.uplink import Slice, encode_slice, new_compressor
 from trainer.wire import Params
 
@@ -384,43 +384,12 @@ def _to_torch(obj: Any) -> Any:
     return obj
 
 
-def stop_processes(procs: Sequence[Any], grace_s: float = 5.0) -> None:
-    """Terminate the children still alive, then kill any that ignore it for ``grace_s``."""
-    for proc in procs:
-        if proc.is_alive():
-            proc.terminate()
-    for proc in procs:
-        proc.join(timeout=grace_s)
-        if proc.is_alive():
-            proc.kill()
-            proc.join(timeout=grace_s)
-
-
-def _loopback_interface() -> str | None:
-    try:
-        names = [name for _, name in socket.if_nameindex()]
-    except OSError:
-        return None
-    return next((n for n in ("lo", "lo0") if n in names), None)
-
-
-def _available_cpus() -> int:
-    try:
-        return len(os.sched_getaffinity(0))
-    except AttributeError:  # not Linux
-        return os.cpu_count() or 1
-
-
 @dataclass(frozen=True)
 class _Setup:
-    """What a stage process is given once, for its whole life."""
+    """What a stage process is given once, for its whole life, besides its group membership."""
 
     model_cfg: ModelConfig
-    world_size: int
-    port: int  # of the parent's TCPStore
     n_microbatches: int
-    timeout_s: float
-    threads: int
 
 
 @dataclass(frozen=True)
@@ -483,32 +452,17 @@ def _stage_result(payload: dict[str, Any]) -> StageResult:
     return StageResult(**fields)
 
 
-def _stage_main(index: int, setup: _Setup, jobs: Any, results: Any, round_fn: RoundFn) -> None:
-    """A stage process: rendezvous, then serve rounds until told to stop, or on the first failure.
-
-    Messages to the parent: ("ok", stage, seq, payload), seq 0 (payload None) once the process
-    group stands; ("error", stage, seq, message, traceback), after which the process leaves.
-    """
+def _stage_main(member: Member, results: Any, setup: _Setup, jobs: Any, round_fn: RoundFn) -> None:
+    """A stage process: join the group, then serve rounds until told to stop, or on the first
+    failure (trainer.procgroup's messages; seq 0, payload None, once the process group stands)."""
     seq = 0
     # The process that started this one: the worker, or the forkserver, which leaves when the
     # worker is gone. Either way, once it is gone this process is adopted and no job will come.
     parent = os.getppid()
     try:
-        torch.set_num_threads(setup.threads)
-        interface = _loopback_interface()
-        if interface and "GLOO_SOCKET_IFNAME" not in os.environ:
-            os.environ["GLOO_SOCKET_IFNAME"] = interface
-        timeout = timedelta(seconds=setup.timeout_s)
-        store = dist.TCPStore("127.0.0.1", setup.port, setup.world_size, is_master=False, timeout=timeout)
-        try:
-            dist.init_process_group("gloo", store=store, rank=index, world_size=setup.world_size,
-                                    timeout=timeout)
-        except Exception as exc:
-            raise PipelineError(f"pipeline stage {index} of {setup.world_size}: process group "
-                                f"rendezvous failed within {setup.timeout_s:g} s: {exc}") from exc
-        runner = StageRunner(setup.model_cfg, n_microbatches=setup.n_microbatches,
-                             device=torch.device("cpu"))
-        results.put(("ok", index, 0, None))
+        join_group(member, PipelineError, _who(member.rank, member.world_size))
+        runner = StageRunner(setup.model_cfg, n_microbatches=setup.n_microbatches, device=torch.device("cpu"))
+        results.put(("ok", member.rank, 0, None))
         while True:
             try:
                 job = jobs.get(timeout=_IDLE_POLL_S)
@@ -520,16 +474,15 @@ def _stage_main(index: int, setup: _Setup, jobs: Any, results: Any, round_fn: Ro
             if job is None:
                 return
             seq = job.seq
-            results.put(("ok", index, seq, round_fn(runner, job)))
+            results.put(("ok", member.rank, seq, round_fn(runner, job)))
     except BaseException as exc:  # noqa: BLE001 - everything goes back to the parent
-        results.put(("error", index, seq, f"{type(exc).__name__}: {exc}", traceback.format_exc()))
+        report_error(results, member.rank, seq, exc)
     finally:
-        # What this process owes is in the results queue: send it, then leave (see ``leave``; no
-        # destroy_process_group here: after a failure it may wait on dead peers, and exiting
-        # frees the sockets and memory all the same).
-        results.close()
-        results.join_thread()
-        os._exit(0)
+        leave_child(results)
+
+
+def _who(stage: int, num_stages: int) -> str:
+    return f"pipeline stage {stage} of {num_stages}"
 
 
 @dataclass(frozen=True)
@@ -557,29 +510,20 @@ class StageGroup:
         self.names = stage_param_names(model_cfg, num_stages)  # refuses an impossible split
         self.num_stages = num_stages
         self.n_microbatches = n_microbatches
-        self.timeout_s = timeout_s
-        self.threads = threads_per_stage or max(1, _available_cpus() // num_stages)
-        self.closed = False
+        self.threads = threads_per_stage or max(1, available_cpus() // num_stages)
         self._seq = 0
-        timeout = timedelta(seconds=timeout_s)
-        # Held for the group's life: the stages' rendezvous store.
-        self._store = dist.TCPStore("127.0.0.1", 0, num_stages, is_master=True, timeout=timeout,
-                                    wait_for_workers=False)
-        setup = _Setup(model_cfg, num_stages, self._store.port, n_microbatches, timeout_s, self.threads)
         ctx = _context()
-        self._results = ctx.Queue()
         self._jobs = [ctx.Queue() for _ in range(num_stages)]
-        self.procs = [
-            ctx.Process(target=_stage_main, args=(s, setup, self._jobs[s], self._results, round_fn),
-                        name=f"pipeline-stage-{s}", daemon=True)
-            for s in range(num_stages)
-        ]
+        setup = _Setup(model_cfg, n_microbatches)
+        self.group = LocalGroup(ctx, num_stages, _stage_main, timeout_s=timeout_s, threads=self.threads,
+                                who=lambda s: _who(s, num_stages), error=PipelineError, name="pipeline-stage",
+                                args=lambda s: (setup, self._jobs[s], round_fn))
         began = time.monotonic()
         try:
-            for s, proc in enumerate(self.procs):
-                proc.start()
-                log.info("pipeline stage %d of %d: pid %d", s, num_stages, proc.pid)
-            self._collect(0, timeout_s + _START_ALLOWANCE_S, "start")
+            self.group.start()
+            for s, pid in enumerate(self.group.pids):
+                log.info("pipeline stage %d of %d: pid %d", s, num_stages, pid)
+            self.group.collect(0, timeout_s + _START_ALLOWANCE_S, "pipeline start")
         except BaseException:
             self.close(graceful=False)
             raise
@@ -593,16 +537,20 @@ class StageGroup:
         self.close()
 
     @property
+    def closed(self) -> bool:
+        return self.group.closed
+
+    @property
+    def procs(self) -> list[Any]:
+        return self.group.procs
+
+    @property
     def pids(self) -> list[int]:
-        return [p.pid for p in self.procs if p.pid is not None]
+        return self.group.pids
 
     def dead(self) -> list[int]:
         """The stages whose process has exited."""
-        return [s for s, p in enumerate(self.procs) if p.exitcode is not None]
-
-    def _died(self, stage: int) -> str:
-        proc = self.procs[stage]
-        return f"pipeline stage {stage} of {self.num_stages} (pid {proc.pid}) died: exit code {proc.exitcode}"
+        return self.group.dead()
 
     def run(self, inner_cfg: InnerConfig, start_params: Params, batches: Sequence[Batch], *,
             deadline_s: float | None = None, compression: CompressionConfig | None = None,
@@ -633,7 +581,7 @@ class StageGroup:
                 state = None if compression is None else _to_numpy(dict(uplink_states[s]))
                 self._jobs[s].put(RoundJob(self._seq, inner_cfg, _to_numpy({n: start_params[n] for n in names}),
                                            shared, compression, state))
-            stages = [_stage_result(p) for p in self._collect(self._seq, deadline_s, "round")]
+            stages = [_stage_result(p) for p in self.group.collect(self._seq, deadline_s, "pipeline round")]
             delta: Params = {}
             for s, result in enumerate(stages):
                 if list(result.pseudo_gradient) != self.names[s]:
@@ -654,88 +602,9 @@ class StageGroup:
             uplink_states=None if compression is None else [r.uplink_state for r in stages],  # type: ignore[misc]
         )
 
-    def _collect(self, seq: int, deadline_s: float | None, what: str) -> list[Any]:
-        """Every stage's answer to ``seq``, by stage, watching the processes while waiting.
-
-        Raises :class:`PipelineError` naming the stage that died or failed (dead ones first).
-        """
-        world_size = self.num_stages
-        payloads: dict[int, Any] = {}
-        errors: dict[int, tuple[str, str]] = {}
-        stop_at = None if deadline_s is None else time.monotonic() + deadline_s
-        failed_at: float | None = None
-        while len(payloads) < world_size:
-            try:
-                message = self._results.get(timeout=0.1)
-            except queue_mod.Empty:
-                message = None
-            if message is not None:
-                if self._take(message, seq, payloads, errors):
-                    failed_at = failed_at or time.monotonic()
-                continue
-            now = time.monotonic()
-            dead = [s for s in self.dead() if s not in payloads and s not in errors]
-            if dead:
-                self._drain(seq, payloads, errors)
-                dead = [s for s in dead if s not in payloads and s not in errors]
-            if dead:
-                raise PipelineError(self._died(dead[0]) + _others(errors))
-            # A stage's error often makes its peers fail too; give a dead stage a moment to show.
-            if errors and (failed_at is None or now - failed_at > 1.0):
-                first = min(errors)
-                message_, trace = errors[first]
-                raise PipelineError(
-                    f"pipeline stage {first} of {world_size} failed: {message_}"
-                    + _others({s: e for s, e in errors.items() if s != first})
-                    + f"\n--- traceback of stage {first} ---\n{trace}")
-            if stop_at is not None and now > stop_at:
-                waiting = [s for s in range(world_size) if s not in payloads]
-                raise PipelineError(f"pipeline {what} exceeded {deadline_s:g} s; stages {waiting} "
-                                    f"of {world_size} had not finished")
-        return [payloads[s] for s in range(world_size)]
-
-    @staticmethod
-    def _take(message: tuple, seq: int, payloads: dict[int, Any],
-              errors: dict[int, tuple[str, str]]) -> bool:
-        """File one message; True if it reports an error."""
-        kind, stage, message_seq = message[:3]
-        if kind == "error":
-            errors[stage] = (message[3], message[4])
-            return True
-        if message_seq == seq:
-            payloads[stage] = message[3]
-        return False
-
-    def _drain(self, seq: int, payloads: dict[int, Any], errors: dict[int, tuple[str, str]]) -> None:
-        """Messages already written by stages that have exited."""
-        while True:
-            try:
-                message = self._results.get(timeout=0.5)
-            except queue_mod.Empty:
-                return
-            self._take(message, seq, payloads, errors)
-
     def close(self, graceful: bool = True) -> None:
         """Stop the stages: asked to leave (``graceful``, for idle ones), then terminated."""
-        if self.closed:
-            return
-        self.closed = True
-        started = [p for p in self.procs if p.pid is not None]
-        if graceful:
-            for jobs in self._jobs:
-                jobs.put(None)
-            stop_at = time.monotonic() + 5.0
-            for proc in started:
-                proc.join(timeout=max(0.0, stop_at - time.monotonic()))
-        stop_processes(started)
-        for q in (*self._jobs, self._results):
-            q.cancel_join_thread()  # a job a dead stage never read must not block our exit
-            q.close()
-        del self._store
-
-
-def _others(errors: dict[int, tuple[str, str]]) -> str:
-    return "".join(f"; stage {s}: {m}" for s, (m, _) in sorted(errors.items()))
+        self.group.close(self._jobs, graceful)
 
 
 # ------------------------------------------------------------------------------- entry points
@@ -807,7 +676,7 @@ class PipelinedInnerLoop:
             if not dead:
                 return group
             # Died while idle: no round's work is lost, so replace the group rather than fail.
-            self._failure = group._died(dead[0]) + " between rounds"
+            self._failure = group.group.died(dead[0]) + " between rounds"
             group.close(graceful=False)
         self.group = None
         if self._failure is not None:

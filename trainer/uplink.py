@@ -32,7 +32,8 @@ from typing import Any, Sequence
 from trainer.compression import (
     AdaptiveRankPolicy, CompressionConfig, ErrorFeedbackCompressor, RoundDecision, decompress,
 )
-from trainer.wire import ENCODING_DENSE_F32, ENCODING_LOWRANK_INT4, Params, encode_params, layout_of
+from proto import Encoding
+from trainer.wire import Params, encode_params, layout_of
 
 
 @dataclass(frozen=True)
@@ -41,9 +42,9 @@ class Slice:
 
     stage: int
     num_stages: int
-    encoding: str  # ENCODING_DENSE_F32 or ENCODING_LOWRANK_INT4
+    encoding: str  # Encoding.DENSE_F32 or Encoding.LOWRANK_INT4
     payload: bytes
-    codec_header: dict[str, Any] | None  # the compression header, for ENCODING_LOWRANK_INT4
+    codec_header: dict[str, Any] | None  # the compression header, for Encoding.LOWRANK_INT4
     transmitted: Params  # Δ̂ᵢ,ₛ: exactly what the coordinator rebuilds from ``payload``
     decision: RoundDecision | None  # the rank policy's choices, when compressed
 
@@ -52,9 +53,9 @@ def encode_slice(delta: Params, stage: int, num_stages: int,
                  compressor: ErrorFeedbackCompressor | None) -> Slice:
     """Stage ``stage``'s slice of Δ, dense or compressed (``compressor``'s e is updated)."""
     if compressor is None:
-        return Slice(stage, num_stages, ENCODING_DENSE_F32, encode_params(delta), None, delta, None)
+        return Slice(stage, num_stages, Encoding.DENSE_F32, encode_params(delta), None, delta, None)
     payload, header, decision = compressor.compress(delta)
-    return Slice(stage, num_stages, ENCODING_LOWRANK_INT4, payload, header,
+    return Slice(stage, num_stages, Encoding.LOWRANK_INT4, payload, header,
                  decompress(payload, header, layout_of(delta)), decision)
 
 

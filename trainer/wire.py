@@ -22,10 +22,6 @@ Params = dict[str, torch.Tensor]
 # name -> (dtype, shape): what a payload must contain, checked before its bytes are trusted.
 Layout = dict[str, tuple[str, tuple[int, ...]]]
 
-ENCODING_DENSE_F32 = "dense-f32"
-ENCODING_LOWRANK_INT4 = "lowrank-int4"  # trainer.compression: low-rank + int4 factors, int8 vectors
-ENCODING_HELD = "held"  # a global state the fetching worker already holds: the header alone
-
 
 class WireError(ValueError):
     """Bytes that do not decode into what their header promised."""

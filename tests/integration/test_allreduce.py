@@ -12,7 +12,7 @@ import pytest
 import torch
 
 from tests.conftest import small_config
-from trainer.allreduce import AllReduceError, AllReduceResult, ring_allreduce_bytes, run_allreduce
+from benchmarks.allreduce import AllReduceError, AllReduceResult, ring_allreduce_bytes, run_allreduce
 from trainer.config import InnerConfig, RunConfig
 from trainer.data import load_corpus, round_batches
 from trainer.diloco import InnerLoop, params_of
@@ -129,7 +129,7 @@ def test_link_paces_each_all_reduce_full_duplex(plain_run: AllReduceResult) -> N
 
 @pytest.mark.parametrize("fault, expected", [
     ((1, 2, "raise"), r"^rank 1 of 2 failed: RuntimeError: injected fault at step 2"),
-    ((1, 2, "exit"), r"^rank 1 of 2 \(pid \d+\) exited with code 3 before reporting a result"),
+    ((1, 2, "exit"), r"^rank 1 of 2 \(pid \d+\) died: exit code 3 before reporting a result"),
     ((0, 3, "nan"), r"^rank \d of 2 failed: FloatingPointError: step 3 of 6: mean training loss"),
     ((1, 2, "hang"), r"^rank 0 of 2 failed: .*[Tt]imed out.*; rank\(s\) \[1\] had not reported"),
 ])

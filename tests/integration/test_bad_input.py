@@ -13,10 +13,11 @@ import torch
 
 from benchmarks.hostile import Mallory
 from storage_client import Manifest, canonical_json, lineage
-from trainer.cluster import LocalCluster
+from benchmarks.cluster import LocalCluster
 from trainer.config import InnerConfig, RoundConfig
 from trainer.compression import AdaptiveRankPolicy, compress
-from trainer.wire import ENCODING_LOWRANK_INT4, encode_params, layout_of
+from proto import Encoding, WorkerPhase
+from trainer.wire import encode_params, layout_of
 
 pytestmark = pytest.mark.integration
 
@@ -53,18 +54,18 @@ def test_bad_updates_are_refused_and_the_round_completes(cluster: LocalCluster, 
     # an update far larger than any honest inner loop could produce
     huge = {k: torch.full_like(v, 100.0) for k, v in m.zero.items()}
     assert "exceeds the bound" in m.refused(INVALID, huge)
-    assert "unsupported update encoding" in m.refused(INVALID, encoding="pickle")
+    assert "unsupported update encoding" in m.refused(INVALID, encoding=99)
     # a compressed update whose codec header disagrees with its bytes is refused by name
     payload, codec = compress({k: torch.randn_like(v) * 1e-3 for k, v in m.zero.items()}, None,
                               AdaptiveRankPolicy.fixed(2))
     entry = next(e for e in codec["tensors"] if e["name"] == name)
     entry["rank"] = 3
-    details = m.refused(INVALID, payload=payload, encoding=ENCODING_LOWRANK_INT4,
+    details = m.refused(INVALID, payload=payload, encoding=Encoding.LOWRANK_INT4,
                         compression_header=canonical_json(codec))
     assert f"compressed update refused: tensor {name}" in details
-    assert "not JSON" in m.refused(INVALID, payload=payload, encoding=ENCODING_LOWRANK_INT4,
+    assert "not JSON" in m.refused(INVALID, payload=payload, encoding=Encoding.LOWRANK_INT4,
                                    compression_header=b"{oops")
-    assert "nests deeper" in m.refused(INVALID, payload=payload, encoding=ENCODING_LOWRANK_INT4,
+    assert "nests deeper" in m.refused(INVALID, payload=payload, encoding=Encoding.LOWRANK_INT4,
                                        compression_header=b"[" * 100_000)
     # wrong run, a round not open yet, a stranger, an old protocol
     assert "this coordinator runs 'test'" in m.refused(PRECONDITION, run_id="other")
@@ -79,7 +80,7 @@ def test_bad_updates_are_refused_and_the_round_completes(cluster: LocalCluster, 
 
     # While w0 trains round 1: a valid update is accepted; a second push for it is not.
     cluster.start_worker("w0")
-    cluster.wait_for(lambda s: any(w.worker_id == "w0" and w.phase == "training" for w in s.workers),
+    cluster.wait_for(lambda s: any(w.worker_id == "w0" and w.phase == WorkerPhase.TRAINING for w in s.workers),
                      60, "w0 to train round 1")
     accepted = m.push()
     assert accepted.accepted and accepted.update_cid.startswith("bafkrei")

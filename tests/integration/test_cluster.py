@@ -5,7 +5,7 @@ import pytest
 from proto import MAX_MESSAGE_BYTES
 from audit.rederive import clip_history, rederive, stored_round_norm
 from storage_client import CID, lineage
-from trainer.cluster import LocalCluster
+from benchmarks.cluster import LocalCluster
 from trainer.compression import CompressionConfig
 from trainer.config import ModelConfig, RoundConfig, RunConfig
 from trainer.model import build_model

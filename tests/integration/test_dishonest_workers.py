@@ -19,7 +19,7 @@ from benchmarks.hostile import Mallory, Trainer
 from storage_client import from_e6
 from tests.conftest import small_config
 from tests.integration.test_cluster import assert_rederivable
-from trainer.cluster import LocalCluster
+from benchmarks.cluster import LocalCluster
 from trainer.config import InnerConfig, RoundConfig
 from trainer.data import load_corpus, round_batches
 from trainer.diloco import InnerLoop
@@ -143,14 +143,14 @@ def test_screening_by_effect_refuses_what_raises_the_held_out_loss(tmp_path: Pat
     loss on the privately drawn batches and passes; the same scaled ×86, or loud noise, is refused."""
     import time
 
-    from trainer.coordinator import Coordinator
+    from trainer.coordinator import Coordinator, open_run
     from trainer.refusal import Refusal
     from trainer.run_dir import RunDir
 
     config = small_config(inner=InnerConfig(steps=20, batch_size=4, lr=1e-3),
                           rounds=RoundConfig(rounds=2, expected_workers=2, quorum=2, clip_multiple=0.0,
                                              screen_margin=0.05, max_update_norm=1000.0))
-    c = Coordinator(RunDir(tmp_path / "run"), config)
+    c = Coordinator(open_run(RunDir(tmp_path / "run"), config))
     corpus = load_corpus(c.config.data, c.config.seed, c.config.model.block_size)
     loop = InnerLoop(build_model(c.config.model, c.config.seed), c.config.inner)
     batches = round_batches(corpus.shard(0, 2), seed=c.config.seed, shard_index=0, round_=1, steps=20,
@@ -158,14 +158,14 @@ def test_screening_by_effect_refuses_what_raises_the_held_out_loss(tmp_path: Pat
     honest = loop.run(c.global_state.params, batches).pseudo_gradient
 
     started = time.perf_counter()
-    assert c.screen(1, honest) < 0  # it lowers the held-out loss
+    assert c.screen.check(c.global_state, 1, honest) < 0  # it lowers the held-out loss
     seconds = time.perf_counter() - started
     g = torch.Generator().manual_seed(7)  # noise at 10x the honest spread: +~0.7 nats, 3x gave +0.06-0.09
     for bad in ({k: v * 86 for k, v in honest.items()},
                 {k: torch.randn(v.shape, generator=g) * v.std() * 10 for k, v in honest.items()}):
         with pytest.raises(Refusal, match="the update raises the loss of the round's start from"):
-            c.screen(1, bad)
+            c.screen.check(c.global_state, 1, bad)
     print(f"screening one update ({sum(v.numel() for v in honest.values())} parameters, "
           f"{c.config.data.eval_batches} batches): {seconds * 1000:.1f} ms")
-    off = Coordinator(RunDir(tmp_path / "off"), small_config())  # screen_margin 0: nothing screened
-    assert off.screen(1, {k: v * 86 for k, v in honest.items()}) == 0.0
+    off = Coordinator(open_run(RunDir(tmp_path / "off"), small_config()))  # screen_margin 0: nothing screened
+    assert off.screen.check(off.global_state, 1, {k: v * 86 for k, v in honest.items()}) == 0.0

@@ -6,8 +6,9 @@ import signal
 
 import pytest
 
+from proto import WorkerPhase
 from storage_client import CID, lineage
-from trainer.cluster import ClusterError, LocalCluster
+from benchmarks.cluster import ClusterError, LocalCluster
 from tests.integration.test_cluster import assert_rederivable
 from trainer.compression import CompressionConfig
 from trainer.config import InnerConfig, RoundConfig
@@ -15,11 +16,11 @@ from trainer.config import InnerConfig, RoundConfig
 pytestmark = pytest.mark.integration
 
 
-def phase_of(status, worker: str) -> tuple[int, str]:
+def phase_of(status, worker: str) -> tuple[int, WorkerPhase | None]:
     for w in status.workers:
         if w.worker_id == worker:
             return w.round, w.phase
-    return -1, ""
+    return -1, None
 
 
 def test_sigkilled_worker_is_dropped_and_rejoins(cluster: LocalCluster, make_config) -> None:
@@ -30,7 +31,7 @@ def test_sigkilled_worker_is_dropped_and_rejoins(cluster: LocalCluster, make_con
                            heartbeat_interval_s=0.3, liveness_timeout_s=2.0)))
     cluster.start_worker("w0")
     cluster.start_worker("w1")
-    cluster.wait_for(lambda s: phase_of(s, "w1") == (1, "training"), 60, "w1 to train round 1")
+    cluster.wait_for(lambda s: phase_of(s, "w1") == (1, WorkerPhase.TRAINING), 60, "w1 to train round 1")
     cluster.kill("w1", signal.SIGKILL)
     shards = cluster.run_dir.workers()
     assert sorted(shards.values()) == [0, 1]
@@ -108,7 +109,7 @@ def test_update_accepted_before_a_coordinator_crash_is_kept(cluster: LocalCluste
         heartbeat_interval_s=0.3, liveness_timeout_s=2.0)))
     port = int(cluster.address.rsplit(":", 1)[1])
     cluster.start_worker("w0")
-    cluster.wait_for(lambda s: phase_of(s, "w0")[1] == "waiting" and phase_of(s, "w0")[0] == 1, 60,
+    cluster.wait_for(lambda s: phase_of(s, "w0")[1] == WorkerPhase.WAITING and phase_of(s, "w0")[0] == 1, 60,
                      "w0 to push round 1")
     pending = cluster.run_dir.pending(1)
     assert set(pending) == {"w0"}
@@ -165,7 +166,7 @@ def test_sigterm_stops_the_coordinator_promptly_even_mid_round(cluster: LocalClu
         rounds=RoundConfig(rounds=3, expected_workers=1, quorum=1, heartbeat_interval_s=0.3,
                            liveness_timeout_s=3.0)))
     cluster.start_worker("w0")
-    cluster.wait_for(lambda s: phase_of(s, "w0")[1] == "training", 60, "w0 to train")
+    cluster.wait_for(lambda s: phase_of(s, "w0")[1] == WorkerPhase.TRAINING, 60, "w0 to train")
     started = time.monotonic()
     cluster.processes["coordinator"].send_signal(signal.SIGTERM)
     assert cluster.wait_exit("coordinator", 30) == 0

@@ -20,13 +20,13 @@ import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from attestation import DevProvider, DevRoot, WorkerKey, attest, code_measurement
-from proto import CHANNEL_OPTIONS, PROTOCOL_VERSION, SERVICE_NAME, pb, pb_grpc
+from proto import CHANNEL_OPTIONS, PROTOCOL_VERSION, SERVICE_NAME, Encoding, WorkerPhase, pb, pb_grpc
 from storage_client import lineage
 from tests.conftest import small_config
 from tests.integration.test_trust import chain, ledger_of, pinned, start  # noqa: F401 (chain is a fixture)
-from trainer.cluster import LocalCluster
+from benchmarks.cluster import LocalCluster
 from trainer.config import InnerConfig, RoundConfig
-from trainer.service import session_metadata
+from proto import session_metadata
 from trainer.tls import ClientTls, open_channel
 
 pytestmark = pytest.mark.integration
@@ -71,13 +71,13 @@ class Hostile:
 
     def push(self, worker_id: str, metadata: tuple = (), **header: object) -> pb.PushUpdateResponse:
         fields = dict(protocol_version=PROTOCOL_VERSION, run_id="test", round=1, worker_id=worker_id,
-                      encoding="dense-f32", payload_size=4, payload_sha256="0" * 64, train_loss=1.0, inner_steps=1,
+                      encoding=Encoding.DENSE_F32, payload_size=4, payload_sha256="0" * 64, train_loss=1.0, inner_steps=1,
                       num_stages=1)
         fields.update(header)
         return self.stub.PushUpdate(iter([pb.UpdateChunk(header=pb.UpdateHeader(**fields))]), timeout=10,
                                     metadata=metadata)
 
-    def heartbeat(self, worker_id: str, phase: str = "abandoned", metadata: tuple = ()) -> pb.HeartbeatResponse:
+    def heartbeat(self, worker_id: str, phase: WorkerPhase = WorkerPhase.ABANDONED, metadata: tuple = ()) -> pb.HeartbeatResponse:
         return self.stub.Heartbeat(pb.HeartbeatRequest(worker_id=worker_id, round=1, phase=phase), timeout=10,
                                    metadata=metadata)
 
@@ -141,11 +141,11 @@ def test_spoofed_calls_change_nothing_and_the_ledger_records_every_round(
                 ("push", lambda: eve.push("w0")),
                 ("push-forged", lambda: eve.push("w0", forged)),
                 ("heartbeat", lambda: eve.heartbeat("w0")),
-                ("heartbeat-forged", lambda: eve.heartbeat("w0", "done", forged)),
+                ("heartbeat-forged", lambda: eve.heartbeat("w0", WorkerPhase.DONE, forged)),
                 ("report", lambda: eve.report("w0", b"{}")),
                 ("fetch-as-eve", lambda: eve.fetch("w0", eve.session)),
                 ("push-as-eve", lambda: eve.push("w0", eve.session)),
-                ("heartbeat-as-eve", lambda: eve.heartbeat("w0", "done", eve.session)),
+                ("heartbeat-as-eve", lambda: eve.heartbeat("w0", WorkerPhase.DONE, eve.session)),
                 ("report-as-eve", lambda: eve.report("w0", b"{}", eve.session)),
                 ("challenge", lambda: eve.stub.Challenge(pb.ChallengeRequest(
                     protocol_version=PROTOCOL_VERSION, worker_id="w0"), timeout=10)),

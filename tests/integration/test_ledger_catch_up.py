@@ -23,10 +23,10 @@ from storage_client import CID, lineage
 from tests.conftest import small_config
 from tests.integration.test_bad_input import Mallory
 from tests.integration.test_trust import ledger_of, pinned, start
-from trainer.cluster import LocalCluster
+from benchmarks.cluster import LocalCluster
 from trainer.config import InnerConfig, RoundConfig, RunConfig
-from trainer.service import session_metadata
-from trainer.trust import update_digest
+from proto import session_metadata
+from attestation.signing import update_digest
 from trainer.wire import encode_params, sha256_hex
 
 pytestmark = pytest.mark.integration

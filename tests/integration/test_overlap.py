@@ -8,7 +8,7 @@ import statistics
 import pytest
 
 from tests.integration.test_cluster import assert_rederivable
-from trainer.cluster import LocalCluster
+from benchmarks.cluster import LocalCluster
 from trainer.compression import CompressionConfig
 from trainer.config import InnerConfig, RoundConfig
 

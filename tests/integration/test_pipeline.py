@@ -19,7 +19,8 @@ from trainer.config import InnerConfig, ModelConfig
 from trainer.diloco import InnerLoop, params_of
 from trainer.model import build_model
 from trainer.uplink import Uplink
-from trainer.wire import ENCODING_LOWRANK_INT4, layout_of
+from proto import Encoding
+from trainer.wire import layout_of
 
 SEED = 1234
 MODEL = ModelConfig(block_size=16, n_layer=2, n_head=2, n_embd=32)
@@ -148,7 +149,7 @@ def test_each_stage_compresses_its_own_slice_with_the_workers_error_feedback() -
             got = piped.run(start, make_batches(INNER.steps, seed=round_), uplink.states())
             uplink.update(got.uplink_states)
             assert [(p.stage, p.num_stages, p.encoding) for p in got.slices] == [
-                (0, 2, ENCODING_LOWRANK_INT4), (1, 2, ENCODING_LOWRANK_INT4)]
+                (0, 2, Encoding.LOWRANK_INT4), (1, 2, Encoding.LOWRANK_INT4)]
             for s, piece in enumerate(got.slices):
                 assert sorted(piece.transmitted) == sorted(names[s])
                 rebuilt = decompress(piece.payload, piece.codec_header, layout_of(piece.transmitted))

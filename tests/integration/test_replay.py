@@ -24,7 +24,7 @@ import torch
 from audit.replay import REPLAY_TOLERANCE, replay_run
 from benchmarks.hostile import Heartbeats, Mallory, Trainer
 from storage_client import lineage
-from trainer.cluster import LocalCluster
+from benchmarks.cluster import LocalCluster
 from trainer.compression import CompressionConfig
 from trainer.config import InnerConfig, RoundConfig, RunConfig
 

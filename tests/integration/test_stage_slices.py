@@ -15,7 +15,7 @@ import torch
 from storage_client import CID, lineage
 from tests.integration.test_bad_input import Mallory
 from tests.integration.test_cluster import assert_rederivable
-from trainer.cluster import LocalCluster
+from benchmarks.cluster import LocalCluster
 from trainer.config import InnerConfig, ModelConfig, RoundConfig
 from trainer.pipeline import stage_param_names
 from trainer.uplink import record_of

@@ -23,12 +23,12 @@ from settlement import DEV_ACCOUNTS, Anvil, Chain, Deployment, Ledger
 from storage_client import CID, canonical_json, lineage
 from tests.conftest import small_config
 from tests.integration.test_bad_input import Mallory
-from trainer.cluster import LocalCluster
-from trainer.service import session_metadata
+from benchmarks.cluster import LocalCluster
+from proto import session_metadata
 from trainer.compression import CompressionConfig
 from trainer.config import InnerConfig, RoundConfig, RunConfig
 from trainer.data import load_corpus, shard_digest
-from trainer.trust import update_digest
+from attestation.signing import update_digest
 from trainer.wire import encode_params, sha256_hex
 
 pytestmark = pytest.mark.integration

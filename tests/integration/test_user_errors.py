@@ -164,7 +164,7 @@ def test_corrupt_head(tmp_path: Path) -> None:
     assert code == 1 and f"state file {run / 'HEAD'} does not hold a manifest CID" in line
 
 
-SETTLEMENT_DEFAULT = {"run_created": False, "queued_through": 0}  # as trainer.trust reads it
+SETTLEMENT_DEFAULT = {"run_created": False, "queued_through": 0}  # as settlement.reports reads it
 
 
 @pytest.mark.parametrize("text, shown", [('{"run_created": true, "queued_th', "is damaged or unreadable"),

@@ -13,10 +13,10 @@ import time
 
 import pytest
 
-from proto import pb
+from proto import WorkerPhase, pb
 from tests.conftest import small_config
 from tests.integration.test_cluster import assert_rederivable
-from trainer.cluster import LocalCluster
+from benchmarks.cluster import LocalCluster
 from trainer.config import InnerConfig, ModelConfig, RoundConfig
 from trainer.tls import ClientTls
 
@@ -127,15 +127,15 @@ def test_stages_must_split_the_model() -> None:
     for stages in (0, 3):
         worker = Worker("127.0.0.1:1", "w0", stages=stages, tls=ClientTls(insecure=True))  # no connection is made
         with pytest.raises(WorkerError, match=rf"{stages} pipeline stages: this run's model has 2 layers"):
-            worker._set_up(config, 0, 2)
-        worker.channel.close()
+            worker.set_up(config, 0, 2)
+        worker.client.close()
     worker = Worker("127.0.0.1:1", "w0", stages=2, tls=ClientTls(insecure=True))
     odd = config.replace(inner=InnerConfig(steps=3, batch_size=3))
     with pytest.raises(WorkerError, match="batch of 3 sequences cannot be cut into 2 equal microbatches"):
-        worker._set_up(odd, 0, 2)
-    worker._set_up(config, 0, 2)
+        worker.set_up(odd, 0, 2)
+    worker.set_up(config, 0, 2)
     assert isinstance(worker.inner, PipelinedInnerLoop) and worker.inner.group is None  # starts lazily
-    worker.channel.close()
+    worker.client.close()
 
 
 class _Coordinator:
@@ -154,19 +154,20 @@ class _Coordinator:
 
 
 @pytest.mark.parametrize(("w0", "go_on_from"), [
-    (dict(alive=True, round=2, phase="training"), 2),  # w0 will deliver: wait for round 2 to close
-    (dict(alive=True, round=2, phase="waiting"), 2),  # w0 has delivered
-    (dict(alive=True, round=1, phase="abandoned"), 2),  # w0 left round 1, and is about to train 2
-    (dict(alive=True, round=2, phase="abandoned"), 1),  # nobody will deliver round 2: train it again
-    (dict(alive=False, round=2, phase="training"), 1),
+    (dict(alive=True, round=2, phase=WorkerPhase.TRAINING), 2),  # w0 will deliver: wait for round 2 to close
+    (dict(alive=True, round=2, phase=WorkerPhase.WAITING), 2),  # w0 has delivered
+    (dict(alive=True, round=1, phase=WorkerPhase.ABANDONED), 2),  # w0 left round 1, and is about to train 2
+    (dict(alive=True, round=2, phase=WorkerPhase.ABANDONED), 1),  # nobody will deliver round 2: train it again
+    (dict(alive=False, round=2, phase=WorkerPhase.TRAINING), 1),
 ])
 def test_an_abandoned_round_is_trained_again_when_no_one_else_is_on_it(w0: dict, go_on_from: int) -> None:
     from trainer.pipeline import PipelineError
     from trainer.worker import Worker
 
     worker = Worker("127.0.0.1:1", "w1", stages=2, tls=ClientTls(insecure=True))
-    worker.channel.close()
-    worker.stub = _Coordinator(2, [pb.WorkerStatus(worker_id="w0", **w0),
-                                   pb.WorkerStatus(worker_id="w1", alive=True, round=2, phase="abandoned")])
-    assert worker._abandon(2, PipelineError("pipeline stage 1 of 2 (pid 7) died: exit code -9")) == go_on_from
-    assert worker.stub.heartbeats == [("w1", 2, "abandoned")] and worker.phase == "abandoned"
+    worker.client.close()
+    worker.client.stub = _Coordinator(2, [pb.WorkerStatus(worker_id="w0", **w0),
+                                   pb.WorkerStatus(worker_id="w1", alive=True, round=2, phase=WorkerPhase.ABANDONED)])
+    assert worker.abandon(2, PipelineError("pipeline stage 1 of 2 (pid 7) died: exit code -9")) == go_on_from
+    assert worker.client.stub.heartbeats == [("w1", 2, WorkerPhase.ABANDONED)]
+    assert worker.client.phase is WorkerPhase.ABANDONED

@@ -612,7 +612,7 @@ def test_code_measurement_of_installed_packages():
     paths = set(m["code"])
     assert "attestation/measurement.py" in paths
     assert "proto/dilocox.proto" in paths
-    assert "trainer/worker.py" in paths and "storage_client/cid.py" in paths
+    assert "trainer/worker/role.py" in paths and "storage_client/cid.py" in paths
     assert not any(p.endswith(("_pb2.py", "_pb2_grpc.py")) for p in paths)
     assert not any("__pycache__" in p for p in paths)
     assert len(code_measurement(CONFIG_CID)) == 32

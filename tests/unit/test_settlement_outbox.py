@@ -342,17 +342,20 @@ def test_a_conflict_stops_the_settlement_thread_and_the_coordinator(tmp_path: Pa
     """No retry fixes a chain holding another round r: the coordinator is told to stop (exit 1)."""
     from types import SimpleNamespace
 
-    from trainer.service import _settle_forever
+    from attestation import WorkerKey
+    from settlement.ledger_trust import LedgerTrust
 
     outbox, ledger = Outbox(tmp_path), FakeLedger()
     queue_run(outbox, 1)
     outbox.flush(ledger)
     ledger.lose_after(0)
     ledger.record_round(RUN, 1, h("ckpt", 0), h("forked"), h("manifest", 1), reports(1, h("forked")))
-    coordinator = SimpleNamespace(gate=SimpleNamespace(outbox=outbox, ledger=ledger), settle=lambda: [],
-                                  global_state=SimpleNamespace(round=1), recorded_through=lambda: 1, ledger_lag=0)
+    gate = SimpleNamespace(domain=SimpleNamespace(chain_id=31337, ledger="0x" + "11" * 20))
+    book = SimpleNamespace(queue_due=lambda *_: [], queued_through=1)
+    trust = LedgerTrust(gate, book, ledger, outbox, WorkerKey.generate())
+    rounds = SimpleNamespace(published=lambda: ({0: None, 1: None}, {}, 0.0))
     settling, stop, failure = threading.Event(), threading.Event(), []
-    thread = threading.Thread(target=_settle_forever, args=(coordinator, settling, stop, failure, 0.01))
+    thread = threading.Thread(target=trust.settle, args=(rounds, settling, stop, failure, 0.01))
     thread.start()
     assert stop.wait(10)
     thread.join(10)

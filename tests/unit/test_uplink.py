@@ -6,7 +6,8 @@ import torch
 
 from trainer.compression import CompressionConfig, decompress
 from trainer.uplink import Uplink, encode_slice, merged, new_compressor, record_of
-from trainer.wire import ENCODING_DENSE_F32, ENCODING_LOWRANK_INT4, encode_params, layout_of
+from proto import Encoding
+from trainer.wire import encode_params, layout_of
 
 CONFIG = CompressionConfig(enabled=True, min_rank=1, max_rank=2)
 
@@ -19,14 +20,14 @@ def delta(seed: int) -> dict[str, torch.Tensor]:
 def test_dense_slice_is_the_tensors_themselves() -> None:
     d = delta(0)
     piece = Uplink(CompressionConfig(enabled=False), 1).encode(d)
-    assert (piece.stage, piece.num_stages, piece.encoding) == (0, 1, ENCODING_DENSE_F32)
+    assert (piece.stage, piece.num_stages, piece.encoding) == (0, 1, Encoding.DENSE_F32)
     assert piece.payload == encode_params(d) and piece.transmitted is d and piece.decision is None
     assert record_of(merged([piece])) == encode_params(d)
 
 
 def test_compressed_slice_is_what_the_coordinator_rebuilds() -> None:
     piece = Uplink(CONFIG, 1).encode(delta(1))
-    assert piece.encoding == ENCODING_LOWRANK_INT4 and piece.decision is not None
+    assert piece.encoding == Encoding.LOWRANK_INT4 and piece.decision is not None
     rebuilt = decompress(piece.payload, piece.codec_header, layout_of(delta(1)))
     assert all(torch.equal(rebuilt[n], piece.transmitted[n]) for n in rebuilt)
 

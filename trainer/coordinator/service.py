@@ -1,6 +1,6 @@
 """The coordinator's gRPC service: who may call, and what a call may cost, before the state machine.
 
-Every RPC passes these steps, in order, before trainer.coordinator sees it:
+Every RPC passes these steps, in order, before trainer.coordinator.machine sees it:
 
   1. decoding    a message that does not decode is refused (INVALID_ARGUMENT) with one log line,
                  never a traceback (``_parser``: the deserializer returns ``MALFORMED``);
@@ -17,47 +17,39 @@ Every RPC passes these steps, in order, before trainer.coordinator sees it:
                  (trainer.limits.CallSlots). The thread pool is larger than all slots together, so
                  health and Status always answer.
 
-Then a trainer.refusal.Refusal becomes its status code; anything unexpected becomes INTERNAL with
-one rate-limited log line. A session token is 32 random bytes given in JoinResponse; only its
-sha256 is kept, and a new Join of the same worker replaces it (trainer.coordinator.Coordinator.join
+Then the service translates: protobuf messages into the machine's plain types and back, and a
+trainer.refusal.Refusal's reason into its status code (``STATUS_OF``); anything unexpected becomes
+INTERNAL with one rate-limited log line. A session token is 32 random bytes given in JoinResponse;
+only its sha256 is kept, and a new Join of the same worker replaces it (trainer.coordinator.registry
 says who may re-join a live worker's id).
 """
 
 from __future__ import annotations
 
-import fcntl
+import dataclasses
 import hashlib
 import hmac
 import logging
 import os
-import signal
 import threading
-import time
-from concurrent import futures
 from typing import Callable, Iterator, TypeVar
 
 import grpc
-from grpc_health.v1 import health, health_pb2, health_pb2_grpc
+from grpc_health.v1 import health, health_pb2
 
-from proto import CHANNEL_OPTIONS, CHUNK_BYTES, PROTOCOL_VERSION, SERVICE_NAME, pb
-from settlement import OutboxError, RecordConflict
+from proto import CHUNK_BYTES, METADATA_SESSION, METADATA_WORKER, PROTOCOL_VERSION, SERVICE_NAME, Encoding, WorkerPhase, pb
 from trainer.aggregation import InvalidUpdate, validate_payload
-from trainer.config import RunConfig
-from trainer.coordinator import Coordinator, GlobalState
+from trainer.coordinator.machine import Coordinator
+from trainer.coordinator.state import GlobalState, StatusView, UpdateHeader
 from trainer.limits import (
     CallSlots, Exhausted, FieldError, LogBudget, Slot, TokenBucket, check_fields, check_phase, check_worker_id,
     clip,
 )
-from trainer.refusal import Refusal
-from trainer.run_dir import RunDir
-from trainer.trust import TrustSettings
-from trainer.wire import ENCODING_DENSE_F32, ENCODING_HELD, ENCODING_LOWRANK_INT4, WireError, chunked, json_object, reassemble, sha256_hex
+from trainer.refusal import Reason, Refusal
+from trainer.wire import WireError, chunked, json_object, reassemble, sha256_hex
 
 log = logging.getLogger("dilocox.service")
 T = TypeVar("T")
-
-METADATA_WORKER = "dilocox-worker"
-METADATA_SESSION = "dilocox-session-bin"
 
 LONG_POLL_MAX_S = 30.0   # the longest a FetchGlobal may wait for a round to close
 STREAM_SLOTS = 32        # PushUpdate + FetchGlobal calls at once, in all
@@ -66,6 +58,23 @@ JOIN_SLOTS = 4           # Joins being verified at once (evidence, chain)
 THREADS = 64             # > STREAM_SLOTS + JOIN_SLOTS: the rest serve health, Status and short calls
 MAX_RPCS = 256           # beyond this gRPC itself answers RESOURCE_EXHAUSTED, before any thread
 MAX_STREAMS_PER_CONNECTION = 64
+
+_CODE = grpc.StatusCode
+# Every refusal reason's status code: the one place the round logic's reasons meet gRPC.
+STATUS_OF: dict[Reason, grpc.StatusCode] = {
+    Reason.MALFORMED: _CODE.INVALID_ARGUMENT, Reason.BAD_CLAIM: _CODE.INVALID_ARGUMENT,
+    Reason.REPLAYED: _CODE.INVALID_ARGUMENT, Reason.SCREENED_OUT: _CODE.INVALID_ARGUMENT,
+    Reason.PROTOCOL: _CODE.FAILED_PRECONDITION, Reason.WRONG_RUN: _CODE.FAILED_PRECONDITION,
+    Reason.FINISHED: _CODE.FAILED_PRECONDITION, Reason.STALE_ROUND: _CODE.FAILED_PRECONDITION,
+    Reason.ROUND_NOT_OPEN: _CODE.FAILED_PRECONDITION, Reason.WRONG_BASE: _CODE.FAILED_PRECONDITION,
+    Reason.NOT_PUBLISHED: _CODE.FAILED_PRECONDITION, Reason.NOT_PARTICIPANT: _CODE.FAILED_PRECONDITION,
+    Reason.NO_LEDGER: _CODE.FAILED_PRECONDITION, Reason.BAD_NONCE: _CODE.FAILED_PRECONDITION,
+    Reason.NO_SESSION: _CODE.UNAUTHENTICATED, Reason.BAD_SIGNATURE: _CODE.UNAUTHENTICATED,
+    Reason.NO_EVIDENCE: _CODE.UNAUTHENTICATED, Reason.UNKNOWN_WORKER: _CODE.PERMISSION_DENIED,
+    Reason.NOT_ADMITTED: _CODE.PERMISSION_DENIED, Reason.DUPLICATE: _CODE.ALREADY_EXISTS,
+    Reason.ID_HELD: _CODE.ALREADY_EXISTS, Reason.REGISTRY_FULL: _CODE.RESOURCE_EXHAUSTED,
+    Reason.CHAIN_UNAVAILABLE: _CODE.UNAVAILABLE,
+}
 
 
 class _Malformed:
@@ -90,11 +99,6 @@ def _parser(message_type: type) -> Callable[[bytes], object]:
 def _decoded(request: object, what: str) -> None:
     if request is MALFORMED:
         raise FieldError(f"the {what} message does not decode")
-
-
-def session_metadata(worker_id: str, token: bytes) -> tuple[tuple[str, str | bytes], ...]:
-    """The metadata a worker's calls carry after Join."""
-    return ((METADATA_WORKER, worker_id), (METADATA_SESSION, token))
 
 
 class Sessions:
@@ -153,7 +157,7 @@ class CoordinatorService:
         try:
             return body()
         except Refusal as r:
-            code, message = r.code, r.message
+            code, message = STATUS_OF[r.reason], r.message
             if code == grpc.StatusCode.UNAUTHENTICATED:  # someone acting for a worker it is not
                 self.budget.warning("unauthenticated", "%s from %s refused: %s", rpc, _peer_host(context), message)
         except FieldError as exc:
@@ -182,15 +186,15 @@ class CoordinatorService:
         worker = metadata.get(METADATA_WORKER, "")
         token = metadata.get(METADATA_SESSION, b"")
         if not isinstance(worker, str) or not worker or not isinstance(token, bytes):
-            raise Refusal(grpc.StatusCode.UNAUTHENTICATED,
+            raise Refusal(Reason.NO_SESSION,
                           f"this call acts for a worker: send {METADATA_WORKER} and {METADATA_SESSION} metadata "
                           f"(the session token of your Join)")
         check_worker_id(worker)
         if not self.sessions.valid(worker, token):
-            raise Refusal(grpc.StatusCode.UNAUTHENTICATED,
+            raise Refusal(Reason.NO_SESSION,
                           f"no session of worker {worker!r} has this token: Join again")
         if claimed is not None and claimed != worker:
-            raise Refusal(grpc.StatusCode.UNAUTHENTICATED,
+            raise Refusal(Reason.NO_SESSION,
                           f"the request names worker {clip(claimed)}, but the session is {worker!r}'s")
         return worker
 
@@ -211,8 +215,8 @@ class CoordinatorService:
             nonce = self.c.challenge(request.worker_id, request.protocol_version)
             chain_id, ledger = self._ledger()
             return pb.ChallengeResponse(
-                nonce=nonce, run_digest=self.c.run_digest, config_json=self.c.config_bytes,
-                config_cid=str(self.c.config_cid), attestation_required=self.c.gate is not None,
+                nonce=nonce, run_digest=self.c.run.run_digest, config_json=self.c.run.config_bytes,
+                config_cid=str(self.c.run.config_cid), attestation_required=self.c.trust is not None,
                 chain_id=chain_id, ledger=ledger, coordinator_address=self.c.signer.address,
             )
         return self._call(context, "Challenge", body)
@@ -234,10 +238,10 @@ class CoordinatorService:
             cfg = self.c.config
             chain_id, ledger = self._ledger()
             return pb.JoinResponse(
-                protocol_version=PROTOCOL_VERSION, run_id=cfg.run_id, config_json=self.c.config_bytes,
-                config_cid=str(self.c.config_cid), open_round=open_round, shard=shard,
+                protocol_version=PROTOCOL_VERSION, run_id=cfg.run_id, config_json=self.c.run.config_bytes,
+                config_cid=str(self.c.run.config_cid), open_round=open_round, shard=shard,
                 num_shards=cfg.rounds.expected_workers, heartbeat_interval_s=cfg.rounds.heartbeat_interval_s,
-                run_digest=self.c.run_digest, chain_id=chain_id, ledger=ledger, session_token=token,
+                run_digest=self.c.run.run_digest, chain_id=chain_id, ledger=ledger, session_token=token,
                 coordinator_address=self.c.signer.address,
             )
         return self._call(context, "Join", body)
@@ -256,16 +260,16 @@ class CoordinatorService:
             check_fields(request)
             worker = self._worker(context, request.worker_id)
             check_phase(request.phase)
-            open_round, finished = self.c.heartbeat(worker, request.round, request.phase)
+            open_round, finished = self.c.heartbeat(worker, request.round, WorkerPhase(request.phase))
             return pb.HeartbeatResponse(open_round=open_round, finished=finished)
         return self._call(context, "Heartbeat", body)
 
     def Status(self, request: pb.StatusRequest, context: grpc.ServicerContext) -> pb.StatusResponse:
-        return self._call(context, "Status", self.c.status)
+        return self._call(context, "Status", lambda: status_message(self.c.status()))
 
     def _ledger(self) -> tuple[int, str]:
-        gate = self.c.gate
-        return (gate.domain.chain_id, gate.domain.ledger) if gate else (0, "")
+        trust = self.c.trust
+        return (trust.chain_id, trust.ledger_address) if trust else (0, "")
 
     # ------------------------------------------------------------------------- streams
 
@@ -282,9 +286,9 @@ class CoordinatorService:
         if first is None or first is MALFORMED or not first.HasField("header"):
             raise FieldError("the first message of a push must be its header")
         check_fields(first)
-        header = first.header
+        header = update_header(first.header)
         if header.worker_id != worker:
-            raise Refusal(grpc.StatusCode.UNAUTHENTICATED,
+            raise Refusal(Reason.NO_SESSION,
                           f"the push header names worker {clip(header.worker_id)}, but the session is {worker!r}'s")
         wire_bytes = first.ByteSize()
 
@@ -302,10 +306,10 @@ class CoordinatorService:
                 declared = self.c.admit_header(header)  # refused before a payload byte is read
                 what = f"update from {worker} for round {header.round}"
                 payload = reassemble(data(), header.payload_size, header.payload_sha256, what=what)
-                update = validate_payload(payload, declared, self.c.bound, encoding=header.encoding,
+                update = validate_payload(payload, declared, self.c.bound, encoding=Encoding(header.encoding),
                                           codec_header=codec_header(header))
             except (WireError, InvalidUpdate) as exc:
-                raise Refusal(grpc.StatusCode.INVALID_ARGUMENT, str(exc)) from exc
+                raise Refusal(Reason.MALFORMED, str(exc)) from exc
             finally:
                 self.c.count_up(worker, wire_bytes)  # refused or not, these bytes crossed the network
             cid, open_round = self.c.accept(header, update, wire_bytes)
@@ -350,25 +354,47 @@ class CoordinatorService:
         header = pb.GlobalHeader(
             available=True, round=state.round, params_cid=str(state.params_cid),
             manifest_cid=str(state.manifest_cid), open_round=open_round, finished=finished,
-            eval_loss_e6=state.eval_loss_e6, encoding=ENCODING_DENSE_F32, signature=self.c.global_signature(state),
+            eval_loss_e6=state.eval_loss_e6, encoding=Encoding.DENSE_F32, signature=self.c.global_signature(state),
         )
         payload = state.payload
         if have_params_cid == str(state.params_cid):
             # The worker holds θ⁽ʳ⁾ already (θ⁽⁰⁾ it builds from the seed): the header says so.
-            payload, header.encoding = b"", ENCODING_HELD
-        elif state.downlink is not None and have_params_cid == state.downlink[2]:
+            payload, header.encoding = b"", Encoding.HELD
+        elif state.downlink is not None and have_params_cid == state.downlink.base_params_cid:
             # The worker holds θ⁽ʳ⁻¹⁾: the compressed global update is all it needs.
-            payload, header.compression_header, header.base_params_cid = state.downlink
-            header.encoding = ENCODING_LOWRANK_INT4
+            down = state.downlink
+            payload, header.compression_header, header.base_params_cid = down.payload, down.header, down.base_params_cid
+            header.encoding = down.encoding
         header.payload_size, header.payload_sha256 = len(payload), sha256_hex(payload)
         yield pb.GlobalChunk(header=header)
         for piece in chunked(payload, CHUNK_BYTES):
             yield pb.GlobalChunk(data=piece)
 
 
-def codec_header(h: pb.UpdateHeader) -> dict | None:
+def update_header(h: pb.UpdateHeader) -> UpdateHeader:
+    """A push header as the state machine takes it (fields already bounded by check_fields)."""
+    return UpdateHeader(
+        protocol_version=h.protocol_version, run_id=h.run_id, worker_id=h.worker_id, round=h.round, stage=h.stage,
+        num_stages=h.num_stages, encoding=h.encoding,
+        tensors=tuple((t.name, t.dtype, tuple(int(d) for d in t.shape)) for t in h.tensors),
+        payload_size=h.payload_size, payload_sha256=h.payload_sha256, train_loss=h.train_loss, tokens=h.tokens,
+        inner_steps=h.inner_steps, base_params_cid=h.base_params_cid, base_bytes_received=h.base_bytes_received,
+        signature=h.signature, compression_header=h.compression_header, inner_state_sha256=h.inner_state_sha256,
+    )
+
+
+def status_message(view: StatusView) -> pb.StatusResponse:
+    return pb.StatusResponse(
+        run_id=view.run_id, open_round=view.open_round, total_rounds=view.total_rounds, finished=view.finished,
+        workers=[pb.WorkerStatus(**{**dataclasses.asdict(w), "phase": int(w.phase)}) for w in view.workers],
+        rounds=[pb.RoundSummary(**dataclasses.asdict(s)) for s in view.rounds],
+        ledger_lag_rounds=view.ledger_lag_rounds,
+    )
+
+
+def codec_header(h: UpdateHeader) -> dict | None:
     """The compression header of a compressed push, parsed (None for dense pushes)."""
-    if h.encoding != ENCODING_LOWRANK_INT4:
+    if h.encoding != Encoding.LOWRANK_INT4:
         return None
     try:
         return json_object(h.compression_header, "compression_header")
@@ -404,139 +430,3 @@ def handler(service: CoordinatorService) -> grpc.GenericRpcHandler:
     })
 
 
-def _settle_forever(coordinator: Coordinator, settling: threading.Event, stop: threading.Event,
-                    failure: list[str], interval_s: float = 0.5) -> None:
-    """Queue reported rounds and push the outbox to the chain until ``settling`` is set. A chain
-    that holds another record than ours, or an outbox item that cannot be read, cannot be fixed
-    by retrying: that is put in ``failure`` and ``stop`` is set, so the coordinator exits 1."""
-    gate = coordinator.gate
-    assert gate is not None
-    last_error = ""
-    while not settling.is_set():
-        try:
-            coordinator.settle()
-            gate.outbox.flush(gate.ledger)
-            coordinator.ledger_lag = coordinator.global_state.round - coordinator.recorded_through()
-        except (RecordConflict, OutboxError) as exc:
-            failure.append(f"the ledger cannot be caught up: {clip(exc, 400)}")
-            stop.set()
-            return
-        except Exception as exc:  # never let the settlement thread die silently: say why (once), keep going
-            if str(exc) != last_error:
-                log.exception("settlement step failed; retrying")
-                last_error = str(exc)
-        settling.wait(interval_s)
-
-
-class RunDirBusy(OSError):
-    """Another coordinator holds this run directory."""
-
-
-def lock_run_dir(run_dir: RunDir) -> int:
-    """An exclusive lock on <run>/coordinator.lock for this process's life: one coordinator a run."""
-    fd = os.open(run_dir.path / "coordinator.lock", os.O_RDWR | os.O_CREAT, 0o644)
-    try:
-        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-    except BlockingIOError:
-        os.close(fd)
-        raise RunDirBusy(f"another coordinator is serving {run_dir.path} (it holds coordinator.lock)") from None
-    os.ftruncate(fd, 0)
-    os.write(fd, f"{os.getpid()}\n".encode())
-    return fd
-
-
-def serve(run_dir: RunDir, config: RunConfig | None, host: str = "127.0.0.1", port: int = 0,
-          linger_s: float = 10.0, trust: TrustSettings | None = None, settle_timeout_s: float = 120.0,
-          credentials: grpc.ServerCredentials | None = None, idle_s: float = 30.0) -> int:
-    """Run the coordinator until the run's last round is published and, with a ledger, recorded
-    (or SIGTERM/SIGINT). Rounds the chain has not confirmed stay in <run>/outbox for next time.
-    ``credentials`` None serves plaintext, which the caller must have asked for (--insecure)."""
-    lock = lock_run_dir(run_dir)
-    coordinator = Coordinator(run_dir, config, trust=trust)
-    service = CoordinatorService(coordinator, idle_s=idle_s)
-    options = [*CHANNEL_OPTIONS, ("grpc.so_reuseport", 0), ("grpc.max_concurrent_streams", MAX_STREAMS_PER_CONNECTION)]
-    server = grpc.server(futures.ThreadPoolExecutor(max_workers=THREADS, thread_name_prefix="rpc"), options=options,
-                         maximum_concurrent_rpcs=MAX_RPCS)
-    server.add_generic_rpc_handlers((handler(service),))
-    health_servicer = _Health()
-    health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
-    where = f"{host}:{port}"
-    try:  # no SO_REUSEPORT: a port another process holds is refused, not silently shared
-        bound = server.add_secure_port(where, credentials) if credentials else server.add_insecure_port(where)
-    except RuntimeError:
-        bound = 0
-    if bound == 0:
-        raise OSError(f"cannot listen on {where}: the address is in use or not this machine's")
-    server.start()
-    for name in ("", SERVICE_NAME):
-        health_servicer.set(name, health_pb2.HealthCheckResponse.SERVING)
-    address = f"{host}:{bound}"
-    run_dir.write_address(address)
-    log.info("coordinator of run %s listening on %s (%s), open round %d of %d", coordinator.config.run_id,
-             address, "TLS" if credentials else "PLAINTEXT: --insecure", coordinator.round.number,
-             coordinator.config.rounds.rounds)
-
-    stop = threading.Event()
-    for sig in (signal.SIGTERM, signal.SIGINT):
-        signal.signal(sig, lambda *_: stop.set())
-    settling = threading.Event()
-    failure: list[str] = []
-    settler = None
-    if coordinator.gate is not None:
-        settler = threading.Thread(target=_settle_forever, args=(coordinator, settling, stop, failure),
-                                   name="settlement", daemon=True)
-        settler.start()
-    try:
-        code = _run_rounds(coordinator, run_dir, stop, linger_s, settle_timeout_s)
-        if failure:
-            log.error("cannot go on: %s. Rounds stay published in %s; nothing was sent in their place",
-                      failure[0], run_dir.path)
-            code = 1
-    except Exception as exc:  # a round that cannot be published: stop at once, resumable from HEAD
-        log.error("cannot go on: round %d was not published: %s: %s. HEAD stays at round %d and the "
-                  "accepted updates stay journalled; fix the cause and start the coordinator again",
-                  coordinator.round.number, type(exc).__name__, clip(exc, 300), coordinator.global_state.round)
-        log.debug("publish failure", exc_info=True)
-        code = 1
-    finally:
-        settling.set()
-        if settler is not None:
-            settler.join(timeout=30)
-        for name in ("", SERVICE_NAME):
-            health_servicer.set(name, health_pb2.HealthCheckResponse.NOT_SERVING)
-        server.stop(grace=2.0).wait()
-        service.close()
-        os.close(lock)
-    return code
-
-
-def _run_rounds(coordinator: Coordinator, run_dir: RunDir, stop: threading.Event, linger_s: float,
-                settle_timeout_s: float) -> int:
-    """Close and publish rounds until the run is finished (or ``stop``), then let workers see the
-    end and the ledger catch up; returns the exit status: 1 when rounds remain unrecorded."""
-    while not stop.is_set() and not coordinator.finished:
-        if coordinator.close_due():
-            coordinator.close_round()
-        else:
-            stop.wait(0.05)
-    if not coordinator.finished:
-        log.info("stopped at round %d by a signal; the run resumes from %s", coordinator.round.number, run_dir.path)
-        return 0
-    # Let live workers fetch the final checkpoint and learn the run is over before going away.
-    deadline = time.monotonic() + linger_s
-    while not stop.is_set() and time.monotonic() < deadline:
-        if coordinator.live_workers_done():
-            break
-        stop.wait(0.1)
-    log.info("run %s finished: %d rounds, head %s", coordinator.config.run_id,
-             coordinator.global_state.round, coordinator.global_state.manifest_cid)
-    deadline = time.monotonic() + settle_timeout_s
-    while not stop.is_set() and not coordinator.settled() and time.monotonic() < deadline:
-        stop.wait(0.2)
-    if not coordinator.settled():
-        log.error("not every round is recorded on the ledger yet; what is left stays queued in %s "
-                  "and is sent when the coordinator runs again", run_dir.path / "outbox")
-        return 1
-    if coordinator.gate is not None:
-        log.info("every round is recorded on the ledger %s", coordinator.gate.domain.ledger)
-    return 0

@@ -52,9 +52,9 @@ which includes waiting inside the collective for a slower peer, as synchronous t
 
 Processes
 ---------
-:func:`run_allreduce` spawns W processes (``spawn`` start method) that meet through a
-``TCPStore`` on 127.0.0.1 with an OS-chosen port and run gloo bound to the loopback interface, as
-:mod:`trainer.pipeline` does. The process group's timeout bounds the rendezvous (so it must cover
+:func:`run_allreduce` spawns W processes (``spawn`` start method), one trainer.procgroup.LocalGroup
+as the pipeline stages are: they meet through a ``TCPStore`` on 127.0.0.1 with an OS-chosen port
+and run gloo bound to the loopback interface. The process group's timeout bounds the rendezvous (so it must cover
 the spread of the ranks' start-up) and every collective, so a rank whose peer stops responding
 fails instead of waiting forever. The caller
 watches the processes: a rank that dies or raises ends the run with an :class:`AllReduceError`
@@ -68,12 +68,9 @@ from __future__ import annotations
 import hashlib
 import math
 import os
-import queue as queue_mod
 import time
-import traceback
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
-from datetime import timedelta
 from typing import Any
 
 import numpy as np
@@ -85,7 +82,7 @@ from trainer.config import RunConfig
 from trainer.data import load_corpus, round_batches
 from trainer.link import Link
 from trainer.model import build_model
-from trainer.pipeline import _loopback_interface, stop_processes
+from trainer.procgroup import LocalGroup, Member, join_group, leave_child, report_error
 
 
 class AllReduceError(RuntimeError):
@@ -256,33 +253,22 @@ def _numpy_params(names: list[str], params: list[torch.Tensor]) -> dict[str, np.
     return {n: p.detach().numpy().copy() for n, p in zip(names, params)}
 
 
-def _rank_main(rank: int, port: int, job: _Job, results: Any) -> None:
+def _rank_main(member: Member, results: Any, job: _Job) -> None:
     """Entry point of a spawned rank: rendezvous, train, report to the parent, leave."""
     try:
-        torch.set_num_threads(job.threads)
-        interface = _loopback_interface()
-        if interface and "GLOO_SOCKET_IFNAME" not in os.environ:
-            os.environ["GLOO_SOCKET_IFNAME"] = interface  # nothing leaves the host
         cfg = job.config
         # Each rank reads the corpus itself: it is cheap, and a shard passed as a spawn argument
         # would block Process.start() until the child has imported torch, serialising start-up.
-        shard = load_corpus(cfg.data, cfg.seed, cfg.model.block_size).shard(rank, job.workers)
-        timeout = timedelta(seconds=job.timeout_s)
-        store = dist.TCPStore("127.0.0.1", port, job.workers, is_master=False, timeout=timeout)
-        try:
-            dist.init_process_group("gloo", store=store, rank=rank, world_size=job.workers,
-                                    timeout=timeout)
-        except Exception as exc:
-            raise AllReduceError(f"process group rendezvous failed within {job.timeout_s:g} s: "
-                                 f"{exc}") from exc
-        results.put(("ok", rank, _train(rank, job, shard)))
+        shard = load_corpus(cfg.data, cfg.seed, cfg.model.block_size).shard(member.rank, job.workers)
+        join_group(member, AllReduceError, _who(member.rank, job.workers))
+        results.put(("ok", member.rank, 1, _train(member.rank, job, shard)))
     except BaseException as exc:  # noqa: BLE001 - everything goes back to the parent
-        results.put(("error", rank, f"{type(exc).__name__}: {exc}", traceback.format_exc()))
-    # Flush the report, then leave without the interpreter's teardown: unloading torch takes
-    # seconds on a busy machine, and after a failure the process group may wait on dead peers.
-    results.close()
-    results.join_thread()
-    os._exit(0)
+        report_error(results, member.rank, 1, exc)
+    leave_child(results)
+
+
+def _who(rank: int, world: int) -> str:
+    return f"rank {rank} of {world}"
 
 
 # --------------------------------------------------------------------------------- parent
@@ -290,84 +276,17 @@ def _rank_main(rank: int, port: int, job: _Job, results: Any) -> None:
 
 def _launch(job: _Job) -> list[dict[str, Any]]:
     """Spawn the ranks and collect their payloads, by rank; raise AllReduceError on a failure."""
-    world = job.workers
-    timeout = timedelta(seconds=job.timeout_s)
-    store = dist.TCPStore("127.0.0.1", 0, world, is_master=True, timeout=timeout,
-                          wait_for_workers=False)
-    ctx = mp.get_context("spawn")
-    results = ctx.Queue()
-    procs = [
-        ctx.Process(target=_rank_main, args=(k, store.port, job, results),
-                    name=f"allreduce-rank-{k}", daemon=True)
-        for k in range(world)
-    ]
-    payloads: dict[int, dict[str, Any]] = {}
-    errors: dict[int, tuple[str, str]] = {}  # in order of arrival: the first is the likely cause
-    first_error_at: float | None = None
+    group = LocalGroup(mp.get_context("spawn"), job.workers, _rank_main, timeout_s=job.timeout_s, threads=job.threads,
+                       who=lambda k: _who(k, job.workers), error=AllReduceError, name="allreduce-rank",
+                       args=lambda k: (job,))
     try:
-        for proc in procs:
-            proc.start()
-        while len(payloads) < world:
-            try:
-                message = results.get(timeout=0.1)
-            except queue_mod.Empty:
-                message = None
-            if message is not None:
-                _record(message, payloads, errors)
-                if message[0] == "error" and first_error_at is None:
-                    first_error_at = time.monotonic()
-                continue
-            dead = [k for k, p in enumerate(procs)
-                    if p.exitcode is not None and k not in payloads and k not in errors]
-            if dead:
-                _drain(results, payloads, errors)
-                dead = [k for k in dead if k not in payloads and k not in errors]
-            if dead:
-                k = dead[0]
-                raise AllReduceError(
-                    f"rank {k} of {world} (pid {procs[k].pid}) exited with code "
-                    f"{procs[k].exitcode} before reporting a result" + _others(errors))
-            # A rank's failure makes its peers' collectives fail too; give a dead rank a moment
-            # to show before naming the first rank that reported an error.
-            if first_error_at is not None and time.monotonic() - first_error_at > 1.0:
-                k = next(iter(errors))
-                message_, trace = errors[k]
-                # A peer that timed out names itself; the rank it waited for is one still silent.
-                silent = [j for j in range(world) if j not in payloads and j not in errors]
-                raise AllReduceError(
-                    f"rank {k} of {world} failed: {message_}"
-                    + _others({j: e for j, e in errors.items() if j != k})
-                    + (f"; rank(s) {silent} had not reported" if silent else "")
-                    + f"\n--- traceback of rank {k} ---\n{trace}")
-        for proc in procs:
+        group.start()
+        payloads = group.collect(1)
+        for proc in group.procs:  # each leaves by itself once its result is sent
             proc.join(timeout=job.timeout_s)
-        return [payloads[k] for k in range(world)]
+        return payloads
     finally:
-        stop_processes(procs)
-        results.close()
-        results.join_thread()
-
-
-def _record(message: tuple[Any, ...], payloads: dict[int, dict[str, Any]],
-            errors: dict[int, tuple[str, str]]) -> None:
-    if message[0] == "ok":
-        payloads[message[1]] = message[2]
-    else:
-        errors[message[1]] = (message[2], message[3])
-
-
-def _drain(results: Any, payloads: dict[int, dict[str, Any]],
-           errors: dict[int, tuple[str, str]]) -> None:
-    """Messages already written by ranks that have exited."""
-    while True:
-        try:
-            _record(results.get(timeout=0.5), payloads, errors)
-        except queue_mod.Empty:
-            return
-
-
-def _others(errors: dict[int, tuple[str, str]]) -> str:
-    return "".join(f"; rank {k}: {m}" for k, (m, _) in errors.items())
+        group.close()
 
 
 def run_allreduce(

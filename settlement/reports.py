@@ -1,0 +1,101 @@
+"""The report book: participants' signed reports by round, kept until their round is recorded.
+
+settlement.ledger_trust checks each report (settlement.gate) before it is filed here; this module
+decides when a round goes to the ledger outbox, and with which reports.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+
+from attestation import SignedReport
+from settlement.outbox import Outbox
+from storage_client import CID, Manifest
+from trainer.refusal import Reason, Refusal
+from trainer.run_dir import RunDir
+
+log = logging.getLogger("dilocox.settlement")
+
+
+class ReportBook:
+    """Signed reports by round, kept on disk until their round is queued for the ledger.
+
+    Rounds are queued strictly in order (the ledger refuses gaps): round r goes once every
+    participant of r has reported, or ``report_timeout_s`` after r closed, whatever has arrived by
+    then. A participant without a report is listed by its update digest as unreported: the ledger
+    records it on the coordinator's word and credits nobody, and the audit lists it. So a round
+    whose participants all died before reporting is still recorded, and never blocks the rounds
+    after it.
+    """
+
+    def __init__(self, run_dir: RunDir, outbox: Outbox, run_id: bytes, report_timeout_s: float,
+                 challenge_window: int = 0) -> None:
+        self.run_dir = run_dir
+        self.outbox = outbox
+        self.run_id = run_id
+        self.report_timeout_s = report_timeout_s
+        self.challenge_window = challenge_window
+        self.state = run_dir.load("settlement.json", {"run_created": False, "queued_through": 0})
+        self._lock = threading.Lock()
+
+    @property
+    def queued_through(self) -> int:
+        return int(self.state["queued_through"])
+
+    def _save(self) -> None:
+        self.run_dir.save("settlement.json", self.state)
+
+    def ensure_run(self, genesis_cid: CID, genesis: Manifest) -> None:
+        with self._lock:
+            if self.state["run_created"]:
+                return
+            self.outbox.enqueue_create_run(
+                run_id=self.run_id, genesis_checkpoint=CID.parse(genesis.params).digest,
+                config_digest=CID.parse(genesis.config).digest, genesis_manifest=genesis_cid.digest,
+                challenge_window=self.challenge_window,
+            )
+            self.state["run_created"] = True
+            self._save()
+
+    def add(self, worker_id: str, signed: SignedReport) -> None:
+        r = signed.report.round
+        with self._lock:
+            if r <= self.queued_through:
+                raise Refusal(Reason.NOT_PUBLISHED,
+                              f"round {r} has already been handed to the ledger; report too late")
+            held = self.run_dir.pending(r, "reports")
+            if worker_id in held:
+                raise Refusal(Reason.DUPLICATE, f"worker {worker_id!r} already reported round {r}")
+            held[worker_id] = signed.to_json()
+            self.run_dir.save_pending(r, held, "reports")
+
+    def queue_due(self, manifests: dict[int, tuple[CID, Manifest]], closed_at: dict[int, float],
+                  now: float) -> list[int]:
+        """Hand every round that is ready, in order, to the outbox; returns the rounds queued."""
+        queued = []
+        with self._lock:
+            while (r := self.queued_through + 1) in manifests:
+                cid, manifest = manifests[r]
+                held = self.run_dir.pending(r, "reports")
+                expected = {p.worker for p in manifest.participants}
+                waited = now - closed_at.get(r, now)
+                if not (expected <= set(held) or waited >= self.report_timeout_s):
+                    break
+                parent = manifests[r - 1][1]
+                unreported = {p.worker: CID.parse(p.update).digest for p in manifest.participants
+                              if p.worker not in held}
+                self.outbox.enqueue_round(
+                    run_id=self.run_id, round=r, parent=CID.parse(parent.params).digest,
+                    checkpoint=CID.parse(manifest.params).digest, manifest_digest=cid.digest,
+                    reports=[held[w] for w in sorted(held)], unreported=list(unreported.values()),
+                )
+                if unreported:
+                    log.warning("round %d: no report from %s after %.0fs; queued for the ledger with %s update(s) "
+                                "unreported (on the coordinator's word, credited to nobody)", r,
+                                ", ".join(sorted(unreported)), waited, "its" if not held else "their")
+                self.state["queued_through"] = r
+                self._save()
+                self.run_dir.clear_pending(r, "reports")
+                queued.append(r)
+        return queued

@@ -1,0 +1,246 @@
+"""The coordinator's state machine alone: plain types in, typed refusals out, under a fake clock.
+
+No gRPC here (trainer.coordinator.service translates; tests/integration covers the wire): the
+refusal order of a push header, the close rules (quorum, stragglers, abandoned and dead workers),
+the assembly of a worker's stage slices, the journal across a restart, and a published round.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import pytest
+import torch
+
+from proto import PROTOCOL_VERSION, Encoding, WorkerPhase
+from storage_client import lineage
+from tests.conftest import small_config
+from trainer.config import ModelConfig, RoundConfig
+from trainer.coordinator import Coordinator, UpdateHeader, open_run
+from trainer.pipeline import stage_param_names
+from trainer.refusal import Reason, Refusal
+from trainer.run_dir import RunDir
+from trainer.wire import Params, layout_of
+
+STATE = "ab" * 32
+
+
+class Clock:
+    def __init__(self, now: float = 1000.0) -> None:
+        self.now = now
+
+    def __call__(self) -> float:
+        return self.now
+
+
+def coordinator(tmp_path, clock: Clock, **sections: object) -> Coordinator:
+    return Coordinator(open_run(RunDir(tmp_path / "run"), small_config(**sections)), clock=clock)
+
+
+def update_of(c: Coordinator, scale: float, names: list[str] | None = None) -> Params:
+    g = torch.Generator().manual_seed(int(scale * 1000))
+    params = c.global_state.params
+    return {n: torch.randn(params[n].shape, generator=g) * 1e-3 * scale for n in (names or params)}
+
+
+def header(c: Coordinator, worker: str, update: Params, **fields: object) -> UpdateHeader:
+    cfg = c.config
+    values = dict(
+        protocol_version=PROTOCOL_VERSION, run_id=cfg.run_id, worker_id=worker, round=c.round.number, stage=0,
+        num_stages=1, encoding=int(Encoding.DENSE_F32),
+        tensors=tuple((n, d, s) for n, (d, s) in layout_of(update).items()), payload_size=1000,
+        payload_sha256="0" * 64, train_loss=float(c.global_state.eval_loss_e6) / 1e6, tokens=c.run.round_tokens,
+        inner_steps=cfg.inner.steps, base_params_cid=str(c.global_state.params_cid), base_bytes_received=0,
+        signature=b"", compression_header=b"", inner_state_sha256=STATE,
+    )
+    values.update(fields)
+    if values["num_stages"] > 1:
+        values["inner_state_sha256"] = ""
+    return UpdateHeader(**values)
+
+
+def push(c: Coordinator, h: UpdateHeader, update: Params) -> None:
+    """What the service does with a push whose payload decoded to ``update``."""
+    try:
+        c.admit_header(h)
+        c.accept(h, update, wire_bytes=1234)
+    except Refusal as refusal:
+        c.refuse(h, refusal)
+        raise
+
+
+def refused(c: Coordinator, h: UpdateHeader, update: Params) -> Reason:
+    with pytest.raises(Refusal) as caught:
+        push(c, h, update)
+    return caught.value.reason
+
+
+def joined(c: Coordinator, *workers: str) -> None:
+    for w in workers:
+        c.join(w, PROTOCOL_VERSION)
+
+
+# ----------------------------------------------------------------------------- refusal order
+
+
+def test_a_push_header_is_refused_by_its_first_fault_in_a_fixed_order(tmp_path) -> None:
+    clock = Clock()
+    c = coordinator(tmp_path, clock)
+    joined(c, "w0", "w1")
+    u = update_of(c, 1.0)
+    # Each header carries every fault from its row on; the first one is the reason given.
+    faults = [
+        (dict(protocol_version=PROTOCOL_VERSION + 1), Reason.PROTOCOL),
+        (dict(run_id="another"), Reason.WRONG_RUN),
+        (dict(worker_id="stranger"), Reason.UNKNOWN_WORKER),
+        (dict(round=7), Reason.ROUND_NOT_OPEN),
+        (dict(base_params_cid=""), Reason.WRONG_BASE),
+        (dict(encoding=99), Reason.MALFORMED),
+        (dict(payload_size=10**12), Reason.MALFORMED),
+        (dict(tokens=1), Reason.BAD_CLAIM),
+        (dict(train_loss=1e5), Reason.BAD_CLAIM),
+        (dict(tensors=()), Reason.MALFORMED),
+        (dict(inner_state_sha256="not hex"), Reason.MALFORMED),
+    ]
+    for i, (_, reason) in enumerate(faults):
+        fields: dict = {}
+        for later, _ in faults[i:]:
+            fields.update(later)
+        assert refused(c, header(c, "w0", u, **fields), u) is reason, faults[i]
+    assert len(c.round.refused["w0"]) == 7  # those of w0's own open round are filed against it
+    push(c, header(c, "w0", u), u)
+    assert refused(c, header(c, "w0", u, encoding=99), u) is Reason.DUPLICATE  # held: duplicate comes first
+    assert refused(c, header(c, "w1", u), u) is Reason.REPLAYED  # byte-identical to w0's
+
+
+def test_a_stale_push_is_refused_as_stale_whatever_else_is_wrong(tmp_path) -> None:
+    clock = Clock()
+    c = coordinator(tmp_path, clock)
+    joined(c, "w0", "w1")
+    for w, scale in (("w0", 1.0), ("w1", 2.0)):
+        u = update_of(c, scale)
+        push(c, header(c, w, u), u)
+    assert c.close_due()
+    c.close_round()
+    u = update_of(c, 3.0)
+    assert refused(c, header(c, "w0", u, round=1, encoding=99, tokens=5), u) is Reason.STALE_ROUND
+    assert "w0" not in c.round.refused  # a push for a closed round is not filed against the open one
+
+
+# ----------------------------------------------------------------------------- close rules
+
+
+def test_a_round_closes_when_everyone_live_delivered_or_after_the_straggler_timeout(tmp_path) -> None:
+    clock = Clock()
+    c = coordinator(tmp_path, clock, rounds=RoundConfig(rounds=3, expected_workers=3, quorum=2,
+                                                         straggler_timeout_s=30.0, liveness_timeout_s=3.0))
+    joined(c, "w0", "w1", "w2")
+    assert not c.close_due()  # nothing accepted: nothing to close
+    u0 = update_of(c, 1.0)
+    push(c, header(c, "w0", u0), u0)
+    assert not c.close_due()  # below quorum, and w1, w2 are live and have not delivered
+    clock.now += 1.0
+    u1 = update_of(c, 2.0)
+    push(c, header(c, "w1", u1), u1)
+    assert not c.close_due()  # quorum, but w2 is live and may still deliver
+    c.heartbeat("w2", 1, WorkerPhase.ABANDONED)  # w2 will push nothing this round
+    assert c.close_due() and c.round.closing
+    assert c.close_round().participants == ("w0", "w1")
+
+    u0 = update_of(c, 3.0)
+    push(c, header(c, "w0", u0), u0)
+    clock.now += 29.9
+    c.heartbeat("w1", 2, WorkerPhase.TRAINING)
+    c.heartbeat("w2", 2, WorkerPhase.TRAINING)
+    assert not c.close_due()
+    clock.now += 0.2  # 30 s after the first accepted update: the stragglers are dropped
+    assert c.close_due()
+    summary = c.close_round()
+    assert summary.participants == ("w0",) and summary.dropped == ("w1", "w2")
+
+
+def test_a_dead_worker_does_not_hold_a_round_open(tmp_path) -> None:
+    clock = Clock()
+    c = coordinator(tmp_path, clock)
+    joined(c, "w0", "w1")
+    clock.now += 2.0
+    c.heartbeat("w0", 1, WorkerPhase.TRAINING)
+    clock.now += 2.0  # w1 silent for 4 s > liveness 3 s
+    u = update_of(c, 1.0)
+    push(c, header(c, "w0", u), u)
+    assert not c.close_due()  # quorum 2 is not met by one update
+    c2 = coordinator(tmp_path / "two", clock, rounds=dataclasses.replace(c.config.rounds, quorum=1))
+    joined(c2, "w0", "w1")
+    clock.now += 4.0
+    c2.heartbeat("w0", 1, WorkerPhase.TRAINING)
+    u = update_of(c2, 1.0)
+    push(c2, header(c2, "w0", u), u)
+    assert c2.close_due()  # w1 is not live: only w0 could deliver
+
+
+# ----------------------------------------------------------------------------- stage slices
+
+
+def two_stage(tmp_path, clock: Clock) -> Coordinator:
+    return coordinator(tmp_path, clock, model=ModelConfig(block_size=32, n_layer=2, n_head=2, n_embd=32))
+
+
+def test_a_workers_stage_slices_count_once_all_are_in_as_their_union(tmp_path) -> None:
+    clock = Clock()
+    c = two_stage(tmp_path, clock)
+    joined(c, "w0", "w1")
+    names = stage_param_names(c.config.model, 2)
+    whole = update_of(c, 1.0)
+    slices = [{n: whole[n] for n in names[s]} for s in range(2)]
+    push(c, header(c, "w0", slices[0], stage=0, num_stages=2), slices[0])
+    assert "w0" not in c.round.accepted and set(c.round.partial["w0"].slices) == {0}
+    assert refused(c, header(c, "w0", slices[0], stage=0, num_stages=2), slices[0]) is Reason.DUPLICATE
+    assert refused(c, header(c, "w0", slices[1], stage=1, num_stages=3), slices[1]) is Reason.MALFORMED
+    assert "w0" not in c.round.partial  # a refused slice drops the worker's others
+    for s in range(2):
+        push(c, header(c, "w0", slices[s], stage=s, num_stages=2), slices[s])
+    accepted = c.round.accepted["w0"]
+    assert set(accepted.update) == set(whole) and all(torch.equal(accepted.update[n], whole[n]) for n in whole)
+    assert accepted.entry.bytes_sent == 2 * 1234 and accepted.entry.state is None
+
+
+def test_slices_of_one_round_must_agree_on_their_metrics(tmp_path) -> None:
+    clock = Clock()
+    c = two_stage(tmp_path, clock)
+    joined(c, "w0", "w1")
+    names = stage_param_names(c.config.model, 2)
+    whole = update_of(c, 1.0)
+    first = {n: whole[n] for n in names[0]}
+    second = {n: whole[n] for n in names[1]}
+    loss = float(c.global_state.eval_loss_e6) / 1e6
+    push(c, header(c, "w0", first, stage=0, num_stages=2, train_loss=loss), first)
+    assert refused(c, header(c, "w0", second, stage=1, num_stages=2, train_loss=loss * 0.9), second) is Reason.BAD_CLAIM
+
+
+# ----------------------------------------------------------------------------- durability
+
+
+def test_accepted_updates_and_slices_survive_a_restart_and_the_round_publishes(tmp_path) -> None:
+    clock = Clock()
+    c = two_stage(tmp_path, clock)
+    joined(c, "w0", "w1")
+    names = stage_param_names(c.config.model, 2)
+    u0 = update_of(c, 1.0)
+    push(c, header(c, "w0", u0), u0)
+    u1 = update_of(c, 2.0)
+    first = {n: u1[n] for n in names[0]}
+    push(c, header(c, "w1", first, stage=0, num_stages=2), first)
+
+    restarted = Coordinator(open_run(RunDir(tmp_path / "run"), None), clock=clock)
+    assert set(restarted.round.accepted) == {"w0"} and set(restarted.round.partial["w1"].slices) == {0}
+    joined(restarted, "w0", "w1")
+    second = {n: u1[n] for n in names[1]}
+    push(restarted, header(restarted, "w1", second, stage=1, num_stages=2), second)
+    assert restarted.close_due()
+    summary = restarted.close_round()
+    assert summary.participants == ("w0", "w1") and restarted.round.number == 2
+    chain = lineage(restarted.run.run_dir.store, restarted.run.run_dir.head())
+    manifest = chain[-1][1]
+    assert [p.worker for p in manifest.participants] == ["w0", "w1"]
+    assert manifest.participants[0].state == STATE and manifest.participants[1].state is None
+    assert all(p.tokens == restarted.run.round_tokens for p in manifest.participants)

@@ -1,0 +1,147 @@
+"""The checks a push passes before a payload byte is read, and the rules an accepted one must keep.
+
+Refusal order matters, and is the order of :func:`check_round`, :func:`check_base` and
+:func:`check_form` as trainer.coordinator.machine calls them: a stale or duplicate push is reported
+as such even if its contents are also wrong. Each check raises a :class:`trainer.refusal.Refusal`
+with its typed reason; none of them knows the transport.
+"""
+
+from __future__ import annotations
+
+import math
+import re
+
+from proto import PROTOCOL_VERSION, PUSH_ENCODINGS
+from trainer.aggregation import InvalidUpdate, check_layout
+from trainer.config import ModelConfig, RunConfig
+from trainer.coordinator.state import JournalEntry, OpenRound, StageSlices, UpdateHeader
+from trainer.limits import clip
+from trainer.pipeline import stage_param_names
+from trainer.refusal import Reason, Refusal
+from trainer.wire import Layout
+
+# A declared train loss must lie in [a·L0, b·L0 + c], L0 the held-out loss of the round's start.
+TRAIN_LOSS_BAND = (0.2, 1.5, 0.5)
+_SHA256_HEX = re.compile(r"^[0-9a-f]{64}$")
+
+
+def check_protocol(version: int) -> None:
+    if version != PROTOCOL_VERSION:
+        raise Refusal(Reason.PROTOCOL,
+                      f"protocol version {version} is not supported: this coordinator speaks version "
+                      f"{PROTOCOL_VERSION}; upgrade the worker")
+
+
+def check_round(current: OpenRound, finished: bool, run_id: str, worker_id: str, round_: int, stage: int = 0,
+                num_stages: int = 1) -> None:
+    """The round is the open one, and the worker has not delivered this (slice of its) update yet."""
+    if finished:
+        raise Refusal(Reason.FINISHED, f"run {run_id!r} has finished all rounds")
+    if round_ < current.number or (round_ == current.number and current.closing):
+        raise Refusal(Reason.STALE_ROUND, f"stale round {round_}: it has closed; the open round is "
+                                          f"{current.number + (1 if current.closing else 0)}")
+    if round_ > current.number:
+        raise Refusal(Reason.ROUND_NOT_OPEN, f"round {round_} is not open yet; the open round is {current.number}")
+    if worker_id in current.accepted:
+        raise Refusal(Reason.DUPLICATE, f"worker {worker_id!r} already pushed an update for round {round_} "
+                                        f"({current.accepted[worker_id].entry.cid})")
+    part = current.partial.get(worker_id)
+    if part is None:
+        return
+    if part.num_stages != num_stages:
+        raise Refusal(Reason.MALFORMED, f"worker {worker_id!r} pushed round {round_} as {part.num_stages} stage "
+                                        f"slices, this one says {num_stages}")
+    if stage in part.slices:
+        raise Refusal(Reason.DUPLICATE, f"worker {worker_id!r} already pushed stage {stage} of {num_stages} for "
+                                        f"round {round_} ({part.slices[stage].entry.cid})")
+    if part.completing:
+        raise Refusal(Reason.DUPLICATE, f"worker {worker_id!r}'s update for round {round_} is being stored")
+
+
+def check_base(h: UpdateHeader, start_cid: str, bases: set[str]) -> None:
+    """The update names the checkpoint it was computed from, and that is one the round allows."""
+    if not h.base_params_cid:
+        raise Refusal(Reason.WRONG_BASE,
+                      f"update for round {h.round} names no base_params_cid: an update must say which checkpoint "
+                      f"it was computed from (the round starts from {start_cid})")
+    if h.base_params_cid not in bases:
+        raise Refusal(Reason.WRONG_BASE, f"update for round {h.round} was computed from {clip(h.base_params_cid)}, "
+                                         f"but the round starts from {start_cid}")
+
+
+def check_digest_form(h: UpdateHeader) -> None:
+    if h.encoding not in PUSH_ENCODINGS:
+        raise Refusal(Reason.MALFORMED, f"unsupported update encoding {h.encoding}; supported: "
+                                        f"{', '.join(f'{e.value} ({e.name})' for e in PUSH_ENCODINGS)}")
+    if not _SHA256_HEX.match(h.payload_sha256):
+        raise Refusal(Reason.MALFORMED, f"payload_sha256 {clip(h.payload_sha256)} is not 64 lowercase hex digits")
+
+
+def stage_layout(layout: Layout, model: ModelConfig, stage: int, num_stages: int) -> Layout:
+    """The tensors of stage ``stage`` of ``num_stages`` (trainer.pipeline's split of the model)."""
+    if not 1 <= num_stages <= model.n_layer:
+        raise Refusal(Reason.MALFORMED, f"num_stages {num_stages}: this run's model of {model.n_layer} layer(s) "
+                                        f"splits into 1 to {model.n_layer} pipeline stages")
+    if not stage < num_stages:
+        raise Refusal(Reason.MALFORMED, f"stage {stage} out of range for {num_stages} stages")
+    if num_stages == 1:
+        return layout
+    return {name: layout[name] for name in stage_param_names(model, num_stages)[stage]}
+
+
+def check_form(h: UpdateHeader, expected: Layout, config: RunConfig, round_tokens: int, start_loss: float) -> Layout:
+    """Size, metrics, claims and declared layout of a push whose round, base and signature passed;
+    returns the declared layout the payload must then match."""
+    limit = sum(4 * math.prod(shape) for _, shape in expected.values()) + (1 << 20)
+    if h.payload_size > limit:
+        raise Refusal(Reason.MALFORMED, f"payload of {h.payload_size} bytes exceeds the {limit} a dense update can need")
+    if not (h.train_loss == h.train_loss and abs(h.train_loss) < 1e6) or h.inner_steps < 1:
+        raise Refusal(Reason.BAD_CLAIM, f"implausible metrics: train_loss {h.train_loss}, inner_steps {h.inner_steps}")
+    # Tokens and steps are not the worker's to claim: the config fixes them.
+    if h.tokens != round_tokens or h.inner_steps != config.inner.steps:
+        raise Refusal(Reason.BAD_CLAIM,
+                      f"claimed tokens {h.tokens}, inner_steps {h.inner_steps}; this run's round is "
+                      f"{config.inner.steps} inner steps of {config.inner.batch_size}x{config.model.block_size} "
+                      f"tokens: tokens {round_tokens}, inner_steps {config.inner.steps}")
+    # The declared train loss (the mean over the H inner steps from the round's start) is bounded
+    # against the coordinator's own held-out loss L0 of that start.
+    low, high = TRAIN_LOSS_BAND[0] * start_loss, TRAIN_LOSS_BAND[1] * start_loss + TRAIN_LOSS_BAND[2]
+    if not low <= h.train_loss <= high:
+        raise Refusal(Reason.BAD_CLAIM,
+                      f"claimed train_loss {h.train_loss:.4g} is outside [{low:.4g}, {high:.4g}], the band "
+                      f"around the round's start checkpoint's held-out loss {start_loss:.4g}")
+    declared = {name: (dtype, shape) for name, dtype, shape in h.tensors}
+    if len(declared) != len(h.tensors):
+        raise Refusal(Reason.MALFORMED, "header names a tensor twice")
+    try:
+        check_layout(declared, expected)
+    except InvalidUpdate as exc:
+        where = f"stage {h.stage} of {h.num_stages}: " if h.num_stages > 1 else ""
+        raise Refusal(Reason.MALFORMED, where + str(exc)) from exc
+    if h.num_stages == 1 and not _SHA256_HEX.match(h.inner_state_sha256):
+        # What the update grew from besides θ: without it no auditor can replay the round.
+        raise Refusal(Reason.MALFORMED,
+                      f"inner_state_sha256 {clip(h.inner_state_sha256)} is not 64 lowercase hex digits: a "
+                      f"one-process worker commits to the inner state each round starts from")
+    if h.num_stages > 1 and h.inner_state_sha256:
+        raise Refusal(Reason.MALFORMED, "a stage slice names an inner_state_sha256; workers of several stages "
+                                        "commit none")
+    return declared
+
+
+def check_sibling(h: UpdateHeader, entry: JournalEntry, part: StageSlices) -> None:
+    """A worker's stage slices come from one inner loop: the same metrics and the same base."""
+    for stage, other in part.slices.items():
+        for key in ("train_loss_e6", "tokens", "inner_steps", "base_params_cid"):
+            if getattr(other.entry, key) != getattr(entry, key):
+                raise Refusal(Reason.BAD_CLAIM,
+                              f"stage {h.stage} of {h.num_stages} says {key} {getattr(entry, key)!r}, but stage "
+                              f"{stage} of the same round said {getattr(other.entry, key)!r}")
+
+
+def check_replay(accepted_cids: dict[str, tuple[int, str]], cid: str) -> None:
+    """Refuse an update byte-identical to one already accepted in this run."""
+    seen = accepted_cids.get(cid)
+    if seen is not None:
+        raise Refusal(Reason.REPLAYED, f"update {cid} is byte-identical to the update {seen[1]} had accepted in "
+                                       f"round {seen[0]}: a replayed update is refused")

@@ -1,0 +1,197 @@
+"""The open round's intake: accepted updates, stage slices, refusals and traffic, journalled.
+
+An accepted push is stored at once and journalled in <run>/pending, so a coordinator restart keeps
+it. A worker of P pipeline stages pushes P slices; its update counts once all P are in (Δ̂ᵢ = their
+union, checked whole), and one refused slice drops the worker's others for the round. An update
+byte-identical to one already accepted in the run (``accepted_cids``, rebuilt on restart from the
+manifests and the journal) is refused as a replay.
+
+Traffic: every byte of every RPC stream is counted per worker and direction into the round open at
+the time; the manifest records it, and each participant's ``bytes_received`` is the fetch of the
+state its update built on (``served``), which its signed report restates.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+from typing import Callable
+
+from storage_client import CID, to_e6
+from trainer.aggregation import exact_norm
+from trainer.coordinator import checks
+from trainer.coordinator.registry import WorkerRegistry
+from trainer.coordinator.run import Run
+from trainer.coordinator.state import Accepted, JournalEntry, OpenRound, StageSlices, UpdateHeader
+from trainer.refusal import Reason, Refusal
+from trainer.uplink import record_of
+from trainer.wire import Params, decode_params
+
+log = logging.getLogger("dilocox.coordinator")
+
+MAX_REFUSALS_KEPT = 8  # per worker and round, in Status and rounds.jsonl
+SERVED_KEPT = 4  # fetches remembered per worker: an update builds on the newest state or, overlapped, the one before
+
+
+class Intake:
+    """What the open round holds. Methods named ``*_locked`` or called from the coordinator under
+    its lock expect it held; ``accept``, ``complete`` and ``refuse`` take it themselves."""
+
+    def __init__(self, run: Run, registry: WorkerRegistry, lock: threading.Condition,
+                 clock: Callable[[], float]) -> None:
+        self.run, self.registry, self._lock, self.clock = run, registry, lock, clock
+        self.round = OpenRound(number=run.global_state.round + 1, opened_at=clock())
+        self.accepted_cids: dict[str, tuple[int, str]] = {
+            p.update: (r, p.worker) for r, (_, m) in sorted(run.manifests.items()) for p in m.participants}
+        # Wire bytes of each worker's completed FetchGlobal streams, by params CID served.
+        self.served: dict[str, dict[str, int]] = {}
+        self._reload()
+
+    # ------------------------------------------------------------------------- journal
+
+    def _reload(self) -> None:
+        """Updates, and stage slices, accepted before a restart for the still-open round stay accepted."""
+        store, number = self.run.run_dir.store, self.round.number
+        for worker, raw in sorted(self.run.run_dir.pending(number).items()):
+            entry = JournalEntry.from_json(raw)
+            self.round.accepted[worker] = Accepted(decode_params(store.get(entry.cid)), entry)  # re-hashed on read
+            self.accepted_cids.setdefault(entry.cid, (number, worker))
+            self.round.first_accept(self.clock())
+            log.info("round %d: kept %s's update %s from before the restart", number, worker, entry.cid)
+        for worker, held in sorted(self.run.run_dir.pending(number, "stages").items()):
+            if worker in self.round.accepted:
+                continue
+            part = StageSlices(int(held["num_stages"]))
+            for stage, raw in held["slices"].items():
+                entry = JournalEntry.from_json(raw)
+                part.slices[int(stage)] = Accepted(decode_params(store.get(entry.cid)), entry)
+            self.round.partial[worker] = part
+            log.info("round %d: kept %d of %s's %d stage slices from before the restart", number,
+                     len(part.slices), worker, part.num_stages)
+
+    def _journal_accepted(self) -> None:
+        self.run.run_dir.save_pending(self.round.number, {w: a.entry.to_json() for w, a in self.round.accepted.items()})
+
+    def _journal_partial(self) -> None:
+        self.run.run_dir.save_pending(self.round.number, {w: p.to_json() for w, p in sorted(self.round.partial.items())},
+                                      "stages")
+
+    # ------------------------------------------------------------------------- under the coordinator's lock
+
+    def busy(self) -> set[str]:
+        return set(self.round.accepted) | set(self.round.partial)
+
+    def forget_unregistered(self) -> None:
+        for worker in set(self.served) - set(self.registry.workers):
+            del self.served[worker]
+
+    def count(self, worker_id: str, nbytes: int, direction: dict[str, int]) -> None:
+        """Add to ``direction`` (the open round's ``up`` or ``down``); streams from ids that never
+        joined belong to no worker of the run."""
+        if worker_id in self.registry:
+            direction[worker_id] = direction.get(worker_id, 0) + nbytes
+
+    def served_state(self, worker_id: str, params_cid: str, nbytes: int) -> None:
+        """A FetchGlobal stream of ``params_cid`` reached its end: ``nbytes`` in all."""
+        if worker_id in self.registry:
+            served = self.served.setdefault(worker_id, {})
+            served.pop(params_cid, None)  # newest last
+            served[params_cid] = nbytes
+            while len(served) > SERVED_KEPT:
+                del served[next(iter(served))]
+
+    def open_next(self, number: int) -> None:
+        self.round = OpenRound(number=number, opened_at=self.clock())
+
+    # ------------------------------------------------------------------------- accepting
+
+    def _check_open(self, h: UpdateHeader) -> None:
+        checks.check_round(self.round, self.run.global_state.round >= self.run.config.rounds.rounds,
+                           self.run.config.run_id, h.worker_id, h.round, h.stage, h.num_stages)
+
+    def _entry(self, h: UpdateHeader, cid: CID, wire_bytes: int) -> JournalEntry:
+        # The fetch this update built on, as this coordinator counted it; after a restart it has no
+        # count and takes the worker's (which the worker's signed report restates).
+        received = self.served.get(h.worker_id, {}).get(h.base_params_cid, int(h.base_bytes_received))
+        single = h.num_stages == 1
+        return JournalEntry(  # tokens and inner steps follow from the config (checks.check_form)
+            cid=str(cid), train_loss_e6=to_e6(h.train_loss), tokens=self.run.round_tokens,
+            inner_steps=self.run.config.inner.steps, bytes_sent=wire_bytes, bytes_received=received,
+            shard=self.registry.workers[h.worker_id].shard,
+            state=h.inner_state_sha256 if single else None,  # a worker of several stages commits none
+            base_params_cid=None if single else h.base_params_cid)
+
+    def _count_accepted(self, worker_id: str, accepted: Accepted) -> None:
+        self.accepted_cids.setdefault(accepted.entry.cid, (self.round.number, worker_id))
+        self.round.accepted[worker_id] = accepted
+        self.round.first_accept(self.clock())
+        self._journal_accepted()
+        self._lock.notify_all()
+
+    def accept(self, h: UpdateHeader, update: Params, wire_bytes: int,
+               screen: Callable[[Params], float]) -> tuple[CID, int, StageSlices | None]:
+        """Store and journal a checked update or slice; returns its CID, the open round, and the
+        worker's slices when this one completed them (the caller checks and counts the union)."""
+        record = record_of(update)
+        if h.num_stages == 1:
+            with self._lock:  # a replay is refused by its hash before any held-out evaluation
+                checks.check_replay(self.accepted_cids, str(CID.of(record)))
+            screen(update)
+        cid = self.run.run_dir.store.put(record)  # before the journal names it
+        norm = exact_norm(update) if h.num_stages == 1 else None  # outside the lock: a pass over Δ
+        with self._lock:
+            self._check_open(h)  # the round may have moved
+            entry = self._entry(h, cid, wire_bytes)
+            if h.num_stages == 1:
+                checks.check_replay(self.accepted_cids, str(cid))
+                self._count_accepted(h.worker_id, Accepted(update, entry, norm))
+                log.info("round %d: accepted %s from %s (loss %.4f)", h.round, cid, h.worker_id, h.train_loss)
+                return cid, self.round.number, None
+            part = self.round.partial.setdefault(h.worker_id, StageSlices(h.num_stages))
+            checks.check_sibling(h, entry, part)
+            part.slices[h.stage] = Accepted(update, entry)
+            self._journal_partial()
+            self.round.first_accept(self.clock())
+            open_round = self.round.number
+            part.completing = len(part.slices) == part.num_stages
+        log.info("round %d: accepted stage %d of %d slice %s from %s", h.round, h.stage, h.num_stages, cid,
+                 h.worker_id)
+        return cid, open_round, part if part.completing else None
+
+    def complete(self, h: UpdateHeader, part: StageSlices, update: Params, norm: float) -> None:
+        """Count the union of a worker's stage slices, checked whole by the caller."""
+        cid = self.run.run_dir.store.put(record_of(update))
+        first = part.slices[0].entry
+        entry = JournalEntry(cid=str(cid), train_loss_e6=first.train_loss_e6, tokens=first.tokens,
+                             inner_steps=first.inner_steps, bytes_sent=sum(a.entry.bytes_sent for a in part.slices.values()),
+                             bytes_received=first.bytes_received, shard=first.shard, state=None)
+        with self._lock:
+            r = self.round
+            if r.number != h.round or r.closing or r.partial.get(h.worker_id) is not part:
+                # The round closed without this worker meanwhile: none of its slices counts.
+                raise Refusal(Reason.STALE_ROUND,
+                              f"round {h.round} closed before {h.worker_id}'s last stage slice was counted")
+            checks.check_replay(self.accepted_cids, str(cid))
+            del r.partial[h.worker_id]
+            self._count_accepted(h.worker_id, Accepted(update, entry, exact_norm(update)))
+            self._journal_partial()
+        log.info("round %d: accepted %s from %s, %d stage slices (loss %.4f, norm %.4g)", h.round, cid,
+                 h.worker_id, part.num_stages, h.train_loss, norm)
+
+    def refuse(self, h: UpdateHeader, refusal: Refusal) -> None:
+        """File a refusal: the worker is out of the round, and its other stage slices of the round
+        go with it. A duplicate changes nothing: what it repeats is held."""
+        if not refusal.reason.files:
+            log.info("round %d: %s from %s", h.round, refusal.message, h.worker_id)
+            return
+        dropped = None
+        with self._lock:
+            if h.round == self.round.number and h.worker_id in self.registry:
+                filed = self.round.refused.setdefault(h.worker_id, [])
+                if len(filed) < MAX_REFUSALS_KEPT:  # the log has every one; the record keeps the first few
+                    filed.append(refusal.message)
+                dropped = self.round.partial.pop(h.worker_id, None)
+                if dropped is not None:
+                    self._journal_partial()
+        log.warning("round %d: refused %s from %s: %s%s", h.round, h.what, h.worker_id, refusal.message,
+                    f" (its {len(dropped.slices)} other slice(s) dropped)" if dropped and dropped.slices else "")

@@ -1,0 +1,298 @@
+"""The coordinator's state machine: one run's rounds, driven by calls from the service.
+
+Thread-safe (one lock); plain domain types in and out; refusals are trainer.refusal.Refusal with a
+typed reason. The pieces it ties: the run (trainer.coordinator.run), the worker registry
+(.registry), the push checks (.checks), screening (.screening), aggregation and publication
+(.publish), and, when the run has a ledger, its trust layer (.trust).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import math
+import threading
+import time
+from typing import Callable
+
+from attestation import SignedReport
+from attestation.signing import global_digest
+from storage_client import CID, Manifest, from_e6, loads_bounded
+from storage_client.manifest import Traffic
+from trainer.aggregation import InvalidUpdate, check_norm, exact_norm, norm_bound, round_norm
+from trainer.coordinator import checks
+from trainer.coordinator.intake import Intake
+from trainer.coordinator.publish import derive_round, record_round
+from trainer.coordinator.registry import WorkerRegistry
+from trainer.coordinator.run import Run
+from trainer.coordinator.screening import Screen
+from trainer.coordinator.state import (
+    GlobalState, OpenRound, RoundSummary, StatusView, UpdateHeader, WorkerView,
+)
+from trainer.coordinator.trust import RunTrust
+from proto import WorkerPhase
+from trainer.limits import clip
+from trainer.model import param_count
+from trainer.refusal import Reason, Refusal
+from trainer.wire import Layout, Params, decode_params, layout_of
+
+log = logging.getLogger("dilocox.coordinator")
+
+MAX_REPORT_JSON = 16 << 10
+
+
+class Coordinator:
+    def __init__(self, run: Run, *, clock: Callable[[], float] = time.monotonic, trust: RunTrust | None = None) -> None:
+        self.run, self.config, self.clock, self.trust = run, run.config, clock, trust
+        # The key that signs every global state served: the run's coordinator account on the ledger,
+        # or a key of this run directory when there is no ledger.
+        self.signer = trust.signer if trust is not None else run.run_dir.signing_key()
+        self._signatures: dict[str, bytes] = {}
+        self._lock = threading.Condition()
+        self.layout: Layout = layout_of(run.global_state.params)
+        self.bound = norm_bound(self.config, param_count(run.model))
+        rounds = self.config.rounds
+        self.registry = WorkerRegistry(run.run_dir, run_id=self.config.run_id, num_shards=rounds.expected_workers,
+                                       max_registered=max(16, 4 * rounds.expected_workers),
+                                       liveness_s=rounds.liveness_timeout_s, clock=clock)
+        self.screen = Screen(self.config, run.eval_tokens)
+        self.intake = Intake(run, self.registry, self._lock, clock)
+        self.norm_history: dict[int, list[float]] = {}  # round -> [its ρ̃] (see _history)
+        # Report deadlines of rounds published before a restart count from the restart.
+        self.closed_at: dict[int, float] = {r: clock() for r in run.manifests}
+        if trust is None:
+            log.warning("no ledger configured: workers are not attested and rounds are not recorded on chain")
+
+    # ----------------------------------------------------------------------------- queries
+
+    @property
+    def global_state(self) -> GlobalState:
+        return self.run.global_state
+
+    @property
+    def round(self) -> OpenRound:
+        return self.intake.round
+
+    @property
+    def finished(self) -> bool:
+        return self.run.global_state.round >= self.config.rounds.rounds
+
+    def registered(self) -> set[str]:
+        with self._lock:
+            return set(self.registry.workers)
+
+    def live_workers_done(self) -> bool:
+        with self._lock:
+            return self.registry.live_done()
+
+    def published(self) -> tuple[dict[int, tuple[CID, Manifest]], dict[int, float], float]:
+        with self._lock:
+            return dict(self.run.manifests), dict(self.closed_at), self.clock()
+
+    def status(self) -> StatusView:
+        with self._lock:
+            now = self.clock()
+            alive = self.registry.alive(now)
+            workers = tuple(
+                WorkerView(w, s.shard, w in alive, s.round, s.phase, now - s.last_seen if math.isfinite(s.last_seen) else -1.0)
+                for w, s in sorted(self.registry.workers.items()))
+            return StatusView(self.config.run_id, self.round.number, self.config.rounds.rounds, self.finished,
+                              workers, tuple(self.run.summaries), max(0, self.trust.lag) if self.trust else 0)
+
+    # ----------------------------------------------------------------------------- joining
+
+    def challenge(self, worker_id: str, protocol_version: int) -> bytes:
+        """A nonce for the worker's evidence, bound to its id (empty when the run has no ledger)."""
+        checks.check_protocol(protocol_version)
+        return self.trust.challenge(worker_id) if self.trust else b""
+
+    def join(self, worker_id: str, protocol_version: int, address: str = "", evidence: bytes = b"",
+             nonce: bytes = b"", proves_session: bool = False) -> tuple[int, int]:
+        """Admit a worker (trainer.coordinator.registry says who may take over a live id); returns
+        its shard and the open round."""
+        checks.check_protocol(protocol_version)
+        admitted = self.trust.admit(worker_id, address, evidence, nonce) if self.trust else None
+        with self._lock:
+            state = self.registry.join(worker_id, admitted, proves_session, self.intake.busy())
+            self.intake.forget_unregistered()
+            return state.shard, self.round.number
+
+    def heartbeat(self, worker_id: str, round_: int, phase: WorkerPhase) -> tuple[int, bool]:
+        with self._lock:
+            self.registry.heartbeat(worker_id, round_, phase)
+            return self.round.number, self.finished
+
+    # ----------------------------------------------------------------------------- fetching
+
+    def global_signature(self, state: GlobalState) -> bytes:
+        """The coordinator's signature over what a worker trains from (attestation.signing.global_digest)."""
+        key = str(state.manifest_cid)
+        with self._lock:
+            signature = self._signatures.get(key)
+        if signature is None:
+            signature = self.signer.sign_digest(
+                global_digest(self.run.run_digest, state.round, state.params_cid.digest, state.manifest_cid.digest))
+            with self._lock:
+                self._signatures = {key: signature}  # one state is served at a time
+        return signature
+
+    def wait_for_global(self, worker_id: str, min_round: int, wait_s: float) -> tuple[GlobalState | None, int, bool]:
+        deadline = self.clock() + max(0.0, min(wait_s, 60.0))
+        with self._lock:
+            self.registry.seen(worker_id)
+            while self.run.global_state.round < min_round and not self.finished:
+                remaining = deadline - self.clock()
+                if remaining <= 0:
+                    return None, self.round.number, False
+                self._lock.wait(remaining)
+            return self.run.global_state, self.round.number, self.finished
+
+    def count_down(self, worker_id: str, nbytes: int) -> None:
+        with self._lock:
+            self.intake.count(worker_id, nbytes, self.round.down)
+
+    def served_state(self, worker_id: str, params_cid: str, nbytes: int) -> None:
+        with self._lock:
+            self.intake.served_state(worker_id, params_cid, nbytes)
+
+    # ----------------------------------------------------------------------------- pushing
+
+    def admit_header(self, h: UpdateHeader) -> Layout:
+        """Everything that can be checked before a payload byte is read (trainer.coordinator.checks,
+        in its order); returns the layout the payload must have."""
+        checks.check_protocol(h.protocol_version)
+        with self._lock:
+            if h.run_id != self.config.run_id:
+                raise Refusal(Reason.WRONG_RUN,
+                              f"update is for run {clip(h.run_id)}; this coordinator runs {self.config.run_id!r}")
+            address = self.registry.seen(h.worker_id).address
+            checks.check_round(self.round, self.finished, self.config.run_id, h.worker_id, h.round, h.stage,
+                               h.num_stages)
+            g = self.run.global_state
+            bases = {str(g.params_cid)}
+            if self.config.rounds.overlap:  # one round stale is the point of the overlap
+                bases.add(self.run.manifests[max(h.round - 2, 0)][1].params)
+            checks.check_base(h, str(g.params_cid), bases)
+            start_loss = from_e6(g.eval_loss_e6)
+        checks.check_digest_form(h)
+        if self.trust is not None:
+            self.trust.check_update(h.worker_id, address, h.round, h.stage, h.num_stages, h.payload_sha256,
+                                    h.signature)
+        expected = checks.stage_layout(self.layout, self.config.model, h.stage, h.num_stages)
+        return checks.check_form(h, expected, self.config, self.run.round_tokens, start_loss)
+
+    def count_up(self, worker_id: str, nbytes: int) -> None:
+        """Bytes a worker sent, counted into the open round (refused pushes too: they crossed the network)."""
+        with self._lock:
+            self.intake.count(worker_id, nbytes, self.round.up)
+
+    def refuse(self, h: UpdateHeader, refusal: Refusal) -> None:
+        self.intake.refuse(h, refusal)
+
+    def accept(self, h: UpdateHeader, update: Params, wire_bytes: int) -> tuple[CID, int]:
+        """Store and journal an update, or a stage slice, that passed every check; returns its
+        record's CID and the open round. The last slice of a worker completes its update."""
+        screen = lambda u: self.screen.check(self.run.global_state, h.round, u)  # noqa: E731
+        cid, open_round, complete = self.intake.accept(h, update, wire_bytes, screen)
+        if complete is not None:
+            merged = complete.merged()
+            try:
+                norm = check_norm(merged, self.bound)
+            except InvalidUpdate as exc:
+                raise Refusal(Reason.MALFORMED, f"the update of all {complete.num_stages} stage slices: {exc}") from exc
+            screen(merged)
+            self.intake.complete(h, complete, merged, norm)
+        return cid, open_round
+
+    # ----------------------------------------------------------------------------- reports
+
+    def submit_report(self, worker_id: str, raw: bytes) -> int:
+        """A participant's signed report of a published round; returns the round."""
+        if self.trust is None:
+            raise Refusal(Reason.NO_LEDGER, "this run has no ledger: reports are not collected")
+        try:
+            signed = SignedReport.from_json(loads_bounded(raw, max_bytes=MAX_REPORT_JSON, what="report"))
+        except (ValueError, TypeError, KeyError) as exc:  # JSONBoundsError is a ValueError
+            raise Refusal(Reason.MALFORMED, f"malformed report: {clip(exc, 160)}") from exc
+        r = signed.report.round
+        with self._lock:
+            state = self.registry.known(worker_id)
+            published, parent = self.run.manifests.get(r), self.run.manifests.get(r - 1)
+        if published is None or parent is None or r == 0:
+            raise Refusal(Reason.NOT_PUBLISHED, f"round {r} has no published checkpoint to report on")
+        self.trust.take_report(worker_id, state.address, signed, published[0], published[1], parent[1],
+                               self.run.shard_digests[state.shard])
+        log.info("round %d: report from %s (%s) accepted", r, worker_id, state.address)
+        return r
+
+    def settled(self) -> bool:
+        return self.trust is None or self.trust.settled(self.run.global_state.round)
+
+    # ----------------------------------------------------------------------------- closing
+
+    def close_due(self) -> bool:
+        """Close when ``quorum`` updates are in and every live worker has delivered, or
+        ``straggler_timeout_s`` after the first accepted update."""
+        with self._lock:
+            r, now = self.round, self.clock()
+            if self.finished or r.closing or not r.accepted:
+                return False
+            delivered = set(r.accepted) | set(r.refused) | self.registry.abandoned(r.number)
+            everyone_in = len(r.accepted) >= self.config.rounds.quorum and self.registry.alive(now) <= delivered
+            assert r.first_accept_at is not None
+            if everyone_in or now - r.first_accept_at >= self.config.rounds.straggler_timeout_s:
+                r.closing = True
+                return True
+            return False
+
+    def close_round(self) -> RoundSummary:
+        """Aggregate and publish the closing round (called by one thread, after close_due)."""
+        r, g, cfg = self.round, self.run.global_state, self.config
+        started = self.clock()
+        derived = derive_round(self.run, r, g, self._history(r.number))
+        with self._lock:
+            traffic = tuple(Traffic(worker=w, up=r.up.get(w, 0), down=r.down.get(w, 0))
+                            for w in sorted(set(r.up) | set(r.down)))
+            refused = tuple(f"{w}: {m}" for w, ms in sorted(r.refused.items()) for m in ms)
+            # Registered workers heard from in this round's liveness window that did not contribute.
+            recent = self.registry.heard_since(r.opened_at - cfg.rounds.liveness_timeout_s)
+            dropped = tuple(sorted(recent - set(r.accepted)))
+            incomplete = {w: (len(p.slices), p.num_stages) for w, p in r.partial.items()}
+        manifest_cid, manifest = record_round(self.run, r, g, derived, traffic, dropped)
+        for w, (have, of) in sorted(incomplete.items()):
+            log.warning("round %d: %s dropped with %d of its %d stage slices", r.number, w, have, of)
+        summary = RoundSummary.of(manifest_cid, manifest, refused, seconds=self.clock() - r.opened_at)
+        self.run.run_dir.log_round(dataclasses.asdict(summary))
+        with self._lock:
+            self.norm_history[r.number] = [round_norm(list(derived.aggregated.norms.values()))]
+            self.run.global_state = dataclasses.replace(derived.state, manifest_cid=manifest_cid)
+            self.run.manifests[r.number] = (manifest_cid, manifest)
+            self.run.summaries.append(summary)
+            self.closed_at[r.number] = self.clock()
+            self.intake.open_next(r.number + 1)
+            self._lock.notify_all()
+        log.info(
+            "round %d closed in %.2fs (aggregation %.2fs): eval loss %.4f, %d participant(s)%s, "
+            "%d bytes up, %d down (%s) -> %s",
+            r.number, summary.seconds, self.clock() - started, derived.eval_loss, len(manifest.participants),
+            f", dropped {', '.join(dropped)}" if dropped else "", manifest.bytes_up, manifest.bytes_down,
+            ", ".join(f"{t.worker} ↑{t.up} ↓{t.down}" for t in traffic) or "no traffic", manifest_cid,
+        )
+        return summary
+
+    def _history(self, round_: int) -> list[float]:
+        """ρ̃ of rounds max(1, r-K)..r-1, K = rounds.clip_history_rounds (trainer.aggregation.round_norm):
+        kept from their closing, or after a restart recomputed from the stored updates the manifests
+        name (as the audit does)."""
+        k, out = self.config.rounds.clip_history_rounds, []
+        for earlier in range(max(1, round_ - k), round_):
+            norms = self.norm_history.get(earlier)
+            if norms is None:
+                _, manifest = self.run.manifests[earlier]
+                norms = [round_norm([exact_norm(decode_params(self.run.run_dir.store.get(p.update)))
+                                     for p in manifest.participants])]
+                self.norm_history[earlier] = norms
+            out.extend(norms)
+        for old in [r for r in self.norm_history if r < round_ - k]:
+            del self.norm_history[old]
+        return out

@@ -1,0 +1,81 @@
+"""Where a round is aggregated and published.
+
+    Δ⁽ʳ⁾, (θ⁽ʳ⁾, m⁽ʳ⁾, e⁽ʳ⁾) = trainer.transition.round_transition(θ⁽ʳ⁻¹⁾, m⁽ʳ⁻¹⁾, e⁽ʳ⁻¹⁾, {Δ̂ᵢ})
+
+the function the audit re-runs: each update clipped to c × the lower median of the round's norms
+and the previous K rounds' ρ̃, averaged by the config's rule, the outer Nesterov step, and with
+compression on, the global update compressed with error feedback (θ⁽ʳ⁾ is what the replicas rebuild
+from those bytes). Then θ⁽ʳ⁾, m⁽ʳ⁾ (and the downlink bytes) go to the store, then the round's
+manifest, then HEAD moves to it: a crash at any instant leaves either the old tip or the new.
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+
+from storage_client import CID, Manifest, canonical_json, to_e6
+from storage_client.manifest import Downlink, Traffic
+from trainer.aggregation import Aggregated
+from trainer.coordinator.run import Run
+from trainer.coordinator.state import CompressedGlobal, GlobalState, OpenRound
+from trainer.transition import round_transition
+
+log = logging.getLogger("dilocox.coordinator")
+
+
+@dataclass(frozen=True)
+class Derived:
+    """A closing round's new global state, stored, before its manifest is written."""
+
+    state: GlobalState  # manifest_cid still the parent's until the manifest is stored
+    aggregated: Aggregated
+    downlink: Downlink | None
+    outer_state_cid: CID
+    eval_loss: float
+
+
+def derive_round(run: Run, r: OpenRound, g: GlobalState, history: list[float]) -> Derived:
+    """Aggregate the closing round's accepted updates onto ``g`` and store the result."""
+    cfg, store = run.config, run.run_dir.store
+    result = round_transition(g.outer, {w: a.update for w, a in r.accepted.items()}, outer=cfg.outer,
+                              rounds=cfg.rounds, history=history,
+                              norms={w: a.norm for w, a in r.accepted.items() if a.norm is not None},
+                              downlink=run.downlink)
+    aggregated, child = result.aggregated, result.state
+    if aggregated.clipped:
+        log.warning("round %d: clipped %s to norm %.4g (norms %s)", r.number, ", ".join(aggregated.clipped),
+                    aggregated.threshold, ", ".join(f"{w} {n:.4g}" for w, n in sorted(aggregated.norms.items())))
+    compressed, record = None, None
+    if result.downlink is not None and run.downlink is not None:
+        sent, header = result.downlink.payload, dict(result.downlink.header)
+        compressed = CompressedGlobal(sent, canonical_json(header), str(g.params_cid))
+        record = Downlink(payload=str(store.put(sent)), header=str(store.put_json(header)))
+        decision = run.downlink.last_decision
+        log.info("round %d: global update compressed to %d bytes (mean rank %.1f, energy %.3f)",
+                 r.number, len(sent), decision.mean_rank, decision.energy)
+    payload = child.params_bytes()
+    params_cid = store.put(payload)
+    outer_cid = store.put(child.outer_state_bytes())
+    eval_loss = run.evaluate(child.params)
+    state = GlobalState(r.number, child.params, child.momentum, payload, params_cid, g.manifest_cid,
+                        to_e6(eval_loss), compressed, child.downlink_error)
+    return Derived(state, aggregated, record, outer_cid, eval_loss)
+
+
+def record_round(run: Run, r: OpenRound, parent: GlobalState, derived: Derived, traffic: tuple[Traffic, ...],
+                 dropped: tuple[str, ...]) -> tuple[CID, Manifest]:
+    """Store the round's manifest and move HEAD to it: from here on the round is durable."""
+    cfg, state = run.config, derived.state
+    manifest = Manifest(
+        run_id=cfg.run_id, round=r.number, parent=str(parent.manifest_cid), config=str(run.config_cid),
+        params=str(state.params_cid), outer_state=str(derived.outer_state_cid),
+        participants=tuple(a.entry.participant(w) for w, a in sorted(r.accepted.items())),
+        dropped=dropped, eval_loss_e6=state.eval_loss_e6, bytes_up=sum(t.up for t in traffic),
+        bytes_down=sum(t.down for t in traffic), downlink=derived.downlink, traffic=traffic,
+    )
+    manifest_cid = manifest.store(run.run_dir.store)
+    run.run_dir.set_head(manifest_cid)
+    run.run_dir.clear_pending(r.number)
+    run.run_dir.clear_pending(r.number, "stages")
+    return manifest_cid, manifest

@@ -1,0 +1,148 @@
+"""The run a coordinator serves: created at genesis, or resumed from the store's lineage.
+
+Genesis pins the corpus digest into the config, builds θ⁽⁰⁾ from the seed, stores config, θ⁽⁰⁾ and
+the zero outer state, and publishes manifest 0 (HEAD). Resume re-hashes every manifest from HEAD
+back to genesis (storage_client.lineage), refuses a given config that is not the run's own, and
+rebuilds the published state (θ, m, e and the last compressed global update) from the store.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+from dataclasses import dataclass
+
+import torch
+
+from storage_client import CID, Manifest, canonical_json, lineage, to_e6
+from trainer.compression import AdaptiveRankPolicy
+from trainer.config import ConfigError, RunConfig
+from trainer.coordinator.state import CompressedGlobal, GlobalState, RoundSummary
+from trainer.data import Corpus, eval_batches, load_corpus, shard_digest
+from trainer.diloco import (
+    downlink_error_of, evaluate, load_params, momentum_of, outer_state_of, params_of, zero_momentum,
+)
+from trainer.downlink import DownlinkCompressor
+from trainer.model import build_model
+from trainer.run_dir import RunDir
+from trainer.wire import Params, decode_params, encode_params
+
+log = logging.getLogger("dilocox.coordinator")
+
+
+@dataclass
+class Run:
+    """What the coordinator knows of its run before any worker speaks, and the published rounds."""
+
+    run_dir: RunDir
+    config: RunConfig
+    config_cid: CID
+    model: torch.nn.Module  # evaluates each published checkpoint
+    eval_batches: list
+    eval_tokens: torch.Tensor  # the held-out split, for screening (trainer.coordinator.screening)
+    shard_digests: list[bytes]  # by shard: what each participant's report restates as dataDigest
+    downlink: DownlinkCompressor | None  # compresses the global update when compression is on
+    global_state: GlobalState
+    manifests: dict[int, tuple[CID, Manifest]]
+    summaries: list[RoundSummary]
+
+    @property
+    def config_bytes(self) -> bytes:
+        return self.config.canonical()
+
+    @property
+    def genesis_cid(self) -> CID:
+        """The run's on-chain identity: config, corpus and θ⁽⁰⁾ in one digest."""
+        return self.manifests[0][0]
+
+    @property
+    def run_digest(self) -> bytes:
+        return self.genesis_cid.digest
+
+    @property
+    def round_tokens(self) -> int:
+        """The tokens of one worker's round: H steps of batch_size sequences of block_size tokens."""
+        cfg = self.config
+        return cfg.inner.steps * cfg.inner.batch_size * cfg.model.block_size
+
+    def evaluate(self, params: Params) -> float:
+        load_params(self.model, params)
+        return evaluate(self.model, self.eval_batches)
+
+
+def open_run(run_dir: RunDir, config: RunConfig | None) -> Run:
+    """The run in ``run_dir``: resumed from its HEAD, or started from ``config`` at genesis."""
+    head = run_dir.head()
+    if head is None:
+        if config is None:
+            raise ConfigError(f"{run_dir.path} holds no run yet: a configuration is needed to start one")
+        return _genesis(run_dir, config)
+    return _resume(run_dir, head, config)
+
+
+def _prepared(run_dir: RunDir, config: RunConfig, corpus: Corpus | None = None) -> dict:
+    corpus = corpus or load_corpus(config.data, config.seed, config.model.block_size)
+    shards = config.rounds.expected_workers
+    return dict(
+        run_dir=run_dir, config=config, config_cid=run_dir.store.put_json(config.to_json()),
+        model=build_model(config.model, config.seed),
+        eval_batches=eval_batches(corpus, seed=config.seed, count=config.data.eval_batches,
+                                  batch_size=config.inner.batch_size, block_size=config.model.block_size),
+        eval_tokens=corpus.eval, shard_digests=[shard_digest(corpus.shard(i, shards)) for i in range(shards)],
+        downlink=DownlinkCompressor(AdaptiveRankPolicy(config.compression)) if config.compression.enabled else None,
+    )
+
+
+def _genesis(run_dir: RunDir, config: RunConfig) -> Run:
+    corpus = load_corpus(config.data, config.seed, config.model.block_size)
+    # Pin the corpus bytes into the run's identity, so every worker must train on the same text.
+    config = config.replace(data=dataclasses.replace(config.data, corpus_sha256=corpus.sha256))
+    parts = _prepared(run_dir, config, corpus)
+    store, model = run_dir.store, parts["model"]
+    params = params_of(model)
+    momentum = zero_momentum(params)
+    payload = encode_params(params)
+    params_cid = store.put(payload)
+    manifest = Manifest(
+        run_id=config.run_id, round=0, parent=None, config=str(parts["config_cid"]),
+        params=str(params_cid), outer_state=str(store.put(encode_params(outer_state_of(momentum)))),
+        participants=(), dropped=(), eval_loss_e6=to_e6(evaluate(model, parts["eval_batches"])),
+        bytes_up=0, bytes_down=0,
+    )
+    manifest_cid = manifest.store(store)
+    run_dir.set_head(manifest_cid)
+    summary = RoundSummary.of(manifest_cid, manifest)
+    run_dir.log_round(dataclasses.asdict(summary))
+    log.info("run %s: genesis %s (config %s)", config.run_id, manifest_cid, parts["config_cid"])
+    return Run(**parts, global_state=GlobalState(0, params, momentum, payload, params_cid, manifest_cid,
+                                                 manifest.eval_loss_e6),
+               manifests={0: (manifest_cid, manifest)}, summaries=[summary])
+
+
+def _resume(run_dir: RunDir, head: CID, config: RunConfig | None) -> Run:
+    store = run_dir.store
+    chain = lineage(store, head)  # re-hashes every manifest back to genesis
+    tip_cid, tip = chain[-1]
+    stored = RunConfig.from_json(store.get_json(tip.config))
+    # A config given on resume must be the run's own; its corpus digest may be left for us to fill.
+    pinned = config and config.replace(data=dataclasses.replace(config.data, corpus_sha256=stored.data.corpus_sha256))
+    if pinned is not None and pinned.cid != stored.cid:
+        raise ConfigError(
+            f"{run_dir.path} holds run {stored.run_id!r} with config {tip.config}; the given "
+            f"configuration differs ({pinned.cid}). Resume without --config, or use a new run directory"
+        )
+    parts = _prepared(run_dir, stored)
+    payload = store.get(tip.params)
+    params = decode_params(payload)
+    outer_state = decode_params(store.get(tip.outer_state))
+    downlink = None
+    if tip.downlink is not None:
+        header = canonical_json(store.get_json(tip.downlink.header))
+        downlink = CompressedGlobal(store.get(tip.downlink.payload), header, chain[-2][1].params)
+    load_params(parts["model"], params)
+    # e carries on from the stored outer state; the rank policy's window starts afresh.
+    state = GlobalState(tip.round, params, momentum_of(outer_state), payload, CID.parse(tip.params), tip_cid,
+                        tip.eval_loss_e6, downlink, downlink_error_of(outer_state))
+    log.info("run %s: resumed at round %d from %s", stored.run_id, tip.round, tip_cid)
+    return Run(**parts, global_state=state, manifests={m.round: (cid, m) for cid, m in chain},
+               summaries=[RoundSummary.of(cid, m) for cid, m in chain])

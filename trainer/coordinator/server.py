@@ -1,0 +1,150 @@
+"""The coordinator process: one run directory, one gRPC server, the round loop, exit codes.
+
+``serve`` locks the run directory (one coordinator a run), opens the run, starts the service
+(trainer.coordinator.service) and, when the run has a ledger, the settlement thread of its trust
+layer; then closes and publishes rounds until the last, lets live workers fetch the final
+checkpoint, and waits for the ledger to confirm every round. It exits 1 with one line when a round
+cannot be published or the ledger cannot be caught up; everything finished stays in the run
+directory, and a restart resumes from HEAD.
+"""
+
+from __future__ import annotations
+
+import fcntl
+import logging
+import os
+import signal
+import threading
+import time
+from concurrent import futures
+from typing import Callable
+
+import grpc
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+from proto import CHANNEL_OPTIONS, SERVICE_NAME
+from trainer.config import RunConfig
+from trainer.coordinator.machine import Coordinator
+from trainer.coordinator.run import Run, open_run
+from trainer.coordinator.service import MAX_RPCS, MAX_STREAMS_PER_CONNECTION, THREADS, CoordinatorService, _Health, handler
+from trainer.coordinator.trust import RunTrust
+from trainer.limits import clip
+from trainer.run_dir import RunDir
+
+log = logging.getLogger("dilocox.service")
+
+
+class RunDirBusy(OSError):
+    """Another coordinator holds this run directory."""
+
+
+def lock_run_dir(run_dir: RunDir) -> int:
+    """An exclusive lock on <run>/coordinator.lock for this process's life: one coordinator a run."""
+    fd = os.open(run_dir.path / "coordinator.lock", os.O_RDWR | os.O_CREAT, 0o644)
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError:
+        os.close(fd)
+        raise RunDirBusy(f"another coordinator is serving {run_dir.path} (it holds coordinator.lock)") from None
+    os.ftruncate(fd, 0)
+    os.write(fd, f"{os.getpid()}\n".encode())
+    return fd
+
+
+def serve(run_dir: RunDir, config: RunConfig | None, host: str = "127.0.0.1", port: int = 0,
+          linger_s: float = 10.0, trust: Callable[[Run], RunTrust] | None = None, settle_timeout_s: float = 120.0,
+          credentials: grpc.ServerCredentials | None = None, idle_s: float = 30.0) -> int:
+    """Run the coordinator until the run's last round is published and, with a ledger, recorded
+    (or SIGTERM/SIGINT). Rounds the chain has not confirmed stay in <run>/outbox for next time.
+    ``trust`` opens the run's trust layer once the run is known (settlement.ledger_trust);
+    ``credentials`` None serves plaintext, which the caller must have asked for (--insecure)."""
+    lock = lock_run_dir(run_dir)
+    run = open_run(run_dir, config)
+    coordinator = Coordinator(run, trust=trust(run) if trust is not None else None)
+    service = CoordinatorService(coordinator, idle_s=idle_s)
+    options = [*CHANNEL_OPTIONS, ("grpc.so_reuseport", 0), ("grpc.max_concurrent_streams", MAX_STREAMS_PER_CONNECTION)]
+    server = grpc.server(futures.ThreadPoolExecutor(max_workers=THREADS, thread_name_prefix="rpc"), options=options,
+                         maximum_concurrent_rpcs=MAX_RPCS)
+    server.add_generic_rpc_handlers((handler(service),))
+    health_servicer = _Health()
+    health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
+    where = f"{host}:{port}"
+    try:  # no SO_REUSEPORT: a port another process holds is refused, not silently shared
+        bound = server.add_secure_port(where, credentials) if credentials else server.add_insecure_port(where)
+    except RuntimeError:
+        bound = 0
+    if bound == 0:
+        raise OSError(f"cannot listen on {where}: the address is in use or not this machine's")
+    server.start()
+    for name in ("", SERVICE_NAME):
+        health_servicer.set(name, health_pb2.HealthCheckResponse.SERVING)
+    address = f"{host}:{bound}"
+    run_dir.write_address(address)
+    log.info("coordinator of run %s listening on %s (%s), open round %d of %d", coordinator.config.run_id,
+             address, "TLS" if credentials else "PLAINTEXT: --insecure", coordinator.round.number,
+             coordinator.config.rounds.rounds)
+
+    stop = threading.Event()
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        signal.signal(sig, lambda *_: stop.set())
+    settling = threading.Event()
+    failure: list[str] = []
+    settler = None
+    if coordinator.trust is not None:
+        settler = threading.Thread(target=coordinator.trust.settle, args=(coordinator, settling, stop, failure),
+                                   name="settlement", daemon=True)
+        settler.start()
+    try:
+        code = _run_rounds(coordinator, run_dir, stop, linger_s, settle_timeout_s)
+        if failure:
+            log.error("cannot go on: %s. Rounds stay published in %s; nothing was sent in their place",
+                      failure[0], run_dir.path)
+            code = 1
+    except Exception as exc:  # a round that cannot be published: stop at once, resumable from HEAD
+        log.error("cannot go on: round %d was not published: %s: %s. HEAD stays at round %d and the "
+                  "accepted updates stay journalled; fix the cause and start the coordinator again",
+                  coordinator.round.number, type(exc).__name__, clip(exc, 300), coordinator.global_state.round)
+        log.debug("publish failure", exc_info=True)
+        code = 1
+    finally:
+        settling.set()
+        if settler is not None:
+            settler.join(timeout=30)
+        for name in ("", SERVICE_NAME):
+            health_servicer.set(name, health_pb2.HealthCheckResponse.NOT_SERVING)
+        server.stop(grace=2.0).wait()
+        service.close()
+        os.close(lock)
+    return code
+
+
+def _run_rounds(coordinator: Coordinator, run_dir: RunDir, stop: threading.Event, linger_s: float,
+                settle_timeout_s: float) -> int:
+    """Close and publish rounds until the run is finished (or ``stop``), then let workers see the
+    end and the ledger catch up; returns the exit status: 1 when rounds remain unrecorded."""
+    while not stop.is_set() and not coordinator.finished:
+        if coordinator.close_due():
+            coordinator.close_round()
+        else:
+            stop.wait(0.05)
+    if not coordinator.finished:
+        log.info("stopped at round %d by a signal; the run resumes from %s", coordinator.round.number, run_dir.path)
+        return 0
+    # Let live workers fetch the final checkpoint and learn the run is over before going away.
+    deadline = time.monotonic() + linger_s
+    while not stop.is_set() and time.monotonic() < deadline:
+        if coordinator.live_workers_done():
+            break
+        stop.wait(0.1)
+    log.info("run %s finished: %d rounds, head %s", coordinator.config.run_id,
+             coordinator.global_state.round, coordinator.global_state.manifest_cid)
+    deadline = time.monotonic() + settle_timeout_s
+    while not stop.is_set() and not coordinator.settled() and time.monotonic() < deadline:
+        stop.wait(0.2)
+    if not coordinator.settled():
+        log.error("not every round is recorded on the ledger yet; what is left stays queued in %s "
+                  "and is sent when the coordinator runs again", run_dir.path / "outbox")
+        return 1
+    if coordinator.trust is not None:
+        log.info("every round is recorded on the ledger %s", coordinator.trust.ledger_address)
+    return 0

@@ -1,0 +1,18 @@
+"""A worker: joins a run, then round after round fetches θ⁽ʳ⁻¹⁾, runs H inner steps, pushes Δ⁽ʳ⁾.
+
+    client   CoordinatorClient: the channel, retried calls, joining and attestation, verified
+             fetches (dense, held, or the compressed global update), push streams, reports
+    role     Worker: set-up at the first Join, training a round, pushing (and undoing a refused
+             round), signing reports, progress records
+    loops    the synchronous and the overlapped (one-step-delay) round loops
+
+A worker of P pipeline stages (``--stages P``, trainer.pipeline) pushes Δᵢ⁽ʳ⁾ as P slices, one
+stream each, every slice encoded by the stage that computed it (trainer.uplink); a one-process
+worker pushes its whole Δᵢ⁽ʳ⁾ as stage 0 of 1. With compression on, both directions travel as
+adaptive low-rank + int4 (trainer.uplink, trainer.downlink).
+"""
+
+from trainer.worker.client import WorkerError
+from trainer.worker.role import Worker
+
+__all__ = ["Worker", "WorkerError"]

@@ -1,0 +1,396 @@
+"""The worker's side of the wire: one channel to the coordinator, retried calls, verified states.
+
+Nothing received is used unchecked: the channel is TLS to the coordinator's pinned certificate or a
+CA (trainer.tls; plaintext only with --insecure), the run configuration must hash to the CID the
+coordinator names, and every global state must carry the coordinator's signature
+(attestation.signing.global_digest, by the key named at the first Join, which may not change) and
+hash to its CID. Every call made for this worker after Join carries its session token
+(proto.session_metadata). Every byte is counted per direction.
+
+Faults it rides out: a coordinator unreachable (restart, network blip) or busy (RESOURCE_EXHAUSTED)
+is retried with backoff for up to ``reconnect_timeout_s``; after reconnecting, or when the
+coordinator no longer knows the session (it restarted), the worker joins again and re-sends an
+update the coordinator may not have received (a duplicate is answered ALREADY_EXISTS and counts as
+sent).
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import threading
+import time
+from dataclasses import dataclass
+from typing import Callable, Iterator, TypeVar
+
+import grpc
+
+from attestation import (
+    Domain, EvidenceProvider, SignatureError, SignedReport, WorkerKey, attest, checksum_address, code_measurement,
+    recover_address,
+)
+from attestation.signing import global_digest, update_digest
+from proto import CHANNEL_OPTIONS, PROTOCOL_VERSION, Encoding, WorkerPhase, pb, pb_grpc, session_metadata
+from storage_client import CID, Codec, canonical_json
+from trainer.compression import CompressionError
+from trainer.config import RunConfig
+from trainer.downlink import apply_update, decode_update
+from trainer.link import Link
+from trainer.tls import ClientTls, TlsUnreachable, open_channel
+from trainer.uplink import Slice
+from trainer.wire import (
+    Params, WireError, chunked, decode_params, encode_params, json_object, layout_of, reassemble, sha256_hex,
+)
+
+log = logging.getLogger("dilocox.worker")
+T = TypeVar("T")
+
+_RETRYABLE = {grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED, grpc.StatusCode.RESOURCE_EXHAUSTED}
+# A push answered with one of these is out of the round: the worker undoes or carries it forward.
+REFUSED = {grpc.StatusCode.FAILED_PRECONDITION, grpc.StatusCode.INVALID_ARGUMENT, grpc.StatusCode.PERMISSION_DENIED,
+           grpc.StatusCode.UNAUTHENTICATED}
+
+
+class WorkerError(RuntimeError):
+    """The worker cannot go on; the message says why."""
+
+
+@dataclass(frozen=True)
+class Checkpoint:
+    """A global state as fetched: verified against its CID and the coordinator's signature."""
+
+    round: int
+    params_cid: str
+    manifest_cid: str
+    eval_loss_e6: int
+    finished: bool
+    params: Params
+
+
+@dataclass(frozen=True)
+class PushHeader:
+    """What a slice's push says besides its payload (the round's metrics and what it built on)."""
+
+    round: int
+    train_loss: float
+    tokens: int
+    inner_steps: int
+    base_params_cid: str
+    base_bytes_received: int
+    inner_state_sha256: str
+
+
+def slice_name(piece: Slice) -> str:
+    return "update" if piece.num_stages == 1 else f"stage {piece.stage} of {piece.num_stages} slice"
+
+
+class CoordinatorClient:
+    def __init__(self, address: str, worker_id: str, *, tls: ClientTls, attestation: EvidenceProvider | None,
+                 reconnect_timeout_s: float, fetch_wait_s: float, link: Link,
+                 on_first_join: Callable[[RunConfig, int, int], None]) -> None:
+        self.address, self.worker_id = address, worker_id
+        self.reconnect_timeout_s, self.fetch_wait_s = reconnect_timeout_s, fetch_wait_s
+        self.attestation, self.link, self.on_first_join = attestation, link, on_first_join
+        self.channel = self._open(tls)
+        self.stub = pb_grpc.CoordinatorStub(self.channel)
+        self.session: tuple[tuple[str, str | bytes], ...] = ()  # metadata of every call after Join
+        self._joining = threading.Lock()
+        self.coordinator_key: str | None = None  # the address that signs global states, from the first Join
+        self.config: RunConfig | None = None
+        self.key: WorkerKey | None = None
+        self.domain: Domain | None = None  # set when the run has a ledger
+        self.run_digest = b""
+        self.heartbeat_interval_s = 1.0
+        self.round, self.phase = 0, WorkerPhase.STARTING  # what heartbeats say
+        self.bytes_sent = self.bytes_received = 0
+        self.held: tuple[str, Params] | None = None  # the newest global parameters, by CID
+        self.received_for: dict[str, int] = {}  # wire bytes of the fetch that delivered each CID
+
+    # ----------------------------------------------------------------------------- calls
+
+    def _open(self, tls: ClientTls) -> grpc.Channel:
+        """The channel to the coordinator; a pinned certificate is fetched first, so a coordinator
+        that is not up yet is waited for, as any unreachable coordinator is (``call``)."""
+        deadline = time.monotonic() + self.reconnect_timeout_s
+        while True:
+            try:
+                return open_channel(self.address, tls, CHANNEL_OPTIONS)
+            except TlsUnreachable as exc:
+                if time.monotonic() >= deadline:
+                    raise WorkerError(f"coordinator at {self.address} unreachable for "
+                                      f"{self.reconnect_timeout_s:.0f}s: {exc}") from exc
+                time.sleep(1.0)
+
+    def call(self, what: str, fn: Callable[[], T]) -> T:
+        """Run ``fn``; while the coordinator is unreachable or busy, retry with backoff, then
+        rejoin; when it no longer knows this worker's session, rejoin at once."""
+        deadline = time.monotonic() + self.reconnect_timeout_s
+        delay, lost, rejoins = 0.2, False, 0
+        while True:
+            try:
+                if lost:
+                    self.join()
+                    log.info("reconnected to %s", self.address)
+                    lost = False
+                return fn()
+            except grpc.RpcError as exc:
+                if exc.code() == grpc.StatusCode.UNAUTHENTICATED and self.session and rejoins < 2:
+                    log.warning("%s: the coordinator does not know this session (%s); joining again", what,
+                                exc.details())
+                    lost, rejoins = True, rejoins + 1
+                    continue
+                if exc.code() not in _RETRYABLE:
+                    raise
+                if time.monotonic() >= deadline:
+                    raise WorkerError(f"coordinator at {self.address} unreachable for {self.reconnect_timeout_s:.0f}s "
+                                      f"({what}: {exc.details()})") from exc
+                if not lost:
+                    log.warning("%s: coordinator unreachable (%s); retrying", what, exc.details())
+                lost = True
+                time.sleep(delay)
+                delay = min(delay * 2, 2.0)
+
+    def close(self) -> None:
+        self.channel.close()
+
+    # ----------------------------------------------------------------------------- joining
+
+    def join(self) -> pb.JoinResponse:
+        """Challenge, attest (when the run has a ledger), join; set up on the first join. A worker
+        id still held by a live session is retried until that session lapses (a restarted worker).
+        One join at a time: the heartbeat thread may join again while the main thread calls."""
+        deadline = time.monotonic() + self.reconnect_timeout_s
+        while True:
+            try:
+                with self._joining:
+                    return self._join_once()
+            except grpc.RpcError as exc:
+                if exc.code() != grpc.StatusCode.ALREADY_EXISTS or time.monotonic() >= deadline:
+                    raise
+                log.warning("join: %s; retrying", exc.details())
+                time.sleep(1.0)
+
+    def _join_once(self) -> pb.JoinResponse:
+        challenge = self.stub.Challenge(pb.ChallengeRequest(
+            protocol_version=PROTOCOL_VERSION, worker_id=self.worker_id), timeout=30)
+        config = self.checked_config(challenge.config_json, challenge.config_cid)
+        self.check_coordinator_key(challenge.coordinator_address)
+        self.run_digest = challenge.run_digest
+        request = pb.JoinRequest(protocol_version=PROTOCOL_VERSION, worker_id=self.worker_id)
+        if challenge.attestation_required:
+            if self.attestation is None:
+                raise WorkerError("this run requires attestation; start the worker with --attestation dev|tdx")
+            if self.key is None:
+                self.key = WorkerKey.generate()  # born here, never leaves the process
+            measurement = code_measurement(challenge.config_cid)
+            evidence = attest(self.attestation, self.key, challenge.run_digest, challenge.nonce, measurement)
+            request.address, request.evidence, request.nonce = self.key.address, evidence.to_bytes(), challenge.nonce
+            self.domain = Domain(challenge.chain_id, challenge.ledger)
+        # The session of an earlier Join (if any) proves this is the same worker taking its id back.
+        response = self.stub.Join(request, timeout=60, metadata=self.session)
+        self.check_coordinator_key(response.coordinator_address)
+        if len(response.session_token) != 32:
+            raise WorkerError("the coordinator's Join gave no session token; is it an older version?")
+        self.session = session_metadata(self.worker_id, response.session_token)
+        if self.config is None:
+            self.on_first_join(config, response.shard, response.num_shards)
+            self.config = config
+        self.heartbeat_interval_s = response.heartbeat_interval_s
+        log.info("joined run %s at %s: shard %d of %d, open round %d%s", config.run_id, self.address,
+                 response.shard, response.num_shards, response.open_round,
+                 f", key {self.key.address}" if self.domain else "")
+        return response
+
+    def check_coordinator_key(self, address: str) -> None:
+        """Pin the coordinator's signing key at the first Join; it may not change during the run."""
+        try:
+            address = checksum_address(address)
+        except (ValueError, TypeError) as exc:
+            raise WorkerError(f"the coordinator names no valid signing key: {exc}") from exc
+        if self.coordinator_key is None:
+            self.coordinator_key = address
+            log.info("coordinator signing key %s", address)
+        elif address != self.coordinator_key:
+            raise WorkerError(f"the coordinator's signing key changed from {self.coordinator_key} to {address}")
+
+    def checked_config(self, config_json: bytes, config_cid: str) -> RunConfig:
+        actual = CID.of(config_json, Codec.JSON)
+        if str(actual) != config_cid:
+            raise WorkerError(f"run configuration hashes to {actual}, coordinator named {config_cid}")
+        config = RunConfig.from_json(json.loads(config_json))
+        if self.config is not None and config.cid != self.config.cid:
+            raise WorkerError(f"coordinator now runs config {config.cid}, not {self.config.cid}")
+        return config
+
+    # ----------------------------------------------------------------------------- liveness
+
+    def heartbeats(self, stop: threading.Event) -> None:
+        """Say round and phase every heartbeat interval until ``stop``."""
+        while not stop.wait(self.heartbeat_interval_s):
+            try:
+                self.say(self.round, self.phase)
+            except grpc.RpcError as exc:
+                log.debug("heartbeat failed: %s", exc.details())
+                if exc.code() == grpc.StatusCode.UNAUTHENTICATED:
+                    # The coordinator restarted and forgot this session: join again now rather than
+                    # at the next call, which may be a whole inner loop away, so it keeps us live.
+                    try:
+                        self.join()
+                    except (grpc.RpcError, WorkerError) as rejoin:
+                        log.warning("heartbeat: could not join again: %s", rejoin)
+
+    def say(self, round_: int, phase: WorkerPhase, timeout: float = 5) -> None:
+        self.stub.Heartbeat(pb.HeartbeatRequest(worker_id=self.worker_id, round=round_, phase=phase),
+                            timeout=timeout, metadata=self.session)
+
+    def status(self) -> pb.StatusResponse:
+        return self.call("status", lambda: self.stub.Status(pb.StatusRequest(), timeout=10))
+
+    # ----------------------------------------------------------------------------- fetching
+
+    def fetch(self, min_round: int) -> Checkpoint:
+        """The global parameters of round >= ``min_round`` (waits for them), verified by their CID.
+
+        When this worker holds the round before, the coordinator may send the compressed global
+        update instead (trainer.downlink): θ⁽ʳ⁾ = θ⁽ʳ⁻¹⁾ − decompress(C⁽ʳ⁾), which must hash to the
+        CID the header names; if it does not, the worker says so and fetches θ⁽ʳ⁾ dense.
+        """
+        self.phase = WorkerPhase.WAITING
+        dense_only = False
+        while True:
+            held = None if dense_only else self.held
+            header, payload, size = self.call("fetch global state", lambda: self._fetch_once(min_round, held))
+            if payload is None:
+                continue
+            self.checked_signature(header)  # before a byte of the payload is used
+            try:
+                params = global_params(header, payload, held)
+            except (WireError, CompressionError) as exc:
+                if header.encoding == Encoding.DENSE_F32:
+                    raise
+                log.error("round %d: the %s global state does not give the published parameters (%s); fetching "
+                          "them dense", header.round, Encoding(header.encoding).name, exc)
+                dense_only = True
+                continue
+            self.held = (header.params_cid, params)
+            self.received_for[header.params_cid] = size
+            return Checkpoint(header.round, header.params_cid, header.manifest_cid, header.eval_loss_e6,
+                              header.finished, params)
+
+    def _fetch_once(self, min_round: int, held: tuple[str, Params] | None) -> tuple[pb.GlobalHeader, bytes | None, int]:
+        self.link.call()
+        stream = self.stub.FetchGlobal(pb.FetchGlobalRequest(
+            worker_id=self.worker_id, min_round=min_round, wait_s=self.fetch_wait_s,
+            have_params_cid=held[0] if held else ""), timeout=self.fetch_wait_s + 60, metadata=self.session)
+        first = next(stream)
+        size = first.ByteSize()
+        self._received(size)
+        if not first.HasField("header"):
+            raise WireError("global state stream did not start with its header")
+        header = first.header
+        if not header.available:
+            return header, None, size
+
+        def data() -> Iterator[bytes]:
+            nonlocal size
+            for message in stream:
+                size += message.ByteSize()
+                self._received(message.ByteSize())
+                yield message.data
+
+        payload = reassemble(data(), header.payload_size, header.payload_sha256,
+                             what=f"global state of round {header.round}")
+        return header, payload, size
+
+    def _received(self, nbytes: int) -> None:
+        self.bytes_received += nbytes
+        self.link.transfer("down", nbytes)
+
+    def checked_signature(self, header: pb.GlobalHeader) -> None:
+        """A global state is used only if the run's coordinator signed it."""
+        try:
+            digest = global_digest(self.run_digest, header.round, CID.parse(header.params_cid).digest,
+                                   CID.parse(header.manifest_cid).digest)
+            signer = recover_address(digest, header.signature)
+        except (ValueError, SignatureError) as exc:
+            raise WireError(f"global state of round {header.round} carries no valid coordinator signature: {exc}") from exc
+        if signer != self.coordinator_key:
+            raise WireError(f"global state of round {header.round} is signed by {signer}, not by the "
+                            f"coordinator's key {self.coordinator_key}")
+
+    # ----------------------------------------------------------------------------- pushing
+
+    def push_slice(self, piece: Slice, what: PushHeader) -> int:
+        """One slice's PushUpdate stream; returns its wire bytes (what the coordinator counts).
+        Raises grpc.RpcError when the coordinator refuses it (a duplicate counts as sent)."""
+        assert self.config is not None
+        payload = piece.payload
+        sha = sha256_hex(payload)
+        header = pb.UpdateHeader(
+            protocol_version=PROTOCOL_VERSION, run_id=self.config.run_id, round=what.round,
+            worker_id=self.worker_id, encoding=piece.encoding,
+            compression_header=canonical_json(piece.codec_header) if piece.codec_header is not None else b"",
+            tensors=[pb.TensorSpec(name=n, dtype=d, shape=s) for n, (d, s) in layout_of(piece.transmitted).items()],
+            payload_size=len(payload), payload_sha256=sha, train_loss=what.train_loss, tokens=what.tokens,
+            inner_steps=what.inner_steps, base_params_cid=what.base_params_cid,
+            base_bytes_received=what.base_bytes_received, stage=piece.stage, num_stages=piece.num_stages,
+            inner_state_sha256=what.inner_state_sha256,
+        )
+        if self.key is not None:
+            header.signature = self.key.sign_digest(
+                update_digest(self.run_digest, what.round, piece.stage, piece.num_stages, sha))
+        messages = [pb.UpdateChunk(header=header)] + [pb.UpdateChunk(data=p) for p in chunked(payload)]
+
+        def stream() -> Iterator[pb.UpdateChunk]:  # a fresh iterator per attempt
+            self.link.call()
+            for message in messages:
+                self.link.transfer("up", message.ByteSize())
+                self.bytes_sent += message.ByteSize()
+                yield message
+
+        try:
+            response = self.call(f"push round {what.round} {slice_name(piece)}",
+                                 lambda: self.stub.PushUpdate(stream(), timeout=120, metadata=self.session))
+            log.info("round %d: %s accepted as %s", what.round, slice_name(piece), response.update_cid)
+        except grpc.RpcError as exc:
+            if exc.code() != grpc.StatusCode.ALREADY_EXISTS:
+                raise
+            log.info("round %d: coordinator already holds this worker's %s", what.round, slice_name(piece))
+        return sum(m.ByteSize() for m in messages)
+
+    def submit_report(self, signed: SignedReport) -> None:
+        round_ = signed.report.round
+        raw = canonical_json(signed.to_json())
+        try:
+            self.call(f"report round {round_}", lambda: self.stub.SubmitReport(
+                pb.SubmitReportRequest(worker_id=self.worker_id, signed_report=raw), timeout=60, metadata=self.session))
+            log.info("round %d: signed report accepted", round_)
+        except grpc.RpcError as exc:
+            if exc.code() == grpc.StatusCode.ALREADY_EXISTS:
+                return
+            log.warning("round %d: report refused (%s): %s", round_, exc.code().name, exc.details())
+
+
+def global_params(header: pb.GlobalHeader, payload: bytes, held: tuple[str, Params] | None) -> Params:
+    """θ⁽ʳ⁾ from a fetched payload: held already, dense, or θ⁽ʳ⁻¹⁾ − decompress(C⁽ʳ⁾); each checked
+    against the params CID the (signed) header names."""
+    if header.encoding == Encoding.HELD:
+        if held is None or held[0] != header.params_cid or payload:
+            raise WireError(f"the coordinator says this worker holds {header.params_cid}; it holds "
+                            f"{held[0] if held else 'nothing'}")
+        return held[1]
+    if header.encoding == Encoding.DENSE_F32:
+        if str(CID.of(payload)) != header.params_cid:
+            raise WireError(f"global parameters hash to {CID.of(payload)}, header names {header.params_cid}")
+        return decode_params(payload)
+    if header.encoding != Encoding.LOWRANK_INT4:
+        raise WireError(f"unknown global state encoding {header.encoding}")
+    if held is None or header.base_params_cid != held[0]:
+        raise WireError(f"the global update applies to {header.base_params_cid}, this worker holds "
+                        f"{held[0] if held else 'nothing'}")
+    codec = json_object(header.compression_header, "compression_header of the global update")
+    params = apply_update(held[1], decode_update(payload, codec, layout_of(held[1])))
+    rebuilt = CID.of(encode_params(params))
+    if str(rebuilt) != header.params_cid:
+        raise WireError(f"rebuilt parameters hash to {rebuilt}, header names {header.params_cid}")
+    return params

@@ -1,0 +1,283 @@
+"""The worker's role: what it trains, what it pushes and signs, and how a refused round is undone.
+
+It ties the transport (trainer.worker.client) to the inner loop (trainer.diloco, or
+trainer.pipeline for several stages) and the uplink codec (trainer.uplink); the round loops
+(trainer.worker.loops) drive it. The inner state a round starts from (AdamW, and the error feedback
+when compressed) is committed in each push (``inner_state_sha256``, trainer.diloco.inner_state_digest)
+and moves only through counted rounds: when a one-process worker's push is refused, the round is
+undone (AdamW and error feedback restored), so an auditor rebuilds the state from the manifests
+alone (``dilocox audit --replay``). A worker of several stages, and an overlapped one (whose next
+round is already training when the refusal arrives), carries every refused slice's Δ̂ into its
+error feedback instead, so nothing is lost; their contributions are not replayed.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from concurrent.futures import Future
+from dataclasses import dataclass
+from pathlib import Path
+
+import grpc
+import torch
+
+from attestation import EvidenceProvider, RoundReport, SignedReport
+from proto import WorkerPhase
+from storage_client import CID, strict_json, to_e6
+from trainer.config import RunConfig
+from trainer.data import eval_batches, load_corpus, round_batches, shard_digest
+from trainer.diloco import InnerLoop, InnerResult, evaluate, inner_state_digest, load_params, params_of
+from trainer.link import Link
+from trainer.model import build_model
+from trainer.pipeline import PipelinedInnerLoop, PipelineError
+from trainer.tls import ClientTls
+from trainer.uplink import Slice, Uplink, merged, merged_decision, record_of
+from trainer.wire import Params, encode_params
+from trainer.worker.client import REFUSED, Checkpoint, CoordinatorClient, PushHeader, WorkerError, slice_name
+
+log = logging.getLogger("dilocox.worker")
+
+EVAL_TOLERANCE_E6 = 1000  # a worker's own evaluation may differ from the manifest's by 1e-3
+
+
+@dataclass(frozen=True)
+class RoundWork:
+    """A round's training: the inner loop's result, and its Δ encoded as one slice per stage."""
+
+    result: InnerResult
+    slices: list[Slice]
+    state: str = ""  # sha256 of the inner state the round started from; "" where not committed
+    # The AdamW and error-feedback state before the round, restored if the round does not count.
+    snapshot: tuple[dict, list | None] | None = None
+
+
+@dataclass(frozen=True)
+class Pushed:
+    """An update the coordinator holds: what this worker's report of that round will restate."""
+
+    round: int
+    update: bytes  # sha256 of the record: safetensors of the Δ̂ the coordinator rebuilt
+    train_loss_e6: int
+    tokens: int
+    inner_steps: int
+    bytes_sent: int
+    bytes_received: int  # wire bytes of the fetch that delivered the parameters it started from
+    parent: bytes  # sha256 of the parameters it started from
+
+
+class Worker:
+    def __init__(self, address: str, worker_id: str, *, tls: ClientTls, attestation: EvidenceProvider | None = None,
+                 reconnect_timeout_s: float = 120.0, fetch_wait_s: float = 5.0, link: Link | None = None,
+                 metrics: Path | None = None, stages: int = 1) -> None:
+        self.worker_id = worker_id
+        self.stages = stages  # pipeline stages: local processes, each a contiguous slice of the layers
+        self.metrics = metrics
+        self.client = CoordinatorClient(address, worker_id, tls=tls, attestation=attestation,
+                                        reconnect_timeout_s=reconnect_timeout_s, fetch_wait_s=fetch_wait_s,
+                                        link=link or Link(), on_first_join=self.set_up)
+        self.config: RunConfig | None = None
+        self.inner: InnerLoop | PipelinedInnerLoop | None = None
+        self.started_at = time.monotonic()  # reset when the first round starts
+        self.compute_s = 0.0  # time in the inner loop, all rounds
+        self.tokens = 0
+        self._counted = (0, 0)  # bytes sent/received up to the last progress record
+
+    def set_up(self, config: RunConfig, shard: int, num_shards: int) -> None:
+        """At the first Join: the shard, the held-out batches, θ⁽⁰⁾ and the inner loop."""
+        n_layer = config.model.n_layer
+        if not 1 <= self.stages <= n_layer:
+            raise WorkerError(f"{self.stages} pipeline stages: this run's model has {n_layer} layers, "
+                              f"so a worker can run 1 to {n_layer} stages")
+        self.shard_index = shard
+        corpus = load_corpus(config.data, config.seed, config.model.block_size)
+        self.shard = corpus.shard(shard, num_shards)
+        self.data_digest = shard_digest(self.shard)
+        self.eval_batches = eval_batches(corpus, seed=config.seed, count=config.data.eval_batches,
+                                         batch_size=config.inner.batch_size, block_size=config.model.block_size)
+        self.model = build_model(config.model, config.seed)
+        # θ⁽⁰⁾ is a function of the run's seed: built here, it need not cross the network. Its CID
+        # is checked against the genesis checkpoint's when the coordinator serves it (as "held").
+        genesis = params_of(self.model)
+        self.client.held = (str(CID.of(encode_params(genesis))), genesis)
+        if self.stages > 1:  # the stage processes share this worker's torch threads
+            try:
+                self.inner = PipelinedInnerLoop(config.model, config.inner, self.stages,
+                                                compression=config.compression,
+                                                threads_per_stage=max(1, torch.get_num_threads() // self.stages))
+            except ValueError as exc:  # e.g. a batch that does not cut into equal microbatches
+                raise WorkerError(f"{self.stages} pipeline stages: {exc}") from exc
+        else:
+            self.inner = InnerLoop(self.model, config.inner)
+        # Error feedback lives as long as the worker (not its stage processes): what compression
+        # drops is sent next round.
+        self.uplink = Uplink(config.compression, self.stages)
+        self.config = config
+
+    # ----------------------------------------------------------------------------- a round
+
+    def train(self, round_: int, params: Params) -> RoundWork:
+        """The round's inner loop and its Δ encoded for the push, by the stages themselves when
+        there are several; PipelineError when a pipeline stage failed (see abandon)."""
+        self.client.round, self.client.phase = round_, WorkerPhase.TRAINING
+        cfg = self.config
+        batches = round_batches(self.shard, seed=cfg.seed, shard_index=self.shard_index, round_=round_,
+                                steps=cfg.inner.steps, batch_size=cfg.inner.batch_size, block_size=cfg.model.block_size)
+        if isinstance(self.inner, PipelinedInnerLoop):
+            piped = self.inner.run(params, batches, self.uplink.states())
+            self.uplink.update(piped.uplink_states)
+            return RoundWork(InnerResult(piped.pseudo_gradient, piped.mean_loss, piped.tokens, piped.steps),
+                             piped.slices)
+        state = inner_state_digest(self.inner.state(), self.uplink.error_state())
+        # Overlapped, the next round is training when a refusal comes back: nothing to undo then.
+        snapshot = None if cfg.rounds.overlap else (self.inner.snapshot(), self.uplink.snapshot())
+        result = self.inner.run(params, batches)
+        return RoundWork(result, [self.uplink.encode(result.pseudo_gradient)], state, snapshot)
+
+    def push(self, round_: int, work: RoundWork, base_cid: str) -> Pushed | None:
+        """Send Δ for ``round_``, one stream per stage slice; what was sent if the coordinator holds
+        every slice, None if one was refused (the coordinator then drops the others: the worker is
+        out of the round, which is undone or carried forward as the module docstring says)."""
+        self.client.phase = WorkerPhase.PUSHING
+        result = work.result
+        received = self.client.received_for.get(base_cid, 0)
+        # The round's record keeps the dense reconstruction Δ̂, which the coordinator rebuilds from
+        # the slices bit for bit; the report restates its digest.
+        record = record_of(merged(work.slices))
+        decision = merged_decision(round_, work.slices)
+        if decision is not None:
+            log.info("round %d: compressed %d -> %d bytes in %d slice(s) (mean rank %.1f, energy %.3f)",
+                     round_, len(record), sum(len(s.payload) for s in work.slices), len(work.slices),
+                     decision.mean_rank, decision.energy)
+        what = PushHeader(round_, result.mean_loss, result.tokens, result.steps, base_cid, received, work.state)
+        wire_bytes = 0
+        for piece in work.slices:
+            try:
+                wire_bytes += self.client.push_slice(piece, what)
+            except grpc.RpcError as exc:
+                if exc.code() not in REFUSED:
+                    raise
+                log.warning("round %d: %s refused (%s): %s", round_, slice_name(piece), exc.code().name, exc.details())
+                self._undo(work)
+                return None
+        return Pushed(round_, CID.of(record).digest, to_e6(result.mean_loss), result.tokens,
+                      result.steps, wire_bytes, received, CID.parse(base_cid).digest)
+
+    def _undo(self, work: RoundWork) -> None:
+        if work.snapshot is not None and isinstance(self.inner, InnerLoop):
+            # The inner state moves only through counted rounds (trainer.diloco.InnerLoop), so that
+            # an auditor can rebuild it from the manifests: undo this round.
+            self.inner.restore(work.snapshot[0])
+            self.uplink.restore(work.snapshot[1])
+        else:
+            # Error feedback assumed these values arrived; none counts, so carry them.
+            self.uplink.carry_back(work.slices)
+
+    def report(self, pushed: Pushed | None, checkpoint: Checkpoint) -> None:
+        """Sign and submit the RoundReport of a round this worker contributed to, once the round's
+        checkpoint is in hand (nothing when the run has no ledger or ``checkpoint`` is another round's)."""
+        client = self.client
+        if pushed is None or checkpoint.round != pushed.round or client.domain is None:
+            return
+        assert client.key is not None
+        load_params(self.model, checkpoint.params)
+        own = to_e6(evaluate(self.model, self.eval_batches))
+        if abs(own - checkpoint.eval_loss_e6) > EVAL_TOLERANCE_E6:
+            log.error("round %d: refusing to sign: the checkpoint evaluates to %.6f here, the manifest says %.6f",
+                      pushed.round, own / 1e6, checkpoint.eval_loss_e6 / 1e6)
+            return
+        report = RoundReport(
+            run_id=client.run_digest, round=pushed.round, worker=client.key.address, parent_checkpoint=pushed.parent,
+            checkpoint=CID.parse(checkpoint.params_cid).digest, manifest_digest=CID.parse(checkpoint.manifest_cid).digest,
+            update_digest=pushed.update, data_digest=self.data_digest, train_loss_e6=pushed.train_loss_e6,
+            eval_loss_e6=checkpoint.eval_loss_e6, tokens=pushed.tokens, inner_steps=pushed.inner_steps,
+            bytes_sent=pushed.bytes_sent, bytes_received=pushed.bytes_received,
+        )
+        client.submit_report(SignedReport(report, client.key.sign_digest(report.digest(client.domain))))
+
+    def abandon(self, round_: int, exc: PipelineError, inflight: Future | None = None) -> int:
+        """Drop out of ``round_`` after a pipeline stage failed: push nothing for it, and tell the
+        coordinator at once (ABANDONED) so the round closes with the others. Returns the round whose
+        checkpoint to go on from: ``round_`` (wait for it to close), or ``round_ - 1`` when no other
+        live worker is still on the round, which then could never close: this worker trains it
+        again. Either way the next round starts fresh stage processes. ``inflight``: the overlapped
+        path's exchange of the round before, which still counts and is waited for.
+        """
+        log.error("round %d: abandoned, no update pushed: %s", round_, exc)
+        self.client.phase = WorkerPhase.ABANDONED
+        try:
+            self.client.say(round_, WorkerPhase.ABANDONED)
+        except grpc.RpcError as rpc:  # the periodic heartbeat says it again
+            log.warning("round %d: could not tell the coordinator: %s", round_, rpc.details())
+        if inflight is not None:
+            self.report(*inflight.result())
+        status = self.client.status()
+        if status.open_round == round_ and not any(
+                w.alive and w.worker_id != self.worker_id and w.phase != WorkerPhase.DONE
+                and not (w.phase == WorkerPhase.ABANDONED and w.round == round_) for w in status.workers):
+            log.warning("round %d: no other live worker is on it; training it again", round_)
+            return round_ - 1
+        return round_
+
+    # ----------------------------------------------------------------------------- progress
+
+    def round_done(self, round_: int, work: RoundWork, trained_s: float, waited_s: float) -> None:
+        """Progress of one round: a log line, and a metrics record (bytes since the last one)."""
+        result, client = work.result, self.client
+        self.compute_s += trained_s
+        self.tokens += result.tokens
+        sent, received = client.bytes_sent - self._counted[0], client.bytes_received - self._counted[1]
+        self._counted = (client.bytes_sent, client.bytes_received)
+        decision = merged_decision(round_, work.slices)
+        log.info("round %d: %d steps, loss %.4f, %d tokens, train %.2fs, waited %.2fs, %d bytes up, %d down%s",
+                 round_, result.steps, result.mean_loss, result.tokens, trained_s, waited_s, sent, received,
+                 f", uplink mean rank {decision.mean_rank:.1f}" if decision else "")
+        record = {"event": "round", "round": round_, "tokens": result.tokens, "inner_steps": result.steps,
+                  "train_loss": result.mean_loss, "compute_s": trained_s, "waited_s": waited_s,
+                  "bytes_sent": sent, "bytes_received": received, "time": time.time()}
+        if decision is not None:
+            record["ranks"] = {name: d.rank for name, d in decision.tensors.items()}
+            record["energy"] = decision.energy
+        self._metric(record)
+
+    def finished(self, checkpoint: Checkpoint) -> int:
+        wall, client = time.monotonic() - self.started_at, self.client
+        log.info("run finished at round %d (%s); sent %d bytes, received %d; trained %.1fs of %.1fs (%.0f%%)",
+                 checkpoint.round, checkpoint.manifest_cid, client.bytes_sent, client.bytes_received,
+                 self.compute_s, wall, 100 * self.compute_s / wall if wall > 0 else 0.0)
+        self._metric({"event": "finished", "rounds": checkpoint.round, "wall_s": wall, "compute_s": self.compute_s,
+                      "tokens": self.tokens, "bytes_sent": client.bytes_sent, "bytes_received": client.bytes_received})
+        return 0
+
+    def _metric(self, record: dict) -> None:
+        """Append one JSON line to the metrics file, when the worker was given one."""
+        if self.metrics is not None:
+            with open(self.metrics, "a", encoding="utf-8") as f:
+                f.write(strict_json(record, sort_keys=True) + "\n")
+
+    # ----------------------------------------------------------------------------- the run
+
+    def run(self) -> int:
+        from trainer.worker.loops import overlapped, synchronous
+
+        client = self.client
+        client.call("join", client.join)
+        stop = threading.Event()
+        beat = threading.Thread(target=client.heartbeats, args=(stop,), name="heartbeat", daemon=True)
+        beat.start()
+        # Wall time for utilisation runs from here (joined) to holding the final checkpoint.
+        self.started_at = time.monotonic()
+        try:
+            return (overlapped if self.config.rounds.overlap else synchronous)(self)
+        finally:
+            client.phase = WorkerPhase.DONE
+            stop.set()
+            beat.join(timeout=10)  # no gRPC call may still be in flight when the channel closes
+            try:  # tell the coordinator at once, so it need not wait for liveness to lapse
+                client.say(client.round, WorkerPhase.DONE, timeout=2)
+            except grpc.RpcError:
+                pass
+            if isinstance(self.inner, PipelinedInnerLoop):
+                self.inner.close()  # stop the stage processes
+            client.close()
