@@ -4,7 +4,7 @@ pragma solidity ^0.8.24;
 import {EIP712} from "@openzeppelin/contracts/utils/cryptography/EIP712.sol";
 import {ECDSA} from "@openzeppelin/contracts/utils/cryptography/ECDSA.sol";
 import {IContributionLedger} from "./IContributionLedger.sol";
-import {WorkerRegistry} from "./WorkerRegistry.sol";
+import {IWorkerRegistry} from "./IWorkerRegistry.sol";
 
 /**
  * @title ContributionLedger
@@ -12,9 +12,10 @@ import {WorkerRegistry} from "./WorkerRegistry.sol";
  * recorded them.
  *
  * The account that creates a run is its coordinator. Every report must be signed by its worker,
- * whose key must be active in the registry. Storage per round: one commitment slot, and one tally
- * slot per reporting worker (its run tally); a worker's total over runs is summed from its run
- * tallies when asked ({totalContributionOf}), so a report costs no second slot.
+ * whose key must be active in the registry, which the ledger knows only as an {IWorkerRegistry}.
+ * Storage per round: one commitment slot, and one tally slot per reporting worker (its run tally); a
+ * worker's total over runs is summed from its run tallies when asked ({totalContributionOf}), so a
+ * report costs no second slot.
  */
 contract ContributionLedger is IContributionLedger, EIP712 {
     /// @dev A worker's tally in one run (one slot).
@@ -24,12 +25,12 @@ contract ContributionLedger is IContributionLedger, EIP712 {
         uint64 lastRound;
     }
 
-    /// @notice The EIP-712 type hash of {RoundReport}.
+    /// @inheritdoc IContributionLedger
     bytes32 public constant ROUND_REPORT_TYPEHASH = keccak256(
         "RoundReport(bytes32 runId,uint64 round,address worker,bytes32 parentCheckpoint,bytes32 checkpoint,bytes32 manifestDigest,bytes32 updateDigest,bytes32 dataDigest,int64 trainLossE6,int64 evalLossE6,uint64 tokens,uint32 innerSteps,uint64 bytesSent,uint64 bytesReceived)"
     );
 
-    WorkerRegistry private immutable _registry;
+    IWorkerRegistry private immutable _registry;
 
     mapping(bytes32 runId => Run) private _runs;
     mapping(bytes32 runId => mapping(uint64 round => bytes32 commitment)) private _rounds;
@@ -37,7 +38,7 @@ contract ContributionLedger is IContributionLedger, EIP712 {
     mapping(address worker => bytes32[] runIds) private _runsOf;
 
     /// @param registry_ The registry that says which worker keys are active.
-    constructor(WorkerRegistry registry_) EIP712("DiLoCoX Contribution Ledger", "1") {
+    constructor(IWorkerRegistry registry_) EIP712("DiLoCoX Contribution Ledger", "1") {
         _registry = registry_;
     }
 
@@ -63,7 +64,7 @@ contract ContributionLedger is IContributionLedger, EIP712 {
 
     /**
      * @inheritdoc IContributionLedger
-     * @dev Checks, then effects, then the only external call: {WorkerRegistry-isActive}, a view on the
+     * @dev Checks, then effects, then the only external call: {IWorkerRegistry-isActive}, a view on the
      * immutable registry (a STATICCALL, so it cannot re-enter and change state); the whole call
      * reverts on any refusal.
      */
@@ -155,8 +156,8 @@ contract ContributionLedger is IContributionLedger, EIP712 {
         return _runsOf[worker];
     }
 
-    /// @notice The worker registry this ledger consults.
-    function registry() external view returns (WorkerRegistry) {
+    /// @inheritdoc IContributionLedger
+    function registry() external view returns (IWorkerRegistry) {
         return _registry;
     }
 

@@ -1,6 +1,8 @@
 // SPDX-License-Identifier: MIT
 pragma solidity ^0.8.24;
 
+import {IWorkerRegistry} from "./IWorkerRegistry.sol";
+
 /**
  * @title IContributionLedger
  * @notice The chain of checkpoints of each training run and who contributed to each round
@@ -102,30 +104,78 @@ interface IContributionLedger {
         uint64 rounds;
     }
 
-    /// @notice A run with this id exists already.
+    /**
+     * @dev A run cannot be created twice.
+     * @param runId The run's id.
+     */
     error LedgerRunExists(bytes32 runId);
-    /// @notice No run has this id.
+
+    /**
+     * @dev No run has this id.
+     * @param runId The id a call named.
+     */
     error LedgerUnknownRun(bytes32 runId);
-    /// @notice Only the run's coordinator may record its rounds.
+
+    /**
+     * @dev Only the run's coordinator may record its rounds.
+     * @param caller The account that sent the call.
+     */
     error LedgerNotCoordinator(address caller);
-    /// @notice Rounds are recorded one after another, starting at 1.
+
+    /**
+     * @dev Rounds are recorded one after another, starting at 1.
+     * @param expected The run's last recorded round plus one.
+     * @param got The round the call named.
+     */
     error LedgerRoundOutOfOrder(uint64 expected, uint64 got);
-    /// @notice The round's parent is not the previous round's checkpoint (or the genesis checkpoint).
+
+    /**
+     * @dev The round's parent is not the previous round's checkpoint (or, for round 1, the genesis
+     * checkpoint).
+     * @param expected The run's last recorded checkpoint.
+     * @param got The parent the call named.
+     */
     error LedgerWrongParent(bytes32 expected, bytes32 got);
-    /// @notice A round needs at least one participant: a report or an unreported update.
+
+    /// @dev A round needs at least one participant: a report or an unreported update.
     error LedgerNoParticipants();
-    /// @notice Report `index` is not validly signed by its `worker`.
+
+    /**
+     * @dev A report is not validly signed by its `worker` (wrong key, wrong fields, malformed or
+     * malleable signature).
+     * @param index The report's position in the call's `reports`.
+     */
     error LedgerInvalidSignature(uint256 index);
-    /// @notice The worker is not active in the registry.
+
+    /**
+     * @dev A report's worker is not active in the registry ({IWorkerRegistry-isActive}).
+     * @param worker The worker's signing address.
+     */
     error LedgerWorkerNotActive(address worker);
-    /// @notice Report `index`'s worker is not above the previous report's: reports are in strictly
-    /// ascending worker order, so no worker reports twice in a round.
+
+    /**
+     * @dev A report's worker is not above the previous report's: reports are in strictly ascending
+     * worker order, so no worker reports twice in a round.
+     * @param index The report's position in the call's `reports`.
+     */
     error LedgerReportsNotSorted(uint256 index);
-    /// @notice Unreported update `index` is zero, out of strictly ascending order (so repeated), or
-    /// the update of one of the call's reports.
+
+    /**
+     * @dev An unreported update is zero, out of strictly ascending order (so repeated), or the update
+     * of one of the call's reports.
+     * @param index The update's position in the call's `unreported`.
+     */
     error LedgerBadUnreported(uint256 index);
 
-    /// @notice A run was created; `coordinator` may record its rounds.
+    /**
+     * @notice A run was created; `coordinator` may record its rounds.
+     * @param runId The run's id: sha256 digest of its genesis manifest.
+     * @param coordinator The account that created it and records its rounds.
+     * @param genesisCheckpoint sha256 of θ⁽⁰⁾'s safetensors bytes: round 1's parent.
+     * @param configDigest Digest of the run configuration.
+     * @param genesisManifest Digest of the genesis manifest object.
+     * @param challengeWindow Blocks a recorded round waits before rewards for it can be claimed.
+     */
     event RunCreated(
         bytes32 indexed runId,
         address indexed coordinator,
@@ -134,11 +184,26 @@ interface IContributionLedger {
         bytes32 genesisManifest,
         uint32 challengeWindow
     );
-    /// @notice A participant's update was recorded without a worker's report, on the coordinator's word.
+
+    /**
+     * @notice A participant's update was recorded without a worker's report, on the coordinator's word.
+     * @param runId The run.
+     * @param round The round the update was recorded in.
+     * @param updateDigest The update's digest.
+     */
     event UpdateUnreported(bytes32 indexed runId, uint64 indexed round, bytes32 updateDigest);
+
     /**
      * @notice A round was recorded: each of `workers` (ascending) reported and was credited `tokens`;
      * `commitment` is {roundCommitment} of its {RoundFacts} (recordedAt: this block).
+     * @param runId The run.
+     * @param round The round, the run's last one from now on.
+     * @param checkpoint The round's checkpoint, the next round's parent.
+     * @param manifestDigest The round's manifest.
+     * @param tokens The tokens credited to each reporting worker.
+     * @param workers The reporting workers, in ascending order.
+     * @param unreportedCount How many participants were recorded unreported ({UpdateUnreported}).
+     * @param commitment The round's commitment.
      */
     event RoundRecorded(
         bytes32 indexed runId,
@@ -152,7 +217,8 @@ interface IContributionLedger {
     );
 
     /**
-     * @notice Creates a run; the caller becomes its coordinator.
+     * @notice Creates a run; the caller becomes its coordinator. Each id once ({LedgerRunExists}).
+     * Emits {RunCreated}.
      * @param runId sha256 digest of the run's genesis manifest.
      * @param genesisCheckpoint sha256 of θ⁽⁰⁾'s safetensors bytes: round 1's parent.
      * @param configDigest Digest of the run configuration.
@@ -168,35 +234,83 @@ interface IContributionLedger {
     ) external;
 
     /**
-     * @notice Records the next round of a run. Only the run's coordinator.
-     * @param header The round: the run's last round plus one, the previous round's checkpoint as
-     * parent (the genesis checkpoint for round 1), and what every report of it shares.
-     * @param reports One signed report per reporting participant, in strictly ascending worker order;
-     * each worker is credited `header.tokens`.
-     * @param unreported The update digests of the participants without a report, strictly ascending;
-     * nobody is credited for them.
+     * @notice Records the next round of a run. Only the run's coordinator ({LedgerNotCoordinator}) of
+     * an existing run ({LedgerUnknownRun}). Every report must be signed by its worker
+     * ({LedgerInvalidSignature}), active in the registry ({LedgerWorkerNotActive}). Credits each
+     * reporting worker, stores the round's commitment, and emits {UpdateUnreported} per unreported
+     * update, then {RoundRecorded}; any refusal reverts the whole call.
+     * @param header The round: the run's last round plus one ({LedgerRoundOutOfOrder}), the previous
+     * round's checkpoint as parent (the genesis checkpoint for round 1; {LedgerWrongParent}), and what
+     * every report of it shares.
+     * @param reports One signed report per reporting participant, in strictly ascending worker order
+     * ({LedgerReportsNotSorted}); each worker is credited `header.tokens`.
+     * @param unreported The update digests of the participants without a report, nonzero, strictly
+     * ascending and none a report's ({LedgerBadUnreported}); nobody is credited for them. `reports`
+     * and `unreported` are not both empty ({LedgerNoParticipants}).
      */
     function recordRound(RoundHeader calldata header, WorkerReport[] calldata reports, bytes32[] calldata unreported)
         external;
 
-    /// @notice The EIP-712 digest a worker signs for `report` (this ledger's domain and chain).
+    /**
+     * @notice The EIP-712 digest a worker signs for `report` (this ledger's domain and chain).
+     * @param report The whole report.
+     * @return The digest, to sign as is (no further prefix).
+     */
     function reportDigest(RoundReport calldata report) external view returns (bytes32);
 
-    /// @notice The commitment a recorded round is kept as: keccak256 of the ABI encoding of `facts`.
+    /**
+     * @notice The commitment a recorded round is kept as: keccak256 of the ABI encoding of `facts`.
+     * @param facts A round's facts.
+     * @return The commitment they hash to.
+     */
     function commitmentOf(RoundFacts calldata facts) external pure returns (bytes32);
 
-    /// @notice A run (coordinator zero if it does not exist).
+    /**
+     * @notice The EIP-712 type hash of {RoundReport}.
+     * @return keccak256 of the type string.
+     */
+    function ROUND_REPORT_TYPEHASH() external view returns (bytes32);
+
+    /**
+     * @notice The worker registry this ledger asks whether a report's worker is active.
+     * @return The registry.
+     */
+    function registry() external view returns (IWorkerRegistry);
+
+    /**
+     * @notice A run.
+     * @param runId The run's id.
+     * @return The run; coordinator zero if it does not exist.
+     */
     function runOf(bytes32 runId) external view returns (Run memory);
 
-    /// @notice The commitment of a recorded round (zero if not recorded).
+    /**
+     * @notice The commitment of a recorded round.
+     * @param runId The run's id.
+     * @param round The round.
+     * @return The commitment of its {RoundFacts}; zero if not recorded.
+     */
     function roundCommitment(bytes32 runId, uint64 round) external view returns (bytes32);
 
-    /// @notice Tokens and rounds credited to `worker` in one run.
+    /**
+     * @notice Tokens and rounds credited to `worker` in one run.
+     * @param runId The run's id.
+     * @param worker The worker's signing address.
+     * @return The worker's contribution to the run.
+     */
     function contributionOf(bytes32 runId, address worker) external view returns (Contribution memory);
 
-    /// @notice Tokens and rounds credited to `worker` over all runs.
+    /**
+     * @notice Tokens and rounds credited to `worker` over all runs.
+     * @param worker The worker's signing address.
+     * @return The sum of its contributions over {runsOf}.
+     */
     function totalContributionOf(address worker) external view returns (Contribution memory);
 
-    /// @notice The runs `worker` has been credited in, in the order of its first credit in each.
+    /**
+     * @notice The runs `worker` has been credited in.
+     * @param worker The worker's signing address.
+     * @return The runs' ids, in the order of the worker's first credit in each.
+     */
     function runsOf(address worker) external view returns (bytes32[] memory);
 }

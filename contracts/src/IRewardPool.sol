@@ -22,7 +22,13 @@ import {IContributionLedger} from "./IContributionLedger.sol";
  * out of a run more than that run was funded with.
  */
 interface IRewardPool {
-    /// @notice A run's pool: who funded it, with how much, for how many rounds, and what it paid.
+    /**
+     * @notice A run's pool: who funded it, with how much, for how many rounds, and what it paid.
+     * @param funder The run's coordinator, who opened and funded the pool.
+     * @param totalRounds The rounds the funding is for: rounds 1..totalRounds pay.
+     * @param funded The tokens the pool was funded with.
+     * @param paid The tokens paid out of it so far; never more than `funded`.
+     */
     struct Pool {
         address funder;
         uint64 totalRounds;
@@ -30,53 +36,140 @@ interface IRewardPool {
         uint128 paid;
     }
 
-    /// @notice A round of a claim: its number, its facts as the ledger committed to them, and where the
-    /// claiming worker is in its `workers`.
+    /**
+     * @notice A round of a claim: its number, its facts as the ledger committed to them, and where the
+     * claiming worker is in its `workers`.
+     * @param round The round.
+     * @param index The claiming worker's position in `facts.workers`.
+     * @param facts The round's facts, proven against {IContributionLedger-roundCommitment}.
+     */
     struct RoundClaim {
         uint64 round;
         uint256 index;
         IContributionLedger.RoundFacts facts;
     }
 
-    /// @notice The run's pool was opened already.
+    /**
+     * @dev A run's pool is opened once.
+     * @param runId The run's id.
+     */
     error RewardPoolExists(bytes32 runId);
-    /// @notice The run has no pool.
+
+    /**
+     * @dev The run has no pool to claim from.
+     * @param runId The run's id.
+     */
     error RewardNoPool(bytes32 runId);
-    /// @notice Only the run's coordinator on the ledger may open its pool.
+
+    /**
+     * @dev Only the run's coordinator on the ledger may open its pool.
+     * @param caller The account that sent the call.
+     */
     error RewardNotCoordinator(address caller);
-    /// @notice A pool needs a positive amount and at least one round.
+
+    /// @dev A pool needs a positive amount and at least one round.
     error RewardEmptyPool();
-    /// @notice The facts do not hash to the ledger's commitment of the round (or it is not recorded).
+
+    /**
+     * @dev The claimed facts do not hash to the ledger's commitment of the round (or the round is not
+     * recorded).
+     * @param round The round claimed.
+     */
     error RewardBadProof(uint64 round);
-    /// @notice The round is younger than the run's challenge window: claimable from block `matureAt`.
+
+    /**
+     * @dev The round is younger than the run's challenge window.
+     * @param round The round claimed.
+     * @param matureAt The first block in which it can be claimed.
+     */
     error RewardNotMatured(uint64 round, uint256 matureAt);
-    /// @notice The worker is not the round's credited worker at the given index.
+
+    /**
+     * @dev The worker is not the round's credited worker at the claim's index.
+     * @param round The round claimed.
+     * @param worker The worker claimed for.
+     */
     error RewardNotContributor(uint64 round, address worker);
-    /// @notice The worker's reward for the round was claimed already.
+
+    /**
+     * @dev The worker's reward for the round was claimed already.
+     * @param round The round claimed.
+     * @param worker The worker claimed for.
+     */
     error RewardAlreadyClaimed(uint64 round, address worker);
-    /// @notice Paying would take the run's pool past what it was funded with.
+
+    /**
+     * @dev Paying would take the run's pool past what it was funded with (only a lying ledger can
+     * cause this).
+     * @param runId The run's id.
+     */
     error RewardPoolExhausted(bytes32 runId);
 
-    /// @notice A run's pool was opened and funded.
+    /**
+     * @notice A run's pool was opened and funded.
+     * @param runId The run's id.
+     * @param funder The run's coordinator, whose tokens fund the pool.
+     * @param funded The tokens pulled into the pool.
+     * @param totalRounds The rounds the funding is for.
+     */
     event PoolOpened(bytes32 indexed runId, address indexed funder, uint256 funded, uint64 totalRounds);
-    /// @notice A worker was paid for one round.
+
+    /**
+     * @notice A worker was paid for one round (and the round is marked claimed for it).
+     * @param runId The run's id.
+     * @param worker The worker paid; the tokens went to this address.
+     * @param round The round paid for.
+     * @param amount The tokens paid: {rewardPerWorker} of the round, 0 past the pool's rounds.
+     */
     event RewardPaid(bytes32 indexed runId, address indexed worker, uint64 indexed round, uint256 amount);
 
     /**
      * @notice Opens and funds the pool of `runId`, pulling `amount` tokens from the caller (approve
-     * first). Only the run's coordinator, once.
+     * first). Only the run's coordinator on the ledger ({RewardNotCoordinator}), once
+     * ({RewardPoolExists}). Emits {PoolOpened}.
+     * @param runId The run's id.
+     * @param amount The tokens to fund the pool with; positive ({RewardEmptyPool}).
+     * @param totalRounds The rounds the funding is for; positive ({RewardEmptyPool}).
      */
     function openPool(bytes32 runId, uint128 amount, uint64 totalRounds) external;
 
-    /// @notice Pays `worker` for each round in `rounds`; returns the amount paid.
+    /**
+     * @notice Pays `worker` for each round in `rounds`, in one transfer to `worker`, whoever sends the
+     * call. Emits {RewardPaid} per round. Refused, as a whole, for a run with no pool
+     * ({RewardNoPool}), a round whose facts do not prove ({RewardBadProof}), that is not yet mature
+     * ({RewardNotMatured}), that `worker` is not credited in at the given index
+     * ({RewardNotContributor}) or was paid for already ({RewardAlreadyClaimed}), or a payment past
+     * the run's funding ({RewardPoolExhausted}).
+     * @param runId The run's id.
+     * @param worker The worker to pay.
+     * @param rounds The rounds claimed, each with its proof.
+     * @return The tokens paid.
+     */
     function claim(bytes32 runId, address worker, RoundClaim[] calldata rounds) external returns (uint256);
 
-    /// @notice What one of a round's credited workers is owed for it: 0 past the pool's rounds.
+    /**
+     * @notice What one of a round's credited workers is owed for it.
+     * @param runId The run's id.
+     * @param round The round.
+     * @param workers How many workers the round credited.
+     * @return ⌊⌊funded / totalRounds⌋ / workers⌋; 0 for round 0, past the pool's rounds, or without a
+     * pool.
+     */
     function rewardPerWorker(bytes32 runId, uint64 round, uint256 workers) external view returns (uint256);
 
-    /// @notice Whether `worker` was paid for `round` of `runId`.
+    /**
+     * @notice Whether `worker` was paid for `round` of `runId`.
+     * @param runId The run's id.
+     * @param worker The worker.
+     * @param round The round.
+     * @return Whether the round was claimed for the worker.
+     */
     function isClaimed(bytes32 runId, address worker, uint64 round) external view returns (bool);
 
-    /// @notice The pool of `runId` (funder zero if none).
+    /**
+     * @notice The pool of a run.
+     * @param runId The run's id.
+     * @return The pool; funder zero if none.
+     */
     function poolOf(bytes32 runId) external view returns (Pool memory);
 }

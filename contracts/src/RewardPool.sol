@@ -17,13 +17,19 @@ import {IRewardPool} from "./IRewardPool.sol";
 contract RewardPool is IRewardPool {
     using SafeERC20 for IERC20;
 
+    /// @notice The ledger whose round commitments claims are proven against.
     IContributionLedger public immutable ledger;
+    /// @notice The ERC-20 token pools are funded and paid in.
     IERC20 public immutable token;
 
     mapping(bytes32 runId => Pool) private _pools;
     /// @dev One bit per (run, worker, round): word round / 256, bit round % 256.
     mapping(bytes32 runId => mapping(address worker => mapping(uint256 word => uint256))) private _claimed;
 
+    /**
+     * @param ledger_ The ledger whose rounds the pool pays for (any {IContributionLedger}).
+     * @param token_ The ERC-20 token pools are funded and paid in.
+     */
     constructor(IContributionLedger ledger_, IERC20 token_) {
         ledger = ledger_;
         token = token_;
@@ -52,6 +58,7 @@ contract RewardPool is IRewardPool {
         }
         uint256 paid = pool.paid + total;
         if (paid > pool.funded) revert RewardPoolExhausted(runId);
+        // forge-lint: disable-next-line(unsafe-typecast) -- paid <= pool.funded, a uint128
         pool.paid = uint128(paid);
         if (total > 0) token.safeTransfer(worker, total);
     }

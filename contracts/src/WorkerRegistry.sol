@@ -6,7 +6,7 @@ import {IWorkerRegistry} from "./IWorkerRegistry.sol";
 
 /**
  * @title WorkerRegistry
- * @notice Which worker keys may sign round reports (docs/trust.md, "Contracts").
+ * @notice {IWorkerRegistry}: which worker keys may sign round reports (docs/trust.md, "Contracts").
  *
  * The owner allowlists code measurements and names verifier accounts. A verifier checks a
  * worker's attestation evidence off chain and admits the worker's key with the evidence digest.
@@ -36,12 +36,7 @@ contract WorkerRegistry is IWorkerRegistry, Ownable {
     /// @param initialOwner The account that manages measurements and verifiers.
     constructor(address initialOwner) Ownable(initialOwner) {}
 
-    /**
-     * @notice Adds a code measurement to the allowlist or removes it. Removing a measurement makes
-     * every worker admitted with it inactive.
-     * @param measurement The measurement (see docs/trust.md, "Worker identity").
-     * @param allowed Whether workers with this measurement may be active.
-     */
+    /// @inheritdoc IWorkerRegistry
     function setMeasurement(bytes32 measurement, bool allowed) external onlyOwner {
         uint64 id = _measurementIds[measurement];
         if (id == 0) {
@@ -53,23 +48,14 @@ contract WorkerRegistry is IWorkerRegistry, Ownable {
         emit MeasurementSet(measurement, allowed);
     }
 
-    /**
-     * @notice Enables or disables a verifier account.
-     * @param verifier The account that checks evidence and admits workers.
-     * @param enabled Whether it may admit and revoke workers.
-     */
+    /// @inheritdoc IWorkerRegistry
     function setVerifier(address verifier, bool enabled) external onlyOwner {
         if (verifier == address(0)) revert RegistryZeroAddress();
         _verifiers[verifier] = enabled;
         emit VerifierSet(verifier, enabled);
     }
 
-    /**
-     * @notice Admits a worker key whose evidence the caller has verified. Only an enabled verifier.
-     * @param worker The worker's signing address, bound into its evidence's REPORTDATA.
-     * @param measurement The allowlisted measurement the evidence shows.
-     * @param evidenceDigest sha256 of the evidence bytes, kept in the store as a raw object.
-     */
+    /// @inheritdoc IWorkerRegistry
     function admitWorker(address worker, bytes32 measurement, bytes32 evidenceDigest) external {
         if (!_verifiers[msg.sender]) revert RegistryNotVerifier(msg.sender);
         uint64 id = _measurementIds[measurement];
@@ -83,10 +69,7 @@ contract WorkerRegistry is IWorkerRegistry, Ownable {
         emit WorkerAdmitted(worker, measurement, evidenceDigest, msg.sender);
     }
 
-    /**
-     * @notice Revokes a worker key for good, recording the block. Only the owner or an enabled verifier.
-     * @param worker The worker's signing address.
-     */
+    /// @inheritdoc IWorkerRegistry
     function revokeWorker(address worker) external {
         if (msg.sender != owner() && !_verifiers[msg.sender]) revert RegistryNotVerifier(msg.sender);
         Status storage status = _status[worker];
@@ -97,20 +80,14 @@ contract WorkerRegistry is IWorkerRegistry, Ownable {
         emit WorkerRevoked(worker, msg.sender);
     }
 
-    /**
-     * @notice Whether `worker` may sign reports now: admitted, not revoked, measurement still allowed.
-     * @param worker The worker's signing address.
-     */
+    /// @inheritdoc IWorkerRegistry
     function isActive(address worker) external view returns (bool) {
         Status memory status = _status[worker];
         // admittedAt is the admission's block number, never 0 on a real chain once admitted
         return status.measurementId != 0 && status.revokedAt == 0 && _allowed[status.measurementId];
     }
 
-    /**
-     * @notice The registry's record of `worker` (all zero if never admitted).
-     * @param worker The worker's signing address.
-     */
+    /// @inheritdoc IWorkerRegistry
     function workerOf(address worker) external view returns (Worker memory) {
         Status memory status = _status[worker];
         if (status.measurementId == 0) return Worker(bytes32(0), bytes32(0), address(0), 0, 0);
@@ -123,18 +100,12 @@ contract WorkerRegistry is IWorkerRegistry, Ownable {
         });
     }
 
-    /**
-     * @notice Whether `measurement` is on the allowlist.
-     * @param measurement The measurement.
-     */
+    /// @inheritdoc IWorkerRegistry
     function isMeasurementAllowed(bytes32 measurement) external view returns (bool) {
         return _allowed[_measurementIds[measurement]];
     }
 
-    /**
-     * @notice Whether `account` is an enabled verifier.
-     * @param account The account.
-     */
+    /// @inheritdoc IWorkerRegistry
     function isVerifier(address account) external view returns (bool) {
         return _verifiers[account];
     }

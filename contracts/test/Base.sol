@@ -12,6 +12,7 @@ interface Vm {
     function expectEmit(bool checkTopic1, bool checkTopic2, bool checkTopic3, bool checkData, address emitter) external;
     function roll(uint256 blockNumber) external;
     function assume(bool condition) external pure;
+    function etch(address target, bytes calldata newRuntimeBytecode) external;
 }
 
 /// @dev Cheatcodes and assertions for the test contracts. A failed assertion reverts the test.
@@ -21,9 +22,34 @@ abstract contract BaseTest {
     /// @dev Order of the secp256k1 group.
     uint256 internal constant SECP256K1_N = 0xFFFFFFFFFFFFFFFFFFFFFFFFFFFFFFFEBAAEDCE6AF48A03BBFD25E8CD0364141;
 
+    /**
+     * @dev A condition (or a comparison of booleans) did not hold.
+     * @param what What was checked.
+     */
     error AssertionFailed(string what);
+
+    /**
+     * @dev Two numbers differ.
+     * @param what What was compared.
+     * @param got The value found.
+     * @param want The value expected.
+     */
     error AssertionFailedUint(string what, uint256 got, uint256 want);
+
+    /**
+     * @dev Two words differ.
+     * @param what What was compared.
+     * @param got The value found.
+     * @param want The value expected.
+     */
     error AssertionFailedBytes32(string what, bytes32 got, bytes32 want);
+
+    /**
+     * @dev Two addresses differ.
+     * @param what What was compared.
+     * @param got The value found.
+     * @param want The value expected.
+     */
     error AssertionFailedAddress(string what, address got, address want);
 
     function assertTrue(bool condition, string memory what) internal pure {

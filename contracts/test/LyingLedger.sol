@@ -2,14 +2,16 @@
 pragma solidity ^0.8.24;
 
 import {EIP712} from "@openzeppelin/contracts/utils/cryptography/EIP712.sol";
+import {ContributionLedger} from "../src/ContributionLedger.sol";
 import {IContributionLedger} from "../src/IContributionLedger.sol";
-import {WorkerRegistry} from "../src/WorkerRegistry.sol";
+import {IWorkerRegistry} from "../src/IWorkerRegistry.sol";
 
 /**
- * @dev TEST ONLY. A ledger that lies: the ABI, events, storage layout and EIP-712 domain of
- * {ContributionLedger}, but `recordRound` skips every check (caller, order, parent, signature,
- * active worker, report order), and `forgeTally`, `forgeTotal` and `forgeCommitment` rewrite what it
- * answers at will.
+ * @dev TEST ONLY. A ledger that lies: an {IContributionLedger}, so it has the ABI, structs, events and
+ * errors of {ContributionLedger}, and it has the real ledger's storage layout (its own `RunTally`) and
+ * EIP-712 domain too; but `recordRound` skips every check (caller, order, parent, signature, active
+ * worker, report order), and `forgeTally`, `forgeTotal` and `forgeCommitment` rewrite what it answers
+ * at will.
  *
  * The audit tests put its runtime code at a real ledger's address (`anvil_setCode`); the storage
  * layout matches (its own slots come after the real ledger's), so the runs and tallies recorded so
@@ -18,30 +20,28 @@ import {WorkerRegistry} from "../src/WorkerRegistry.sol";
  * a run was funded with, whatever this contract answers.
  */
 contract LyingLedger is IContributionLedger, EIP712 {
-    struct RunTally {
-        uint64 tokens;
-        uint64 rounds;
-        uint64 lastRound;
-    }
-
+    /// @inheritdoc IContributionLedger
     bytes32 public constant ROUND_REPORT_TYPEHASH = keccak256(
         "RoundReport(bytes32 runId,uint64 round,address worker,bytes32 parentCheckpoint,bytes32 checkpoint,bytes32 manifestDigest,bytes32 updateDigest,bytes32 dataDigest,int64 trainLossE6,int64 evalLossE6,uint64 tokens,uint32 innerSteps,uint64 bytesSent,uint64 bytesReceived)"
     );
 
-    WorkerRegistry private immutable _registry;
+    IWorkerRegistry private immutable _registry;
 
-    // Same order as ContributionLedger, so the state it wrote stays where this code reads it.
+    // Same order and types as ContributionLedger (its own RunTally), so the state it wrote stays where
+    // this code reads it.
     mapping(bytes32 runId => Run) private _runs;
     mapping(bytes32 runId => mapping(uint64 round => bytes32 commitment)) private _rounds;
-    mapping(bytes32 runId => mapping(address worker => RunTally)) private _tallies;
+    mapping(bytes32 runId => mapping(address worker => ContributionLedger.RunTally)) private _tallies;
     mapping(address worker => bytes32[] runIds) private _runsOf;
     // Its own, after the real ledger's slots.
     mapping(address worker => Contribution) private _forgedTotals;
 
-    constructor(WorkerRegistry registry_) EIP712("DiLoCoX Contribution Ledger", "1") {
+    /// @param registry_ The registry it names (and never asks).
+    constructor(IWorkerRegistry registry_) EIP712("DiLoCoX Contribution Ledger", "1") {
         _registry = registry_;
     }
 
+    /// @dev Like {ContributionLedger-createRun}, but a run can be created again, by anyone.
     function createRun(
         bytes32 runId,
         bytes32 genesisCheckpoint,
@@ -50,6 +50,7 @@ contract LyingLedger is IContributionLedger, EIP712 {
         uint32 challengeWindow
     ) external {
         Run storage run = _runs[runId];
+        // No LedgerRunExists: an existing run is overwritten.
         run.coordinator = msg.sender;
         run.challengeWindow = challengeWindow;
         run.lastCheckpoint = genesisCheckpoint;
@@ -69,7 +70,7 @@ contract LyingLedger is IContributionLedger, EIP712 {
         address[] memory workers = new address[](reports.length);
         for (uint256 i = 0; i < reports.length; ++i) {
             workers[i] = reports[i].worker;
-            RunTally storage tally = _tallies[header.runId][reports[i].worker];
+            ContributionLedger.RunTally storage tally = _tallies[header.runId][reports[i].worker];
             if (tally.rounds == 0) _runsOf[reports[i].worker].push(header.runId);
             tally.tokens += header.tokens;
             tally.rounds += 1;
@@ -105,7 +106,7 @@ contract LyingLedger is IContributionLedger, EIP712 {
 
     /// @dev Rewrites a worker's per-run tally (a ledger that miscounts).
     function forgeTally(bytes32 runId, address worker, uint64 tokens, uint64 rounds) external {
-        RunTally storage tally = _tallies[runId][worker];
+        ContributionLedger.RunTally storage tally = _tallies[runId][worker];
         tally.tokens = tokens;
         tally.rounds = rounds;
     }
@@ -120,27 +121,33 @@ contract LyingLedger is IContributionLedger, EIP712 {
         _rounds[runId][round] = commitment;
     }
 
+    /// @inheritdoc IContributionLedger
     function reportDigest(RoundReport calldata report) public view returns (bytes32) {
         return _hashTypedDataV4(keccak256(abi.encode(ROUND_REPORT_TYPEHASH, report)));
     }
 
+    /// @inheritdoc IContributionLedger
     function commitmentOf(RoundFacts calldata facts) external pure returns (bytes32) {
         return keccak256(abi.encode(facts));
     }
 
+    /// @inheritdoc IContributionLedger
     function runOf(bytes32 runId) external view returns (Run memory) {
         return _runs[runId];
     }
 
+    /// @dev What was recorded, or what {forgeCommitment} last wrote.
     function roundCommitment(bytes32 runId, uint64 round) external view returns (bytes32) {
         return _rounds[runId][round];
     }
 
+    /// @dev What was tallied, or what {forgeTally} last wrote.
     function contributionOf(bytes32 runId, address worker) external view returns (Contribution memory) {
-        RunTally storage tally = _tallies[runId][worker];
+        ContributionLedger.RunTally storage tally = _tallies[runId][worker];
         return Contribution({tokens: tally.tokens, rounds: tally.rounds});
     }
 
+    /// @dev The sum over {runsOf} of {contributionOf}, or what {forgeTotal} wrote, if anything.
     function totalContributionOf(address worker) external view returns (Contribution memory total) {
         Contribution memory forged = _forgedTotals[worker];
         if (forged.tokens != 0 || forged.rounds != 0) return forged;
@@ -151,11 +158,13 @@ contract LyingLedger is IContributionLedger, EIP712 {
         }
     }
 
+    /// @inheritdoc IContributionLedger
     function runsOf(address worker) external view returns (bytes32[] memory) {
         return _runsOf[worker];
     }
 
-    function registry() external view returns (WorkerRegistry) {
+    /// @inheritdoc IContributionLedger
+    function registry() external view returns (IWorkerRegistry) {
         return _registry;
     }
 }

@@ -209,6 +209,7 @@ contract RewardPoolTest is LedgerBase {
             address[] memory w = new address[](s.length);
             uint256 k;
             for (uint256 j = 0; j < WORKERS; ++j) {
+                // forge-lint: disable-next-line(incorrect-shift) -- bit byAddress[j] of the mask
                 if (mask & (1 << byAddress[j]) != 0) {
                     s[k] = signed(byAddress[j], round);
                     w[k++] = worker(byAddress[j]);
