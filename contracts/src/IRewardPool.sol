@@ -59,44 +59,44 @@ interface IRewardPool {
      * @dev The run has no pool to claim from.
      * @param runId The run's id.
      */
-    error RewardNoPool(bytes32 runId);
+    error RewardPoolNotOpened(bytes32 runId);
 
     /**
      * @dev Only the run's coordinator on the ledger may open its pool.
      * @param caller The account that sent the call.
      */
-    error RewardNotCoordinator(address caller);
+    error RewardPoolNotCoordinator(address caller);
 
     /// @dev A pool needs a positive amount and at least one round.
-    error RewardEmptyPool();
+    error RewardPoolEmpty();
 
     /**
      * @dev The claimed facts do not hash to the ledger's commitment of the round (or the round is not
      * recorded).
      * @param round The round claimed.
      */
-    error RewardBadProof(uint64 round);
+    error RewardPoolBadProof(uint64 round);
 
     /**
      * @dev The round is younger than the run's challenge window.
      * @param round The round claimed.
      * @param matureAt The first block in which it can be claimed.
      */
-    error RewardNotMatured(uint64 round, uint256 matureAt);
+    error RewardPoolNotMatured(uint64 round, uint256 matureAt);
 
     /**
      * @dev The worker is not the round's credited worker at the claim's index.
      * @param round The round claimed.
      * @param worker The worker claimed for.
      */
-    error RewardNotContributor(uint64 round, address worker);
+    error RewardPoolNotContributor(uint64 round, address worker);
 
     /**
      * @dev The worker's reward for the round was claimed already.
      * @param round The round claimed.
      * @param worker The worker claimed for.
      */
-    error RewardAlreadyClaimed(uint64 round, address worker);
+    error RewardPoolAlreadyClaimed(uint64 round, address worker);
 
     /**
      * @dev Paying would take the run's pool past what it was funded with (only a lying ledger can
@@ -125,20 +125,20 @@ interface IRewardPool {
 
     /**
      * @notice Opens and funds the pool of `runId`, pulling `amount` tokens from the caller (approve
-     * first). Only the run's coordinator on the ledger ({RewardNotCoordinator}), once
+     * first). Only the run's coordinator on the ledger ({RewardPoolNotCoordinator}), once
      * ({RewardPoolExists}). Emits {PoolOpened}.
      * @param runId The run's id.
-     * @param amount The tokens to fund the pool with; positive ({RewardEmptyPool}).
-     * @param totalRounds The rounds the funding is for; positive ({RewardEmptyPool}).
+     * @param amount The tokens to fund the pool with; positive ({RewardPoolEmpty}).
+     * @param totalRounds The rounds the funding is for; positive ({RewardPoolEmpty}).
      */
     function openPool(bytes32 runId, uint128 amount, uint64 totalRounds) external;
 
     /**
      * @notice Pays `worker` for each round in `rounds`, in one transfer to `worker`, whoever sends the
      * call. Emits {RewardPaid} per round. Refused, as a whole, for a run with no pool
-     * ({RewardNoPool}), a round whose facts do not prove ({RewardBadProof}), that is not yet mature
-     * ({RewardNotMatured}), that `worker` is not credited in at the given index
-     * ({RewardNotContributor}) or was paid for already ({RewardAlreadyClaimed}), or a payment past
+     * ({RewardPoolNotOpened}), a round whose facts do not prove ({RewardPoolBadProof}), that is not yet mature
+     * ({RewardPoolNotMatured}), that `worker` is not credited in at the given index
+     * ({RewardPoolNotContributor}) or was paid for already ({RewardPoolAlreadyClaimed}), or a payment past
      * the run's funding ({RewardPoolExhausted}).
      * @param runId The run's id.
      * @param worker The worker to pay.

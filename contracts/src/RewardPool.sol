@@ -38,8 +38,8 @@ contract RewardPool is IRewardPool {
     /// @inheritdoc IRewardPool
     function openPool(bytes32 runId, uint128 amount, uint64 totalRounds) external {
         if (_pools[runId].funder != address(0)) revert RewardPoolExists(runId);
-        if (ledger.runOf(runId).coordinator != msg.sender) revert RewardNotCoordinator(msg.sender);
-        if (amount == 0 || totalRounds == 0) revert RewardEmptyPool();
+        if (ledger.runOf(runId).coordinator != msg.sender) revert RewardPoolNotCoordinator(msg.sender);
+        if (amount == 0 || totalRounds == 0) revert RewardPoolEmpty();
         _pools[runId] = Pool({funder: msg.sender, totalRounds: totalRounds, funded: amount, paid: 0});
         emit PoolOpened(runId, msg.sender, amount, totalRounds);
         token.safeTransferFrom(msg.sender, address(this), amount);
@@ -51,7 +51,7 @@ contract RewardPool is IRewardPool {
      */
     function claim(bytes32 runId, address worker, RoundClaim[] calldata rounds) external returns (uint256 total) {
         Pool storage pool = _pools[runId];
-        if (pool.funder == address(0)) revert RewardNoPool(runId);
+        if (pool.funder == address(0)) revert RewardPoolNotOpened(runId);
         uint256 window = ledger.runOf(runId).challengeWindow;
         for (uint256 k = 0; k < rounds.length; ++k) {
             total += _claimRound(runId, worker, rounds[k], window, pool.totalRounds, pool.funded);
@@ -88,15 +88,15 @@ contract RewardPool is IRewardPool {
         uint128 funded
     ) private returns (uint256 amount) {
         bytes32 committed = ledger.roundCommitment(runId, c.round);
-        if (committed == bytes32(0) || keccak256(abi.encode(c.facts)) != committed) revert RewardBadProof(c.round);
+        if (committed == bytes32(0) || keccak256(abi.encode(c.facts)) != committed) revert RewardPoolBadProof(c.round);
         uint256 matureAt = uint256(c.facts.recordedAt) + window;
-        if (block.number < matureAt) revert RewardNotMatured(c.round, matureAt);
+        if (block.number < matureAt) revert RewardPoolNotMatured(c.round, matureAt);
         if (c.index >= c.facts.workers.length || c.facts.workers[c.index] != worker) {
-            revert RewardNotContributor(c.round, worker);
+            revert RewardPoolNotContributor(c.round, worker);
         }
         uint256 bit = uint256(1) << (c.round & 0xff);
         mapping(uint256 => uint256) storage words = _claimed[runId][worker];
-        if (words[c.round >> 8] & bit != 0) revert RewardAlreadyClaimed(c.round, worker);
+        if (words[c.round >> 8] & bit != 0) revert RewardPoolAlreadyClaimed(c.round, worker);
         words[c.round >> 8] |= bit;
         amount = _share(c.round, c.facts.workers.length, totalRounds, funded);
         emit RewardPaid(runId, worker, c.round, amount);

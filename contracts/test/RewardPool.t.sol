@@ -61,7 +61,7 @@ contract RewardPoolTest is LedgerBase {
     }
 
     function testOnlyTheCoordinatorOpens() public {
-        vm.expectRevert(abi.encodeWithSelector(IRewardPool.RewardNotCoordinator.selector, worker(0)));
+        vm.expectRevert(abi.encodeWithSelector(IRewardPool.RewardPoolNotCoordinator.selector, worker(0)));
         vm.prank(worker(0));
         pool.openPool(RUN, FUNDED, ROUNDS);
     }
@@ -74,10 +74,10 @@ contract RewardPoolTest is LedgerBase {
     }
 
     function testEmptyPoolRefused() public {
-        vm.expectRevert(abi.encodeWithSelector(IRewardPool.RewardEmptyPool.selector));
+        vm.expectRevert(abi.encodeWithSelector(IRewardPool.RewardPoolEmpty.selector));
         vm.prank(COORDINATOR);
         pool.openPool(RUN, 0, ROUNDS);
-        vm.expectRevert(abi.encodeWithSelector(IRewardPool.RewardEmptyPool.selector));
+        vm.expectRevert(abi.encodeWithSelector(IRewardPool.RewardPoolEmpty.selector));
         vm.prank(COORDINATOR);
         pool.openPool(RUN, FUNDED, 0);
     }
@@ -107,7 +107,7 @@ contract RewardPoolTest is LedgerBase {
         IContributionLedger.RoundFacts memory f = _round(1, 2, 100);
         vm.roll(100 + WINDOW - 1);
         IRewardPool.RoundClaim[] memory c = _claimOf(1, 0, f);
-        vm.expectRevert(abi.encodeWithSelector(IRewardPool.RewardNotMatured.selector, 1, 100 + WINDOW));
+        vm.expectRevert(abi.encodeWithSelector(IRewardPool.RewardPoolNotMatured.selector, 1, 100 + WINDOW));
         pool.claim(RUN, f.workers[0], c);
     }
 
@@ -117,7 +117,7 @@ contract RewardPoolTest is LedgerBase {
         vm.roll(200);
         pool.claim(RUN, f.workers[0], _claimOf(1, 0, f));
         IRewardPool.RoundClaim[] memory c = _claimOf(1, 0, f);
-        vm.expectRevert(abi.encodeWithSelector(IRewardPool.RewardAlreadyClaimed.selector, 1, f.workers[0]));
+        vm.expectRevert(abi.encodeWithSelector(IRewardPool.RewardPoolAlreadyClaimed.selector, 1, f.workers[0]));
         pool.claim(RUN, f.workers[0], c);
     }
 
@@ -126,7 +126,7 @@ contract RewardPoolTest is LedgerBase {
         IContributionLedger.RoundFacts memory f = facts(1, 100, batchWorkers(2), 0);
         vm.roll(200);
         IRewardPool.RoundClaim[] memory c = _claimOf(1, 0, f);
-        vm.expectRevert(abi.encodeWithSelector(IRewardPool.RewardBadProof.selector, 1));
+        vm.expectRevert(abi.encodeWithSelector(IRewardPool.RewardPoolBadProof.selector, 1));
         pool.claim(RUN, f.workers[0], c);
     }
 
@@ -137,12 +137,12 @@ contract RewardPoolTest is LedgerBase {
         // claiming to be the round's only worker, for the whole round's share
         IContributionLedger.RoundFacts memory forged = facts(1, 100, addresses(f.workers[0]), 0);
         IRewardPool.RoundClaim[] memory c = _claimOf(1, 0, forged);
-        vm.expectRevert(abi.encodeWithSelector(IRewardPool.RewardBadProof.selector, 1));
+        vm.expectRevert(abi.encodeWithSelector(IRewardPool.RewardPoolBadProof.selector, 1));
         pool.claim(RUN, f.workers[0], c);
         // or an earlier block, to dodge the window
         forged = facts(1, 1, f.workers, 0);
         c = _claimOf(1, 0, forged);
-        vm.expectRevert(abi.encodeWithSelector(IRewardPool.RewardBadProof.selector, 1));
+        vm.expectRevert(abi.encodeWithSelector(IRewardPool.RewardPoolBadProof.selector, 1));
         pool.claim(RUN, f.workers[0], c);
     }
 
@@ -151,17 +151,17 @@ contract RewardPoolTest is LedgerBase {
         IContributionLedger.RoundFacts memory f = _round(1, 2, 100);
         vm.roll(200);
         IRewardPool.RoundClaim[] memory c = _claimOf(1, 0, f);
-        vm.expectRevert(abi.encodeWithSelector(IRewardPool.RewardNotContributor.selector, 1, worker(4)));
+        vm.expectRevert(abi.encodeWithSelector(IRewardPool.RewardPoolNotContributor.selector, 1, worker(4)));
         pool.claim(RUN, worker(4), c);
         c = _claimOf(1, 7, f);
-        vm.expectRevert(abi.encodeWithSelector(IRewardPool.RewardNotContributor.selector, 1, f.workers[0]));
+        vm.expectRevert(abi.encodeWithSelector(IRewardPool.RewardPoolNotContributor.selector, 1, f.workers[0]));
         pool.claim(RUN, f.workers[0], c);
     }
 
     function testNoPoolRefused() public {
         IContributionLedger.RoundFacts memory f = _round(1, 1, 100);
         IRewardPool.RoundClaim[] memory c = _claimOf(1, 0, f);
-        vm.expectRevert(abi.encodeWithSelector(IRewardPool.RewardNoPool.selector, RUN));
+        vm.expectRevert(abi.encodeWithSelector(IRewardPool.RewardPoolNotOpened.selector, RUN));
         pool.claim(RUN, f.workers[0], c);
     }
 
