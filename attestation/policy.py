@@ -40,7 +40,7 @@ from .errors import EvidenceError, PolicyViolation
 from .evidence import Evidence, VerifiedEvidence
 from .keys import WorkerKey, checksum_address, report_data
 from .providers import EvidenceProvider
-from .tdx import measurement_of, parse_quote
+from .tdx import TdxQuote, measurement_of, parse_quote
 
 log = logging.getLogger("dilocox.attestation")
 
@@ -85,6 +85,47 @@ class Policy:
         return cls(allow_dev=True, dev_roots=frozenset(dev_roots), **kwargs)
 
 
+def _verify_dev(evidence: Evidence, quote: TdxQuote, policy: Policy, details: dict[str, str]) -> None:
+    """Dev evidence: allowed by the policy, signed by a trusted dev root, and self-consistent."""
+    if not policy.allow_dev:
+        raise PolicyViolation(
+            "provider",
+            "evidence comes from the 'dev' provider, which PROVES NOTHING, and this policy "
+            "does not allow it (allow_dev=False)",
+        )
+    if not policy.dev_roots:
+        raise PolicyViolation("signature", "dev evidence, but the policy trusts no dev roots")
+    try:
+        signer = recover_dev_signer(evidence)
+    except EvidenceError as exc:
+        raise PolicyViolation("signature", str(exc)) from None
+    if signer not in policy.dev_roots:
+        raise PolicyViolation(
+            "signature",
+            f"dev evidence is signed by {signer}, which is not a trusted dev root "
+            f"({', '.join(sorted(policy.dev_roots))})",
+        )
+    if quote.mrtd != quote.report_data[32:64] + bytes(16) or any(r != bytes(48) for r in quote.rtmrs):
+        raise PolicyViolation(
+            "consistency",
+            "dev quote's MRTD is not REPORTDATA[32:64] padded with zeros, or its RTMRs are not zero",
+        )
+    details["dev_root"] = signer
+    details["evidence"] = "DEV: PROVES NOTHING"
+
+
+def _verify_tdx(quote: TdxQuote, policy: Policy, details: dict[str, str], now: int | None) -> bytes:
+    """TDX evidence: dcap-qvl verifies the quote's signature chain and TCB (PolicyViolation("dcap")
+    on failure); returns the hardware measurement."""
+    result = dcap_verify(quote.raw, policy.dcap, now=now)
+    details["tcb_status"] = result.status
+    details["advisory_ids"] = ",".join(result.advisory_ids)
+    details["collateral"] = result.collateral_source
+    details["collateral_next_update"] = str(result.collateral_window.next_update)
+    details["verified_at"] = str(result.verified_at)
+    return measurement_of(quote)
+
+
 def verify_evidence(
     evidence: Evidence | bytes,
     *,
@@ -108,46 +149,13 @@ def verify_evidence(
 
     quote = parse_quote(evidence.quote)
     details = quote.details()
-    warnings: list[str] = []
-
     if evidence.provider == "dev":
-        if not policy.allow_dev:
-            raise PolicyViolation(
-                "provider",
-                "evidence comes from the 'dev' provider, which PROVES NOTHING, and this policy "
-                "does not allow it (allow_dev=False)",
-            )
-        if not policy.dev_roots:
-            raise PolicyViolation("signature", "dev evidence, but the policy trusts no dev roots")
-        try:
-            signer = recover_dev_signer(evidence)
-        except EvidenceError as exc:
-            raise PolicyViolation("signature", str(exc)) from None
-        if signer not in policy.dev_roots:
-            raise PolicyViolation(
-                "signature",
-                f"dev evidence is signed by {signer}, which is not a trusted dev root "
-                f"({', '.join(sorted(policy.dev_roots))})",
-            )
-        if quote.mrtd != quote.report_data[32:64] + bytes(16) or any(r != bytes(48) for r in quote.rtmrs):
-            raise PolicyViolation(
-                "consistency",
-                "dev quote's MRTD is not REPORTDATA[32:64] padded with zeros, or its RTMRs are not zero",
-            )
+        _verify_dev(evidence, quote, policy, details)
         measurement = expected_report_data[32:64]  # the verifier's own code measurement
-        proves_nothing = True
-        details["dev_root"] = signer
-        details["evidence"] = "DEV: PROVES NOTHING"
-        warnings.append(DEV_WARNING)
+        proves_nothing, warnings = True, [DEV_WARNING]
     else:
-        result = dcap_verify(quote.raw, policy.dcap, now=now)  # PolicyViolation("dcap") on failure
-        details["tcb_status"] = result.status
-        details["advisory_ids"] = ",".join(result.advisory_ids)
-        details["collateral"] = result.collateral_source
-        details["collateral_next_update"] = str(result.collateral_window.next_update)
-        details["verified_at"] = str(result.verified_at)
-        measurement = measurement_of(quote)
-        proves_nothing = False
+        measurement = _verify_tdx(quote, policy, details, now)
+        proves_nothing, warnings = False, []
 
     if quote.report_data != expected_report_data:
         raise PolicyViolation(

@@ -261,20 +261,8 @@ def _body_layout(data: bytes, version: int) -> tuple[int | None, int, int]:
     return body_type, V5_BODY_OFFSET, body_size
 
 
-def parse_quote(data: bytes) -> TdxQuote:
-    """Parse a TDX quote v4 or v5 by its declared lengths (module docstring), ignoring any padding
-    after the declared signature data; refuse anything short or inconsistent, by field and offset."""
-    if not isinstance(data, (bytes, bytearray, memoryview)):
-        raise TdxQuoteError(f"TDX quote must be bytes, not {type(data).__name__}")
-    data = bytes(data)
-    n = len(data)
-    if n > MAX_QUOTE_SIZE:
-        raise TdxQuoteError(f"TDX quote is {n} bytes, more than the {MAX_QUOTE_SIZE}-byte limit")
-    if n < HEADER_SIZE:
-        raise TdxQuoteError(
-            f"TDX quote is {n} bytes: too short for the {HEADER_SIZE}-byte header (offset 0)"
-        )
-    version, key_type, tee_type, res1, res2, vendor, user = _HEADER.unpack_from(data, 0)
+def _check_header(version: int, key_type: int, tee_type: int) -> None:
+    """A v4 or v5 TDX quote signed with an ECDSA-256-with-P-256 attestation key."""
     if version not in (QUOTE_V4, QUOTE_V5):
         raise TdxQuoteError(
             f"TDX quote header: version at offset 0 is {version}, expected {QUOTE_V4} or {QUOTE_V5}"
@@ -289,6 +277,23 @@ def parse_quote(data: bytes) -> TdxQuote:
             f"TDX quote header: TEE type at offset 4 is {tee_type:#x}, expected "
             f"{TEE_TYPE_TDX:#x} (TDX; 0x0 would be SGX)"
         )
+
+
+def parse_quote(data: bytes) -> TdxQuote:
+    """Parse a TDX quote v4 or v5 by its declared lengths (module docstring), ignoring any padding
+    after the declared signature data; refuse anything short or inconsistent, by field and offset."""
+    if not isinstance(data, (bytes, bytearray, memoryview)):
+        raise TdxQuoteError(f"TDX quote must be bytes, not {type(data).__name__}")
+    data = bytes(data)
+    n = len(data)
+    if n > MAX_QUOTE_SIZE:
+        raise TdxQuoteError(f"TDX quote is {n} bytes, more than the {MAX_QUOTE_SIZE}-byte limit")
+    if n < HEADER_SIZE:
+        raise TdxQuoteError(
+            f"TDX quote is {n} bytes: too short for the {HEADER_SIZE}-byte header (offset 0)"
+        )
+    version, key_type, tee_type, res1, res2, vendor, user = _HEADER.unpack_from(data, 0)
+    _check_header(version, key_type, tee_type)
     body_type, body_offset, body_size = _body_layout(data, version)
     sig_len_offset = body_offset + body_size
     sig_data_offset = sig_len_offset + 4

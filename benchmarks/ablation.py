@@ -532,10 +532,8 @@ def _outer(o: dict[str, Any]) -> str:
     return f"{o['lr']}/{o['momentum']}{' N' if o['nesterov'] else ''}"
 
 
-def report(result: dict[str, Any]) -> str:
-    s, conv, thr, cal = result["settings"], result["convergence"], result["throughput"], result["calibration"]
-    base_c, base_t = conv.get("allreduce", {}), thr.get("allreduce", {})
-    m = result["machine"]
+def _report_settings(result: dict[str, Any]) -> list[str]:
+    s, base_c, m = result["settings"], result["convergence"].get("allreduce", {}), result["machine"]
     lines = [
         f"# DiLoCoX ablation (arXiv:2506.21263){' — SMOKE configuration, numbers mean nothing' if s['smoke'] else ''}",
         "",
@@ -554,6 +552,13 @@ def report(result: dict[str, Any]) -> str:
         f"rank [{DILOCOX_COMPRESSION['min_rank']}, {DILOCOX_COMPRESSION['max_rank']}] (fixed-rank row: {FIXED_RANK}), "
         f"int4 groups of {DILOCOX_COMPRESSION['int4_group_size']}; outer lr/momentum (N: Nesterov) per mode below",
         "",
+    ]
+    return lines
+
+
+def _report_convergence(result: dict[str, Any]) -> list[str]:
+    conv = result["convergence"]
+    lines = [
         "## Part 1: convergence on equal tokens (unthrottled)",
         "",
         "| mode | PP | overlap | compression | outer | tokens | held-out loss | × AllReduce | sent / worker "
@@ -576,6 +581,14 @@ def report(result: dict[str, Any]) -> str:
         "(AllReduce: ring all-reduce bytes per rank), every byte of every RPC. Nobody downloads θ⁰: AllReduce "
         "ranks and DiLoCo workers build it from the seed (a worker's fetch of θ⁰ is the header naming its CID).",
         "",
+    ]
+    return lines
+
+
+def _report_throughput(result: dict[str, Any]) -> list[str]:
+    s, thr, cal = result["settings"], result["throughput"], result["calibration"]
+    base_t = thr.get("allreduce", {})
+    lines = [
         "## Part 2: throughput under an emulated link",
         "",
         f"calibration: t_step = {cal['t_step_s'] * 1e3:.1f} ms ({cal['source']}); one dense fp32 ring all-reduce "
@@ -610,6 +623,13 @@ def report(result: dict[str, Any]) -> str:
         "processes (inside round 1's training time) and the last round's exchange, which no round overlaps. "
         "AllReduce: its clock starts after the rendezvous; both measures equal.",
         "",
+    ]
+    return lines
+
+
+def _report_targets(result: dict[str, Any]) -> list[str]:
+    conv = result["convergence"]
+    lines = [
         "## Targets (DiLoCoX vs AllReduce)",
         "",
     ]
@@ -623,7 +643,12 @@ def report(result: dict[str, Any]) -> str:
     if warnings:
         lines += ["", "warnings:"] + [f"- {w}" for w in warnings]
     lines += ["", f"benchmark wall time {result['wall_s']:.0f} s"]
-    return "\n".join(lines) + "\n"
+    return lines
+
+
+def report(result: dict[str, Any]) -> str:
+    sections = (_report_settings, _report_convergence, _report_throughput, _report_targets)
+    return "\n".join(line for section in sections for line in section(result)) + "\n"
 
 
 def plot(result: dict[str, Any], path: Path) -> None:
@@ -683,6 +708,20 @@ def targets(conv: dict[str, Any], thr: dict[str, Any], rounds: int) -> list[dict
 # ------------------------------------------------------------------------------------------- main
 
 
+def calibrate(s: Settings, allreduce: dict[str, Any], n_params: int) -> dict[str, Any]:
+    """The emulated link of Part 2: a dense fp32 ring all-reduce takes ``link_ratio`` × the
+    AllReduce row's compute time per step."""
+    from benchmarks.allreduce import ring_allreduce_bytes
+
+    t_step = allreduce.get("t_step_s", float("nan"))
+    ring = ring_allreduce_bytes(4 * (n_params + 1), s.workers)  # the gradients and the loss, fp32
+    return {"t_step_s": t_step, "ring_bytes_per_worker": ring,
+            "link_bandwidth_bps": 8 * ring / (s.link_ratio * t_step) if t_step > 0 else float("nan"),
+            "link_latency_s": s.link_latency_ms / 1e3,
+            "source": f"compute_s / steps of the unthrottled Part-1 AllReduce run, {s.workers} processes "
+                      f"training concurrently, 1 torch thread each"}
+
+
 def run(s: Settings) -> dict[str, Any]:
     """The whole benchmark; writes ablation.md / .json / _loss.png under ``s.out``."""
     import torch
@@ -719,16 +758,8 @@ def run(s: Settings) -> dict[str, Any]:
         r["loss_ratio"] = _ratio(r["final_loss"], base.get("final_loss"))
         r["bytes_x_fewer"] = _ratio(base.get("bytes_per_token"), r["bytes_per_token"])
 
-    from benchmarks.allreduce import ring_allreduce_bytes
-
-    t_step = base.get("t_step_s", float("nan"))
-    ring = ring_allreduce_bytes(4 * (n_params + 1), s.workers)  # the gradients and the loss, fp32
-    link_bps = 8 * ring / (s.link_ratio * t_step) if t_step > 0 else float("nan")
-    latency_s = s.link_latency_ms / 1e3
-    calibration = {"t_step_s": t_step, "ring_bytes_per_worker": ring, "link_bandwidth_bps": link_bps,
-                   "link_latency_s": latency_s,
-                   "source": f"compute_s / steps of the unthrottled Part-1 AllReduce run, {s.workers} processes "
-                             f"training concurrently, 1 torch thread each"}
+    calibration = calibrate(s, base, n_params)
+    t_step, link_bps, latency_s = calibration["t_step_s"], calibration["link_bandwidth_bps"], calibration["link_latency_s"]
     say(f"[ablation] t_step {t_step * 1e3:.1f} ms → link {link_bps / 1e6:.4f} Mbit/s, {s.link_latency_ms:g} ms")
     thr: dict[str, Any] = {}
     for mode in modes:

@@ -142,26 +142,72 @@ def _paced_all_reduce(buf: torch.Tensor, link: Link, pacer: ThreadPoolExecutor |
         down.result()
 
 
+class _Replica:
+    """One rank's model and AdamW (exactly InnerLoop's: one group, weight decay on every parameter),
+    and the one buffer its gradients and loss travel in."""
+
+    def __init__(self, cfg: RunConfig) -> None:
+        inner = cfg.inner
+        self.model = build_model(cfg.model, cfg.seed)
+        self.model.train()
+        self.optimizer = torch.optim.AdamW(self.model.parameters(), lr=inner.lr, betas=(inner.beta1, inner.beta2),
+                                           weight_decay=inner.weight_decay)
+        self.grad_clip = inner.grad_clip
+        self.names = [n for n, _ in self.model.named_parameters()]
+        self.params = [p for _, p in self.model.named_parameters()]
+        sizes = [p.numel() for p in self.params]
+        self.buf = torch.zeros(sum(sizes) + 1, dtype=torch.float32)  # every gradient, then the loss
+        self.grad_views = list(self.buf[:-1].split(sizes))
+
+    def local_step(self, x: torch.Tensor, y: torch.Tensor, fault: str | None) -> None:
+        """g_k, ℓ_k into the buffer."""
+        _, loss = self.model(x, y)
+        assert loss is not None
+        if fault == "nan":
+            loss = loss * float("nan")
+        self.optimizer.zero_grad(set_to_none=True)
+        loss.backward()
+        for view, p in zip(self.grad_views, self.params):
+            if p.grad is None:  # unused parameter: contributes a zero gradient
+                view.zero_()
+            else:
+                view.copy_(p.grad.view(-1))
+        self.buf[-1] = loss.detach()
+
+    def apply_mean(self, world: int, step: int, steps: int) -> float:
+        """After the all-reduce: the mean gradient clipped and applied; returns the mean loss."""
+        self.buf.div_(world)
+        mean_loss = self.buf[-1].item()
+        if not math.isfinite(mean_loss):
+            raise FloatingPointError(f"step {step} of {steps}: mean training loss over {world} workers is {mean_loss}")
+        for view, p in zip(self.grad_views, self.params):
+            if p.grad is None:
+                p.grad = view.view_as(p).clone()
+            else:
+                p.grad.copy_(view.view_as(p))
+        if self.grad_clip > 0:
+            torch.nn.utils.clip_grad_norm_(self.model.parameters(), self.grad_clip)
+        self.optimizer.step()
+        return mean_loss
+
+    def numpy_params(self) -> dict[str, np.ndarray]:
+        return {n: p.detach().numpy().copy() for n, p in zip(self.names, self.params)}
+
+    def digest(self, final: dict[str, np.ndarray]) -> str:
+        digest = hashlib.sha256()
+        for name in self.names:
+            digest.update(name.encode())
+            digest.update(final[name].tobytes())
+        return digest.hexdigest()
+
+
 def _train(rank: int, job: _Job, shard: torch.Tensor) -> dict[str, Any]:
     """This rank's training loop; returns its timings and, on rank 0, losses and parameters."""
-    cfg, world = job.config, job.workers
-    inner, block_size, horizon = cfg.inner, cfg.model.block_size, cfg.inner.steps
-    model = build_model(cfg.model, cfg.seed)
-    model.train()
-    # Exactly InnerLoop's optimiser: one group, so weight decay applies to every parameter.
-    optimizer = torch.optim.AdamW(
-        model.parameters(), lr=inner.lr, betas=(inner.beta1, inner.beta2),
-        weight_decay=inner.weight_decay,
-    )
-    names = [n for n, _ in model.named_parameters()]
-    params = [p for _, p in model.named_parameters()]
-    sizes = [p.numel() for p in params]
-    buf = torch.zeros(sum(sizes) + 1, dtype=torch.float32)  # every gradient, then the loss
-    grad_views = list(buf[:-1].split(sizes))
-    step_bytes = ring_allreduce_bytes(buf.numel() * buf.element_size(), world)
+    cfg, world, horizon = job.config, job.workers, job.config.inner.steps
+    replica = _Replica(cfg)
+    step_bytes = ring_allreduce_bytes(replica.buf.numel() * replica.buf.element_size(), world)
     link = Link(job.link_bandwidth_bps, job.link_latency_s)
     pacer = ThreadPoolExecutor(2, thread_name_prefix="link") if link.limited else None
-
     losses: list[float] = []
     snapshots: list[tuple[int, int, dict[str, np.ndarray]]] = []
     compute_s = comm_s = 0.0
@@ -173,69 +219,32 @@ def _train(rank: int, job: _Job, shard: torch.Tensor) -> dict[str, Any]:
         for t in range(job.steps):
             step = t + 1
             if t % horizon == 0:  # DiLoCo's batches: round t // H + 1, one list per round
-                batches = list(round_batches(
-                    shard, seed=cfg.seed, shard_index=rank, round_=t // horizon + 1,
-                    steps=horizon, batch_size=inner.batch_size, block_size=block_size,
-                ))
+                batches = list(round_batches(shard, seed=cfg.seed, shard_index=rank, round_=t // horizon + 1,
+                                             steps=horizon, batch_size=cfg.inner.batch_size,
+                                             block_size=cfg.model.block_size))
             x, y = batches[t % horizon]
             fault = job.fault[2] if job.fault and job.fault[:2] == (rank, step) else None
             _inject(fault, step)
-
             t0 = time.perf_counter()
-            _, loss = model(x, y)
-            assert loss is not None
-            if fault == "nan":
-                loss = loss * float("nan")
-            optimizer.zero_grad(set_to_none=True)
-            loss.backward()
-            for view, p in zip(grad_views, params):
-                if p.grad is None:  # unused parameter: contributes a zero gradient
-                    view.zero_()
-                else:
-                    view.copy_(p.grad.view(-1))
-            buf[-1] = loss.detach()
+            replica.local_step(x, y, fault)
             t1 = time.perf_counter()
-            _paced_all_reduce(buf, link, pacer, step_bytes)
+            _paced_all_reduce(replica.buf, link, pacer, step_bytes)
             t2 = time.perf_counter()
-            buf.div_(world)
-            mean_loss = buf[-1].item()
-            if not math.isfinite(mean_loss):
-                raise FloatingPointError(
-                    f"step {step} of {job.steps}: mean training loss over {world} workers is "
-                    f"{mean_loss}")
-            for view, p in zip(grad_views, params):
-                if p.grad is None:
-                    p.grad = view.view_as(p).clone()
-                else:
-                    p.grad.copy_(view.view_as(p))
-            if inner.grad_clip > 0:
-                torch.nn.utils.clip_grad_norm_(model.parameters(), inner.grad_clip)
-            optimizer.step()
-            t3 = time.perf_counter()
-
-            compute_s += (t1 - t0) + (t3 - t2)
+            losses.append(replica.apply_mean(world, step, job.steps))
+            compute_s += (t1 - t0) + (time.perf_counter() - t2)
             comm_s += t2 - t1
-            losses.append(mean_loss)
             tokens += x.numel() * world
-            if rank == 0 and job.snapshot_every > 0 and (
-                    step % job.snapshot_every == 0 or step == job.steps):
-                snapshots.append((step, tokens, _numpy_params(names, params)))
+            if rank == 0 and job.snapshot_every > 0 and (step % job.snapshot_every == 0 or step == job.steps):
+                snapshots.append((step, tokens, replica.numpy_params()))
     finally:
         if pacer is not None:
             pacer.shutdown(wait=True)
     wall_s = time.perf_counter() - loop_start
-
-    final = _numpy_params(names, params)
-    digest = hashlib.sha256()
-    for name in names:
-        digest.update(name.encode())
-        digest.update(final[name].tobytes())
+    final = replica.numpy_params()
     return {
         "wall_s": wall_s, "compute_s": compute_s, "comm_s": comm_s, "tokens": tokens,
-        "bytes": step_bytes * job.steps, "digest": digest.hexdigest(),
-        "losses": losses if rank == 0 else [],
-        "snapshots": snapshots,
-        "params": final if rank == 0 else {},
+        "bytes": step_bytes * job.steps, "digest": replica.digest(final),
+        "losses": losses if rank == 0 else [], "snapshots": snapshots, "params": final if rank == 0 else {},
     }
 
 
@@ -247,10 +256,6 @@ def _inject(fault: str | None, step: int) -> None:
         raise RuntimeError(f"injected fault at step {step}")
     if fault == "hang":
         time.sleep(3600)  # alive but silent: the peers' collective must time out
-
-
-def _numpy_params(names: list[str], params: list[torch.Tensor]) -> dict[str, np.ndarray]:
-    return {n: p.detach().numpy().copy() for n, p in zip(names, params)}
 
 
 def _rank_main(member: Member, results: Any, job: _Job) -> None:

@@ -164,9 +164,9 @@ class Trainer:
         stream = list(self.m.stub.FetchGlobal(pb.FetchGlobalRequest(
             worker_id=self.m.worker_id, min_round=min_round, wait_s=30), timeout=60, metadata=self.m.session))
         header = stream[0].header
-        if not (header.available and header.encoding == "dense-f32"):
+        if not (header.available and header.encoding == Encoding.DENSE_F32):
             raise RuntimeError(f"fetch of round >= {min_round}: available {header.available}, "
-                               f"encoding {header.encoding!r} (expected dense-f32)")
+                               f"encoding {header.encoding} (expected {Encoding.DENSE_F32.name})")
         self.received[header.params_cid] = sum(c.ByteSize() for c in stream)
         return header.params_cid, decode_params(b"".join(c.data for c in stream[1:]))
 

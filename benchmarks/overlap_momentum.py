@@ -4,11 +4,12 @@ Runs real coordinator and worker processes on 127.0.0.1 (2 workers, tiny GPT: 1 
 8 rounds of 100 inner steps, batch 4 × 32 tokens) on the embedded generated corpus, and prints a
 markdown table. About 2 minutes on a 2-core CPU machine.
 
-    .venv/bin/python -m benchmarks.overlap_momentum
+    dilocox bench overlap
 """
 
 from __future__ import annotations
 
+import argparse
 import os
 import platform
 import tempfile
@@ -43,7 +44,11 @@ def run(overlap: bool, outer: OuterConfig) -> list[float]:
         return [r["eval_loss"] for r in cluster.run_dir.logged_rounds()]
 
 
-def main() -> None:
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    """No options: the three runs above, as they are."""
+
+
+def main(args: argparse.Namespace | None = None) -> None:
     print(f"machine: {platform.machine()}, {os.cpu_count()} cores, {platform.platform()}; "
           f"data: embedded generated corpus (seed 1337), eval on 2 held-out batches\n")
     print("| mode | outer lr | outer momentum | eval loss by round (genesis → 8) | final |")

@@ -19,12 +19,12 @@ import dataclasses
 import shutil
 import time
 from pathlib import Path
+from typing import Sequence
 
 from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 from rich.table import Table
 
-from benchmarks.cluster import ClusterError, LocalCluster
 from attestation import DEV_WARNING, DevRoot, code_measurement
 from settlement import DEV_ACCOUNTS, Anvil, Chain, Deployment, Ledger, Registry, deploy
 from storage_client import write_atomic
@@ -88,13 +88,12 @@ def fund_and_mature(run_dir: Path, rpc_url: str, rounds: int) -> None:
     coordinator.w3.provider.make_request("anvil_mine", [hex(DEMO_CHALLENGE_WINDOW)])
 
 
-def run_demo(run_dir: Path, rounds: int | None = None, workers: int = 2, overlap: bool | None = None,
-             insecure: bool = False) -> int:
+def run_demo(run_dir: Path, workers: int = 2, settings: Sequence[str] = (), insecure: bool = False) -> int:
+    """The demo's run: ``demo_config()`` for ``workers`` workers, then ``settings`` (``--set``)."""
     console = Console()
     config = demo_config()
-    config = config.replace(rounds=dataclasses.replace(
-        config.rounds, rounds=config.rounds.rounds if rounds is None else rounds, expected_workers=workers, quorum=workers,
-        overlap=config.rounds.overlap if overlap is None else overlap))
+    config = config.replace(rounds=dataclasses.replace(config.rounds, expected_workers=workers, quorum=workers))
+    config = config.with_settings(settings)
     # Pin the corpus now: the allowlisted measurement covers the configuration's CID.
     corpus = load_corpus(config.data, config.seed, config.model.block_size)
     config = config.replace(data=dataclasses.replace(config.data, corpus_sha256=corpus.sha256))
@@ -143,6 +142,8 @@ def _train(console: Console, run_dir: Path, config: RunConfig, config_path: Path
     table = Table(title="rounds")
     for column in ("round", "eval loss", "train loss", "workers", "bytes up", "bytes down", "time"):
         table.add_column(column, justify="left" if column == "workers" else "right")
+    from benchmarks.cluster import ClusterError, LocalCluster
+
     with LocalCluster(run_dir, insecure=insecure) as cluster:
         cluster.start_coordinator(config_path, extra=coordinator_args)
         if insecure:

@@ -1,27 +1,32 @@
 """``dilocox``: start a coordinator, a worker, or a whole local demo cluster.
 
-    dilocox demo                                   local cluster on the embedded corpus
-    dilocox coordinator --run-dir runs/x [--config cfg.json] [--host H --port P]
-                                                   TLS: prints its certificate's fingerprint
+    dilocox demo [--set section.field=value ...]   local cluster on the embedded corpus
+    dilocox coordinator --run-dir runs/x [--config cfg.json] [--set section.field=value ...]
+                        [--host H --port P]        TLS: prints its certificate's fingerprint
     dilocox worker --coordinator H:P --worker-id w0 --tls-fingerprint HEX
-    dilocox status --coordinator H:P --tls-fingerprint HEX   what a running coordinator reports
-    dilocox audit --run runs/demo                  verify a run's lineage from ledger and store
+    dilocox status --coordinator H:P --tls-fingerprint HEX [--json [FILE]]
+                                                   what a running coordinator reports
+    dilocox audit --run runs/demo [--json [FILE]]  verify a run's lineage from ledger and store
     dilocox bench gas                              gas of the ledger's calls on a local chain
     dilocox bench ablation [--smoke]               the DiLoCoX ablation: loss, bytes, tokens/s per mode
     dilocox bench flood                            health/Status latency while each limit is flooded
     dilocox bench robust [--quick]                 one dishonest worker against each aggregation setting
-    dilocox config > cfg.json                      the default run configuration, to edit
+    dilocox bench overlap                          synchronous vs overlapped rounds at two outer momenta
+    dilocox config [--demo] [--set ...] > cfg.json the run configuration, to edit
+
+Every run setting can be given as ``--set section.field=value`` (repeatable; ``dilocox config``
+lists the sections and fields). Each subcommand imports what it needs only when it runs.
 """
 
 from __future__ import annotations
 
 import argparse
-import dataclasses
 import functools
 import logging
 import os
 import sys
 from pathlib import Path
+from typing import Callable, Sequence
 
 from rich.logging import RichHandler
 
@@ -54,13 +59,11 @@ def cmd_coordinator(args: argparse.Namespace) -> int:
     from trainer.coordinator.server import serve
 
     _threads(args.threads)
+    config = RunConfig.load(args.config) if args.config else None
+    if args.set:  # on the given config, or on the defaults (a resumed run refuses a different one)
+        config = (config or RunConfig()).with_settings(args.set)
     run_dir = RunDir(args.run_dir)
     credentials = _server_credentials(args, run_dir)
-    config = RunConfig.load(args.config) if args.config else None
-    if args.overlap is not None:
-        if config is None:
-            raise SystemExit("--overlap/--no-overlap applies when starting a run: give --config too")
-        config = config.replace(rounds=dataclasses.replace(config.rounds, overlap=args.overlap))
     settings = _trust_settings(args)
     trust = None
     if settings is not None:
@@ -163,7 +166,6 @@ def cmd_status(args: argparse.Namespace) -> int:
     from google.protobuf.json_format import MessageToDict
 
     from proto import CHANNEL_OPTIONS, pb, pb_grpc
-    from storage_client import strict_json
     from trainer.tls import open_channel
 
     import grpc
@@ -176,15 +178,57 @@ def cmd_status(args: argparse.Namespace) -> int:
             code = exc.code().name if hasattr(exc, "code") and exc.code() is not None else "error"
             raise ConnectionError(f"--coordinator {args.coordinator}: no answer from a coordinator "
                                   f"({code}: {detail})") from None
-    print(strict_json(MessageToDict(status), indent=2))
+    if args.json is not None:
+        _write_json(MessageToDict(status), args.json)
+    if args.json != JSON_STDOUT:
+        _print_status(status)
     return 0
+
+
+JSON_STDOUT = "-"  # ``--json`` without a FILE: the document goes to stdout, alone
+
+
+def _write_json(doc: dict, where: str) -> None:
+    from storage_client import strict_json, write_atomic
+
+    text = strict_json(doc, indent=2) + "\n"
+    if where == JSON_STDOUT:
+        sys.stdout.write(text)
+    else:
+        write_atomic(Path(where), text.encode())
+
+
+def _print_status(status) -> None:  # status: pb.StatusResponse
+    from rich.console import Console
+    from rich.table import Table
+
+    from proto import WorkerPhase
+
+    console = Console()
+    console.print(f"run [bold]{status.run_id}[/]: open round {status.open_round} of {status.total_rounds}"
+                  f"{' (finished)' if status.finished else ''}; ledger lag {status.ledger_lag_rounds} round(s)")
+    workers = Table(title="workers")
+    for column in ("worker", "shard", "alive", "round", "phase", "last seen"):
+        workers.add_column(column)
+    for w in status.workers:
+        phase = WorkerPhase(w.phase).label if w.phase in iter(WorkerPhase) else str(w.phase)
+        workers.add_row(w.worker_id, str(w.shard), "yes" if w.alive else "no", str(w.round), phase,
+                        f"{w.last_seen_s:.1f}s ago" if w.last_seen_s >= 0 else "—")
+    console.print(workers)
+    rounds = Table(title="rounds")
+    for column in ("round", "eval loss", "participants", "dropped", "bytes up", "bytes down"):
+        rounds.add_column(column)
+    for r in status.rounds:
+        rounds.add_row(str(r.round), f"{r.eval_loss:.4f}", ", ".join(r.participants) or "—",
+                       ", ".join(r.dropped) or "—", str(r.bytes_up), str(r.bytes_down))
+    console.print(rounds)
 
 
 def cmd_config(args: argparse.Namespace) -> int:
     from storage_client import strict_json
     from trainer.config import RunConfig, demo_config
 
-    config = demo_config() if args.demo else RunConfig()
+    config = (demo_config() if args.demo else RunConfig()).with_settings(args.set)
     print(strict_json(config.to_json(), indent=2, sort_keys=True))
     return 0
 
@@ -192,8 +236,7 @@ def cmd_config(args: argparse.Namespace) -> int:
 def cmd_demo(args: argparse.Namespace) -> int:
     from cli.demo import run_demo
 
-    return run_demo(Path(args.run_dir), rounds=args.rounds, workers=args.workers, overlap=args.overlap,
-                    insecure=args.insecure)
+    return run_demo(Path(args.run_dir), workers=args.workers, settings=args.set, insecure=args.insecure)
 
 
 def cmd_audit(args: argparse.Namespace) -> int:
@@ -219,6 +262,11 @@ def cmd_bench(args: argparse.Namespace) -> int:
 
         flood(args)
         return 0
+    if args.what == "overlap":
+        from benchmarks.overlap_momentum import main as overlap
+
+        overlap(args)
+        return 0
     if args.what == "robust":
         import shlex
 
@@ -236,121 +284,164 @@ def cmd_bench(args: argparse.Namespace) -> int:
     return 0
 
 
-def parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="dilocox", description=__doc__,
-                                formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("-v", "--verbose", action="store_true", help="debug logging")
-    sub = p.add_subparsers(dest="command", required=True)
+# ------------------------------------------------------------------------------- arguments
 
-    demo = sub.add_parser("demo", help="run a coordinator and workers locally on the embedded corpus")
-    demo.add_argument("--run-dir", default="runs/demo", help="replaced if it holds an earlier demo run")
-    demo.add_argument("--rounds", type=int, default=None, help="outer rounds (default from the demo config)")
-    demo.add_argument("--workers", type=int, default=2)
-    demo.add_argument("--overlap", action=argparse.BooleanOptionalAction, default=None,
-                      help="DiLoCoX one-step-delay overlap, or synchronous rounds (default from the demo config)")
-    demo.add_argument("--insecure", action="store_true",
-                      help="plaintext gRPC between the demo's processes (to measure what TLS costs)")
-    demo.set_defaults(func=cmd_demo)
 
-    co = sub.add_parser("coordinator", help="serve a run: collect updates, aggregate, store checkpoints")
-    co.add_argument("--run-dir", required=True, help="store, manifests and HEAD of the run")
-    co.add_argument("--config", help="run configuration JSON (needed to start a run; optional to resume)")
-    co.add_argument("--host", default="127.0.0.1")
-    co.add_argument("--port", type=int, default=0, help="0 picks a free port (see <run-dir>/coordinator.addr)")
-    co.add_argument("--threads", type=int, default=1, help="torch threads")
-    co.add_argument("--linger", type=float, default=10.0, help="seconds to let workers see the end of the run")
-    co.add_argument("--overlap", action=argparse.BooleanOptionalAction, default=None,
-                    help="DiLoCoX one-step-delay overlap (--no-overlap: synchronous DiLoCo rounds); "
-                         "overrides the config's rounds.overlap when starting a run")
-    co.add_argument("--ledger", help="deployment.json of the registry and ledger to record to")
-    co.add_argument("--chain-rpc", help="RPC URL of the chain holding the ledger")
-    co.add_argument("--chain-key-file", help="file with the coordinator's chain key (hex); never logged")
-    co.add_argument("--allow-dev", action="store_true",
-                    help="accept dev attestation, which PROVES NOTHING (local development only)")
-    co.add_argument("--dev-root", action="append", default=[], help="address of a trusted dev root (repeatable)")
-    co.add_argument("--report-timeout", type=float, default=30.0,
-                    help="seconds to wait for every participant's report before recording a round (its "
-                         "unreported updates then on the coordinator's word, credited to nobody)")
-    co.add_argument("--challenge-window", type=int, default=DEFAULT_CHALLENGE_WINDOW, metavar="BLOCKS",
-                    help="blocks a recorded round waits before its rewards can be claimed, set when the run is "
-                         f"created on the ledger (default {DEFAULT_CHALLENGE_WINDOW}, about a day of 12 s blocks)")
-    co.add_argument("--confirmations", type=int, default=1,
-                    help="blocks deep a round must be on the ledger before its outbox copy is set aside "
-                         "(1: in a block; a chain that mines only on transactions never goes deeper)")
+def _set_argument(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--set", action="append", default=[], metavar="SECTION.FIELD=VALUE",
+                   help="a run setting (repeatable), e.g. --set rounds.overlap=true --set inner.lr=3e-4; "
+                        "`dilocox config` shows every section and field")
+
+
+def _demo_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--run-dir", default="runs/demo", help="replaced if it holds an earlier demo run")
+    p.add_argument("--workers", type=int, default=2, help="worker processes (and the run's expected workers)")
+    _set_argument(p)
+    p.add_argument("--insecure", action="store_true",
+                   help="plaintext gRPC between the demo's processes (to measure what TLS costs)")
+
+
+def _coordinator_arguments(p: argparse.ArgumentParser) -> None:
     from audit.cli import add_dcap_arguments
 
-    add_dcap_arguments(co)
-    co.add_argument("--attestation-time", type=int, metavar="UNIX_SECONDS",
-                    help="verify evidence as of this time instead of now (tests and replays of old collateral)")
-    co.add_argument("--tls-cert", help="certificate (PEM) to serve with; default: a self-signed one in <run-dir>/tls")
-    co.add_argument("--tls-key", help="key of --tls-cert (PEM)")
-    co.add_argument("--tls-client-ca", help="require mutual TLS: worker certificates must be issued by this CA (PEM)")
-    co.add_argument("--insecure", action="store_true",
-                    help="serve plaintext gRPC (no TLS): only for a trusted loopback; workers need --insecure too")
-    co.add_argument("--idle-timeout", type=float, default=30.0,
-                    help="seconds a stream may make no progress before it is cancelled")
-    co.set_defaults(func=cmd_coordinator)
+    p.add_argument("--run-dir", required=True, help="store, manifests and HEAD of the run")
+    p.add_argument("--config", help="run configuration JSON (default: `dilocox config`'s; optional to resume)")
+    _set_argument(p)
+    p.add_argument("--host", default="127.0.0.1")
+    p.add_argument("--port", type=int, default=0, help="0 picks a free port (see <run-dir>/coordinator.addr)")
+    p.add_argument("--threads", type=int, default=1, help="torch threads")
+    p.add_argument("--linger", type=float, default=10.0, help="seconds to let workers see the end of the run")
+    p.add_argument("--ledger", help="deployment.json of the registry and ledger to record to")
+    p.add_argument("--chain-rpc", help="RPC URL of the chain holding the ledger")
+    p.add_argument("--chain-key-file", help="file with the coordinator's chain key (hex); never logged")
+    p.add_argument("--allow-dev", action="store_true",
+                   help="accept dev attestation, which PROVES NOTHING (local development only)")
+    p.add_argument("--dev-root", action="append", default=[], help="address of a trusted dev root (repeatable)")
+    p.add_argument("--report-timeout", type=float, default=30.0,
+                   help="seconds to wait for every participant's report before recording a round (its "
+                        "unreported updates then on the coordinator's word, credited to nobody)")
+    p.add_argument("--challenge-window", type=int, default=DEFAULT_CHALLENGE_WINDOW, metavar="BLOCKS",
+                   help="blocks a recorded round waits before its rewards can be claimed, set when the run is "
+                        f"created on the ledger (default {DEFAULT_CHALLENGE_WINDOW}, about a day of 12 s blocks)")
+    p.add_argument("--confirmations", type=int, default=1,
+                   help="blocks deep a round must be on the ledger before its outbox copy is set aside "
+                        "(1: in a block; a chain that mines only on transactions never goes deeper)")
+    add_dcap_arguments(p)
+    p.add_argument("--attestation-time", type=int, metavar="UNIX_SECONDS",
+                   help="verify evidence as of this time instead of now (tests and replays of old collateral)")
+    p.add_argument("--tls-cert", help="certificate (PEM) to serve with; default: a self-signed one in <run-dir>/tls")
+    p.add_argument("--tls-key", help="key of --tls-cert (PEM)")
+    p.add_argument("--tls-client-ca", help="require mutual TLS: worker certificates must be issued by this CA (PEM)")
+    p.add_argument("--insecure", action="store_true",
+                   help="serve plaintext gRPC (no TLS): only for a trusted loopback; workers need --insecure too")
+    p.add_argument("--idle-timeout", type=float, default=30.0,
+                   help="seconds a stream may make no progress before it is cancelled")
 
-    wo = sub.add_parser("worker", help="train on one data shard and push pseudo-gradients")
-    wo.add_argument("--coordinator", required=True, help="host:port")
-    wo.add_argument("--worker-id", required=True)
-    _client_tls_arguments(wo)
-    wo.add_argument("--threads", type=int, default=max(1, (os.cpu_count() or 1) // 2), help="torch threads")
-    wo.add_argument("--attestation", choices=("none", "dev", "tdx"), default="none",
-                    help="evidence provider: tdx (configfs-tsm) or dev (a stand-in that PROVES NOTHING)")
-    wo.add_argument("--dev-root-dir", help="directory of the dev attestation root key")
-    wo.add_argument("--link-bandwidth", type=float, default=0.0,
-                    help="emulate a link of this many Mbit/s on the bytes actually sent and received (0: off)")
-    wo.add_argument("--link-latency", type=float, default=0.0, help="emulated latency per RPC, in ms")
-    wo.add_argument("--metrics", help="append a JSON line per round (tokens, compute seconds, bytes each way) "
-                                      "and one at the end (wall and compute seconds) to this file")
-    wo.add_argument("--reconnect-timeout", type=float, default=120.0,
-                    help="seconds to keep retrying an unreachable coordinator")
-    wo.add_argument("--stages", type=int, default=1, metavar="P",
-                    help="pipeline stages: P local processes, each holding a contiguous slice of layers "
-                         "(torch.distributed gloo on CPU), with max(1, threads // P) torch threads each")
-    wo.set_defaults(func=cmd_worker)
 
-    st = sub.add_parser("status", help="print a running coordinator's status as JSON")
-    st.add_argument("--coordinator", required=True, help="host:port")
-    _client_tls_arguments(st)
-    st.set_defaults(func=cmd_status)
+def _worker_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--coordinator", required=True, help="host:port")
+    p.add_argument("--worker-id", required=True)
+    _client_tls_arguments(p)
+    p.add_argument("--threads", type=int, default=max(1, (os.cpu_count() or 1) // 2), help="torch threads")
+    p.add_argument("--attestation", choices=("none", "dev", "tdx"), default="none",
+                   help="evidence provider: tdx (configfs-tsm) or dev (a stand-in that PROVES NOTHING)")
+    p.add_argument("--dev-root-dir", help="directory of the dev attestation root key")
+    p.add_argument("--link-bandwidth", type=float, default=0.0,
+                   help="emulate a link of this many Mbit/s on the bytes actually sent and received (0: off)")
+    p.add_argument("--link-latency", type=float, default=0.0, help="emulated latency per RPC, in ms")
+    p.add_argument("--metrics", help="append a JSON line per round (tokens, compute seconds, bytes each way) "
+                                     "and one at the end (wall and compute seconds) to this file")
+    p.add_argument("--reconnect-timeout", type=float, default=120.0,
+                   help="seconds to keep retrying an unreachable coordinator")
+    p.add_argument("--stages", type=int, default=1, metavar="P",
+                   help="pipeline stages: P local processes, each holding a contiguous slice of layers "
+                        "(torch.distributed gloo on CPU), with max(1, threads // P) torch threads each")
 
-    au = sub.add_parser("audit", help="verify a run's lineage from the ledger and the store alone")
+
+def _status_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--coordinator", required=True, help="host:port")
+    _client_tls_arguments(p)
+    p.add_argument("--json", nargs="?", const=JSON_STDOUT, metavar="FILE",
+                   help="write the status as JSON to FILE; --json alone (or --json -) writes it to stdout, alone")
+
+
+def _audit_arguments(p: argparse.ArgumentParser) -> None:
     from audit.cli import add_arguments
 
-    add_arguments(au)
-    au.set_defaults(func=cmd_audit)
+    add_arguments(p)
 
-    se = sub.add_parser("settle", help="what each worker of a run is owed from its reward pool; --claim pays it")
-    from cli.settle import add_arguments as settle_arguments
 
-    settle_arguments(se)
-    se.set_defaults(func=cmd_settle)
+def _settle_arguments(p: argparse.ArgumentParser) -> None:
+    from cli.settle import add_arguments
 
-    be = sub.add_parser("bench", help="benchmarks")
-    bench = be.add_subparsers(dest="what", required=True)
-    bench.add_parser("gas", help="the ledger's gas per call on a local anvil")
-    from benchmarks import ablation
+    add_arguments(p)
 
-    ab = bench.add_parser("ablation", help="DiLoCoX ablation: held-out loss, bytes/token, tokens/s per mode",
-                          description=ablation.__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ablation.add_arguments(ab)
-    from benchmarks import flood
 
-    fl = bench.add_parser("flood", help="health and Status latency while hostile clients hit each limit",
-                          description=flood.__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    flood.add_arguments(fl)
-    from benchmarks import robustness  # argument definitions only: torch and the trainer load in cmd_bench
+def _config_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--demo", action="store_true", help="the demo's configuration")
+    _set_argument(p)
 
-    ro = bench.add_parser("robust", help="one admitted dishonest worker against each aggregation setting",
-                          description=robustness.__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    robustness.add_arguments(ro)
-    be.set_defaults(func=cmd_bench)
 
-    cf = sub.add_parser("config", help="print a run configuration to start from")
-    cf.add_argument("--demo", action="store_true", help="the demo's configuration")
-    cf.set_defaults(func=cmd_config)
+# name: (help, the module defining its arguments and description, or None)
+BENCHES: dict[str, tuple[str, str | None]] = {
+    "gas": ("the ledger's gas per call on a local anvil", None),
+    "ablation": ("DiLoCoX ablation: held-out loss, bytes/token, tokens/s per mode", "benchmarks.ablation"),
+    "flood": ("health and Status latency while hostile clients hit each limit", "benchmarks.flood"),
+    "robust": ("one admitted dishonest worker against each aggregation setting", "benchmarks.robustness"),
+    "overlap": ("synchronous rounds against the one-step-delay overlap at two outer momenta",
+                "benchmarks.overlap_momentum"),
+}
+
+
+def _bench_arguments(p: argparse.ArgumentParser, rest: Sequence[str]) -> None:
+    import importlib
+
+    bench = p.add_subparsers(dest="what", required=True)
+    chosen = _chosen(rest)
+    for name, (help_, module_name) in BENCHES.items():
+        if name != chosen or module_name is None:
+            bench.add_parser(name, help=help_)
+            continue
+        module = importlib.import_module(module_name)  # argument definitions only: torch loads in cmd_bench
+        module.add_arguments(bench.add_parser(name, help=help_, description=module.__doc__,
+                                              formatter_class=argparse.RawDescriptionHelpFormatter))
+
+
+# name: (help, its arguments, what runs it); a subcommand's arguments are defined only when it is chosen.
+COMMANDS: dict[str, tuple[str, Callable[..., None], Callable[[argparse.Namespace], int]]] = {
+    "demo": ("run a coordinator and workers locally on the embedded corpus", _demo_arguments, cmd_demo),
+    "coordinator": ("serve a run: collect updates, aggregate, store checkpoints", _coordinator_arguments,
+                    cmd_coordinator),
+    "worker": ("train on one data shard and push pseudo-gradients", _worker_arguments, cmd_worker),
+    "status": ("what a running coordinator reports (a table; --json for JSON)", _status_arguments, cmd_status),
+    "audit": ("verify a run's lineage from the ledger and the store alone", _audit_arguments, cmd_audit),
+    "settle": ("what each worker of a run is owed from its reward pool; --claim pays it", _settle_arguments,
+               cmd_settle),
+    "bench": ("benchmarks", _bench_arguments, cmd_bench),
+    "config": ("print a run configuration to start from", _config_arguments, cmd_config),
+}
+
+
+def _chosen(argv: Sequence[str]) -> str | None:
+    """The first word of ``argv`` that is not an option: the subcommand being asked for."""
+    return next((word for word in argv if not word.startswith("-")), None)
+
+
+def parser(argv: Sequence[str] = ()) -> argparse.ArgumentParser:
+    """The command line; only the subcommand named in ``argv`` gets its arguments (and imports)."""
+    p = argparse.ArgumentParser(prog="dilocox", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("-v", "--verbose", action="store_true", help="debug logging")
+    sub = p.add_subparsers(dest="command", required=True)
+    chosen = _chosen(argv)
+    for name, (help_, arguments, run) in COMMANDS.items():
+        sp = sub.add_parser(name, help=help_)
+        sp.set_defaults(func=run)
+        if name != chosen:
+            continue
+        if name == "bench":
+            arguments(sp, list(argv)[list(argv).index(name) + 1:])
+        else:
+            arguments(sp)
     return p
 
 
@@ -389,8 +480,6 @@ def check_args(args: argparse.Namespace) -> None:
     naming the flag (argparse checks only types)."""
     command = args.command
     if command == "demo":
-        if args.rounds is not None and args.rounds < 1:
-            raise UsageError(f"--rounds {args.rounds} is out of range: must be >= 1")
         if not 1 <= args.workers <= MAX_DEMO_WORKERS:
             raise UsageError(f"--workers {args.workers} is out of range: must be in [1, {MAX_DEMO_WORKERS}]")
     if command == "coordinator":
@@ -429,7 +518,8 @@ def check_args(args: argparse.Namespace) -> None:
 
 
 def main(argv: list[str] | None = None) -> int:
-    args = parser().parse_args(argv)
+    argv = sys.argv[1:] if argv is None else argv
+    args = parser(argv).parse_args(argv)
     _logging(args.verbose)
     try:
         check_args(args)
@@ -441,7 +531,7 @@ def main(argv: list[str] | None = None) -> int:
         from settlement.anvil import AnvilError
         from settlement.chain import ChainError
         from storage_client import StoreError
-        from trainer.config import ConfigError
+        from trainer.config import ConfigError, SettingError
         from trainer.data import CorpusError
         from trainer.tls import TlsError
         from trainer.wire import WireError
@@ -456,7 +546,7 @@ def main(argv: list[str] | None = None) -> int:
         if isinstance(exc, known) and not args.verbose:
             text = " ".join(str(exc).split()) or type(exc).__name__  # one line, whatever the message holds
             logging.getLogger("dilocox").error("%s: %s", type(exc).__name__, text)
-            return 2 if isinstance(exc, UsageError) else 1
+            return 2 if isinstance(exc, (UsageError, SettingError)) else 1
         raise
 
 

@@ -47,11 +47,11 @@ They guard rounds with one or two participants. Deflation is easier: norms at le
 down and shrink honest updates, which slows training but never moves the model further than an
 honest update would. The direction of a clipped update is not judged: an update of norm ≤ c·ρ
 pointing the wrong way still counts: screening by effect (``rounds.screen_margin``, off by
-default; trainer.coordinator.Coordinator.screen) refuses an update that raises the held-out loss
+default; trainer.coordinator.screening) refuses an update that raises the held-out loss
 of the round's start checkpoint by more than the margin on batches the coordinator draws.
 
 c = 0 turns clipping off (the plain mean); otherwise 1 ≤ c ≤ 100, 2 by default (honest updates of
-one round were measured within 1.5× of each other).
+one round lie well within 2× of each other: docs/measurements.md).
 
 Robust mean: trimmed mean or coordinate-wise median
 ---------------------------------------------------

@@ -90,8 +90,9 @@ packed nibbles for int4, int8 for int8) and ``<name>.<part>.scale`` (float32). T
 with ``rank`` 0 for the dense kinds, part shapes [m, r] / [n, r] / [m, n] / [numel], packed_len
 ⌈numel/2⌉ (int4) or numel (int8), and num_scales ⌈numel/g⌉.
 
-``decompress`` (through ``validate``) checks every tensor before it reconstructs any, and raises
-``CompressionError`` naming the tensor and the field at the first failure:
+``decompress`` parses the header into a :class:`CodecHeader` (``CodecHeader.parse``) and checks the
+payload against it (``validate``) before it reconstructs any tensor, and raises ``CompressionError``
+naming the tensor and the field at the first failure:
   1. header: the format tag; names exactly those of the expected layout (none unknown, missing
      or repeated); dtype and shape equal to the expected dense tensor's; kind allowed for that
      shape (int8 for ndim ≤ 1, lowrank-int4 or int4 otherwise); group_size ≥ 1; 1 ≤ rank ≤ min(m, n)
@@ -106,7 +107,7 @@ from __future__ import annotations
 import math
 from collections import deque
 from dataclasses import asdict, dataclass, field
-from typing import Any, Mapping, MutableMapping
+from typing import Any, Mapping, MutableMapping, Sequence
 
 import torch
 
@@ -195,11 +196,8 @@ class CompressionConfig:
     """Knobs of the compressor. Defaults: τ = 0.9, r ∈ [8, 64], W = 4 rounds, f = 2, g = 64.
 
     The rank floor matters more than τ: some updates put 90% of their energy in one direction (the
-    output layer's, early on), and sending that direction alone starves the rest. On the ablation's
-    GPT (2 × 128, WikiText-2, 2 workers, 6 rounds of 50 steps, both directions compressed) held-out
-    loss after 6 rounds was 2.67 with r ∈ [1, 64] and 2.24 with r ∈ [8, 64], dense 2.10, for about
-    the same bytes (synchronous rounds, outer momentum 0.9, in one process through trainer.uplink
-    and trainer.downlink).
+    output layer's, early on), and sending that direction alone starves the rest
+    (docs/measurements.md has the figures).
     """
 
     enabled: bool = False  # off: updates travel dense fp32 (the DiLoCo baseline)
@@ -433,11 +431,6 @@ def _lowrank_factors(
     return u * root, v * root
 
 
-def _part_entry(shape: list[int], numel: int, bits: int, group: int) -> dict[str, Any]:
-    packed = (numel + 1) // 2 if bits == 4 else numel
-    return {"shape": shape, "packed_len": packed, "num_scales": _num_groups(numel, group)}
-
-
 def _encode_part(values: torch.Tensor, bits: int, group: int) -> tuple[torch.Tensor, torch.Tensor]:
     q, scales = quantize_groups(values, group, INT4_MAX if bits == 4 else INT8_MAX)
     return (pack_int4(q) if bits == 4 else q), scales
@@ -448,24 +441,19 @@ def _factor_order(factor: torch.Tensor) -> torch.Tensor:
     return factor.T.contiguous().reshape(-1)
 
 
-def _reconstruct(
-    entry: Mapping[str, Any], tensors: Mapping[str, torch.Tensor], dtype: torch.dtype
-) -> torch.Tensor:
+def _reconstruct(entry: TensorEntry, tensors: Mapping[str, torch.Tensor], dtype: torch.dtype) -> torch.Tensor:
     """The dense tensor an entry stands for; elementwise float64 ops only (see Determinism)."""
-    name, kind, group = entry["name"], entry["kind"], int(entry["group_size"])
-    shape = tuple(int(k) for k in entry["shape"])
 
     def values(part: str) -> torch.Tensor:
-        spec = entry["parts"][part]
-        count = math.prod(int(k) for k in spec["shape"])
-        q = tensors[f"{name}.{part}.q"]
-        if kind != KIND_INT8:
-            q = unpack_int4(q, count)
-        return dequantize_groups(q, tensors[f"{name}.{part}.scale"], group)
+        spec = entry.parts[part]
+        q = tensors[f"{entry.name}.{part}.q"]
+        if entry.kind != KIND_INT8:
+            q = unpack_int4(q, math.prod(spec.shape))
+        return dequantize_groups(q, tensors[f"{entry.name}.{part}.scale"], entry.group_size)
 
-    if kind == KIND_LOWRANK:
-        m, n = _matrix_dims(shape)
-        r = int(entry["rank"])
+    if entry.kind == KIND_LOWRANK:
+        m, n = _matrix_dims(entry.shape)
+        r = entry.rank
         p = values("P").view(r, m)  # row i is p̃ᵢ
         q = values("Q").view(r, n)
         acc = torch.zeros(m, n, dtype=torch.float64)
@@ -474,7 +462,7 @@ def _reconstruct(
         dense = acc
     else:
         dense = values("W")
-    return dense.reshape(shape).to(dtype)
+    return dense.reshape(entry.shape).to(dtype)
 
 
 def compress(
@@ -489,7 +477,6 @@ def compress(
     The buffer and the policy are left as they were if any input is refused. The round's decisions
     are in ``policy.last_decision``.
     """
-    cfg = policy.config
     for name in sorted(tensors):
         t = tensors[name]
         if not t.is_floating_point():
@@ -500,7 +487,7 @@ def compress(
             raise CompressionError(
                 f"tensor {name}: error buffer shape {list(errors[name].shape)} != {list(t.shape)}"
             )
-    entries: list[dict[str, Any]] = []
+    entries: list[TensorEntry] = []
     out: Params = {}
     residuals: Params = {}
     policy.begin_round()
@@ -510,50 +497,46 @@ def compress(
             a = t.detach().to(torch.float64)
             if errors is not None and name in errors:
                 a = a + errors[name].detach().to(torch.float64)
-            shape = list(t.shape)
-            entry: dict[str, Any] = {"name": name, "shape": shape, "dtype": dtype_name(t.dtype)}
-            if t.dim() <= 1:
-                g = cfg.int8_group_size
-                q, s = _encode_part(a, 8, g)
-                entry.update(kind=KIND_INT8, rank=0, group_size=g,
-                             parts={"W": _part_entry([a.numel()], a.numel(), 8, g)})
-                out[f"{name}.W.q"], out[f"{name}.W.scale"] = q, s
-            else:
-                m, n = _matrix_dims(shape)
-                mat = a.reshape(m, n)
-                g = cfg.int4_group_size
-                rank = 0
-                if not policy.always_dense(m, n):
-                    u, sigma, vh = torch.linalg.svd(mat, full_matrices=False)
-                    decision = policy.decide(name, sigma, (m, n))
-                    if decision.kind == KIND_LOWRANK:
-                        rank = decision.rank
-                if rank:
-                    p, qf = _lowrank_factors(u, sigma, vh, rank)
-                    parts = {"P": (p, [m, rank]), "Q": (qf, [n, rank])}
-                    entry.update(kind=KIND_LOWRANK, rank=rank, group_size=g, parts={})
-                    for part, (factor, fshape) in parts.items():
-                        packed, s = _encode_part(_factor_order(factor), 4, g)
-                        entry["parts"][part] = _part_entry(fshape, factor.numel(), 4, g)
-                        out[f"{name}.{part}.q"], out[f"{name}.{part}.scale"] = packed, s
-                else:
-                    packed, s = _encode_part(mat, 4, g)
-                    entry.update(kind=KIND_INT4, rank=0, group_size=g,
-                                 parts={"W": _part_entry([m, n], m * n, 4, g)})
-                    out[f"{name}.W.q"], out[f"{name}.W.scale"] = packed, s
+            entry = _encode_tensor(name, t, a, policy, out)
             received = _reconstruct(entry, out, t.dtype)
             residuals[name] = (a - received.to(torch.float64)).to(_error_dtype(t.dtype))
             entries.append(entry)
     except BaseException:
         policy.abort_round()
         raise
-    if len(out) != 2 * sum(len(e["parts"]) for e in entries):
+    if len(out) != 2 * sum(len(e.parts) for e in entries):
         policy.abort_round()
         raise CompressionError("tensor names collide once suffixed with .<part>.q / .<part>.scale")
     policy.finish_round()
     if errors is not None:
         errors.update(residuals)
-    return encode_params(out), {"format": FORMAT, "tensors": entries}
+    return encode_params(out), CodecHeader(tuple(entries)).to_json()
+
+
+def _encode_tensor(name: str, t: torch.Tensor, a: torch.Tensor, policy: AdaptiveRankPolicy, out: Params) -> TensorEntry:
+    """A = ``a`` (float64, error feedback added) quantised into ``out``: int8 for vectors, else the
+    policy's low rank or dense int4; returns its header entry."""
+    cfg, shape = policy.config, tuple(t.shape)
+    if t.dim() <= 1:
+        g = cfg.int8_group_size
+        out[f"{name}.W.q"], out[f"{name}.W.scale"] = _encode_part(a, 8, g)
+        return TensorEntry(name, shape, dtype_name(t.dtype), KIND_INT8, 0, g, {"W": PartSpec.of([a.numel()], 8, g)})
+    m, n = _matrix_dims(shape)
+    mat = a.reshape(m, n)
+    g = cfg.int4_group_size
+    if not policy.always_dense(m, n):
+        u, sigma, vh = torch.linalg.svd(mat, full_matrices=False)
+        decision = policy.decide(name, sigma, (m, n))
+        if decision.kind == KIND_LOWRANK:
+            rank = decision.rank
+            p, qf = _lowrank_factors(u, sigma, vh, rank)
+            parts = {}
+            for part, (factor, fshape) in {"P": (p, [m, rank]), "Q": (qf, [n, rank])}.items():
+                out[f"{name}.{part}.q"], out[f"{name}.{part}.scale"] = _encode_part(_factor_order(factor), 4, g)
+                parts[part] = PartSpec.of(fshape, 4, g)
+            return TensorEntry(name, shape, dtype_name(t.dtype), KIND_LOWRANK, rank, g, parts)
+    out[f"{name}.W.q"], out[f"{name}.W.scale"] = _encode_part(mat, 4, g)
+    return TensorEntry(name, shape, dtype_name(t.dtype), KIND_INT4, 0, g, {"W": PartSpec.of([m, n], 4, g)})
 
 
 # --------------------------------------------------------------------------------------------
@@ -573,94 +556,150 @@ def _int_list(x: Any) -> bool:
     return isinstance(x, (list, tuple)) and all(_is_int(k) and k >= 0 for k in x)
 
 
-def _check_entry(entry: Any, expected: Layout) -> None:
-    """Every header field of one tensor, against the expected dense layout."""
-    if not isinstance(entry, Mapping) or not isinstance(entry.get("name"), str):
-        raise CompressionError("header: a tensor entry without a string name")
-    name = entry["name"]
-    if name not in expected:
-        raise _fail(name, "name", "unknown tensor (not in the expected layout)")
-    want_dtype, want_shape = expected[name]
-    want_shape = tuple(want_shape)
-    if want_dtype not in _FLOAT_DTYPES:
-        raise _fail(name, "dtype", f"expected layout says {want_dtype}, not a floating dtype")
-    if entry.get("dtype") != want_dtype:
-        raise _fail(name, "dtype", f"{entry.get('dtype')!r}, expected {want_dtype}")
-    if not _int_list(entry.get("shape")) or tuple(entry["shape"]) != want_shape:
-        raise _fail(name, "shape", f"{entry.get('shape')!r}, expected {list(want_shape)}")
-    kind = entry.get("kind")
-    if kind not in KINDS:
-        raise _fail(name, "kind", f"{kind!r} is not one of {list(KINDS)}")
-    if (kind == KIND_INT8) != (len(want_shape) <= 1):
-        raise _fail(name, "kind", f"{kind} is not used for a {len(want_shape)}-D tensor")
-    group = entry.get("group_size")
-    if not _is_int(group) or group < 1:
-        raise _fail(name, "group_size", f"{group!r} is not a positive integer")
-    rank = entry.get("rank")
-    if not _is_int(rank):
-        raise _fail(name, "rank", f"{rank!r} is not an integer")
-    numel = math.prod(want_shape)
+@dataclass(frozen=True)
+class PartSpec:
+    """One quantised part of a tensor: its shape, packed values and group scales."""
+
+    shape: tuple[int, ...]
+    packed_len: int
+    num_scales: int
+
+    @classmethod
+    def of(cls, shape: Sequence[int], bits: int, group: int) -> PartSpec:
+        count = math.prod(shape)
+        return cls(tuple(shape), (count + 1) // 2 if bits == 4 else count, _num_groups(count, group))
+
+    def to_json(self) -> dict[str, Any]:
+        return {"shape": list(self.shape), "packed_len": self.packed_len, "num_scales": self.num_scales}
+
+
+@dataclass(frozen=True)
+class TensorEntry:
+    """One tensor of a codec header: what it is (the dense layout's name, shape and dtype) and how
+    it travels (kind, rank, group size, parts)."""
+
+    name: str
+    shape: tuple[int, ...]
+    dtype: str
+    kind: str
+    rank: int
+    group_size: int
+    parts: dict[str, PartSpec]
+
+    def to_json(self) -> dict[str, Any]:
+        return {"name": self.name, "shape": list(self.shape), "dtype": self.dtype, "kind": self.kind,
+                "rank": self.rank, "group_size": self.group_size,
+                "parts": {part: spec.to_json() for part, spec in self.parts.items()}}
+
+    @classmethod
+    def parse(cls, obj: Any, expected: Layout) -> TensorEntry:
+        """An entry read off the wire, checked field by field against the expected dense layout
+        (rule 1 of the module docstring); CompressionError names the tensor and field."""
+        if not isinstance(obj, Mapping) or not isinstance(obj.get("name"), str):
+            raise CompressionError("header: a tensor entry without a string name")
+        name = obj["name"]
+        if name not in expected:
+            raise _fail(name, "name", "unknown tensor (not in the expected layout)")
+        want_dtype, want_shape = expected[name][0], tuple(expected[name][1])
+        if want_dtype not in _FLOAT_DTYPES:
+            raise _fail(name, "dtype", f"expected layout says {want_dtype}, not a floating dtype")
+        if obj.get("dtype") != want_dtype:
+            raise _fail(name, "dtype", f"{obj.get('dtype')!r}, expected {want_dtype}")
+        if not _int_list(obj.get("shape")) or tuple(obj["shape"]) != want_shape:
+            raise _fail(name, "shape", f"{obj.get('shape')!r}, expected {list(want_shape)}")
+        kind, group, rank = obj.get("kind"), obj.get("group_size"), obj.get("rank")
+        if kind not in KINDS:
+            raise _fail(name, "kind", f"{kind!r} is not one of {list(KINDS)}")
+        if (kind == KIND_INT8) != (len(want_shape) <= 1):
+            raise _fail(name, "kind", f"{kind} is not used for a {len(want_shape)}-D tensor")
+        if not _is_int(group) or group < 1:
+            raise _fail(name, "group_size", f"{group!r} is not a positive integer")
+        if not _is_int(rank):
+            raise _fail(name, "rank", f"{rank!r} is not an integer")
+        expected_parts = _expected_parts(name, kind, rank, want_shape, group)
+        return cls(name, want_shape, want_dtype, kind, rank, group, _parse_parts(name, obj.get("parts"), expected_parts))
+
+
+def _expected_parts(name: str, kind: str, rank: int, shape: tuple[int, ...], group: int) -> dict[str, PartSpec]:
+    """The parts a tensor of ``shape`` must travel as, for its kind and rank."""
+    bits = 8 if kind == KIND_INT8 else 4
     if kind == KIND_LOWRANK:
-        m, n = _matrix_dims(want_shape)
+        m, n = _matrix_dims(shape)
         if not 1 <= rank <= min(m, n):
             raise _fail(name, "rank", f"{rank} outside [1, min(m, n) = {min(m, n)}]")
-        part_shapes = {"P": [m, rank], "Q": [n, rank]}
-    elif kind == KIND_INT4:
-        if rank != 0:
-            raise _fail(name, "rank", f"{rank} for a dense tensor, expected 0")
-        part_shapes = {"W": list(_matrix_dims(want_shape))}
-    else:
-        if rank != 0:
-            raise _fail(name, "rank", f"{rank} for a dense tensor, expected 0")
-        part_shapes = {"W": [numel]}
-    parts = entry.get("parts")
-    if not isinstance(parts, Mapping) or sorted(parts) != sorted(part_shapes):
+        return {"P": PartSpec.of([m, rank], bits, group), "Q": PartSpec.of([n, rank], bits, group)}
+    if rank != 0:
+        raise _fail(name, "rank", f"{rank} for a dense tensor, expected 0")
+    dims = list(_matrix_dims(shape)) if kind == KIND_INT4 else [math.prod(shape)]
+    return {"W": PartSpec.of(dims, bits, group)}
+
+
+def _parse_parts(name: str, parts: Any, expected: dict[str, PartSpec]) -> dict[str, PartSpec]:
+    if not isinstance(parts, Mapping) or sorted(parts) != sorted(expected):
         got = sorted(parts) if isinstance(parts, Mapping) else parts
-        raise _fail(name, "parts", f"{got!r}, expected {sorted(part_shapes)}")
-    for part, shape in part_shapes.items():
+        raise _fail(name, "parts", f"{got!r}, expected {sorted(expected)}")
+    for part, want in expected.items():
         spec = parts[part]
         if not isinstance(spec, Mapping):
             raise _fail(name, part, "not a mapping")
-        if not _int_list(spec.get("shape")) or list(spec["shape"]) != shape:
-            raise _fail(name, f"{part}.shape", f"{spec.get('shape')!r}, expected {shape}")
-        count = math.prod(shape)
-        packed = count if kind == KIND_INT8 else (count + 1) // 2
-        if spec.get("packed_len") != packed or not _is_int(spec.get("packed_len")):
-            raise _fail(name, f"{part}.packed_len", f"{spec.get('packed_len')!r}, expected {packed}")
-        scales = _num_groups(count, group)
-        if spec.get("num_scales") != scales or not _is_int(spec.get("num_scales")):
-            raise _fail(name, f"{part}.num_scales", f"{spec.get('num_scales')!r}, expected {scales}")
+        if not _int_list(spec.get("shape")) or tuple(spec["shape"]) != want.shape:
+            raise _fail(name, f"{part}.shape", f"{spec.get('shape')!r}, expected {list(want.shape)}")
+        for fieldname in ("packed_len", "num_scales"):
+            value = spec.get(fieldname)
+            if not _is_int(value) or value != getattr(want, fieldname):
+                raise _fail(name, f"{part}.{fieldname}", f"{value!r}, expected {getattr(want, fieldname)}")
+    return expected
 
 
-def validate(payload: bytes, header: Mapping[str, Any], expected_layout: Layout) -> Params:
-    """Check header and payload completely; returns the decoded payload tensors (still packed)."""
-    if not isinstance(header, Mapping) or header.get("format") != FORMAT:
-        got = header.get("format") if isinstance(header, Mapping) else type(header).__name__
-        raise CompressionError(f"header: format {got!r}, expected {FORMAT}")
-    entries = header.get("tensors")
-    if not isinstance(entries, list):
-        raise CompressionError("header: field tensors is not a list")
-    seen: set[str] = set()
-    for entry in entries:
-        _check_entry(entry, expected_layout)
-        if entry["name"] in seen:
-            raise _fail(entry["name"], "name", "appears twice in the header")
-        seen.add(entry["name"])
-    missing = sorted(set(expected_layout) - seen)
-    if missing:
-        raise _fail(missing[0], "name", f"missing from the header (missing: {missing})")
+@dataclass(frozen=True)
+class CodecHeader:
+    """A compressed payload's header: every tensor's entry, sorted by name (its JSON form is what
+    travels and is stored; ``parse`` is the one way back)."""
 
-    expected_keys: dict[str, tuple[str, str, torch.dtype, int]] = {}
-    for entry in entries:
-        for part, spec in entry["parts"].items():
-            q_dtype = torch.int8 if entry["kind"] == KIND_INT8 else torch.uint8
-            expected_keys[f"{entry['name']}.{part}.q"] = (
-                entry["name"], f"{part}.q", q_dtype, spec["packed_len"])
-            expected_keys[f"{entry['name']}.{part}.scale"] = (
-                entry["name"], f"{part}.scale", torch.float32, spec["num_scales"])
-    if len(expected_keys) != 2 * sum(len(e["parts"]) for e in entries):
-        raise CompressionError(
-            "header: tensor names collide once suffixed with .<part>.q / .<part>.scale")
+    tensors: tuple[TensorEntry, ...]
+
+    def to_json(self) -> dict[str, Any]:
+        return {"format": FORMAT, "tensors": [entry.to_json() for entry in self.tensors]}
+
+    @classmethod
+    def parse(cls, obj: Any, expected: Layout) -> CodecHeader:
+        if not isinstance(obj, Mapping) or obj.get("format") != FORMAT:
+            got = obj.get("format") if isinstance(obj, Mapping) else type(obj).__name__
+            raise CompressionError(f"header: format {got!r}, expected {FORMAT}")
+        entries = obj.get("tensors")
+        if not isinstance(entries, list):
+            raise CompressionError("header: field tensors is not a list")
+        parsed: dict[str, TensorEntry] = {}
+        for raw in entries:
+            entry = TensorEntry.parse(raw, expected)
+            if entry.name in parsed:
+                raise _fail(entry.name, "name", "appears twice in the header")
+            parsed[entry.name] = entry
+        missing = sorted(set(expected) - set(parsed))
+        if missing:
+            raise _fail(missing[0], "name", f"missing from the header (missing: {missing})")
+        return cls(tuple(parsed.values()))
+
+    def entry(self, name: str) -> TensorEntry:
+        return next(e for e in self.tensors if e.name == name)
+
+    def payload_keys(self) -> dict[str, tuple[str, str, torch.dtype, int]]:
+        """Every payload entry the header implies: key → (tensor, field, dtype, length)."""
+        keys: dict[str, tuple[str, str, torch.dtype, int]] = {}
+        for entry in self.tensors:
+            for part, spec in entry.parts.items():
+                q_dtype = torch.int8 if entry.kind == KIND_INT8 else torch.uint8
+                keys[f"{entry.name}.{part}.q"] = (entry.name, f"{part}.q", q_dtype, spec.packed_len)
+                keys[f"{entry.name}.{part}.scale"] = (entry.name, f"{part}.scale", torch.float32, spec.num_scales)
+        if len(keys) != 2 * sum(len(e.parts) for e in self.tensors):
+            raise CompressionError("header: tensor names collide once suffixed with .<part>.q / .<part>.scale")
+        return keys
+
+
+def validate(payload: bytes, header: CodecHeader) -> Params:
+    """Check a payload against its parsed header (rule 2 of the module docstring); returns the
+    decoded payload tensors (still packed)."""
+    expected_keys = header.payload_keys()
     try:
         tensors = decode_params(payload)
     except WireError as exc:
@@ -680,22 +719,19 @@ def validate(payload: bytes, header: Mapping[str, Any], expected_layout: Layout)
                 raise _fail(name, fieldname, f"{int((~torch.isfinite(t)).sum())} non-finite scale(s)")
             if bool((t < 0).any()):
                 raise _fail(name, fieldname, "negative scale(s)")
-    for entry in entries:
-        if entry["kind"] != KIND_INT8:
-            for part, spec in entry["parts"].items():
-                count = math.prod(spec["shape"])
-                if count % 2 and int(tensors[f"{entry['name']}.{part}.q"][-1]) >> 4:
-                    raise _fail(entry["name"], f"{part}.q", "padding nibble is not zero")
+    for entry in header.tensors:
+        if entry.kind != KIND_INT8:
+            for part, spec in entry.parts.items():
+                if math.prod(spec.shape) % 2 and int(tensors[f"{entry.name}.{part}.q"][-1]) >> 4:
+                    raise _fail(entry.name, f"{part}.q", "padding nibble is not zero")
     return tensors
 
 
 def decompress(payload: bytes, header: Mapping[str, Any], expected_layout: Layout) -> Params:
-    """The dense tensors of a compressed update, after ``validate`` accepted all of it."""
-    tensors = validate(payload, header, expected_layout)
-    return {
-        entry["name"]: _reconstruct(entry, tensors, getattr(torch, expected_layout[entry["name"]][0]))
-        for entry in header["tensors"]
-    }
+    """The dense tensors of a compressed update, after its header and payload were checked whole."""
+    parsed = CodecHeader.parse(header, expected_layout)
+    tensors = validate(payload, parsed)
+    return {entry.name: _reconstruct(entry, tensors, getattr(torch, entry.dtype)) for entry in parsed.tensors}
 
 
 def compressed_size(header: Mapping[str, Any]) -> int:

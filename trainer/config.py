@@ -17,7 +17,7 @@ import math
 import re
 from dataclasses import dataclass, field, fields
 from pathlib import Path
-from typing import Any, TypeVar, get_type_hints
+from typing import Any, Sequence, TypeVar, get_type_hints
 
 from storage_client import CID, canonical_json, digest_json, strict_json
 from trainer.compression import CompressionConfig
@@ -106,10 +106,8 @@ class RoundConfig:
     # and no round would ever close.
     max_update_norm: float = 0.0
     # DiLoCoX's one-step-delay overlap of the exchange with the next round's compute (see
-    # trainer.worker). Staleness and outer momentum compound: on the tiny GPT, 2 workers, 8 rounds
-    # of 100 steps, eval loss was 1.56 synchronous, 2.10 overlapped at momentum 0.9, and 1.66
-    # overlapped at momentum 0.5, so lower outer momentum when turning this on (the ablation benchmark
-    # uses 0.3 for every DiLoCoX row; benchmarks/ablation.py says what it measured).
+    # trainer.worker.loops). Staleness and outer momentum compound, so lower outer.momentum when
+    # turning this on (docs/measurements.md has the figures; `dilocox bench overlap` measures them).
     overlap: bool = False
     # Robust aggregation (trainer.aggregation.aggregate): each update is clipped to clip_multiple
     # (c) x the lower median of the round's update norms and the previous clip_history_rounds (K)
@@ -122,7 +120,7 @@ class RoundConfig:
     # trim_fraction: [0, 0.5); it matters only to "trimmed_mean", and trims nothing below n = 1/trim_fraction.
     aggregator: str = "mean"
     trim_fraction: float = 0.2
-    # Screening by effect (trainer.coordinator): refuse an update that raises the loss of the round's
+    # Screening by effect (trainer.coordinator.screening): refuse an update that raises the loss of the round's
     # start checkpoint by more than screen_margin nats on held-out batches the coordinator draws
     # privately each round. 0: off (the default); otherwise (0, 100].
     screen_margin: float = 0.0
@@ -168,6 +166,36 @@ class RunConfig:
         """Copy with some sections or top-level fields replaced (``model=..., seed=...``)."""
         return dataclasses.replace(self, **sections)
 
+    def with_settings(self, settings: Sequence[str]) -> RunConfig:
+        """Copy with ``section.field=value`` (or ``field=value`` for a top-level field) settings
+        applied in order, as ``--set`` gives them: each value is read as its field's type (true or
+        false for a flag) and the result validated as a whole, with the setting named on error."""
+        body = self.to_json()
+        for setting in settings:
+            path, sep, text = setting.partition("=")
+            names = path.strip().split(".")
+            if not sep or not all(names):
+                raise SettingError(f"--set {setting[:80]!r}: expected section.field=value")
+            holder, kind = body, type(self)
+            for depth, name in enumerate(names):
+                hints = get_type_hints(kind)
+                if name not in hints or name == "schema":
+                    known = ", ".join(f.name for f in fields(kind))
+                    raise SettingError(f"--set {path[:80]}: no field {name[:40]!r} in "
+                                      f"{'.'.join(names[:depth]) or 'the run configuration'} (fields: {known})")
+                kind = hints[name]
+                if depth < len(names) - 1:
+                    if not dataclasses.is_dataclass(kind):
+                        raise SettingError(f"--set {path[:80]}: {name} is a value, not a section")
+                    holder = holder[name]
+            if dataclasses.is_dataclass(kind):
+                raise SettingError(f"--set {path[:80]}: {names[-1]} is a section; name one of its fields")
+            holder[names[-1]] = _setting_value(text.strip(), kind, path)
+        try:
+            return RunConfig.from_json(body)
+        except ConfigError as exc:
+            raise SettingError(f"--set {', '.join(settings)[:200]}: {exc}") from None
+
     @classmethod
     def load(cls, path: str | Path) -> RunConfig:
         try:
@@ -181,6 +209,11 @@ class RunConfig:
 
 class ConfigError(ValueError):
     """A configuration that cannot be used, with the field that is wrong."""
+
+
+class SettingError(ConfigError):
+    """A ``--set`` setting that does not name a field, does not parse, or leaves the configuration
+    invalid (a usage error: the command line, not a file, is wrong)."""
 
 
 T = TypeVar("T")
@@ -223,6 +256,22 @@ def _decode(cls: type[T], obj: Any, path: str) -> T:
         else:
             kwargs[name] = _exact(value, kind, where)
     return cls(**kwargs)
+
+
+def _setting_value(text: str, kind: type, path: str) -> Any:
+    """A ``--set`` value as the JSON form of a field of type ``kind`` (floats travel as text)."""
+    try:
+        if kind is bool:
+            flags = {"true": True, "false": False, "1": True, "0": False, "yes": True, "no": False,
+                     "on": True, "off": False}
+            return flags[text.lower()]
+        if kind is int:
+            return int(text)
+        if kind is float:
+            return repr(float(text))
+    except (KeyError, ValueError):
+        raise SettingError(f"--set {path[:80]}={text[:40]!r}: not a {kind.__name__}") from None
+    return text
 
 
 def _exact(value: Any, kind: type, where: str) -> Any:

@@ -295,7 +295,7 @@ def test_plaintext_and_wrong_pins_are_refused(cluster: LocalCluster, make_config
     import sys
 
     status = subprocess.run([sys.executable, "-m", "cli.main", "status", "--coordinator", cluster.address,
-                             *cluster.tls_args()], capture_output=True, text=True, timeout=60)
+                             *cluster.tls_args(), "--json"], capture_output=True, text=True, timeout=60)
     assert status.returncode == 0 and json.loads(status.stdout)["runId"] == "test", status.stderr
     untold = subprocess.run([sys.executable, "-m", "cli.main", "status", "--coordinator", cluster.address],
                             capture_output=True, text=True, timeout=60)

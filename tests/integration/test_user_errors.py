@@ -49,11 +49,24 @@ def test_port_out_of_range(tmp_path: Path) -> None:
     assert not (tmp_path / "run" / "coordinator.addr").exists()
 
 
-@pytest.mark.parametrize("flag", ["--rounds", "--workers"])
-def test_demo_counts_below_one(tmp_path: Path, flag: str) -> None:
-    code, line = dilocox("demo", "--run-dir", str(tmp_path / "demo"), flag, "0")
-    assert code == 2 and f"{flag} 0 is out of range" in line
+def test_demo_workers_below_one(tmp_path: Path) -> None:
+    code, line = dilocox("demo", "--run-dir", str(tmp_path / "demo"), "--workers", "0")
+    assert code == 2 and "--workers 0 is out of range" in line
     assert not (tmp_path / "demo").exists()
+
+
+@pytest.mark.parametrize(("setting", "says"), [
+    ("rounds.rounds=0", "rounds.rounds = 0 is out of range"),
+    ("rounds.nope=1", "no field 'nope' in rounds"),
+    ("inner.lr=fast", "not a float"),
+    ("rounds.overlap", "expected section.field=value"),
+])
+def test_a_bad_setting_is_a_usage_error_naming_it(tmp_path: Path, setting: str, says: str) -> None:
+    for command in (("demo", "--run-dir", str(tmp_path / "demo")),
+                    ("coordinator", "--run-dir", str(tmp_path / "run"), "--insecure")):
+        code, line = dilocox(*command, "--set", setting)
+        assert code == 2 and says in line, (command, line)
+    assert not (tmp_path / "demo").exists() and not (tmp_path / "run" / "HEAD").exists()
 
 
 BAD_FIELDS = [  # (section, field, value in the file, what the error line must say)

@@ -15,10 +15,13 @@ from __future__ import annotations
 import logging
 import time
 from concurrent.futures import Future, ThreadPoolExecutor
+from typing import TYPE_CHECKING
 
 from trainer.pipeline import PipelineError
 from trainer.worker.client import Checkpoint
-from trainer.worker.role import Pushed, RoundWork, Worker
+
+if TYPE_CHECKING:  # the role drives these loops; they only call back into it
+    from trainer.worker.role import Pushed, RoundWork, Worker
 
 log = logging.getLogger("dilocox.worker")
 

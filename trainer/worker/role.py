@@ -36,6 +36,7 @@ from trainer.tls import ClientTls
 from trainer.uplink import Slice, Uplink, merged, merged_decision, record_of
 from trainer.wire import Params, encode_params
 from trainer.worker.client import REFUSED, Checkpoint, CoordinatorClient, PushHeader, WorkerError, slice_name
+from trainer.worker.loops import overlapped, synchronous
 
 log = logging.getLogger("dilocox.worker")
 
@@ -259,8 +260,6 @@ class Worker:
     # ----------------------------------------------------------------------------- the run
 
     def run(self) -> int:
-        from trainer.worker.loops import overlapped, synchronous
-
         client = self.client
         client.call("join", client.join)
         stop = threading.Event()
