@@ -115,11 +115,6 @@ class WorkerKey:
         account = Account.create(os.urandom(32))
         return cls(bytes(account.key))
 
-    @classmethod
-    def from_private_key(cls, private_key: bytes) -> WorkerKey:
-        """For tests and tooling that need a fixed key; a worker uses `generate()`."""
-        return cls(private_key)
-
     @property
     def address(self) -> str:
         """The key's EIP-55 checksummed address."""
@@ -128,11 +123,6 @@ class WorkerKey:
     def sign_digest(self, digest: bytes) -> bytes:
         """Sign a 32-byte digest (for example an EIP-712 digest); 65 bytes r||s||v, v in {27, 28}."""
         signed = Account.unsafe_sign_hash(_bytes32("digest", digest), self._key)
-        return bytes(signed.signature)
-
-    def sign_typed(self, full_message: dict[str, Any]) -> bytes:
-        """Sign EIP-712 typed data given as one dict (types, primaryType, domain, message)."""
-        signed = Account.sign_typed_data(self._key, full_message=full_message)
         return bytes(signed.signature)
 
     def report_data(self, run_id: bytes, nonce: bytes, code_measurement: bytes) -> bytes:

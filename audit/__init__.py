@@ -1,9 +1,16 @@
 """Lineage audit: re-verify a run from the ledger and the store alone (``dilocox audit``).
 
     core       run_audit(store, ledger, registry, *, run_id, policy, rederive) -> AuditResult;
-               the list of checks is in its docstring
+               the list of checks is in its docstring, and which module makes each
     result     AuditResult (ok, failures, rounds, warnings, to_json), Failure, RoundRow
+    findings   the failures and warnings being collected, and the store read through them
+    lineage    genesis, manifests, parent links and checkpoints; what the store holds past the ledger
+    tallies    the ledger's records of the rounds, its tallies and totals, and the reward pool's payouts
+    reports    the signed reports against the chain's record and the manifest; every participant answered for
+    signers    each report's signer as the registry saw it at the recording block
+    recompute  the checks that recompute the work: rederive, replay and rescore
     rederive   a round's params and outer state recomputed from the stored updates
+    replay     sampled contributions re-run, and their rounds re-scored
     admission  from an on-chain admission to the admission record and its evidence
     cli        ``dilocox audit --run DIR``: add_arguments, run, audit_run_dir, main
 """

@@ -81,6 +81,19 @@ def _hex32(obj: dict[str, Any], key: str) -> bytes:
     return bytes.fromhex(value[2:])
 
 
+@dataclass(frozen=True)
+class _Record:
+    """An admission record's fields, parsed. ``code`` is None in a v1 record."""
+
+    worker: str
+    provider: str
+    run_id: bytes
+    nonce: bytes
+    measurement: bytes
+    code: bytes | None
+    evidence: CID
+
+
 def check_admission(store: ObjectStore, *, worker: str, measurement: bytes, evidence_digest: bytes,
                     run_id: bytes, policy: Policy,
                     code_measurements: Collection[bytes] | None = None) -> AdmissionCheck:
@@ -90,106 +103,142 @@ def check_admission(store: ObjectStore, *, worker: str, measurement: bytes, evid
     must be one of them (module docstring)."""
     record_cid = admission_record_cid(evidence_digest)
     result = AdmissionCheck(record=str(record_cid))
+    record = _read_record(store, record_cid, worker, evidence_digest, result)
+    if record is None or not _matches_chain(str(record_cid), record, worker, measurement, run_id, result):
+        return result
+    evidence = _read_evidence(store, record.evidence, worker, result)
+    if evidence is None:
+        return result
+    result.provider = evidence.provider
+    code = _code_measurement(record, evidence, str(record_cid), worker, code_measurements, result)
+    if code is not None:
+        _verify(evidence, record, code, worker, measurement, policy, result)
+    return result
+
+
+def _read_record(store: ObjectStore, record_cid: CID, worker: str, evidence_digest: bytes,
+                 result: AdmissionCheck) -> _Record | None:
+    """The admission record, read and parsed; None after an ``admission-record`` failure."""
     obj_name = str(record_cid)
     try:
         record = store.get_json(record_cid)
     except MissingObjectError:
         result.fail(obj_name, "admission-record",
                     f"the admission record of {worker} (evidenceDigest 0x{evidence_digest.hex()}) is not in the store")
-        return result
+        return None
     except CorruptObjectError as exc:
         result.fail(obj_name, "admission-record", f"the admission record of {worker} is corrupt: {exc}")
-        return result
+        return None
     except StoreError as exc:
         result.fail(obj_name, "admission-record", f"the admission record of {worker} is unreadable: {exc}")
-        return result
+        return None
 
     schema = record.get("schema") if isinstance(record, dict) else None
     if not isinstance(schema, str) or schema not in _KEYS_BY_SCHEMA:
         schema = schema if isinstance(record, dict) else type(record).__name__
         result.fail(obj_name, "admission-record",
                     f"not an admission record: schema {str(schema)[:60]!r}, expected {ADMISSION_SCHEMA!r}")
-        return result
+        return None
     expected_keys = _KEYS_BY_SCHEMA[record["schema"]]
     if set(record) != expected_keys:
         result.fail(obj_name, "admission-record",
                     f"not a {record['schema']} record: keys {sorted(str(k)[:40] for k in record)[:12]}, "
                     f"expected {sorted(expected_keys)}")
-        return result
+        return None
     try:
-        named = checksum_address(record["worker"])
-        record_run = _hex32(record, "run_id")
-        nonce = _hex32(record, "nonce")
-        recorded_measurement = _hex32(record, "measurement")
-        recorded_code = _hex32(record, "code_measurement") if "code_measurement" in record else None
-        evidence_cid = CID.parse(record["evidence"])
+        return _Record(worker=checksum_address(record["worker"]), provider=record["provider"],
+                       run_id=_hex32(record, "run_id"), nonce=_hex32(record, "nonce"),
+                       measurement=_hex32(record, "measurement"),
+                       code=_hex32(record, "code_measurement") if "code_measurement" in record else None,
+                       evidence=CID.parse(record["evidence"]))
     except (ValueError, TypeError, InvalidCIDError) as exc:
         result.fail(obj_name, "admission-record", f"malformed admission record: {exc}")
-        return result
-    if named != worker:
-        result.fail(obj_name, "admission-record",
-                    f"the record names worker {named}, but the chain admitted {worker} with it")
-    if recorded_measurement != measurement:
-        result.fail(obj_name, "admission-record",
-                    f"the record says measurement 0x{recorded_measurement.hex()}, the chain "
-                    f"0x{measurement.hex()}")
-    if record_run != run_id:
-        result.warnings.append(
-            f"worker {worker} was admitted with evidence for run 0x{record_run.hex()}, not the audited run "
-            f"0x{run_id.hex()} (its key was active already; the registry is shared between runs)")
-    if evidence_cid.codec != Codec.RAW:
-        result.fail(obj_name, "admission-record", f"evidence CID {evidence_cid} is not a RAW object")
-        return result
+        return None
 
+
+def _matches_chain(obj_name: str, record: _Record, worker: str, measurement: bytes, run_id: bytes,
+                   result: AdmissionCheck) -> bool:
+    """The record names the worker and the measurement the chain admitted; a record of another run
+    is a warning. False when its evidence is not a RAW object, so there is no evidence to read."""
+    if record.worker != worker:
+        result.fail(obj_name, "admission-record",
+                    f"the record names worker {record.worker}, but the chain admitted {worker} with it")
+    if record.measurement != measurement:
+        result.fail(obj_name, "admission-record",
+                    f"the record says measurement 0x{record.measurement.hex()}, the chain 0x{measurement.hex()}")
+    if record.run_id != run_id:
+        result.warnings.append(
+            f"worker {worker} was admitted with evidence for run 0x{record.run_id.hex()}, not the audited run "
+            f"0x{run_id.hex()} (its key was active already; the registry is shared between runs)")
+    if record.evidence.codec != Codec.RAW:
+        result.fail(obj_name, "admission-record", f"evidence CID {record.evidence} is not a RAW object")
+        return False
+    return True
+
+
+def _read_evidence(store: ObjectStore, evidence_cid: CID, worker: str, result: AdmissionCheck) -> Evidence | None:
+    """The evidence the record names, parsed; None after an ``evidence`` failure."""
     try:
         evidence_bytes = store.get(evidence_cid)
     except MissingObjectError:
         result.fail(str(evidence_cid), "evidence", f"the evidence of {worker} is not in the store")
-        return result
+        return None
     except CorruptObjectError as exc:
         result.fail(str(evidence_cid), "evidence", f"the evidence of {worker} is corrupt: {exc}")
-        return result
+        return None
     try:
-        evidence = Evidence.from_bytes(evidence_bytes)
+        return Evidence.from_bytes(evidence_bytes)
     except EvidenceError as exc:
         result.fail(str(evidence_cid), "evidence", f"the evidence of {worker} is malformed: {exc}")
-        return result
-    result.provider = evidence.provider
-    if record["provider"] != evidence.provider:
+        return None
+
+
+def _code_measurement(record: _Record, evidence: Evidence, obj_name: str, worker: str,
+                      code_measurements: Collection[bytes] | None, result: AdmissionCheck) -> bytes | None:
+    """The code measurement the evidence's REPORTDATA must bind (module docstring), after checking
+    that the record agrees with the evidence and the auditor; None when a v1 record cannot say it."""
+    if record.provider != evidence.provider:
         result.fail(obj_name, "admission-record",
-                    f"the record says provider {record['provider']!r}, the evidence is {evidence.provider!r}")
-    if recorded_code is None:  # a v1 record
+                    f"the record says provider {record.provider!r}, the evidence is {evidence.provider!r}")
+    if record.code is None:  # a v1 record
         if evidence.provider != "dev":
             result.fail(obj_name, "admission-record",
                         f"the {ADMISSION_SCHEMA_V1} record of {worker} does not say which code measurement the "
                         f"coordinator required, and the quote's own REPORTDATA[32:64] proves nothing")
-            return result
-        code = recorded_measurement
+            return None
+        code = record.measurement
     else:
-        code = recorded_code
-        if evidence.provider == "dev" and code != recorded_measurement:
+        code = record.code
+        if evidence.provider == "dev" and code != record.measurement:
             result.fail(obj_name, "admission-record",
                         f"the record's code measurement 0x{code.hex()} is not its dev measurement "
-                        f"0x{recorded_measurement.hex()}")
+                        f"0x{record.measurement.hex()}")
     if code_measurements is not None and code not in {bytes(c) for c in code_measurements}:
         result.fail(obj_name, "admission-record",
                     f"the record's code measurement 0x{code.hex()} is not one the auditor expects "
                     f"({', '.join('0x' + bytes(c).hex()[:16] + '…' for c in code_measurements) or 'none'})")
+    return code
+
+
+def _verify(evidence: Evidence, record: _Record, code: bytes, worker: str, measurement: bytes, policy: Policy,
+            result: AdmissionCheck) -> None:
+    """The evidence passes the auditor's policy with the REPORTDATA the record implies, and measures
+    what the chain admitted."""
+    evidence_name = str(record.evidence)
     try:
-        verified = verify_evidence(evidence, expected_report_data=report_data(worker, record_run, nonce, code),
-                                   policy=policy)
+        expected = report_data(worker, record.run_id, record.nonce, code)
+        verified = verify_evidence(evidence, expected_report_data=expected, policy=policy)
     except PolicyViolation as exc:
         hint = " (pass --allow-dev to accept dev evidence, which proves nothing)" if exc.check == "provider" else ""
-        result.fail(str(evidence_cid), "evidence", f"evidence of {worker} refused by the policy: {exc}{hint}")
-        return result
+        result.fail(evidence_name, "evidence", f"evidence of {worker} refused by the policy: {exc}{hint}")
+        return
     except (ValueError, EvidenceError) as exc:
-        result.fail(str(evidence_cid), "evidence", f"evidence of {worker} cannot be verified: {exc}")
-        return result
+        result.fail(evidence_name, "evidence", f"evidence of {worker} cannot be verified: {exc}")
+        return
     if verified.measurement != measurement:
-        result.fail(str(evidence_cid), "evidence",
+        result.fail(evidence_name, "evidence",
                     f"the evidence measures 0x{verified.measurement.hex()}, but {worker} was admitted with "
                     f"0x{measurement.hex()}")
     result.proves_nothing = verified.proves_nothing
     if verified.proves_nothing:
         result.warnings.append(f"worker {worker} was admitted on DEV evidence, which PROVES NOTHING")
-    return result

@@ -7,7 +7,9 @@ HEAD, not rounds.jsonl, not the outbox). Without ``--rpc`` it starts a local anv
 is trusted, and dev evidence is accepted, loudly, as proving nothing. TDX evidence is verified with
 dcap-qvl against the collateral named by ``--dcap-collateral FILE`` or fetched from ``--pccs-url
 URL``; without either it is refused. Only TCB status UpToDate is accepted unless
-``--allow-tcb-status`` names others.
+``--allow-tcb-status`` names others. ``--json FILE`` also writes the result as JSON to FILE;
+``--json`` alone writes it to stdout, and the tables and messages go to stderr, so that stdout is
+one JSON document.
 
 Exit status: 0 when every check passed, 1 when any failed, 2 when the audit could not run (no
 deployment file, no chain).
@@ -18,6 +20,7 @@ from __future__ import annotations
 import argparse
 import os
 import shutil
+import sys
 import tempfile
 from pathlib import Path
 from typing import TYPE_CHECKING
@@ -32,13 +35,16 @@ if TYPE_CHECKING:  # the heavy imports (torch, web3) wait until an audit actuall
     from storage_client import ObjectStore
 
 EXIT_OK, EXIT_FAILED, EXIT_ERROR = 0, 1, 2
+JSON_STDOUT = "-"  # ``--json`` without a FILE: the result goes to stdout, alone
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--run", required=True, metavar="DIR", help="run directory (its store/ and chain/)")
     parser.add_argument("--rpc", metavar="URL",
                         help="chain RPC; default: a local anvil started from DIR/chain/state.json")
-    parser.add_argument("--json", metavar="FILE", help="also write the result as JSON to FILE")
+    parser.add_argument("--json", nargs="?", const=JSON_STDOUT, metavar="FILE",
+                        help="also write the result as JSON to FILE; --json alone (or --json -) writes it to stdout "
+                             "and the tables to stderr")
     parser.add_argument("--allow-dev", action="store_true",
                         help="accept dev attestation evidence, which PROVES NOTHING (trusting DIR/dev-root)")
     parser.add_argument("--dev-root", action="append", default=[], metavar="ADDRESS",
@@ -144,14 +150,17 @@ def audit_run_dir(run_dir: Path, *, rpc_url: str | None = None, allow_dev: bool 
                   console: Console | None = None, dcap: DcapSettings | None = None, max_unrecorded: int = 0,
                   replay: tuple[int, int | None] = (0, None)) -> int:
     """Audit ``run_dir`` and print the table and verdict; returns the exit status. ``replay``: how
-    many contributions to replay, and the sample's seed (None: random)."""
+    many contributions to replay, and the sample's seed (None: random). ``json_path`` ``-`` writes
+    the JSON result to stdout, and then everything else goes to stderr (unless ``console`` says
+    otherwise), so that stdout is one JSON document."""
     from rich.console import Console
     from rich.markup import escape
 
     from settlement import Anvil, AnvilError, ChainError, Deployment, DeploymentError
     from storage_client import ObjectStore, strict_json, write_atomic
 
-    console = console or Console()
+    to_stdout = json_path is not None and str(json_path) == JSON_STDOUT
+    console = console or Console(stderr=to_stdout)
     run_dir = Path(run_dir)
     try:
         deployment = Deployment.load(run_dir / "chain" / "deployment.json")
@@ -193,8 +202,13 @@ def audit_run_dir(run_dir: Path, *, rpc_url: str | None = None, allow_dev: bool 
 
     render(result, console)
     if json_path is not None:
-        write_atomic(json_path, (strict_json(result.to_json(), indent=2) + "\n").encode())
-        console.print(f"result written to {json_path}")
+        document = strict_json(result.to_json(), indent=2) + "\n"
+        if to_stdout:
+            sys.stdout.write(document)
+            sys.stdout.flush()
+        else:
+            write_atomic(json_path, document.encode())
+            console.print(f"result written to {json_path}")
     return EXIT_OK if result.ok else EXIT_FAILED
 
 
@@ -275,8 +289,8 @@ def render_tallies(result: AuditResult, console: Console) -> None:
     for worker, tally in sorted(result.tallies.items()):
         account = accounts.get(worker)
         money = (f"{account.earned / 1e18:,.2f}", f"{account.paid / 1e18:,.2f}") if account else ("—", "—")
-        table.add_row(f"{worker[:8]}…{worker[-4:]}", str(tally["rounds"]), f"{tally['tokens']:,}", f"{tally.get('total_tokens', 0):,}",
-                      *(money if result.rewards else ()))
+        table.add_row(f"{worker[:8]}…{worker[-4:]}", str(tally["rounds"]), f"{tally['tokens']:,}",
+                      f"{tally.get('total_tokens', 0):,}", *(money if result.rewards else ()))
     console.print(table)
 
 

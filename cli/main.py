@@ -38,7 +38,10 @@ DEFAULT_CHALLENGE_WINDOW = 7200
 def _logging(verbose: bool) -> None:
     handler: logging.Handler
     if sys.stderr.isatty():
-        handler = RichHandler(show_path=False, rich_tracebacks=False)
+        from rich.console import Console
+
+        # Logs go to stderr, never stdout: stdout carries `--json` documents.
+        handler = RichHandler(console=Console(stderr=True), show_path=False, rich_tracebacks=False)
         fmt = "%(name)s: %(message)s"
     else:  # log files and pipes: plain, timestamped, one line per record
         handler = logging.StreamHandler()

@@ -35,9 +35,6 @@ class RewardToken(_Contract):
     def approve(self, spender: str, amount: int) -> Any:
         return self.chain.transact(self._contract.functions.approve(to_checksum_address(spender), amount))
 
-    def balance_of(self, account: str) -> int:
-        return int(self.chain.call(self._contract.functions.balanceOf(to_checksum_address(account))))
-
 
 @dataclass
 class WorkerStatement:

@@ -43,7 +43,7 @@ from collections.abc import Iterable
 from dataclasses import dataclass
 from typing import Any
 
-from .canonical import canonical_json, digest_json
+from .canonical import digest_json
 from .cid import CID, Codec, InvalidCIDError
 from .store import ObjectStore
 
@@ -452,10 +452,6 @@ class Manifest:
             downlink=downlink,
             traffic=traffic,
         )
-
-    def canonical_bytes(self) -> bytes:
-        """The exact bytes that `store` writes."""
-        return canonical_json(self.to_json())
 
     @property
     def cid(self) -> CID:

@@ -745,16 +745,6 @@ def compressed_size(header: Mapping[str, Any]) -> int:
     )
 
 
-def dense_fp32_size(header: Mapping[str, Any]) -> int:
-    return FP32_BYTES * sum(math.prod(entry["shape"]) for entry in header["tensors"])
-
-
-def compression_ratio(header: Mapping[str, Any], payload: bytes | None = None) -> float:
-    """Dense fp32 bytes over compressed bytes: ``compressed_size``, or ``len(payload)`` if given."""
-    size = len(payload) if payload is not None else compressed_size(header)
-    return dense_fp32_size(header) / size if size else math.inf
-
-
 # --------------------------------------------------------------------------------------------
 # Stateful compressor
 # --------------------------------------------------------------------------------------------

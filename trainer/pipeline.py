@@ -610,22 +610,6 @@ class StageGroup:
 # ------------------------------------------------------------------------------- entry points
 
 
-def run_pipelined_inner(
-    model_cfg: ModelConfig, inner_cfg: InnerConfig, start_params: Params,
-    batches: Sequence[Batch], world_size: int, *, n_microbatches: int = 2,
-    timeout_s: float = DEFAULT_TIMEOUT_S, deadline_s: float | None = None,
-    threads_per_stage: int | None = None,
-) -> PipelineResult:
-    """One round on a fresh group of ``world_size`` stage processes, closed afterwards.
-
-    The stages start with fresh AdamW state; :class:`PipelinedInnerLoop` keeps one group (and its
-    state) across rounds. ``start_params`` is the full θ⁽ʳ⁻¹⁾ (names as ``build_model``).
-    """
-    with StageGroup(model_cfg, world_size, n_microbatches=n_microbatches, timeout_s=timeout_s,
-                    threads_per_stage=threads_per_stage) as group:
-        return group.run(inner_cfg, start_params, batches, deadline_s=deadline_s)
-
-
 class PipelinedInnerLoop:
     """:class:`trainer.diloco.InnerLoop` on P persistent local stage processes, each stage also
     encoding its own slice of Δ for the push (trainer.uplink; compressed when ``compression`` is

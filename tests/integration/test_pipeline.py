@@ -125,8 +125,8 @@ def test_stage_results_are_slices_and_one_stage_runs_too() -> None:
     batches = make_batches(3, seed=7)
     want = InnerLoop(build_model(MODEL, SEED), inner).run(start, batches)
     for stages in (1, 2):
-        got = pp.run_pipelined_inner(MODEL, inner, start, batches, stages, n_microbatches=4,
-                                     timeout_s=20, deadline_s=60)
+        with pp.StageGroup(MODEL, stages, n_microbatches=4, timeout_s=20) as group:
+            got = group.run(inner, start, batches, deadline_s=60)
         assert max_abs_diff(got.pseudo_gradient, want.pseudo_gradient) < 1e-5
         for s, names in enumerate(pp.stage_param_names(MODEL, stages)):
             assert list(got.stage_pseudo_gradients[s]) == names
@@ -169,7 +169,8 @@ def test_a_failing_stage_is_named() -> None:
     x, y = make_batches(1, seed=0)[0]
     bad = [(x + MODEL.vocab_size, y)]  # token ids out of range: stage 0's embedding fails
     with pytest.raises(pp.PipelineError, match=r"pipeline stage 0 of 2 failed: .*index out of range"):
-        pp.run_pipelined_inner(MODEL, INNER, start, bad, 2, timeout_s=10, deadline_s=60)
+        with pp.StageGroup(MODEL, 2, timeout_s=10) as group:
+            group.run(INNER, start, bad, deadline_s=60)
 
 
 def _alive(pid: int) -> bool:

@@ -13,7 +13,6 @@ import struct
 
 import pytest
 from eth_account import Account
-from eth_account.messages import encode_typed_data
 from eth_utils import to_checksum_address
 
 import attestation
@@ -128,34 +127,6 @@ def test_sign_digest_recovers_to_address(key):
     )
     assert "0x" + keccak(pub.format(compressed=False)[1:])[-20:].hex() == key.address.lower()
     assert recover_address(hashlib.sha256(b"other").digest(), sig) != key.address
-
-
-def test_sign_typed_matches_eip712_digest(key):
-    msg = {
-        "types": {
-            "EIP712Domain": [
-                {"name": "name", "type": "string"},
-                {"name": "version", "type": "string"},
-                {"name": "chainId", "type": "uint256"},
-                {"name": "verifyingContract", "type": "address"},
-            ],
-            "Ping": [{"name": "runId", "type": "bytes32"}, {"name": "round", "type": "uint64"}],
-        },
-        "primaryType": "Ping",
-        "domain": {
-            "name": "DiLoCoX Contribution Ledger",
-            "version": "1",
-            "chainId": 31337,
-            "verifyingContract": "0x" + "11" * 20,
-        },
-        "message": {"runId": RUN, "round": 3},
-    }
-    sig = key.sign_typed(msg)
-    signable = encode_typed_data(full_message=msg)
-    digest = Account.sign_typed_data(Account.create().key, full_message=msg).message_hash
-    assert recover_address(bytes(digest), sig) == key.address
-    assert Account.recover_message(signable, signature=sig) == key.address
-    assert key.sign_digest(bytes(digest)) == sig  # deterministic (RFC 6979)
 
 
 def test_recover_address_refuses_malformed_and_malleable(key):

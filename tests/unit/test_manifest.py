@@ -89,7 +89,7 @@ def test_json_round_trip():
     assert obj["participants"][0]["bytes_received"] == 1_500_000
     assert Manifest.from_json(obj) == m
     # And through canonical bytes, as another implementation would see it.
-    assert Manifest.from_json(json.loads(m.canonical_bytes())) == m
+    assert Manifest.from_json(json.loads(canonical_json(m.to_json()))) == m
     assert m.cid == CID.of(canonical_json(obj), Codec.JSON)
 
 
@@ -105,7 +105,7 @@ def test_genesis_has_no_parent():
 def test_new_sorts_but_constructor_does_not():
     a = _manifest(participants=[_participant("b"), _participant("a")], dropped=["z", "y"])
     b = _manifest(participants=[_participant("a"), _participant("b")], dropped=["y", "z"])
-    assert a.canonical_bytes() == b.canonical_bytes() and a.cid == b.cid
+    assert canonical_json(a.to_json()) == canonical_json(b.to_json()) and a.cid == b.cid
 
     fields = {k: getattr(a, k) for k in a.__dataclass_fields__}
     with pytest.raises(ManifestError, match="'participants'.*not sorted"):

@@ -1,0 +1,207 @@
+"""The run's lineage in the store, followed from the ledger's starting points.
+
+Checks ``run`` (which run is audited), ``run-id``, ``object``, ``manifest``, ``genesis``,
+``genesis-checkpoint``, ``config``, ``manifest-round``, ``parent``, ``checkpoint``,
+``parent-checkpoint`` (the chain's parent against the previous round's stored params) and
+``unrecorded``; audit.core describes each. Whether the stored bytes are what the updates give is
+audit.recompute's; the ledger's own records are audit.tallies'.
+"""
+
+from __future__ import annotations
+
+from collections import defaultdict
+from dataclasses import dataclass
+from typing import Any
+
+from settlement import Ledger
+from storage_client import (
+    CID,
+    Codec,
+    Manifest,
+    ManifestError,
+    ObjectStore,
+    StoreError,
+    loads_bounded,
+)
+from storage_client.manifest import SCHEMA as MANIFEST_SCHEMA
+from trainer.config import ConfigError, RunConfig
+
+from .findings import Findings, cid_digest
+
+
+@dataclass
+class Loaded:
+    """A round whose manifest could be read: what the next round needs of it."""
+
+    cid: CID
+    manifest: Manifest
+    params: bytes | None  # stored bytes, when present and intact
+    outer_state: bytes | None
+
+
+class Lineage:
+    """Walks genesis and the recorded rounds' manifests; ``config`` is the run's, once genesis is read."""
+
+    def __init__(self, findings: Findings, ledger: Ledger) -> None:
+        self.findings = findings
+        self.ledger = ledger
+        self.config: RunConfig | None = None
+
+    def resolve_run(self, run_id: bytes | None) -> tuple[bytes, dict[str, Any]] | None:
+        """The audited run's id and the ledger's runOf view of it; None after a ``run`` failure.
+        Without an id, the ledger's one run whose genesis manifest is in the store."""
+        fail = self.findings.fail
+        if run_id is not None:
+            run = self.ledger.run_of(run_id)
+            if run is None:
+                fail(None, "0x" + run_id.hex(), "run", f"the ledger {self.ledger.address} has no run 0x{run_id.hex()}")
+                return None
+            return run_id, run
+        created = self.ledger.runs_created()
+        if not created:
+            fail(None, self.ledger.address, "run", "the ledger holds no run")
+            return None
+        here = [e for e in created if self.findings.store.has(CID(Codec.JSON, e["genesisManifest"]))]
+        candidates = here if here else created
+        ids = sorted({bytes(e["runId"]) for e in candidates})
+        if len(ids) != 1:
+            listing = ", ".join("0x" + i.hex() for i in ids)
+            fail(None, self.ledger.address, "run",
+                 f"the ledger holds {len(ids)} runs whose genesis is {'in this store' if here else 'anywhere'} "
+                 f"({listing}); name the one to audit")
+            return None
+        run = self.ledger.run_of(ids[0])
+        if run is None:
+            fail(None, "0x" + ids[0].hex(), "run", "RunCreated was emitted but runOf does not know the run")
+            return None
+        return ids[0], run
+
+    def check_genesis(self, run_id: bytes, run: dict[str, Any]) -> Loaded | None:
+        """The genesis manifest, θ⁽⁰⁾ and the config against the run's on-chain facts; reads ``config``."""
+        fail = self.findings.fail
+        genesis_cid = CID(Codec.JSON, run["genesisManifest"])
+        if run_id != run["genesisManifest"]:
+            fail(0, str(genesis_cid), "run-id",
+                 f"runId 0x{run_id.hex()} is not the genesis manifest's digest 0x{run['genesisManifest'].hex()}")
+        manifest = self.findings.read_manifest(0, genesis_cid)
+        if manifest is None:
+            return None
+        if manifest.round != 0 or manifest.parent is not None or manifest.participants:
+            fail(0, str(genesis_cid), "genesis",
+                 f"the genesis manifest must be round 0 with no parent and no participants; it is round "
+                 f"{manifest.round}, parent {manifest.parent}, {len(manifest.participants)} participant(s)")
+        params = self.findings.read(0, manifest.params, "θ⁽⁰⁾ (genesis params)")
+        outer = self.findings.read(0, manifest.outer_state, "the genesis outer state")
+        config_bytes = self.findings.read(0, manifest.config, "the run config")
+        if cid_digest(manifest.params) != run["genesisCheckpoint"]:
+            fail(0, manifest.params, "genesis-checkpoint",
+                 f"the chain's genesis checkpoint 0x{run['genesisCheckpoint'].hex()} is not the digest of "
+                 f"the genesis params {manifest.params}")
+        if cid_digest(manifest.config) != run["configDigest"]:
+            fail(0, manifest.config, "config",
+                 f"the chain's configDigest 0x{run['configDigest'].hex()} is not the genesis config {manifest.config}")
+        if config_bytes is not None:
+            try:
+                self.config = RunConfig.from_json(self.findings.store.get_json(manifest.config))
+            except (StoreError, ConfigError, ValueError) as exc:
+                fail(0, manifest.config, "config", f"the run config does not parse: {exc}")
+        return Loaded(genesis_cid, manifest, params, outer)
+
+    def check_round(self, record: dict[str, Any], parent: Loaded | None,
+                    genesis: Loaded | None) -> tuple[Loaded, dict[str, bytes]] | None:
+        """A recorded round's manifest and the objects it names; the round and its stored updates (by
+        worker; those that could be read), or None when the manifest cannot be read. The updates are
+        not kept in ``Loaded``: the next round needs only the params and outer state."""
+        r = int(record["round"])
+        cid = CID(Codec.JSON, record["manifestDigest"])
+        manifest = self.findings.read_manifest(r, cid)
+        if manifest is None:
+            return None
+        self._check_links(r, cid, manifest, parent, genesis)
+        params = self.findings.read(r, manifest.params, f"θ⁽{r}⁾ (params of round {r})")
+        outer = self.findings.read(r, manifest.outer_state, f"the outer state of round {r}")
+        self.findings.read(r, manifest.config, "the run config")
+        updates: dict[str, bytes] = {}
+        for p in manifest.participants:
+            data = self.findings.read(r, p.update, f"the update of participant {p.worker}")
+            if data is not None:
+                updates[p.worker] = data
+        if cid_digest(manifest.params) != record["checkpoint"]:
+            self.findings.fail(r, manifest.params, "checkpoint",
+                               f"the chain's checkpoint 0x{record['checkpoint'].hex()} is not the digest of the "
+                               f"manifest's params {manifest.params}")
+        if parent is not None and cid_digest(parent.manifest.params) != record.get("parentCheckpoint"):
+            self.findings.fail(r, parent.manifest.params, "parent-checkpoint",
+                               f"the chain's parent checkpoint 0x{record.get('parentCheckpoint', b'').hex()} is not "
+                               f"the digest of round {r - 1}'s params {parent.manifest.params}")
+        return Loaded(cid, manifest, params, outer), updates
+
+    def _check_links(self, r: int, cid: CID, manifest: Manifest, parent: Loaded | None,
+                     genesis: Loaded | None) -> None:
+        """The manifest says the round it was recorded as, links to the previous round's manifest,
+        and names the run's config and run."""
+        fail = self.findings.fail
+        if manifest.round != r:
+            fail(r, str(cid), "manifest-round", f"the manifest recorded as round {r} says round {manifest.round}")
+        if parent is not None and manifest.parent != str(parent.cid):
+            fail(r, str(cid), "parent",
+                 f"the manifest names parent {manifest.parent}, but round {r - 1}'s manifest on chain is {parent.cid}")
+        elif parent is None:
+            fail(r, str(cid), "parent",
+                 f"round {r - 1}'s manifest cannot be read, so this round's parent link cannot be followed")
+        if genesis is not None:
+            if manifest.config != genesis.manifest.config:
+                fail(r, str(cid), "config",
+                     f"the manifest names config {manifest.config}, the run's is {genesis.manifest.config}")
+            if manifest.run_id != genesis.manifest.run_id:
+                fail(r, str(cid), "config",
+                     f"the manifest names run {manifest.run_id!r}, the genesis {genesis.manifest.run_id!r}")
+
+
+def check_unrecorded(findings: Findings, run_name: str, last: CID, last_round: int, max_unrecorded: int) -> None:
+    """How far the store's lineage goes past the ledger's last round: the longest chain of the
+    run's manifests in the store whose parent links lead to ``last``. Up to ``max_unrecorded``
+    rounds are a warning (a ledger catching up), more an ``unrecorded`` failure."""
+    children = _manifests_by_parent(findings.store, run_name)
+    depth, tip, frontier = 0, last, [last]
+    while frontier:
+        nxt = [c for cid in frontier for c in children.get(str(cid), [])]
+        if not nxt:
+            break
+        depth, tip, frontier = depth + 1, nxt[0], nxt
+    if depth == 0:
+        return
+    rounds = f"round {last_round + 1}" if depth == 1 else f"rounds {last_round + 1}..{last_round + depth}"
+    message = (f"the store holds {rounds} of this run past the ledger's last round {last_round} (up to manifest "
+               f"{tip}), which the ledger does not record")
+    if depth > max_unrecorded:
+        findings.fail(None, str(tip), "unrecorded", f"{message}; at most {max_unrecorded} allowed")
+    else:
+        findings.warn(message)
+
+
+_MAX_MANIFEST_BYTES = 4 << 20  # larger objects in a store are tensors, not manifests
+
+
+def _manifests_by_parent(store: ObjectStore, run_name: str) -> dict[str, list[CID]]:
+    """The run's manifests in the store, by their parent's CID (sorted, so the result is the same
+    on every machine). Objects that are not small JSON manifests of this run are skipped."""
+    children: dict[str, list[CID]] = defaultdict(list)
+    for hex_digest in store:
+        cid = CID(Codec.JSON, bytes.fromhex(hex_digest))
+        path = store.path_of(cid)
+        try:
+            if path.stat().st_size > _MAX_MANIFEST_BYTES:
+                continue
+            with path.open("rb") as f:
+                if f.read(1) != b"{":
+                    continue
+            data = loads_bounded(store.get(cid), max_bytes=_MAX_MANIFEST_BYTES, what="manifest")
+            if not isinstance(data, dict) or data.get("schema") != MANIFEST_SCHEMA:
+                continue
+            manifest = Manifest.from_json(data)
+        except (OSError, StoreError, ManifestError, ValueError):
+            continue
+        if manifest.run_id == run_name and manifest.parent is not None:
+            children[manifest.parent].append(cid)
+    return {parent: sorted(kids, key=str) for parent, kids in children.items()}

@@ -1,0 +1,154 @@
+"""The work recomputed: checkpoints from the stored updates, sampled updates from their inputs.
+
+Checks ``rederive`` (genesis momentum is zero; each round's params and outer state are what its
+stored updates give, clipped and averaged by the config's rule and applied by the outer step, with
+the compressed downlink when the config compresses: audit.rederive), and with ``--replay K``
+``replay`` and ``rescore`` (sampled contributions re-run and their rounds re-scored: audit.replay).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+from typing import Any
+
+from storage_client import Manifest
+from trainer.config import RunConfig
+
+from .findings import Findings, cid_digest
+from .lineage import Loaded
+from .rederive import (
+    RederiveError,
+    clip_history,
+    genesis_outer_state,
+    rederive,
+    stored_round_norm,
+)
+from .replay import EVAL_TOLERANCE, REPLAY_TOLERANCE, replay_run
+
+
+class Recomputation:
+    """Recomputes a run's rounds with ``config`` (None when the run config could not be read)."""
+
+    def __init__(self, findings: Findings, config: RunConfig | None) -> None:
+        self.findings = findings
+        self.config = config
+        self.norms: dict[int, list[float] | None] = {}  # round -> ρ̃ of its stored updates (keep_norms)
+
+    def check_genesis(self, genesis: Loaded) -> None:
+        """The genesis outer state is zero momentum for every parameter of θ⁽⁰⁾."""
+        if genesis.params is None or genesis.outer_state is None:
+            return  # already an ``object`` failure
+        manifest = genesis.manifest
+        try:
+            expected = genesis_outer_state(genesis.params)
+        except RederiveError as exc:
+            self.findings.fail(0, manifest.params, "rederive", str(exc))
+            return
+        if hashlib.sha256(expected).digest() != cid_digest(manifest.outer_state):
+            self.findings.fail(0, manifest.outer_state, "rederive",
+                               "the genesis outer state is not zero momentum for every parameter")
+
+    def check_round(self, r: int, manifest: Manifest, parent: Loaded | None, updates: dict[str, bytes]) -> None:
+        """Round r re-derived from its parent and its stored updates; its ρ̃ kept for the next rounds."""
+        self._check_rederive(r, manifest, parent, updates)
+        self._keep_norms(r, manifest, updates)
+
+    def _keep_norms(self, r: int, manifest: Manifest, updates: dict[str, bytes]) -> None:
+        """Round r's ρ̃ (trainer.aggregation.round_norm of its stored updates' norms), part of the clip
+        threshold of the next K rounds; None when an update is unavailable or unreadable."""
+        self.norms[r] = None
+        if len(updates) == len(manifest.participants):
+            try:
+                self.norms[r] = [stored_round_norm(updates)]
+            except RederiveError:
+                pass
+
+    def _history(self, r: int) -> list[float] | None:
+        """ρ̃ of rounds max(1, r-K)..r-1, or None when one of them is unknown."""
+        assert self.config is not None
+        return clip_history(self.norms, r, self.config.rounds.clip_history_rounds)
+
+    def _check_rederive(self, r: int, manifest: Manifest, parent: Loaded | None, updates: dict[str, bytes]) -> None:
+        fail = self.findings.fail
+        if self.config is not None and self.config.rounds.clip_multiple > 0 and self._history(r) is None:
+            fail(r, str(manifest.params), "rederive",
+                 f"cannot re-derive the round: the clip threshold takes the norms of the previous "
+                 f"{self.config.rounds.clip_history_rounds} round(s)' updates, and one of them is unavailable")
+            return
+        if self.config is None or parent is None or parent.params is None or parent.outer_state is None \
+                or len(updates) != len(manifest.participants):
+            fail(r, str(manifest.params), "rederive",
+                 "cannot re-derive the round: the config, the parent's params or outer state, or an update "
+                 "is unavailable (see the failures above)")
+            return
+        readable, downlink = self._downlink(r, manifest)
+        if not readable:
+            return
+        try:
+            derived = rederive(self.config.outer, parent.params, parent.outer_state, updates, downlink,
+                               rounds=self.config.rounds, history=self._history(r) or ())
+        except RederiveError as exc:
+            fail(r, str(manifest.params), "rederive", str(exc))
+            return
+        if derived.params_digest != cid_digest(manifest.params):
+            fail(r, manifest.params, "rederive",
+                 f"aggregate of the {len(updates)} stored update(s) + outer step from round {r - 1} gives params "
+                 f"sha256 {derived.params_digest.hex()}, the manifest names {manifest.params}")
+        if derived.outer_state_digest != cid_digest(manifest.outer_state):
+            fail(r, manifest.outer_state, "rederive",
+                 f"the re-derived outer state hashes to {derived.outer_state_digest.hex()}, the manifest "
+                 f"names {manifest.outer_state}")
+
+    def _downlink(self, r: int, manifest: Manifest) -> tuple[bool, tuple[bytes, dict[str, Any]] | None]:
+        """Whether the round's downlink is as the config says, and its (payload, codec header) when it
+        compresses; False after recording why the round cannot be re-derived."""
+        assert self.config is not None
+        fail = self.findings.fail
+        if (manifest.downlink is not None) != self.config.compression.enabled:
+            fail(r, str(manifest.params), "rederive",
+                 f"the config {'compresses' if self.config.compression.enabled else 'does not compress'} "
+                 f"the global update, but the manifest {'names a' if manifest.downlink else 'has no'} "
+                 "compressed downlink object")
+            return False, None
+        if manifest.downlink is None:
+            return True, None
+        sent = self.findings.read(r, manifest.downlink.payload, f"the compressed global update of round {r}")
+        header = self.findings.read(r, manifest.downlink.header, f"the codec header of round {r}'s global update")
+        if sent is None or header is None:
+            fail(r, str(manifest.params), "rederive", "cannot re-derive the round: its compressed global update is "
+                                                      "unavailable")
+            return False, None
+        try:
+            return True, (sent, json.loads(header))
+        except ValueError as exc:
+            fail(r, manifest.downlink.header, "rederive", f"the codec header is not JSON: {exc}")
+            return False, None
+
+    def check_replay(self, manifests: dict[int, Manifest], k: int, seed: int) -> None:
+        """``--replay K``: K sampled contributions re-run from their parent checkpoint, shard and
+        committed state, and their rounds re-scored (audit.replay)."""
+        fail = self.findings.fail
+        if self.config is None:
+            fail(None, "replay", "replay", "the run config could not be read, so nothing can be replayed")
+            return
+        outcome = replay_run(self.findings.store, self.config, manifests, k, seed)
+        self.findings.result.replay = outcome
+        for round_, obj, message in outcome.problems:
+            fail(round_, obj, "replay", message)
+        for row in outcome.rows:
+            if row.status != "MISMATCH":
+                continue
+            participant = {p.worker: p for p in manifests[row.round].participants}[row.worker]
+            if row.distance is None:
+                fail(row.round, participant.update, "replay", f"{row.worker}'s update cannot be replayed: {row.note}")
+            else:
+                fail(row.round, participant.update, "replay",
+                     f"{row.worker}'s update is {row.distance:.3g} away (relative L2) from what "
+                     f"{self.config.inner.steps} inner steps on shard {participant.shard} from round "
+                     f"{row.round - 1}'s checkpoint give; an honest replay is within {REPLAY_TOLERANCE:g}")
+        for score in outcome.rescored:
+            if not score.ok:
+                fail(score.round, manifests[score.round].params, "rescore",
+                     f"the held-out loss of round {score.round}'s checkpoint is {score.recomputed:.6f}, the "
+                     f"manifest and its reports say {score.reported:.6f} (tolerance {EVAL_TOLERANCE:g})")
