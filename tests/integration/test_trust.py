@@ -180,7 +180,7 @@ def test_updates_and_reports_need_the_admitted_key(cluster: LocalCluster, chain:
     lying = dataclasses.replace(report, bytes_received=report.bytes_received + 1)
     with pytest.raises(grpc.RpcError) as wrong_download:
         submit(SignedReport(lying, key.sign_digest(lying.digest(domain))))
-    assert "bytes_received is" in wrong_download.value.details()
+    assert "bytesReceived is" in wrong_download.value.details()
     # A report signing another manifest (one with other traffic, say) is refused by name.
     lying = dataclasses.replace(report, manifest_digest=bytes(32))
     with pytest.raises(grpc.RpcError) as wrong_manifest:
