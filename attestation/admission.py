@@ -18,7 +18,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from storage_client import CID, Codec
+from storage_client import CID, Codec, hex32
 
 ADMISSION_SCHEMA = "dilocox.admission/v2"
 ADMISSION_SCHEMA_V1 = "dilocox.admission/v1"
@@ -26,20 +26,14 @@ RECORD_KEYS_V1 = frozenset({"schema", "worker", "run_id", "nonce", "measurement"
 RECORD_KEYS = RECORD_KEYS_V1 | {"code_measurement"}
 
 
-def _hex32(name: str, value: bytes) -> str:
-    if not isinstance(value, (bytes, bytearray)) or len(value) != 32:
-        raise ValueError(f"{name} must be 32 bytes")
-    return "0x" + bytes(value).hex()
-
-
 def admission_record(*, worker: str, run_id: bytes, nonce: bytes, measurement: bytes,
                      code_measurement: bytes, provider: str, evidence: CID) -> dict[str, Any]:
     """The record of one admission. `code_measurement` is the verifier's own (the value it put into
     the expected REPORTDATA), `measurement` the allowlisted one that verification returned."""
     return {
-        "schema": ADMISSION_SCHEMA, "worker": worker, "run_id": _hex32("run_id", run_id),
-        "nonce": _hex32("nonce", nonce), "measurement": _hex32("measurement", measurement),
-        "code_measurement": _hex32("code_measurement", code_measurement), "provider": provider,
+        "schema": ADMISSION_SCHEMA, "worker": worker, "run_id": hex32(run_id, "run_id"),
+        "nonce": hex32(nonce, "nonce"), "measurement": hex32(measurement, "measurement"),
+        "code_measurement": hex32(code_measurement, "code_measurement"), "provider": provider,
         "evidence": str(evidence),
     }
 

@@ -25,7 +25,6 @@ from __future__ import annotations
 
 from collections.abc import Collection
 from dataclasses import dataclass, field
-from typing import Any
 
 from attestation import (
     Evidence,
@@ -45,6 +44,7 @@ from attestation.admission import (
 )
 from storage_client import (
     CID,
+    unhex32,
     Codec,
     CorruptObjectError,
     InvalidCIDError,
@@ -72,13 +72,6 @@ class AdmissionCheck:
 
     def fail(self, obj: str, check: str, message: str) -> None:
         self.failures.append((obj, check, message))
-
-
-def _hex32(obj: dict[str, Any], key: str) -> bytes:
-    value = obj.get(key)
-    if not isinstance(value, str) or not value.startswith("0x") or len(value) != 66:
-        raise ValueError(f"field {key!r} must be 0x followed by 64 hex digits, got {value!r}")
-    return bytes.fromhex(value[2:])
 
 
 @dataclass(frozen=True)
@@ -146,12 +139,12 @@ def _read_record(store: ObjectStore, record_cid: CID, worker: str, evidence_dige
                     f"expected {sorted(expected_keys)}")
         return None
     try:
+        field = {k: unhex32(record[k], f"field {k}")
+                 for k in ("run_id", "nonce", "measurement", "code_measurement") if k in record}
         return _Record(worker=checksum_address(record["worker"]), provider=record["provider"],
-                       run_id=_hex32(record, "run_id"), nonce=_hex32(record, "nonce"),
-                       measurement=_hex32(record, "measurement"),
-                       code=_hex32(record, "code_measurement") if "code_measurement" in record else None,
-                       evidence=CID.parse(record["evidence"]))
-    except (ValueError, TypeError, InvalidCIDError) as exc:
+                       run_id=field["run_id"], nonce=field["nonce"], measurement=field["measurement"],
+                       code=field.get("code_measurement"), evidence=CID.parse(record["evidence"]))
+    except (KeyError, ValueError, TypeError, InvalidCIDError) as exc:
         result.fail(obj_name, "admission-record", f"malformed admission record: {exc}")
         return None
 

@@ -242,7 +242,9 @@ def render(result: AuditResult, console: Console) -> None:
     from rich.markup import escape
     from rich.table import Table
 
-    table = Table(title=f"lineage audit of run {_short(_hex(result.run_id), 12, 8)}", box=box.SIMPLE_HEAD,
+    from storage_client import hex_or_none
+
+    table = Table(title=f"lineage audit of run {_short(hex_or_none(result.run_id), 12, 8)}", box=box.SIMPLE_HEAD,
                   pad_edge=False)
     unreported = any(row.unreported for row in result.rounds)  # a column only when some round has them
     columns = [("round", "right"), ("manifest", "left"), ("checkpoint", "left"), ("workers", "right"),
@@ -320,10 +322,6 @@ def render_replay(outcome, console: Console) -> None:  # audit.replay.ReplayOutc
     if outcome.checked_steps:
         console.print(f"replayed {outcome.steps} inner steps in {outcome.seconds:.1f}s to check "
                       f"{outcome.checked_steps} sampled steps ({outcome.seconds / max(outcome.steps, 1):.3f}s a step)")
-
-
-def _hex(b: bytes | None) -> str | None:
-    return None if b is None else "0x" + b.hex()
 
 
 if __name__ == "__main__":

@@ -104,7 +104,7 @@ from typing import Any
 from attestation import DEV_WARNING, Policy
 from settlement import ChainError, Ledger, Registry
 from settlement.rewards import RewardPool
-from storage_client import CID, Codec, ObjectStore, from_e6
+from storage_client import CID, Codec, ObjectStore, from_e6, hex_or_none
 
 from .findings import Findings
 from .lineage import Lineage, Loaded, check_unrecorded
@@ -113,10 +113,6 @@ from .reports import ReportChecks
 from .result import AuditResult, RoundRow
 from .signers import Signers
 from .tallies import Tallies
-
-
-def _hex(b: bytes | None) -> str | None:
-    return None if b is None else "0x" + b.hex()
 
 
 class _Audit:
@@ -210,7 +206,7 @@ class _Audit:
     def _row(self, r: int, manifest_digest: bytes, checkpoint: bytes, participants: int | None,
              reports: int) -> RoundRow:
         """Round r's row of the table, added to the result; what its manifest says is filled in later."""
-        row = RoundRow(round=r, manifest=str(CID(Codec.JSON, manifest_digest)), checkpoint=_hex(checkpoint),
+        row = RoundRow(round=r, manifest=str(CID(Codec.JSON, manifest_digest)), checkpoint=hex_or_none(checkpoint),
                        participants=participants, reports=reports, eval_loss=None)
         self.findings.result.rounds.append(row)
         return row

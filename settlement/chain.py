@@ -21,7 +21,7 @@ import logging
 import threading
 import time
 from collections.abc import Callable, Iterable
-from typing import Any, ClassVar, TypeVar
+from typing import Any, ClassVar, NamedTuple, TypeVar
 
 import requests
 from eth_abi import decode as abi_decode
@@ -48,6 +48,12 @@ _TRANSIENT: tuple[type[BaseException], ...] = (
 )
 
 _MAX_BACKOFF_S = 5.0
+
+
+class Deployed(NamedTuple):
+    address: str
+    block: int
+    gas_used: int
 
 
 class ChainError(Exception):
@@ -350,20 +356,20 @@ class Chain:
         log.debug("%s mined in block %d (tx %s, gas %d)", label, receipt["blockNumber"], tx_hash, receipt["gasUsed"])
         return receipt
 
-    def deploy(self, abi: list[dict[str, Any]], bytecode: str, *args: Any) -> str:
-        """Deploy a contract.
+    def deploy(self, abi: list[dict[str, Any]], bytecode: str, *args: Any) -> Deployed:
+        """Deploy a contract: the one way every contract of the project is deployed.
 
         @param abi its ABI
         @param bytecode its creation bytecode (0x-hex)
         @param args the constructor's arguments
-        @return the new contract's checksummed address
+        @return the new contract's checksummed address, its block and the gas it cost
         """
         constructor = self.w3.eth.contract(abi=abi, bytecode=bytecode).constructor(*args)
         receipt = self.transact(constructor)
         address = receipt["contractAddress"]
         if not address:
             raise ChainError(f"deployment tx 0x{bytes(receipt['transactionHash']).hex()} created no contract")
-        return to_checksum_address(address)
+        return Deployed(to_checksum_address(address), int(receipt["blockNumber"]), int(receipt["gasUsed"]))
 
     def _send(self, raw: bytes, label: str) -> None:
         tried = False

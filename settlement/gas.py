@@ -37,11 +37,6 @@ def _digest(*parts: Any) -> bytes:
     return hashlib.sha256(repr(parts).encode()).digest()
 
 
-def _deploy_gas(chain: Chain, abi: list[dict[str, Any]], bytecode: str, *args: Any) -> tuple[str, int]:
-    receipt = chain.transact(chain.w3.eth.contract(abi=abi, bytecode=bytecode).constructor(*args))
-    return receipt["contractAddress"], int(receipt["gasUsed"])
-
-
 def _row(operation: str, gas: int, reports: int | None = None) -> dict[str, Any]:
     return {"operation": operation, "reports": reports, "gas_used": gas,
             "gas_per_report": gas // reports if reports else None}
@@ -75,16 +70,16 @@ def gas_table(report_counts: Sequence[int] = (1, 2, 4, 8, 16)) -> list[dict[str,
     with Anvil() as anvil:
         chain = Chain(anvil.rpc_url, DEV_ACCOUNTS[0])
         reg = registry_artifact()
-        registry_address, gas = _deploy_gas(chain, reg.abi, reg.bytecode, chain.address)
+        registry_address, _, gas = chain.deploy(reg.abi, reg.bytecode, chain.address)
         rows.append(_row("deploy WorkerRegistry", gas))
         led = ledger_artifact()
-        ledger_address, gas = _deploy_gas(chain, led.abi, led.bytecode, registry_address)
+        ledger_address, _, gas = chain.deploy(led.abi, led.bytecode, registry_address)
         rows.append(_row("deploy ContributionLedger", gas))
         tok = load_artifact("RewardToken")
-        token_address, gas = _deploy_gas(chain, tok.abi, tok.bytecode, chain.address)
+        token_address, _, gas = chain.deploy(tok.abi, tok.bytecode, chain.address)
         rows.append(_row("deploy RewardToken", gas))
         rew = load_artifact("RewardPool")
-        pool_address, gas = _deploy_gas(chain, rew.abi, rew.bytecode, ledger_address, token_address)
+        pool_address, _, gas = chain.deploy(rew.abi, rew.bytecode, ledger_address, token_address)
         rows.append(_row("deploy RewardPool", gas))
         registry, ledger = Registry(chain, registry_address), Ledger(chain, ledger_address)
         token, pool = RewardToken(chain, token_address), RewardPool(chain, pool_address, ledger)

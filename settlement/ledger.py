@@ -27,7 +27,7 @@ from attestation.report import REPORT_FIELDS, Domain, ReportField, RoundReport, 
 from storage_client import strict_json, write_atomic
 
 from .artifacts import Artifact, ledger_artifact, load_artifact, registry_artifact
-from .chain import Chain, ChainError
+from .chain import Chain, ChainError, Deployed
 
 __all__ = ["Deployment", "DeploymentError", "Ledger", "Registry", "deploy"]
 
@@ -90,22 +90,19 @@ class Deployment:
             raise DeploymentError(f"deployment file {path} is malformed: {exc}") from None
 
 
-def _deploy(chain: Chain, artifact: Artifact, *args: Any) -> tuple[str, int]:
-    constructor = chain.w3.eth.contract(abi=artifact.abi, bytecode=artifact.bytecode).constructor(*args)
-    receipt = chain.transact(constructor)
-    return to_checksum_address(receipt["contractAddress"]), int(receipt["blockNumber"])
-
-
 def deploy(chain: Chain) -> Deployment:
     """Deploy a ``WorkerRegistry`` owned by ``chain.address``, a ``ContributionLedger`` bound to it, a
     ``RewardToken`` it mints and a ``RewardPool`` paying in it from the ledger's records.
 
     The owner still has to allowlist measurements and name verifiers (``Registry``).
     """
-    registry, block = _deploy(chain, registry_artifact(), chain.address)
-    ledger, _ = _deploy(chain, ledger_artifact(), registry)
-    token, _ = _deploy(chain, load_artifact("RewardToken"), chain.address)
-    rewards, _ = _deploy(chain, load_artifact("RewardPool"), ledger, token)
+    def deployed(artifact: Artifact, *args: Any) -> Deployed:
+        return chain.deploy(artifact.abi, artifact.bytecode, *args)
+
+    registry, block, _ = deployed(registry_artifact(), chain.address)
+    ledger = deployed(ledger_artifact(), registry).address
+    token = deployed(load_artifact("RewardToken"), chain.address).address
+    rewards = deployed(load_artifact("RewardPool"), ledger, token).address
     return Deployment(chain_id=chain.chain_id, registry=registry, ledger=ledger, owner=chain.address,
                       deployed_block=block, token=token, rewards=rewards)
 

@@ -39,7 +39,7 @@ from pathlib import Path
 from typing import Any
 
 from attestation.report import ReportError, SignedReport
-from storage_client import strict_json, write_atomic
+from storage_client import hex32, strict_json, unhex32, write_atomic
 
 from .chain import ChainError, ChainUnavailable, TxReverted
 from .ledger import Ledger
@@ -62,20 +62,12 @@ class RecordConflict(ChainError):
     no retry can fix it, so the flush raises instead of waiting."""
 
 
-def _hex32(name: str, value: bytes) -> str:
-    if not isinstance(value, (bytes, bytearray)) or len(value) != 32:
-        raise ValueError(f"{name} must be 32 bytes")
-    return "0x" + bytes(value).hex()
-
-
 def _unhex32(item: dict[str, Any], name: str) -> bytes:
-    value = item.get(name)
-    if not isinstance(value, str) or not value.startswith("0x") or len(value) != 66:
-        raise OutboxError(f"outbox item {item.get('file')}: {name} is not 32 bytes of 0x-hex")
+    """A 32-byte field of an outbox item read back from disk (OutboxError naming the file)."""
     try:
-        return bytes.fromhex(value[2:])
-    except ValueError:
-        raise OutboxError(f"outbox item {item.get('file')}: {name} is not 32 bytes of 0x-hex") from None
+        return unhex32(item.get(name), name)
+    except ValueError as exc:
+        raise OutboxError(f"outbox item {item.get('file')}: {exc}") from None
 
 
 def _short(value: bytes) -> str:
@@ -113,10 +105,10 @@ class Outbox:
         if type(challenge_window) is not int or not 0 <= challenge_window < 2**32:
             raise OutboxError(f"challenge_window must be a uint32, got {challenge_window!r}")
         return self._enqueue("create_run", {
-            "run_id": _hex32("run_id", run_id),
-            "genesis_checkpoint": _hex32("genesis_checkpoint", genesis_checkpoint),
-            "config_digest": _hex32("config_digest", config_digest),
-            "genesis_manifest": _hex32("genesis_manifest", genesis_manifest),
+            "run_id": hex32(run_id, "run_id"),
+            "genesis_checkpoint": hex32(genesis_checkpoint, "genesis_checkpoint"),
+            "config_digest": hex32(config_digest, "config_digest"),
+            "genesis_manifest": hex32(genesis_manifest, "genesis_manifest"),
             "challenge_window": challenge_window,
         })
 
@@ -132,15 +124,15 @@ class Outbox:
         if type(round) is not int or round < 1:
             raise ValueError(f"round must be an integer >= 1, got {round!r}")
         signed = [r if isinstance(r, SignedReport) else SignedReport.from_json(r) for r in reports]
-        vouched = sorted({_hex32("unreported update", u) for u in unreported})
+        vouched = sorted({hex32(u, "unreported update") for u in unreported})
         if len(vouched) != len(unreported):
             raise ValueError(f"round {round}: an unreported update is listed twice")
         if not signed and not vouched:
             raise ValueError(f"round {round} has no participants; the ledger needs a report or an unreported update")
         return self._enqueue("round", {
-            "run_id": _hex32("run_id", run_id), "round": round, "parent": _hex32("parent", parent),
-            "checkpoint": _hex32("checkpoint", checkpoint),
-            "manifest_digest": _hex32("manifest_digest", manifest_digest),
+            "run_id": hex32(run_id, "run_id"), "round": round, "parent": hex32(parent, "parent"),
+            "checkpoint": hex32(checkpoint, "checkpoint"),
+            "manifest_digest": hex32(manifest_digest, "manifest_digest"),
             "reports": [s.to_json() for s in signed], "unreported": vouched,
         })
 

@@ -11,7 +11,9 @@ round to its parent, giving a hash chain from any checkpoint back to genesis.
     manifest Manifest / Participant / Downlink / Traffic / lineage: the per-round record and its chain
 """
 
-from .canonical import JSONBoundsError, canonical_json, digest_json, loads_bounded, strict_json
+from .canonical import (
+    JSONBoundsError, canonical_json, digest_json, hex32, hex_or_none, loads_bounded, strict_json, unhex32,
+)
 from .cid import CID, Codec, InvalidCIDError, decode_varint, encode_varint
 from .manifest import (
     SCHEMA,
@@ -33,6 +35,9 @@ from .store import (
 )
 
 __all__ = [
+    "hex32",
+    "hex_or_none",
+    "unhex32",
     "CID",
     "Codec",
     "InvalidCIDError",

@@ -131,3 +131,26 @@ def loads_bounded(data: bytes | str, *, max_bytes: int, max_depth: int = MAX_JSO
     except (ValueError, RecursionError) as exc:
         reason = exc.msg if isinstance(exc, json.JSONDecodeError) else "malformed"
         raise JSONBoundsError(f"{what} is not JSON ({reason})") from None
+
+
+def hex32(value: bytes, name: str = "value") -> str:
+    """A 32-byte value (a digest, a run id) as it is written in JSON records: 0x + 64 hex digits."""
+    if not isinstance(value, (bytes, bytearray)) or len(value) != 32:
+        raise ValueError(f"{name} must be 32 bytes")
+    return "0x" + bytes(value).hex()
+
+
+def unhex32(value: Any, name: str = "value") -> bytes:
+    """The inverse of :func:`hex32`, for values read from disk or the network: ValueError naming
+    ``name`` for anything but 0x followed by 64 hex digits."""
+    if not isinstance(value, str) or not value.startswith("0x") or len(value) != 66:
+        raise ValueError(f"{name} must be 0x followed by 64 hex digits, got {repr(value)[:80]}")
+    try:
+        return bytes.fromhex(value[2:])
+    except ValueError:
+        raise ValueError(f"{name} must be 0x followed by 64 hex digits, got {value[:80]!r}") from None
+
+
+def hex_or_none(value: bytes | None) -> str | None:
+    """Bytes as 0x-hex for a JSON report, None kept."""
+    return None if value is None else "0x" + bytes(value).hex()
