@@ -82,7 +82,7 @@ from trainer.config import RunConfig
 from trainer.data import load_corpus, round_batches
 from trainer.link import Link
 from trainer.model import build_model
-from trainer.procgroup import LocalGroup, Member, join_group, leave_child, report_error
+from trainer.procgroup import LocalGroup, Member, answer, join_group, leave_child, report_error
 
 
 class AllReduceError(RuntimeError):
@@ -266,7 +266,7 @@ def _rank_main(member: Member, results: Any, job: _Job) -> None:
         # would block Process.start() until the child has imported torch, serialising start-up.
         shard = load_corpus(cfg.data, cfg.seed, cfg.model.block_size).shard(member.rank, job.workers)
         join_group(member, AllReduceError, _who(member.rank, job.workers))
-        results.put(("ok", member.rank, 1, _train(member.rank, job, shard)))
+        answer(results, member.rank, 1, _train(member.rank, job, shard))
     except BaseException as exc:  # noqa: BLE001 - everything goes back to the parent
         report_error(results, member.rank, 1, exc)
     leave_child(results)

@@ -113,7 +113,7 @@ from trainer.compression import CompressionConfig
 from trainer.config import InnerConfig, ModelConfig
 from trainer.diloco import load_params
 from trainer.model import GPT, build_model
-from trainer.procgroup import LocalGroup, Member, available_cpus, join_group, leave_child, report_error
+from trainer.procgroup import LocalGroup, Member, answer, available_cpus, join_group, leave_child, report_error
 from trainer.uplink import Slice, encode_slice, new_compressor
 from trainer.wire import Params
 
@@ -462,7 +462,7 @@ def _stage_main(member: Member, results: Any, setup: _Setup, jobs: Any, round_fn
     try:
         join_group(member, PipelineError, _who(member.rank, member.world_size))
         runner = StageRunner(setup.model_cfg, n_microbatches=setup.n_microbatches, device=torch.device("cpu"))
-        results.put(("ok", member.rank, 0, None))
+        answer(results, member.rank, 0, None)
         while True:
             try:
                 job = jobs.get(timeout=_IDLE_POLL_S)
@@ -474,7 +474,7 @@ def _stage_main(member: Member, results: Any, setup: _Setup, jobs: Any, round_fn
             if job is None:
                 return
             seq = job.seq
-            results.put(("ok", member.rank, seq, round_fn(runner, job)))
+            answer(results, member.rank, seq, round_fn(runner, job))
     except BaseException as exc:  # noqa: BLE001 - everything goes back to the parent
         report_error(results, member.rank, seq, exc)
     finally:

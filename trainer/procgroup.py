@@ -4,10 +4,10 @@ The one supervisor of local processes that train together: pipeline stages (trai
 the AllReduce baseline's ranks (benchmarks.allreduce). The parent holds the rendezvous
 ``TCPStore`` (an OS-chosen port on 127.0.0.1) and a results queue; each child joins the group
 (:func:`join_group`: its torch threads, gloo bound to the loopback interface so nothing leaves the
-host, the group's timeout on rendezvous and every collective) and answers with messages
-
-    ("ok", rank, seq, payload)                 payload: plain dicts and numpy arrays, never tensors
-    ("error", rank, seq, message, traceback)   after which the child leaves
+host, the group's timeout on rendezvous and every collective) and answers each job ``seq`` with one
+message: an :class:`Answer` (its payload plain dicts and numpy arrays, never tensors: :func:`answer`)
+or a :class:`Failure` (:func:`report_error`), after which the child leaves. The queues join a parent
+to its own children only, so nothing received from the network is unpickled.
 
 :meth:`LocalGroup.collect` waits for every rank's answer to ``seq`` while watching the children:
 a child that exits without answering is named first (its peers' failures follow from it),
@@ -29,6 +29,25 @@ from typing import Any, Callable, NoReturn, Sequence
 
 import torch
 import torch.distributed as dist
+
+
+@dataclass(frozen=True)
+class Answer:
+    """A child's result for job ``seq`` (seq 0: the process group stands)."""
+
+    rank: int
+    seq: int
+    payload: Any
+
+
+@dataclass(frozen=True)
+class Failure:
+    """A child's failure while on job ``seq``: one line, and the traceback for the log."""
+
+    rank: int
+    seq: int
+    message: str
+    trace: str
 
 
 @dataclass(frozen=True)
@@ -72,8 +91,12 @@ def join_group(member: Member, error: type[Exception], who: str) -> None:
         raise error(f"{who}: process group rendezvous failed within {member.timeout_s:g} s: {exc}") from exc
 
 
+def answer(results: Any, rank: int, seq: int, payload: Any) -> None:
+    results.put(Answer(rank, seq, payload))
+
+
 def report_error(results: Any, rank: int, seq: int, exc: BaseException) -> None:
-    results.put(("error", rank, seq, f"{type(exc).__name__}: {exc}", traceback.format_exc()))
+    results.put(Failure(rank, seq, f"{type(exc).__name__}: {exc}", traceback.format_exc()))
 
 
 def leave_child(results: Any) -> NoReturn:
@@ -201,12 +224,11 @@ class LocalGroup:
         del self._store
 
 
-def _take(message: tuple, seq: int, payloads: dict[int, Any], errors: dict[int, tuple[str, str]]) -> bool:
+def _take(message: Answer | Failure, seq: int, payloads: dict[int, Any], errors: dict[int, tuple[str, str]]) -> bool:
     """File one message; True if it reports an error."""
-    kind, rank, message_seq = message[:3]
-    if kind == "error":
-        errors[rank] = (message[3], message[4])
+    if isinstance(message, Failure):
+        errors[message.rank] = (message.message, message.trace)
         return True
-    if message_seq == seq:
-        payloads[rank] = message[3]
+    if message.seq == seq:
+        payloads[message.rank] = message.payload
     return False
