@@ -16,7 +16,7 @@ from .dev import WARNING as DEV_WARNING
 from .dev import DevProvider, DevRoot, dev_quote_digest, recover_dev_signer
 from .errors import AttestationError, AttestationUnavailable, EvidenceError, PolicyViolation
 from .evidence import SCHEMA as EVIDENCE_SCHEMA
-from .evidence import Evidence, VerifiedEvidence
+from .evidence import Evidence, Provider, VerifiedEvidence
 from .keys import (
     WORKER_KEY_DOMAIN,
     SignatureError,
@@ -53,6 +53,7 @@ __all__ = [
     "PolicyViolation",
     "EVIDENCE_SCHEMA",
     "Evidence",
+    "Provider",
     "VerifiedEvidence",
     "WORKER_KEY_DOMAIN",
     "SignatureError",

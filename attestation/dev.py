@@ -29,7 +29,7 @@ from typing import Any
 from eth_account import Account
 
 from .errors import AttestationError, EvidenceError
-from .evidence import DEV_QE_VENDOR_ID, Evidence
+from .evidence import DEV_QE_VENDOR_ID, Evidence, Provider
 from .keys import SignatureError, recover_address
 from .tdx import TD_ATTRIBUTES_DEBUG, build_quote_v4
 
@@ -53,7 +53,7 @@ def dev_quote_digest(quote: bytes) -> bytes:
 
 def recover_dev_signer(evidence: Evidence) -> str:
     """The address of the development root that signed dev evidence (EvidenceError if none)."""
-    if evidence.provider != "dev" or evidence.dev_signature is None:
+    if evidence.provider != Provider.DEV or evidence.dev_signature is None:
         raise EvidenceError("only dev evidence carries a development root signature")
     try:
         return recover_address(dev_quote_digest(evidence.quote), evidence.dev_signature)

@@ -21,6 +21,8 @@ nothing but EvidenceError, whose messages quote at most a few dozen characters o
 
 from __future__ import annotations
 
+import enum
+
 import hashlib
 import json
 from dataclasses import dataclass, field
@@ -31,7 +33,16 @@ from storage_client import CID, Codec, JSONBoundsError, canonical_json, loads_bo
 from .errors import EvidenceError
 
 SCHEMA = "dilocox.evidence/v1"
-PROVIDERS = ("tdx", "dev")
+
+
+class Provider(enum.StrEnum):
+    """Where evidence comes from (its JSON ``provider``)."""
+
+    TDX = "tdx"  # an Intel TDX quote, verified through DCAP
+    DEV = "dev"  # a software stand-in that PROVES NOTHING
+
+
+PROVIDERS = tuple(p.value for p in Provider)
 MAX_EVIDENCE_BYTES = 4 << 20  # a quote is limited to 1 MiB, hex doubles it
 MAX_EVIDENCE_DEPTH = 2  # a flat object of strings; anything nested is refused before parsing
 DEV_SIGNATURE_SIZE = 65
@@ -68,7 +79,7 @@ def _refuse_duplicates(pairs: list[tuple[str, Any]]) -> dict[str, Any]:
 class Evidence:
     """One provider's evidence. Constructing it checks it is well formed (not that it is true)."""
 
-    provider: str
+    provider: Provider
     quote: bytes
     dev_signature: bytes | None = None
 
@@ -77,11 +88,12 @@ class Evidence:
 
         if self.provider not in PROVIDERS:
             raise EvidenceError(f"unknown evidence provider {_shown(self.provider)}; known: {PROVIDERS}")
+        object.__setattr__(self, "provider", Provider(self.provider))
         if not isinstance(self.quote, (bytes, bytearray)):
             raise EvidenceError(f"evidence quote must be bytes, not {type(self.quote).__name__}")
         quote = parse_quote(bytes(self.quote))  # raises TdxQuoteError (an EvidenceError) by field
         object.__setattr__(self, "quote", quote.raw)  # without padding after the signature data
-        if self.provider == "dev":
+        if self.provider == Provider.DEV:
             sig = self.dev_signature
             if not isinstance(sig, (bytes, bytearray)) or len(sig) != DEV_SIGNATURE_SIZE:
                 got = "none" if sig is None else (
@@ -132,10 +144,10 @@ class Evidence:
             raise EvidenceError(f"evidence must be a JSON object, not {type(obj).__name__}")
         if obj.get("schema") != SCHEMA:
             raise EvidenceError(f"evidence schema is {_shown(obj.get('schema'))}, expected {SCHEMA!r}")
-        provider = obj.get("provider")
-        if provider not in PROVIDERS:
-            raise EvidenceError(f"unknown evidence provider {_shown(provider)}; known: {PROVIDERS}")
-        expected = {"schema", "provider", "quote"} | ({"dev_signature"} if provider == "dev" else set())
+        if obj.get("provider") not in PROVIDERS:
+            raise EvidenceError(f"unknown evidence provider {_shown(obj.get('provider'))}; known: {PROVIDERS}")
+        provider = Provider(obj["provider"])
+        expected = {"schema", "provider", "quote"} | ({"dev_signature"} if provider == Provider.DEV else set())
         if set(obj) != expected:
             missing = sorted(expected - set(obj))
             extra = sorted(set(obj) - expected)
@@ -146,7 +158,7 @@ class Evidence:
         evidence = cls(
             provider=provider,
             quote=_hex_field(obj, "quote"),
-            dev_signature=_hex_field(obj, "dev_signature") if provider == "dev" else None,
+            dev_signature=_hex_field(obj, "dev_signature") if provider == Provider.DEV else None,
         )
         if len(evidence.quote) * 2 != len(obj["quote"]):
             raise EvidenceError(
@@ -169,7 +181,7 @@ class Evidence:
         return CID.of(self.to_bytes(), Codec.RAW)
 
     def __repr__(self) -> str:
-        note = ", DEV: PROVES NOTHING" if self.provider == "dev" else ""
+        note = ", DEV: PROVES NOTHING" if self.provider == Provider.DEV else ""
         return f"Evidence(provider={self.provider!r}, quote={len(self.quote)} bytes{note})"
 
 
@@ -189,7 +201,7 @@ class VerifiedEvidence:
     warnings      what a reader should know about how much this proves (dev: its WARNING)
     """
 
-    provider: str
+    provider: Provider
     measurement: bytes
     report_data: bytes
     debug: bool
@@ -200,7 +212,7 @@ class VerifiedEvidence:
     @property
     def label(self) -> str:
         """How to show this evidence: dev evidence never reads as anything but DEV."""
-        if self.provider == "dev":
+        if self.provider == Provider.DEV:
             return "DEV evidence: PROVES NOTHING"
         return f"{self.provider} quote verified by dcap-qvl (TCB {self.details.get('tcb_status', '?')})"
 

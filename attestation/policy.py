@@ -37,7 +37,7 @@ from .dcap import DcapSettings, dcap_verify
 from .dev import WARNING as DEV_WARNING
 from .dev import recover_dev_signer
 from .errors import EvidenceError, PolicyViolation
-from .evidence import Evidence, VerifiedEvidence
+from .evidence import Evidence, Provider, VerifiedEvidence
 from .keys import WorkerKey, checksum_address, report_data
 from .providers import EvidenceProvider
 from .tdx import TdxQuote, measurement_of, parse_quote
@@ -149,7 +149,7 @@ def verify_evidence(
 
     quote = parse_quote(evidence.quote)
     details = quote.details()
-    if evidence.provider == "dev":
+    if evidence.provider == Provider.DEV:
         _verify_dev(evidence, quote, policy, details)
         measurement = expected_report_data[32:64]  # the verifier's own code measurement
         proves_nothing, warnings = True, [DEV_WARNING]

@@ -5,10 +5,9 @@ from __future__ import annotations
 import os
 from typing import Protocol
 
-from .evidence import Evidence
+from .evidence import Evidence, Provider
 from .tdx import DEFAULT_TSM_PATH, TdxProvider
 
-PROVIDER_NAMES = ("tdx", "dev")
 
 
 class EvidenceProvider(Protocol):
@@ -27,14 +26,14 @@ def open_provider(
 ) -> EvidenceProvider:
     """The provider called `name`. "tdx" checks configfs-tsm exists (AttestationUnavailable
     otherwise); "dev" needs `dev_root_dir`, where its development root key lives."""
-    if name == "tdx":
+    if name == Provider.TDX:
         provider = TdxProvider(tsm_path)
         provider.check_available()
         return provider
-    if name == "dev":
+    if name == Provider.DEV:
         if dev_root_dir is None:
             raise ValueError("the dev provider needs dev_root_dir (where its root key is kept)")
         from .dev import DevProvider
 
         return DevProvider(dev_root_dir)
-    raise ValueError(f"unknown attestation provider {name!r}; known: {PROVIDER_NAMES}")
+    raise ValueError(f"unknown attestation provider {name!r}; known: {[p.value for p in Provider]}")

@@ -27,6 +27,7 @@ from collections.abc import Collection
 from dataclasses import dataclass, field
 
 from attestation import (
+    Provider,
     Evidence,
     EvidenceError,
     Policy,
@@ -194,7 +195,7 @@ def _code_measurement(record: _Record, evidence: Evidence, obj_name: str, worker
         result.fail(obj_name, "admission-record",
                     f"the record says provider {record.provider!r}, the evidence is {evidence.provider!r}")
     if record.code is None:  # a v1 record
-        if evidence.provider != "dev":
+        if evidence.provider != Provider.DEV:
             result.fail(obj_name, "admission-record",
                         f"the {ADMISSION_SCHEMA_V1} record of {worker} does not say which code measurement the "
                         f"coordinator required, and the quote's own REPORTDATA[32:64] proves nothing")
@@ -202,7 +203,7 @@ def _code_measurement(record: _Record, evidence: Evidence, obj_name: str, worker
         code = record.measurement
     else:
         code = record.code
-        if evidence.provider == "dev" and code != record.measurement:
+        if evidence.provider == Provider.DEV and code != record.measurement:
             result.fail(obj_name, "admission-record",
                         f"the record's code measurement 0x{code.hex()} is not its dev measurement "
                         f"0x{record.measurement.hex()}")

@@ -14,7 +14,7 @@ from __future__ import annotations
 from collections import defaultdict
 from typing import Any
 
-from attestation import Policy, checksum_address
+from attestation import Policy, Provider, checksum_address
 from settlement import Ledger, Registry, registry_artifact
 
 from .admission import AdmissionCheck, check_admission
@@ -58,7 +58,7 @@ class Signers:
     @property
     def dev_accepted(self) -> bool:
         """Whether some signer was admitted on dev evidence that the policy accepted."""
-        return any(c.provider == "dev" and c.ok for _, c in self._admission_checks.values())
+        return any(c.provider == Provider.DEV and c.ok for _, c in self._admission_checks.values())
 
     def check(self, run_id: bytes, r: int, label: str, worker: str, block: int) -> None:
         """``worker``, who signed report ``label`` of round r, recorded at ``block``, was admitted, not

@@ -346,7 +346,7 @@ def _worker_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--worker-id", required=True)
     _client_tls_arguments(p)
     p.add_argument("--threads", type=int, default=max(1, (os.cpu_count() or 1) // 2), help="torch threads")
-    p.add_argument("--attestation", choices=("none", "dev", "tdx"), default="none",
+    p.add_argument("--attestation", choices=("none", "tdx", "dev"), default="none",
                    help="evidence provider: tdx (configfs-tsm) or dev (a stand-in that PROVES NOTHING)")
     p.add_argument("--dev-root-dir", help="directory of the dev attestation root key")
     p.add_argument("--link-bandwidth", type=float, default=0.0,
