@@ -1,4 +1,4 @@
-"""Content identifiers (CIDs) for everything the platform stores.
+"""Where an object is hashed: content identifiers (CIDs) for everything the platform stores.
 
 Every checkpoint, update and manifest is named by the hash of its bytes, so a
 name can be checked against the data it names. We use the standard CIDv1 form

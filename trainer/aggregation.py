@@ -1,4 +1,4 @@
-"""Where a round is aggregated: checking each pushed pseudo-gradient, then averaging them.
+"""The rules of aggregation: the checks each pushed update passes, the clip and the robust means.
 
 Nothing enters the average unless it passed every check below; each failure names what was wrong
 so the worker (and the operator reading the coordinator's log) can tell a bug from an attack.

@@ -1,4 +1,4 @@
-"""The round transition: the one function that turns a closed round into the next checkpoint.
+"""Where a round is aggregated: the one function that turns a closed round into the next checkpoint.
 
 The coordinator calls ``round_transition`` when a round closes; the audit (``audit.rederive``) calls
 it again on the stored bytes and compares digests. Nothing else computes a round. With θ⁽ʳ⁻¹⁾,

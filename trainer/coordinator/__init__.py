@@ -22,7 +22,7 @@ the held-out loss. Every refusal carries a typed reason (trainer.refusal).
     checks      the push checks in refusal order, and the rules between slices and replays
     screening   Screen: screening by effect on private held-out batches
     intake      Intake: the open round's accepted updates and slices, journalled; traffic
-    publish     where a round is aggregated and published
+    publish     where a round is published (the transition itself: trainer.transition)
     machine     Coordinator: the state machine that ties them, thread-safe, no transport
     trust       RunTrust: what the machine asks of a ledger-backed trust layer (settlement/)
     service     the gRPC service: decoding, bounds, sessions, rate limits, reasons → status codes

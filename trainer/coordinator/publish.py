@@ -1,4 +1,4 @@
-"""Where a round is aggregated and published.
+"""Where a round is published: the round transition run on the closing round, then stored.
 
     Δ⁽ʳ⁾, (θ⁽ʳ⁾, m⁽ʳ⁾, e⁽ʳ⁾) = trainer.transition.round_transition(θ⁽ʳ⁻¹⁾, m⁽ʳ⁻¹⁾, e⁽ʳ⁻¹⁾, {Δ̂ᵢ})
 
