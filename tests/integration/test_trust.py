@@ -75,19 +75,19 @@ def test_attested_workers_every_round_recorded(cluster: LocalCluster, chain: Anv
 
     ledger, run_id = ledger_of(cluster, chain)
     run = ledger.run_of(run_id)
-    assert run is not None and run["lastRound"] == 2
+    assert run is not None and run.last_round == 2
     chain_rounds = ledger.recorded_rounds(run_id)
     manifests = lineage(cluster.run_dir.store, cluster.run_dir.head())
     for recorded, (cid, manifest) in zip(chain_rounds, manifests[1:], strict=True):
-        assert recorded["manifestDigest"] == cid.digest
-        assert recorded["checkpoint"] == CID.parse(manifest.params).digest
-        assert len(recorded["reports"]) == 2  # both participants signed
+        assert recorded.manifest_digest == cid.digest
+        assert recorded.checkpoint == CID.parse(manifest.params).digest
+        assert len(recorded.reports) == 2  # both participants signed
     total = {}
     for recorded in chain_rounds:
-        for signed in recorded["reports"]:
+        for signed in recorded.reports:
             total[signed.report.worker] = total.get(signed.report.worker, 0) + signed.report.tokens
     for worker, tokens in total.items():
-        assert ledger.contribution_of(run_id, worker)["tokens"] == tokens
+        assert ledger.contribution_of(run_id, worker).tokens == tokens
     assert not list((cluster.run_dir.path / "outbox").glob("*.json"))
 
     # The same verdict on any CPU: the full audit, replaying every contribution, under torch's
@@ -185,7 +185,7 @@ def test_updates_and_reports_need_the_admitted_key(cluster: LocalCluster, chain:
     lying = dataclasses.replace(report, manifest_digest=bytes(32))
     with pytest.raises(grpc.RpcError) as wrong_manifest:
         submit(SignedReport(lying, key.sign_digest(lying.digest(domain))))
-    assert "manifest_digest is 0x00" in wrong_manifest.value.details()
+    assert "manifestDigest is 0x00" in wrong_manifest.value.details()
     assert submit(SignedReport(report, key.sign_digest(report.digest(domain)))).accepted
     assert cluster.wait_exit("coordinator", 120) == 0, cluster.log("coordinator", tail=100)
 
@@ -216,7 +216,7 @@ def test_chain_down_rounds_stay_queued_then_recorded(cluster: LocalCluster, chai
     with Anvil(state_file=chain.state_file, port=port) as revived:
         assert cluster.wait_exit("coordinator", 180) == 0, cluster.log("coordinator", tail=60)
         ledger, run_id = ledger_of(cluster, revived)
-        assert ledger.run_of(run_id)["lastRound"] == 3
+        assert ledger.run_of(run_id).last_round == 3
         assert not list((cluster.run_dir.path / "outbox").glob("*.json"))
 
 
