@@ -22,6 +22,8 @@ from eth_keys import keys as _eth_keys
 from eth_keys.exceptions import BadSignature, ValidationError
 from eth_utils import to_checksum_address
 
+from storage_client import bytes32
+
 WORKER_KEY_DOMAIN = b"dilocox/worker-key/v1"
 
 SECP256K1_N = 0xFFFFFFFFFFFFFFFFFFFFFFFFFFFFFFFEBAAEDCE6AF48A03BBFD25E8CD0364141
@@ -54,32 +56,25 @@ def checksum_address(address: str | bytes) -> str:
     return to_checksum_address(address_bytes(address))
 
 
-def _bytes32(name: str, value: bytes) -> bytes:
-    if not isinstance(value, (bytes, bytearray)) or len(value) != 32:
-        got = len(value) if isinstance(value, (bytes, bytearray)) else type(value).__name__
-        raise ValueError(f"{name} must be 32 bytes, got {got}")
-    return bytes(value)
-
-
 def key_binding(address: str | bytes, run_id: bytes, nonce: bytes) -> bytes:
     """REPORTDATA[0:32]: sha256(b"dilocox/worker-key/v1" || address || runId || nonce)."""
     return hashlib.sha256(
         WORKER_KEY_DOMAIN
         + address_bytes(address)
-        + _bytes32("run_id", run_id)
-        + _bytes32("nonce", nonce)
+        + bytes32(run_id, "run_id")
+        + bytes32(nonce, "nonce")
     ).digest()
 
 
 def report_data(address: str | bytes, run_id: bytes, nonce: bytes, code_measurement: bytes) -> bytes:
     """The 64 bytes of REPORTDATA that bind a worker key to a run, a join nonce and its code."""
-    return key_binding(address, run_id, nonce) + _bytes32("code_measurement", code_measurement)
+    return key_binding(address, run_id, nonce) + bytes32(code_measurement, "code_measurement")
 
 
 def recover_address(digest: bytes, signature: bytes) -> str:
     """The checksummed address that signed a 32-byte digest. Refuses malformed signatures, v other
     than 27/28, and high-s (malleable) signatures, as OpenZeppelin's ECDSA.tryRecover does."""
-    digest = _bytes32("digest", digest)
+    digest = bytes32(digest, "digest")
     if not isinstance(signature, (bytes, bytearray)) or len(signature) != 65:
         got = len(signature) if isinstance(signature, (bytes, bytearray)) else type(signature).__name__
         raise SignatureError(f"signature must be 65 bytes r||s||v, got {got}")
@@ -104,7 +99,7 @@ class WorkerKey:
     __slots__ = ("_address", "_key")
 
     def __init__(self, private_key: bytes) -> None:
-        private_key = _bytes32("private_key", private_key)
+        private_key = bytes32(private_key, "private_key")
         account = Account.from_key(private_key)
         self._key = private_key
         self._address = account.address
@@ -122,7 +117,7 @@ class WorkerKey:
 
     def sign_digest(self, digest: bytes) -> bytes:
         """Sign a 32-byte digest (for example an EIP-712 digest); 65 bytes r||s||v, v in {27, 28}."""
-        signed = Account.unsafe_sign_hash(_bytes32("digest", digest), self._key)
+        signed = Account.unsafe_sign_hash(bytes32(digest, "digest"), self._key)
         return bytes(signed.signature)
 
     def report_data(self, run_id: bytes, nonce: bytes, code_measurement: bytes) -> bytes:

@@ -99,10 +99,10 @@ This module walks the run and hands each part to them; they record into one audi
 from __future__ import annotations
 
 import os
-from typing import Any
 
 from attestation import DEV_WARNING, Policy
 from settlement import ChainError, Ledger, Registry
+from settlement.records import RoundRecord, RunRecord
 from settlement.rewards import RewardPool
 from storage_client import CID, Codec, ObjectStore, from_e6, hex_or_none
 
@@ -156,13 +156,13 @@ class _Audit:
         except ChainError as exc:
             self.findings.fail(None, self.ledger.address, "ledger", f"the recorded rounds cannot be read: {exc}")
             return self.finish()
-        self.tallies.check_rounds(int(run["lastRound"]), rounds)
+        self.tallies.check_rounds(run.last_round, rounds)
 
-        parent, parent_checkpoint = genesis, bytes(run["genesisCheckpoint"])
+        parent, parent_checkpoint = genesis, run.genesis_checkpoint
         loaded = {0: genesis.manifest} if genesis is not None else {}
         for record in rounds:
-            parent = self.check_round(run_id, record, parent, genesis, parent_checkpoint, run["coordinator"])
-            parent_checkpoint = bytes(record["checkpoint"])
+            parent = self.check_round(run_id, record, parent, genesis, parent_checkpoint, run.coordinator)
+            parent_checkpoint = record.checkpoint
             if parent is not None:
                 loaded[parent.manifest.round] = parent.manifest
         if self.replay > 0:
@@ -170,26 +170,25 @@ class _Audit:
         self.tallies.check_tallies(run_id, rounds)
         self.tallies.check_payouts(run_id)
         if genesis is not None:
-            last = CID(Codec.JSON, bytes(rounds[-1]["manifestDigest"])) if rounds else genesis.cid
+            last = CID(Codec.JSON, rounds[-1].manifest_digest) if rounds else genesis.cid
             check_unrecorded(self.findings, genesis.manifest.run_id, last, len(rounds), self.max_unrecorded)
         return self.finish()
 
-    def check_genesis(self, run_id: bytes, run: dict[str, Any]) -> Loaded | None:
+    def check_genesis(self, run_id: bytes, run: RunRecord) -> Loaded | None:
         """Genesis's row of the table, and its lineage checks."""
-        row = self._row(0, run["genesisManifest"], run["genesisCheckpoint"], participants=0, reports=0)
+        row = self._row(0, run.genesis_manifest, run.genesis_checkpoint, participants=0, reports=0)
         genesis = self.lineage.check_genesis(run_id, run)
         if genesis is not None:
             row.eval_loss = from_e6(genesis.manifest.eval_loss_e6)
         return genesis
 
-    def check_round(self, run_id: bytes, record: dict[str, Any], parent: Loaded | None, genesis: Loaded | None,
+    def check_round(self, run_id: bytes, record: RoundRecord, parent: Loaded | None, genesis: Loaded | None,
                     parent_checkpoint: bytes, coordinator: str) -> Loaded | None:
         """One recorded round: the ledger's record of it, its manifest and objects, its re-derivation
         and its reports. Returns what the next round needs, or None when the manifest cannot be read."""
-        r = int(record["round"])
-        row = self._row(r, record["manifestDigest"], record["checkpoint"], participants=None,
-                        reports=len(record.get("reports", [])))
-        row.unreported = len(record.get("unreported", []))
+        r = record.round
+        row = self._row(r, record.manifest_digest, record.checkpoint, participants=None, reports=len(record.reports))
+        row.unreported = len(record.unreported)
         self.tallies.check_record(run_id, record, parent_checkpoint, coordinator)
         read = self.lineage.check_round(record, parent, genesis)
         if read is None:

@@ -11,9 +11,9 @@ from __future__ import annotations
 
 from collections import defaultdict
 from dataclasses import dataclass
-from typing import Any
 
 from settlement import Ledger
+from settlement.records import RoundRecord, RunRecord
 from storage_client import (
     CID,
     Codec,
@@ -21,6 +21,7 @@ from storage_client import (
     ManifestError,
     ObjectStore,
     StoreError,
+    hex_or_none,
     loads_bounded,
 )
 from storage_client.manifest import SCHEMA as MANIFEST_SCHEMA
@@ -47,7 +48,7 @@ class Lineage:
         self.ledger = ledger
         self.config: RunConfig | None = None
 
-    def resolve_run(self, run_id: bytes | None) -> tuple[bytes, dict[str, Any]] | None:
+    def resolve_run(self, run_id: bytes | None) -> tuple[bytes, RunRecord] | None:
         """The audited run's id and the ledger's runOf view of it; None after a ``run`` failure.
         Without an id, the ledger's one run whose genesis manifest is in the store."""
         fail = self.findings.fail
@@ -61,9 +62,9 @@ class Lineage:
         if not created:
             fail(None, self.ledger.address, "run", "the ledger holds no run")
             return None
-        here = [e for e in created if self.findings.store.has(CID(Codec.JSON, e["genesisManifest"]))]
+        here = [e for e in created if self.findings.store.has(CID(Codec.JSON, e.genesis_manifest))]
         candidates = here if here else created
-        ids = sorted({bytes(e["runId"]) for e in candidates})
+        ids = sorted({e.run_id for e in candidates})
         if len(ids) != 1:
             listing = ", ".join("0x" + i.hex() for i in ids)
             fail(None, self.ledger.address, "run",
@@ -76,13 +77,13 @@ class Lineage:
             return None
         return ids[0], run
 
-    def check_genesis(self, run_id: bytes, run: dict[str, Any]) -> Loaded | None:
+    def check_genesis(self, run_id: bytes, run: RunRecord) -> Loaded | None:
         """The genesis manifest, θ⁽⁰⁾ and the config against the run's on-chain facts; reads ``config``."""
         fail = self.findings.fail
-        genesis_cid = CID(Codec.JSON, run["genesisManifest"])
-        if run_id != run["genesisManifest"]:
+        genesis_cid = CID(Codec.JSON, run.genesis_manifest)
+        if run_id != run.genesis_manifest:
             fail(0, str(genesis_cid), "run-id",
-                 f"runId 0x{run_id.hex()} is not the genesis manifest's digest 0x{run['genesisManifest'].hex()}")
+                 f"runId 0x{run_id.hex()} is not the genesis manifest's digest 0x{run.genesis_manifest.hex()}")
         manifest = self.findings.read_manifest(0, genesis_cid)
         if manifest is None:
             return None
@@ -93,13 +94,13 @@ class Lineage:
         params = self.findings.read(0, manifest.params, "θ⁽⁰⁾ (genesis params)")
         outer = self.findings.read(0, manifest.outer_state, "the genesis outer state")
         config_bytes = self.findings.read(0, manifest.config, "the run config")
-        if cid_digest(manifest.params) != run["genesisCheckpoint"]:
+        if cid_digest(manifest.params) != run.genesis_checkpoint:
             fail(0, manifest.params, "genesis-checkpoint",
-                 f"the chain's genesis checkpoint 0x{run['genesisCheckpoint'].hex()} is not the digest of "
+                 f"the chain's genesis checkpoint 0x{run.genesis_checkpoint.hex()} is not the digest of "
                  f"the genesis params {manifest.params}")
-        if cid_digest(manifest.config) != run["configDigest"]:
+        if cid_digest(manifest.config) != run.config_digest:
             fail(0, manifest.config, "config",
-                 f"the chain's configDigest 0x{run['configDigest'].hex()} is not the genesis config {manifest.config}")
+                 f"the chain's configDigest 0x{run.config_digest.hex()} is not the genesis config {manifest.config}")
         if config_bytes is not None:
             try:
                 self.config = RunConfig.from_json(self.findings.store.get_json(manifest.config))
@@ -107,13 +108,13 @@ class Lineage:
                 fail(0, manifest.config, "config", f"the run config does not parse: {exc}")
         return Loaded(genesis_cid, manifest, params, outer)
 
-    def check_round(self, record: dict[str, Any], parent: Loaded | None,
+    def check_round(self, record: RoundRecord, parent: Loaded | None,
                     genesis: Loaded | None) -> tuple[Loaded, dict[str, bytes]] | None:
         """A recorded round's manifest and the objects it names; the round and its stored updates (by
         worker; those that could be read), or None when the manifest cannot be read. The updates are
         not kept in ``Loaded``: the next round needs only the params and outer state."""
-        r = int(record["round"])
-        cid = CID(Codec.JSON, record["manifestDigest"])
+        r = record.round
+        cid = CID(Codec.JSON, record.manifest_digest)
         manifest = self.findings.read_manifest(r, cid)
         if manifest is None:
             return None
@@ -126,13 +127,13 @@ class Lineage:
             data = self.findings.read(r, p.update, f"the update of participant {p.worker}")
             if data is not None:
                 updates[p.worker] = data
-        if cid_digest(manifest.params) != record["checkpoint"]:
+        if cid_digest(manifest.params) != record.checkpoint:
             self.findings.fail(r, manifest.params, "checkpoint",
-                               f"the chain's checkpoint 0x{record['checkpoint'].hex()} is not the digest of the "
+                               f"the chain's checkpoint 0x{record.checkpoint.hex()} is not the digest of the "
                                f"manifest's params {manifest.params}")
-        if parent is not None and cid_digest(parent.manifest.params) != record.get("parentCheckpoint"):
+        if parent is not None and cid_digest(parent.manifest.params) != record.parent_checkpoint:
             self.findings.fail(r, parent.manifest.params, "parent-checkpoint",
-                               f"the chain's parent checkpoint 0x{record.get('parentCheckpoint', b'').hex()} is not "
+                               f"the chain's parent checkpoint {hex_or_none(record.parent_checkpoint)} is not "
                                f"the digest of round {r - 1}'s params {parent.manifest.params}")
         return Loaded(cid, manifest, params, outer), updates
 

@@ -14,6 +14,7 @@ from typing import Any
 
 from attestation import ReportError, SignedReport
 from attestation.report import Domain, RoundReport, manifest_claims, report_differences
+from settlement.records import RoundRecord
 from storage_client import Manifest, Participant
 from trainer.config import RunConfig
 from trainer.data import CorpusError, load_corpus, shard_digest
@@ -41,14 +42,14 @@ class ReportChecks:
         self.config = config
         self._shard_digests: list[bytes] | None = None  # _shard_digests_or_none(), computed once
 
-    def check(self, run_id: bytes, record: dict[str, Any], manifest: Manifest | None, parent: Loaded | None) -> None:
+    def check(self, run_id: bytes, record: RoundRecord, manifest: Manifest | None, parent: Loaded | None) -> None:
         """The reports the recording call carried; with the round's manifest (None when unreadable),
         what they say of its participants, and that every participant is accounted for."""
-        r, block = int(record["round"]), int(record["block"])
+        r, block = record.round, record.block
         by_update = {} if manifest is None else {cid_digest(p.update): p for p in manifest.participants}
         matched: dict[str, str] = {}  # participant worker id -> report label
         signers: dict[str, str] = {}  # signer -> report label
-        for i, signed in enumerate(record.get("reports", [])):
+        for i, signed in enumerate(record.reports):
             rep = signed.report
             label = f"report[{i}] {rep.worker}"
             signature_ok = self._check_signature(r, label, signed)
@@ -73,7 +74,7 @@ class ReportChecks:
             return False
         return True
 
-    def _check_binding(self, run_id: bytes, r: int, label: str, rep: RoundReport, record: dict[str, Any],
+    def _check_binding(self, run_id: bytes, r: int, label: str, rep: RoundReport, record: RoundRecord,
                        parent: Loaded | None) -> None:
         """The report is about this round as the chain recorded it."""
         wrong = []
@@ -81,13 +82,13 @@ class ReportChecks:
             wrong.append(f"runId 0x{rep.run_id.hex()}")
         if rep.round != r:
             wrong.append(f"round {rep.round}")
-        if rep.parent_checkpoint != record.get("parentCheckpoint"):
+        if rep.parent_checkpoint != record.parent_checkpoint:
             wrong.append(f"parentCheckpoint 0x{rep.parent_checkpoint.hex()}")
         elif parent is not None and rep.parent_checkpoint != cid_digest(parent.manifest.params):
             wrong.append(f"parentCheckpoint 0x{rep.parent_checkpoint.hex()} (not round {r - 1}'s params)")
-        if rep.checkpoint != record["checkpoint"]:
+        if rep.checkpoint != record.checkpoint:
             wrong.append(f"checkpoint 0x{rep.checkpoint.hex()}")
-        if rep.manifest_digest != record["manifestDigest"]:
+        if rep.manifest_digest != record.manifest_digest:
             wrong.append(f"manifestDigest 0x{rep.manifest_digest.hex()}")
         if wrong:
             self.findings.fail(r, label, "report-binding", "the report is not about this round: " + ", ".join(wrong))
@@ -108,7 +109,7 @@ class ReportChecks:
         matched.setdefault(participant.worker, label)
         return participant
 
-    def _check_claims(self, run_id: bytes, r: int, label: str, rep: RoundReport, record: dict[str, Any],
+    def _check_claims(self, run_id: bytes, r: int, label: str, rep: RoundReport, record: RoundRecord,
                       manifest: Manifest, parent: Loaded | None, participant: Participant | None) -> None:
         """What the report says of its participant (``report-fields``, ``data-digest``) and of the round
         (``report-eval-loss``) is what the manifest says; a report that is no participant's still
@@ -119,7 +120,7 @@ class ReportChecks:
         else:
             # The parent's manifest only gives the parentCheckpoint claim, which is not compared here
             # (_CHECK_OF_CLAIM); when it cannot be read, the round's own manifest stands in for it.
-            claims = manifest_claims(run_id, record["manifestDigest"], manifest,
+            claims = manifest_claims(run_id, record.manifest_digest, manifest,
                                      manifest if parent is None else parent.manifest, participant, None)
         differences = report_differences(rep, {name: claims[name] for name in _CHECK_OF_CLAIM if name in claims})
         fields = [str(d) for d in differences if _CHECK_OF_CLAIM[d.field.name] == "report-fields"]
@@ -164,13 +165,12 @@ class ReportChecks:
                 self._shard_digests = [shard_digest(corpus.shard(i, n)) for i in range(n)]
         return self._shard_digests or None
 
-    def _check_accounted(self, r: int, record: dict[str, Any], manifest: Manifest, matched: dict[str, str]) -> None:
+    def _check_accounted(self, r: int, record: RoundRecord, manifest: Manifest, matched: dict[str, str]) -> None:
         """Every participant has a worker's report or is on the coordinator's unreported list; every
         unreported entry is a participant that has no report."""
-        unreported: list[bytes] = record.get("unreported", [])
         by_update = {cid_digest(p.update): p for p in manifest.participants}
         vouched: set[str] = set()
-        for j, digest in enumerate(unreported):
+        for j, digest in enumerate(record.unreported):
             p = by_update.get(digest)
             label = f"unreported[{j}] 0x{digest.hex()}"
             if p is None:

@@ -12,10 +12,10 @@ events (WorkerAdmitted, WorkerRevoked, MeasurementSet), never from the registry'
 from __future__ import annotations
 
 from collections import defaultdict
-from typing import Any
 
 from attestation import Policy, Provider, checksum_address
-from settlement import Ledger, Registry, registry_artifact
+from settlement import Ledger, Registry
+from settlement.records import Admission, MeasurementChange, Revocation
 
 from .admission import AdmissionCheck, check_admission
 from .findings import Findings
@@ -28,9 +28,9 @@ class Signers:
         self.findings = findings
         self.registry = registry
         self.policy = policy
-        self.admissions: dict[str, list[dict[str, Any]]] = defaultdict(list)
-        self.revocations: dict[str, list[dict[str, Any]]] = defaultdict(list)
-        self.measurement_events: list[dict[str, Any]] = []
+        self.admissions: dict[str, list[Admission]] = defaultdict(list)
+        self.revocations: dict[str, list[Revocation]] = defaultdict(list)
+        self.measurement_events: list[MeasurementChange] = []
         # (worker, evidenceDigest) -> (the round it was first checked in, what checking it found)
         self._admission_checks: dict[tuple[str, bytes], tuple[int, AdmissionCheck]] = {}
 
@@ -43,17 +43,11 @@ class Signers:
 
     def read_history(self) -> None:
         """Every admission, revocation and allowlist change of the registry, in chain order."""
-        for e in self.registry.admissions():
-            self.admissions[checksum_address(e["worker"])].append(e)
-        for e in self.registry.revocations():
-            self.revocations[checksum_address(e["worker"])].append(e)
-        contract = self.registry.chain.contract(self.registry.address, registry_artifact().abi)
-        logs = self.registry.chain.read(
-            lambda: contract.events.MeasurementSet.get_logs(from_block=self.registry.from_block), "MeasurementSet logs")
-        self.measurement_events = sorted(
-            ({"measurement": bytes(e["args"]["measurement"]), "allowed": bool(e["args"]["allowed"]),
-              "block": int(e["blockNumber"]), "log_index": int(e["logIndex"])} for e in logs),
-            key=lambda e: (e["block"], e["log_index"]))
+        for admission in self.registry.admissions():
+            self.admissions[admission.worker].append(admission)
+        for revocation in self.registry.revocations():
+            self.revocations[revocation.worker].append(revocation)
+        self.measurement_events = self.registry.measurement_changes()
 
     @property
     def dev_accepted(self) -> bool:
@@ -64,23 +58,23 @@ class Signers:
         """``worker``, who signed report ``label`` of round r, recorded at ``block``, was admitted, not
         revoked and of an allowlisted measurement then, on an admission whose record and evidence verify."""
         fail = self.findings.fail
-        admitted = [a for a in self.admissions.get(worker, []) if a["block"] <= block]
+        admitted = [a for a in self.admissions.get(worker, []) if a.block <= block]
         if not admitted:
             later = self.admissions.get(worker, [])
-            when = f" (only later, at block {later[0]['block']})" if later else ""
+            when = f" (only later, at block {later[0].block})" if later else ""
             fail(r, label, "admitted", f"{worker} was never admitted to registry {self.registry.address} before the "
                                        f"round was recorded at block {block}{when}")
             return
         admission = admitted[-1]
-        revoked = [v for v in self.revocations.get(worker, []) if v["block"] <= block]
+        revoked = [v for v in self.revocations.get(worker, []) if v.block <= block]
         if revoked:
             fail(r, label, "revoked",
-                 f"{worker} was revoked at block {revoked[0]['block']}, and the round was recorded at block {block}")
-        measurement = bytes(admission["measurement"])
+                 f"{worker} was revoked at block {revoked[0].block}, and the round was recorded at block {block}")
+        measurement = admission.measurement
         if not self._measurement_allowed(measurement, block):
             fail(r, label, "measurement-allowed",
                  f"{worker}'s measurement 0x{measurement.hex()} was not allowlisted at block {block}")
-        self._check_admission(run_id, r, label, worker, measurement, bytes(admission["evidence_digest"]))
+        self._check_admission(run_id, r, label, worker, measurement, admission.evidence_digest)
 
     def _check_admission(self, run_id: bytes, r: int, label: str, worker: str, measurement: bytes,
                          evidence_digest: bytes) -> None:
@@ -104,8 +98,8 @@ class Signers:
     def _measurement_allowed(self, measurement: bytes, block: int) -> bool:
         allowed = False
         for event in self.measurement_events:
-            if event["block"] > block:
+            if event.block > block:
                 break
-            if bytes(event["measurement"]) == measurement:
-                allowed = bool(event["allowed"])
+            if event.measurement == measurement:
+                allowed = event.allowed
         return allowed

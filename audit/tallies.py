@@ -11,12 +11,11 @@ deployment's reward pool, ``payout`` (settlement.rewards.statement).
 from __future__ import annotations
 
 from collections import defaultdict
-from typing import Any
 
-from attestation import checksum_address
 from settlement import ChainError, Ledger
-from settlement.ledger import commitment_of
+from settlement.records import Contribution, RoundRecord
 from settlement.rewards import RewardPool
+from storage_client import hex_or_none
 
 from .findings import Findings
 
@@ -29,67 +28,66 @@ class Tallies:
         self.ledger = ledger
         self.rewards = rewards
 
-    def check_rounds(self, last: int, rounds: list[dict[str, Any]]) -> None:
+    def check_rounds(self, last: int, rounds: list[RoundRecord]) -> None:
         """The ledger's RoundRecorded events are for rounds 1..``last`` (its lastRound), in order."""
-        numbers = [int(rec["round"]) for rec in rounds]
+        numbers = [rec.round for rec in rounds]
         if numbers != list(range(1, last + 1)):
             self.findings.fail(None, self.ledger.address, "rounds",
                                f"the ledger's lastRound is {last}, but its RoundRecorded events are for rounds "
                                f"{numbers}")
 
-    def check_record(self, run_id: bytes, record: dict[str, Any], parent_checkpoint: bytes, coordinator: str) -> None:
-        """A round's record on chain: chained to the previous round's checkpoint, crediting the
-        reports' signers, committed as recorded, and sent by the run's ``coordinator`` (as runOf says it)."""
+    def check_record(self, run_id: bytes, record: RoundRecord, parent_checkpoint: bytes, coordinator: str) -> None:
+        """A round's record on chain (with its recording call): chained to the previous round's
+        checkpoint, crediting the reports' signers, committed as recorded, and sent by the run's
+        ``coordinator`` (as runOf says it)."""
         fail = self.findings.fail
-        r = int(record["round"])
+        r = record.round
         where = f"round {r} on chain"
-        if record.get("parentCheckpoint") != parent_checkpoint:
+        if record.parent_checkpoint != parent_checkpoint:
             fail(r, where, "parent-checkpoint",
-                 f"the ledger recorded parent 0x{record.get('parentCheckpoint', b'').hex()}, but the previous "
+                 f"the ledger recorded parent {hex_or_none(record.parent_checkpoint)}, but the previous "
                  f"round's checkpoint on chain is 0x{parent_checkpoint.hex()}")
-        unreported: list[bytes] = record.get("unreported", [])
-        credited = [checksum_address(w) for w in record.get("workers", [])]
-        signers = [signed.report.worker for signed in record.get("reports", [])]
-        if credited != signers or int(record.get("unreportedCount", 0)) != len(unreported):
+        credited = list(record.workers)
+        signers = [signed.report.worker for signed in record.reports]
+        if credited != signers or record.unreported_count != len(record.unreported):
             fail(r, where, "report-count",
-                 f"RoundRecorded credits {len(credited)} worker(s) and says {record.get('unreportedCount', 0)} "
+                 f"RoundRecorded credits {len(credited)} worker(s) and says {record.unreported_count} "
                  f"unreported update(s); the recording call carried reports of {len(signers)} and "
-                 f"{len(unreported)} unreported" + ("" if len(credited) != len(signers) else
-                                                    ": the credited workers are not the reports' signers"))
+                 f"{len(record.unreported)} unreported" + ("" if len(credited) != len(signers) else
+                                                           ": the credited workers are not the reports' signers"))
         stored = self.ledger.round_commitment(run_id, r)
-        derived = commitment_of(record)
-        if stored != record.get("commitment") or stored != derived:
+        derived = record.facts_commitment()
+        if stored != record.commitment or stored != derived:
             fail(r, where, "ledger",
                  f"the ledger keeps commitment 0x{stored.hex()} for the round, its RoundRecorded event says "
-                 f"0x{bytes(record.get('commitment', b'')).hex()}, and the recorded facts hash to "
+                 f"0x{record.commitment.hex()}, and the recorded facts hash to "
                  f"0x{derived.hex()} (the round was overwritten, or the ledger is not what it claims)")
-        coordinator = checksum_address(coordinator)
-        if record.get("sender") != coordinator:
+        if record.sender != coordinator:
             fail(r, where, "recorder",
-                 f"round {r} was recorded by {record.get('sender')} (tx {record.get('tx_hash')}), not by the run's "
+                 f"round {r} was recorded by {record.sender} (tx {record.tx_hash}), not by the run's "
                  f"coordinator {coordinator}")
 
-    def check_tallies(self, run_id: bytes, rounds: list[dict[str, Any]]) -> None:
+    def check_tallies(self, run_id: bytes, rounds: list[RoundRecord]) -> None:
         """``contributionOf(run, worker)`` equals the run's recorded reports of that worker, and
         ``totalContributionOf(worker)`` the worker's credits over every run on this ledger (summed from
         each run's RoundRecorded events: the tokens each round credits each of its workers)."""
         tokens: dict[str, int] = defaultdict(int)
         counted: dict[str, int] = defaultdict(int)
         for record in rounds:
-            for signed in record.get("reports", []):
+            for signed in record.reports:
                 tokens[signed.report.worker] += signed.report.tokens
                 counted[signed.report.worker] += 1
-        workers = set(tokens) | {checksum_address(w) for record in rounds for w in record.get("workers", [])}
+        workers = set(tokens) | {w for record in rounds for w in record.workers}
         tallies = self.findings.result.tallies
         for worker in sorted(workers):
             got = self.ledger.contribution_of(run_id, worker)
-            want = {"tokens": tokens.get(worker, 0), "rounds": counted.get(worker, 0)}
-            tallies[worker] = {"tokens": want["tokens"], "rounds": want["rounds"]}
-            if (int(got["tokens"]), int(got["rounds"])) != (want["tokens"], want["rounds"]):
+            want = Contribution(tokens=tokens.get(worker, 0), rounds=counted.get(worker, 0))
+            tallies[worker] = {"tokens": want.tokens, "rounds": want.rounds}
+            if got != want:
                 self.findings.fail(None, worker, "tally",
-                                   f"the ledger credits {worker} with {got['tokens']} tokens over {got['rounds']} "
-                                   f"round(s); its recorded reports sum to {want['tokens']} tokens over "
-                                   f"{want['rounds']} round(s)")
+                                   f"the ledger credits {worker} with {got.tokens} tokens over {got.rounds} "
+                                   f"round(s); its recorded reports sum to {want.tokens} tokens over "
+                                   f"{want.rounds} round(s)")
         if not workers:
             return
         try:
@@ -100,24 +98,24 @@ class Tallies:
             return
         for worker in sorted(workers):
             got = self.ledger.total_contribution_of(worker)
-            want = totals.get(worker, {"tokens": 0, "rounds": 0})
-            tallies[worker]["total_tokens"] = want["tokens"]
-            if (int(got["tokens"]), int(got["rounds"])) != (want["tokens"], want["rounds"]):
+            want = totals.get(worker, Contribution(tokens=0, rounds=0))
+            tallies[worker]["total_tokens"] = want.tokens
+            if got != want:
                 self.findings.fail(None, worker, "total-contribution",
-                                   f"the ledger's totalContributionOf({worker}) is {got['tokens']} tokens over "
-                                   f"{got['rounds']} round(s); its rounds over all {len(self.ledger.runs_created())} "
-                                   f"run(s) credit {want['tokens']} tokens over {want['rounds']} round(s)")
+                                   f"the ledger's totalContributionOf({worker}) is {got.tokens} tokens over "
+                                   f"{got.rounds} round(s); its rounds over all {len(self.ledger.runs_created())} "
+                                   f"run(s) credit {want.tokens} tokens over {want.rounds} round(s)")
 
-    def _totals_over_runs(self) -> dict[str, dict[str, int]]:
+    def _totals_over_runs(self) -> dict[str, Contribution]:
         """Each worker's credits over every run this ledger created, from the RoundRecorded events."""
-        totals: dict[str, dict[str, int]] = defaultdict(lambda: {"tokens": 0, "rounds": 0})
+        tokens: dict[str, int] = defaultdict(int)
+        rounds: dict[str, int] = defaultdict(int)
         for created in self.ledger.runs_created():
-            for event in self.ledger.recorded_round_events(bytes(created["runId"])):
-                for worker in event["workers"]:
-                    total = totals[checksum_address(worker)]
-                    total["tokens"] += int(event["tokens"])
-                    total["rounds"] += 1
-        return totals
+            for event in self.ledger.recorded_round_events(created.run_id):
+                for worker in event.workers:
+                    tokens[worker] += event.tokens
+                    rounds[worker] += 1
+        return {worker: Contribution(tokens=tokens[worker], rounds=rounds[worker]) for worker in tokens}
 
     def check_payouts(self, run_id: bytes) -> None:
         """Every reward the pool paid out of this run is one a recorded round entitles (``payout``),

@@ -21,7 +21,9 @@ from typing import TYPE_CHECKING
 if TYPE_CHECKING:
     from rich.console import Console
 
+    from settlement import Ledger
     from settlement.rewards import Statement
+    from storage_client import ObjectStore
 
 EXIT_OK, EXIT_FAILED, EXIT_ERROR = 0, 1, 2
 
@@ -106,14 +108,14 @@ def _settle_on(rpc_url: str, run_dir: Path, deployment, claim: bool, key: str, c
     return EXIT_FAILED if overpaid else EXIT_OK
 
 
-def run_of(store, ledger) -> bytes | None:
+def run_of(store: ObjectStore, ledger: Ledger) -> bytes | None:
     """The ledger's run whose genesis manifest is in ``store`` (the newest, should there be several)."""
     from storage_client import CID, Codec
 
     found = None
     for created in ledger.runs_created():
-        if CID(Codec.JSON, bytes(created["genesisManifest"])) in store:
-            found = bytes(created["runId"])
+        if CID(Codec.JSON, created.genesis_manifest) in store:
+            found = created.run_id
     return found
 
 

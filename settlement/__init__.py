@@ -5,6 +5,8 @@
     chain      Chain: one account on one chain; locally signed transactions, retries, decoded reverts
                (ChainError, ChainUnavailable, TxReverted)
     ledger     deploy / Deployment, Registry (WorkerRegistry), Ledger (ContributionLedger)
+    records    what the clients read from the chain, as typed records (RunRecord, RoundRecord, ...)
+    rewards    RewardPool / RewardToken: a run's reward pool, its statement and claims
     outbox     Outbox: ledger writes kept on disk until the chain confirms them (idempotent flush)
     gas        gas_table / format_markdown: what each ledger write costs
 """

@@ -26,6 +26,7 @@ from .anvil import DEV_ACCOUNTS, Anvil
 from .artifacts import ledger_artifact, load_artifact, registry_artifact
 from .chain import Chain
 from .ledger import Ledger, Registry
+from storage_client import bytes32
 from .rewards import RewardPool, RewardToken
 
 __all__ = ["format_markdown", "gas_table", "main"]
@@ -124,14 +125,12 @@ def gas_table(report_counts: Sequence[int] = (1, 2, 4, 8, 16)) -> list[dict[str,
 
 def _claim(pool: RewardPool, run_id: bytes, worker: str, rounds: int) -> Any:
     """Claim the first ``rounds`` unpaid rounds of ``worker`` in one call."""
-    from .ledger import _bytes32, round_facts
-
-    paid = {int(p["round"]) for p in pool.payments(run_id) if p["worker"] == worker}
+    paid = {p.round for p in pool.payments(run_id, worker)}
     claims = []
     for event in pool.ledger.recorded_round_events(run_id):
-        if worker in event["workers"] and int(event["round"]) not in paid and len(claims) < rounds:
-            claims.append((int(event["round"]), list(event["workers"]).index(worker), round_facts(event)))
-    return pool.chain.transact(pool._contract.functions.claim(_bytes32("run_id", run_id), worker, claims))
+        if worker in event.workers and event.round not in paid and len(claims) < rounds:
+            claims.append((event.round, event.workers.index(worker), event.facts()))
+    return pool.chain.transact(pool._contract.functions.claim(bytes32(run_id, "run_id"), worker, claims))
 
 
 def format_markdown(rows: Sequence[dict[str, Any]]) -> str:

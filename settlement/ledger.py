@@ -5,8 +5,8 @@ coordinator, workers and auditors find the same addresses). ``Registry`` and ``L
 function of docs/trust.md "Contracts" with Python types: 32-byte values are ``bytes``, addresses
 checksummed ``str``, reports ``attestation.report`` objects.
 
-Views that return a Solidity struct give a ``dict`` keyed by the struct's field names
-(``run_of(run)["lastRound"]``). Histories come from event logs, which is what an auditor can read
+What they read from the chain comes back as the typed records of ``settlement.records``
+(``run_of(run).last_round``). Histories come from event logs, which is what an auditor can read
 from any node without trusting the coordinator: ``recorded_rounds`` even rebuilds every signed
 report from the calldata of the transaction that recorded it, so the signatures can be checked
 again off chain.
@@ -15,23 +15,33 @@ again off chain.
 from __future__ import annotations
 
 import json
-from collections.abc import Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import asdict, dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar
 
 from eth_utils import to_checksum_address
-from hexbytes import HexBytes
 
 from attestation.report import REPORT_FIELDS, Domain, ReportField, RoundReport, SignedReport
-from storage_client import strict_json, write_atomic
+from storage_client import bytes32, strict_json, write_atomic
 
 from .artifacts import Artifact, ledger_artifact, load_artifact, registry_artifact
 from .chain import Chain, ChainError, Deployed
+from .records import (
+    Admission,
+    Contribution,
+    MeasurementChange,
+    Revocation,
+    RoundRecord,
+    RunCreated,
+    RunRecord,
+    WorkerRecord,
+)
 
 __all__ = ["Deployment", "DeploymentError", "Ledger", "Registry", "deploy"]
 
 _ZERO_ADDRESS = "0x0000000000000000000000000000000000000000"
+_Record = TypeVar("_Record")
 
 
 class DeploymentError(ValueError):
@@ -107,26 +117,6 @@ def deploy(chain: Chain) -> Deployment:
                       deployed_block=block, token=token, rewards=rewards)
 
 
-def _bytes32(name: str, value: bytes) -> bytes:
-    if not isinstance(value, (bytes, bytearray)) or len(value) != 32:
-        got = f"{len(value)} bytes" if isinstance(value, (bytes, bytearray)) else type(value).__name__
-        raise ValueError(f"{name} must be 32 bytes, got {got}")
-    return bytes(value)
-
-
-def _plain(value: Any) -> Any:
-    """web3's HexBytes / AttributeDict / tuples as plain bytes / dict / list."""
-    if isinstance(value, (HexBytes, bytearray)):
-        return bytes(value)
-    if isinstance(value, (list, tuple)):
-        return [_plain(v) for v in value]
-    return value
-
-
-def _struct(components: list[dict[str, Any]], value: Sequence[Any]) -> dict[str, Any]:
-    return {c["name"]: _plain(v) for c, v in zip(components, value, strict=True)}
-
-
 class _Contract:
     """What both clients share: the web3 contract, struct views and event scans."""
 
@@ -141,24 +131,19 @@ class _Contract:
         return f"{type(self).__name__}({self.address} on {self.chain.rpc_url})"
 
     def _view_struct(self, fn_name: str, *args: Any) -> dict[str, Any]:
+        """A view's struct, keyed by the Solidity names of its fields (for a record's ``from_struct``)."""
         value = self.chain.call(getattr(self._contract.functions, fn_name)(*args))
         entry = next(e for e in self._abi if e.get("type") == "function" and e["name"] == fn_name)
-        return _struct(entry["outputs"][0]["components"], value)
+        return {c["name"]: v for c, v in zip(entry["outputs"][0]["components"], value, strict=True)}
 
-    def _logs(self, event: str, **filters: Any) -> list[dict[str, Any]]:
-        """Every log of ``event`` (from ``from_block``) matching indexed ``filters``, oldest first;
-        each with the event's fields plus ``block``, ``tx_hash`` and ``log_index``."""
+    def _logs(self, event: str, record: Callable[[Mapping[str, Any]], _Record], **filters: Any) -> list[_Record]:
+        """Every log of ``event`` (from ``from_block``) matching indexed ``filters``, oldest first, each
+        made into a record by ``record`` (a record class's ``from_event``)."""
         contract_event = getattr(self._contract.events, event)
         logs = self.chain.read(
             lambda: contract_event.get_logs(argument_filters=filters or None, from_block=self.from_block),
             f"{event} logs")
-        out = []
-        for entry in sorted(logs, key=lambda e: (e["blockNumber"], e["logIndex"])):
-            record = {k: _plain(v) for k, v in entry["args"].items()}
-            record.update(block=int(entry["blockNumber"]), tx_hash="0x" + bytes(entry["transactionHash"]).hex(),
-                          log_index=int(entry["logIndex"]))
-            out.append(record)
-        return out
+        return [record(entry) for entry in sorted(logs, key=lambda e: (e["blockNumber"], e["logIndex"]))]
 
 
 class Registry(_Contract):
@@ -174,7 +159,7 @@ class Registry(_Contract):
 
     def set_measurement(self, measurement: bytes, allowed: bool = True) -> Any:
         """Allowlist a code measurement (owner only); ``allowed=False`` removes it. Returns the receipt."""
-        fn = self._contract.functions.setMeasurement(_bytes32("measurement", measurement), allowed)
+        fn = self._contract.functions.setMeasurement(bytes32(measurement, "measurement"), allowed)
         return self.chain.transact(fn)
 
     def set_verifier(self, verifier: str, enabled: bool = True) -> Any:
@@ -183,8 +168,8 @@ class Registry(_Contract):
 
     def admit_worker(self, worker: str, measurement: bytes, evidence_digest: bytes) -> Any:
         """Admit a worker key whose evidence was verified (verifier only). Returns the receipt."""
-        fn = self._contract.functions.admitWorker(to_checksum_address(worker), _bytes32("measurement", measurement),
-                                                  _bytes32("evidence_digest", evidence_digest))
+        fn = self._contract.functions.admitWorker(to_checksum_address(worker), bytes32(measurement, "measurement"),
+                                                  bytes32(evidence_digest, "evidence_digest"))
         return self.chain.transact(fn)
 
     def revoke_worker(self, worker: str) -> Any:
@@ -202,26 +187,26 @@ class Registry(_Contract):
         return bool(self.chain.call(self._contract.functions.isVerifier(to_checksum_address(account))))
 
     def is_measurement_allowed(self, measurement: bytes) -> bool:
-        fn = self._contract.functions.isMeasurementAllowed(_bytes32("measurement", measurement))
+        fn = self._contract.functions.isMeasurementAllowed(bytes32(measurement, "measurement"))
         return bool(self.chain.call(fn))
 
-    def worker_of(self, worker: str) -> dict[str, Any]:
-        """``{measurement, evidenceDigest, verifier, admittedAt, revokedAt}`` (all zero if never admitted)."""
-        return self._view_struct("workerOf", to_checksum_address(worker))
+    def worker_of(self, worker: str) -> WorkerRecord:
+        """The key's admission as the registry keeps it now (all zero if never admitted)."""
+        return WorkerRecord.from_struct(self._view_struct("workerOf", to_checksum_address(worker)))
 
-    def admissions(self, worker: str | None = None) -> list[dict[str, Any]]:
-        """``WorkerAdmitted`` events, oldest first: ``{worker, measurement, evidence_digest, verifier,
-        block, tx_hash}``."""
+    def admissions(self, worker: str | None = None) -> list[Admission]:
+        """``WorkerAdmitted`` events (of ``worker``, or of every key), oldest first."""
         filters = {"worker": to_checksum_address(worker)} if worker else {}
-        return [{"worker": e["worker"], "measurement": e["measurement"], "evidence_digest": e["evidenceDigest"],
-                 "verifier": e["verifier"], "block": e["block"], "tx_hash": e["tx_hash"]}
-                for e in self._logs("WorkerAdmitted", **filters)]
+        return self._logs("WorkerAdmitted", Admission.from_event, **filters)
 
-    def revocations(self, worker: str | None = None) -> list[dict[str, Any]]:
-        """``WorkerRevoked`` events, oldest first: ``{worker, by, block, tx_hash}``."""
+    def revocations(self, worker: str | None = None) -> list[Revocation]:
+        """``WorkerRevoked`` events (of ``worker``, or of every key), oldest first."""
         filters = {"worker": to_checksum_address(worker)} if worker else {}
-        return [{"worker": e["worker"], "by": e["by"], "block": e["block"], "tx_hash": e["tx_hash"]}
-                for e in self._logs("WorkerRevoked", **filters)]
+        return self._logs("WorkerRevoked", Revocation.from_event, **filters)
+
+    def measurement_changes(self) -> list[MeasurementChange]:
+        """``MeasurementSet`` events, oldest first: every allowlisting and removal of a measurement."""
+        return self._logs("MeasurementSet", MeasurementChange.from_event)
 
 
 # What a round's reports share (``RoundHeader``) and what each adds (``WorkerReport``): the ledger
@@ -289,22 +274,6 @@ def _abi_value(field: ReportField, value: Any) -> Any:
     return value if field.abi_type == "address" else int(value)
 
 
-def round_facts(record: dict[str, Any]) -> tuple[bytes, bytes, int, int, int, list[str]]:
-    """``IContributionLedger.RoundFacts`` of a recorded round (as ``recorded_rounds`` gives it), in
-    the struct's order: what its commitment hashes and a reward claim proves."""
-    return (record["checkpoint"], record["manifestDigest"], int(record["tokens"]), int(record["block"]),
-            int(record["unreportedCount"]), [to_checksum_address(w) for w in record["workers"]])
-
-
-def commitment_of(record: dict[str, Any]) -> bytes:
-    """keccak256(abi.encode(RoundFacts)): what the ledger keeps of a recorded round."""
-    from eth_abi import encode
-    from eth_utils import keccak
-
-    encoded = encode(["(bytes32,bytes32,uint64,uint64,uint64,address[])"], [round_facts(record)])
-    return keccak(encoded)
-
-
 class Ledger(_Contract):
     """Client of a ``ContributionLedger``.
 
@@ -330,8 +299,8 @@ class Ledger(_Contract):
         if type(challenge_window) is not int or not 0 <= challenge_window < 2**32:
             raise ValueError(f"challenge_window must be a uint32, got {challenge_window!r}")
         fn = self._contract.functions.createRun(
-            _bytes32("run_id", run_id), _bytes32("genesis_checkpoint", genesis_checkpoint),
-            _bytes32("config_digest", config_digest), _bytes32("genesis_manifest", genesis_manifest),
+            bytes32(run_id, "run_id"), bytes32(genesis_checkpoint, "genesis_checkpoint"),
+            bytes32(config_digest, "config_digest"), bytes32(genesis_manifest, "genesis_manifest"),
             challenge_window)
         return self.chain.transact(fn)
 
@@ -344,11 +313,11 @@ class Ledger(_Contract):
             (sorted here; nobody is credited for them)
         @raise TxReverted with the ledger's refusal, e.g. ``LedgerWrongParent(expected=…, got=…)``
         """
-        header = RoundHeader.of(reports, _bytes32("run_id", run_id), round, _bytes32("parent", parent),
-                                _bytes32("checkpoint", checkpoint), _bytes32("manifest_digest", manifest_digest))
+        header = RoundHeader.of(reports, bytes32(run_id, "run_id"), round, bytes32(parent, "parent"),
+                                bytes32(checkpoint, "checkpoint"), bytes32(manifest_digest, "manifest_digest"))
         # The ledger takes reports in strictly ascending worker order (so none is credited twice).
         ordered = sorted(reports, key=lambda s: int(s.report.worker, 16))
-        vouched = sorted(_bytes32("unreported update", u) for u in unreported)
+        vouched = sorted(bytes32(u, "unreported update") for u in unreported)
         fn = self._contract.functions.recordRound(header.as_abi(), [_worker_tuple(s) for s in ordered], vouched)
         return self.chain.transact(fn)
 
@@ -356,36 +325,30 @@ class Ledger(_Contract):
         """The chain's latest block number (a round recorded in block b is at depth head − b + 1)."""
         return int(self.chain.read(lambda: self.chain.w3.eth.block_number, "eth_blockNumber"))
 
-    def run_of(self, run_id: bytes) -> dict[str, Any] | None:
-        """``{coordinator, lastRound, challengeWindow, lastCheckpoint, genesisCheckpoint, configDigest,
-        genesisManifest}``, or None when no such run exists."""
-        run = self._view_struct("runOf", _bytes32("run_id", run_id))
-        return None if run["coordinator"] == _ZERO_ADDRESS else run
+    def run_of(self, run_id: bytes) -> RunRecord | None:
+        """The run as the ledger keeps it now, or None when no such run exists."""
+        run = RunRecord.from_struct(self._view_struct("runOf", bytes32(run_id, "run_id")))
+        return None if run.coordinator == _ZERO_ADDRESS else run
 
-    def round_of(self, run_id: bytes, round: int) -> dict[str, Any]:
-        """A recorded round as its ``RoundRecorded`` event tells it (the newest such event), with
-        ``recordedAt`` (its block) and ``reportCount``: ``{checkpoint, manifestDigest, tokens, workers,
-        unreportedCount, commitment, recordedAt, reportCount}``; zeros when the round is not recorded."""
-        events = self._logs("RoundRecorded", runId=_bytes32("run_id", run_id), round=round)
-        if not events:
-            return {"checkpoint": bytes(32), "manifestDigest": bytes(32), "tokens": 0, "workers": [],
-                    "unreportedCount": 0, "commitment": bytes(32), "recordedAt": 0, "reportCount": 0}
-        event = events[-1]
-        return {**{k: event[k] for k in ("checkpoint", "manifestDigest", "tokens", "workers", "unreportedCount",
-                                         "commitment")},
-                "recordedAt": event["block"], "reportCount": len(event["workers"])}
+    def round_of(self, run_id: bytes, round: int) -> RoundRecord | None:
+        """A recorded round as its ``RoundRecorded`` event tells it (the newest such event; no calldata
+        is read), or None when the round is not recorded."""
+        events = self._logs("RoundRecorded", RoundRecord.from_event, runId=bytes32(run_id, "run_id"), round=round)
+        return events[-1] if events else None
 
     def round_commitment(self, run_id: bytes, round: int) -> bytes:
-        """What the ledger keeps of a recorded round: ``commitment_of`` its facts (zero if not recorded)."""
-        return bytes(self.chain.call(self._contract.functions.roundCommitment(_bytes32("run_id", run_id), round)))
+        """What the ledger keeps of a recorded round: the hash of its facts (``RoundRecord.facts_commitment``;
+        zero if not recorded)."""
+        return bytes(self.chain.call(self._contract.functions.roundCommitment(bytes32(run_id, "run_id"), round)))
 
-    def contribution_of(self, run_id: bytes, worker: str) -> dict[str, int]:
-        """``{tokens, rounds}`` credited to ``worker`` in one run."""
-        return self._view_struct("contributionOf", _bytes32("run_id", run_id), to_checksum_address(worker))
+    def contribution_of(self, run_id: bytes, worker: str) -> Contribution:
+        """The tokens and rounds credited to ``worker`` in one run."""
+        struct = self._view_struct("contributionOf", bytes32(run_id, "run_id"), to_checksum_address(worker))
+        return Contribution.from_struct(struct)
 
-    def total_contribution_of(self, worker: str) -> dict[str, int]:
-        """``{tokens, rounds}`` credited to ``worker`` over all runs."""
-        return self._view_struct("totalContributionOf", to_checksum_address(worker))
+    def total_contribution_of(self, worker: str) -> Contribution:
+        """The tokens and rounds credited to ``worker`` over all runs."""
+        return Contribution.from_struct(self._view_struct("totalContributionOf", to_checksum_address(worker)))
 
     def runs_of(self, worker: str) -> list[bytes]:
         """The runs ``worker`` has been credited in, in the order of its first credit in each."""
@@ -395,46 +358,36 @@ class Ledger(_Contract):
         """The EIP-712 digest the ledger computes for ``report`` (must equal ``report.digest(domain)``)."""
         return bytes(self.chain.call(self._contract.functions.reportDigest(report.as_abi())))
 
-    def runs_created(self) -> list[dict[str, Any]]:
-        """``RunCreated`` events: ``{runId, coordinator, genesisCheckpoint, configDigest, genesisManifest,
-        block, tx_hash, log_index}``."""
-        return self._logs("RunCreated")
+    def runs_created(self) -> list[RunCreated]:
+        """``RunCreated`` events, oldest first."""
+        return self._logs("RunCreated", RunCreated.from_event)
 
-    def recorded_round_events(self, run_id: bytes) -> list[dict[str, Any]]:
-        """``RoundRecorded`` events of a run, oldest first, without reading any calldata: ``{runId, round,
-        checkpoint, manifestDigest, tokens, workers, unreportedCount, commitment, block, tx_hash,
-        log_index}``."""
-        return self._logs("RoundRecorded", runId=_bytes32("run_id", run_id))
+    def recorded_round_events(self, run_id: bytes) -> list[RoundRecord]:
+        """``RoundRecorded`` events of a run, oldest first, without reading any calldata."""
+        return self._logs("RoundRecorded", RoundRecord.from_event, runId=bytes32(run_id, "run_id"))
 
-    def recorded_rounds(self, run_id: bytes) -> list[dict[str, Any]]:
-        """Every recorded round of a run, oldest first, with the reports that recorded it.
-
-        Each item: the ``RoundRecorded`` fields ``{runId, round, checkpoint, manifestDigest, tokens,
-        workers, unreportedCount, commitment}``, ``block``, ``tx_hash``, ``log_index``, ``sender`` (the
-        account that sent the recording transaction), and from its calldata ``parentCheckpoint``,
-        ``reports`` (each ``SignedReport`` exactly as its worker signed it) and ``unreported`` (the
-        update digests the coordinator recorded without a report).
+    def recorded_rounds(self, run_id: bytes) -> list[RoundRecord]:
+        """Every recorded round of a run, oldest first, with what the transaction that recorded it says
+        (``RoundRecord.with_call``): its sender, and from its calldata the parent checkpoint, the
+        reports (each ``SignedReport`` exactly as its worker signed it) and the unreported update
+        digests (recorded on the coordinator's word, without a report).
 
         @raise ChainError when a round was not recorded by a direct ``recordRound`` call to this
             ledger (its calldata then cannot be decoded), or the calldata disagrees with the event
         """
-        rounds = self._logs("RoundRecorded", runId=_bytes32("run_id", run_id))
-        for record in rounds:
-            tx = self.chain.read(lambda h=record["tx_hash"]: self.chain.w3.eth.get_transaction(h), "get transaction")
+        rounds = []
+        for event in self.recorded_round_events(run_id):
+            tx = self.chain.read(lambda h=event.tx_hash: self.chain.w3.eth.get_transaction(h), "get transaction")
             if tx["to"] is None or to_checksum_address(tx["to"]) != self.address:
-                raise ChainError(f"round {record['round']} was recorded by tx {record['tx_hash']}, which does not "
+                raise ChainError(f"round {event.round} was recorded by tx {event.tx_hash}, which does not "
                                  f"call the ledger directly; its reports cannot be read from the calldata")
             fn, params = self._contract.decode_function_input(tx["input"])
             header = params.get("header") if fn.fn_name == "recordRound" else None
-            if header is None or bytes(_field(header, "runId", 0)) != record["runId"] \
-                    or int(_field(header, "round", 1)) != record["round"]:
-                raise ChainError(f"tx {record['tx_hash']} does not hold the recordRound call of round "
-                                 f"{record['round']}")
-            record["sender"] = to_checksum_address(tx["from"])
-            record["parentCheckpoint"] = bytes(_field(header, "parentCheckpoint", 2))
-            record["reports"] = [_signed_from_abi(header, part) for part in params["reports"]]
-            record["unreported"] = [bytes(u) for u in params["unreported"]]
-            record["reportCount"] = len(record["workers"])
+            if header is None or bytes(_field(header, "runId", 0)) != event.run_id \
+                    or int(_field(header, "round", 1)) != event.round:
+                raise ChainError(f"tx {event.tx_hash} does not hold the recordRound call of round {event.round}")
+            rounds.append(event.with_call(
+                sender=tx["from"], parent_checkpoint=_field(header, "parentCheckpoint", 2),
+                reports=[_signed_from_abi(header, part) for part in params["reports"]],
+                unreported=params["unreported"]))
         return rounds
-
-

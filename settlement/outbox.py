@@ -8,7 +8,7 @@ An item's life:
 
     queued     ``outbox/NNNNNN-<kind>.json``: sent on the next flush unless the chain already has it;
     sent       still queued, until the ledger shows the round at a depth of ``confirmations``
-               blocks (head − recordedAt + 1 ≥ N; a run counts as deep once it exists);
+               blocks (head − its block + 1 ≥ N; a run counts as deep once it exists);
     confirmed  moved to ``outbox/confirmed/``, and kept there for the life of the run directory.
 
 Every flush first asks the chain where the run stands. A chain that comes back behind what was
@@ -43,6 +43,7 @@ from storage_client import hex32, strict_json, unhex32, write_atomic
 
 from .chain import ChainError, ChainUnavailable, TxReverted
 from .ledger import Ledger
+from .records import RoundRecord
 
 __all__ = ["SCHEMA", "Outbox", "OutboxError", "RecordConflict"]
 
@@ -72,6 +73,13 @@ def _unhex32(item: dict[str, Any], name: str) -> bytes:
 
 def _short(value: bytes) -> str:
     return "0x" + value.hex()
+
+
+def _as_recorded(recorded: RoundRecord | None) -> str:
+    """How the ledger shows a round it counts as recorded, for a ``RecordConflict``."""
+    if recorded is None:
+        return "no RoundRecorded event"
+    return f"checkpoint {_short(recorded.checkpoint)} and manifest {_short(recorded.manifest_digest)}"
 
 
 class Outbox:
@@ -268,7 +276,7 @@ class Outbox:
         newest = self._read(archived[-1][1], archived[-1][0])
         run_id = _unhex32(newest, "run_id")
         run = ledger.run_of(run_id)
-        last = -1 if run is None else int(run["lastRound"])  # -1: not even the run is there
+        last = -1 if run is None else run.last_round  # -1: not even the run is there
         lost: list[dict[str, Any]] = []
         for seq, path in reversed(archived):
             item = self._read(path, seq)
@@ -277,13 +285,12 @@ class Outbox:
                 continue
             if item["kind"] == "round":  # the newest round the chain still has must be ours
                 recorded = ledger.round_of(run_id, int(item["round"]))
-                if (recorded["checkpoint"], recorded["manifestDigest"]) != (_unhex32(item, "checkpoint"),
-                                                                            _unhex32(item, "manifest_digest")):
+                if recorded is None or (recorded.checkpoint, recorded.manifest_digest) != (
+                        _unhex32(item, "checkpoint"), _unhex32(item, "manifest_digest")):
                     raise RecordConflict(
-                        f"round {item['round']} of run {_short(run_id)} is on the ledger with checkpoint "
-                        f"{_short(recorded['checkpoint'])} and manifest {_short(recorded['manifestDigest'])}, but "
-                        f"the confirmed copy {path} has checkpoint {item['checkpoint']} and manifest "
-                        f"{item['manifest_digest']}")
+                        f"round {item['round']} of run {_short(run_id)} is on the ledger with "
+                        f"{_as_recorded(recorded)}, but the confirmed copy {path} has checkpoint "
+                        f"{item['checkpoint']} and manifest {item['manifest_digest']}")
             break
         if not lost:
             return
@@ -315,13 +322,13 @@ class Outbox:
         genesis = _unhex32(item, "genesis_checkpoint")
         run = ledger.run_of(run_id)
         if run is not None:
-            if run["genesisCheckpoint"] != genesis:
+            if run.genesis_checkpoint != genesis:
                 raise RecordConflict(f"run {_short(run_id)} exists on the ledger with genesis checkpoint "
-                                 f"{_short(run['genesisCheckpoint'])}, but the outbox item {item['file']} has "
+                                 f"{_short(run.genesis_checkpoint)}, but the outbox item {item['file']} has "
                                  f"{_short(genesis)}")
-            if run["coordinator"] != ledger.chain.address:
+            if run.coordinator != ledger.chain.address:
                 log.warning("run %s exists on the ledger with coordinator %s, not this account %s; it cannot "
-                            "record rounds", _short(run_id), run["coordinator"], ledger.chain.address)
+                            "record rounds", _short(run_id), run.coordinator, ledger.chain.address)
             return True
         window = item.get("challenge_window", 0)
         if type(window) is not int or not 0 <= window < 2**32:
@@ -340,17 +347,17 @@ class Outbox:
         checkpoint = _unhex32(item, "checkpoint")
         manifest = _unhex32(item, "manifest_digest")
         run = ledger.run_of(run_id)
-        if run is not None and run["lastRound"] >= round_:
+        if run is not None and run.last_round >= round_:
             recorded = ledger.round_of(run_id, round_)
-            if recorded["checkpoint"] != checkpoint or recorded["manifestDigest"] != manifest:
+            if recorded is None or (recorded.checkpoint, recorded.manifest_digest) != (checkpoint, manifest):
                 raise RecordConflict(
-                    f"round {round_} of run {_short(run_id)} is on the ledger with checkpoint "
-                    f"{_short(recorded['checkpoint'])} and manifest {_short(recorded['manifestDigest'])}, but the "
-                    f"outbox item {item['file']} has checkpoint {_short(checkpoint)} and manifest {_short(manifest)}")
-            depth = self._depth(ledger, int(recorded["recordedAt"]))
+                    f"round {round_} of run {_short(run_id)} is on the ledger with {_as_recorded(recorded)}, but "
+                    f"the outbox item {item['file']} has checkpoint {_short(checkpoint)} and manifest "
+                    f"{_short(manifest)}")
+            depth = self._depth(ledger, recorded.block)
             if depth >= self.confirmations:
                 log.info("round %d of run %s is on the ledger, %d block(s) deep (block %d)", round_,
-                         _short(run_id), depth, recorded["recordedAt"])
+                         _short(run_id), depth, recorded.block)
                 return True
             return False
         try:

@@ -18,7 +18,10 @@ from eth_utils import to_checksum_address
 
 from .artifacts import load_artifact
 from .chain import Chain
-from .ledger import Ledger, _bytes32, _Contract, round_facts
+from .ledger import Ledger, _Contract
+from storage_client import bytes32
+
+from .records import Payment, Pool
 
 __all__ = ["RewardPool", "RewardToken", "Statement", "WorkerStatement"]
 
@@ -91,16 +94,17 @@ class RewardPool(_Contract):
 
     def open_pool(self, run_id: bytes, amount: int, total_rounds: int) -> Any:
         """Open and fund the run's pool (the run's coordinator; approve ``amount`` to the pool first)."""
-        return self.chain.transact(self._contract.functions.openPool(_bytes32("run_id", run_id), amount, total_rounds))
+        return self.chain.transact(self._contract.functions.openPool(bytes32(run_id, "run_id"), amount, total_rounds))
 
-    def pool_of(self, run_id: bytes) -> dict[str, Any] | None:
-        """``{funder, totalRounds, funded, paid}``, or None when the run has no pool."""
-        pool = self._view_struct("poolOf", _bytes32("run_id", run_id))
-        return None if int(pool["funded"]) == 0 else pool
+    def pool_of(self, run_id: bytes) -> Pool | None:
+        """The run's pool, or None when the run has none."""
+        pool = Pool.from_struct(self._view_struct("poolOf", bytes32(run_id, "run_id")))
+        return None if pool.funded == 0 else pool
 
-    def payments(self, run_id: bytes) -> list[dict[str, Any]]:
-        """``RewardPaid`` events of the run: ``{runId, worker, round, amount, block, tx_hash, log_index}``."""
-        return self._logs("RewardPaid", runId=_bytes32("run_id", run_id))
+    def payments(self, run_id: bytes, worker: str | None = None) -> list[Payment]:
+        """``RewardPaid`` events of the run (to ``worker``, or to anyone), oldest first."""
+        filters = {"worker": to_checksum_address(worker)} if worker else {}
+        return self._logs("RewardPaid", Payment.from_event, runId=bytes32(run_id, "run_id"), **filters)
 
     def statement(self, run_id: bytes) -> Statement | None:
         """What each worker the ledger credited in the run has earned, been paid and can claim now, from
@@ -108,28 +112,27 @@ class RewardPool(_Contract):
         pool = self.pool_of(run_id)
         if pool is None:
             return None
-        run = self.ledger.run_of(run_id) or {}
-        window = int(run.get("challengeWindow", 0))
+        run = self.ledger.run_of(run_id)
+        window = 0 if run is None else run.challenge_window
         head = self.ledger.head_block()
-        funded, total = int(pool["funded"]), int(pool["totalRounds"])
+        funded, total = pool.funded, pool.total_rounds
         per_round = funded // total if total else 0
         accounts: dict[str, WorkerStatement] = {}
         earned: dict[tuple[str, int], tuple[int, bool]] = {}
         for event in self.ledger.recorded_round_events(run_id):
-            workers = [to_checksum_address(w) for w in event["workers"]]
-            share = per_round // len(workers) if workers and 1 <= event["round"] <= total else 0
-            mature = event["block"] + window <= head
-            for w in workers:
+            share = per_round // len(event.workers) if event.workers and 1 <= event.round <= total else 0
+            mature = event.block + window <= head
+            for w in event.workers:
                 account = accounts.setdefault(w, WorkerStatement(w))
-                account.rounds.append(int(event["round"]))
+                account.rounds.append(event.round)
                 account.earned += share
-                earned[(w, int(event["round"]))] = (share, mature)
+                earned[(w, event.round)] = (share, mature)
         paid: dict[tuple[str, int], int] = defaultdict(int)
         for payment in self.payments(run_id):
-            w, r = to_checksum_address(payment["worker"]), int(payment["round"])
+            w, r = payment.worker, payment.round
             account = accounts.setdefault(w, WorkerStatement(w))
-            account.paid += int(payment["amount"])
-            paid[(w, r)] += int(payment["amount"])
+            account.paid += payment.amount
+            paid[(w, r)] += payment.amount
             if (w, r) not in earned or paid[(w, r)] > earned[(w, r)][0]:
                 account.overpaid.append(f"round {r}: paid {paid[(w, r)]}, entitled to "
                                         f"{earned.get((w, r), (0, False))[0]}")
@@ -149,19 +152,16 @@ class RewardPool(_Contract):
         if statement is None:
             return 0, None
         account = statement.workers.get(worker)
-        paid_rounds = {int(p["round"]) for p in self.payments(run_id) if to_checksum_address(p["worker"]) == worker}
+        paid_rounds = {p.round for p in self.payments(run_id, worker)}
         claims = []
         for event in self.ledger.recorded_round_events(run_id):
-            workers = [to_checksum_address(w) for w in event["workers"]]
-            r = int(event["round"])
-            if worker not in workers or r in paid_rounds or r > statement.total_rounds:
+            if worker not in event.workers or event.round in paid_rounds or event.round > statement.total_rounds:
                 continue
-            if event["block"] + statement.challenge_window > statement.head:
+            if event.block + statement.challenge_window > statement.head:
                 continue
-            claims.append((r, workers.index(worker), round_facts(event)))
+            claims.append((event.round, event.workers.index(worker), event.facts()))
         if not claims or account is None:
             return 0, None
-        receipt = self.chain.transact(self._contract.functions.claim(_bytes32("run_id", run_id), worker, claims))
-        amount = sum(int(e["amount"]) for e in self._logs("RewardPaid", runId=run_id, worker=worker)
-                     if e["tx_hash"] == "0x" + bytes(receipt["transactionHash"]).hex())
-        return amount, receipt
+        receipt = self.chain.transact(self._contract.functions.claim(bytes32(run_id, "run_id"), worker, claims))
+        tx_hash = "0x" + bytes(receipt["transactionHash"]).hex()
+        return sum(p.amount for p in self.payments(run_id, worker) if p.tx_hash == tx_hash), receipt

@@ -12,7 +12,7 @@ round to its parent, giving a hash chain from any checkpoint back to genesis.
 """
 
 from .canonical import (
-    JSONBoundsError, canonical_json, digest_json, hex32, hex_or_none, loads_bounded, strict_json, unhex32,
+    JSONBoundsError, bytes32, canonical_json, digest_json, hex32, hex_or_none, loads_bounded, strict_json, unhex32,
 )
 from .cid import CID, Codec, InvalidCIDError, decode_varint, encode_varint
 from .manifest import (
@@ -35,6 +35,7 @@ from .store import (
 )
 
 __all__ = [
+    "bytes32",
     "hex32",
     "hex_or_none",
     "unhex32",

@@ -133,11 +133,17 @@ def loads_bounded(data: bytes | str, *, max_bytes: int, max_depth: int = MAX_JSO
         raise JSONBoundsError(f"{what} is not JSON ({reason})") from None
 
 
-def hex32(value: bytes, name: str = "value") -> str:
-    """A 32-byte value (a digest, a run id) as it is written in JSON records: 0x + 64 hex digits."""
+def bytes32(value: Any, name: str = "value") -> bytes:
+    """``value`` as 32 bytes (a digest, a run id, a measurement), or ValueError naming ``name``."""
     if not isinstance(value, (bytes, bytearray)) or len(value) != 32:
-        raise ValueError(f"{name} must be 32 bytes")
-    return "0x" + bytes(value).hex()
+        got = f"{len(value)} bytes" if isinstance(value, (bytes, bytearray)) else type(value).__name__
+        raise ValueError(f"{name} must be 32 bytes, got {got}")
+    return bytes(value)
+
+
+def hex32(value: bytes, name: str = "value") -> str:
+    """A 32-byte value as it is written in JSON records: 0x + 64 hex digits."""
+    return "0x" + bytes32(value, name).hex()
 
 
 def unhex32(value: Any, name: str = "value") -> bytes:

@@ -38,7 +38,7 @@ from audit import run_audit
 from audit.cli import main as audit_main
 from settlement import DEV_ACCOUNTS, Anvil, Chain, Ledger, Registry, deploy
 from settlement.artifacts import CONTRACTS_DIR
-from settlement.ledger import RoundHeader, _worker_tuple, round_facts
+from settlement.ledger import RoundHeader, _worker_tuple
 from settlement.rewards import RewardPool, RewardToken
 from storage_client import CID, Manifest, ObjectStore, Participant, Traffic, to_e6
 from trainer.aggregation import mean_pseudo_gradient
@@ -229,7 +229,7 @@ class RunBuilder:
     def lie(self) -> Any:
         """Swap the ledger's code for LyingLedger's (state kept); returns a contract for its extras."""
         artifact = lying_artifact()
-        address = self.owner.deploy(artifact["abi"], artifact["bytecode"]["object"], self.deployment.registry)
+        address = self.owner.deploy(artifact["abi"], artifact["bytecode"]["object"], self.deployment.registry).address
         code = self.owner.w3.eth.get_code(address)
         self.owner.w3.provider.make_request("anvil_setCode", [self.deployment.ledger, "0x" + bytes(code).hex()])
         return self.coordinator.contract(self.deployment.ledger, artifact["abi"])
@@ -535,7 +535,7 @@ def test_a_round_nobody_reported_is_recorded_listed_and_credits_nobody(anvil: An
     assert result.ok, [str(f) for f in result.failures]
     assert [(row.reports, row.unreported) for row in result.rounds] == [(0, 0), (0, 2), (2, 0)]
     assert sum("did not report" in w for w in result.warnings) == 2
-    assert builder.ledger.contribution_of(builder.run_id, builder.keys["w0"].address)["rounds"] == 1
+    assert builder.ledger.contribution_of(builder.run_id, builder.keys["w0"].address).rounds == 1
 
 
 def test_an_unreported_entry_must_be_an_unreported_participant(anvil: Anvil, tmp_path: Path) -> None:
@@ -648,11 +648,9 @@ def test_a_payout_no_record_entitles_is_named(anvil: Anvil, tmp_path: Path) -> N
     lying = builder.lie()
     w0 = builder.keys["w0"].address
     (event,) = builder.ledger.recorded_round_events(builder.run_id)
-    forged = {**event, "workers": [w0]}
-    from settlement.ledger import commitment_of
-
-    builder.coordinator.transact(lying.functions.forgeCommitment(builder.run_id, 1, commitment_of(forged)))
-    builder.coordinator.transact(pool._contract.functions.claim(builder.run_id, w0, [(1, 0, round_facts(forged))]))
+    forged = dataclasses.replace(event, workers=(w0,))
+    builder.coordinator.transact(lying.functions.forgeCommitment(builder.run_id, 1, forged.facts_commitment()))
+    builder.coordinator.transact(pool._contract.functions.claim(builder.run_id, w0, [(1, 0, forged.facts())]))
     result = builder.audit()
     failures = [f for f in result.failures if f.check == "payout"]
     assert len(failures) == 1 and failures[0].object == w0

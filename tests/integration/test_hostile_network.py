@@ -177,8 +177,8 @@ def test_spoofed_calls_change_nothing_and_the_ledger_records_every_round(
     assert all(set(m.dropped) <= {"eve"} for _, m in manifests)  # eve joined and never trained
     assert all(not s["refused"] for s in cluster.run_dir.logged_rounds())
     ledger, run_id = ledger_of(cluster, chain)
-    assert ledger.run_of(run_id)["lastRound"] == 3
-    assert [len(r["reports"]) for r in ledger.recorded_rounds(run_id)] == [2, 2, 2]
+    assert ledger.run_of(run_id).last_round == 3
+    assert [len(r.reports) for r in ledger.recorded_rounds(run_id)] == [2, 2, 2]
     assert "Traceback" not in cluster.log("coordinator", tail=100_000)
 
 

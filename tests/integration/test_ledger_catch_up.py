@@ -19,6 +19,7 @@ from attestation import DevProvider, DevRoot, WorkerKey, attest, code_measuremen
 from audit.cli import audit_run_dir
 from proto import PROTOCOL_VERSION, pb
 from settlement import Anvil
+from settlement.records import Contribution
 from storage_client import CID, lineage
 from tests.conftest import small_config
 from tests.integration.test_bad_input import Mallory
@@ -73,14 +74,14 @@ def test_a_round_whose_participant_died_before_reporting_blocks_nothing(cluster:
     assert "round 1: no report from m" in cluster.log("coordinator", tail=2000)
 
     ledger, run_id = ledger_of(cluster, chain)
-    assert ledger.run_of(run_id)["lastRound"] == rounds
+    assert ledger.run_of(run_id).last_round == rounds
     recorded = ledger.recorded_rounds(run_id)
-    assert [r["round"] for r in recorded] == list(range(1, rounds + 1))  # all of them, once, in order
+    assert [r.round for r in recorded] == list(range(1, rounds + 1))  # all of them, once, in order
     manifests = lineage(cluster.run_dir.store, cluster.run_dir.head())[1:]
     (m_update,) = [CID.parse(p.update).digest for p in manifests[0][1].participants]
-    assert (len(recorded[0]["reports"]), recorded[0]["unreported"]) == (0, [m_update])
-    assert all(len(r["reports"]) == 1 and r["unreported"] == [] for r in recorded[1:])
-    assert ledger.contribution_of(run_id, key.address) == {"tokens": 0, "rounds": 0}  # nobody is credited
+    assert (len(recorded[0].reports), recorded[0].unreported) == (0, (m_update,))
+    assert all(len(r.reports) == 1 and r.unreported == () for r in recorded[1:])
+    assert ledger.contribution_of(run_id, key.address) == Contribution(tokens=0, rounds=0)  # nobody is credited
 
     code, text = audit(cluster, chain.rpc_url)
     assert code == 0, text
@@ -106,7 +107,7 @@ def test_a_chain_restored_behind_gets_every_round_again_once_in_order(cluster: L
             except Exception:  # noqa: BLE001 - no HEAD or deployment yet
                 return 0
         run = live.run_of(run_id)
-        return 0 if run is None else int(run["lastRound"])
+        return 0 if run is None else run.last_round
 
     def wait_until(target: int) -> int:
         deadline = time.monotonic() + 120
@@ -128,16 +129,16 @@ def test_a_chain_restored_behind_gets_every_round_again_once_in_order(cluster: L
     chain.stop()
     with Anvil(state_file=older, port=port) as restored:  # the same node, back from an older state
         ledger, run_id = ledger_of(cluster, restored)
-        behind = ledger.run_of(run_id)["lastRound"]
+        behind = ledger.run_of(run_id).last_round
         assert behind <= at_copy < killed_at
         assert cluster.wait_exit("w0", 240) == 0, cluster.log("w0")
         assert cluster.wait_exit("coordinator", 120) == 0, cluster.log("coordinator", tail=80)
         log = cluster.log("coordinator", tail=4000)
         assert "the chain came back behind" in log
         recorded = ledger.recorded_rounds(run_id)
-        assert [r["round"] for r in recorded] == list(range(1, rounds + 1))  # once each, in order
+        assert [r.round for r in recorded] == list(range(1, rounds + 1))  # once each, in order
         manifests = lineage(cluster.run_dir.store, cluster.run_dir.head())[1:]
-        assert [r["manifestDigest"] for r in recorded] == [cid.digest for cid, _ in manifests]
+        assert [r.manifest_digest for r in recorded] == [cid.digest for cid, _ in manifests]
         assert not list((cluster.run_dir.path / "outbox").glob("*.json"))
         assert len(list((cluster.run_dir.path / "outbox" / "confirmed").glob("*-round.json"))) == rounds
         code, text = audit(cluster, restored.rpc_url)

@@ -33,7 +33,7 @@ from settlement import (
     TxReverted,
     deploy,
 )
-from settlement.ledger import commitment_of
+from settlement.records import Contribution
 
 pytestmark = pytest.mark.integration
 
@@ -119,12 +119,14 @@ def test_rounds_recorded_and_read_back(setup: Setup, tmp_path: Path) -> None:
     assert s.registry.is_verifier(s.coordinator.address) and s.registry.is_measurement_allowed(MEASUREMENT)
     assert all(s.registry.is_active(w.address) for w in s.workers)
     record_of = s.registry.worker_of(s.workers[0].address)
-    assert record_of["measurement"] == MEASUREMENT and record_of["verifier"] == s.coordinator.address
-    assert record_of["evidenceDigest"] == h("admission", s.workers[0].address) and record_of["revokedAt"] == 0
+    assert record_of.measurement == MEASUREMENT and record_of.verifier == s.coordinator.address
+    assert record_of.evidence_digest == h("admission", s.workers[0].address) and record_of.revoked_at == 0
     admissions = s.registry.admissions()
-    assert [a["worker"] for a in admissions] == [w.address for w in s.workers]
-    assert admissions[0]["evidence_digest"] == record_of["evidenceDigest"]
-    assert admissions[0]["block"] == record_of["admittedAt"]
+    assert [a.worker for a in admissions] == [w.address for w in s.workers]
+    assert admissions[0].evidence_digest == record_of.evidence_digest
+    assert admissions[0].block == record_of.admitted_at
+    assert admissions[0].measurement == MEASUREMENT and admissions[0].verifier == s.coordinator.address
+    assert [(c.measurement, c.allowed) for c in s.registry.measurement_changes()] == [(MEASUREMENT, True)]
 
     sent = {1: record(s, 1), 2: record(s, 2)}
 
@@ -133,36 +135,39 @@ def test_rounds_recorded_and_read_back(setup: Setup, tmp_path: Path) -> None:
     assert s.ledger.report_digest(report) == report.digest(s.ledger.domain())
 
     run = s.ledger.run_of(s.run_id)
-    assert run is not None and run["coordinator"] == s.coordinator.address
-    assert run["lastRound"] == 2 and run["lastCheckpoint"] == h("checkpoint", 2)
-    assert run["genesisCheckpoint"] == s.genesis
+    assert run is not None and run.coordinator == s.coordinator.address
+    assert run.last_round == 2 and run.last_checkpoint == h("checkpoint", 2)
+    assert run.genesis_checkpoint == s.genesis
     assert s.ledger.run_of(h("no such run")) is None
-    assert s.ledger.round_of(s.run_id, 2)["manifestDigest"] == h("manifest", 2)
-    assert s.ledger.round_of(s.run_id, 2)["reportCount"] == 2
-    assert s.ledger.round_of(s.run_id, 3)["checkpoint"] == bytes(32)
+    assert s.ledger.round_of(s.run_id, 2).manifest_digest == h("manifest", 2)
+    assert s.ledger.round_of(s.run_id, 2).report_count == 2
+    assert s.ledger.round_of(s.run_id, 3) is None
     for w in s.workers:
         expected = sum(sent[r][0].report.tokens for r in (1, 2))  # every report of a round: the same tokens
-        assert s.ledger.contribution_of(s.run_id, w.address) == {"tokens": expected, "rounds": 2}
-        assert s.ledger.total_contribution_of(w.address) == {"tokens": expected, "rounds": 2}
+        assert s.ledger.contribution_of(s.run_id, w.address) == Contribution(tokens=expected, rounds=2)
+        assert s.ledger.total_contribution_of(w.address) == Contribution(tokens=expected, rounds=2)
         assert s.ledger.runs_of(w.address) == [s.run_id]
+    (created,) = s.ledger.runs_created()
+    assert (created.run_id, created.coordinator, created.genesis_checkpoint) == (s.run_id, s.coordinator.address,
+                                                                                 s.genesis)
 
     recorded = s.ledger.recorded_rounds(s.run_id)
-    assert [r["round"] for r in recorded] == [1, 2]
+    assert [r.round for r in recorded] == [1, 2]
     for r in recorded:
-        assert r["reports"] == sent[r["round"]]  # exactly what was sent, signatures included
-        assert r["checkpoint"] == h("checkpoint", r["round"]) and r["manifestDigest"] == h("manifest", r["round"])
-        assert r["reportCount"] == 2 and r["tx_hash"].startswith("0x") and r["block"] > s.deployment.deployed_block
-        assert all(sr.signer(s.ledger.domain()) == sr.report.worker for sr in r["reports"])
-        assert r["sender"] == s.coordinator.address
+        assert r.reports == tuple(sent[r.round])  # exactly what was sent, signatures included
+        assert r.checkpoint == h("checkpoint", r.round) and r.manifest_digest == h("manifest", r.round)
+        assert r.report_count == 2 and r.tx_hash.startswith("0x") and r.block > s.deployment.deployed_block
+        assert all(sr.signer(s.ledger.domain()) == sr.report.worker for sr in r.reports)
+        assert r.sender == s.coordinator.address
         # the one slot the ledger keeps of a round commits to what its event and calldata say
-        assert s.ledger.round_commitment(s.run_id, r["round"]) == r["commitment"] == commitment_of(r)
-        assert r["workers"] == [sr.report.worker for sr in r["reports"]]
-    assert recorded[0]["parentCheckpoint"] == s.genesis and recorded[1]["parentCheckpoint"] == h("checkpoint", 1)
+        assert s.ledger.round_commitment(s.run_id, r.round) == r.commitment == r.facts_commitment()
+        assert r.workers == tuple(sr.report.worker for sr in r.reports)
+    assert recorded[0].parent_checkpoint == s.genesis and recorded[1].parent_checkpoint == h("checkpoint", 1)
     assert s.ledger.round_commitment(s.run_id, 3) == bytes(32)
 
     s.registry.revoke_worker(s.workers[0].address)
     assert not s.registry.is_active(s.workers[0].address)
-    assert [(e["worker"], e["by"]) for e in s.registry.revocations()] == [(s.workers[0].address, s.owner.address)]
+    assert [(e.worker, e.by) for e in s.registry.revocations()] == [(s.workers[0].address, s.owner.address)]
 
 
 def test_reverts_are_decoded(setup: Setup) -> None:
@@ -192,7 +197,7 @@ def test_reverts_are_decoded(setup: Setup) -> None:
         s.ledger.chain.transact(s.ledger._contract.functions.recordRound(
             (s.run_id, 3, wrong_parent, h("checkpoint", 3), h("manifest", 3), 0, 0, 0), [], [h("u")]), gas=200_000)
     assert mined.value.tx_hash is not None
-    assert s.ledger.run_of(s.run_id)["lastRound"] == 2  # nothing refused changed the run
+    assert s.ledger.run_of(s.run_id).last_round == 2  # nothing refused changed the run
 
 
 def test_outbox_flush_is_idempotent(setup: Setup, tmp_path: Path) -> None:
@@ -251,8 +256,8 @@ def test_outbox_waits_out_a_dead_rpc(tmp_path: Path, caplog: pytest.LogCaptureFi
         live = Ledger(Chain(revived.rpc_url, DEV_ACCOUNTS[1]), s.deployment.ledger)
         assert outbox.flush(live) == [1]
         assert outbox.pending() == []
-        assert live.run_of(s.run_id)["lastRound"] == 1
-        assert live.recorded_rounds(s.run_id)[0]["reports"] == reports
+        assert live.run_of(s.run_id).last_round == 1
+        assert live.recorded_rounds(s.run_id)[0].reports == tuple(reports)
 
 
 def test_chain_state_survives_restart(tmp_path: Path) -> None:
@@ -268,12 +273,12 @@ def test_chain_state_survives_restart(tmp_path: Path) -> None:
         registry = Registry(ledger.chain, s.deployment.registry)
         assert (ledger.run_of(s.run_id), ledger.round_of(s.run_id, 1), registry.admissions()) == before
         recorded = ledger.recorded_rounds(s.run_id)
-        assert len(recorded) == 1 and recorded[0]["reports"] == sent
-        assert ledger.round_commitment(s.run_id, 1) == commitment_of(recorded[0])
+        assert len(recorded) == 1 and recorded[0].reports == tuple(sent)
+        assert ledger.round_commitment(s.run_id, 1) == recorded[0].facts_commitment()
         # And the chain goes on from there.
         s.ledger = Ledger(Chain(node.rpc_url, DEV_ACCOUNTS[1]), s.deployment.ledger)
         record(s, 2)
-        assert ledger.run_of(s.run_id)["lastRound"] == 2
+        assert ledger.run_of(s.run_id).last_round == 2
 
 
 def test_unknown_run_and_not_coordinator(setup: Setup) -> None:

@@ -5,7 +5,7 @@ from __future__ import annotations
 import dataclasses
 import hashlib
 from pathlib import Path
-from typing import Any, cast
+from typing import cast
 
 import pytest
 
@@ -16,6 +16,7 @@ from audit.lineage import Loaded
 from audit.reports import ReportChecks
 from audit.result import AuditResult
 from audit.signers import Signers
+from settlement.records import RoundRecord
 from storage_client import CID, Codec, Manifest, ObjectStore, Participant, Traffic
 
 DOMAIN = Domain(31337, "0x5FbDB2315678afecb367f032d93F642f64180aa3")
@@ -36,15 +37,17 @@ MANIFEST = Manifest.new(
     participants=[Participant(worker="w0", update=cid("Δ"), train_loss_e6=2_500_000, tokens=4096, inner_steps=50,
                               bytes_sent=1_000, bytes_received=2_000)],
     traffic=[Traffic("w0", 1_000, 2_000)])
-RECORD: dict[str, Any] = {"round": 1, "block": 7, "parentCheckpoint": CID.parse(PARENT.params).digest,
-                          "checkpoint": CID.parse(MANIFEST.params).digest,
-                          "manifestDigest": hashlib.sha256(b"manifest").digest(), "unreported": []}
+PARENT_CHECKPOINT = CID.parse(PARENT.params).digest
+RECORD = RoundRecord(run_id=RUN, round=1, checkpoint=CID.parse(MANIFEST.params).digest,
+                     manifest_digest=hashlib.sha256(b"manifest").digest(), tokens=4096, workers=(KEY.address,),
+                     unreported_count=0, commitment=bytes(32), block=7, tx_hash="0x" + "00" * 32, log_index=0,
+                     sender=KEY.address, parent_checkpoint=PARENT_CHECKPOINT)
 
 
 def honest() -> RoundReport:
     p = MANIFEST.participants[0]
-    return RoundReport(run_id=RUN, round=1, worker=KEY.address, parent_checkpoint=RECORD["parentCheckpoint"],
-                       checkpoint=RECORD["checkpoint"], manifest_digest=RECORD["manifestDigest"],
+    return RoundReport(run_id=RUN, round=1, worker=KEY.address, parent_checkpoint=PARENT_CHECKPOINT,
+                       checkpoint=RECORD.checkpoint, manifest_digest=RECORD.manifest_digest,
                        update_digest=CID.parse(p.update).digest, data_digest=bytes(32),
                        train_loss_e6=p.train_loss_e6, eval_loss_e6=MANIFEST.eval_loss_e6, tokens=p.tokens,
                        inner_steps=p.inner_steps, bytes_sent=p.bytes_sent, bytes_received=p.bytes_received)
@@ -64,7 +67,7 @@ def audit(tmp_path: Path, report: RoundReport, parent: Loaded | None) -> AuditRe
     findings = Findings(AuditResult(), ObjectStore(tmp_path / "store"))
     signers = CheckedSigners()
     checks = ReportChecks(findings, DOMAIN, cast(Signers, signers), config=None)
-    record = {**RECORD, "reports": [SignedReport(report, KEY.sign_digest(report.digest(DOMAIN)))]}
+    record = dataclasses.replace(RECORD, reports=(SignedReport(report, KEY.sign_digest(report.digest(DOMAIN))),))
     checks.check(RUN, record, MANIFEST, parent)
     assert signers.checked == [KEY.address]
     return findings.result

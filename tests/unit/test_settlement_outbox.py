@@ -10,15 +10,15 @@ import hashlib
 import json
 import logging
 import threading
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
-from typing import Any
 
 import pytest
 
 from attestation.keys import WorkerKey
 from attestation.report import Domain, RoundReport, SignedReport
 from settlement import ChainError, ChainUnavailable, Outbox, OutboxError, RecordConflict, TxReverted
+from settlement.records import RoundRecord, RunRecord
 
 ADDRESS = "0x70997970C51812dc3A010C7d01b50e0d17dc79C8"
 DOMAIN = Domain(31337, "0x5FbDB2315678afecb367f032d93F642f64180aa3")
@@ -51,8 +51,8 @@ class FakeLedger:
     """The ledger's bookkeeping, with switches for an unreachable node and a refusal."""
 
     chain: FakeChain = field(default_factory=FakeChain)
-    runs: dict[bytes, dict[str, Any]] = field(default_factory=dict)
-    rounds: dict[tuple[bytes, int], dict[str, Any]] = field(default_factory=dict)
+    runs: dict[bytes, RunRecord] = field(default_factory=dict)
+    rounds: dict[tuple[bytes, int], RoundRecord] = field(default_factory=dict)
     sent: list[str] = field(default_factory=list)
     down: bool = False
     refuse: str | None = None
@@ -67,21 +67,21 @@ class FakeLedger:
         if self.refuse:
             raise TxReverted(self.refuse, error=self.refuse.split("(")[0])
 
-    def run_of(self, run_id: bytes) -> dict[str, Any] | None:
+    def run_of(self, run_id: bytes) -> RunRecord | None:
         if self.down:
             raise ChainUnavailable("http://127.0.0.1:9", "connection refused")
         return self.runs.get(run_id)
 
-    def round_of(self, run_id: bytes, round_: int) -> dict[str, Any]:
-        return self.rounds.get((run_id, round_), {"checkpoint": bytes(32), "manifestDigest": bytes(32),
-                                                  "reportCount": 0, "recordedAt": 0})
+    def round_of(self, run_id: bytes, round_: int) -> RoundRecord | None:
+        return self.rounds.get((run_id, round_))
 
     def create_run(self, run_id: bytes, genesis: bytes, config: bytes, manifest: bytes,
                    challenge_window: int = 0) -> dict[str, int]:
         self._check()
         self.sent.append("create_run")
-        self.runs[run_id] = {"coordinator": ADDRESS, "lastRound": 0, "lastCheckpoint": genesis,
-                             "genesisCheckpoint": genesis}
+        self.runs[run_id] = RunRecord(coordinator=ADDRESS, last_round=0, challenge_window=challenge_window,
+                                      last_checkpoint=genesis, genesis_checkpoint=genesis, config_digest=config,
+                                      genesis_manifest=manifest)
         return {"blockNumber": 1, "gasUsed": 1}
 
     def head_block(self) -> int:
@@ -94,14 +94,16 @@ class FakeLedger:
         self._check()
         assert signed or unreported
         run = self.runs[run_id]
-        assert round_ == run["lastRound"] + 1 and parent == run["lastCheckpoint"]
+        assert round_ == run.last_round + 1 and parent == run.last_checkpoint
         assert all(isinstance(s, SignedReport) for s in signed)
         self.sent.append(f"round {round_}")
-        run.update(lastRound=round_, lastCheckpoint=checkpoint)
+        self.runs[run_id] = replace(run, last_round=round_, last_checkpoint=checkpoint)
         self.head += 1
-        self.rounds[(run_id, round_)] = {"checkpoint": checkpoint, "manifestDigest": manifest,
-                                         "reportCount": len(signed), "recordedAt": self.head,
-                                         "unreportedCount": len(unreported)}
+        self.rounds[(run_id, round_)] = RoundRecord(
+            run_id=run_id, round=round_, checkpoint=checkpoint, manifest_digest=manifest,
+            tokens=signed[0].report.tokens if signed else 0, workers=tuple(s.report.worker for s in signed),
+            unreported_count=len(unreported), commitment=bytes(32), block=self.head, tx_hash="0x" + "00" * 32,
+            log_index=0, sender=ADDRESS, parent_checkpoint=parent, reports=tuple(signed), unreported=tuple(unreported))
         return {"blockNumber": self.head, "gasUsed": 1}
 
     def lose_after(self, round_: int) -> None:
@@ -113,8 +115,8 @@ class FakeLedger:
             self.runs.clear()
             return
         for run_id, run in self.runs.items():
-            run.update(lastRound=round_, lastCheckpoint=self.rounds[(run_id, round_)]["checkpoint"]
-                       if round_ else run["genesisCheckpoint"])
+            last = self.rounds[(run_id, round_)].checkpoint if round_ else run.genesis_checkpoint
+            self.runs[run_id] = replace(run, last_round=round_, last_checkpoint=last)
 
 
 def queue_run(outbox: Outbox, rounds: int) -> None:
@@ -324,7 +326,7 @@ def test_a_round_nobody_reported_is_queued_with_its_unreported_updates(tmp_path:
     with pytest.raises(ValueError, match="listed twice"):
         outbox.enqueue_round(RUN, 2, h("ckpt", 1), h("ckpt", 2), h("manifest", 2), [], [h("u"), h("u")])
     assert outbox.flush(ledger) == [1]
-    assert ledger.rounds[(RUN, 1)]["unreportedCount"] == 2 and ledger.rounds[(RUN, 1)]["reportCount"] == 0
+    assert ledger.rounds[(RUN, 1)].unreported_count == 2 and ledger.rounds[(RUN, 1)].report_count == 0
 
 
 def test_items_written_by_the_previous_version_are_still_sent(tmp_path: Path) -> None:
