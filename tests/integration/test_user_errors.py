@@ -206,5 +206,5 @@ def test_corrupt_outbox_items_name_the_file(tmp_path: Path) -> None:
         def run_of(self, run_id: bytes) -> None:
             raise AssertionError("the chain was asked about a damaged item")
 
-    with pytest.raises(OutboxError, match=f"outbox item {path}: genesis_checkpoint is not 32 bytes of 0x-hex"):
+    with pytest.raises(OutboxError, match=f"outbox item {path}: genesis_checkpoint must be 0x followed by 64 hex digits"):
         outbox.flush(NoChain())  # type: ignore[arg-type]
