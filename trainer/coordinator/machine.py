@@ -192,7 +192,9 @@ class Coordinator:
     def accept(self, h: UpdateHeader, update: Params, wire_bytes: int) -> tuple[CID, int]:
         """Store and journal an update, or a stage slice, that passed every check; returns its
         record's CID and the open round. The last slice of a worker completes its update."""
-        screen = lambda u: self.screen.check(self.run.global_state, h.round, u)  # noqa: E731
+        def screen(candidate: Params) -> float:
+            return self.screen.check(self.run.global_state, h.round, candidate)
+
         cid, open_round, complete = self.intake.accept(h, update, wire_bytes, screen)
         if complete is not None:
             merged = complete.merged()

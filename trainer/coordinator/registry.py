@@ -76,7 +76,8 @@ class WorkerRegistry:
         """At ``max_registered`` ids, forget the longest-silent one that is neither live nor busy."""
         if len(self.workers) < self.max_registered:
             return None
-        idle = [w for w in self.workers if w not in self.alive(now) | busy]
+        held = self.alive(now) | busy
+        idle = [w for w in self.workers if w not in held]
         if not idle:
             raise Refusal(Reason.REGISTRY_FULL,
                           f"run {self.run_id!r} has {len(self.workers)} registered workers, all live or "
