@@ -244,3 +244,16 @@ def test_accepted_updates_and_slices_survive_a_restart_and_the_round_publishes(t
     assert [p.worker for p in manifest.participants] == ["w0", "w1"]
     assert manifest.participants[0].state == STATE and manifest.participants[1].state is None
     assert all(p.tokens == restarted.run.round_tokens for p in manifest.participants)
+
+
+def test_a_torn_stage_journal_is_refused_by_name_not_half_used(tmp_path) -> None:
+    clock = Clock()
+    c = two_stage(tmp_path, clock)
+    joined(c, "w0", "w1")
+    run_dir = c.run.run_dir
+    for bad, says in (({"num_stages": "2", "slices": {}}, "num_stages >= 2"),
+                      ({"num_stages": 2, "slices": {"7": {}}}, "stage '7' is not one of 0..1"),
+                      ({"num_stages": 2, "slices": {"0": {"cid": 3}}}, "field 'cid'")):
+        run_dir.save_pending(1, {"w0": bad}, "stages")
+        with pytest.raises(ValueError, match=says):
+            Coordinator(open_run(RunDir(tmp_path / "run"), None), clock=clock)

@@ -61,10 +61,10 @@ class Intake:
         for worker, held in sorted(self.run.run_dir.pending(number, "stages").items()):
             if worker in self.round.accepted:
                 continue
-            part = StageSlices(int(held["num_stages"]))
-            for stage, raw in held["slices"].items():
-                entry = JournalEntry.from_json(raw)
-                part.slices[int(stage)] = Accepted(decode_params(store.get(entry.cid)), entry)
+            num_stages, entries = StageSlices.entries_from_json(held)
+            part = StageSlices(num_stages)
+            for stage, entry in sorted(entries.items()):
+                part.slices[stage] = Accepted(decode_params(store.get(entry.cid)), entry)
             self.round.partial[worker] = part
             log.info("round %d: kept %d of %s's %d stage slices from before the restart", number,
                      len(part.slices), worker, part.num_stages)
@@ -106,8 +106,8 @@ class Intake:
     # ------------------------------------------------------------------------- accepting
 
     def _check_open(self, h: UpdateHeader) -> None:
-        checks.check_round(self.round, self.run.global_state.round >= self.run.config.rounds.rounds,
-                           self.run.config.run_id, h.worker_id, h.round, h.stage, h.num_stages)
+        checks.check_round(self.round, self.run.finished, self.run.config.run_id, h.worker_id, h.round, h.stage,
+                           h.num_stages)
 
     def _entry(self, h: UpdateHeader, cid: CID, wire_bytes: int) -> JournalEntry:
         # The fetch this update built on, as this coordinator counted it; after a restart it has no

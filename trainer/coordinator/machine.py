@@ -75,7 +75,7 @@ class Coordinator:
 
     @property
     def finished(self) -> bool:
-        return self.run.global_state.round >= self.config.rounds.rounds
+        return self.run.finished
 
     def registered(self) -> set[str]:
         with self._lock:

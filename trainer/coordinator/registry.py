@@ -72,10 +72,10 @@ class WorkerRegistry:
         log.info("worker %s joined (shard %d of %d)", worker_id, state.shard, self.num_shards)
         return state
 
-    def _make_room(self, now: float, busy: set[str]) -> str | None:
+    def _make_room(self, now: float, busy: set[str]) -> None:
         """At ``max_registered`` ids, forget the longest-silent one that is neither live nor busy."""
         if len(self.workers) < self.max_registered:
-            return None
+            return
         held = self.alive(now) | busy
         idle = [w for w in self.workers if w not in held]
         if not idle:
@@ -85,7 +85,6 @@ class WorkerRegistry:
         gone = min(idle, key=lambda w: self.workers[w].last_seen)
         del self.workers[gone]
         log.info("forgot worker %s (silent longest) to register a new one", gone)
-        return gone
 
     def heartbeat(self, worker_id: str, round_: int, phase: WorkerPhase) -> None:
         state = self.known(worker_id)

@@ -9,6 +9,7 @@ rebuilds the published state (θ, m, e and the last compressed global update) fr
 from __future__ import annotations
 
 import dataclasses
+import functools
 import logging
 from dataclasses import dataclass
 
@@ -46,9 +47,15 @@ class Run:
     manifests: dict[int, tuple[CID, Manifest]]
     summaries: list[RoundSummary]
 
-    @property
+    @functools.cached_property
     def config_bytes(self) -> bytes:
+        """The config's canonical JSON, as every Challenge and Join sends it."""
         return self.config.canonical()
+
+    @property
+    def finished(self) -> bool:
+        """The run has published its last round."""
+        return self.global_state.round >= self.config.rounds.rounds
 
     @property
     def genesis_cid(self) -> CID:

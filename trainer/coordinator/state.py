@@ -112,6 +112,22 @@ class StageSlices:
         return {"num_stages": self.num_stages,
                 "slices": {str(s): a.entry.to_json() for s, a in sorted(self.slices.items())}}
 
+    @staticmethod
+    def entries_from_json(obj: Any) -> tuple[int, dict[int, JournalEntry]]:
+        """``to_json``'s form read back from disk: the stage count and each stage's entry, every
+        field checked (a torn or edited journal is refused by name rather than half-used)."""
+        if not isinstance(obj, dict) or set(obj) != {"num_stages", "slices"}:
+            raise ValueError("a stage journal entry must be {num_stages, slices}")
+        num_stages, slices = obj["num_stages"], obj["slices"]
+        if type(num_stages) is not int or num_stages < 2 or not isinstance(slices, dict):
+            raise ValueError("a stage journal entry needs num_stages >= 2 and a slices object")
+        entries: dict[int, JournalEntry] = {}
+        for stage, raw in slices.items():
+            if not (isinstance(stage, str) and stage.isdigit() and int(stage) < num_stages):
+                raise ValueError(f"stage journal: stage {str(stage)[:20]!r} is not one of 0..{num_stages - 1}")
+            entries[int(stage)] = JournalEntry.from_json(raw)
+        return num_stages, entries
+
 
 @dataclass
 class OpenRound:
