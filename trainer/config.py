@@ -28,16 +28,56 @@ AGGREGATORS = ("mean", "trimmed_mean", "median")
 _RUN_ID = re.compile(r"^[A-Za-z0-9._-]{1,64}$")
 
 
+# The values of model.family: the built-in GPT (trainer.model) and the decoder families built from
+# Hugging Face ``transformers`` classes (trainer.hf_model), from the configuration alone.
+MODEL_FAMILIES = ("gpt", "llama", "qwen2")
+# The families whose attention uses rotary position embeddings (head_dim must be even).
+ROPE_FAMILIES = ("llama", "qwen2")
+
+
 @dataclass(frozen=True)
 class ModelConfig:
-    """A nanoGPT-style decoder-only transformer; the default trains on 2 CPU cores."""
+    """A decoder-only transformer: the built-in nanoGPT-style GPT (``family="gpt"``, the default,
+    which trains on 2 CPU cores), or a Llama or Qwen2 architecture of the given sizes.
 
+    The HF families map onto their ``transformers`` configurations as n_embd -> hidden_size,
+    n_layer -> num_hidden_layers, n_head -> num_attention_heads, n_kv_head -> num_key_value_heads,
+    block_size -> max_position_embeddings (trainer.hf_model.hf_config).
+    """
+
+    family: str = "gpt"  # one of MODEL_FAMILIES
     vocab_size: int = 256  # [256, 262144]; byte-level tokenizer (256 tokens): no vocabulary file, no download
     block_size: int = 64  # [2, 16384] tokens of context
     n_layer: int = 2  # [1, 256]
     n_head: int = 4  # [1, 256]
-    n_embd: int = 128  # [1, 16384], a multiple of n_head
+    n_embd: int = 128  # [1, 16384], a multiple of n_head; n_embd / n_head even for the RoPE families
+    # [0, 256]: key/value heads (grouped-query attention) of the HF families, dividing n_head;
+    # 0 = n_head (plain multi-head attention). The GPT has no such choice: 0 there.
+    n_kv_head: int = 0
+    # [0, 1048576]: MLP width of the HF families; 0 = derived from n_embd (ModelConfig.mlp_width).
+    # The GPT's MLP is 4 x n_embd: 0 there.
+    intermediate_size: int = 0
+    # [1, 1e9]: base of the rotary position embeddings of the HF families; 10000 (the default) for the GPT.
+    rope_theta: float = 10000.0
     # and at most MAX_PARAMETERS (1e10) parameters in all (estimated_parameters)
+
+    @property
+    def kv_heads(self) -> int:
+        """Key/value heads: n_kv_head, or n_head when it is 0."""
+        return self.n_kv_head or self.n_head
+
+    @property
+    def head_dim(self) -> int:
+        return self.n_embd // self.n_head
+
+    @property
+    def mlp_width(self) -> int:
+        """The MLP's hidden width: 4 n_embd for the GPT; for the gated (SwiGLU) MLP of the HF
+        families intermediate_size, or when 0 the width with about the parameters of a 4 n_embd
+        MLP, 8 n_embd / 3, rounded up to a multiple of 32 (as Llama rounds up to a multiple)."""
+        if self.family == "gpt":
+            return 4 * self.n_embd
+        return self.intermediate_size or 32 * math.ceil(8 * self.n_embd / (3 * 32))
 
 
 @dataclass(frozen=True)
@@ -170,13 +210,21 @@ class RunConfig:
         """Copy with ``section.field=value`` (or ``field=value`` for a top-level field) settings
         applied in order, as ``--set`` gives them: each value is read as its field's type (true or
         false for a flag) and the result validated as a whole, with the setting named on error."""
-        body = self.to_json()
+        return RunConfig.from_json_with_settings(self.to_json(), settings)
+
+    @classmethod
+    def from_json_with_settings(cls, body: dict[str, Any], settings: Sequence[str]) -> RunConfig:
+        """:meth:`with_settings` on a configuration's JSON form ``body`` (complete in its sections),
+        validated once, after the settings: so a setting can mend a value the body alone would
+        have refused (``dilocox config --model-config`` takes a model's context from its
+        config.json, which ``--set model.block_size=...`` may lower into range)."""
+        body = json.loads(json.dumps(body))  # a copy: the settings edit it in place
         for setting in settings:
             path, sep, text = setting.partition("=")
             names = path.strip().split(".")
             if not sep or not all(names):
                 raise SettingError(f"--set {setting[:80]!r}: expected section.field=value")
-            holder, kind = body, type(self)
+            holder, kind = body, cls
             for depth, name in enumerate(names):
                 hints = get_type_hints(kind)
                 if name not in hints or name == "schema":
@@ -192,8 +240,10 @@ class RunConfig:
                 raise SettingError(f"--set {path[:80]}: {names[-1]} is a section; name one of its fields")
             holder[names[-1]] = _setting_value(text.strip(), kind, path)
         try:
-            return RunConfig.from_json(body)
+            return cls.from_json(body)
         except ConfigError as exc:
+            if not settings:
+                raise
             raise SettingError(f"--set {', '.join(settings)[:200]}: {exc}") from None
 
     @classmethod
@@ -291,6 +341,9 @@ _RANGES: dict[str, tuple[float, float, bool, bool]] = {
     "model.n_layer": (1, 256, False, False),
     "model.n_head": (1, 256, False, False),
     "model.n_embd": (1, 16_384, False, False),
+    "model.n_kv_head": (0, 256, False, False),
+    "model.intermediate_size": (0, 1 << 20, False, False),
+    "model.rope_theta": (1.0, 1e9, False, False),
     "inner.steps": (1, 1_000_000, False, False),
     "inner.batch_size": (1, 4096, False, False),
     "inner.lr": (0.0, 10.0, True, False),
@@ -320,7 +373,7 @@ _RANGES: dict[str, tuple[float, float, bool, bool]] = {
 # Held-out tokens (eval_batches x batch_size x block_size) the coordinator and every worker keep in
 # memory, as int64 inputs and targets: 2^24 tokens is 256 MiB. The default is 8 x 16 x 64 = 8192.
 MAX_EVAL_TOKENS = 1 << 24
-# Parameters of the GPT (an estimate from the model fields; the default has about 0.47M).
+# Parameters of the model (estimated_parameters; the default GPT has about 0.47M).
 MAX_PARAMETERS = 10_000_000_000
 
 
@@ -349,15 +402,60 @@ def _numeric_fields(cfg: RunConfig) -> list[tuple[str, Any]]:
 
 
 def estimated_parameters(m: ModelConfig) -> int:
-    """The GPT's parameter count (untied embeddings, 12 n_embd^2 + 13 n_embd a block, biases)."""
-    d = m.n_embd
-    return 2 * m.vocab_size * d + m.block_size * d + m.n_layer * (12 * d * d + 13 * d) + 2 * d
+    """The model's parameter count, from its fields; exact (tests compare it with the built model).
+
+    With d = n_embd, V = vocab_size, L = n_layer, q = n_head x head_dim (= d), kv = kv_heads x head_dim
+    and I = mlp_width, every family having untied input and output embeddings (2 V d):
+
+        gpt:    2 V d + block_size d (learned positions) + L (12 d^2 + 13 d) + 2 d (final LayerNorm)
+        llama:  2 V d + L (2 d q + 2 d kv + 3 d I + 2 d) + d             (no biases, RMSNorm weights)
+        qwen2:  llama's + L (q + 2 kv)                                    (q, k, v projection biases)
+    """
+    d, vocab = m.n_embd, m.vocab_size
+    if m.family == "gpt":
+        return 2 * vocab * d + m.block_size * d + m.n_layer * (12 * d * d + 13 * d) + 2 * d
+    if m.family not in ROPE_FAMILIES:
+        raise ConfigError(_unknown_family(m.family))
+    q, kv = m.n_head * m.head_dim, m.kv_heads * m.head_dim
+    layer = 2 * d * q + 2 * d * kv + 3 * d * m.mlp_width + 2 * d
+    if m.family == "qwen2":
+        layer += q + 2 * kv
+    return 2 * vocab * d + m.n_layer * layer + d
+
+
+def _unknown_family(family: object) -> str:
+    return (f"model.family = {str(family)[:40]!r} is not supported: must be one of "
+            f"{', '.join(MODEL_FAMILIES)}")
+
+
+def _model_problems(m: ModelConfig) -> list[str]:
+    """The model section's relations (its fields each in range already)."""
+    if m.n_embd % m.n_head != 0:
+        return [f"model.n_embd must be divisible by model.n_head (n_embd {m.n_embd}, n_head {m.n_head})"]
+    problems = []
+    if m.family == "gpt":
+        # The GPT has multi-head attention, a 4x MLP and learned positions: these would be ignored.
+        for name, value, default in (("n_kv_head", m.n_kv_head, 0), ("intermediate_size", m.intermediate_size, 0),
+                                     ("rope_theta", m.rope_theta, 10000.0)):
+            if value != default:
+                problems.append(f"model.{name} = {value!r} applies to the {', '.join(ROPE_FAMILIES)} families only; "
+                                f"the gpt family needs {default!r}")
+        return problems
+    if m.n_head % m.kv_heads != 0:
+        problems.append(f"model.n_head = {m.n_head} must be a multiple of model.n_kv_head = {m.n_kv_head} "
+                        f"(each key/value head serves n_head / n_kv_head query heads)")
+    if m.head_dim % 2:
+        problems.append(f"model.n_embd / model.n_head = {m.head_dim} (the head dimension) must be even: rotary "
+                        f"position embeddings rotate pairs of coordinates")
+    return problems
 
 
 def _validate(cfg: RunConfig) -> list[str]:
     problems: list[str] = []
     if not (isinstance(cfg.run_id, str) and _RUN_ID.match(cfg.run_id)):
         problems.append(f"run_id {cfg.run_id!r} must match [A-Za-z0-9._-]{{1,64}}")
+    if cfg.model.family not in MODEL_FAMILIES:
+        problems.append(_unknown_family(cfg.model.family))
     if cfg.rounds.aggregator not in AGGREGATORS:
         problems.append(f"rounds.aggregator = {cfg.rounds.aggregator!r} must be one of {', '.join(AGGREGATORS)}")
     for name, value in _numeric_fields(cfg):
@@ -371,8 +469,9 @@ def _validate(cfg: RunConfig) -> list[str]:
     if problems:  # the relations below assume every field is a finite number in its range
         return problems
     m, i, r, c = cfg.model, cfg.inner, cfg.rounds, cfg.compression
-    if m.n_embd % m.n_head != 0:
-        problems.append(f"model.n_embd must be divisible by model.n_head (n_embd {m.n_embd}, n_head {m.n_head})")
+    problems += _model_problems(m)
+    if problems:  # the parameter count below needs a well-formed model
+        return problems
     n_params = estimated_parameters(m)
     if n_params > MAX_PARAMETERS:
         problems.append(f"model has about {n_params:,} parameters; at most {MAX_PARAMETERS:,} are supported "

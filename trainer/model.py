@@ -1,4 +1,6 @@
-"""A small decoder-only transformer (GPT), readable in one sitting.
+"""A small decoder-only transformer (GPT), readable in one sitting, and :func:`build_model`, the
+one entry point that builds a model of any family (the GPT here; Llama and Qwen2 from
+``transformers``, trainer.hf_model).
 
 Pre-norm blocks of causal self-attention and a 4x MLP, learned positional embeddings, and an
 untied output head (tied weights would share storage, which safetensors refuses to serialise).
@@ -97,12 +99,25 @@ class GPT(nn.Module):
         return logits, loss
 
 
-def build_model(cfg: ModelConfig, seed: int) -> GPT:
-    """The genesis model of a run: same ``cfg`` and ``seed`` give the same parameters."""
+def new_model(cfg: ModelConfig) -> nn.Module:
+    """A model of ``cfg``'s family, initialised from torch's global generator as it stands: the
+    GPT, or a ``transformers`` decoder (trainer.hf_model). Unseeded: for parameter names and
+    shapes (under ``torch.device("meta")``); a run's model comes from :func:`build_model`."""
+    if cfg.family == "gpt":
+        return GPT(cfg)
+    from trainer.hf_model import build_hf_model  # imports transformers: only for its families
+
+    return build_hf_model(cfg)
+
+
+def build_model(cfg: ModelConfig, seed: int) -> nn.Module:
+    """The genesis model of a run, of any family: same ``cfg`` and ``seed`` give the same
+    parameters, bit for bit. The global generator is seeded for the build and restored after, so
+    building a model leaves the caller's random stream as it was."""
     generator_state = torch.random.get_rng_state()
     torch.manual_seed(seed)
     try:
-        return GPT(cfg)
+        return new_model(cfg)
     finally:
         torch.random.set_rng_state(generator_state)
 

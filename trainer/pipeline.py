@@ -1,4 +1,4 @@
-"""A worker as P pipeline stages: the GPT cut into contiguous slices, one local process per slice.
+"""A worker as P pipeline stages: the model cut into contiguous slices, one local process per slice.
 
 DiLoCoX trains models too large for one device by pipeline parallelism inside a worker, with a
 *dual optimiser policy*: each stage holds its own slice θ_s of the parameters, its own inner AdamW
@@ -15,6 +15,14 @@ also holds ``wte`` and ``wpe``; stage P−1 also holds ``ln_f`` and ``lm_head``.
 ``blocks.0...``): blocks sit in an ``nn.ModuleDict`` keyed by their global index. The stages of a
 model partition its parameter names exactly, and :func:`build_stage` gives exactly the slice of
 ``build_model(cfg, seed)``. 1 ≤ P ≤ L, so that no stage is empty.
+
+The Llama and Qwen2 families (trainer.hf_model) split the same way over their L decoder layers:
+stage 0 also holds ``model.embed_tokens``, stage P−1 also ``model.norm`` and ``lm_head``, and stage
+s the layers ``model.layers.<i>`` of the same rule, keyed by their global index
+(``model.layers.3.self_attn.q_proj.weight``). Rotary position embeddings have no parameters, so
+each stage holds the rotary module itself and computes (cos, sin) for positions 0..T−1, instead of
+receiving them with the activations; each decoder layer then runs causal attention with no mask,
+as the whole model does (trainer.hf_model.HFStage). A model of another class is refused by name.
 
 The inner loop (one round, per stage s)
 ---------------------------------------
@@ -110,9 +118,10 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from trainer.compression import CompressionConfig
-from trainer.config import InnerConfig, ModelConfig
+from trainer.config import MODEL_FAMILIES, InnerConfig, ModelConfig
 from trainer.diloco import load_params
-from trainer.model import GPT, build_model
+from trainer.hf_model import HFDecoder, HFStage
+from trainer.model import GPT, build_model, new_model
 from trainer.procgroup import LocalGroup, Member, answer, available_cpus, join_group, leave_child, report_error
 from trainer.uplink import Slice, encode_slice, new_compressor
 from trainer.wire import Params
@@ -176,20 +185,32 @@ class GPTStage(nn.Module):
         return x
 
 
-def split_model(model: GPT, num_stages: int) -> list[GPTStage]:
+def _stage_of(model: nn.Module, index: int, num_stages: int) -> GPTStage | HFStage:
+    """Stage ``index`` of ``model``, of whichever family it is; a model of no splittable family is
+    refused by name."""
+    if isinstance(model, GPT):
+        return GPTStage(model, index, num_stages)
+    if isinstance(model, HFDecoder):
+        return HFStage(model, index, num_stages, stage_blocks(model.cfg.n_layer, num_stages)[index])
+    raise ValueError(f"a {type(model).__name__[:60]} cannot be split into pipeline stages: only the "
+                     f"{', '.join(MODEL_FAMILIES)} families' models (trainer.model.build_model) can")
+
+
+def split_model(model: nn.Module, num_stages: int) -> list[GPTStage | HFStage]:
     """All stages of ``model``; they share its parameter tensors."""
-    return [GPTStage(model, s, num_stages) for s in range(num_stages)]
+    return [_stage_of(model, s, num_stages) for s in range(num_stages)]
 
 
-def build_stage(cfg: ModelConfig, seed: int, index: int, num_stages: int) -> GPTStage:
+def build_stage(cfg: ModelConfig, seed: int, index: int, num_stages: int) -> GPTStage | HFStage:
     """Stage ``index``: exactly that slice (names and values) of ``build_model(cfg, seed)``."""
-    return GPTStage(build_model(cfg, seed), index, num_stages)
+    return _stage_of(build_model(cfg, seed), index, num_stages)
 
 
 def stage_param_names(cfg: ModelConfig, num_stages: int) -> list[list[str]]:
     """The parameter names of each stage, in ``named_parameters`` order."""
+    stage_blocks(cfg.n_layer, num_stages)  # refuse an impossible split before building anything
     with torch.device("meta"):
-        model = GPT(cfg)
+        model = new_model(cfg)
     return [[n for n, _ in stage.named_parameters()] for stage in split_model(model, num_stages)]
 
 
