@@ -12,7 +12,9 @@
     dilocox bench flood                            health/Status latency while each limit is flooded
     dilocox bench robust [--quick]                 one dishonest worker against each aggregation setting
     dilocox bench overlap                          synchronous vs overlapped rounds at two outer momenta
-    dilocox config [--demo] [--set ...] > cfg.json the run configuration, to edit
+    dilocox config [--demo] [--model-config PATH/config.json] [--set ...] > cfg.json
+                                                   the run configuration, to edit
+    dilocox export --run DIR --round N OUT/       a round's checkpoint as a Hugging Face folder
 
 Every run setting can be given as ``--set section.field=value`` (repeatable; ``dilocox config``
 lists the sections and fields). Each subcommand imports what it needs only when it runs.
@@ -231,7 +233,15 @@ def cmd_config(args: argparse.Namespace) -> int:
     from storage_client import strict_json
     from trainer.config import RunConfig, demo_config
 
-    config = (demo_config() if args.demo else RunConfig()).with_settings(args.set)
+    base = demo_config() if args.demo else RunConfig()
+    if args.model_config:
+        from trainer.hf_model import read_hf_config
+
+        body = base.to_json()
+        body["model"] = read_hf_config(args.model_config)
+        config = RunConfig.from_json_with_settings(body, args.set)
+    else:
+        config = base.with_settings(args.set)
     print(strict_json(config.to_json(), indent=2, sort_keys=True))
     return 0
 
@@ -246,6 +256,18 @@ def cmd_audit(args: argparse.Namespace) -> int:
     from audit.cli import run
 
     return run(args)
+
+
+def cmd_export(args: argparse.Namespace) -> int:
+    from cli.export import run
+
+    return run(args)
+
+
+def _export_arguments(p: argparse.ArgumentParser) -> None:
+    from cli.export import add_arguments
+
+    add_arguments(p)
 
 
 def cmd_settle(args: argparse.Namespace) -> int:
@@ -382,6 +404,9 @@ def _settle_arguments(p: argparse.ArgumentParser) -> None:
 
 def _config_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--demo", action="store_true", help="the demo's configuration")
+    p.add_argument("--model-config", metavar="PATH",
+                   help="a Hugging Face config.json (or its folder; llama or qwen2) as the model section: its "
+                        "sizes, context and RoPE base; lower the context with --set model.block_size=N")
     _set_argument(p)
 
 
@@ -422,6 +447,7 @@ COMMANDS: dict[str, tuple[str, Callable[..., None], Callable[[argparse.Namespace
                cmd_settle),
     "bench": ("benchmarks", _bench_arguments, cmd_bench),
     "config": ("print a run configuration to start from", _config_arguments, cmd_config),
+    "export": ("a round's checkpoint as a Hugging Face folder", _export_arguments, cmd_export),
 }
 
 

@@ -59,6 +59,9 @@ class ModelConfig:
     intermediate_size: int = 0
     # [1, 1e9]: base of the rotary position embeddings of the HF families; 10000 (the default) for the GPT.
     rope_theta: float = 10000.0
+    # [1e-12, 0.01]: epsilon of the HF families' RMSNorm (Llama 2 and 3 use 1e-5); the GPT's
+    # LayerNorm has its own (1e-5): the default (1e-6) there.
+    rms_norm_eps: float = 1e-6
     # and at most MAX_PARAMETERS (1e10) parameters in all (estimated_parameters)
 
     @property
@@ -344,6 +347,7 @@ _RANGES: dict[str, tuple[float, float, bool, bool]] = {
     "model.n_kv_head": (0, 256, False, False),
     "model.intermediate_size": (0, 1 << 20, False, False),
     "model.rope_theta": (1.0, 1e9, False, False),
+    "model.rms_norm_eps": (1e-12, 0.01, False, False),
     "inner.steps": (1, 1_000_000, False, False),
     "inner.batch_size": (1, 4096, False, False),
     "inner.lr": (0.0, 10.0, True, False),
@@ -436,7 +440,7 @@ def _model_problems(m: ModelConfig) -> list[str]:
     if m.family == "gpt":
         # The GPT has multi-head attention, a 4x MLP and learned positions: these would be ignored.
         for name, value, default in (("n_kv_head", m.n_kv_head, 0), ("intermediate_size", m.intermediate_size, 0),
-                                     ("rope_theta", m.rope_theta, 10000.0)):
+                                     ("rope_theta", m.rope_theta, 10000.0), ("rms_norm_eps", m.rms_norm_eps, 1e-6)):
             if value != default:
                 problems.append(f"model.{name} = {value!r} applies to the {', '.join(ROPE_FAMILIES)} families only; "
                                 f"the gpt family needs {default!r}")

@@ -8,7 +8,7 @@ explicitly rather than left to the library's defaults:
     hidden_size = n_embd, num_hidden_layers = n_layer, num_attention_heads = n_head,
     num_key_value_heads = kv_heads, intermediate_size = mlp_width, vocab_size,
     max_position_embeddings = block_size, rope_parameters = {rope_type: default, rope_theta},
-    hidden_act silu, rms_norm_eps 1e-6, initializer_range 0.02, no dropout,
+    rms_norm_eps, hidden_act silu, initializer_range 0.02, no dropout,
     tie_word_embeddings False (tied weights share storage, which safetensors refuses),
     attn_implementation "sdpa", dtype float32;
     llama: no biases (attention_bias, mlp_bias False); qwen2: biases on q, k, v (the class has
@@ -35,6 +35,7 @@ position_ids=[0..T-1])``; with no mask, ``transformers``' sdpa attention runs ca
 
 from __future__ import annotations
 
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -49,7 +50,6 @@ HF_CLASSES = {
     "llama": ("LlamaConfig", "LlamaForCausalLM"),
     "qwen2": ("Qwen2Config", "Qwen2ForCausalLM"),
 }
-RMS_NORM_EPS = 1e-6
 INITIALIZER_RANGE = 0.02
 
 
@@ -76,8 +76,8 @@ def hf_config(cfg: ModelConfig) -> Any:
         num_hidden_layers=cfg.n_layer, num_attention_heads=cfg.n_head, num_key_value_heads=cfg.kv_heads,
         max_position_embeddings=cfg.block_size,
         rope_parameters={"rope_type": "default", "rope_theta": cfg.rope_theta},
-        hidden_act="silu", rms_norm_eps=RMS_NORM_EPS, initializer_range=INITIALIZER_RANGE,
-        attention_dropout=0.0, tie_word_embeddings=False, use_cache=False,
+        hidden_act="silu", rms_norm_eps=cfg.rms_norm_eps, initializer_range=INITIALIZER_RANGE,
+        attention_dropout=0.0, tie_word_embeddings=False,
         architectures=[model_class.__name__], dtype="float32", **extra,
     )
 
@@ -152,3 +152,109 @@ class HFStage(nn.Module):
         if self.is_last:
             x = self.lm_head(self.model.norm(x))
         return x
+
+
+# ------------------------------------------------------------------- a local config.json in
+
+MAX_HF_CONFIG_BYTES = 1 << 20  # a model's config.json is a few kB
+# config.json field -> ModelConfig field, for the integer sizes.
+_HF_SIZES = {"vocab_size": "vocab_size", "max_position_embeddings": "block_size",
+             "num_hidden_layers": "n_layer", "num_attention_heads": "n_head", "hidden_size": "n_embd",
+             "num_key_value_heads": "n_kv_head", "intermediate_size": "intermediate_size"}
+
+
+def _field(name: str, value: Any) -> str:
+    return f"config.json: {name} = {str(value)[:60]!r}"
+
+
+def _number(obj: dict, name: str, kind: type, default: Any = None) -> Any:
+    value = obj.get(name, default)
+    if value is None:
+        raise ConfigError(f"config.json: {name} is missing")
+    if kind is float and type(value) is int:
+        value = float(value)
+    if type(value) is not kind:
+        raise ConfigError(f"{_field(name, value)} is not {'an integer' if kind is int else 'a number'}")
+    return value
+
+
+def _rope_theta(obj: dict) -> float:
+    """The RoPE base of a config.json in either spelling (``rope_theta``, or transformers 5's
+    ``rope_parameters``); any scaled RoPE (``rope_scaling``, a rope_type other than default) is refused."""
+    if obj.get("rope_scaling") is not None:
+        raise ConfigError(f"{_field('rope_scaling', obj['rope_scaling'])} is not supported: only unscaled RoPE")
+    params = obj.get("rope_parameters")
+    if params is None:
+        return _number(obj, "rope_theta", float, 10000.0)
+    if not isinstance(params, dict):
+        raise ConfigError(f"{_field('rope_parameters', params)} is not an object")
+    if params.get("rope_type", "default") != "default":
+        raise ConfigError(f"{_field('rope_parameters.rope_type', params.get('rope_type'))} is not supported: "
+                          f"only 'default' (unscaled RoPE)")
+    return _number(params, "rope_theta", float, obj.get("rope_theta", 10000.0))
+
+
+def _refuse_unsupported(obj: dict, family: str) -> None:
+    """One line naming the first field that asks for something this loader does not build."""
+    expected = {"tie_word_embeddings": False, "hidden_act": "silu", "attention_dropout": 0.0,
+                "attention_bias": False, "mlp_bias": False, "use_sliding_window": False,
+                "quantization_config": None}
+    if family == "qwen2":  # its q, k, v biases are fixed by the class, not a setting
+        del expected["attention_bias"], expected["mlp_bias"]
+    for name, want in expected.items():
+        if name in obj and obj[name] != want:
+            raise ConfigError(f"{_field(name, obj[name])} is not supported: this loader builds {want!r}")
+    layer_types = obj.get("layer_types")
+    if layer_types is not None and (not isinstance(layer_types, list)
+                                    or any(t != "full_attention" for t in layer_types)):
+        raise ConfigError(f"{_field('layer_types', layer_types)} is not supported: every layer must be "
+                          f"'full_attention' (no sliding windows)")
+    head_dim = obj.get("head_dim")
+    if head_dim is not None and head_dim != _number(obj, "hidden_size", int) // _number(obj, "num_attention_heads", int):
+        raise ConfigError(f"{_field('head_dim', head_dim)} is not supported: must be hidden_size / "
+                          f"num_attention_heads")
+
+
+def model_section_from_hf(obj: Any) -> dict[str, Any]:
+    """The ``model`` section (its JSON form, unvalidated: the run configuration validates it) of
+    a Hugging Face ``config.json`` object of a supported ``model_type`` (llama, qwen2).
+
+    hidden_size -> n_embd, num_hidden_layers -> n_layer, num_attention_heads -> n_head,
+    num_key_value_heads -> n_kv_head (absent: n_head), intermediate_size, vocab_size,
+    max_position_embeddings -> block_size, rope_theta, rms_norm_eps. A field asking for what the
+    loader does not build (scaled RoPE, sliding windows, tied embeddings, biases Llama lacks,
+    another activation, dropout, quantization) is refused with one line naming it and its value.
+    """
+    if not isinstance(obj, dict):
+        raise ConfigError("config.json: not a JSON object")
+    family = obj.get("model_type")
+    if family not in HF_CLASSES:
+        raise ConfigError(f"{_field('model_type', family)} is not supported: must be one of {', '.join(HF_CLASSES)}")
+    _refuse_unsupported(obj, family)
+    section: dict[str, Any] = {"family": family}
+    for hf_name, name in _HF_SIZES.items():
+        default = obj.get("num_attention_heads") if hf_name == "num_key_value_heads" else None
+        section[name] = _number(obj, hf_name, int, default)
+    section["rope_theta"] = repr(_rope_theta(obj))
+    section["rms_norm_eps"] = repr(_number(obj, "rms_norm_eps", float, 1e-6))
+    return section
+
+
+def read_hf_config(path: str | Path) -> dict[str, Any]:
+    """:func:`model_section_from_hf` of a local ``config.json`` (or a folder holding one), read
+    with a bound on its size and nesting."""
+    from storage_client import loads_bounded
+
+    path = Path(path)
+    if path.is_dir():
+        path = path / "config.json"
+    try:
+        with open(path, "rb") as f:
+            data = f.read(MAX_HF_CONFIG_BYTES + 1)
+    except OSError as exc:
+        raise ConfigError(f"--model-config {str(path)[:200]}: {exc.strerror or exc}") from None
+    try:
+        obj = loads_bounded(data, max_bytes=MAX_HF_CONFIG_BYTES, what=f"{str(path)[:200]}")
+    except ValueError as exc:
+        raise ConfigError(str(exc)) from None
+    return model_section_from_hf(obj)
