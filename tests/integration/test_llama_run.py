@@ -5,8 +5,6 @@ compressed updates, recorded on a real chain, then `dilocox audit` (replaying co
 from __future__ import annotations
 
 import dataclasses
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
@@ -14,6 +12,7 @@ import torch
 
 from benchmarks.cluster import LocalCluster
 from cli.demo import provision
+from cli.main import main
 from settlement import Anvil
 from storage_client import lineage
 from tests.conftest import small_config
@@ -26,7 +25,7 @@ pytestmark = pytest.mark.integration
 LLAMA = ModelConfig(family="llama", block_size=32, n_layer=2, n_head=4, n_kv_head=2, n_embd=32)
 
 
-def test_a_llama_run_trains_audits_and_exports(cluster: LocalCluster, tmp_path: Path) -> None:
+def test_a_llama_run_trains_audits_and_exports(cluster: LocalCluster, tmp_path: Path, capsys) -> None:
     config = small_config(model=LLAMA, compression=CompressionConfig(enabled=True, min_rank=1, max_rank=4))
     corpus = load_corpus(config.data, config.seed, config.model.block_size)
     config = config.replace(data=dataclasses.replace(config.data, corpus_sha256=corpus.sha256))
@@ -48,22 +47,20 @@ def test_a_llama_run_trains_audits_and_exports(cluster: LocalCluster, tmp_path: 
         # The eval loss of the byte-level corpus falls from ln(256) as the Llama trains.
         assert chain[-1][1].eval_loss_e6 < chain[0][1].eval_loss_e6
 
-        done = subprocess.run([sys.executable, "-m", "cli.main", "audit", "--run", str(cluster.run_dir.path),
-                               "--rpc", anvil.rpc_url, "--allow-dev", "--replay", "2", "--replay-seed", "3"],
-                              capture_output=True, text=True, timeout=300)
-        assert done.returncode == 0 and "AUDIT PASSED" in done.stdout, (done.stdout[-3000:], done.stderr[-2000:])
-        assert "MISMATCH" not in done.stdout
+        # In this process (which has imported torch and transformers already): the same command line.
+        assert main(["audit", "--run", str(cluster.run_dir.path), "--rpc", anvil.rpc_url, "--allow-dev",
+                     "--replay", "2", "--replay-seed", "3"]) == 0
+        audit = capsys.readouterr().out
+        assert "AUDIT PASSED" in audit and "MISMATCH" not in audit, audit[-3000:]
 
     out = tmp_path / "hf"
-    done = subprocess.run([sys.executable, "-m", "cli.main", "export", "--run", str(cluster.run_dir.path),
-                           "--round", "2", str(out)], capture_output=True, text=True, timeout=120)
-    assert done.returncode == 0, done.stderr[-2000:]
-    assert str(chain[2][0]) in done.stdout
+    assert main(["export", "--run", str(cluster.run_dir.path), "--round", "2", str(out)]) == 0
+    assert str(chain[2][0]) in capsys.readouterr().out
 
     from transformers import AutoModelForCausalLM
 
-    from trainer.model import build_model
     from trainer.diloco import load_params
+    from trainer.model import build_model
     from trainer.wire import decode_params
 
     loaded = AutoModelForCausalLM.from_pretrained(out, local_files_only=True)
