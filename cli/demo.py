@@ -134,7 +134,7 @@ def _train(console: Console, run_dir: Path, config: RunConfig, config_path: Path
     m = config.model
     console.print(
         f"[bold]DiLoCo demo[/]: {workers} workers × {config.inner.steps} inner AdamW steps × "
-        f"{config.rounds.rounds} rounds; GPT {m.n_layer}L/{m.n_embd}d/{m.n_head}h, "
+        f"{config.rounds.rounds} rounds; {m.family} {m.n_layer}L/{m.n_embd}d/{m.n_head}h, "
         f"context {m.block_size}, byte tokens; embedded corpus; run dir {run_dir}"
     )
 

@@ -1,5 +1,7 @@
 """Decoder models of the Hugging Face ``transformers`` families (Llama, Qwen2), built from a
-:class:`trainer.config.ModelConfig` alone: no hub id, no download, no file read.
+:class:`trainer.config.ModelConfig` alone: no hub id, no download, no weights read. A local
+``config.json`` can supply that model section (:func:`read_hf_config`, ``dilocox config
+--model-config``).
 
 ``hf_config(cfg)`` is the family's ``transformers`` configuration (``LlamaConfig`` /
 ``Qwen2Config``) with the sizes of ``cfg``, and every setting this project depends on pinned

@@ -101,6 +101,7 @@ process with :func:`leave` once its results are written.
 
 from __future__ import annotations
 
+import functools
 import logging
 import os
 import queue as queue_mod
@@ -208,10 +209,17 @@ def build_stage(cfg: ModelConfig, seed: int, index: int, num_stages: int) -> GPT
 
 def stage_param_names(cfg: ModelConfig, num_stages: int) -> list[list[str]]:
     """The parameter names of each stage, in ``named_parameters`` order."""
+    return [list(names) for names in _stage_names(cfg, num_stages)]
+
+
+@functools.lru_cache(maxsize=16)
+def _stage_names(cfg: ModelConfig, num_stages: int) -> tuple[tuple[str, ...], ...]:
+    # Cached: the coordinator asks for every stage slice pushed, and building even a meta model
+    # of a transformers family takes a fraction of a second.
     stage_blocks(cfg.n_layer, num_stages)  # refuse an impossible split before building anything
     with torch.device("meta"):
         model = new_model(cfg)
-    return [[n for n, _ in stage.named_parameters()] for stage in split_model(model, num_stages)]
+    return tuple(tuple(n for n, _ in stage.named_parameters()) for stage in split_model(model, num_stages))
 
 
 def lm_loss(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
