@@ -11,6 +11,7 @@ as their shortest round-trip decimal strings (``repr``): ``0.0004`` becomes ``"0
 
 from __future__ import annotations
 
+import copy
 import dataclasses
 import json
 import math
@@ -221,7 +222,7 @@ class RunConfig:
         validated once, after the settings: so a setting can mend a value the body alone would
         have refused (``dilocox config --model-config`` takes a model's context from its
         config.json, which ``--set model.block_size=...`` may lower into range)."""
-        body = json.loads(json.dumps(body))  # a copy: the settings edit it in place
+        body = copy.deepcopy(body)  # the settings edit it in place
         for setting in settings:
             path, sep, text = setting.partition("=")
             names = path.strip().split(".")
