@@ -265,6 +265,11 @@ def cmd_bench(args: argparse.Namespace) -> int:
 
         flood(args)
         return 0
+    if args.what == "scale":
+        from benchmarks.scale import main as scale
+
+        scale(args)
+        return 0
     if args.what == "overlap":
         from benchmarks.overlap_momentum import main as overlap
 
@@ -393,6 +398,8 @@ BENCHES: dict[str, tuple[str, str | None]] = {
     "robust": ("one admitted dishonest worker against each aggregation setting", "benchmarks.robustness"),
     "overlap": ("synchronous rounds against the one-step-delay overlap at two outer momenta",
                 "benchmarks.overlap_momentum"),
+    "scale": ("a round's time split, peak memory, store and wire bytes at ~1M/20M/100M parameters",
+              "benchmarks.scale"),
 }
 
 

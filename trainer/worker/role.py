@@ -52,6 +52,7 @@ class RoundWork:
     state: str = ""  # sha256 of the inner state the round started from; "" where not committed
     # The AdamW and error-feedback state before the round, restored if the round does not count.
     snapshot: tuple[dict, list | None] | None = None
+    encode_s: float = 0.0  # seconds compressing Δ in this process (pipeline stages encode their own)
 
 
 @dataclass(frozen=True)
@@ -84,6 +85,7 @@ class Worker:
         self.compute_s = 0.0  # time in the inner loop, all rounds
         self.tokens = 0
         self._counted = (0, 0)  # bytes sent/received up to the last progress record
+        self._timed = {"fetch": 0.0, "push": 0.0}  # client.seconds up to the last progress record
 
     def set_up(self, config: RunConfig, shard: int, num_shards: int) -> None:
         """At the first Join: the shard, the held-out batches, θ⁽⁰⁾ and the inner loop."""
@@ -134,7 +136,9 @@ class Worker:
         # Overlapped, the next round is training when a refusal comes back: nothing to undo then.
         snapshot = None if cfg.rounds.overlap else (self.inner.snapshot(), self.uplink.snapshot())
         result = self.inner.run(params, batches)
-        return RoundWork(result, [self.uplink.encode(result.pseudo_gradient)], state, snapshot)
+        encoding = time.monotonic()
+        slices = [self.uplink.encode(result.pseudo_gradient)]
+        return RoundWork(result, slices, state, snapshot, time.monotonic() - encoding)
 
     def push(self, round_: int, work: RoundWork, base_cid: str) -> Pushed | None:
         """Send Δ for ``round_``, one stream per stage slice; what was sent if the coordinator holds
@@ -230,13 +234,17 @@ class Worker:
         self.tokens += result.tokens
         sent, received = client.bytes_sent - self._counted[0], client.bytes_received - self._counted[1]
         self._counted = (client.bytes_sent, client.bytes_received)
+        spent = {kind: client.seconds[kind] - self._timed[kind] for kind in self._timed}
+        self._timed = dict(client.seconds)
         decision = merged_decision(round_, work.slices)
         log.info("round %d: %d steps, loss %.4f, %d tokens, train %.2fs, waited %.2fs, %d bytes up, %d down%s",
                  round_, result.steps, result.mean_loss, result.tokens, trained_s, waited_s, sent, received,
                  f", uplink mean rank {decision.mean_rank:.1f}" if decision else "")
         record = {"event": "round", "round": round_, "tokens": result.tokens, "inner_steps": result.steps,
                   "train_loss": result.mean_loss, "compute_s": trained_s, "waited_s": waited_s,
-                  "bytes_sent": sent, "bytes_received": received, "time": time.time()}
+                  "bytes_sent": sent, "bytes_received": received, "time": time.time(),
+                  # the time split: encode (compression), push and fetch calls since the last record
+                  "encode_s": work.encode_s, "push_s": spent["push"], "fetch_s": spent["fetch"]}
         if decision is not None:
             record["ranks"] = {name: d.rank for name, d in decision.tensors.items()}
             record["energy"] = decision.energy
