@@ -140,8 +140,13 @@ def _trust_settings(args: argparse.Namespace):  # -> TrustSettings | None
 
 
 def cmd_worker(args: argparse.Namespace) -> int:
+    from trainer.diloco import DeviceError, resolve_device
     from trainer.worker import Worker
 
+    try:
+        device = resolve_device(args.device)
+    except DeviceError as exc:
+        raise UsageError(str(exc)) from None
     _threads(args.threads)
     provider = None
     if args.attestation != "none":
@@ -153,7 +158,7 @@ def cmd_worker(args: argparse.Namespace) -> int:
     link = Link(bandwidth_bps=args.link_bandwidth * 1e6, latency_s=args.link_latency / 1e3)
     worker = Worker(args.coordinator, args.worker_id, tls=_client_tls(args), attestation=provider,
                     reconnect_timeout_s=args.reconnect_timeout, link=link,
-                    metrics=Path(args.metrics) if args.metrics else None, stages=args.stages)
+                    metrics=Path(args.metrics) if args.metrics else None, stages=args.stages, device=device)
     return _exit_now(worker.run())
 
 
@@ -364,6 +369,9 @@ def _worker_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--stages", type=int, default=1, metavar="P",
                    help="pipeline stages: P local processes, each holding a contiguous slice of layers "
                         "(torch.distributed gloo on CPU), with max(1, threads // P) torch threads each")
+    p.add_argument("--device", default="cpu",
+                   help="where the inner loop runs: cpu (default), cuda or cuda:N (bf16 autocast; pipeline "
+                        "stages then use NCCL, stage s on GPU s mod the GPU count)")
 
 
 def _status_arguments(p: argparse.ArgumentParser) -> None:

@@ -72,8 +72,9 @@ class Pushed:
 class Worker:
     def __init__(self, address: str, worker_id: str, *, tls: ClientTls, attestation: EvidenceProvider | None = None,
                  reconnect_timeout_s: float = 120.0, fetch_wait_s: float = 5.0, link: Link | None = None,
-                 metrics: Path | None = None, stages: int = 1) -> None:
+                 metrics: Path | None = None, stages: int = 1, device: torch.device = torch.device("cpu")) -> None:
         self.worker_id = worker_id
+        self.device = device  # where the inner loop runs (trainer.diloco.resolve_device); CPU by default
         self.stages = stages  # pipeline stages: local processes, each a contiguous slice of the layers
         self.metrics = metrics
         self.client = CoordinatorClient(address, worker_id, tls=tls, attestation=attestation,
@@ -107,12 +108,12 @@ class Worker:
         if self.stages > 1:  # the stage processes share this worker's torch threads
             try:
                 self.inner = PipelinedInnerLoop(config.model, config.inner, self.stages,
-                                                compression=config.compression,
+                                                compression=config.compression, device=self.device,
                                                 threads_per_stage=max(1, torch.get_num_threads() // self.stages))
             except ValueError as exc:  # e.g. a batch that does not cut into equal microbatches
                 raise WorkerError(f"{self.stages} pipeline stages: {exc}") from exc
         else:
-            self.inner = InnerLoop(self.model, config.inner)
+            self.inner = InnerLoop(self.model, config.inner, self.device)
         # Error feedback lives as long as the worker (not its stage processes): what compression
         # drops is sent next round.
         self.uplink = Uplink(config.compression, self.stages)
