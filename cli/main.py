@@ -13,6 +13,8 @@
     dilocox bench robust [--quick]                 one dishonest worker against each aggregation setting
     dilocox bench overlap                          synchronous vs overlapped rounds at two outer momenta
     dilocox config [--demo] [--set ...] > cfg.json the run configuration, to edit
+    dilocox data prepare INPUT... --out DIR [--tokenizer byte|bpe|FILE] [--shards N]
+                                                   tokenize a corpus once into token shards
 
 Every run setting can be given as ``--set section.field=value`` (repeatable; ``dilocox config``
 lists the sections and fields). Each subcommand imports what it needs only when it runs.
@@ -254,6 +256,12 @@ def cmd_settle(args: argparse.Namespace) -> int:
     return run(args)
 
 
+def cmd_data(args: argparse.Namespace) -> int:
+    from cli.data import run
+
+    return run(args)
+
+
 def cmd_bench(args: argparse.Namespace) -> int:
     if args.what == "ablation":
         from benchmarks.ablation import run, settings_of
@@ -380,6 +388,12 @@ def _settle_arguments(p: argparse.ArgumentParser) -> None:
     add_arguments(p)
 
 
+def _data_arguments(p: argparse.ArgumentParser) -> None:
+    from cli.data import add_arguments
+
+    add_arguments(p)
+
+
 def _config_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--demo", action="store_true", help="the demo's configuration")
     _set_argument(p)
@@ -422,6 +436,7 @@ COMMANDS: dict[str, tuple[str, Callable[..., None], Callable[[argparse.Namespace
                cmd_settle),
     "bench": ("benchmarks", _bench_arguments, cmd_bench),
     "config": ("print a run configuration to start from", _config_arguments, cmd_config),
+    "data": ("data prepare: tokenize a corpus once into token shards", _data_arguments, cmd_data),
 }
 
 

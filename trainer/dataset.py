@@ -37,6 +37,7 @@ file or field.
 
 from __future__ import annotations
 
+import dataclasses
 import hashlib
 import re
 from bisect import bisect_right
@@ -47,7 +48,9 @@ from typing import Any
 import numpy as np
 import torch
 
-from storage_client import CID, Codec, InvalidCIDError, JSONBoundsError, canonical_json, loads_bounded
+from storage_client import (
+    CID, Codec, InvalidCIDError, JSONBoundsError, ObjectStore, canonical_json, loads_bounded,
+)
 from trainer.config import RunConfig
 from trainer.data import Corpus, CorpusError, load_corpus, shard_digest
 
@@ -366,3 +369,34 @@ def open_dataset(config: RunConfig, index_bytes: bytes | None = None) -> Dataset
     if config.data.tokens:
         return PreparedDataset(config, index_bytes)
     return CorpusDataset(config)
+
+
+def run_dataset(config: RunConfig, store: ObjectStore | None) -> Dataset:
+    """The tokens of a created run as a holder of its store opens them (the coordinator resuming,
+    the audit): a prepared run's index is the pinned one from the store, never the directory's."""
+    if not config.data.tokens:
+        return CorpusDataset(config)
+    cid = config.data.tokens_cid
+    if not cid:
+        raise DataError("data.tokens is set but data.tokens_cid is not: the run's token index was never pinned")
+    try:
+        if store is None:
+            raise DataError("no store to read it from")
+        index_bytes = store.get(cid)
+    except (OSError, ValueError) as exc:  # StoreError is one of these
+        raise DataError(f"the run's token index {cid} cannot be read from its store: {exc}") from None
+    return PreparedDataset(config, index_bytes)
+
+
+def pin_dataset(config: RunConfig, store: ObjectStore) -> tuple[RunConfig, Dataset]:
+    """At run creation: open the tokens, pin their identity in the config (``data.corpus_sha256``,
+    or ``data.tokens_cid`` with the index and tokenizer.json put into the run's store, so the audit
+    reads them from the store alone), and return both."""
+    dataset = open_dataset(config)
+    if isinstance(dataset, CorpusDataset):
+        return config.replace(data=dataclasses.replace(config.data, corpus_sha256=dataset.corpus.sha256)), dataset
+    tokenizer = dataset.verify_tokenizer()
+    if tokenizer is not None:
+        store.put(tokenizer)
+    store.put(dataset.index_bytes, Codec.JSON)
+    return config.replace(data=dataclasses.replace(config.data, tokens_cid=str(dataset.cid))), dataset
