@@ -388,15 +388,16 @@ def run_dataset(config: RunConfig, store: ObjectStore | None) -> Dataset:
     return PreparedDataset(config, index_bytes)
 
 
-def pin_dataset(config: RunConfig, store: ObjectStore) -> tuple[RunConfig, Dataset]:
+def pin_dataset(config: RunConfig, store: ObjectStore | None = None) -> tuple[RunConfig, Dataset]:
     """At run creation: open the tokens, pin their identity in the config (``data.corpus_sha256``,
-    or ``data.tokens_cid`` with the index and tokenizer.json put into the run's store, so the audit
-    reads them from the store alone), and return both."""
+    or ``data.tokens_cid`` with the index and tokenizer.json put into the run's store, when given,
+    so the audit reads them from the store alone), and return both."""
     dataset = open_dataset(config)
     if isinstance(dataset, CorpusDataset):
         return config.replace(data=dataclasses.replace(config.data, corpus_sha256=dataset.corpus.sha256)), dataset
     tokenizer = dataset.verify_tokenizer()
-    if tokenizer is not None:
-        store.put(tokenizer)
-    store.put(dataset.index_bytes, Codec.JSON)
+    if store is not None:
+        if tokenizer is not None:
+            store.put(tokenizer)
+        store.put(dataset.index_bytes, Codec.JSON)
     return config.replace(data=dataclasses.replace(config.data, tokens_cid=str(dataset.cid))), dataset
