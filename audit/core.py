@@ -149,7 +149,7 @@ class _Audit:
         self.recompute = Recomputation(self.findings, self.lineage.config)
         if self.rederiving and genesis is not None:
             self.recompute.check_genesis(genesis)
-        self.reports = ReportChecks(self.findings, domain, self.signers, self.lineage.config, store)
+        self.reports = ReportChecks(self.findings, domain, self.signers, self.lineage.config, self.findings.store)
 
         try:
             rounds = self.ledger.recorded_rounds(run_id)
