@@ -8,6 +8,10 @@
   ``num_shards`` contiguous shards, one per worker slot.
 * Batches: the windows of round r, step s on shard k are drawn from a generator seeded by
   (seed, k, r), so a round can be replayed exactly from the configuration alone.
+
+Processes open a run's tokens through :mod:`trainer.dataset`, which uses this module for a corpus
+and reads prepared token files (``dilocox data prepare``, BPE or bytes) otherwise; the batches of
+either come from :func:`sample_batch`.
 """
 
 from __future__ import annotations

@@ -22,7 +22,8 @@ Tokens. BPE: each document's ids followed by the end-of-text id. Byte tokens (no
 each document's UTF-8 bytes with its trailing newlines replaced by one blank line (``\\n\\n``).
 Documents are tokenized in batches and written as they are tokenized, so at most one batch of
 tokens is in memory; a BPE tokenizer is trained first, in one streaming pass over the train
-documents. The index (trainer.dataset) is written last.
+documents. The index (trainer.dataset) is written last; a refused input removes the token files
+written so far, and a directory without ``index.json`` is never a prepared one.
 """
 
 from __future__ import annotations
@@ -224,13 +225,19 @@ def prepare(inputs: list[Path], out: Path, *, tokenizer: str = "byte", vocab_siz
                 trained += 1
         batch.clear()
 
-    for routed in _routed(sources.files, held, fraction):
-        batch.append(routed)
-        size += len(routed[1])
-        if size >= BATCH_CHARS:
-            flush()
-            size = 0
-    flush()
+    try:
+        for routed in _routed(sources.files, held, fraction):
+            batch.append(routed)
+            size += len(routed[1])
+            if size >= BATCH_CHARS:
+                flush()
+                size = 0
+        flush()
+    except BaseException:  # a refused input leaves no half-written token files behind
+        for writer in [*writers, eval_writer]:
+            writer.close()
+            writer.path.unlink(missing_ok=True)
+        raise
     files = [w.close() for w in writers]
     held_file = eval_writer.close()
     if held_file.tokens == 0:

@@ -263,3 +263,33 @@ def test_byte_token_runs_keep_their_digests_and_batches() -> None:
     pinned, _ = pin_dataset(config)
     assert pinned.data.corpus_sha256 == "84f521652ddea96a5ca46957f25fa58bbf649910eaf302a50e9c8505c42620bc"
     assert pinned.data.tokens_cid == ""
+
+
+def test_a_local_tokenizer_json_is_used_and_copied_by_cid(tmp_path: Path, bpe_dir: Path) -> None:
+    source = write_text(tmp_path / "a.txt", 10)
+    done = prepare([source], tmp_path / "out", tokenizer=str(bpe_dir / "tokenizer.json"), eval_fraction=0.2)
+    assert done.index.tokenizer_cid == str(CID.of((bpe_dir / "tokenizer.json").read_bytes()))
+    assert (tmp_path / "out" / "tokenizer.json").read_bytes() == (bpe_dir / "tokenizer.json").read_bytes()
+    ids = np.fromfile(tmp_path / "out" / "eval.bin", "<u2")
+    assert ids[-1] == done.index.eos_id and (ids == done.index.eos_id).sum() == done.index.eval_documents
+
+
+def test_the_cli_prepares_and_refuses_contradictory_split_flags(tmp_path: Path, capsys) -> None:
+    from cli.main import main
+
+    source = write_text(tmp_path / "a.txt", 10)
+    assert main(["data", "prepare", str(source), "--out", str(tmp_path / "out"), "--shards", "2",
+                 "--eval-fraction", "0.2"]) == 0
+    out = capsys.readouterr().out
+    assert "8 train documents in 2 shards" in out and "index " in out and "--set data.tokens=" in out
+    assert main(["data", "prepare", str(source), "--out", str(tmp_path / "o2"), "--eval-fraction", "0.2",
+                 "--eval-input", str(source)]) == 1
+    assert not (tmp_path / "o2").exists()
+
+
+def test_a_refused_input_leaves_no_token_files(tmp_path: Path) -> None:
+    bad = tmp_path / "bad.jsonl"
+    bad.write_text(json.dumps({"text": "fine"}) + "\n[1]\n")
+    with pytest.raises(DataError, match="bad.jsonl line 2"):
+        prepare([bad], tmp_path / "out")
+    assert list((tmp_path / "out").iterdir()) == []
