@@ -6,6 +6,8 @@ fails at start, naming the file, before any training."""
 
 from __future__ import annotations
 
+import contextlib
+import io
 import json
 import shutil
 import subprocess
@@ -36,11 +38,14 @@ def dilocox(*args: str, timeout: float = 240) -> subprocess.CompletedProcess[str
 def tokens(tmp_path_factory) -> Path:
     if not SHAKESPEARE.is_file():
         pytest.skip(f"{SHAKESPEARE} is absent (../shared/data)")
+    from cli.main import main  # `dilocox data prepare`, in this process (torch is already imported)
+
     out = tmp_path_factory.mktemp("prepared") / "shakespeare"
-    done = dilocox("data", "prepare", str(SHAKESPEARE), "--out", str(out), "--tokenizer", "bpe",
-                   "--vocab-size", str(VOCAB), "--shards", "2", "--eval-fraction", "0.05")
-    assert done.returncode == 0, done.stderr
-    assert "dtype uint16" in done.stdout and "2 shards" in done.stdout
+    printed = io.StringIO()
+    with contextlib.redirect_stdout(printed):
+        code = main(["data", "prepare", str(SHAKESPEARE), "--out", str(out), "--tokenizer", "bpe",
+                     "--vocab-size", str(VOCAB), "--shards", "2", "--eval-fraction", "0.05"])
+    assert code == 0 and "dtype uint16" in printed.getvalue() and "2 shards" in printed.getvalue()
     return out
 
 
@@ -81,3 +86,16 @@ def test_a_worker_whose_shard_file_is_missing_fails_at_start_naming_it(tmp_path:
         assert len(errors) == 1 and "train-00000.bin is missing" in errors[0], log
         assert "Traceback" not in log
         assert len(cluster.run_dir.logged_rounds()) == 1  # genesis only: nothing trained
+
+
+def test_a_coordinator_whose_model_cannot_hold_the_vocabulary_exits_with_one_line(tmp_path: Path, tokens: Path,
+                                                                                 capfd) -> None:
+    from cli.main import main  # in process: the refusal comes before anything listens
+
+    code = main(["coordinator", "--run-dir", str(tmp_path / "run"), "--insecure", "--port", "0",
+                 "--set", f"data.tokens={tokens}", "--set", "model.vocab_size=256"])
+    err = capfd.readouterr().err
+    errors = [line for line in err.splitlines() if "ERROR" in line]
+    assert code == 1 and len(errors) == 1 and "Traceback" not in err, err
+    assert f"model.vocab_size 256 is smaller than the tokenizer's vocabulary {VOCAB}" in errors[0]
+    assert not (tmp_path / "run" / "HEAD").exists()
