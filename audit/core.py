@@ -43,7 +43,7 @@ Checks, by name:
                         participant entry (attestation.report.manifest_claims)
   report-eval-loss      evalLossE6 equals the manifest's eval_loss_e6 (likewise)
   data-digest           dataDigest is the digest of the shard the participant trained on, from the
-                        run's config and corpus (trainer.data.shard_digest)
+                        run's config and corpus, or its pinned token index (trainer.dataset)
   admitted              the signer has a WorkerAdmitted event at or before the recording block
   revoked               ... and no WorkerRevoked event at or before it
   measurement-allowed   its admitted measurement was allowlisted as of the recording block
@@ -149,7 +149,7 @@ class _Audit:
         self.recompute = Recomputation(self.findings, self.lineage.config)
         if self.rederiving and genesis is not None:
             self.recompute.check_genesis(genesis)
-        self.reports = ReportChecks(self.findings, domain, self.signers, self.lineage.config)
+        self.reports = ReportChecks(self.findings, domain, self.signers, self.lineage.config, self.findings.store)
 
         try:
             rounds = self.ledger.recorded_rounds(run_id)

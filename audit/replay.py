@@ -58,7 +58,8 @@ import torch
 from storage_client import Manifest, ObjectStore, from_e6
 from trainer.compression import CompressionError, PinnedRankPolicy, compress, decompress, rank_of
 from trainer.config import RunConfig
-from trainer.data import CorpusError, eval_batches, load_corpus, round_batches
+from trainer.data import CorpusError, eval_batches, round_batches
+from trainer.dataset import Dataset, run_dataset
 from trainer.diloco import FRESH_STATE, InnerLoop, evaluate, load_params
 from trainer.model import build_model
 from trainer.wire import Params, WireError, decode_params, layout_of
@@ -176,10 +177,13 @@ class Replayer:
     def corpus_loaded(self) -> bool:
         return self._corpus is not None
 
-    def _load_corpus(self):
+    def _load_corpus(self) -> Dataset:
+        """The run's tokens (trainer.dataset: the corpus, or the prepared files checked against the
+        pinned index in the store)."""
         if self._corpus is None:
-            cfg = self.config
-            self._corpus = load_corpus(cfg.data, cfg.seed, cfg.model.block_size)
+            dataset = run_dataset(self.config, self.store)
+            dataset.eval_tokens()  # verified now, so that a missing held-out file is a replay problem
+            self._corpus = dataset
         return self._corpus
 
     def _params(self, round_: int, what: str) -> Params | None:
@@ -200,7 +204,8 @@ class Replayer:
         try:
             corpus = self._load_corpus()
         except CorpusError as exc:
-            self.problems.append((None, cfg.data.corpus, f"the run's corpus is not available to replay on: {exc}"))
+            self.problems.append((None, cfg.data.tokens or cfg.data.corpus,
+                                  f"the run's tokens are not available to replay on: {exc}"))
             return [], 0
         sampled = set(targets)
         by_worker: dict[str, set[int]] = defaultdict(set)
@@ -233,7 +238,13 @@ class Replayer:
                 if start is None:
                     inner = None
                     continue
-                batches = round_batches(corpus.shard(p.shard, cfg.rounds.expected_workers), seed=cfg.seed,
+                try:
+                    shard_tokens = corpus.slot_tokens(p.shard)
+                except CorpusError as exc:
+                    self.problems.append((r, f"shard {p.shard}", f"{worker}'s shard cannot be read: {exc}"))
+                    inner = None
+                    continue
+                batches = round_batches(shard_tokens, seed=cfg.seed,
                                         shard_index=p.shard, round_=r, steps=cfg.inner.steps,
                                         batch_size=cfg.inner.batch_size, block_size=cfg.model.block_size)
                 result = inner.run(start, batches)
@@ -295,7 +306,7 @@ class Replayer:
     def rescore(self, rounds: Iterable[int]) -> list[RescoreRow]:
         cfg = self.config
         corpus = self._load_corpus()
-        batches = eval_batches(corpus, seed=cfg.seed, count=cfg.data.eval_batches,
+        batches = eval_batches(corpus.eval_tokens(), seed=cfg.seed, count=cfg.data.eval_batches,
                                batch_size=cfg.inner.batch_size, block_size=cfg.model.block_size)
         model = build_model(cfg.model, cfg.seed)
         out = []

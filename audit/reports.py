@@ -15,9 +15,10 @@ from typing import Any
 from attestation import ReportError, SignedReport
 from attestation.report import Domain, RoundReport, manifest_claims, report_differences
 from settlement.records import RoundRecord
-from storage_client import Manifest, Participant
+from storage_client import Manifest, ObjectStore, Participant
 from trainer.config import RunConfig
-from trainer.data import CorpusError, load_corpus, shard_digest
+from trainer.data import CorpusError
+from trainer.dataset import run_dataset
 
 from .findings import Findings, cid_digest
 from .lineage import Loaded
@@ -35,8 +36,10 @@ _CHECK_OF_CLAIM = {"train_loss_e6": "report-fields", "tokens": "report-fields", 
 class ReportChecks:
     """Checks each recorded round's reports; ``config`` (None when unreadable) gives the shards."""
 
-    def __init__(self, findings: Findings, domain: Domain, signers: Signers, config: RunConfig | None) -> None:
+    def __init__(self, findings: Findings, domain: Domain, signers: Signers, config: RunConfig | None,
+                 store: ObjectStore | None = None) -> None:
         self.findings = findings
+        self.store = store  # holds a prepared run's token index (data.tokens_cid)
         self.domain = domain
         self.signers = signers
         self.config = config
@@ -135,7 +138,8 @@ class ReportChecks:
 
     def _check_data_digest(self, r: int, label: str, p: Participant, signed: bytes) -> None:
         """A report's dataDigest is the digest of the shard its participant trained on, as the
-        config implies it (trainer.data.shard_digest of Corpus.shard)."""
+        config implies it (trainer.dataset: shard_digest of Corpus.shard, or the prepared shards'
+        sha256 from the run's pinned token index)."""
         digests = self._shard_digests_or_none()
         if digests is None:
             return
@@ -153,16 +157,13 @@ class ReportChecks:
         failure, when the corpus cannot be read here."""
         if self._shard_digests is None and self.config is not None:
             cfg = self.config
-            try:
-                corpus = load_corpus(cfg.data, cfg.seed, cfg.model.block_size)
+            try:  # a prepared run's digests come from its pinned index in the store, not its token files
+                self._shard_digests = list(run_dataset(cfg, self.store).shard_digests)
             except CorpusError as exc:
-                self.findings.fail(None, cfg.data.corpus, "data-digest",
-                                   f"the run's corpus cannot be read here, so no report's dataDigest can be checked: "
-                                   f"{exc}")
+                self.findings.fail(None, cfg.data.tokens_cid or cfg.data.corpus, "data-digest",
+                                   f"the run's {'token index' if cfg.data.tokens else 'corpus'} cannot be read here, "
+                                   f"so no report's dataDigest can be checked: {exc}")
                 self._shard_digests = []
-            else:
-                n = cfg.rounds.expected_workers
-                self._shard_digests = [shard_digest(corpus.shard(i, n)) for i in range(n)]
         return self._shard_digests or None
 
     def _check_accounted(self, r: int, record: RoundRecord, manifest: Manifest, matched: dict[str, str]) -> None:

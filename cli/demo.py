@@ -29,7 +29,7 @@ from attestation import DEV_WARNING, DevRoot, code_measurement
 from settlement import DEV_ACCOUNTS, Anvil, Chain, Deployment, Ledger, Registry, deploy
 from storage_client import write_atomic
 from trainer.config import RunConfig, demo_config
-from trainer.data import load_corpus
+from trainer.dataset import pin_dataset
 
 DEMO_REPLAYS = 2  # contributions the demo's audit re-runs (audit.replay)
 DEMO_CHALLENGE_WINDOW = 4  # blocks; the demo mines past it before it settles
@@ -94,9 +94,8 @@ def run_demo(run_dir: Path, workers: int = 2, settings: Sequence[str] = (), inse
     config = demo_config()
     config = config.replace(rounds=dataclasses.replace(config.rounds, expected_workers=workers, quorum=workers))
     config = config.with_settings(settings)
-    # Pin the corpus now: the allowlisted measurement covers the configuration's CID.
-    corpus = load_corpus(config.data, config.seed, config.model.block_size)
-    config = config.replace(data=dataclasses.replace(config.data, corpus_sha256=corpus.sha256))
+    # Pin the corpus (or prepared tokens) now: the allowlisted measurement covers the configuration's CID.
+    config, _ = pin_dataset(config)
     if (run_dir / "HEAD").exists() or (run_dir / "store").exists():
         console.print(f"[yellow]replacing the previous demo run in {run_dir}[/]")
         shutil.rmtree(run_dir)
@@ -135,7 +134,9 @@ def _train(console: Console, run_dir: Path, config: RunConfig, config_path: Path
     console.print(
         f"[bold]DiLoCo demo[/]: {workers} workers × {config.inner.steps} inner AdamW steps × "
         f"{config.rounds.rounds} rounds; {m.family} {m.n_layer}L/{m.n_embd}d/{m.n_head}h, "
-        f"context {m.block_size}, byte tokens; embedded corpus; run dir {run_dir}"
+        f"context {m.block_size}, "
+        f"{f'prepared tokens {config.data.tokens}' if config.data.tokens else 'byte tokens; embedded corpus'}; "
+        f"run dir {run_dir}"
     )
 
     started = time.monotonic()

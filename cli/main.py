@@ -15,6 +15,8 @@
     dilocox config [--demo] [--model-config PATH/config.json] [--set ...] > cfg.json
                                                    the run configuration, to edit
     dilocox export --run DIR --round N OUT/       a round's checkpoint as a Hugging Face folder
+    dilocox data prepare INPUT... --out DIR [--tokenizer byte|bpe|FILE] [--shards N]
+                                                   tokenize a corpus once into token shards
 
 Every run setting can be given as ``--set section.field=value`` (repeatable; ``dilocox config``
 lists the sections and fields). Each subcommand imports what it needs only when it runs.
@@ -281,6 +283,12 @@ def cmd_settle(args: argparse.Namespace) -> int:
     return run(args)
 
 
+def cmd_data(args: argparse.Namespace) -> int:
+    from cli.data import run
+
+    return run(args)
+
+
 def cmd_bench(args: argparse.Namespace) -> int:
     if args.what == "ablation":
         from benchmarks.ablation import run, settings_of
@@ -415,6 +423,12 @@ def _settle_arguments(p: argparse.ArgumentParser) -> None:
     add_arguments(p)
 
 
+def _data_arguments(p: argparse.ArgumentParser) -> None:
+    from cli.data import add_arguments
+
+    add_arguments(p)
+
+
 def _config_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--demo", action="store_true", help="the demo's configuration")
     p.add_argument("--model-config", metavar="PATH",
@@ -463,6 +477,7 @@ COMMANDS: dict[str, tuple[str, Callable[..., None], Callable[[argparse.Namespace
     "bench": ("benchmarks", _bench_arguments, cmd_bench),
     "config": ("print a run configuration to start from", _config_arguments, cmd_config),
     "export": ("a round's checkpoint as a Hugging Face folder", _export_arguments, cmd_export),
+    "data": ("data prepare: tokenize a corpus once into token shards", _data_arguments, cmd_data),
 }
 
 

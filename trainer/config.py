@@ -20,7 +20,7 @@ from dataclasses import dataclass, field, fields
 from pathlib import Path
 from typing import Any, Sequence, TypeVar, get_type_hints
 
-from storage_client import CID, canonical_json, digest_json, strict_json
+from storage_client import CID, Codec, InvalidCIDError, canonical_json, digest_json, strict_json
 from trainer.compression import CompressionConfig
 
 SCHEMA = "dilocox.config/v1"
@@ -119,10 +119,17 @@ class DataConfig:
     ``corpus`` is ``"embedded"`` (a corpus the project generates from the run seed) or a path to a
     UTF-8 text file readable by every process. ``corpus_sha256`` pins the bytes; it is filled in by
     :func:`trainer.data.load_corpus` when a run is created, and checked by every worker.
+
+    ``tokens``, when set, replaces ``corpus``: a directory written by ``dilocox data prepare``
+    (flat token files and their index, :mod:`trainer.dataset`), the same path on every process.
+    ``tokens_cid`` pins its index (filled in when the run is created); its split is the prepared
+    one, so ``eval_fraction`` does not apply.
     """
 
     corpus: str = "embedded"
     corpus_sha256: str = ""
+    tokens: str = ""  # a directory written by `dilocox data prepare`; "" = `corpus` text as byte tokens
+    tokens_cid: str = ""  # CID of that directory's index.json (pinned when the run is created)
     eval_fraction: float = 0.1  # (0, 0.5]: the tail of the corpus held out for evaluation
     # [1, 10_000] batches of inner.batch_size, and eval_batches x batch_size x block_size at most
     # MAX_EVAL_TOKENS (2^24): the held-out batches are kept in memory by every process
@@ -455,6 +462,24 @@ def _model_problems(m: ModelConfig) -> list[str]:
     return problems
 
 
+def _data_problems(cfg: RunConfig) -> list[str]:
+    """The prepared-token fields: a bounded path, and a JSON-codec CID (or "")."""
+    d, problems = cfg.data, []
+    if not isinstance(d.tokens, str) or len(d.tokens) > 4096 or "\x00" in d.tokens:
+        problems.append("data.tokens must be a directory path of at most 4096 characters")
+    if not isinstance(d.tokens_cid, str) or len(d.tokens_cid) > 128:
+        problems.append("data.tokens_cid must be a CID of at most 128 characters")
+    elif d.tokens_cid:
+        try:
+            if CID.parse(d.tokens_cid).codec != Codec.JSON:
+                problems.append("data.tokens_cid must be the CID of a JSON index (codec json)")
+        except InvalidCIDError:
+            problems.append("data.tokens_cid is not a CID")
+        if not d.tokens:
+            problems.append("data.tokens_cid is set but data.tokens (the prepared directory) is not")
+    return problems
+
+
 def _validate(cfg: RunConfig) -> list[str]:
     problems: list[str] = []
     if not (isinstance(cfg.run_id, str) and _RUN_ID.match(cfg.run_id)):
@@ -485,6 +510,7 @@ def _validate(cfg: RunConfig) -> list[str]:
     if eval_tokens > MAX_EVAL_TOKENS:
         problems.append(f"data.eval_batches = {cfg.data.eval_batches} holds {eval_tokens:,} held-out tokens "
                         f"(eval_batches x inner.batch_size x model.block_size); at most {MAX_EVAL_TOKENS:,}")
+    problems += _data_problems(cfg)
     if not r.quorum <= r.expected_workers:
         problems.append(f"rounds.quorum = {r.quorum} must be in [1, expected_workers = {r.expected_workers}]")
     if not r.liveness_timeout_s > r.heartbeat_interval_s:

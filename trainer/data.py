@@ -8,6 +8,10 @@
   ``num_shards`` contiguous shards, one per worker slot.
 * Batches: the windows of round r, step s on shard k are drawn from a generator seeded by
   (seed, k, r), so a round can be replayed exactly from the configuration alone.
+
+Processes open a run's tokens through :mod:`trainer.dataset`, which uses this module for a corpus
+and reads prepared token files (``dilocox data prepare``, BPE or bytes) otherwise; the batches of
+either come from :func:`sample_batch`.
 """
 
 from __future__ import annotations
@@ -16,8 +20,9 @@ import hashlib
 import random
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Iterator
+from typing import Iterator, Protocol
 
+import numpy as np
 import torch
 
 from trainer.config import DataConfig
@@ -152,25 +157,40 @@ def load_corpus(cfg: DataConfig, seed: int, block_size: int) -> Corpus:
     return Corpus(train=tokens[:-n_eval], eval=tokens[-n_eval:], sha256=digest)
 
 
+class Windowed(Protocol):
+    """Tokens read a window at a time (trainer.dataset.TokenSpan)."""
+
+    def __len__(self) -> int: ...
+
+    def window(self, start: int, length: int) -> np.ndarray: ...
+
+
 def _generator(*key: object) -> torch.Generator:
     seed = int.from_bytes(hashlib.sha256(repr(key).encode()).digest()[:8], "little") >> 1
     return torch.Generator().manual_seed(seed)
 
 
 def sample_batch(
-    tokens: torch.Tensor, batch_size: int, block_size: int, generator: torch.Generator
+    tokens: torch.Tensor | Windowed, batch_size: int, block_size: int, generator: torch.Generator
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """``batch_size`` random windows: inputs and the same windows shifted by one token."""
+    """``batch_size`` random windows: inputs and the same windows shifted by one token.
+
+    ``tokens`` is an int64 tensor, or memory-mapped token files (trainer.dataset.TokenSpan) from
+    which only the drawn windows are copied out, as int64; the same generator draws the same
+    starts either way."""
     if len(tokens) <= block_size + 1:
         raise CorpusError(f"{len(tokens)} tokens cannot hold a window of {block_size + 1}")
     starts = torch.randint(len(tokens) - block_size - 1, (batch_size,), generator=generator)
+    if not isinstance(tokens, torch.Tensor):
+        windows = torch.from_numpy(np.stack([tokens.window(s, block_size + 1) for s in starts.tolist()]))
+        return windows[:, :-1].contiguous(), windows[:, 1:].contiguous()
     x = torch.stack([tokens[s : s + block_size] for s in starts.tolist()])
     y = torch.stack([tokens[s + 1 : s + 1 + block_size] for s in starts.tolist()])
     return x, y
 
 
 def round_batches(
-    shard: torch.Tensor, *, seed: int, shard_index: int, round_: int, steps: int,
+    shard: torch.Tensor | Windowed, *, seed: int, shard_index: int, round_: int, steps: int,
     batch_size: int, block_size: int,
 ) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
     """The ``steps`` training batches of one worker slot in one round, replayable exactly."""
@@ -180,8 +200,9 @@ def round_batches(
 
 
 def eval_batches(
-    corpus: Corpus, *, seed: int, count: int, batch_size: int, block_size: int
+    corpus: Corpus | torch.Tensor | Windowed, *, seed: int, count: int, batch_size: int, block_size: int
 ) -> list[tuple[torch.Tensor, torch.Tensor]]:
     """The fixed held-out batches every global checkpoint is evaluated on."""
+    held_out = corpus.eval if isinstance(corpus, Corpus) else corpus
     generator = _generator("eval", seed)
-    return [sample_batch(corpus.eval, batch_size, block_size, generator) for _ in range(count)]
+    return [sample_batch(held_out, batch_size, block_size, generator) for _ in range(count)]

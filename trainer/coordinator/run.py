@@ -19,7 +19,8 @@ from storage_client import CID, Manifest, canonical_json, lineage, to_e6
 from trainer.compression import AdaptiveRankPolicy
 from trainer.config import ConfigError, RunConfig
 from trainer.coordinator.state import CompressedGlobal, GlobalState, RoundSummary
-from trainer.data import Corpus, eval_batches, load_corpus, shard_digest
+from trainer.data import eval_batches
+from trainer.dataset import Dataset, TokenSpan, pin_dataset, run_dataset
 from trainer.diloco import (
     downlink_error_of, evaluate, load_params, momentum_of, outer_state_of, params_of, zero_momentum,
 )
@@ -40,7 +41,7 @@ class Run:
     config_cid: CID
     model: torch.nn.Module  # evaluates each published checkpoint
     eval_batches: list
-    eval_tokens: torch.Tensor  # the held-out split, for screening (trainer.coordinator.screening)
+    eval_tokens: torch.Tensor | TokenSpan  # the held-out split, for screening (trainer.coordinator.screening)
     shard_digests: list[bytes]  # by shard: what each participant's report restates as dataDigest
     downlink: DownlinkCompressor | None  # compresses the global update when compression is on
     global_state: GlobalState
@@ -87,24 +88,25 @@ def open_run(run_dir: RunDir, config: RunConfig | None) -> Run:
     return _resume(run_dir, head, config)
 
 
-def _prepared(run_dir: RunDir, config: RunConfig, corpus: Corpus | None = None) -> dict:
-    corpus = corpus or load_corpus(config.data, config.seed, config.model.block_size)
-    shards = config.rounds.expected_workers
+def _prepared(run_dir: RunDir, config: RunConfig, dataset: Dataset | None = None) -> dict:
+    # The coordinator reads the held-out tokens only; shard digests come from the (pinned) index.
+    dataset = dataset or run_dataset(config, run_dir.store)
+    held_out = dataset.eval_tokens()
     return dict(
         run_dir=run_dir, config=config, config_cid=run_dir.store.put_json(config.to_json()),
         model=build_model(config.model, config.seed),
-        eval_batches=eval_batches(corpus, seed=config.seed, count=config.data.eval_batches,
+        eval_batches=eval_batches(held_out, seed=config.seed, count=config.data.eval_batches,
                                   batch_size=config.inner.batch_size, block_size=config.model.block_size),
-        eval_tokens=corpus.eval, shard_digests=[shard_digest(corpus.shard(i, shards)) for i in range(shards)],
+        eval_tokens=held_out, shard_digests=list(dataset.shard_digests),
         downlink=DownlinkCompressor(AdaptiveRankPolicy(config.compression)) if config.compression.enabled else None,
     )
 
 
 def _genesis(run_dir: RunDir, config: RunConfig) -> Run:
-    corpus = load_corpus(config.data, config.seed, config.model.block_size)
-    # Pin the corpus bytes into the run's identity, so every worker must train on the same text.
-    config = config.replace(data=dataclasses.replace(config.data, corpus_sha256=corpus.sha256))
-    parts = _prepared(run_dir, config, corpus)
+    # Pin the corpus bytes (or the prepared tokens' index) into the run's identity, so every worker
+    # must train on the same tokens.
+    config, dataset = pin_dataset(config, run_dir.store)
+    parts = _prepared(run_dir, config, dataset)
     store, model = run_dir.store, parts["model"]
     params = params_of(model)
     momentum = zero_momentum(params)
@@ -132,7 +134,8 @@ def _resume(run_dir: RunDir, head: CID, config: RunConfig | None) -> Run:
     tip_cid, tip = chain[-1]
     stored = RunConfig.from_json(store.get_json(tip.config))
     # A config given on resume must be the run's own; its corpus digest may be left for us to fill.
-    pinned = config and config.replace(data=dataclasses.replace(config.data, corpus_sha256=stored.data.corpus_sha256))
+    pinned = config and config.replace(data=dataclasses.replace(config.data, corpus_sha256=stored.data.corpus_sha256,
+                                                                tokens_cid=stored.data.tokens_cid))
     if pinned is not None and pinned.cid != stored.cid:
         raise ConfigError(
             f"{run_dir.path} holds run {stored.run_id!r} with config {tip.config}; the given "

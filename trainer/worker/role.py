@@ -27,7 +27,8 @@ from attestation import EvidenceProvider, RoundReport, SignedReport
 from proto import WorkerPhase
 from storage_client import CID, strict_json, to_e6
 from trainer.config import RunConfig
-from trainer.data import eval_batches, load_corpus, round_batches, shard_digest
+from trainer.data import eval_batches, round_batches
+from trainer.dataset import PreparedDataset, open_dataset
 from trainer.diloco import InnerLoop, InnerResult, evaluate, inner_state_digest, load_params, params_of
 from trainer.link import Link
 from trainer.model import build_model
@@ -95,10 +96,17 @@ class Worker:
             raise WorkerError(f"{self.stages} pipeline stages: this run's model has {n_layer} layers, "
                               f"so a worker can run 1 to {n_layer} stages")
         self.shard_index = shard
-        corpus = load_corpus(config.data, config.seed, config.model.block_size)
-        self.shard = corpus.shard(shard, num_shards)
-        self.data_digest = shard_digest(self.shard)
-        self.eval_batches = eval_batches(corpus, seed=config.seed, count=config.data.eval_batches,
+        # Verified before any training: the pinned index, tokenizer.json, and this slot's shard
+        # files and the held-out file (each checked against the index, then memory-mapped).
+        dataset = open_dataset(config)
+        if num_shards != dataset.slots:
+            raise WorkerError(f"the coordinator splits the data into {num_shards} shards, but the run's config "
+                              f"has rounds.expected_workers {dataset.slots}")
+        if isinstance(dataset, PreparedDataset):
+            dataset.verify_tokenizer()
+        self.shard = dataset.slot_tokens(shard)
+        self.data_digest = dataset.shard_digests[shard]
+        self.eval_batches = eval_batches(dataset.eval_tokens(), seed=config.seed, count=config.data.eval_batches,
                                          batch_size=config.inner.batch_size, block_size=config.model.block_size)
         self.model = build_model(config.model, config.seed)
         # θ⁽⁰⁾ is a function of the run's seed: built here, it need not cross the network. Its CID
