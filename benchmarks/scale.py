@@ -31,6 +31,7 @@ skipped with its reason; ``--max-params`` skips the larger sizes outright.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import os
 import platform
@@ -131,7 +132,7 @@ def settings_of(args: argparse.Namespace) -> Settings:
 def cell_config(s: Settings, size: str, workers: int) -> Any:
     """The run configuration of one cell."""
     from trainer.config import RunConfig
-    from trainer.dataset import pin_dataset
+    from trainer.data import load_corpus
 
     n_layer, n_embd, n_head, n_kv_head, intermediate = SIZES[size]
     model = [f"model.n_layer={n_layer}", f"model.n_embd={n_embd}", f"model.n_head={n_head}",
@@ -148,9 +149,10 @@ def cell_config(s: Settings, size: str, workers: int) -> Any:
     ]
     if s.tokens:
         settings.append(f"data.tokens={s.tokens}")
+    config = RunConfig().with_settings([*settings, *s.extra])
     # Pinned before the chain allowlists the configuration's measurement, as the demo does.
-    config, _ = pin_dataset(RunConfig().with_settings([*settings, *s.extra]))
-    return config
+    corpus = load_corpus(config.data, config.seed, config.model.block_size)
+    return config.replace(data=dataclasses.replace(config.data, corpus_sha256=corpus.sha256))
 
 
 def parameter_count(config: Any) -> int:

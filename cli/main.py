@@ -12,7 +12,6 @@
     dilocox bench flood                            health/Status latency while each limit is flooded
     dilocox bench robust [--quick]                 one dishonest worker against each aggregation setting
     dilocox bench overlap                          synchronous vs overlapped rounds at two outer momenta
-    dilocox bench scale [--smoke]                  a round's cost at ~1M/20M/100M parameters, 2 and 8 workers
     dilocox config [--demo] [--model-config PATH/config.json] [--set ...] > cfg.json
                                                    the run configuration, to edit
     dilocox export --run DIR --round N OUT/       a round's checkpoint as a Hugging Face folder
