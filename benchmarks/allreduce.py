@@ -81,7 +81,6 @@ import torch.multiprocessing as mp
 from trainer.config import RunConfig
 from trainer.data import load_corpus, round_batches
 from trainer.link import Link
-from trainer.diloco import autocast
 from trainer.model import build_model
 from trainer.procgroup import LocalGroup, Member, answer, join_group, leave_child, report_error
 
@@ -124,7 +123,6 @@ class _Job:
     threads: int
     timeout_s: float
     fault: tuple[int, int, str] | None  # tests only: (rank, step, "exit"|"raise"|"hang"|"nan")
-    device: str = "cpu"  # "cuda": rank k on GPU k (NCCL, bf16 autocast), as the workers' --device
 
 
 def _paced_all_reduce(buf: torch.Tensor, link: Link, pacer: ThreadPoolExecutor | None,
@@ -148,10 +146,9 @@ class _Replica:
     """One rank's model and AdamW (exactly InnerLoop's: one group, weight decay on every parameter),
     and the one buffer its gradients and loss travel in."""
 
-    def __init__(self, cfg: RunConfig, device: torch.device) -> None:
+    def __init__(self, cfg: RunConfig) -> None:
         inner = cfg.inner
-        self.device = device
-        self.model = build_model(cfg.model, cfg.seed).to(device)
+        self.model = build_model(cfg.model, cfg.seed)
         self.model.train()
         self.optimizer = torch.optim.AdamW(self.model.parameters(), lr=inner.lr, betas=(inner.beta1, inner.beta2),
                                            weight_decay=inner.weight_decay)
@@ -159,13 +156,12 @@ class _Replica:
         self.names = [n for n, _ in self.model.named_parameters()]
         self.params = [p for _, p in self.model.named_parameters()]
         sizes = [p.numel() for p in self.params]
-        self.buf = torch.zeros(sum(sizes) + 1, dtype=torch.float32, device=device)  # every gradient, then the loss
+        self.buf = torch.zeros(sum(sizes) + 1, dtype=torch.float32)  # every gradient, then the loss
         self.grad_views = list(self.buf[:-1].split(sizes))
 
     def local_step(self, x: torch.Tensor, y: torch.Tensor, fault: str | None) -> None:
         """g_k, ℓ_k into the buffer."""
-        with autocast(self.device):
-            _, loss = self.model(x.to(self.device), y.to(self.device))
+        _, loss = self.model(x, y)
         assert loss is not None
         if fault == "nan":
             loss = loss * float("nan")
@@ -195,7 +191,7 @@ class _Replica:
         return mean_loss
 
     def numpy_params(self) -> dict[str, np.ndarray]:
-        return {n: p.detach().cpu().numpy().copy() for n, p in zip(self.names, self.params)}
+        return {n: p.detach().numpy().copy() for n, p in zip(self.names, self.params)}
 
     def digest(self, final: dict[str, np.ndarray]) -> str:
         digest = hashlib.sha256()
@@ -208,11 +204,7 @@ class _Replica:
 def _train(rank: int, job: _Job, shard: torch.Tensor) -> dict[str, Any]:
     """This rank's training loop; returns its timings and, on rank 0, losses and parameters."""
     cfg, world, horizon = job.config, job.workers, job.config.inner.steps
-    device = torch.device("cpu")
-    if job.device == "cuda":
-        device = torch.device("cuda", rank % torch.cuda.device_count())
-        torch.cuda.set_device(device)
-    replica = _Replica(cfg, device)
+    replica = _Replica(cfg)
     step_bytes = ring_allreduce_bytes(replica.buf.numel() * replica.buf.element_size(), world)
     link = Link(job.link_bandwidth_bps, job.link_latency_s)
     pacer = ThreadPoolExecutor(2, thread_name_prefix="link") if link.limited else None
@@ -291,7 +283,7 @@ def _launch(job: _Job) -> list[dict[str, Any]]:
     """Spawn the ranks and collect their payloads, by rank; raise AllReduceError on a failure."""
     group = LocalGroup(mp.get_context("spawn"), job.workers, _rank_main, timeout_s=job.timeout_s, threads=job.threads,
                        who=lambda k: _who(k, job.workers), error=AllReduceError, name="allreduce-rank",
-                       args=lambda k: (job,), backend="nccl" if job.device == "cuda" else "gloo")
+                       args=lambda k: (job,))
     try:
         group.start()
         payloads = group.collect(1)
@@ -305,21 +297,15 @@ def _launch(job: _Job) -> list[dict[str, Any]]:
 def run_allreduce(
     config: RunConfig, *, workers: int, steps: int,
     link_bandwidth_bps: float = 0.0, link_latency_s: float = 0.0,
-    snapshot_every: int = 0, threads_per_worker: int = 1, timeout_s: float = 300.0, device: str = "cpu",
+    snapshot_every: int = 0, threads_per_worker: int = 1, timeout_s: float = 300.0,
     _fault: tuple[int, int, str] | None = None,
 ) -> AllReduceResult:
     """Train ``steps`` synchronous data-parallel steps on ``workers`` local ranks (module doc).
 
     ``link_*`` emulate each rank's network link (0: unlimited). With ``snapshot_every`` > 0, rank
     0 keeps a copy of the parameters after every ``snapshot_every`` steps and after the last one.
-    ``timeout_s`` bounds the rendezvous and every collective. ``device`` "cuda" puts rank k on GPU k
-    with NCCL and bf16 autocast (one GPU per rank). ``_fault`` is for tests only.
+    ``timeout_s`` bounds the rendezvous and every collective. ``_fault`` is for tests only.
     """
-    if device not in ("cpu", "cuda"):
-        raise ValueError(f"device {device[:20]!r}: expected cpu or cuda")
-    if device == "cuda" and torch.cuda.device_count() < workers:
-        raise ValueError(f"{workers} ranks on CUDA need {workers} GPUs (NCCL, one per rank); this machine has "
-                         f"{torch.cuda.device_count()}")
     if workers < 1 or steps < 1:
         raise ValueError("run_allreduce needs workers >= 1 and steps >= 1")
     if snapshot_every < 0 or threads_per_worker < 1 or timeout_s <= 0:
@@ -330,7 +316,7 @@ def run_allreduce(
     job = _Job(config=config, workers=workers, steps=steps,
                link_bandwidth_bps=link_bandwidth_bps, link_latency_s=link_latency_s,
                snapshot_every=snapshot_every, threads=threads_per_worker, timeout_s=timeout_s,
-               fault=_fault, device=device)
+               fault=_fault)
     ranks = _launch(job)
 
     digests = {r["digest"] for r in ranks}

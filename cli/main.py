@@ -144,13 +144,8 @@ def _trust_settings(args: argparse.Namespace):  # -> TrustSettings | None
 
 
 def cmd_worker(args: argparse.Namespace) -> int:
-    from trainer.diloco import DeviceError, resolve_device
     from trainer.worker import Worker
 
-    try:
-        device = resolve_device(args.device)
-    except DeviceError as exc:
-        raise UsageError(str(exc)) from None
     _threads(args.threads)
     provider = None
     if args.attestation != "none":
@@ -162,7 +157,7 @@ def cmd_worker(args: argparse.Namespace) -> int:
     link = Link(bandwidth_bps=args.link_bandwidth * 1e6, latency_s=args.link_latency / 1e3)
     worker = Worker(args.coordinator, args.worker_id, tls=_client_tls(args), attestation=provider,
                     reconnect_timeout_s=args.reconnect_timeout, link=link,
-                    metrics=Path(args.metrics) if args.metrics else None, stages=args.stages, device=device)
+                    metrics=Path(args.metrics) if args.metrics else None, stages=args.stages)
     return _exit_now(worker.run())
 
 
@@ -300,11 +295,6 @@ def cmd_bench(args: argparse.Namespace) -> int:
 
         flood(args)
         return 0
-    if args.what == "scale":
-        from benchmarks.scale import main as scale
-
-        scale(args)
-        return 0
     if args.what == "overlap":
         from benchmarks.overlap_momentum import main as overlap
 
@@ -399,9 +389,6 @@ def _worker_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--stages", type=int, default=1, metavar="P",
                    help="pipeline stages: P local processes, each holding a contiguous slice of layers "
                         "(torch.distributed gloo on CPU), with max(1, threads // P) torch threads each")
-    p.add_argument("--device", default="cpu",
-                   help="where the inner loop runs: cpu (default), cuda or cuda:N (bf16 autocast; pipeline "
-                        "stages then use NCCL, stage s on GPU s mod the GPU count)")
 
 
 def _status_arguments(p: argparse.ArgumentParser) -> None:
@@ -445,8 +432,6 @@ BENCHES: dict[str, tuple[str, str | None]] = {
     "robust": ("one admitted dishonest worker against each aggregation setting", "benchmarks.robustness"),
     "overlap": ("synchronous rounds against the one-step-delay overlap at two outer momenta",
                 "benchmarks.overlap_momentum"),
-    "scale": ("a round's time split, peak memory, store and wire bytes at ~1M/20M/100M parameters",
-              "benchmarks.scale"),
 }
 
 

@@ -39,37 +39,8 @@ from trainer.wire import Params, encode_params
 
 
 def params_of(model: nn.Module) -> Params:
-    """A detached copy of the model's parameters, by name, on the CPU (where everything that is
-    hashed, sent or aggregated lives, whatever device the model trains on)."""
-    return {name: p.detach().to("cpu", copy=True) for name, p in model.named_parameters()}
-
-
-class DeviceError(ValueError):
-    """A ``--device`` that does not name a device this machine has."""
-
-
-def resolve_device(text: str) -> torch.device:
-    """``cpu``, ``cuda`` or ``cuda:N``, checked against what this machine has."""
-    try:
-        device = torch.device(text.strip())
-    except RuntimeError:
-        raise DeviceError(f"--device {text[:40]!r}: expected cpu, cuda or cuda:N") from None
-    if device.type == "cpu":
-        return torch.device("cpu")
-    if device.type != "cuda":
-        raise DeviceError(f"--device {text[:40]!r}: only cpu and cuda are supported")
-    if not torch.cuda.is_available():
-        raise DeviceError(f"--device {text[:40]!r}: this machine has no CUDA device (torch {torch.__version__})")
-    index = device.index if device.index is not None else torch.cuda.current_device()
-    if not 0 <= index < torch.cuda.device_count():
-        raise DeviceError(f"--device {text[:40]!r}: this machine has {torch.cuda.device_count()} CUDA device(s)")
-    return torch.device("cuda", index)
-
-
-def autocast(device: torch.device) -> torch.autocast:
-    """bf16 autocast of the forward (and so the backward) on CUDA; off on the CPU, where the
-    numbers must match the audit's float32 replay. Parameters, AdamW state and Δ stay float32."""
-    return torch.autocast(device.type, dtype=torch.bfloat16, enabled=device.type == "cuda")
+    """A detached copy of the model's parameters, by name."""
+    return {name: p.detach().clone() for name, p in model.named_parameters()}
 
 
 def load_params(model: nn.Module, params: Params) -> None:
@@ -108,9 +79,8 @@ class InnerLoop:
     rebuilds it from the run's manifests alone, round after counted round, from a fresh start.
     """
 
-    def __init__(self, model: nn.Module, cfg: InnerConfig, device: torch.device = torch.device("cpu")) -> None:
-        self.model = model.to(device)
-        self.device = device
+    def __init__(self, model: nn.Module, cfg: InnerConfig) -> None:
+        self.model = model
         self.cfg = cfg
         self.optimizer = torch.optim.AdamW(
             model.parameters(), lr=cfg.lr, betas=(cfg.beta1, cfg.beta2),
@@ -123,9 +93,7 @@ class InnerLoop:
         losses: list[float] = []
         tokens = 0
         for x, y in batches:
-            x, y = x.to(self.device, non_blocking=True), y.to(self.device, non_blocking=True)
-            with autocast(self.device):
-                _, loss = self.model(x, y)
+            _, loss = self.model(x, y)
             assert loss is not None
             if not torch.isfinite(loss):
                 raise FloatingPointError(f"inner step {len(losses) + 1}: loss is {loss.item()}")
@@ -147,7 +115,7 @@ class InnerLoop:
         out: Params = {}
         for name, p in self.model.named_parameters():
             for key, value in sorted(self.optimizer.state.get(p, {}).items()):
-                out[f"{key}.{name}"] = value.detach().to("cpu").reshape(value.shape)
+                out[f"{key}.{name}"] = value.detach().reshape(value.shape)
         return out
 
     def snapshot(self) -> dict:
@@ -241,12 +209,9 @@ def downlink_error_of(state: Params) -> Params:
 
 @torch.no_grad()
 def evaluate(model: nn.Module, batches: list[tuple[torch.Tensor, torch.Tensor]]) -> float:
-    """Mean cross-entropy (nats per token) over fixed held-out batches, in float32 on the model's
-    device (no autocast: a worker checks the coordinator's figure to a fixed tolerance)."""
+    """Mean cross-entropy (nats per token) over fixed held-out batches."""
     model.eval()
-    device = next(model.parameters()).device
-    with torch.no_grad():
-        losses = [model(x.to(device), y.to(device))[1].item() for x, y in batches]  # type: ignore[union-attr]
+    losses = [model(x, y)[1].item() for x, y in batches]  # type: ignore[union-attr]
     return sum(losses) / len(losses)
 
 

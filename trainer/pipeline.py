@@ -120,7 +120,7 @@ import torch.nn.functional as F
 
 from trainer.compression import CompressionConfig
 from trainer.config import MODEL_FAMILIES, InnerConfig, ModelConfig
-from trainer.diloco import autocast, load_params
+from trainer.diloco import load_params
 from trainer.hf_model import HFDecoder, HFStage
 from trainer.model import GPT, build_model, new_model
 from trainer.procgroup import LocalGroup, Member, answer, available_cpus, join_group, leave_child, report_error
@@ -356,9 +356,8 @@ class StageRunner:
             args = (x.to(self.device),) if stage.is_first else ()
             target = y.to(self.device) if stage.is_last else None
             try:
-                with autocast(self.device):
-                    schedule.step(*args, target=target, losses=mb_losses if stage.is_last else None,
-                                  return_outputs=False)
+                schedule.step(*args, target=target, losses=mb_losses if stage.is_last else None,
+                              return_outputs=False)
             except Exception as exc:
                 raise PipelineError(f"{where}, inner step {step}: pipeline schedule failed: {exc}") from exc
 
@@ -420,7 +419,6 @@ class _Setup:
 
     model_cfg: ModelConfig
     n_microbatches: int
-    device: str = "cpu"  # "cuda": stage s trains on GPU s mod the GPU count, the group on NCCL
 
 
 @dataclass(frozen=True)
@@ -492,11 +490,7 @@ def _stage_main(member: Member, results: Any, setup: _Setup, jobs: Any, round_fn
     parent = os.getppid()
     try:
         join_group(member, PipelineError, _who(member.rank, member.world_size))
-        device = torch.device("cpu")
-        if setup.device == "cuda":
-            device = torch.device("cuda", member.rank % torch.cuda.device_count())
-            torch.cuda.set_device(device)
-        runner = StageRunner(setup.model_cfg, n_microbatches=setup.n_microbatches, device=device)
+        runner = StageRunner(setup.model_cfg, n_microbatches=setup.n_microbatches, device=torch.device("cpu"))
         answer(results, member.rank, 0, None)
         while True:
             try:
@@ -541,7 +535,7 @@ class StageGroup:
 
     def __init__(self, model_cfg: ModelConfig, num_stages: int, *, n_microbatches: int = 2,
                  timeout_s: float = DEFAULT_TIMEOUT_S, threads_per_stage: int | None = None,
-                 round_fn: RoundFn = run_round, device: torch.device = torch.device("cpu")) -> None:
+                 round_fn: RoundFn = run_round) -> None:
         self.names = stage_param_names(model_cfg, num_stages)  # refuses an impossible split
         self.num_stages = num_stages
         self.n_microbatches = n_microbatches
@@ -549,11 +543,10 @@ class StageGroup:
         self._seq = 0
         ctx = _context()
         self._jobs = [ctx.Queue() for _ in range(num_stages)]
-        setup = _Setup(model_cfg, n_microbatches, device.type)
+        setup = _Setup(model_cfg, n_microbatches)
         self.group = LocalGroup(ctx, num_stages, _stage_main, timeout_s=timeout_s, threads=self.threads,
                                 who=lambda s: _who(s, num_stages), error=PipelineError, name="pipeline-stage",
-                                args=lambda s: (setup, self._jobs[s], round_fn),
-                                backend="nccl" if device.type == "cuda" else "gloo")
+                                args=lambda s: (setup, self._jobs[s], round_fn))
         began = time.monotonic()
         try:
             self.group.start()
@@ -660,13 +653,8 @@ class PipelinedInnerLoop:
                  compression: CompressionConfig | None = None,
                  n_microbatches: int = 2, timeout_s: float = DEFAULT_TIMEOUT_S,
                  deadline_s: float | None = None, threads_per_stage: int | None = None,
-                 round_fn: RoundFn = run_round, device: torch.device = torch.device("cpu")) -> None:
+                 round_fn: RoundFn = run_round) -> None:
         stage_blocks(model_cfg.n_layer, stages)  # refuse an impossible split now
-        if device.type == "cuda" and torch.cuda.device_count() < stages:
-            # NCCL joins one GPU per rank: two stages on one GPU cannot form a group.
-            raise ValueError(f"{stages} pipeline stages on CUDA need {stages} GPUs (NCCL, one per stage); "
-                             f"this machine has {torch.cuda.device_count()}")
-        self.device = device
         if cfg.batch_size % n_microbatches:
             raise ValueError(f"a batch of {cfg.batch_size} sequences cannot be cut into "
                              f"{n_microbatches} equal microbatches")
@@ -709,7 +697,7 @@ class PipelinedInnerLoop:
                         "state starts over", self.stages, self._failure)
         self.group = StageGroup(self.model_cfg, self.stages, n_microbatches=self.n_microbatches,
                                 timeout_s=self.timeout_s, threads_per_stage=self.threads_per_stage,
-                                round_fn=self.round_fn, device=self.device)
+                                round_fn=self.round_fn)
         self.groups_started += 1
         self._failure = None
         return self.group

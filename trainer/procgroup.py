@@ -59,7 +59,6 @@ class Member:
     port: int  # of the parent's TCPStore
     timeout_s: float
     threads: int
-    backend: str = "gloo"  # "nccl" when the members train on GPUs, one GPU each
 
 
 def _loopback_interface() -> str | None:
@@ -78,7 +77,7 @@ def available_cpus() -> int:
 
 
 def join_group(member: Member, error: type[Exception], who: str) -> None:
-    """In a child: set its threads and join the group (gloo, or NCCL on GPUs); ``error`` (naming ``who``) if the
+    """In a child: set its threads and join the gloo group; ``error`` (naming ``who``) if the
     rendezvous fails within the timeout."""
     torch.set_num_threads(member.threads)
     interface = _loopback_interface()
@@ -87,8 +86,7 @@ def join_group(member: Member, error: type[Exception], who: str) -> None:
     timeout = timedelta(seconds=member.timeout_s)
     store = dist.TCPStore("127.0.0.1", member.port, member.world_size, is_master=False, timeout=timeout)
     try:
-        dist.init_process_group(member.backend, store=store, rank=member.rank, world_size=member.world_size,
-                                timeout=timeout)
+        dist.init_process_group("gloo", store=store, rank=member.rank, world_size=member.world_size, timeout=timeout)
     except Exception as exc:
         raise error(f"{who}: process group rendezvous failed within {member.timeout_s:g} s: {exc}") from exc
 
@@ -129,7 +127,7 @@ class LocalGroup:
 
     def __init__(self, ctx: Any, world_size: int, target: Callable[..., None], *, timeout_s: float, threads: int,
                  who: Callable[[int], str], error: type[Exception], name: str,
-                 args: Callable[[int], tuple] = lambda rank: (), backend: str = "gloo") -> None:
+                 args: Callable[[int], tuple] = lambda rank: ()) -> None:
         self.world_size, self.who, self.error = world_size, who, error
         timeout = timedelta(seconds=timeout_s)
         # Held for the group's life: the children's rendezvous store.
@@ -137,7 +135,7 @@ class LocalGroup:
                                     wait_for_workers=False)
         self.results = ctx.Queue()
         self.procs = [
-            ctx.Process(target=target, args=(Member(k, world_size, self._store.port, timeout_s, threads, backend),
+            ctx.Process(target=target, args=(Member(k, world_size, self._store.port, timeout_s, threads),
                                              self.results, *args(k)), name=f"{name}-{k}", daemon=True)
             for k in range(world_size)
         ]

@@ -16,14 +16,12 @@ sent).
 
 from __future__ import annotations
 
-import functools
-
 import json
 import logging
 import threading
 import time
 from dataclasses import dataclass
-from typing import Any, Callable, Iterator, TypeVar
+from typing import Callable, Iterator, TypeVar
 
 import grpc
 
@@ -86,20 +84,6 @@ def slice_name(piece: Slice) -> str:
     return "update" if piece.num_stages == 1 else f"stage {piece.stage} of {piece.num_stages} slice"
 
 
-def _timed(kind: str) -> Callable[[Callable[..., T]], Callable[..., T]]:
-    """Add the wall time of every call to ``self.seconds[kind]`` (the benchmarks' time split)."""
-    def wrap(fn: Callable[..., T]) -> Callable[..., T]:
-        @functools.wraps(fn)
-        def timed(self: CoordinatorClient, *args: Any, **kwargs: Any) -> T:
-            started = time.monotonic()
-            try:
-                return fn(self, *args, **kwargs)
-            finally:
-                self.seconds[kind] += time.monotonic() - started
-        return timed
-    return wrap
-
-
 class CoordinatorClient:
     def __init__(self, address: str, worker_id: str, *, tls: ClientTls, attestation: EvidenceProvider | None,
                  reconnect_timeout_s: float, fetch_wait_s: float, link: Link,
@@ -119,7 +103,6 @@ class CoordinatorClient:
         self.heartbeat_interval_s = 1.0
         self.round, self.phase = 0, WorkerPhase.STARTING  # what heartbeats say
         self.bytes_sent = self.bytes_received = 0
-        self.seconds = {"fetch": 0.0, "push": 0.0}  # wall time inside FetchGlobal and PushUpdate calls
         self.held: tuple[str, Params] | None = None  # the newest global parameters, by CID
         self.received_for: dict[str, int] = {}  # wire bytes of the fetch that delivered each CID
 
@@ -265,7 +248,6 @@ class CoordinatorClient:
 
     # ----------------------------------------------------------------------------- fetching
 
-    @_timed("fetch")
     def fetch(self, min_round: int) -> Checkpoint:
         """The global parameters of round >= ``min_round`` (waits for them), verified by their CID.
 
@@ -338,7 +320,6 @@ class CoordinatorClient:
 
     # ----------------------------------------------------------------------------- pushing
 
-    @_timed("push")
     def push_slice(self, piece: Slice, what: PushHeader) -> int:
         """One slice's PushUpdate stream; returns its wire bytes (what the coordinator counts).
         Raises grpc.RpcError when the coordinator refuses it (a duplicate counts as sent)."""

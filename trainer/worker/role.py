@@ -53,7 +53,6 @@ class RoundWork:
     state: str = ""  # sha256 of the inner state the round started from; "" where not committed
     # The AdamW and error-feedback state before the round, restored if the round does not count.
     snapshot: tuple[dict, list | None] | None = None
-    encode_s: float = 0.0  # seconds compressing Δ in this process (pipeline stages encode their own)
 
 
 @dataclass(frozen=True)
@@ -73,9 +72,8 @@ class Pushed:
 class Worker:
     def __init__(self, address: str, worker_id: str, *, tls: ClientTls, attestation: EvidenceProvider | None = None,
                  reconnect_timeout_s: float = 120.0, fetch_wait_s: float = 5.0, link: Link | None = None,
-                 metrics: Path | None = None, stages: int = 1, device: torch.device = torch.device("cpu")) -> None:
+                 metrics: Path | None = None, stages: int = 1) -> None:
         self.worker_id = worker_id
-        self.device = device  # where the inner loop runs (trainer.diloco.resolve_device); CPU by default
         self.stages = stages  # pipeline stages: local processes, each a contiguous slice of the layers
         self.metrics = metrics
         self.client = CoordinatorClient(address, worker_id, tls=tls, attestation=attestation,
@@ -87,7 +85,6 @@ class Worker:
         self.compute_s = 0.0  # time in the inner loop, all rounds
         self.tokens = 0
         self._counted = (0, 0)  # bytes sent/received up to the last progress record
-        self._timed = {"fetch": 0.0, "push": 0.0}  # client.seconds up to the last progress record
 
     def set_up(self, config: RunConfig, shard: int, num_shards: int) -> None:
         """At the first Join: the shard, the held-out batches, θ⁽⁰⁾ and the inner loop."""
@@ -116,12 +113,12 @@ class Worker:
         if self.stages > 1:  # the stage processes share this worker's torch threads
             try:
                 self.inner = PipelinedInnerLoop(config.model, config.inner, self.stages,
-                                                compression=config.compression, device=self.device,
+                                                compression=config.compression,
                                                 threads_per_stage=max(1, torch.get_num_threads() // self.stages))
             except ValueError as exc:  # e.g. a batch that does not cut into equal microbatches
                 raise WorkerError(f"{self.stages} pipeline stages: {exc}") from exc
         else:
-            self.inner = InnerLoop(self.model, config.inner, self.device)
+            self.inner = InnerLoop(self.model, config.inner)
         # Error feedback lives as long as the worker (not its stage processes): what compression
         # drops is sent next round.
         self.uplink = Uplink(config.compression, self.stages)
@@ -145,9 +142,7 @@ class Worker:
         # Overlapped, the next round is training when a refusal comes back: nothing to undo then.
         snapshot = None if cfg.rounds.overlap else (self.inner.snapshot(), self.uplink.snapshot())
         result = self.inner.run(params, batches)
-        encoding = time.monotonic()
-        slices = [self.uplink.encode(result.pseudo_gradient)]
-        return RoundWork(result, slices, state, snapshot, time.monotonic() - encoding)
+        return RoundWork(result, [self.uplink.encode(result.pseudo_gradient)], state, snapshot)
 
     def push(self, round_: int, work: RoundWork, base_cid: str) -> Pushed | None:
         """Send Δ for ``round_``, one stream per stage slice; what was sent if the coordinator holds
@@ -243,17 +238,13 @@ class Worker:
         self.tokens += result.tokens
         sent, received = client.bytes_sent - self._counted[0], client.bytes_received - self._counted[1]
         self._counted = (client.bytes_sent, client.bytes_received)
-        spent = {kind: client.seconds[kind] - self._timed[kind] for kind in self._timed}
-        self._timed = dict(client.seconds)
         decision = merged_decision(round_, work.slices)
         log.info("round %d: %d steps, loss %.4f, %d tokens, train %.2fs, waited %.2fs, %d bytes up, %d down%s",
                  round_, result.steps, result.mean_loss, result.tokens, trained_s, waited_s, sent, received,
                  f", uplink mean rank {decision.mean_rank:.1f}" if decision else "")
         record = {"event": "round", "round": round_, "tokens": result.tokens, "inner_steps": result.steps,
                   "train_loss": result.mean_loss, "compute_s": trained_s, "waited_s": waited_s,
-                  "bytes_sent": sent, "bytes_received": received, "time": time.time(),
-                  # the time split: encode (compression), push and fetch calls since the last record
-                  "encode_s": work.encode_s, "push_s": spent["push"], "fetch_s": spent["fetch"]}
+                  "bytes_sent": sent, "bytes_received": received, "time": time.time()}
         if decision is not None:
             record["ranks"] = {name: d.rank for name, d in decision.tensors.items()}
             record["energy"] = decision.energy
