@@ -12,6 +12,7 @@
     dilocox bench flood                            health/Status latency while each limit is flooded
     dilocox bench robust [--quick]                 one dishonest worker against each aggregation setting
     dilocox bench overlap                          synchronous vs overlapped rounds at two outer momenta
+    dilocox bench scale [--smoke]                  a round's cost split by phase, RSS, store vs wire bytes
     dilocox config [--demo] [--set ...] > cfg.json the run configuration, to edit
 
 Every run setting can be given as ``--set section.field=value`` (repeatable; ``dilocox config``
@@ -270,6 +271,13 @@ def cmd_bench(args: argparse.Namespace) -> int:
 
         overlap(args)
         return 0
+    if args.what == "scale":
+        import shlex
+
+        from benchmarks.scale import run as scale, settings_of as scale_settings
+
+        scale(scale_settings(args), shlex.join(["dilocox", *sys.argv[1:]]))
+        return 0
     if args.what == "robust":
         import shlex
 
@@ -393,6 +401,8 @@ BENCHES: dict[str, tuple[str, str | None]] = {
     "robust": ("one admitted dishonest worker against each aggregation setting", "benchmarks.robustness"),
     "overlap": ("synchronous rounds against the one-step-delay overlap at two outer momenta",
                 "benchmarks.overlap_momentum"),
+    "scale": ("a round's cost by phase, peak RSS, store against wire bytes at three model sizes",
+              "benchmarks.scale"),
 }
 
 

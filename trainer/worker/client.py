@@ -80,6 +80,23 @@ class PushHeader:
     inner_state_sha256: str
 
 
+class PhaseSeconds:
+    """Seconds spent by phase name, added from any thread, taken (and reset) by a progress record."""
+
+    def __init__(self) -> None:
+        self._seconds: dict[str, float] = {}
+        self._lock = threading.Lock()
+
+    def add(self, phase: str, seconds: float) -> None:
+        with self._lock:
+            self._seconds[phase] = self._seconds.get(phase, 0.0) + seconds
+
+    def take(self) -> dict[str, float]:
+        with self._lock:
+            taken, self._seconds = self._seconds, {}
+        return taken
+
+
 def slice_name(piece: Slice) -> str:
     return "update" if piece.num_stages == 1 else f"stage {piece.stage} of {piece.num_stages} slice"
 
@@ -105,6 +122,9 @@ class CoordinatorClient:
         self.bytes_sent = self.bytes_received = 0
         self.held: tuple[str, Params] | None = None  # the newest global parameters, by CID
         self.received_for: dict[str, int] = {}  # wire bytes of the fetch that delivered each CID
+        # Seconds streaming global states in, header to last byte ("fetch", waiting for a round
+        # to close excluded), and rebuilding θ from them ("decode").
+        self.phase_seconds = PhaseSeconds()
 
     # ----------------------------------------------------------------------------- calls
 
@@ -263,8 +283,10 @@ class CoordinatorClient:
             if payload is None:
                 continue
             self.checked_signature(header)  # before a byte of the payload is used
+            decoding = time.perf_counter()
             try:
                 params = global_params(header, payload, held)
+                self.phase_seconds.add("decode", time.perf_counter() - decoding)
             except (WireError, CompressionError) as exc:
                 if header.encoding == Encoding.DENSE_F32:
                     raise
@@ -290,6 +312,7 @@ class CoordinatorClient:
         header = first.header
         if not header.available:
             return header, None, size
+        streaming = time.perf_counter()
 
         def data() -> Iterator[bytes]:
             nonlocal size
@@ -300,6 +323,7 @@ class CoordinatorClient:
 
         payload = reassemble(data(), header.payload_size, header.payload_sha256,
                              what=f"global state of round {header.round}")
+        self.phase_seconds.add("fetch", time.perf_counter() - streaming)
         return header, payload, size
 
     def _received(self, nbytes: int) -> None:

@@ -35,7 +35,9 @@ from trainer.pipeline import PipelinedInnerLoop, PipelineError
 from trainer.tls import ClientTls
 from trainer.uplink import Slice, Uplink, merged, merged_decision, record_of
 from trainer.wire import Params, encode_params
-from trainer.worker.client import REFUSED, Checkpoint, CoordinatorClient, PushHeader, WorkerError, slice_name
+from trainer.worker.client import (
+    REFUSED, Checkpoint, CoordinatorClient, PhaseSeconds, PushHeader, WorkerError, slice_name,
+)
 from trainer.worker.loops import overlapped, synchronous
 
 log = logging.getLogger("dilocox.worker")
@@ -52,6 +54,8 @@ class RoundWork:
     state: str = ""  # sha256 of the inner state the round started from; "" where not committed
     # The AdamW and error-feedback state before the round, restored if the round does not count.
     snapshot: tuple[dict, list | None] | None = None
+    inner_s: float = 0.0  # seconds in the inner loop (the whole pipeline, with several stages)
+    compress_s: float = 0.0  # seconds encoding Δ for the push (one-process worker)
 
 
 @dataclass(frozen=True)
@@ -84,6 +88,8 @@ class Worker:
         self.compute_s = 0.0  # time in the inner loop, all rounds
         self.tokens = 0
         self._counted = (0, 0)  # bytes sent/received up to the last progress record
+        # Seconds by phase since the last progress record ("push", "evaluate"; see _phases).
+        self.phase_seconds = PhaseSeconds()
 
     def set_up(self, config: RunConfig, shard: int, num_shards: int) -> None:
         """At the first Join: the shard, the held-out batches, θ⁽⁰⁾ and the inner loop."""
@@ -126,15 +132,19 @@ class Worker:
         batches = round_batches(self.shard, seed=cfg.seed, shard_index=self.shard_index, round_=round_,
                                 steps=cfg.inner.steps, batch_size=cfg.inner.batch_size, block_size=cfg.model.block_size)
         if isinstance(self.inner, PipelinedInnerLoop):
+            started = time.perf_counter()
             piped = self.inner.run(params, batches, self.uplink.states())
             self.uplink.update(piped.uplink_states)
             return RoundWork(InnerResult(piped.pseudo_gradient, piped.mean_loss, piped.tokens, piped.steps),
-                             piped.slices)
+                             piped.slices, inner_s=time.perf_counter() - started)
         state = inner_state_digest(self.inner.state(), self.uplink.error_state())
         # Overlapped, the next round is training when a refusal comes back: nothing to undo then.
         snapshot = None if cfg.rounds.overlap else (self.inner.snapshot(), self.uplink.snapshot())
+        started = time.perf_counter()
         result = self.inner.run(params, batches)
-        return RoundWork(result, [self.uplink.encode(result.pseudo_gradient)], state, snapshot)
+        trained = time.perf_counter()
+        encoded = [self.uplink.encode(result.pseudo_gradient)]
+        return RoundWork(result, encoded, state, snapshot, trained - started, time.perf_counter() - trained)
 
     def push(self, round_: int, work: RoundWork, base_cid: str) -> Pushed | None:
         """Send Δ for ``round_``, one stream per stage slice; what was sent if the coordinator holds
@@ -152,7 +162,7 @@ class Worker:
                      round_, len(record), sum(len(s.payload) for s in work.slices), len(work.slices),
                      decision.mean_rank, decision.energy)
         what = PushHeader(round_, result.mean_loss, result.tokens, result.steps, base_cid, received, work.state)
-        wire_bytes = 0
+        wire_bytes, started = 0, time.perf_counter()
         for piece in work.slices:
             try:
                 wire_bytes += self.client.push_slice(piece, what)
@@ -162,6 +172,9 @@ class Worker:
                 log.warning("round %d: %s refused (%s): %s", round_, slice_name(piece), exc.code().name, exc.details())
                 self._undo(work)
                 return None
+            finally:
+                self.phase_seconds.add("push", time.perf_counter() - started)
+                started = time.perf_counter()
         return Pushed(round_, CID.of(record).digest, to_e6(result.mean_loss), result.tokens,
                       result.steps, wire_bytes, received, CID.parse(base_cid).digest)
 
@@ -182,8 +195,10 @@ class Worker:
         if pushed is None or checkpoint.round != pushed.round or client.domain is None:
             return
         assert client.key is not None
+        started = time.perf_counter()
         load_params(self.model, checkpoint.params)
         own = to_e6(evaluate(self.model, self.eval_batches))
+        self.phase_seconds.add("evaluate", time.perf_counter() - started)
         if abs(own - checkpoint.eval_loss_e6) > EVAL_TOLERANCE_E6:
             log.error("round %d: refusing to sign: the checkpoint evaluates to %.6f here, the manifest says %.6f",
                       pushed.round, own / 1e6, checkpoint.eval_loss_e6 / 1e6)
@@ -236,7 +251,8 @@ class Worker:
                  f", uplink mean rank {decision.mean_rank:.1f}" if decision else "")
         record = {"event": "round", "round": round_, "tokens": result.tokens, "inner_steps": result.steps,
                   "train_loss": result.mean_loss, "compute_s": trained_s, "waited_s": waited_s,
-                  "bytes_sent": sent, "bytes_received": received, "time": time.time()}
+                  "bytes_sent": sent, "bytes_received": received, "time": time.time(),
+                  "inner_s": work.inner_s, "compress_s": work.compress_s, **self._phases()}
         if decision is not None:
             record["ranks"] = {name: d.rank for name, d in decision.tensors.items()}
             record["energy"] = decision.energy
@@ -248,8 +264,17 @@ class Worker:
                  checkpoint.round, checkpoint.manifest_cid, client.bytes_sent, client.bytes_received,
                  self.compute_s, wall, 100 * self.compute_s / wall if wall > 0 else 0.0)
         self._metric({"event": "finished", "rounds": checkpoint.round, "wall_s": wall, "compute_s": self.compute_s,
-                      "tokens": self.tokens, "bytes_sent": client.bytes_sent, "bytes_received": client.bytes_received})
+                      "tokens": self.tokens, "bytes_sent": client.bytes_sent, "bytes_received": client.bytes_received,
+                      **self._phases()})
         return 0
+
+    def _phases(self) -> dict[str, float]:
+        """Seconds by phase since the last progress record, as ``<phase>_s`` fields: "push" (the
+        push streams, up to the coordinator's reply), "evaluate" (checking a checkpoint's loss
+        before signing), and from the client "fetch" (streaming global states in, not waiting for
+        them) and "decode" (rebuilding θ from a compressed global update)."""
+        taken = {**self.phase_seconds.take(), **self.client.phase_seconds.take()}
+        return {f"{phase}_s": seconds for phase, seconds in sorted(taken.items())}
 
     def _metric(self, record: dict) -> None:
         """Append one JSON line to the metrics file, when the worker was given one."""
