@@ -64,11 +64,11 @@ def derive_round(run: Run, r: OpenRound, g: GlobalState, history: list[float]) -
     params_cid = store.put(payload)
     outer_cid = store.put(child.outer_state_bytes())
     stored_at = time.perf_counter()
-    eval_loss = run.evaluate(child.params)
+    eval_loss, eval_losses_e6 = run.evaluate(child.params)
     phases = {"aggregate": aggregated_at - started, "store": stored_at - aggregated_at,
               "evaluate": time.perf_counter() - stored_at}
     state = GlobalState(r.number, child.params, child.momentum, payload, params_cid, g.manifest_cid,
-                        to_e6(eval_loss), compressed, child.downlink_error)
+                        to_e6(eval_loss), compressed, child.downlink_error, eval_losses_e6)
     return Derived(state, aggregated, record, outer_cid, eval_loss, phases)
 
 

@@ -358,6 +358,7 @@ class CoordinatorService:
             available=True, round=state.round, params_cid=str(state.params_cid),
             manifest_cid=str(state.manifest_cid), open_round=open_round, finished=finished,
             eval_loss_e6=state.eval_loss_e6, encoding=Encoding.DENSE_F32, signature=self.c.global_signature(state),
+            eval_losses_e6=state.eval_losses_e6,
         )
         payload = state.payload
         if have_params_cid == str(state.params_cid):

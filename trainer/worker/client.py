@@ -36,6 +36,7 @@ from trainer.compression import CompressionError
 from trainer.config import RunConfig
 from trainer.downlink import apply_update, decode_update
 from trainer.link import Link
+from trainer.shared_eval import MAX_EVAL_BATCHES
 from trainer.tls import ClientTls, TlsUnreachable, open_channel
 from trainer.uplink import Slice
 from trainer.wire import (
@@ -65,6 +66,7 @@ class Checkpoint:
     eval_loss_e6: int
     finished: bool
     params: Params
+    eval_losses_e6: tuple[int, ...] = ()  # the coordinator's per-batch claims (trainer.shared_eval)
 
 
 @dataclass(frozen=True)
@@ -297,7 +299,9 @@ class CoordinatorClient:
             self.held = (header.params_cid, params)
             self.received_for[header.params_cid] = size
             return Checkpoint(header.round, header.params_cid, header.manifest_cid, header.eval_loss_e6,
-                              header.finished, params)
+                              header.finished, params,
+                              # one past the bound, kept so that too many claims are refused by count
+                              tuple(header.eval_losses_e6[:MAX_EVAL_BATCHES + 1]))
 
     def _fetch_once(self, min_round: int, held: tuple[str, Params] | None) -> tuple[pb.GlobalHeader, bytes | None, int]:
         self.link.call()

@@ -28,10 +28,12 @@ from proto import WorkerPhase
 from storage_client import CID, strict_json, to_e6
 from trainer.config import RunConfig
 from trainer.data import eval_batches, load_corpus, round_batches, shard_digest
-from trainer.diloco import InnerLoop, InnerResult, evaluate, inner_state_digest, load_params, params_of
+from trainer.device import parse_device
+from trainer.diloco import InnerLoop, InnerResult, evaluate_batches, inner_state_digest, load_params, params_of
 from trainer.link import Link
 from trainer.model import build_model
 from trainer.pipeline import PipelinedInnerLoop, PipelineError
+from trainer.shared_eval import eval_share, shared_evaluation_problem
 from trainer.tls import ClientTls
 from trainer.uplink import Slice, Uplink, merged, merged_decision, record_of
 from trainer.wire import Params, encode_params
@@ -41,8 +43,6 @@ from trainer.worker.client import (
 from trainer.worker.loops import overlapped, synchronous
 
 log = logging.getLogger("dilocox.worker")
-
-EVAL_TOLERANCE_E6 = 1000  # a worker's own evaluation may differ from the manifest's by 1e-3
 
 
 @dataclass(frozen=True)
@@ -75,8 +75,9 @@ class Pushed:
 class Worker:
     def __init__(self, address: str, worker_id: str, *, tls: ClientTls, attestation: EvidenceProvider | None = None,
                  reconnect_timeout_s: float = 120.0, fetch_wait_s: float = 5.0, link: Link | None = None,
-                 metrics: Path | None = None, stages: int = 1) -> None:
+                 metrics: Path | None = None, stages: int = 1, device: str = "cpu") -> None:
         self.worker_id = worker_id
+        self.device = parse_device(device)  # where the inner loop runs (trainer.device); refused now if absent
         self.stages = stages  # pipeline stages: local processes, each a contiguous slice of the layers
         self.metrics = metrics
         self.client = CoordinatorClient(address, worker_id, tls=tls, attestation=attestation,
@@ -111,12 +112,12 @@ class Worker:
         if self.stages > 1:  # the stage processes share this worker's torch threads
             try:
                 self.inner = PipelinedInnerLoop(config.model, config.inner, self.stages,
-                                                compression=config.compression,
+                                                compression=config.compression, device=str(self.device),
                                                 threads_per_stage=max(1, torch.get_num_threads() // self.stages))
             except ValueError as exc:  # e.g. a batch that does not cut into equal microbatches
                 raise WorkerError(f"{self.stages} pipeline stages: {exc}") from exc
         else:
-            self.inner = InnerLoop(self.model, config.inner)
+            self.inner = InnerLoop(self.model, config.inner, self.device)
         # Error feedback lives as long as the worker (not its stage processes): what compression
         # drops is sent next round.
         self.uplink = Uplink(config.compression, self.stages)
@@ -196,12 +197,10 @@ class Worker:
             return
         assert client.key is not None
         started = time.perf_counter()
-        load_params(self.model, checkpoint.params)
-        own = to_e6(evaluate(self.model, self.eval_batches))
+        problem = self.evaluation_problem(checkpoint)
         self.phase_seconds.add("evaluate", time.perf_counter() - started)
-        if abs(own - checkpoint.eval_loss_e6) > EVAL_TOLERANCE_E6:
-            log.error("round %d: refusing to sign: the checkpoint evaluates to %.6f here, the manifest says %.6f",
-                      pushed.round, own / 1e6, checkpoint.eval_loss_e6 / 1e6)
+        if problem is not None:
+            log.error("round %d: refusing to sign: %s", pushed.round, problem)
             return
         report = RoundReport(
             run_id=client.run_digest, round=pushed.round, worker=client.key.address, parent_checkpoint=pushed.parent,
@@ -211,6 +210,16 @@ class Worker:
             bytes_sent=pushed.bytes_sent, bytes_received=pushed.bytes_received,
         )
         client.submit_report(SignedReport(report, client.key.sign_digest(report.digest(client.domain))))
+
+    def evaluation_problem(self, checkpoint: Checkpoint) -> str | None:
+        """What is wrong with the checkpoint's claimed held-out losses, or None: the claims are
+        checked whole and this worker's share of the batches re-evaluated (trainer.shared_eval)."""
+        cfg = self.config
+        share = eval_share(cfg.data.eval_batches, cfg.rounds.expected_workers, self.shard_index)
+        load_params(self.model, checkpoint.params)
+        losses = evaluate_batches(self.model, [self.eval_batches[j] for j in share]) if share else []
+        return shared_evaluation_problem(checkpoint.eval_losses_e6, cfg.data.eval_batches, checkpoint.eval_loss_e6,
+                                         {j: to_e6(loss) for j, loss in zip(share, losses)})
 
     def abandon(self, round_: int, exc: PipelineError, inflight: Future | None = None) -> int:
         """Drop out of ``round_`` after a pipeline stage failed: push nothing for it, and tell the
