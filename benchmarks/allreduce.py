@@ -81,6 +81,7 @@ import torch.multiprocessing as mp
 from trainer.config import RunConfig
 from trainer.data import load_corpus, round_batches
 from trainer.link import Link
+from trainer.device import autocast, backend_for, parse_device, stage_device
 from trainer.model import build_model
 from trainer.procgroup import LocalGroup, Member, answer, join_group, leave_child, report_error
 
@@ -123,6 +124,7 @@ class _Job:
     threads: int
     timeout_s: float
     fault: tuple[int, int, str] | None  # tests only: (rank, step, "exit"|"raise"|"hang"|"nan")
+    device: str = "cpu"  # trainer.device: rank k on cuda:(k mod GPUs) over NCCL, bf16 autocast; or the CPU
 
 
 def _paced_all_reduce(buf: torch.Tensor, link: Link, pacer: ThreadPoolExecutor | None,
@@ -146,9 +148,10 @@ class _Replica:
     """One rank's model and AdamW (exactly InnerLoop's: one group, weight decay on every parameter),
     and the one buffer its gradients and loss travel in."""
 
-    def __init__(self, cfg: RunConfig) -> None:
+    def __init__(self, cfg: RunConfig, device: torch.device) -> None:
         inner = cfg.inner
-        self.model = build_model(cfg.model, cfg.seed)
+        self.device = device
+        self.model = build_model(cfg.model, cfg.seed).to(device)
         self.model.train()
         self.optimizer = torch.optim.AdamW(self.model.parameters(), lr=inner.lr, betas=(inner.beta1, inner.beta2),
                                            weight_decay=inner.weight_decay)
@@ -156,12 +159,13 @@ class _Replica:
         self.names = [n for n, _ in self.model.named_parameters()]
         self.params = [p for _, p in self.model.named_parameters()]
         sizes = [p.numel() for p in self.params]
-        self.buf = torch.zeros(sum(sizes) + 1, dtype=torch.float32)  # every gradient, then the loss
+        self.buf = torch.zeros(sum(sizes) + 1, dtype=torch.float32, device=device)  # every gradient, then the loss
         self.grad_views = list(self.buf[:-1].split(sizes))
 
     def local_step(self, x: torch.Tensor, y: torch.Tensor, fault: str | None) -> None:
         """g_k, ℓ_k into the buffer."""
-        _, loss = self.model(x, y)
+        with autocast(self.device):
+            _, loss = self.model(x.to(self.device), y.to(self.device))
         assert loss is not None
         if fault == "nan":
             loss = loss * float("nan")
@@ -191,7 +195,7 @@ class _Replica:
         return mean_loss
 
     def numpy_params(self) -> dict[str, np.ndarray]:
-        return {n: p.detach().numpy().copy() for n, p in zip(self.names, self.params)}
+        return {n: p.detach().cpu().numpy().copy() for n, p in zip(self.names, self.params)}
 
     def digest(self, final: dict[str, np.ndarray]) -> str:
         digest = hashlib.sha256()
@@ -204,7 +208,7 @@ class _Replica:
 def _train(rank: int, job: _Job, shard: torch.Tensor) -> dict[str, Any]:
     """This rank's training loop; returns its timings and, on rank 0, losses and parameters."""
     cfg, world, horizon = job.config, job.workers, job.config.inner.steps
-    replica = _Replica(cfg)
+    replica = _Replica(cfg, stage_device(torch.device(job.device), rank))
     step_bytes = ring_allreduce_bytes(replica.buf.numel() * replica.buf.element_size(), world)
     link = Link(job.link_bandwidth_bps, job.link_latency_s)
     pacer = ThreadPoolExecutor(2, thread_name_prefix="link") if link.limited else None
@@ -265,7 +269,10 @@ def _rank_main(member: Member, results: Any, job: _Job) -> None:
         # Each rank reads the corpus itself: it is cheap, and a shard passed as a spawn argument
         # would block Process.start() until the child has imported torch, serialising start-up.
         shard = load_corpus(cfg.data, cfg.seed, cfg.model.block_size).shard(member.rank, job.workers)
-        join_group(member, AllReduceError, _who(member.rank, job.workers))
+        device = stage_device(torch.device(job.device), member.rank)
+        if device.type == "cuda":
+            torch.cuda.set_device(device)
+        join_group(member, AllReduceError, _who(member.rank, job.workers), backend_for(device))
         answer(results, member.rank, 1, _train(member.rank, job, shard))
     except BaseException as exc:  # noqa: BLE001 - everything goes back to the parent
         report_error(results, member.rank, 1, exc)
@@ -298,25 +305,28 @@ def run_allreduce(
     config: RunConfig, *, workers: int, steps: int,
     link_bandwidth_bps: float = 0.0, link_latency_s: float = 0.0,
     snapshot_every: int = 0, threads_per_worker: int = 1, timeout_s: float = 300.0,
-    _fault: tuple[int, int, str] | None = None,
+    _fault: tuple[int, int, str] | None = None, device: str = "cpu",
 ) -> AllReduceResult:
     """Train ``steps`` synchronous data-parallel steps on ``workers`` local ranks (module doc).
 
     ``link_*`` emulate each rank's network link (0: unlimited). With ``snapshot_every`` > 0, rank
     0 keeps a copy of the parameters after every ``snapshot_every`` steps and after the last one.
     ``timeout_s`` bounds the rendezvous and every collective. ``_fault`` is for tests only.
+    ``device`` (trainer.device: cpu, cuda, cuda:N; refused here if absent): on CUDA rank k trains on
+    cuda:(k mod GPUs) under bf16 autocast and the ranks all-reduce over NCCL.
     """
     if workers < 1 or steps < 1:
         raise ValueError("run_allreduce needs workers >= 1 and steps >= 1")
     if snapshot_every < 0 or threads_per_worker < 1 or timeout_s <= 0:
         raise ValueError("snapshot_every must be >= 0, threads_per_worker >= 1, timeout_s > 0")
     Link(link_bandwidth_bps, link_latency_s)  # refuse a negative bandwidth or latency here
+    device = str(parse_device(device))
     # Read here too, so that a corpus that cannot be used fails now, before any process starts.
     load_corpus(config.data, config.seed, config.model.block_size)
     job = _Job(config=config, workers=workers, steps=steps,
                link_bandwidth_bps=link_bandwidth_bps, link_latency_s=link_latency_s,
                snapshot_every=snapshot_every, threads=threads_per_worker, timeout_s=timeout_s,
-               fault=_fault)
+               fault=_fault, device=device)
     ranks = _launch(job)
 
     digests = {r["digest"] for r in ranks}

@@ -3,7 +3,7 @@
     dilocox demo [--set section.field=value ...]   local cluster on the embedded corpus
     dilocox coordinator --run-dir runs/x [--config cfg.json] [--set section.field=value ...]
                         [--host H --port P]        TLS: prints its certificate's fingerprint
-    dilocox worker --coordinator H:P --worker-id w0 --tls-fingerprint HEX
+    dilocox worker --coordinator H:P --worker-id w0 --tls-fingerprint HEX [--device cuda]
     dilocox status --coordinator H:P --tls-fingerprint HEX [--json [FILE]]
                                                    what a running coordinator reports
     dilocox audit --run runs/demo [--json [FILE]]  verify a run's lineage from ledger and store
@@ -12,6 +12,7 @@
     dilocox bench flood                            health/Status latency while each limit is flooded
     dilocox bench robust [--quick]                 one dishonest worker against each aggregation setting
     dilocox bench overlap                          synchronous vs overlapped rounds at two outer momenta
+    dilocox bench scale [--smoke]                  a round's cost split by phase, RSS, store vs wire bytes
     dilocox config [--demo] [--model-config PATH/config.json] [--set ...] > cfg.json
                                                    the run configuration, to edit
     dilocox export --run DIR --round N OUT/       a round's checkpoint as a Hugging Face folder
@@ -157,7 +158,7 @@ def cmd_worker(args: argparse.Namespace) -> int:
     link = Link(bandwidth_bps=args.link_bandwidth * 1e6, latency_s=args.link_latency / 1e3)
     worker = Worker(args.coordinator, args.worker_id, tls=_client_tls(args), attestation=provider,
                     reconnect_timeout_s=args.reconnect_timeout, link=link,
-                    metrics=Path(args.metrics) if args.metrics else None, stages=args.stages)
+                    metrics=Path(args.metrics) if args.metrics else None, stages=args.stages, device=args.device)
     return _exit_now(worker.run())
 
 
@@ -300,6 +301,13 @@ def cmd_bench(args: argparse.Namespace) -> int:
 
         overlap(args)
         return 0
+    if args.what == "scale":
+        import shlex
+
+        from benchmarks.scale import run as scale, settings_of as scale_settings
+
+        scale(scale_settings(args), shlex.join(["dilocox", *sys.argv[1:]]))
+        return 0
     if args.what == "robust":
         import shlex
 
@@ -389,6 +397,9 @@ def _worker_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--stages", type=int, default=1, metavar="P",
                    help="pipeline stages: P local processes, each holding a contiguous slice of layers "
                         "(torch.distributed gloo on CPU), with max(1, threads // P) torch threads each")
+    p.add_argument("--device", default="cpu",
+                   help="where the inner loop runs: cpu, cuda or cuda:N (bf16 autocast on CUDA; pipeline stages "
+                        "then each on their own GPU over NCCL); what is sent and checked stays on the CPU")
 
 
 def _status_arguments(p: argparse.ArgumentParser) -> None:
@@ -432,6 +443,8 @@ BENCHES: dict[str, tuple[str, str | None]] = {
     "robust": ("one admitted dishonest worker against each aggregation setting", "benchmarks.robustness"),
     "overlap": ("synchronous rounds against the one-step-delay overlap at two outer momenta",
                 "benchmarks.overlap_momentum"),
+    "scale": ("a round's cost by phase, peak RSS, store against wire bytes at three model sizes",
+              "benchmarks.scale"),
 }
 
 
@@ -553,6 +566,12 @@ def check_args(args: argparse.Namespace) -> None:
             raise UsageError("--attestation dev needs --dev-root-dir (the directory of the dev root key)")
         if args.threads < 1 or args.stages < 1:
             raise UsageError(f"--threads {args.threads} and --stages {args.stages} must be >= 1")
+        from trainer.device import DeviceError, parse_device
+
+        try:
+            parse_device(args.device)
+        except DeviceError as exc:
+            raise UsageError(str(exc)) from None
         for flag, value in (("--link-bandwidth", args.link_bandwidth), ("--link-latency", args.link_latency),
                             ("--reconnect-timeout", args.reconnect_timeout)):
             if not 0 <= value < float("inf"):  # also refuses NaN

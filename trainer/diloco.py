@@ -35,6 +35,7 @@ import torch
 import torch.nn as nn
 
 from trainer.config import InnerConfig, OuterConfig
+from trainer.device import autocast
 from trainer.wire import Params, encode_params
 
 
@@ -77,13 +78,18 @@ class InnerLoop:
     can re-run the round from the same place. A round whose update does not count is undone
     (``snapshot`` / ``restore``): the AdamW state moves only through counted rounds, so an auditor
     rebuilds it from the run's manifests alone, round after counted round, from a fresh start.
+
+    On a CUDA ``device`` (trainer.device) the loop trains its own copy of ``model`` there, under
+    bf16 autocast, and hands Δ back on the CPU; on the CPU it trains ``model`` itself, in float32.
     """
 
-    def __init__(self, model: nn.Module, cfg: InnerConfig) -> None:
-        self.model = model
+    def __init__(self, model: nn.Module, cfg: InnerConfig, device: torch.device | None = None) -> None:
+        self.device = device or torch.device("cpu")
+        # ``model`` stays on the CPU (the worker evaluates checkpoints with it); an accelerator gets a copy.
+        self.model = model if self.device.type == "cpu" else copy.deepcopy(model).to(self.device)
         self.cfg = cfg
         self.optimizer = torch.optim.AdamW(
-            model.parameters(), lr=cfg.lr, betas=(cfg.beta1, cfg.beta2),
+            self.model.parameters(), lr=cfg.lr, betas=(cfg.beta1, cfg.beta2),
             weight_decay=cfg.weight_decay,
         )
 
@@ -93,7 +99,9 @@ class InnerLoop:
         losses: list[float] = []
         tokens = 0
         for x, y in batches:
-            _, loss = self.model(x, y)
+            x, y = x.to(self.device), y.to(self.device)  # the same tensors on the CPU
+            with autocast(self.device):
+                _, loss = self.model(x, y)
             assert loss is not None
             if not torch.isfinite(loss):
                 raise FloatingPointError(f"inner step {len(losses) + 1}: loss is {loss.item()}")
@@ -107,7 +115,7 @@ class InnerLoop:
         if not losses:
             raise ValueError("an inner loop needs at least one batch")
         end = params_of(self.model)
-        delta = {name: start[name] - end[name] for name in start}
+        delta = {name: start[name] - end[name].cpu() for name in start}
         return InnerResult(delta, sum(losses) / len(losses), tokens, len(losses))
 
     def state(self) -> Params:
@@ -115,7 +123,7 @@ class InnerLoop:
         out: Params = {}
         for name, p in self.model.named_parameters():
             for key, value in sorted(self.optimizer.state.get(p, {}).items()):
-                out[f"{key}.{name}"] = value.detach().reshape(value.shape)
+                out[f"{key}.{name}"] = value.detach().cpu().reshape(value.shape)
         return out
 
     def snapshot(self) -> dict:
@@ -208,10 +216,15 @@ def downlink_error_of(state: Params) -> Params:
 
 
 @torch.no_grad()
+def evaluate_batches(model: nn.Module, batches: list[tuple[torch.Tensor, torch.Tensor]]) -> list[float]:
+    """Cross-entropy (nats per token) of each of fixed held-out batches, in order."""
+    model.eval()
+    return [model(x, y)[1].item() for x, y in batches]  # type: ignore[union-attr]
+
+
 def evaluate(model: nn.Module, batches: list[tuple[torch.Tensor, torch.Tensor]]) -> float:
     """Mean cross-entropy (nats per token) over fixed held-out batches."""
-    model.eval()
-    losses = [model(x, y)[1].item() for x, y in batches]  # type: ignore[union-attr]
+    losses = evaluate_batches(model, batches)
     return sum(losses) / len(losses)
 
 

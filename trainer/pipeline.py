@@ -120,6 +120,7 @@ import torch.nn.functional as F
 
 from trainer.compression import CompressionConfig
 from trainer.config import MODEL_FAMILIES, InnerConfig, ModelConfig
+from trainer.device import backend_for, stage_device
 from trainer.diloco import load_params
 from trainer.hf_model import HFDecoder, HFStage
 from trainer.model import GPT, build_model, new_model
@@ -419,6 +420,7 @@ class _Setup:
 
     model_cfg: ModelConfig
     n_microbatches: int
+    device: str = "cpu"  # the worker's; stage s runs on trainer.device.stage_device(device, s)
 
 
 @dataclass(frozen=True)
@@ -489,8 +491,11 @@ def _stage_main(member: Member, results: Any, setup: _Setup, jobs: Any, round_fn
     # worker is gone. Either way, once it is gone this process is adopted and no job will come.
     parent = os.getppid()
     try:
-        join_group(member, PipelineError, _who(member.rank, member.world_size))
-        runner = StageRunner(setup.model_cfg, n_microbatches=setup.n_microbatches, device=torch.device("cpu"))
+        device = stage_device(torch.device(setup.device), member.rank)
+        if device.type == "cuda":
+            torch.cuda.set_device(device)  # before NCCL's rendezvous: each stage on its own GPU
+        join_group(member, PipelineError, _who(member.rank, member.world_size), backend_for(device))
+        runner = StageRunner(setup.model_cfg, n_microbatches=setup.n_microbatches, device=device)
         answer(results, member.rank, 0, None)
         while True:
             try:
@@ -535,7 +540,7 @@ class StageGroup:
 
     def __init__(self, model_cfg: ModelConfig, num_stages: int, *, n_microbatches: int = 2,
                  timeout_s: float = DEFAULT_TIMEOUT_S, threads_per_stage: int | None = None,
-                 round_fn: RoundFn = run_round) -> None:
+                 round_fn: RoundFn = run_round, device: str = "cpu") -> None:
         self.names = stage_param_names(model_cfg, num_stages)  # refuses an impossible split
         self.num_stages = num_stages
         self.n_microbatches = n_microbatches
@@ -543,7 +548,7 @@ class StageGroup:
         self._seq = 0
         ctx = _context()
         self._jobs = [ctx.Queue() for _ in range(num_stages)]
-        setup = _Setup(model_cfg, n_microbatches)
+        setup = _Setup(model_cfg, n_microbatches, device)
         self.group = LocalGroup(ctx, num_stages, _stage_main, timeout_s=timeout_s, threads=self.threads,
                                 who=lambda s: _who(s, num_stages), error=PipelineError, name="pipeline-stage",
                                 args=lambda s: (setup, self._jobs[s], round_fn))
@@ -653,7 +658,7 @@ class PipelinedInnerLoop:
                  compression: CompressionConfig | None = None,
                  n_microbatches: int = 2, timeout_s: float = DEFAULT_TIMEOUT_S,
                  deadline_s: float | None = None, threads_per_stage: int | None = None,
-                 round_fn: RoundFn = run_round) -> None:
+                 round_fn: RoundFn = run_round, device: str = "cpu") -> None:
         stage_blocks(model_cfg.n_layer, stages)  # refuse an impossible split now
         if cfg.batch_size % n_microbatches:
             raise ValueError(f"a batch of {cfg.batch_size} sequences cannot be cut into "
@@ -667,6 +672,7 @@ class PipelinedInnerLoop:
         self.deadline_s = deadline_s
         self.threads_per_stage = threads_per_stage
         self.round_fn = round_fn
+        self.device = device  # trainer.device: the stages' GPUs (NCCL) on CUDA, else the CPU (gloo)
         self.group: StageGroup | None = None
         self.groups_started = 0
         self.last: PipelineResult | None = None
@@ -697,7 +703,7 @@ class PipelinedInnerLoop:
                         "state starts over", self.stages, self._failure)
         self.group = StageGroup(self.model_cfg, self.stages, n_microbatches=self.n_microbatches,
                                 timeout_s=self.timeout_s, threads_per_stage=self.threads_per_stage,
-                                round_fn=self.round_fn)
+                                round_fn=self.round_fn, device=self.device)
         self.groups_started += 1
         self._failure = None
         return self.group

@@ -76,9 +76,9 @@ def available_cpus() -> int:
         return os.cpu_count() or 1
 
 
-def join_group(member: Member, error: type[Exception], who: str) -> None:
-    """In a child: set its threads and join the gloo group; ``error`` (naming ``who``) if the
-    rendezvous fails within the timeout."""
+def join_group(member: Member, error: type[Exception], who: str, backend: str = "gloo") -> None:
+    """In a child: set its threads and join the group (gloo; nccl for tensors on CUDA, with the
+    child's GPU already set); ``error`` (naming ``who``) if the rendezvous fails within the timeout."""
     torch.set_num_threads(member.threads)
     interface = _loopback_interface()
     if interface and "GLOO_SOCKET_IFNAME" not in os.environ:
@@ -86,7 +86,7 @@ def join_group(member: Member, error: type[Exception], who: str) -> None:
     timeout = timedelta(seconds=member.timeout_s)
     store = dist.TCPStore("127.0.0.1", member.port, member.world_size, is_master=False, timeout=timeout)
     try:
-        dist.init_process_group("gloo", store=store, rank=member.rank, world_size=member.world_size, timeout=timeout)
+        dist.init_process_group(backend, store=store, rank=member.rank, world_size=member.world_size, timeout=timeout)
     except Exception as exc:
         raise error(f"{who}: process group rendezvous failed within {member.timeout_s:g} s: {exc}") from exc
 

@@ -58,6 +58,9 @@ class Coordinator:
         self.screen = Screen(self.config, run.eval_tokens)
         self.intake = Intake(run, self.registry, self._lock, clock)
         self.norm_history: dict[int, list[float]] = {}  # round -> [its ρ̃] (see _history)
+        # Seconds spent on each open round's pushes, by phase ("decode", "intake"), summed over
+        # workers; written with the round's summary to rounds.jsonl, for `dilocox bench scale`.
+        self.push_seconds: dict[int, dict[str, float]] = {}
         # Report deadlines of rounds published before a restart count from the restart.
         self.closed_at: dict[int, float] = {r: clock() for r in run.manifests}
         if trust is None:
@@ -195,6 +198,21 @@ class Coordinator:
         def screen(candidate: Params) -> float:
             return self.screen.check(self.run.global_state, h.round, candidate)
 
+        started = time.perf_counter()
+        try:
+            return self._accept(h, update, wire_bytes, screen)
+        finally:
+            self.note_push(h.round, "intake", time.perf_counter() - started)
+
+    def note_push(self, round_: int, phase: str, seconds: float) -> None:
+        """Count ``seconds`` of work on a push of ``round_`` into that round's phase times."""
+        with self._lock:
+            if self.run.global_state.round < round_ <= self.run.global_state.round + 2:  # not a stale round
+                phases = self.push_seconds.setdefault(round_, {})
+                phases[phase] = phases.get(phase, 0.0) + seconds
+
+    def _accept(self, h: UpdateHeader, update: Params, wire_bytes: int,
+                screen: Callable[[Params], float]) -> tuple[CID, int]:
         cid, open_round, complete = self.intake.accept(h, update, wire_bytes, screen)
         if complete is not None:
             merged = complete.merged()
@@ -260,11 +278,16 @@ class Coordinator:
             recent = self.registry.heard_since(r.opened_at - cfg.rounds.liveness_timeout_s)
             dropped = tuple(sorted(recent - set(r.accepted)))
             incomplete = {w: (len(p.slices), p.num_stages) for w, p in r.partial.items()}
+        recording = time.perf_counter()
         manifest_cid, manifest = record_round(self.run, r, g, derived, traffic, dropped)
+        phases = dict(derived.phases)
+        phases["store"] = phases.get("store", 0.0) + time.perf_counter() - recording
+        with self._lock:
+            phases.update(self.push_seconds.pop(r.number, {}))
         for w, (have, of) in sorted(incomplete.items()):
             log.warning("round %d: %s dropped with %d of its %d stage slices", r.number, w, have, of)
         summary = RoundSummary.of(manifest_cid, manifest, refused, seconds=self.clock() - r.opened_at)
-        self.run.run_dir.log_round(dataclasses.asdict(summary))
+        self.run.run_dir.log_round({**dataclasses.asdict(summary), "phases": phases})
         with self._lock:
             self.norm_history[r.number] = [round_norm(list(derived.aggregated.norms.values()))]
             self.run.global_state = dataclasses.replace(derived.state, manifest_cid=manifest_cid)

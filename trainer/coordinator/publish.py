@@ -12,7 +12,8 @@ manifest, then HEAD moves to it: a crash at any instant leaves either the old ti
 from __future__ import annotations
 
 import logging
-from dataclasses import dataclass
+import time
+from dataclasses import dataclass, field
 
 from storage_client import CID, Manifest, canonical_json, to_e6
 from storage_client.manifest import Downlink, Traffic
@@ -33,16 +34,21 @@ class Derived:
     downlink: Downlink | None
     outer_state_cid: CID
     eval_loss: float
+    # Seconds of the coordinator's work on the round, by phase ("aggregate": the round transition,
+    # which includes compressing the global update; "store"; "evaluate"), for rounds.jsonl.
+    phases: dict[str, float] = field(default_factory=dict)
 
 
 def derive_round(run: Run, r: OpenRound, g: GlobalState, history: list[float]) -> Derived:
     """Aggregate the closing round's accepted updates onto ``g`` and store the result."""
     cfg, store = run.config, run.run_dir.store
+    started = time.perf_counter()
     result = round_transition(g.outer, {w: a.update for w, a in r.accepted.items()}, outer=cfg.outer,
                               rounds=cfg.rounds, history=history,
                               norms={w: a.norm for w, a in r.accepted.items() if a.norm is not None},
                               downlink=run.downlink)
     aggregated, child = result.aggregated, result.state
+    aggregated_at = time.perf_counter()
     if aggregated.clipped:
         log.warning("round %d: clipped %s to norm %.4g (norms %s)", r.number, ", ".join(aggregated.clipped),
                     aggregated.threshold, ", ".join(f"{w} {n:.4g}" for w, n in sorted(aggregated.norms.items())))
@@ -57,10 +63,13 @@ def derive_round(run: Run, r: OpenRound, g: GlobalState, history: list[float]) -
     payload = child.params_bytes()
     params_cid = store.put(payload)
     outer_cid = store.put(child.outer_state_bytes())
-    eval_loss = run.evaluate(child.params)
+    stored_at = time.perf_counter()
+    eval_loss, eval_losses_e6 = run.evaluate(child.params)
+    phases = {"aggregate": aggregated_at - started, "store": stored_at - aggregated_at,
+              "evaluate": time.perf_counter() - stored_at}
     state = GlobalState(r.number, child.params, child.momentum, payload, params_cid, g.manifest_cid,
-                        to_e6(eval_loss), compressed, child.downlink_error)
-    return Derived(state, aggregated, record, outer_cid, eval_loss)
+                        to_e6(eval_loss), compressed, child.downlink_error, eval_losses_e6)
+    return Derived(state, aggregated, record, outer_cid, eval_loss, phases)
 
 
 def record_round(run: Run, r: OpenRound, parent: GlobalState, derived: Derived, traffic: tuple[Traffic, ...],

@@ -22,7 +22,7 @@ from trainer.coordinator.state import CompressedGlobal, GlobalState, RoundSummar
 from trainer.data import eval_batches
 from trainer.dataset import Dataset, TokenSpan, pin_dataset, run_dataset
 from trainer.diloco import (
-    downlink_error_of, evaluate, load_params, momentum_of, outer_state_of, params_of, zero_momentum,
+    downlink_error_of, evaluate_batches, load_params, momentum_of, outer_state_of, params_of, zero_momentum,
 )
 from trainer.downlink import DownlinkCompressor
 from trainer.model import build_model
@@ -73,9 +73,11 @@ class Run:
         cfg = self.config
         return cfg.inner.steps * cfg.inner.batch_size * cfg.model.block_size
 
-    def evaluate(self, params: Params) -> float:
+    def evaluate(self, params: Params) -> tuple[float, tuple[int, ...]]:
+        """The mean held-out loss of ``params``, and each batch's as to_e6 (trainer.shared_eval)."""
         load_params(self.model, params)
-        return evaluate(self.model, self.eval_batches)
+        losses = evaluate_batches(self.model, self.eval_batches)
+        return sum(losses) / len(losses), tuple(to_e6(x) for x in losses)
 
 
 def open_run(run_dir: RunDir, config: RunConfig | None) -> Run:
@@ -112,10 +114,11 @@ def _genesis(run_dir: RunDir, config: RunConfig) -> Run:
     momentum = zero_momentum(params)
     payload = encode_params(params)
     params_cid = store.put(payload)
+    losses = evaluate_batches(model, parts["eval_batches"])
     manifest = Manifest(
         run_id=config.run_id, round=0, parent=None, config=str(parts["config_cid"]),
         params=str(params_cid), outer_state=str(store.put(encode_params(outer_state_of(momentum)))),
-        participants=(), dropped=(), eval_loss_e6=to_e6(evaluate(model, parts["eval_batches"])),
+        participants=(), dropped=(), eval_loss_e6=to_e6(sum(losses) / len(losses)),
         bytes_up=0, bytes_down=0,
     )
     manifest_cid = manifest.store(store)
@@ -124,7 +127,8 @@ def _genesis(run_dir: RunDir, config: RunConfig) -> Run:
     run_dir.log_round(dataclasses.asdict(summary))
     log.info("run %s: genesis %s (config %s)", config.run_id, manifest_cid, parts["config_cid"])
     return Run(**parts, global_state=GlobalState(0, params, momentum, payload, params_cid, manifest_cid,
-                                                 manifest.eval_loss_e6),
+                                                 manifest.eval_loss_e6,
+                                                 eval_losses_e6=tuple(to_e6(x) for x in losses)),
                manifests={0: (manifest_cid, manifest)}, summaries=[summary])
 
 
@@ -150,9 +154,12 @@ def _resume(run_dir: RunDir, head: CID, config: RunConfig | None) -> Run:
         header = canonical_json(store.get_json(tip.downlink.header))
         downlink = CompressedGlobal(store.get(tip.downlink.payload), header, chain[-2][1].params)
     load_params(parts["model"], params)
-    # e carries on from the stored outer state; the rank policy's window starts afresh.
+    # The tip's per-batch losses are not stored: evaluated once more here, for the workers' shared
+    # check (trainer.shared_eval). e carries on from the stored outer state; the rank policy's
+    # window starts afresh.
+    losses = tuple(to_e6(x) for x in evaluate_batches(parts["model"], parts["eval_batches"]))
     state = GlobalState(tip.round, params, momentum_of(outer_state), payload, CID.parse(tip.params), tip_cid,
-                        tip.eval_loss_e6, downlink, downlink_error_of(outer_state))
+                        tip.eval_loss_e6, downlink, downlink_error_of(outer_state), losses)
     log.info("run %s: resumed at round %d from %s", stored.run_id, tip.round, tip_cid)
     return Run(**parts, global_state=state, manifests={m.round: (cid, m) for cid, m in chain},
                summaries=[RoundSummary.of(cid, m) for cid, m in chain])

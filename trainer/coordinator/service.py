@@ -32,6 +32,7 @@ import hmac
 import logging
 import os
 import threading
+import time
 from typing import Callable, Iterator, TypeVar
 
 import grpc
@@ -306,8 +307,10 @@ class CoordinatorService:
                 declared = self.c.admit_header(header)  # refused before a payload byte is read
                 what = f"update from {worker} for round {header.round}"
                 payload = reassemble(data(), header.payload_size, header.payload_sha256, what=what)
+                decoding = time.perf_counter()
                 update = validate_payload(payload, declared, self.c.bound, encoding=Encoding(header.encoding),
                                           codec_header=codec_header(header))
+                self.c.note_push(header.round, "decode", time.perf_counter() - decoding)
             except (WireError, InvalidUpdate) as exc:
                 raise Refusal(Reason.MALFORMED, str(exc)) from exc
             finally:
@@ -355,6 +358,7 @@ class CoordinatorService:
             available=True, round=state.round, params_cid=str(state.params_cid),
             manifest_cid=str(state.manifest_cid), open_round=open_round, finished=finished,
             eval_loss_e6=state.eval_loss_e6, encoding=Encoding.DENSE_F32, signature=self.c.global_signature(state),
+            eval_losses_e6=state.eval_losses_e6,
         )
         payload = state.payload
         if have_params_cid == str(state.params_cid):

@@ -178,6 +178,9 @@ class GlobalState:
     eval_loss_e6: int
     downlink: CompressedGlobal | None = None  # None when the round's update travels dense
     downlink_error: Params = field(default_factory=dict)  # e⁽ʳ⁾, part of the outer state
+    # to_e6 of each held-out batch's loss, whose mean is eval_loss_e6: sent with the state, so
+    # that each worker re-evaluates only its share of the batches (trainer.shared_eval).
+    eval_losses_e6: tuple[int, ...] = ()
 
     @property
     def outer(self) -> OuterState:

@@ -36,6 +36,7 @@ from trainer.compression import CompressionError
 from trainer.config import RunConfig
 from trainer.downlink import apply_update, decode_update
 from trainer.link import Link
+from trainer.shared_eval import MAX_EVAL_BATCHES
 from trainer.tls import ClientTls, TlsUnreachable, open_channel
 from trainer.uplink import Slice
 from trainer.wire import (
@@ -65,6 +66,7 @@ class Checkpoint:
     eval_loss_e6: int
     finished: bool
     params: Params
+    eval_losses_e6: tuple[int, ...] = ()  # the coordinator's per-batch claims (trainer.shared_eval)
 
 
 @dataclass(frozen=True)
@@ -78,6 +80,23 @@ class PushHeader:
     base_params_cid: str
     base_bytes_received: int
     inner_state_sha256: str
+
+
+class PhaseSeconds:
+    """Seconds spent by phase name, added from any thread, taken (and reset) by a progress record."""
+
+    def __init__(self) -> None:
+        self._seconds: dict[str, float] = {}
+        self._lock = threading.Lock()
+
+    def add(self, phase: str, seconds: float) -> None:
+        with self._lock:
+            self._seconds[phase] = self._seconds.get(phase, 0.0) + seconds
+
+    def take(self) -> dict[str, float]:
+        with self._lock:
+            taken, self._seconds = self._seconds, {}
+        return taken
 
 
 def slice_name(piece: Slice) -> str:
@@ -105,6 +124,9 @@ class CoordinatorClient:
         self.bytes_sent = self.bytes_received = 0
         self.held: tuple[str, Params] | None = None  # the newest global parameters, by CID
         self.received_for: dict[str, int] = {}  # wire bytes of the fetch that delivered each CID
+        # Seconds streaming global states in, header to last byte ("fetch", waiting for a round
+        # to close excluded), and rebuilding θ from them ("decode").
+        self.phase_seconds = PhaseSeconds()
 
     # ----------------------------------------------------------------------------- calls
 
@@ -263,8 +285,10 @@ class CoordinatorClient:
             if payload is None:
                 continue
             self.checked_signature(header)  # before a byte of the payload is used
+            decoding = time.perf_counter()
             try:
                 params = global_params(header, payload, held)
+                self.phase_seconds.add("decode", time.perf_counter() - decoding)
             except (WireError, CompressionError) as exc:
                 if header.encoding == Encoding.DENSE_F32:
                     raise
@@ -275,7 +299,9 @@ class CoordinatorClient:
             self.held = (header.params_cid, params)
             self.received_for[header.params_cid] = size
             return Checkpoint(header.round, header.params_cid, header.manifest_cid, header.eval_loss_e6,
-                              header.finished, params)
+                              header.finished, params,
+                              # one past the bound, kept so that too many claims are refused by count
+                              tuple(header.eval_losses_e6[:MAX_EVAL_BATCHES + 1]))
 
     def _fetch_once(self, min_round: int, held: tuple[str, Params] | None) -> tuple[pb.GlobalHeader, bytes | None, int]:
         self.link.call()
@@ -290,6 +316,7 @@ class CoordinatorClient:
         header = first.header
         if not header.available:
             return header, None, size
+        streaming = time.perf_counter()
 
         def data() -> Iterator[bytes]:
             nonlocal size
@@ -300,6 +327,7 @@ class CoordinatorClient:
 
         payload = reassemble(data(), header.payload_size, header.payload_sha256,
                              what=f"global state of round {header.round}")
+        self.phase_seconds.add("fetch", time.perf_counter() - streaming)
         return header, payload, size
 
     def _received(self, nbytes: int) -> None:

@@ -29,19 +29,21 @@ from storage_client import CID, strict_json, to_e6
 from trainer.config import RunConfig
 from trainer.data import eval_batches, round_batches
 from trainer.dataset import PreparedDataset, open_dataset
-from trainer.diloco import InnerLoop, InnerResult, evaluate, inner_state_digest, load_params, params_of
+from trainer.device import parse_device
+from trainer.diloco import InnerLoop, InnerResult, evaluate_batches, inner_state_digest, load_params, params_of
 from trainer.link import Link
 from trainer.model import build_model
 from trainer.pipeline import PipelinedInnerLoop, PipelineError
+from trainer.shared_eval import eval_share, shared_evaluation_problem
 from trainer.tls import ClientTls
 from trainer.uplink import Slice, Uplink, merged, merged_decision, record_of
 from trainer.wire import Params, encode_params
-from trainer.worker.client import REFUSED, Checkpoint, CoordinatorClient, PushHeader, WorkerError, slice_name
+from trainer.worker.client import (
+    REFUSED, Checkpoint, CoordinatorClient, PhaseSeconds, PushHeader, WorkerError, slice_name,
+)
 from trainer.worker.loops import overlapped, synchronous
 
 log = logging.getLogger("dilocox.worker")
-
-EVAL_TOLERANCE_E6 = 1000  # a worker's own evaluation may differ from the manifest's by 1e-3
 
 
 @dataclass(frozen=True)
@@ -53,6 +55,8 @@ class RoundWork:
     state: str = ""  # sha256 of the inner state the round started from; "" where not committed
     # The AdamW and error-feedback state before the round, restored if the round does not count.
     snapshot: tuple[dict, list | None] | None = None
+    inner_s: float = 0.0  # seconds in the inner loop (the whole pipeline, with several stages)
+    compress_s: float = 0.0  # seconds encoding Δ for the push (one-process worker)
 
 
 @dataclass(frozen=True)
@@ -72,8 +76,9 @@ class Pushed:
 class Worker:
     def __init__(self, address: str, worker_id: str, *, tls: ClientTls, attestation: EvidenceProvider | None = None,
                  reconnect_timeout_s: float = 120.0, fetch_wait_s: float = 5.0, link: Link | None = None,
-                 metrics: Path | None = None, stages: int = 1) -> None:
+                 metrics: Path | None = None, stages: int = 1, device: str = "cpu") -> None:
         self.worker_id = worker_id
+        self.device = parse_device(device)  # where the inner loop runs (trainer.device); refused now if absent
         self.stages = stages  # pipeline stages: local processes, each a contiguous slice of the layers
         self.metrics = metrics
         self.client = CoordinatorClient(address, worker_id, tls=tls, attestation=attestation,
@@ -85,6 +90,8 @@ class Worker:
         self.compute_s = 0.0  # time in the inner loop, all rounds
         self.tokens = 0
         self._counted = (0, 0)  # bytes sent/received up to the last progress record
+        # Seconds by phase since the last progress record ("push", "evaluate"; see _phases).
+        self.phase_seconds = PhaseSeconds()
 
     def set_up(self, config: RunConfig, shard: int, num_shards: int) -> None:
         """At the first Join: the shard, the held-out batches, θ⁽⁰⁾ and the inner loop."""
@@ -113,12 +120,12 @@ class Worker:
         if self.stages > 1:  # the stage processes share this worker's torch threads
             try:
                 self.inner = PipelinedInnerLoop(config.model, config.inner, self.stages,
-                                                compression=config.compression,
+                                                compression=config.compression, device=str(self.device),
                                                 threads_per_stage=max(1, torch.get_num_threads() // self.stages))
             except ValueError as exc:  # e.g. a batch that does not cut into equal microbatches
                 raise WorkerError(f"{self.stages} pipeline stages: {exc}") from exc
         else:
-            self.inner = InnerLoop(self.model, config.inner)
+            self.inner = InnerLoop(self.model, config.inner, self.device)
         # Error feedback lives as long as the worker (not its stage processes): what compression
         # drops is sent next round.
         self.uplink = Uplink(config.compression, self.stages)
@@ -134,15 +141,19 @@ class Worker:
         batches = round_batches(self.shard, seed=cfg.seed, shard_index=self.shard_index, round_=round_,
                                 steps=cfg.inner.steps, batch_size=cfg.inner.batch_size, block_size=cfg.model.block_size)
         if isinstance(self.inner, PipelinedInnerLoop):
+            started = time.perf_counter()
             piped = self.inner.run(params, batches, self.uplink.states())
             self.uplink.update(piped.uplink_states)
             return RoundWork(InnerResult(piped.pseudo_gradient, piped.mean_loss, piped.tokens, piped.steps),
-                             piped.slices)
+                             piped.slices, inner_s=time.perf_counter() - started)
         state = inner_state_digest(self.inner.state(), self.uplink.error_state())
         # Overlapped, the next round is training when a refusal comes back: nothing to undo then.
         snapshot = None if cfg.rounds.overlap else (self.inner.snapshot(), self.uplink.snapshot())
+        started = time.perf_counter()
         result = self.inner.run(params, batches)
-        return RoundWork(result, [self.uplink.encode(result.pseudo_gradient)], state, snapshot)
+        trained = time.perf_counter()
+        encoded = [self.uplink.encode(result.pseudo_gradient)]
+        return RoundWork(result, encoded, state, snapshot, trained - started, time.perf_counter() - trained)
 
     def push(self, round_: int, work: RoundWork, base_cid: str) -> Pushed | None:
         """Send Δ for ``round_``, one stream per stage slice; what was sent if the coordinator holds
@@ -160,7 +171,7 @@ class Worker:
                      round_, len(record), sum(len(s.payload) for s in work.slices), len(work.slices),
                      decision.mean_rank, decision.energy)
         what = PushHeader(round_, result.mean_loss, result.tokens, result.steps, base_cid, received, work.state)
-        wire_bytes = 0
+        wire_bytes, started = 0, time.perf_counter()
         for piece in work.slices:
             try:
                 wire_bytes += self.client.push_slice(piece, what)
@@ -170,6 +181,9 @@ class Worker:
                 log.warning("round %d: %s refused (%s): %s", round_, slice_name(piece), exc.code().name, exc.details())
                 self._undo(work)
                 return None
+            finally:
+                self.phase_seconds.add("push", time.perf_counter() - started)
+                started = time.perf_counter()
         return Pushed(round_, CID.of(record).digest, to_e6(result.mean_loss), result.tokens,
                       result.steps, wire_bytes, received, CID.parse(base_cid).digest)
 
@@ -190,11 +204,11 @@ class Worker:
         if pushed is None or checkpoint.round != pushed.round or client.domain is None:
             return
         assert client.key is not None
-        load_params(self.model, checkpoint.params)
-        own = to_e6(evaluate(self.model, self.eval_batches))
-        if abs(own - checkpoint.eval_loss_e6) > EVAL_TOLERANCE_E6:
-            log.error("round %d: refusing to sign: the checkpoint evaluates to %.6f here, the manifest says %.6f",
-                      pushed.round, own / 1e6, checkpoint.eval_loss_e6 / 1e6)
+        started = time.perf_counter()
+        problem = self.evaluation_problem(checkpoint)
+        self.phase_seconds.add("evaluate", time.perf_counter() - started)
+        if problem is not None:
+            log.error("round %d: refusing to sign: %s", pushed.round, problem)
             return
         report = RoundReport(
             run_id=client.run_digest, round=pushed.round, worker=client.key.address, parent_checkpoint=pushed.parent,
@@ -204,6 +218,16 @@ class Worker:
             bytes_sent=pushed.bytes_sent, bytes_received=pushed.bytes_received,
         )
         client.submit_report(SignedReport(report, client.key.sign_digest(report.digest(client.domain))))
+
+    def evaluation_problem(self, checkpoint: Checkpoint) -> str | None:
+        """What is wrong with the checkpoint's claimed held-out losses, or None: the claims are
+        checked whole and this worker's share of the batches re-evaluated (trainer.shared_eval)."""
+        cfg = self.config
+        share = eval_share(cfg.data.eval_batches, cfg.rounds.expected_workers, self.shard_index)
+        load_params(self.model, checkpoint.params)
+        losses = evaluate_batches(self.model, [self.eval_batches[j] for j in share]) if share else []
+        return shared_evaluation_problem(checkpoint.eval_losses_e6, cfg.data.eval_batches, checkpoint.eval_loss_e6,
+                                         {j: to_e6(loss) for j, loss in zip(share, losses)})
 
     def abandon(self, round_: int, exc: PipelineError, inflight: Future | None = None) -> int:
         """Drop out of ``round_`` after a pipeline stage failed: push nothing for it, and tell the
@@ -244,7 +268,8 @@ class Worker:
                  f", uplink mean rank {decision.mean_rank:.1f}" if decision else "")
         record = {"event": "round", "round": round_, "tokens": result.tokens, "inner_steps": result.steps,
                   "train_loss": result.mean_loss, "compute_s": trained_s, "waited_s": waited_s,
-                  "bytes_sent": sent, "bytes_received": received, "time": time.time()}
+                  "bytes_sent": sent, "bytes_received": received, "time": time.time(),
+                  "inner_s": work.inner_s, "compress_s": work.compress_s, **self._phases()}
         if decision is not None:
             record["ranks"] = {name: d.rank for name, d in decision.tensors.items()}
             record["energy"] = decision.energy
@@ -256,8 +281,17 @@ class Worker:
                  checkpoint.round, checkpoint.manifest_cid, client.bytes_sent, client.bytes_received,
                  self.compute_s, wall, 100 * self.compute_s / wall if wall > 0 else 0.0)
         self._metric({"event": "finished", "rounds": checkpoint.round, "wall_s": wall, "compute_s": self.compute_s,
-                      "tokens": self.tokens, "bytes_sent": client.bytes_sent, "bytes_received": client.bytes_received})
+                      "tokens": self.tokens, "bytes_sent": client.bytes_sent, "bytes_received": client.bytes_received,
+                      **self._phases()})
         return 0
+
+    def _phases(self) -> dict[str, float]:
+        """Seconds by phase since the last progress record, as ``<phase>_s`` fields: "push" (the
+        push streams, up to the coordinator's reply), "evaluate" (checking a checkpoint's loss
+        before signing), and from the client "fetch" (streaming global states in, not waiting for
+        them) and "decode" (rebuilding θ from a compressed global update)."""
+        taken = {**self.phase_seconds.take(), **self.client.phase_seconds.take()}
+        return {f"{phase}_s": seconds for phase, seconds in sorted(taken.items())}
 
     def _metric(self, record: dict) -> None:
         """Append one JSON line to the metrics file, when the worker was given one."""
