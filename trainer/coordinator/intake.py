@@ -18,14 +18,15 @@ import threading
 from typing import Callable
 
 from storage_client import CID, to_e6
-from trainer.aggregation import exact_norm
+from trainer.aggregation import CheckedUpdate, exact_norm
 from trainer.coordinator import checks
 from trainer.coordinator.registry import WorkerRegistry
 from trainer.coordinator.run import Run
 from trainer.coordinator.state import Accepted, JournalEntry, OpenRound, StageSlices, UpdateHeader
 from trainer.refusal import Reason, Refusal
 from trainer.uplink import record_of
-from trainer.wire import Params, decode_params
+from trainer.update_source import DenseUpdate, UpdateSource, dense
+from trainer.wire import decode_params
 
 log = logging.getLogger("dilocox.coordinator")
 
@@ -54,7 +55,7 @@ class Intake:
         store, number = self.run.run_dir.store, self.round.number
         for worker, raw in sorted(self.run.run_dir.pending(number).items()):
             entry = JournalEntry.from_json(raw)
-            self.round.accepted[worker] = Accepted(decode_params(store.get(entry.cid)), entry)  # re-hashed on read
+            self.round.accepted[worker] = Accepted(DenseUpdate(decode_params(store.get(entry.cid))), entry)  # re-hashed
             self.accepted_cids.setdefault(entry.cid, (number, worker))
             self.round.first_accept(self.clock())
             log.info("round %d: kept %s's update %s from before the restart", number, worker, entry.cid)
@@ -64,7 +65,7 @@ class Intake:
             num_stages, entries = StageSlices.entries_from_json(held)
             part = StageSlices(num_stages)
             for stage, entry in sorted(entries.items()):
-                part.slices[stage] = Accepted(decode_params(store.get(entry.cid)), entry)
+                part.slices[stage] = Accepted(DenseUpdate(decode_params(store.get(entry.cid))), entry)
             self.round.partial[worker] = part
             log.info("round %d: kept %d of %s's %d stage slices from before the restart", number,
                      len(part.slices), worker, part.num_stages)
@@ -128,28 +129,30 @@ class Intake:
         self._journal_accepted()
         self._lock.notify_all()
 
-    def accept(self, h: UpdateHeader, update: Params, wire_bytes: int,
-               screen: Callable[[Params], float]) -> tuple[CID, int, StageSlices | None]:
+    def accept(self, h: UpdateHeader, update: CheckedUpdate, wire_bytes: int,
+               screen: Callable[[UpdateSource], float]) -> tuple[CID, int, StageSlices | None]:
         """Store and journal a checked update or slice; returns its CID, the open round, and the
-        worker's slices when this one completed them (the caller checks and counts the union)."""
-        record = record_of(update)
+        worker's slices when this one completed them (the caller checks and counts the union).
+        What is held until the close is the update's compact source and its norm."""
+        record = record_of(dense(update.source))
         if h.num_stages == 1:
             with self._lock:  # a replay is refused by its hash before any held-out evaluation
                 checks.check_replay(self.accepted_cids, str(CID.of(record)))
-            screen(update)
+            screen(update.source)
         cid = self.run.run_dir.store.put(record)  # before the journal names it
-        norm = exact_norm(update) if h.num_stages == 1 else None  # outside the lock: a pass over Δ
+        del record
+        norm = update.norm if h.num_stages == 1 else None
         with self._lock:
             self._check_open(h)  # the round may have moved
             entry = self._entry(h, cid, wire_bytes)
             if h.num_stages == 1:
                 checks.check_replay(self.accepted_cids, str(cid))
-                self._count_accepted(h.worker_id, Accepted(update, entry, norm))
+                self._count_accepted(h.worker_id, Accepted(update.source, entry, norm))
                 log.info("round %d: accepted %s from %s (loss %.4f)", h.round, cid, h.worker_id, h.train_loss)
                 return cid, self.round.number, None
             part = self.round.partial.setdefault(h.worker_id, StageSlices(h.num_stages))
             checks.check_sibling(h, entry, part)
-            part.slices[h.stage] = Accepted(update, entry)
+            part.slices[h.stage] = Accepted(update.source, entry)
             self._journal_partial()
             self.round.first_accept(self.clock())
             open_round = self.round.number
@@ -158,9 +161,9 @@ class Intake:
                  h.worker_id)
         return cid, open_round, part if part.completing else None
 
-    def complete(self, h: UpdateHeader, part: StageSlices, update: Params, norm: float) -> None:
+    def complete(self, h: UpdateHeader, part: StageSlices, update: UpdateSource, norm: float) -> None:
         """Count the union of a worker's stage slices, checked whole by the caller."""
-        cid = self.run.run_dir.store.put(record_of(update))
+        cid = self.run.run_dir.store.put(record_of(dense(update)))
         first = part.slices[0].entry
         entry = JournalEntry(cid=str(cid), train_loss_e6=first.train_loss_e6, tokens=first.tokens,
                              inner_steps=first.inner_steps, bytes_sent=sum(a.entry.bytes_sent for a in part.slices.values()),

@@ -19,7 +19,7 @@ from attestation import SignedReport
 from attestation.signing import global_digest
 from storage_client import CID, Manifest, from_e6, loads_bounded
 from storage_client.manifest import Traffic
-from trainer.aggregation import InvalidUpdate, check_norm, exact_norm, norm_bound, round_norm
+from trainer.aggregation import CheckedUpdate, InvalidUpdate, check_norm, exact_norm, norm_bound, round_norm
 from trainer.coordinator import checks
 from trainer.coordinator.intake import Intake
 from trainer.coordinator.publish import derive_round, record_round
@@ -34,7 +34,8 @@ from proto import WorkerPhase
 from trainer.limits import clip
 from trainer.model import param_count
 from trainer.refusal import Reason, Refusal
-from trainer.wire import Layout, Params, decode_params, layout_of
+from trainer.update_source import UpdateSource
+from trainer.wire import Layout, decode_params, layout_of
 
 log = logging.getLogger("dilocox.coordinator")
 
@@ -189,10 +190,11 @@ class Coordinator:
     def refuse(self, h: UpdateHeader, refusal: Refusal) -> None:
         self.intake.refuse(h, refusal)
 
-    def accept(self, h: UpdateHeader, update: Params, wire_bytes: int) -> tuple[CID, int]:
-        """Store and journal an update, or a stage slice, that passed every check; returns its
-        record's CID and the open round. The last slice of a worker completes its update."""
-        def screen(candidate: Params) -> float:
+    def accept(self, h: UpdateHeader, update: CheckedUpdate, wire_bytes: int) -> tuple[CID, int]:
+        """Store and journal an update, or a stage slice, that passed every check
+        (trainer.aggregation.checked_update); returns its record's CID and the open round. The last
+        slice of a worker completes its update."""
+        def screen(candidate: UpdateSource) -> float:
             return self.screen.check(self.run.global_state, h.round, candidate)
 
         cid, open_round, complete = self.intake.accept(h, update, wire_bytes, screen)

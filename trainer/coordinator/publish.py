@@ -16,7 +16,7 @@ from dataclasses import dataclass
 
 from storage_client import CID, Manifest, canonical_json, to_e6
 from storage_client.manifest import Downlink, Traffic
-from trainer.aggregation import Aggregated
+from trainer.aggregation import Aggregation
 from trainer.coordinator.run import Run
 from trainer.coordinator.state import CompressedGlobal, GlobalState, OpenRound
 from trainer.transition import round_transition
@@ -29,7 +29,7 @@ class Derived:
     """A closing round's new global state, stored, before its manifest is written."""
 
     state: GlobalState  # manifest_cid still the parent's until the manifest is stored
-    aggregated: Aggregated
+    aggregated: Aggregation
     downlink: Downlink | None
     outer_state_cid: CID
     eval_loss: float
@@ -38,7 +38,7 @@ class Derived:
 def derive_round(run: Run, r: OpenRound, g: GlobalState, history: list[float]) -> Derived:
     """Aggregate the closing round's accepted updates onto ``g`` and store the result."""
     cfg, store = run.config, run.run_dir.store
-    result = round_transition(g.outer, {w: a.update for w, a in r.accepted.items()}, outer=cfg.outer,
+    result = round_transition(g.outer, {w: a.source for w, a in r.accepted.items()}, outer=cfg.outer,
                               rounds=cfg.rounds, history=history,
                               norms={w: a.norm for w, a in r.accepted.items() if a.norm is not None},
                               downlink=run.downlink)

@@ -38,7 +38,7 @@ import grpc
 from grpc_health.v1 import health, health_pb2
 
 from proto import CHUNK_BYTES, METADATA_SESSION, METADATA_WORKER, PROTOCOL_VERSION, SERVICE_NAME, Encoding, WorkerPhase, pb
-from trainer.aggregation import InvalidUpdate, validate_payload
+from trainer.aggregation import InvalidUpdate, checked_update
 from trainer.coordinator.machine import Coordinator
 from trainer.coordinator.state import GlobalState, StatusView, UpdateHeader
 from trainer.limits import (
@@ -306,8 +306,8 @@ class CoordinatorService:
                 declared = self.c.admit_header(header)  # refused before a payload byte is read
                 what = f"update from {worker} for round {header.round}"
                 payload = reassemble(data(), header.payload_size, header.payload_sha256, what=what)
-                update = validate_payload(payload, declared, self.c.bound, encoding=Encoding(header.encoding),
-                                          codec_header=codec_header(header))
+                update = checked_update(payload, declared, self.c.bound, encoding=Encoding(header.encoding),
+                                        codec_header=codec_header(header))
             except (WireError, InvalidUpdate) as exc:
                 raise Refusal(Reason.MALFORMED, str(exc)) from exc
             finally:
