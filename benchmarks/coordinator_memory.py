@@ -31,6 +31,7 @@ import os
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -244,18 +245,50 @@ def cluster(args: argparse.Namespace) -> dict[str, Any]:
         started = time.monotonic()
         with LocalCluster(Path(tmp, "run"), insecure=True) as local:
             coordinator = local.start_coordinator(path, timeout_s=300)
+            sampler = RssSampler(coordinator.pid)
+            sampler.start()
             workers = {f"w{i}": local.start_worker(f"w{i}") for i in range(args.workers)}
             reaped: dict[str, tuple[int, float]] = {}
             for name, process in [*workers.items(), ("coordinator", coordinator)]:
+                if name == "coordinator":
+                    sampler.stop()
                 reaped[name] = _reap(process, args.timeout_s)
                 if reaped[name][0] != 0:
                     raise RuntimeError(f"{name} exited with {reaped[name][0]}:\n{local.log(name)}")
-            log_tail = local.log("coordinator", tail=12)
+            log_tail = local.log("coordinator", tail=4 * args.rounds + 4)
         seconds = time.monotonic() - started
     return {"mode": "cluster", "workers": args.workers, "rounds": args.rounds, "model_mib": model_mib(config),
             "coordinator_peak_rss_mib": reaped["coordinator"][1],
             "worker_peak_rss_mib": max(v[1] for k, v in reaped.items() if k != "coordinator"),
-            "seconds": seconds, "coordinator_log_tail": log_tail}
+            "seconds": seconds, "coordinator_rss_timeline": sampler.timeline(), "coordinator_log_tail": log_tail}
+
+
+class RssSampler(threading.Thread):
+    """The coordinator's RSS every 50 ms, to line its peaks up with its log (wall-clock seconds)."""
+
+    def __init__(self, pid: int) -> None:
+        super().__init__(daemon=True)
+        self.pid, self.samples, self._stop_at = pid, [], threading.Event()
+
+    def run(self) -> None:
+        while not self._stop_at.is_set():
+            with contextlib.suppress(OSError, KeyError):
+                self.samples.append((time.time(), rss_mib(self.pid)))
+            time.sleep(0.05)
+
+    def stop(self) -> None:
+        self._stop_at.set()
+        self.join()
+
+    def timeline(self) -> list[str]:
+        """Per second: the highest RSS sampled, where it changed by 20 MiB or more."""
+        out, last = [], 0.0
+        for second in sorted({int(t) for t, _ in self.samples}):
+            top = max(r for t, r in self.samples if int(t) == second)
+            if abs(top - last) >= 20:
+                out.append(f"{time.strftime('%H:%M:%S', time.gmtime(second))} {top:.0f}")
+                last = top
+        return out
 
 
 # ------------------------------------------------------------------------------------- main

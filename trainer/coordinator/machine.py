@@ -32,6 +32,7 @@ from trainer.coordinator.state import (
 from trainer.coordinator.trust import RunTrust
 from proto import WorkerPhase
 from trainer.limits import clip
+from trainer.memory import release_free_memory
 from trainer.model import param_count
 from trainer.refusal import Reason, Refusal
 from trainer.update_source import UpdateSource
@@ -206,6 +207,7 @@ class Coordinator:
                 raise Refusal(Reason.MALFORMED, f"the update of all {complete.num_stages} stage slices: {exc}") from exc
             screen(merged)
             self.intake.complete(h, complete, merged, norm)
+        release_free_memory()  # the dense tensors decoded to check and store it
         return cid, open_round
 
     # ----------------------------------------------------------------------------- reports
@@ -253,6 +255,7 @@ class Coordinator:
         """Aggregate and publish the closing round (called by one thread, after close_due)."""
         r, g, cfg = self.round, self.run.global_state, self.config
         started = self.clock()
+        release_free_memory()
         derived = derive_round(self.run, r, g, self._history(r.number))
         with self._lock:
             traffic = tuple(Traffic(worker=w, up=r.up.get(w, 0), down=r.down.get(w, 0))
@@ -275,6 +278,7 @@ class Coordinator:
             self.closed_at[r.number] = self.clock()
             self.intake.open_next(r.number + 1)
             self._lock.notify_all()
+        release_free_memory()  # the parent state, now unreferenced
         log.info(
             "round %d closed in %.2fs (aggregation %.2fs): eval loss %.4f, %d participant(s)%s, "
             "%d bytes up, %d down (%s) -> %s",

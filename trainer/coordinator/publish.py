@@ -19,6 +19,7 @@ from storage_client.manifest import Downlink, Traffic
 from trainer.aggregation import Aggregation
 from trainer.coordinator.run import Run
 from trainer.coordinator.state import CompressedGlobal, GlobalState, OpenRound
+from trainer.memory import release_free_memory
 from trainer.transition import round_transition
 
 log = logging.getLogger("dilocox.coordinator")
@@ -54,9 +55,12 @@ def derive_round(run: Run, r: OpenRound, g: GlobalState, history: list[float]) -
         decision = run.downlink.last_decision
         log.info("round %d: global update compressed to %d bytes (mean rank %.1f, energy %.3f)",
                  r.number, len(sent), decision.mean_rank, decision.energy)
+    release_free_memory()  # the transition's temporaries: before the checkpoint's bytes are made
+    # The outer state's bytes (m and e, twice θ's size) are made and dropped before θ's, which are kept.
+    outer_cid = store.put(child.outer_state_bytes())
+    release_free_memory()
     payload = child.params_bytes()
     params_cid = store.put(payload)
-    outer_cid = store.put(child.outer_state_bytes())
     eval_loss = run.evaluate(child.params)
     state = GlobalState(r.number, child.params, child.momentum, payload, params_cid, g.manifest_cid,
                         to_e6(eval_loss), compressed, child.downlink_error)
