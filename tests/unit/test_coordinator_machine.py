@@ -22,7 +22,7 @@ from trainer.pipeline import stage_param_names
 from trainer.refusal import Reason, Refusal
 from trainer.run_dir import RunDir
 from trainer.update_source import DenseUpdate, dense
-from trainer.wire import Params, layout_of
+from trainer.wire import Params, encode_params, layout_of
 
 STATE = "ab" * 32
 
@@ -65,7 +65,7 @@ def push(c: Coordinator, h: UpdateHeader, update: Params) -> None:
     """What the service does with a push whose payload decoded to ``update``."""
     try:
         c.admit_header(h)
-        c.accept(h, CheckedUpdate(DenseUpdate(update), exact_norm(update)), wire_bytes=1234)
+        c.accept(h, CheckedUpdate(DenseUpdate(update), exact_norm(update)), 1234, encode_params(update))
     except Refusal as refusal:
         c.refuse(h, refusal)
         raise

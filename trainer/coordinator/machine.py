@@ -19,7 +19,8 @@ from attestation import SignedReport
 from attestation.signing import global_digest
 from storage_client import CID, Manifest, from_e6, loads_bounded
 from storage_client.manifest import Traffic
-from trainer.aggregation import CheckedUpdate, InvalidUpdate, check_norm, exact_norm, norm_bound, round_norm
+from trainer.checkpoints import round_updates, updates_round_norm
+from trainer.aggregation import CheckedUpdate, InvalidUpdate, check_norm, norm_bound, round_norm
 from trainer.coordinator import checks
 from trainer.coordinator.intake import Intake
 from trainer.coordinator.publish import derive_round, record_round
@@ -36,7 +37,7 @@ from trainer.memory import release_free_memory
 from trainer.model import param_count
 from trainer.refusal import Reason, Refusal
 from trainer.update_source import UpdateSource
-from trainer.wire import Layout, decode_params, layout_of
+from trainer.wire import Layout, layout_of
 
 log = logging.getLogger("dilocox.coordinator")
 
@@ -191,14 +192,14 @@ class Coordinator:
     def refuse(self, h: UpdateHeader, refusal: Refusal) -> None:
         self.intake.refuse(h, refusal)
 
-    def accept(self, h: UpdateHeader, update: CheckedUpdate, wire_bytes: int) -> tuple[CID, int]:
+    def accept(self, h: UpdateHeader, update: CheckedUpdate, wire_bytes: int, payload: bytes) -> tuple[CID, int]:
         """Store and journal an update, or a stage slice, that passed every check
-        (trainer.aggregation.checked_update); returns its record's CID and the open round. The last
-        slice of a worker completes its update."""
+        (trainer.aggregation.checked_update), ``payload`` its bytes as pushed; returns its record's
+        CID and the open round. The last slice of a worker completes its update."""
         def screen(candidate: UpdateSource) -> float:
             return self.screen.check(self.run.global_state, h.round, candidate)
 
-        cid, open_round, complete = self.intake.accept(h, update, wire_bytes, screen)
+        cid, open_round, complete = self.intake.accept(h, update, wire_bytes, screen, payload)
         if complete is not None:
             merged = complete.merged()
             try:
@@ -297,8 +298,9 @@ class Coordinator:
             norms = self.norm_history.get(earlier)
             if norms is None:
                 _, manifest = self.run.manifests[earlier]
-                norms = [round_norm([exact_norm(decode_params(self.run.run_dir.store.get(p.update)))
-                                     for p in manifest.participants])]
+                updates = round_updates(self.run.run_dir.store, manifest, layout_of(self.run.global_state.params),
+                                        self.config.model)
+                norms = [updates_round_norm(updates)]
                 self.norm_history[earlier] = norms
             out.extend(norms)
         for old in [r for r in self.norm_history if r < round_ - k]:

@@ -5,8 +5,9 @@
 the function the audit re-runs: each update clipped to c × the lower median of the round's norms
 and the previous K rounds' ρ̃, averaged by the config's rule, the outer Nesterov step, and with
 compression on, the global update compressed with error feedback (θ⁽ʳ⁾ is what the replicas rebuild
-from those bytes). Then θ⁽ʳ⁾, m⁽ʳ⁾ (and the downlink bytes) go to the store, then the round's
-manifest, then HEAD moves to it: a crash at any instant leaves either the old tip or the new.
+from those bytes). Then the downlink bytes, and θ⁽ʳ⁾ and m⁽ʳ⁾ when the round keeps a full
+checkpoint (every ``rounds.checkpoint_every`` rounds and the last: trainer.checkpoints), go to the
+store, then the round's manifest, then HEAD moves to it: a crash at any instant leaves either the old tip or the new.
 """
 
 from __future__ import annotations
@@ -17,6 +18,7 @@ from dataclasses import dataclass
 from storage_client import CID, Manifest, canonical_json, to_e6
 from storage_client.manifest import Downlink, Traffic
 from trainer.aggregation import Aggregation
+from trainer.checkpoints import is_full_checkpoint
 from trainer.coordinator.run import Run
 from trainer.coordinator.state import CompressedGlobal, GlobalState, OpenRound
 from trainer.memory import release_free_memory
@@ -57,10 +59,14 @@ def derive_round(run: Run, r: OpenRound, g: GlobalState, history: list[float]) -
                  r.number, len(sent), decision.mean_rank, decision.energy)
     release_free_memory()  # the transition's temporaries: before the checkpoint's bytes are made
     # The outer state's bytes (m and e, twice θ's size) are made and dropped before θ's, which are kept.
-    outer_cid = store.put(child.outer_state_bytes())
+    # Both are stored only every K rounds (trainer.checkpoints); the manifest names them every round.
+    full = is_full_checkpoint(cfg.rounds, r.number)
+    outer_bytes = child.outer_state_bytes()
+    outer_cid = store.put(outer_bytes) if full else CID.of(outer_bytes)
+    del outer_bytes
     release_free_memory()
     payload = child.params_bytes()
-    params_cid = store.put(payload)
+    params_cid = store.put(payload) if full else CID.of(payload)
     eval_loss = run.evaluate(child.params)
     state = GlobalState(r.number, child.params, child.momentum, payload, params_cid, g.manifest_cid,
                         to_e6(eval_loss), compressed, child.downlink_error)

@@ -312,7 +312,7 @@ class CoordinatorService:
                 raise Refusal(Reason.MALFORMED, str(exc)) from exc
             finally:
                 self.c.count_up(worker, wire_bytes)  # refused or not, these bytes crossed the network
-            cid, open_round = self.c.accept(header, update, wire_bytes)
+            cid, open_round = self.c.accept(header, update, wire_bytes, payload)
         except Refusal as r:
             self.c.refuse(header, r)
             raise
