@@ -56,7 +56,7 @@ def test_killed_between_the_bytes_and_the_manifest_with_k3_resumes_and_audits(
     cluster.start_worker("w1", extra=[*wo_args, "--link-latency", "1500"])  # its push lands well after w0's
     # Round 3 is open once round 2 (no full checkpoint: K = 3) is HEAD; kill the coordinator once
     # w0's round-3 update bytes are stored and journalled, before w1's arrive and the round publishes.
-    wait_for_pending(cluster.run_dir.path / "pending" / "round-3.json", 180)
+    wait_for_pending(cluster.run_dir.path / "pending" / "round-000003.json", 180)
     cluster.kill("coordinator", signal.SIGKILL)
     run = cluster.run_dir
     before = lineage(run.store, run.head())

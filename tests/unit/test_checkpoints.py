@@ -127,3 +127,40 @@ def test_a_record_is_the_pushed_bytes_and_opens_as_they_arrived(tmp_path) -> Non
         open_update(store, bad, layout_of(theta0()), MODEL)
     with pytest.raises(RecordError, match="not a JSON record"):
         open_update(store, CID.of(b"x"), layout_of(theta0()), MODEL)
+
+
+def test_gc_removes_only_what_nothing_the_run_needs_references(tmp_path, capsys) -> None:
+    import argparse
+    import os
+
+    from cli.gc import run as gc
+    from trainer.coordinator.server import lock_run_dir
+    from trainer.run_dir import RunDir
+    from trainer.store_gc import reachable
+
+    rd = RunDir(tmp_path / "run")
+    config = RunConfig(compression=COMPRESSION, rounds=RoundConfig(rounds=4, checkpoint_every=2))
+    chain, _ = run(rd.store, config, True)
+    rd.set_head(chain[-1][0])
+    delta = {n: torch.full_like(t, 1e-3) for n, t in theta0().items()}
+    journalled = push(rd.store, delta, new_compressor(COMPRESSION))  # the open round's, in its journal
+    rd.save_pending(5, {"w0": {"cid": journalled}})
+    before = set(rd.store)
+    abandoned = push(rd.store, {n: t * 2 for n, t in delta.items()}, new_compressor(COMPRESSION))  # never journalled
+    admission = rd.store.put_json({"schema": "dilocox.admission/v2", "evidence": str(rd.store.put(b"evidence"))})
+    planted = set(rd.store) - before
+    unreferenced = planted - {admission.hex, CID.of(b"evidence").hex}  # the push's record, payload (, header)
+    assert CID.parse(abandoned).hex in unreferenced and len(unreferenced) >= 2
+
+    held = lock_run_dir(rd)  # a coordinator serving the run: gc refuses and removes nothing
+    assert gc(argparse.Namespace(run=str(rd.path), dry_run=False)) == 2 and "refused" in capsys.readouterr().out
+    os.close(held)
+    assert gc(argparse.Namespace(run=str(rd.path), dry_run=True)) == 0
+    assert f"would remove {len(unreferenced)} unreferenced object(s)" in capsys.readouterr().out
+    assert planted <= set(rd.store)
+    assert gc(argparse.Namespace(run=str(rd.path), dry_run=False)) == 0
+    assert f"removed {len(unreferenced)} unreferenced object(s)" in capsys.readouterr().out
+    assert set(rd.store) == before | {admission.hex, CID.of(b"evidence").hex} == reachable(rd)
+    for r in range(len(chain)):  # every checkpoint still rebuilds
+        checkpoint_at(rd.store, chain, r, config)
+    open_update(rd.store, journalled, layout_of(theta0()), MODEL)
