@@ -1,18 +1,22 @@
 """Full checkpoints every K rounds, pushed bytes kept as sent: a coordinator killed with a round's
 update bytes stored but its manifest not, whose HEAD keeps no full checkpoint, resumes and the audit
-passes. Real anvil, contracts, coordinator and worker processes; nothing is mocked."""
+passes, before and after ``dilocox gc``. Real anvil, contracts, coordinator and worker processes;
+nothing is mocked."""
 
 from __future__ import annotations
 
 import json
 import signal
+import subprocess
+import sys
 import time
 from pathlib import Path
 
 import pytest
 
 from settlement import Anvil
-from storage_client import lineage
+from proto import Encoding
+from storage_client import Codec, lineage
 from tests.conftest import small_config
 from tests.integration.test_cluster import assert_rederivable
 from tests.integration.test_ledger_catch_up import audit
@@ -21,6 +25,7 @@ from benchmarks.cluster import LocalCluster
 from trainer.checkpoints import is_full_checkpoint
 from trainer.compression import CompressionConfig
 from trainer.config import RoundConfig
+from trainer.update_record import record_bytes, slice_ref
 
 pytestmark = pytest.mark.integration
 
@@ -74,3 +79,22 @@ def test_killed_between_the_bytes_and_the_manifest_with_k3_resumes_and_audits(
     assert_rederivable(run)
     code, text = audit(cluster, chain.rpc_url)
     assert code == 0 and "AUDIT PASSED" in text, text[-4000:]
+
+    # An abandoned push (its payload and record, journalled nowhere): a dry run removes nothing,
+    # gc removes it and nothing the run needs, and the audit still passes.
+    payload = b"the payload of a push whose round closed without it"
+    abandoned = {run.store.put(payload).hex,
+                 run.store.put(record_bytes([slice_ref(0, 1, Encoding.DENSE_F32, payload, None)]), Codec.JSON).hex}
+    objects = set(run.store)
+    dry = dilocox("gc", "--run", str(run.path), "--dry-run")
+    assert dry.returncode == 0 and "would remove 2 unreferenced object(s)" in dry.stdout, dry.stdout + dry.stderr
+    assert set(run.store) == objects
+    done = dilocox("gc", "--run", str(run.path))
+    assert done.returncode == 0 and "removed 2 unreferenced object(s)" in done.stdout, done.stdout + done.stderr
+    assert set(run.store) == objects - abandoned
+    code, text = audit(cluster, chain.rpc_url)
+    assert code == 0 and "AUDIT PASSED" in text, text[-4000:]
+
+
+def dilocox(*args: str) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "cli.main", *args], capture_output=True, text=True, timeout=120)
