@@ -10,7 +10,11 @@ Checks, by name:
   run                   the ledger knows the run (found by id, or the one run whose genesis is here)
   registry              the ledger consults the registry being audited
   run-id                runId is the digest of the genesis manifest (docs/trust.md)
-  object                a named object is in the store and re-hashes to its CID
+  object                a named object is in the store and re-hashes to its CID (a round's params and
+                        outer state only where it keeps a full checkpoint: genesis, every
+                        rounds.checkpoint_every rounds and the last; trainer.checkpoints)
+  update-record         each participant's update record and the pushed payloads and codec headers it
+                        names fit the model, stage by stage (trainer.update_record)
   manifest              a manifest parses (schema, fields, sorted participants and traffic,
                         traffic sums equal to bytes_up / bytes_down, no downlink at genesis)
   genesis               the genesis manifest is round 0 without a parent
@@ -25,9 +29,10 @@ Checks, by name:
   parent                manifest.parent is the CID of the previous round's (recorded) manifest
   checkpoint            the round's on-chain checkpoint is the sha256 of the manifest's params
   parent-checkpoint     the round's on-chain parent is the previous round's params digest
-  rederive              Δ = the stored updates, clipped (threshold over their norms and the previous K
+  rederive              Δ = the stored updates (decoded from the pushed bytes), clipped (threshold over their norms and the previous K
                         rounds' ρ̃) and averaged by the config's rule (trainer.aggregation.aggregate),
-                        outer_step from the parent's stored params and momentum, and with a
+                        outer_step from the parent's params and momentum (stored, or re-derived
+                        and checked in the parent's own round when it keeps none), and with a
                         compressed downlink θ = θ_parent − decompress(C) with the carried error
                         (audit.rederive): the bytes hash to the manifest's params and outer_state
                         (genesis momentum is zero); a downlink object is present exactly when the
@@ -198,7 +203,7 @@ class _Audit:
         row.participants = len(loaded.manifest.participants)
         row.eval_loss = from_e6(loaded.manifest.eval_loss_e6)
         if self.rederiving:
-            self.recompute.check_round(r, loaded.manifest, parent, updates)
+            self.recompute.check_round(r, loaded, parent, updates)
         self.reports.check(run_id, record, loaded.manifest, parent)
         return loaded
 

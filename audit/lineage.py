@@ -2,7 +2,8 @@
 
 Checks ``run`` (which run is audited), ``run-id``, ``object``, ``manifest``, ``genesis``,
 ``genesis-checkpoint``, ``config``, ``manifest-round``, ``parent``, ``checkpoint``,
-``parent-checkpoint`` (the chain's parent against the previous round's stored params) and
+``parent-checkpoint`` (the chain's parent against the previous round's stored params),
+``update-record`` (each participant's record, and the pushed bytes it names, fit the model) and
 ``unrecorded``; audit.core describes each. Whether the stored bytes are what the updates give is
 audit.recompute's; the ledger's own records are audit.tallies'.
 """
@@ -25,7 +26,11 @@ from storage_client import (
     loads_bounded,
 )
 from storage_client.manifest import SCHEMA as MANIFEST_SCHEMA
+from trainer.checkpoints import is_full_checkpoint
 from trainer.config import ConfigError, RunConfig
+from trainer.update_record import RecordError, open_update
+from trainer.update_source import UpdateSource
+from trainer.wire import Layout, WireError, decode_params, layout_of
 
 from .findings import Findings, cid_digest
 
@@ -47,6 +52,7 @@ class Lineage:
         self.findings = findings
         self.ledger = ledger
         self.config: RunConfig | None = None
+        self.layout: Layout | None = None  # the model's tensors, from θ⁽⁰⁾: what an update must match
 
     def resolve_run(self, run_id: bytes | None) -> tuple[bytes, RunRecord] | None:
         """The audited run's id and the ledger's runOf view of it; None after a ``run`` failure.
@@ -106,27 +112,38 @@ class Lineage:
                 self.config = RunConfig.from_json(self.findings.store.get_json(manifest.config))
             except (StoreError, ConfigError, ValueError) as exc:
                 fail(0, manifest.config, "config", f"the run config does not parse: {exc}")
+        if params is not None:
+            try:
+                self.layout = layout_of(decode_params(params))
+            except WireError as exc:
+                fail(0, manifest.params, "genesis", f"the genesis params do not decode: {exc}")
         return Loaded(genesis_cid, manifest, params, outer)
 
     def check_round(self, record: RoundRecord, parent: Loaded | None,
-                    genesis: Loaded | None) -> tuple[Loaded, dict[str, bytes]] | None:
+                    genesis: Loaded | None) -> tuple[Loaded, dict[str, UpdateSource]] | None:
         """A recorded round's manifest and the objects it names; the round and its stored updates (by
-        worker; those that could be read), or None when the manifest cannot be read. The updates are
-        not kept in ``Loaded``: the next round needs only the params and outer state."""
+        worker, opened from their records: those that could be read), or None when the manifest
+        cannot be read. The updates are not kept in ``Loaded``: the next round needs only the params
+        and outer state. A round that keeps no full checkpoint (trainer.checkpoints) has its params
+        and outer state read only when present: the re-derivation fills them in."""
         r = record.round
         cid = CID(Codec.JSON, record.manifest_digest)
         manifest = self.findings.read_manifest(r, cid)
         if manifest is None:
             return None
         self._check_links(r, cid, manifest, parent, genesis)
-        params = self.findings.read(r, manifest.params, f"θ⁽{r}⁾ (params of round {r})")
-        outer = self.findings.read(r, manifest.outer_state, f"the outer state of round {r}")
+        params = outer = None
+        store = self.findings.store
+        if self.config is None or is_full_checkpoint(self.config.rounds, r) or store.has(manifest.params):
+            params = self.findings.read(r, manifest.params, f"θ⁽{r}⁾ (params of round {r})")
+        if self.config is None or is_full_checkpoint(self.config.rounds, r) or store.has(manifest.outer_state):
+            outer = self.findings.read(r, manifest.outer_state, f"the outer state of round {r}")
         self.findings.read(r, manifest.config, "the run config")
-        updates: dict[str, bytes] = {}
+        updates: dict[str, UpdateSource] = {}
         for p in manifest.participants:
-            data = self.findings.read(r, p.update, f"the update of participant {p.worker}")
-            if data is not None:
-                updates[p.worker] = data
+            update = self._open_update(r, p.worker, p.update)
+            if update is not None:
+                updates[p.worker] = update
         if cid_digest(manifest.params) != record.checkpoint:
             self.findings.fail(r, manifest.params, "checkpoint",
                                f"the chain's checkpoint 0x{record.checkpoint.hex()} is not the digest of the "
@@ -136,6 +153,21 @@ class Lineage:
                                f"the chain's parent checkpoint {hex_or_none(record.parent_checkpoint)} is not "
                                f"the digest of round {r - 1}'s params {parent.manifest.params}")
         return Loaded(cid, manifest, params, outer), updates
+
+    def _open_update(self, r: int, worker: str, cid: str) -> UpdateSource | None:
+        """A participant's update record and the pushed bytes it names, opened as on arrival
+        (trainer.update_record); None after an ``object`` or ``update-record`` failure."""
+        if self.findings.read(r, cid, f"the update record of participant {worker}") is None:
+            return None
+        if self.config is None or self.layout is None:
+            return None
+        try:
+            return open_update(self.findings.store, cid, self.layout, self.config.model)
+        except StoreError as exc:
+            self.findings.fail(r, cid, "object", f"an object the update record of {worker} names: {exc}")
+        except RecordError as exc:
+            self.findings.fail(r, cid, "update-record", f"the update record of {worker}: {exc}")
+        return None
 
     def _check_links(self, r: int, cid: CID, manifest: Manifest, parent: Loaded | None,
                      genesis: Loaded | None) -> None:

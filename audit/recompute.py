@@ -14,10 +14,12 @@ from typing import Any
 
 from storage_client import Manifest
 from trainer.config import RunConfig
+from trainer.update_source import UpdateSource
 
 from .findings import Findings, cid_digest
 from .lineage import Loaded
 from .rederive import (
+    Derived,
     RederiveError,
     clip_history,
     genesis_outer_state,
@@ -49,12 +51,19 @@ class Recomputation:
             self.findings.fail(0, manifest.outer_state, "rederive",
                                "the genesis outer state is not zero momentum for every parameter")
 
-    def check_round(self, r: int, manifest: Manifest, parent: Loaded | None, updates: dict[str, bytes]) -> None:
-        """Round r re-derived from its parent and its stored updates; its ρ̃ kept for the next rounds."""
-        self._check_rederive(r, manifest, parent, updates)
-        self._keep_norms(r, manifest, updates)
+    def check_round(self, r: int, loaded: Loaded, parent: Loaded | None, updates: dict[str, UpdateSource]) -> None:
+        """Round r re-derived from its parent and its stored updates; its ρ̃ kept for the next rounds.
+        A round without its stored checkpoint (rounds.checkpoint_every) takes the re-derived bytes
+        once they hash to the manifest's CIDs, so the next round re-derives from them."""
+        derived = self._check_rederive(r, loaded.manifest, parent, updates)
+        if derived is not None:
+            if loaded.params is None and derived.params_digest == cid_digest(loaded.manifest.params):
+                loaded.params = derived.params
+            if loaded.outer_state is None and derived.outer_state_digest == cid_digest(loaded.manifest.outer_state):
+                loaded.outer_state = derived.outer_state
+        self._keep_norms(r, loaded.manifest, updates)
 
-    def _keep_norms(self, r: int, manifest: Manifest, updates: dict[str, bytes]) -> None:
+    def _keep_norms(self, r: int, manifest: Manifest, updates: dict[str, UpdateSource]) -> None:
         """Round r's ρ̃ (trainer.aggregation.round_norm of its stored updates' norms), part of the clip
         threshold of the next K rounds; None when an update is unavailable or unreadable."""
         self.norms[r] = None
@@ -69,28 +78,29 @@ class Recomputation:
         assert self.config is not None
         return clip_history(self.norms, r, self.config.rounds.clip_history_rounds)
 
-    def _check_rederive(self, r: int, manifest: Manifest, parent: Loaded | None, updates: dict[str, bytes]) -> None:
+    def _check_rederive(self, r: int, manifest: Manifest, parent: Loaded | None,
+                        updates: dict[str, UpdateSource]) -> Derived | None:
         fail = self.findings.fail
         if self.config is not None and self.config.rounds.clip_multiple > 0 and self._history(r) is None:
             fail(r, str(manifest.params), "rederive",
                  f"cannot re-derive the round: the clip threshold takes the norms of the previous "
                  f"{self.config.rounds.clip_history_rounds} round(s)' updates, and one of them is unavailable")
-            return
+            return None
         if self.config is None or parent is None or parent.params is None or parent.outer_state is None \
                 or len(updates) != len(manifest.participants):
             fail(r, str(manifest.params), "rederive",
                  "cannot re-derive the round: the config, the parent's params or outer state, or an update "
                  "is unavailable (see the failures above)")
-            return
+            return None
         readable, downlink = self._downlink(r, manifest)
         if not readable:
-            return
+            return None
         try:
             derived = rederive(self.config.outer, parent.params, parent.outer_state, updates, downlink,
                                rounds=self.config.rounds, history=self._history(r) or ())
         except RederiveError as exc:
             fail(r, str(manifest.params), "rederive", str(exc))
-            return
+            return None
         if derived.params_digest != cid_digest(manifest.params):
             fail(r, manifest.params, "rederive",
                  f"aggregate of the {len(updates)} stored update(s) + outer step from round {r - 1} gives params "
@@ -99,6 +109,7 @@ class Recomputation:
             fail(r, manifest.outer_state, "rederive",
                  f"the re-derived outer state hashes to {derived.outer_state_digest.hex()}, the manifest "
                  f"names {manifest.outer_state}")
+        return derived
 
     def _downlink(self, r: int, manifest: Manifest) -> tuple[bool, tuple[bytes, dict[str, Any]] | None]:
         """Whether the round's downlink is as the config says, and its (payload, codec header) when it

@@ -23,6 +23,7 @@ from trainer.aggregation import PLAIN_MEAN, exact_norm, round_norm
 from trainer.config import OuterConfig, RoundConfig
 from trainer.diloco import outer_state_of, zero_momentum
 from trainer.transition import OuterState, TransitionError, round_transition, stored_downlink
+from trainer.update_source import UpdateSource
 from trainer.wire import Params, WireError, decode_params, encode_params
 
 class RederiveError(ValueError):
@@ -57,13 +58,19 @@ def genesis_outer_state(params_bytes: bytes) -> bytes:
     return encode_params(outer_state_of(zero_momentum(params)))
 
 
-def update_norms(updates: Mapping[str, bytes]) -> dict[str, float]:
+def _source(worker: str, update: bytes | UpdateSource) -> Params | UpdateSource:
+    """An update as given: safetensors bytes of the dense Δ̂ᵢ (decoded), or an opened update
+    record (trainer.update_record.open_update, decoded tensor by tensor as it is read)."""
+    return _decode(f"update of {worker}", update) if isinstance(update, (bytes, bytearray)) else update
+
+
+def update_norms(updates: Mapping[str, bytes | UpdateSource]) -> dict[str, float]:
     """‖Δᵢ‖₂ of stored updates, as the coordinator computed them (trainer.aggregation.exact_norm):
     what the next K rounds' clip threshold is taken over."""
-    return {w: exact_norm(_decode(f"update of {w}", data)) for w, data in sorted(updates.items())}
+    return {w: exact_norm(_source(w, data)) for w, data in sorted(updates.items())}
 
 
-def stored_round_norm(updates: Mapping[str, bytes]) -> float:
+def stored_round_norm(updates: Mapping[str, bytes | UpdateSource]) -> float:
     """ρ̃ of a closed round from its stored updates (trainer.aggregation.round_norm of their
     ``exact_norm``s): what the round adds to the clip history of the next K rounds."""
     return round_norm(list(update_norms(updates).values()))
@@ -82,10 +89,10 @@ def clip_history(round_norms: Mapping[int, Sequence[float] | None], round_: int,
 
 
 def rederive(outer: OuterConfig, parent_params: bytes, parent_outer_state: bytes,
-             updates: Mapping[str, bytes], downlink: tuple[bytes, Mapping[str, Any]] | None = None, *,
+             updates: Mapping[str, bytes | UpdateSource], downlink: tuple[bytes, Mapping[str, Any]] | None = None, *,
              rounds: RoundConfig = PLAIN_MEAN, history: Sequence[float] = ()) -> Derived:
     """θ⁽ʳ⁾ and the outer state as bytes from round r-1's stored state, the round's stored updates
-    (keyed by worker id, as in the manifest) and, when the global update travelled compressed, its
+    (keyed by worker id, as in the manifest: opened update records, or dense safetensors bytes) and, when the global update travelled compressed, its
     stored bytes and codec header: ``trainer.transition.round_transition``, the coordinator's own
     function, with the stored C⁽ʳ⁾ as the downlink. ``rounds`` is the run's ``rounds`` section, whose
     clip_multiple, aggregator and trim_fraction fix the rule (default: no clip, the plain mean), and
@@ -96,7 +103,7 @@ def rederive(outer: OuterConfig, parent_params: bytes, parent_outer_state: bytes
         parent = OuterState.decode(parent_params, parent_outer_state)
     except TransitionError as exc:
         raise RederiveError(f"parent state: {exc}") from None
-    decoded = {worker: _decode(f"update of {worker}", updates[worker]) for worker in sorted(updates)}
+    decoded = {worker: _source(worker, updates[worker]) for worker in sorted(updates)}
     encoder = stored_downlink(*downlink) if downlink is not None else None
     try:
         result = round_transition(parent, decoded, outer=outer, rounds=rounds, history=history, downlink=encoder)

@@ -61,7 +61,10 @@ from trainer.config import RunConfig
 from trainer.data import CorpusError, eval_batches, round_batches
 from trainer.dataset import Dataset, run_dataset
 from trainer.diloco import FRESH_STATE, InnerLoop, evaluate, load_params
+from trainer.checkpoints import checkpoint_at
 from trainer.model import build_model
+from trainer.update_record import open_update
+from trainer.update_source import dense
 from trainer.wire import Params, WireError, decode_params, layout_of
 
 # ‖Δ' − Δ‖ / ‖Δ‖ an honest contribution stays within (see the module docstring).
@@ -192,9 +195,13 @@ class Replayer:
             return None
         cid = self.manifests[round_].params
         try:
-            return decode_params(self.store.get(cid))
-        except (OSError, ValueError, WireError) as exc:  # StoreError is an OSError or ValueError
-            self.problems.append((round_, cid, f"{what} cannot be read: {exc}"))
+            if self.store.has(cid):
+                return decode_params(self.store.get(cid))
+            # A round without a stored checkpoint (rounds.checkpoint_every): rebuilt from the newest one.
+            chain = [(self.manifests[q].cid, self.manifests[q]) for q in range(round_ + 1)]
+            return checkpoint_at(self.store, chain, round_, self.config).params
+        except (OSError, ValueError, WireError, KeyError) as exc:  # StoreError, CheckpointError: ValueError
+            self.problems.append((round_, cid, f"{what} cannot be read: {str(exc)[:300]}"))
             return None
 
     def replay(self, targets: Iterable[tuple[int, str]]) -> tuple[list[ReplayRow], int]:
@@ -230,8 +237,9 @@ class Replayer:
                     continue
                 start = self._params(r - 1, f"θ⁽{r - 1}⁾")
                 try:
-                    stored = decode_params(self.store.get(p.update))
-                except (OSError, ValueError, WireError) as exc:
+                    stored = dense(open_update(self.store, p.update, layout_of(start), cfg.model)) \
+                        if start is not None else None
+                except (OSError, ValueError, WireError) as exc:  # RecordError is a ValueError
                     self.problems.append((r, p.update, f"the update of {worker} cannot be read: {exc}"))
                     inner = None
                     continue

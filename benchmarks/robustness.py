@@ -249,6 +249,8 @@ def rederives(run_dir: Path) -> bool:
     """Every round's params and outer state re-derive bit for bit from the stored updates (the
     audit's arithmetic, audit.rederive, under the run's own ``rounds`` section)."""
     from audit.rederive import clip_history, rederive, stored_round_norm
+    from trainer.checkpoints import round_updates
+    from trainer.wire import decode_params, layout_of
     from storage_client import CID, lineage
     from trainer.config import RunConfig
     from trainer.run_dir import RunDir
@@ -257,12 +259,14 @@ def rederives(run_dir: Path) -> bool:
     chain = lineage(run.store, run.head())
     config = RunConfig.from_json(run.store.get_json(chain[0][1].config))
     norms: dict[int, list[float]] = {}
-    for (_, parent), (_, m) in zip(chain, chain[1:]):
-        updates = {p.worker: run.store.get(p.update) for p in m.participants}
+    state = (run.store.get(chain[0][1].params), run.store.get(chain[0][1].outer_state))
+    layout = layout_of(decode_params(state[0]))
+    for _, m in chain[1:]:
+        updates = round_updates(run.store, m, layout, config.model)
         history = clip_history(norms, m.round, config.rounds.clip_history_rounds)
-        derived = rederive(config.outer, run.store.get(parent.params), run.store.get(parent.outer_state), updates,
-                           rounds=config.rounds, history=history)
+        derived = rederive(config.outer, *state, updates, rounds=config.rounds, history=history)
         norms[m.round] = [stored_round_norm(updates)]
+        state = (derived.params, derived.outer_state)
         if (derived.params_digest != CID.parse(m.params).digest
                 or derived.outer_state_digest != CID.parse(m.outer_state).digest):
             return False

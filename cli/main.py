@@ -427,6 +427,18 @@ def _data_arguments(p: argparse.ArgumentParser) -> None:
     add_arguments(p)
 
 
+def _gc_arguments(p: argparse.ArgumentParser) -> None:
+    from cli.gc import add_arguments
+
+    add_arguments(p)
+
+
+def cmd_gc(args: argparse.Namespace) -> int:
+    from cli.gc import run
+
+    return run(args)
+
+
 def _config_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--demo", action="store_true", help="the demo's configuration")
     p.add_argument("--model-config", metavar="PATH",
@@ -473,6 +485,7 @@ COMMANDS: dict[str, tuple[str, Callable[..., None], Callable[[argparse.Namespace
     "settle": ("what each worker of a run is owed from its reward pool; --claim pays it", _settle_arguments,
                cmd_settle),
     "bench": ("benchmarks", _bench_arguments, cmd_bench),
+    "gc": ("remove store objects the run no longer references (--dry-run: count them)", _gc_arguments, cmd_gc),
     "config": ("print a run configuration to start from", _config_arguments, cmd_config),
     "export": ("a round's checkpoint as a Hugging Face folder", _export_arguments, cmd_export),
     "data": ("data prepare: tokenize a corpus once into token shards", _data_arguments, cmd_data),

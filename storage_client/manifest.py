@@ -23,6 +23,10 @@ and its error-feedback buffer when the uplink is compressed) at the start of the
 round, or null where it is not committed: what `dilocox audit --replay` needs to
 re-run the contribution.
 
+Participants' `update` (schema v4) is the JSON CID of the worker's update
+record, which names the bytes of its pushed payloads (trainer.update_record),
+no longer a RAW dense reconstruction.
+
 Traffic (schema v2). `bytes_up` / `bytes_down` are the round's total wire bytes
 from the workers to the coordinator and back. Each participant records both directions of
 its own contribution: `bytes_sent`, the wire bytes of the accepted update, and
@@ -47,7 +51,7 @@ from .canonical import digest_json
 from .cid import CID, Codec, InvalidCIDError
 from .store import ObjectStore
 
-SCHEMA = "dilocox.manifest/v3"
+SCHEMA = "dilocox.manifest/v4"
 E6 = 1_000_000
 
 _PARTICIPANT_KEYS = {
@@ -168,7 +172,7 @@ class Participant:
     """One worker's contribution to a round."""
 
     worker: str
-    update: str  # CID text of the stored update object (RAW)
+    update: str  # CID text of the worker's update record (JSON, trainer.update_record; schema v4)
     train_loss_e6: int  # mean inner-loop loss x 1e6, rounded
     tokens: int
     inner_steps: int
@@ -208,7 +212,7 @@ class Participant:
 def _validate_participant(obj: Any, at: str) -> None:
     _check_keys(at, obj, _PARTICIPANT_KEYS)
     _check_str(f"{at}.worker", obj["worker"])
-    _check_cid(f"{at}.update", obj["update"], Codec.RAW)
+    _check_cid(f"{at}.update", obj["update"], Codec.JSON)
     _check_int(f"{at}.train_loss_e6", obj["train_loss_e6"])
     _check_int(f"{at}.tokens", obj["tokens"], minimum=0)
     _check_int(f"{at}.inner_steps", obj["inner_steps"], minimum=0)

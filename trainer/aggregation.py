@@ -100,8 +100,9 @@ from typing import Any, Mapping, Sequence
 import torch
 
 from trainer.config import AGGREGATORS, RoundConfig, RunConfig
-from trainer.compression import CompressionError, decompress
+from trainer.compression import CompressedPayload, CompressionError
 from proto import Encoding
+from trainer.update_source import DenseUpdate, UpdateSource, dense, source_of
 from trainer.wire import Layout, Params, WireError, decode_params, layout_of
 
 
@@ -165,8 +166,9 @@ def check_finite(update: Params) -> None:
             raise InvalidUpdate(f"tensor {name} has {count} non-finite value(s) ({'/'.join(kinds)})")
 
 
-def l2_norm(update: Params) -> float:
-    return math.sqrt(sum(float(t.double().pow(2).sum()) for t in update.values()))
+def l2_norm(update: Params | UpdateSource) -> float:
+    source = source_of(update)
+    return math.sqrt(sum(float(source.tensor(name).double().pow(2).sum()) for name in source.names()))
 
 
 def norm_bound(cfg: RunConfig, n_params: int) -> float:
@@ -181,32 +183,53 @@ def norm_bound(cfg: RunConfig, n_params: int) -> float:
     return 10.0 * cfg.inner.steps * cfg.inner.lr * (1.0 + cfg.inner.weight_decay) * math.sqrt(n_params)
 
 
-def check_norm(update: Params, bound: float) -> float:
+def check_norm(update: Params | UpdateSource, bound: float) -> float:
     norm = l2_norm(update)
     if norm > bound:
         raise InvalidUpdate(f"update L2 norm {norm:.4g} exceeds the bound {bound:.4g}")
     return norm
 
 
-def validate_payload(payload: bytes, declared: Layout, bound: float, *, encoding: str = Encoding.DENSE_F32,
-                     codec_header: Mapping[str, Any] | None = None) -> Params:
-    """Checks 3-5, for a payload whose declared layout (1) and digest (2) already passed.
+@dataclass(frozen=True)
+class CheckedUpdate:
+    """A pushed update that passed checks 3-5: the compact form the coordinator holds until the
+    round closes (trainer.update_source) and its ``exact_norm``, computed once."""
 
-    A compressed payload is validated against its codec header (factor shapes, rank, group
-    scales, packed lengths) before anything is decompressed, then checked as the dense update it
-    reconstructs to.
-    """
+    source: UpdateSource
+    norm: float
+
+
+def checked_update(payload: bytes, declared: Layout, bound: float, *, encoding: str = Encoding.DENSE_F32,
+                   codec_header: Mapping[str, Any] | None = None) -> CheckedUpdate:
+    """Checks 3-5, for a payload whose declared layout (1) and digest (2) already passed, one dense
+    tensor at a time: a compressed payload is validated against its codec header (factor shapes,
+    rank, group scales, packed lengths) before anything is decompressed, then each tensor it
+    reconstructs to is checked and dropped; the update is kept as its packed tensors."""
     if encoding == Encoding.LOWRANK_INT4:
         try:
-            update = decompress(payload, codec_header or {}, declared)
+            source: UpdateSource = CompressedPayload.parse(payload, codec_header or {}, declared)
         except CompressionError as exc:
             raise InvalidUpdate(f"compressed update refused: {exc}") from exc
     else:
-        update = decode_update(payload, declared)
-    check_finite(update)
-    check_nonzero(update)
-    check_norm(update, bound)
-    return update
+        source = DenseUpdate(decode_update(payload, declared))
+    nonzero, squares, exact = False, 0.0, []
+    for name in source.names():
+        t = source.tensor(name)
+        check_finite({name: t})
+        nonzero = nonzero or bool(t.any())
+        squares += float(t.double().pow(2).sum())
+        exact.append(_exact_square_sum(t))
+    if not nonzero:
+        raise InvalidUpdate("the update is all zeros: it carries no training")
+    if math.sqrt(squares) > bound:
+        raise InvalidUpdate(f"update L2 norm {math.sqrt(squares):.4g} exceeds the bound {bound:.4g}")
+    return CheckedUpdate(source, math.sqrt(math.fsum(exact)))
+
+
+def validate_payload(payload: bytes, declared: Layout, bound: float, *, encoding: str = Encoding.DENSE_F32,
+                     codec_header: Mapping[str, Any] | None = None) -> Params:
+    """``checked_update``'s checks; returns the dense update whole."""
+    return dense(checked_update(payload, declared, bound, encoding=encoding, codec_header=codec_header).source)
 
 
 def check_nonzero(update: Params) -> None:
@@ -230,13 +253,17 @@ def mean_pseudo_gradient(updates: Mapping[str, Params]) -> Params:
 # --------------------------------------------------------------------------------- robust mean
 
 
-def exact_norm(update: Params) -> float:
+def exact_norm(update: Params | UpdateSource) -> float:
     """‖Δ‖₂, the same bits on every CPU: each float32 value squared in float64 is exact, and
     ``math.fsum`` rounds each tensor's sum of squares correctly whatever the order (torch's own
     reductions do not fix their summation order across CPU capabilities); the per-tensor sums are
-    added with fsum in sorted name order."""
-    sums = [math.fsum(update[name].detach().reshape(-1).double().square().tolist()) for name in sorted(update)]
-    return math.sqrt(math.fsum(sums))
+    added with fsum in sorted name order. One dense tensor at a time."""
+    source = source_of(update)
+    return math.sqrt(math.fsum(_exact_square_sum(source.tensor(name)) for name in source.names()))
+
+
+def _exact_square_sum(t: torch.Tensor) -> float:
+    return math.fsum(t.detach().reshape(-1).double().square().tolist())
 
 
 def round_norm(norms: Sequence[float]) -> float:
@@ -266,62 +293,104 @@ def coordinate_wise(updates: Mapping[str, Params], aggregator: str, trim_fractio
     """Δ⁽ʳ⁾ by ``aggregator`` (the module docstring's rules) of updates already clipped."""
     if not updates:
         raise ValueError("cannot aggregate a round with no accepted updates")
+    workers = sorted(updates)
+    return {name: combine([updates[w][name] for w in workers], aggregator, trim_fraction)
+            for name in updates[workers[0]]}
+
+
+def combine(values: Sequence[torch.Tensor], aggregator: str, trim_fraction: float) -> torch.Tensor:
+    """One tensor of Δ⁽ʳ⁾ from that tensor of each clipped update, ``values`` in sorted worker-id
+    order (the module docstring's rules, coordinate by coordinate). The first value may be
+    modified in place (the mean accumulates into it)."""
+    if not values:
+        raise ValueError("cannot aggregate a round with no accepted updates")
     if aggregator not in AGGREGATORS:
         raise ValueError(f"unknown aggregator {aggregator!r}: one of {', '.join(AGGREGATORS)}")
-    workers = sorted(updates)
-    n = len(workers)
+    n = len(values)
     b = trimmed_count(n, trim_fraction)
     if aggregator == "mean" or (aggregator == "trimmed_mean" and b == 0):
-        return mean_pseudo_gradient(updates)
-    out: Params = {}
-    for name in updates[workers[0]]:
-        ordered = torch.sort(torch.stack([updates[w][name] for w in workers]), dim=0, stable=True).values
-        if aggregator == "median":
-            out[name] = ordered[(n - 1) // 2].clone()
-            continue
-        total = ordered[b].clone()
-        for k in range(b + 1, n - b):
-            total.add_(ordered[k])
-        out[name] = total.div_(n - 2 * b)
-    return out
+        total = values[0]
+        for t in values[1:]:
+            total.add_(t)
+        return total.div_(n)
+    ordered = torch.sort(torch.stack(list(values)), dim=0, stable=True).values
+    if aggregator == "median":
+        return ordered[(n - 1) // 2].clone()
+    total = ordered[b].clone()
+    for k in range(b + 1, n - b):
+        total.add_(ordered[k])
+    return total.div_(n - 2 * b)
 
 
 @dataclass(frozen=True)
-class Aggregated:
-    """A round's Δ⁽ʳ⁾ and how it was reached (norms, the clip threshold τ, each scale sᵢ)."""
+class Aggregation:
+    """How a round's Δ⁽ʳ⁾ is reached: every update's norm, the clip threshold τ, each scale sᵢ, the
+    rule. Known before any tensor is combined (the norms are computed at acceptance)."""
 
-    delta: Params
     norms: dict[str, float]
     threshold: float  # τ; inf when clipping is off
     scales: dict[str, float]
     aggregator: str = "mean"  # rounds.aggregator
     trimmed: int = 0  # b, the values dropped from each end of every coordinate (trimmed_mean)
+    trim_fraction: float = 0.0
 
     @property
     def clipped(self) -> list[str]:
         return sorted(w for w, s in self.scales.items() if s < 1.0)
 
+    def tensor(self, name: str, updates: Mapping[str, UpdateSource]) -> torch.Tensor:
+        """Δ⁽ʳ⁾'s tensor ``name``: that tensor of each update, decoded in sorted worker order, each
+        clipped (sᵢ rounded once to float32, one multiply; sᵢ = 1 is not multiplied), combined."""
+        values = []
+        for worker in sorted(updates):
+            t = updates[worker].tensor(name)
+            if self.scales[worker] < 1.0:
+                t = t.mul(torch.tensor(self.scales[worker], dtype=torch.float32))
+            values.append(t)
+        return combine(values, self.aggregator, self.trim_fraction)
 
-def aggregate(updates: Mapping[str, Params], rounds: RoundConfig, history: Sequence[float] = (),
+
+@dataclass(frozen=True)
+class Aggregated(Aggregation):
+    """An ``Aggregation`` with the whole Δ⁽ʳ⁾ it gives (``aggregate``)."""
+
+    delta: Params = None  # type: ignore[assignment]  # always given by aggregate
+
+
+def plan(norms: Mapping[str, float], rounds: RoundConfig, history: Sequence[float] = ()) -> Aggregation:
+    """τ⁽ʳ⁾ and each sᵢ from the updates' ``exact_norm``s and ρ̃ of the previous K rounds."""
+    if not norms:
+        raise ValueError("cannot aggregate a round with no accepted updates")
+    if rounds.aggregator not in AGGREGATORS:
+        raise ValueError(f"unknown aggregator {rounds.aggregator!r}: one of {', '.join(AGGREGATORS)}")
+    threshold = math.inf
+    scales = {w: 1.0 for w in norms}
+    if rounds.clip_multiple > 0:
+        threshold = rounds.clip_multiple * lower_median([*norms.values(), *history])
+        for worker in sorted(norms):
+            if norms[worker] > threshold:
+                scales[worker] = threshold / norms[worker]
+    trimmed = trimmed_count(len(norms), rounds.trim_fraction) if rounds.aggregator == "trimmed_mean" else 0
+    return Aggregation(dict(norms), threshold, scales, rounds.aggregator, trimmed, rounds.trim_fraction)
+
+
+def norms_of(updates: Mapping[str, UpdateSource], norms: Mapping[str, float] | None = None) -> dict[str, float]:
+    """Each update's ``exact_norm``: from ``norms`` where known, else computed."""
+    return {w: (norms[w] if norms is not None and w in norms else exact_norm(u)) for w, u in updates.items()}
+
+
+def aggregate(updates: Mapping[str, Params | UpdateSource], rounds: RoundConfig, history: Sequence[float] = (),
               norms: Mapping[str, float] | None = None) -> Aggregated:
-    """Δ⁽ʳ⁾ by the rules of the module docstring and the run's ``rounds`` section (clip_multiple,
-    aggregator, trim_fraction): each update clipped, then the robust mean of the clipped updates.
-    ``history``: ρ̃ of each of the previous K rounds (``round_norm``); ``norms``: the updates'
-    ``exact_norm``s when already known (recomputed if not)."""
+    """Δ⁽ʳ⁾ whole, by the rules of the module docstring and the run's ``rounds`` section
+    (clip_multiple, aggregator, trim_fraction): each update clipped, then the robust mean of the
+    clipped updates. ``history``: ρ̃ of each of the previous K rounds (``round_norm``); ``norms``: the
+    updates' ``exact_norm``s when already known (recomputed if not). trainer.transition computes the
+    same Δ⁽ʳ⁾ one tensor at a time (``plan``, then ``Aggregation.tensor``)."""
     if not updates:
         raise ValueError("cannot aggregate a round with no accepted updates")
-    own = {w: (norms[w] if norms is not None and w in norms else exact_norm(u)) for w, u in updates.items()}
-    threshold = math.inf
-    scales = {w: 1.0 for w in updates}
-    clipped: dict[str, Params] = dict(updates)
-    if rounds.clip_multiple > 0:
-        threshold = rounds.clip_multiple * lower_median([*own.values(), *history])
-        for worker in sorted(updates):
-            n = own[worker]
-            if n > threshold:
-                scales[worker] = threshold / n
-                factor = torch.tensor(scales[worker], dtype=torch.float32)
-                clipped[worker] = {name: t.mul(factor) for name, t in updates[worker].items()}
-    trimmed = trimmed_count(len(updates), rounds.trim_fraction) if rounds.aggregator == "trimmed_mean" else 0
-    delta = coordinate_wise(clipped, rounds.aggregator, rounds.trim_fraction)
-    return Aggregated(delta, own, threshold, scales, rounds.aggregator, trimmed)
+    sources = {w: source_of(u) for w, u in updates.items()}
+    how = plan(norms_of(sources, norms), rounds, history)
+    first = sources[sorted(sources)[0]]
+    delta = {name: how.tensor(name, sources) for name in first.names()}
+    return Aggregated(**{f: getattr(how, f) for f in ("norms", "threshold", "scales", "aggregator", "trimmed",
+                                                     "trim_fraction")}, delta=delta)

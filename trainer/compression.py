@@ -487,30 +487,62 @@ def compress(
             raise CompressionError(
                 f"tensor {name}: error buffer shape {list(errors[name].shape)} != {list(t.shape)}"
             )
-    entries: list[TensorEntry] = []
-    out: Params = {}
+    stream = CompressionStream(policy)
     residuals: Params = {}
-    policy.begin_round()
     try:
         for name in sorted(tensors):
             t = tensors[name]
             a = t.detach().to(torch.float64)
             if errors is not None and name in errors:
                 a = a + errors[name].detach().to(torch.float64)
-            entry = _encode_tensor(name, t, a, policy, out)
-            received = _reconstruct(entry, out, t.dtype)
+            received = stream.add(name, t, a)
             residuals[name] = (a - received.to(torch.float64)).to(_error_dtype(t.dtype))
-            entries.append(entry)
+        payload, header = stream.finish()
     except BaseException:
-        policy.abort_round()
+        stream.abort()
         raise
-    if len(out) != 2 * sum(len(e.parts) for e in entries):
-        policy.abort_round()
-        raise CompressionError("tensor names collide once suffixed with .<part>.q / .<part>.scale")
-    policy.finish_round()
     if errors is not None:
         errors.update(residuals)
-    return encode_params(out), CodecHeader(tuple(entries)).to_json()
+    return payload, header
+
+
+class CompressionStream:
+    """``compress`` one tensor at a time, for a caller that holds only one tensor's A at once (the
+    coordinator's downlink: trainer.downlink). ``add`` each tensor in sorted name order, then
+    ``finish``; ``abort`` leaves the policy as it was. The payload and header are byte for byte those
+    ``compress`` gives for the same tensors, and each ``add`` returns the Â every replica rebuilds
+    from them (the same ``_reconstruct`` on the same quantised tensors)."""
+
+    def __init__(self, policy: AdaptiveRankPolicy) -> None:
+        self.policy = policy
+        self.entries: list[TensorEntry] = []
+        self.out: Params = {}
+        self._last: str | None = None
+        policy.begin_round()
+
+    def add(self, name: str, t: torch.Tensor, a: torch.Tensor) -> torch.Tensor:
+        """Encode A = ``a`` (float64, error feedback already added) of the dense tensor ``t``;
+        returns Â in ``t``'s dtype."""
+        if self._last is not None and name <= self._last:
+            raise CompressionError(f"tensor {name}: added out of sorted name order (after {self._last})")
+        if not t.is_floating_point():
+            raise CompressionError(f"tensor {name}: dtype {dtype_name(t.dtype)} is not floating point")
+        if not bool(torch.isfinite(a).all()):
+            raise CompressionError(f"tensor {name}: values are not all finite")
+        self._last = name
+        entry = _encode_tensor(name, t, a, self.policy, self.out)
+        self.entries.append(entry)
+        return _reconstruct(entry, self.out, t.dtype)
+
+    def finish(self) -> tuple[bytes, dict[str, Any]]:
+        if len(self.out) != 2 * sum(len(e.parts) for e in self.entries):
+            self.policy.abort_round()
+            raise CompressionError("tensor names collide once suffixed with .<part>.q / .<part>.scale")
+        self.policy.finish_round()
+        return encode_params(self.out), CodecHeader(tuple(self.entries)).to_json()
+
+    def abort(self) -> None:
+        self.policy.abort_round()
 
 
 def _encode_tensor(name: str, t: torch.Tensor, a: torch.Tensor, policy: AdaptiveRankPolicy, out: Params) -> TensorEntry:
@@ -729,9 +761,39 @@ def validate(payload: bytes, header: CodecHeader) -> Params:
 
 def decompress(payload: bytes, header: Mapping[str, Any], expected_layout: Layout) -> Params:
     """The dense tensors of a compressed update, after its header and payload were checked whole."""
-    parsed = CodecHeader.parse(header, expected_layout)
-    tensors = validate(payload, parsed)
-    return {entry.name: _reconstruct(entry, tensors, getattr(torch, entry.dtype)) for entry in parsed.tensors}
+    parsed = CompressedPayload.parse(payload, header, expected_layout)
+    return {name: parsed.tensor(name) for name in parsed.names()}
+
+
+class CompressedPayload:
+    """A compressed update checked whole (header and payload, as ``decompress`` checks them) and
+    kept compact: its packed tensors, about the payload's size. ``tensor`` rebuilds one dense tensor
+    at a time, bit for bit what ``decompress`` gives, so a holder of many updates never needs more
+    than one dense tensor of each (trainer.aggregation's update sources)."""
+
+    def __init__(self, header: CodecHeader, tensors: Params) -> None:
+        self.header = header
+        self._packed = tensors
+        self._entries = {entry.name: entry for entry in header.tensors}
+
+    @classmethod
+    def parse(cls, payload: bytes, header: Mapping[str, Any], expected_layout: Layout) -> CompressedPayload:
+        parsed = CodecHeader.parse(header, expected_layout)
+        return cls(parsed, validate(payload, parsed))
+
+    def names(self) -> list[str]:
+        return sorted(self._entries)
+
+    def layout(self) -> Layout:
+        return {name: (e.dtype, tuple(e.shape)) for name, e in sorted(self._entries.items())}
+
+    def tensor(self, name: str) -> torch.Tensor:
+        entry = self._entries[name]
+        return _reconstruct(entry, self._packed, getattr(torch, entry.dtype))
+
+    @property
+    def nbytes(self) -> int:
+        return sum(t.numel() * t.element_size() for t in self._packed.values())
 
 
 def compressed_size(header: Mapping[str, Any]) -> int:

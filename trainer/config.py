@@ -175,6 +175,10 @@ class RoundConfig:
     # start checkpoint by more than screen_margin nats on held-out batches the coordinator draws
     # privately each round. 0: off (the default); otherwise (0, 100].
     screen_margin: float = 0.0
+    # K: full parameters and outer state are stored for genesis, every round r with r % K == 0, and
+    # the last round; a round in between is rebuilt from the newest full one before it by re-running
+    # the later rounds' transitions from their manifests (trainer.checkpoints). [1, 1_000_000].
+    checkpoint_every: int = 1
 
 
 @dataclass(frozen=True)
@@ -374,6 +378,7 @@ _RANGES: dict[str, tuple[float, float, bool, bool]] = {
     "rounds.heartbeat_interval_s": (0.05, 60.0, False, False),
     "rounds.liveness_timeout_s": (0.1, 3600.0, False, False),
     "rounds.max_update_norm": (0.0, 1e12, False, False),
+    "rounds.checkpoint_every": (1, 1_000_000, False, False),
     "compression.target_energy": (0.0, 1.0, True, False),
     "compression.min_rank": (1, 4096, False, False),
     "compression.max_rank": (1, 4096, False, False),

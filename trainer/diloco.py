@@ -164,16 +164,22 @@ def outer_step(cfg: OuterConfig, params: Params, momentum: Params, delta: Params
     new_params: Params = {}
     new_momentum: Params = {}
     for name, theta in params.items():
-        mu = torch.tensor(cfg.momentum, dtype=theta.dtype)
-        lr = torch.tensor(cfg.lr, dtype=theta.dtype)
-        m = torch.mul(momentum[name], mu).add_(delta[name])
-        direction = torch.add(delta[name], torch.mul(m, mu)) if cfg.nesterov else m
-        new_params[name] = torch.sub(theta, torch.mul(direction, lr))
-        new_momentum[name] = m
-        if not bool(torch.isfinite(new_params[name]).all()):  # e.g. an outer lr of 1e30
-            raise OuterStepError(f"the outer step made {name} non-finite (outer lr {cfg.lr:g}, momentum "
-                                 f"{cfg.momentum:g}); nothing is published")
+        new_params[name], new_momentum[name] = outer_step_tensor(cfg, name, theta, momentum[name], delta[name])
     return new_params, new_momentum
+
+
+def outer_step_tensor(cfg: OuterConfig, name: str, theta: torch.Tensor, momentum: torch.Tensor,
+                      delta: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """``outer_step`` of one parameter tensor ``name``: (θ⁽ʳ⁾, m⁽ʳ⁾) of it, the inputs untouched."""
+    mu = torch.tensor(cfg.momentum, dtype=theta.dtype)
+    lr = torch.tensor(cfg.lr, dtype=theta.dtype)
+    m = torch.mul(momentum, mu).add_(delta)
+    direction = torch.add(delta, torch.mul(m, mu)) if cfg.nesterov else m
+    new_theta = torch.sub(theta, torch.mul(direction, lr))
+    if not bool(torch.isfinite(new_theta).all()):  # e.g. an outer lr of 1e30
+        raise OuterStepError(f"the outer step made {name} non-finite (outer lr {cfg.lr:g}, momentum "
+                             f"{cfg.momentum:g}); nothing is published")
+    return new_theta, m
 
 
 class OuterStepError(ArithmeticError):

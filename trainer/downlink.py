@@ -31,11 +31,13 @@ A worker that does not hold θ⁽ʳ⁻¹⁾ (it joined late, or fell behind) is 
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any, Mapping
+from typing import Any, Mapping, Protocol
 
 import torch
 
-from trainer.compression import AdaptiveRankPolicy, RoundDecision, compress, decompress
+from trainer.compression import (
+    AdaptiveRankPolicy, CompressedPayload, CompressionStream, RoundDecision, compress, decompress,
+)
 from trainer.wire import Layout, Params
 
 
@@ -52,13 +54,18 @@ def apply_update(previous: Params, received: Params) -> Params:
 def carried_error(update: Params, error: Mapping[str, torch.Tensor], received: Params) -> Params:
     """e⁽ʳ⁾ = fl32(u⁽ʳ⁾ + e⁽ʳ⁻¹⁾ − û⁽ʳ⁾), computed exactly as ``trainer.compression.compress`` does
     (float64 sum, one rounding); a missing e⁽ʳ⁻¹⁾ entry is zero."""
-    out: Params = {}
-    for name, u in update.items():
-        a = u.to(torch.float64)
-        if name in error:
-            a = a + error[name].to(torch.float64)
-        out[name] = (a - received[name].to(torch.float64)).to(torch.float32)
-    return out
+    return {name: carried_error_tensor(u, error.get(name), received[name]) for name, u in update.items()}
+
+
+def carried_error_tensor(u: torch.Tensor, error: torch.Tensor | None, received: torch.Tensor) -> torch.Tensor:
+    """``carried_error`` of one tensor (``error`` None: zero)."""
+    return (carried_sum(u, error) - received.to(torch.float64)).to(torch.float32)
+
+
+def carried_sum(u: torch.Tensor, error: torch.Tensor | None) -> torch.Tensor:
+    """A⁽ʳ⁾ = u⁽ʳ⁾ + e⁽ʳ⁻¹⁾ in float64, as ``trainer.compression.compress`` forms it."""
+    a = u.to(torch.float64)
+    return a + error.to(torch.float64) if error is not None else a
 
 
 def decode_update(payload: bytes, header: Mapping[str, Any], layout: Layout) -> Params:
@@ -75,14 +82,30 @@ class EncodedDownlink:
     header: Mapping[str, Any]
 
 
+class DownlinkSession(Protocol):
+    """One round's C⁽ʳ⁾, tensor by tensor (trainer.transition): ``received`` gives û⁽ʳ⁾ of each tensor
+    in sorted name order, ``finish`` the bytes, ``abort`` undoes a round that fails half-way."""
+
+    def received(self, name: str, update: torch.Tensor, error: torch.Tensor | None) -> torch.Tensor: ...
+
+    def finish(self) -> EncodedDownlink: ...
+
+    def abort(self) -> None: ...
+
+
 class DownlinkCompressor:
-    """The coordinator's ``trainer.transition.DownlinkEncoder``: chooses C⁽ʳ⁾ with its rank policy.
-    e⁽ʳ⁻¹⁾ belongs to the outer state, not to this object; the transition derives e⁽ʳ⁾."""
+    """The coordinator's ``trainer.transition.DownlinkEncoder``: chooses C⁽ʳ⁾ with its rank policy,
+    one tensor at a time (``open``). e⁽ʳ⁻¹⁾ belongs to the outer state, not to this object; the
+    transition derives e⁽ʳ⁾."""
 
     def __init__(self, policy: AdaptiveRankPolicy) -> None:
         self.policy = policy
 
+    def open(self, layout: Layout) -> DownlinkSession:
+        return _CompressingSession(CompressionStream(self.policy))
+
     def __call__(self, update: Params, error: Params) -> EncodedDownlink:
+        """C⁽ʳ⁾ of a whole u⁽ʳ⁾ (the same bytes as the tensor-by-tensor ``open``)."""
         # compress() would update a buffer in place; it gets a copy (e⁽ʳ⁾ is carried_error's).
         payload, header = compress(update, dict(error), self.policy)
         return EncodedDownlink(payload, header)
@@ -91,3 +114,42 @@ class DownlinkCompressor:
     def last_decision(self) -> RoundDecision:
         assert self.policy.last_decision is not None
         return self.policy.last_decision
+
+
+class _CompressingSession:
+    def __init__(self, stream: CompressionStream) -> None:
+        self.stream = stream
+
+    def received(self, name: str, update: torch.Tensor, error: torch.Tensor | None) -> torch.Tensor:
+        return self.stream.add(name, update, carried_sum(update, error))
+
+    def finish(self) -> EncodedDownlink:
+        return EncodedDownlink(*self.stream.finish())
+
+    def abort(self) -> None:
+        self.stream.abort()
+
+
+class StoredDownlink:
+    """The encoder an auditor uses: whatever u⁽ʳ⁾ is, C⁽ʳ⁾ is the stored one, checked whole against
+    the layout when the round opens it (``CompressionError`` names the tensor and field)."""
+
+    def __init__(self, payload: bytes, header: Mapping[str, Any]) -> None:
+        self.payload, self.header = payload, header
+
+    def open(self, layout: Layout) -> DownlinkSession:
+        return _StoredSession(self, CompressedPayload.parse(self.payload, self.header, layout))
+
+
+class _StoredSession:
+    def __init__(self, stored: StoredDownlink, parsed: CompressedPayload) -> None:
+        self.stored, self.parsed = stored, parsed
+
+    def received(self, name: str, update: torch.Tensor, error: torch.Tensor | None) -> torch.Tensor:
+        return self.parsed.tensor(name)
+
+    def finish(self) -> EncodedDownlink:
+        return EncodedDownlink(self.stored.payload, self.stored.header)
+
+    def abort(self) -> None:
+        pass

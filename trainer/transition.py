@@ -45,11 +45,13 @@ from typing import Any, Mapping, Protocol, Sequence
 
 import torch
 
-from trainer.aggregation import Aggregated, aggregate
+from trainer.aggregation import Aggregation, norms_of, plan
+from trainer.compression import CompressionError
 from trainer.config import OuterConfig, RoundConfig
-from trainer.diloco import downlink_error_of, momentum_of, outer_state_of, outer_step
-from trainer.downlink import EncodedDownlink, apply_update, carried_error, decode_update, global_update
-from trainer.wire import Params, decode_params, encode_params, layout_of
+from trainer.diloco import downlink_error_of, momentum_of, outer_state_of, outer_step_tensor
+from trainer.downlink import DownlinkSession, EncodedDownlink, StoredDownlink, carried_error_tensor
+from trainer.update_source import UpdateSource, source_of
+from trainer.wire import Layout, Params, decode_params, encode_params, layout_of
 
 
 class TransitionError(ValueError):
@@ -88,52 +90,90 @@ class OuterState:
 
 
 class DownlinkEncoder(Protocol):
-    """Chooses C⁽ʳ⁾ for the global update u⁽ʳ⁾ given the carried error e⁽ʳ⁻¹⁾ (not modified)."""
+    """Chooses C⁽ʳ⁾ for the global update u⁽ʳ⁾ given the carried error e⁽ʳ⁻¹⁾ (not modified), one
+    tensor at a time: ``open`` starts the round's session (trainer.downlink.DownlinkSession)."""
 
-    def __call__(self, update: Params, error: Params) -> EncodedDownlink: ...
+    def open(self, layout: Layout) -> DownlinkSession: ...
 
 
 def stored_downlink(payload: bytes, header: Mapping[str, Any]) -> DownlinkEncoder:
     """The encoder an auditor uses: whatever u⁽ʳ⁾ is, C⁽ʳ⁾ is the stored one."""
-    return lambda update, error: EncodedDownlink(payload, header)
+    return StoredDownlink(payload, header)
 
 
 @dataclass(frozen=True)
 class Transition:
     state: OuterState  # θ⁽ʳ⁾, m⁽ʳ⁾, e⁽ʳ⁾
     downlink: EncodedDownlink | None  # C⁽ʳ⁾ when the global update travels compressed
-    aggregated: Aggregated  # Δ⁽ʳ⁾ and how it was reached (norms, clip threshold, scales)
+    aggregated: Aggregation  # how Δ⁽ʳ⁾ was reached (norms, clip threshold, scales)
 
 
-def round_transition(parent: OuterState, updates: Mapping[str, Params], *, outer: OuterConfig,
+def round_transition(parent: OuterState, updates: Mapping[str, Params | UpdateSource], *, outer: OuterConfig,
                      rounds: RoundConfig, history: Sequence[float] = (), norms: Mapping[str, float] | None = None,
                      downlink: DownlinkEncoder | None = None) -> Transition:
     """The child of ``parent`` after the round whose accepted updates are ``updates`` (keyed by worker
-    id); see the module docstring. ``rounds`` fixes the aggregation rule, ``history`` is ρ̃ of the
-    previous K rounds, ``norms`` the updates' exact norms when already known, ``downlink`` the
-    encoder of C⁽ʳ⁾ when the global update travels compressed. Pure: the inputs are untouched."""
+    id: dicts of dense tensors, or trainer.update_source sources); see the module docstring.
+    ``rounds`` fixes the aggregation rule, ``history`` is ρ̃ of the previous K rounds, ``norms`` the
+    updates' exact norms when already known, ``downlink`` the encoder of C⁽ʳ⁾ when the global update
+    travels compressed. Pure: the inputs are untouched.
+
+    One tensor at a time, in sorted name order: Δ⁽ʳ⁾ of the tensor (each update's tensor decoded,
+    clipped, combined), the outer step, and with a compressed downlink u, û and e of the tensor; so
+    besides θ, m, e and their successors only a few tensors' temporaries exist at once. Every
+    operation is elementwise, so this gives the bits the same equations give on whole dicts."""
     if not updates:
         raise TransitionError("the round has no participants, so nothing to average")
     layout = layout_of(parent.params)
-    for worker in sorted(updates):
-        got = layout_of(updates[worker])
+    sources = {worker: source_of(updates[worker]) for worker in sorted(updates)}
+    for worker, source in sources.items():
+        got = source.layout()
         if got != layout:
             names = sorted(n for n in set(got) | set(layout) if got.get(n) != layout.get(n))
             raise TransitionError(f"update of {worker} does not match the parameters at tensor {names[0]}: "
                                   f"{got.get(names[0], 'absent')} vs {layout.get(names[0], 'absent')}")
+    if downlink is None and parent.downlink_error:
+        raise TransitionError("the parent carries a downlink error, but the round's global update "
+                              "is not compressed")
+    how = plan(norms_of(sources, norms), rounds, history)
     with torch.no_grad():
-        aggregated = aggregate(updates, rounds, history, norms)
-        target, momentum = outer_step(outer, parent.params, parent.momentum, aggregated.delta)
-        if downlink is None:
-            if parent.downlink_error:
-                raise TransitionError("the parent carries a downlink error, but the round's global update "
-                                      "is not compressed")
-            return Transition(OuterState(target, momentum), None, aggregated)
-        update = global_update(parent.params, target)
-        sent = downlink(update, parent.downlink_error)
+        session = None
+        if downlink is not None:
+            try:
+                session = downlink.open(layout)
+            except CompressionError as exc:
+                raise TransitionError(f"compressed global update: {exc}") from None
         try:
-            received = decode_update(sent.payload, sent.header, layout)
-        except ValueError as exc:  # CompressionError
+            child = _step_tensors(parent, sources, how, outer, session)
+            sent = session.finish() if session is not None else None
+        except CompressionError as exc:
+            if session is not None:
+                session.abort()
             raise TransitionError(f"compressed global update: {exc}") from None
-        error = carried_error(update, parent.downlink_error, received)
-        return Transition(OuterState(apply_update(parent.params, received), momentum, error), sent, aggregated)
+        except BaseException:
+            if session is not None:
+                session.abort()
+            raise
+    return Transition(child, sent, how)
+
+
+def _step_tensors(parent: OuterState, sources: Mapping[str, UpdateSource], how: Aggregation, outer: OuterConfig,
+                  session: DownlinkSession | None) -> OuterState:
+    """θ⁽ʳ⁾, m⁽ʳ⁾, e⁽ʳ⁾ tensor by tensor (``round_transition``)."""
+    params: Params = {}
+    momentum: Params = {}
+    error: Params = {}
+    for name in sorted(parent.params):
+        delta = how.tensor(name, sources)
+        theta = parent.params[name]
+        target, momentum[name] = outer_step_tensor(outer, name, theta, parent.momentum[name], delta)
+        del delta
+        if session is None:
+            params[name] = target
+            continue
+        update = torch.sub(theta, target)  # u⁽ʳ⁾ = θ⁽ʳ⁻¹⁾ − θ̃⁽ʳ⁾
+        del target
+        carried = parent.downlink_error.get(name)
+        received = session.received(name, update, carried)
+        error[name] = carried_error_tensor(update, carried, received)
+        params[name] = torch.sub(theta, received)  # θ⁽ʳ⁾ = θ⁽ʳ⁻¹⁾ − û⁽ʳ⁾
+    return OuterState(params, momentum, error)

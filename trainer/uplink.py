@@ -13,8 +13,15 @@ slices Δᵢ,ₛ⁽ʳ⁾ named by ``stage_param_names(model, P)[s]``, and stage 
 
 Each slice travels as its own PushUpdate stream with header (stage s, P). The coordinator checks
 and decompresses every slice against stage s's layout as it arrives, and counts the worker when
-all P slices are in: Δ̂ᵢ = ⋃ₛ Δ̂ᵢ,ₛ, recorded as safetensors(Δ̂ᵢ), whose digest the worker's signed
-report restates. A worker missing a slice (a stage died, a push was refused) is out of the round.
+all P slices are in: Δ̂ᵢ = ⋃ₛ Δ̂ᵢ,ₛ. The store keeps what crossed the wire: each slice's payload
+bytes and codec header bytes (``codec_header_bytes``) as pushed, named by one update record
+
+    {"schema": "dilocox.update/v1",
+     "slices": [{"stage", "num_stages", "encoding": "dense_f32" | "lowrank_int4",
+                 "payload": <RAW CID of the payload>, "header": <RAW CID of the codec header, or null>}]}
+
+(canonical JSON, slices in stage order; trainer.update_record), whose CID the manifest names and
+whose digest the worker's signed report restates; the audit re-derives Δ̂ᵢ from those bytes. A worker missing a slice (a stage died, a push was refused) is out of the round.
 
 The error-feedback state eᵢ,ₛ (with the rank policy's window) belongs to the worker process, not
 to the stage process: it goes to the stage with each round's job and comes back updated, so a stage
@@ -33,6 +40,7 @@ from trainer.compression import (
     AdaptiveRankPolicy, CompressionConfig, ErrorFeedbackCompressor, RoundDecision, decompress,
 )
 from proto import Encoding
+from storage_client import canonical_json
 from trainer.wire import Params, encode_params, layout_of
 
 
@@ -47,6 +55,12 @@ class Slice:
     codec_header: dict[str, Any] | None  # the compression header, for Encoding.LOWRANK_INT4
     transmitted: Params  # Δ̂ᵢ,ₛ: exactly what the coordinator rebuilds from ``payload``
     decision: RoundDecision | None  # the rank policy's choices, when compressed
+
+    @property
+    def codec_header_bytes(self) -> bytes | None:
+        """The codec header as it travels (canonical JSON), None when dense: the push's
+        ``compression_header`` and what the update record names."""
+        return canonical_json(self.codec_header) if self.codec_header is not None else None
 
 
 def encode_slice(delta: Params, stage: int, num_stages: int,
@@ -72,12 +86,6 @@ def merged(slices: Sequence[Slice]) -> Params:
     for piece in slices:
         out.update(piece.transmitted)
     return out
-
-
-def record_of(update: Params) -> bytes:
-    """The bytes a round's record keeps of a worker's update: safetensors of Δ̂ᵢ (one byte form
-    whatever the order of the slices, safetensors sorts its entries)."""
-    return encode_params(update)
 
 
 def merged_decision(round_: int, slices: Sequence[Slice]) -> RoundDecision | None:

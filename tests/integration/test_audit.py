@@ -40,7 +40,8 @@ from settlement import DEV_ACCOUNTS, Anvil, Chain, Ledger, Registry, deploy
 from settlement.artifacts import CONTRACTS_DIR
 from settlement.ledger import RoundHeader, _worker_tuple
 from settlement.rewards import RewardPool, RewardToken
-from storage_client import CID, Manifest, ObjectStore, Participant, Traffic, to_e6
+from storage_client import CID, Codec, Manifest, ObjectStore, Participant, Traffic, to_e6
+from proto import Encoding
 from trainer.aggregation import mean_pseudo_gradient
 from trainer.config import InnerConfig, ModelConfig, RoundConfig, RunConfig
 from trainer.diloco import (
@@ -54,6 +55,7 @@ from trainer.diloco import (
 )
 from trainer.data import load_corpus, shard_digest
 from trainer.model import build_model
+from trainer.update_record import record_bytes, slice_ref, store_slice
 from trainer.wire import encode_params
 
 pytestmark = pytest.mark.integration
@@ -180,7 +182,10 @@ class RunBuilder:
             result = loop.run(self.params, batches)
             payload = encode_params(result.pseudo_gradient)
             deltas[worker] = result.pseudo_gradient
-            participants.append(Participant(worker=worker, update=str(self.store.put(payload)),
+            ref = slice_ref(0, 1, Encoding.DENSE_F32, payload, None)  # as the coordinator keeps a push
+            store_slice(self.store, ref, payload, None)
+            record = self.store.put(record_bytes([ref]), Codec.JSON)
+            participants.append(Participant(worker=worker, update=str(record),
                                             train_loss_e6=to_e6(result.mean_loss), tokens=result.tokens,
                                             inner_steps=result.steps, bytes_sent=len(payload),
                                             bytes_received=global_bytes, shard=shard % len(self.shard_digests),

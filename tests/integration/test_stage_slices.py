@@ -12,13 +12,15 @@ import grpc
 import pytest
 import torch
 
-from storage_client import CID, lineage
+from storage_client import CID, Codec, lineage
 from tests.integration.test_bad_input import Mallory
 from tests.integration.test_cluster import assert_rederivable
 from benchmarks.cluster import LocalCluster
 from trainer.config import InnerConfig, ModelConfig, RoundConfig
 from trainer.pipeline import stage_param_names
-from trainer.uplink import record_of
+from trainer.update_record import record_bytes, slice_ref
+from trainer.wire import encode_params
+from proto import Encoding
 
 pytestmark = pytest.mark.integration
 
@@ -29,6 +31,12 @@ INVALID, PRECONDITION = grpc.StatusCode.INVALID_ARGUMENT, grpc.StatusCode.FAILED
 def cut(m: Mallory, tensors: dict[str, torch.Tensor]) -> list[dict[str, torch.Tensor]]:
     """The two stage slices of a whole-model update."""
     return [{n: tensors[n] for n in names} for names in stage_param_names(m.config.model, 2)]
+
+
+def stage_record(*slices: dict[str, torch.Tensor]) -> bytes:
+    """The update record (trainer.update_record) of dense stage slices pushed as Mallory pushes them."""
+    return record_bytes([slice_ref(s, len(slices), Encoding.DENSE_F32, encode_params(piece), None)
+                         for s, piece in enumerate(slices)])
 
 
 def test_slices_count_together_and_an_incomplete_worker_is_dropped(cluster: LocalCluster, make_config) -> None:
@@ -74,8 +82,8 @@ def test_slices_count_together_and_an_incomplete_worker_is_dropped(cluster: Loca
 
     chain = [manifest for _, manifest in lineage(cluster.run_dir.store, cluster.run_dir.head())]
     (entry,) = chain[1].participants
-    # The round's record of mallory is the union of its slices, and its bytes are both streams'.
-    assert entry.update == str(CID.of(record_of(update)))
+    # The round's record of mallory names both slices as pushed, and its bytes are both streams'.
+    assert entry.update == str(CID.of(stage_record(first, second), Codec.JSON))
     assert entry.bytes_sent == sent
     for later in chain[2:]:
         assert [p.worker for p in later.participants] == ["w0"] and later.dropped == ("mallory",)
@@ -100,4 +108,4 @@ def test_a_coordinator_restart_keeps_the_slices_it_accepted(cluster: LocalCluste
     assert cluster.wait_exit("coordinator", 60) == 0, cluster.log("coordinator")
     chain = assert_rederivable(cluster.run_dir)
     (entry,) = chain[1][1].participants
-    assert entry.update == str(CID.of(record_of(update)))
+    assert entry.update == str(CID.of(stage_record(first, second), Codec.JSON))

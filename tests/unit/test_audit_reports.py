@@ -34,7 +34,7 @@ PARENT = Manifest.new(run_id="run", round=0, parent=None, config=cid("{}", Codec
 MANIFEST = Manifest.new(
     run_id="run", round=1, parent=cid("parent", Codec.JSON), config=cid("{}", Codec.JSON), params=cid("θ1"),
     outer_state=cid("m1"), dropped=[], eval_loss_e6=2_750_000, bytes_up=1_000, bytes_down=2_000,
-    participants=[Participant(worker="w0", update=cid("Δ"), train_loss_e6=2_500_000, tokens=4096, inner_steps=50,
+    participants=[Participant(worker="w0", update=cid("Δ", Codec.JSON), train_loss_e6=2_500_000, tokens=4096, inner_steps=50,
                               bytes_sent=1_000, bytes_received=2_000)],
     traffic=[Traffic("w0", 1_000, 2_000)])
 PARENT_CHECKPOINT = CID.parse(PARENT.params).digest

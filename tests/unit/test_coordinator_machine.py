@@ -15,12 +15,14 @@ import torch
 from proto import PROTOCOL_VERSION, Encoding, WorkerPhase
 from storage_client import lineage
 from tests.conftest import small_config
+from trainer.aggregation import CheckedUpdate, exact_norm
 from trainer.config import ModelConfig, RoundConfig
 from trainer.coordinator import Coordinator, UpdateHeader, open_run
 from trainer.pipeline import stage_param_names
 from trainer.refusal import Reason, Refusal
 from trainer.run_dir import RunDir
-from trainer.wire import Params, layout_of
+from trainer.update_source import DenseUpdate, dense
+from trainer.wire import Params, encode_params, layout_of
 
 STATE = "ab" * 32
 
@@ -63,7 +65,7 @@ def push(c: Coordinator, h: UpdateHeader, update: Params) -> None:
     """What the service does with a push whose payload decoded to ``update``."""
     try:
         c.admit_header(h)
-        c.accept(h, update, wire_bytes=1234)
+        c.accept(h, CheckedUpdate(DenseUpdate(update), exact_norm(update)), 1234, encode_params(update))
     except Refusal as refusal:
         c.refuse(h, refusal)
         raise
@@ -200,7 +202,8 @@ def test_a_workers_stage_slices_count_once_all_are_in_as_their_union(tmp_path) -
     for s in range(2):
         push(c, header(c, "w0", slices[s], stage=s, num_stages=2), slices[s])
     accepted = c.round.accepted["w0"]
-    assert set(accepted.update) == set(whole) and all(torch.equal(accepted.update[n], whole[n]) for n in whole)
+    held = dense(accepted.source)
+    assert set(held) == set(whole) and all(torch.equal(held[n], whole[n]) for n in whole)
     assert accepted.entry.bytes_sent == 2 * 1234 and accepted.entry.state is None
 
 

@@ -6,7 +6,7 @@ import torch
 
 from audit.rederive import RederiveError, rederive
 from trainer.compression import AdaptiveRankPolicy, CompressionConfig, ErrorFeedbackCompressor, decompress
-from trainer.aggregation import PLAIN_MEAN
+from trainer.aggregation import PLAIN_MEAN, aggregate
 from trainer.config import OuterConfig
 from trainer.diloco import downlink_error_of, momentum_of, outer_state_of, outer_step, zero_momentum
 from trainer.downlink import DownlinkCompressor, apply_update, decode_update, global_update
@@ -35,7 +35,8 @@ def test_replica_rebuilds_published_parameters_bit_for_bit() -> None:
     previous = _params(0)
     parent = OuterState(previous, zero_momentum(previous))
     downlink = _compressor()
-    result = _round(parent, _updates(previous, 0.01, torch.Generator().manual_seed(9)), downlink)
+    updates = _updates(previous, 0.01, torch.Generator().manual_seed(9))
+    result = _round(parent, updates, downlink)
     assert result.downlink is not None
     payload, header = result.downlink.payload, result.downlink.header
     replica = apply_update(previous, decode_update(payload, header, layout_of(previous)))
@@ -43,7 +44,7 @@ def test_replica_rebuilds_published_parameters_bit_for_bit() -> None:
     assert downlink.last_decision.mean_rank == 4
     assert len(payload) * 5 < len(encode_params(previous))
     # What was not sent is exactly what is carried: e = fl32(u + 0 − û), u = θ⁽ʳ⁻¹⁾ − θ̃⁽ʳ⁾.
-    target, _ = outer_step(OuterConfig(), previous, parent.momentum, result.aggregated.delta)
+    target, _ = outer_step(OuterConfig(), previous, parent.momentum, aggregate(updates, PLAIN_MEAN).delta)
     sent = decompress(payload, header, layout_of(previous))
     u = global_update(previous, target)
     for k in u:
@@ -59,8 +60,9 @@ def test_error_feedback_keeps_the_sum_of_what_was_applied_on_track() -> None:
     total_sent = {k: torch.zeros_like(v, dtype=torch.float64) for k, v in state.params.items()}
     gaps = []
     for _ in range(40):
-        result = _round(state, _updates(state.params, 0.05, g), downlink)
-        target, _ = outer_step(OuterConfig(), state.params, state.momentum, result.aggregated.delta)
+        updates = _updates(state.params, 0.05, g)
+        result = _round(state, updates, downlink)
+        target, _ = outer_step(OuterConfig(), state.params, state.momentum, aggregate(updates, PLAIN_MEAN).delta)
         for k in state.params:
             total_true[k] += (state.params[k] - target[k]).double()
             total_sent[k] += (state.params[k] - result.state.params[k]).double()

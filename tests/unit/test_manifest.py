@@ -35,7 +35,7 @@ TRAFFIC = [Traffic("w3", 0, 1_500_000)] + [Traffic(w, 1_000_000, 1_500_000) for 
 def _participant(worker: str, loss: float = 2.5) -> Participant:
     return Participant(
         worker=worker,
-        update=str(CID.of(f"update from {worker}".encode())),
+        update=str(CID.of(f"update from {worker}".encode(), Codec.JSON)),
         train_loss_e6=to_e6(loss),
         tokens=4096,
         inner_steps=50,
@@ -211,7 +211,7 @@ def test_v1_manifest_is_refused():
 
 
 def test_new_fields_default_for_existing_callers():
-    p = Participant(worker="w", update=str(CID.of(b"u")), train_loss_e6=1, tokens=2, inner_steps=3, bytes_sent=4)
+    p = Participant(worker="w", update=str(CID.of(b"u", Codec.JSON)), train_loss_e6=1, tokens=2, inner_steps=3, bytes_sent=4)
     assert p.bytes_received == 0 and p.to_json()["bytes_received"] == 0
     m = _manifest(downlink=None, traffic=())
     assert m.downlink is None and m.traffic == ()

@@ -1,7 +1,9 @@
 """The open round's intake: accepted updates, stage slices, refusals and traffic, journalled.
 
-An accepted push is stored at once and journalled in <run>/pending, so a coordinator restart keeps
-it. A worker of P pipeline stages pushes P slices; its update counts once all P are in (Δ̂ᵢ = their
+An accepted push is stored at once, as the bytes that crossed the wire and the record naming them
+(trainer.update_record), and journalled in <run>/pending, so a coordinator restart keeps it (the
+record re-opened exactly as on arrival). A stage slice's journal entry names a record of that one
+slice; the completed update's record names all of them. A worker of P pipeline stages pushes P slices; its update counts once all P are in (Δ̂ᵢ = their
 union, checked whole), and one refused slice drops the worker's others for the round. An update
 byte-identical to one already accepted in the run (``accepted_cids``, rebuilt on restart from the
 manifests and the journal) is refused as a replay.
@@ -17,15 +19,17 @@ import logging
 import threading
 from typing import Callable
 
-from storage_client import CID, to_e6
-from trainer.aggregation import exact_norm
+from proto import Encoding
+from storage_client import CID, Codec, to_e6
+from trainer.aggregation import CheckedUpdate, exact_norm
 from trainer.coordinator import checks
 from trainer.coordinator.registry import WorkerRegistry
 from trainer.coordinator.run import Run
 from trainer.coordinator.state import Accepted, JournalEntry, OpenRound, StageSlices, UpdateHeader
 from trainer.refusal import Reason, Refusal
-from trainer.uplink import record_of
-from trainer.wire import Params, decode_params
+from trainer.update_record import open_update, parse_record, record_bytes, slice_ref, store_slice
+from trainer.update_source import UpdateSource
+from trainer.wire import layout_of
 
 log = logging.getLogger("dilocox.coordinator")
 
@@ -52,9 +56,10 @@ class Intake:
     def _reload(self) -> None:
         """Updates, and stage slices, accepted before a restart for the still-open round stay accepted."""
         store, number = self.run.run_dir.store, self.round.number
+        layout, model = layout_of(self.run.global_state.params), self.run.config.model
         for worker, raw in sorted(self.run.run_dir.pending(number).items()):
             entry = JournalEntry.from_json(raw)
-            self.round.accepted[worker] = Accepted(decode_params(store.get(entry.cid)), entry)  # re-hashed on read
+            self.round.accepted[worker] = Accepted(open_update(store, entry.cid, layout, model), entry)  # re-hashed
             self.accepted_cids.setdefault(entry.cid, (number, worker))
             self.round.first_accept(self.clock())
             log.info("round %d: kept %s's update %s from before the restart", number, worker, entry.cid)
@@ -64,7 +69,7 @@ class Intake:
             num_stages, entries = StageSlices.entries_from_json(held)
             part = StageSlices(num_stages)
             for stage, entry in sorted(entries.items()):
-                part.slices[stage] = Accepted(decode_params(store.get(entry.cid)), entry)
+                part.slices[stage] = Accepted(open_update(store, entry.cid, layout, model, whole=False), entry)
             self.round.partial[worker] = part
             log.info("round %d: kept %d of %s's %d stage slices from before the restart", number,
                      len(part.slices), worker, part.num_stages)
@@ -128,28 +133,34 @@ class Intake:
         self._journal_accepted()
         self._lock.notify_all()
 
-    def accept(self, h: UpdateHeader, update: Params, wire_bytes: int,
-               screen: Callable[[Params], float]) -> tuple[CID, int, StageSlices | None]:
-        """Store and journal a checked update or slice; returns its CID, the open round, and the
-        worker's slices when this one completed them (the caller checks and counts the union)."""
-        record = record_of(update)
+    def accept(self, h: UpdateHeader, update: CheckedUpdate, wire_bytes: int,
+               screen: Callable[[UpdateSource], float], payload: bytes) -> tuple[CID, int, StageSlices | None]:
+        """Store and journal a checked update or slice (``payload``: its bytes as pushed); returns
+        its record's CID, the open round, and the worker's slices when this one completed them (the
+        caller checks and counts the union). What is held until the close is the update's compact
+        source and its norm."""
+        header = h.compression_header if h.encoding == Encoding.LOWRANK_INT4 else None
+        ref = slice_ref(h.stage, h.num_stages, h.encoding, payload, header)
+        record = record_bytes([ref])
         if h.num_stages == 1:
             with self._lock:  # a replay is refused by its hash before any held-out evaluation
-                checks.check_replay(self.accepted_cids, str(CID.of(record)))
-            screen(update)
-        cid = self.run.run_dir.store.put(record)  # before the journal names it
-        norm = exact_norm(update) if h.num_stages == 1 else None  # outside the lock: a pass over Δ
+                checks.check_replay(self.accepted_cids, str(CID.of(record, Codec.JSON)))
+            screen(update.source)
+        store = self.run.run_dir.store
+        store_slice(store, ref, payload, header)  # the bytes before the record, the record before the journal
+        cid = store.put(record, Codec.JSON)
+        norm = update.norm if h.num_stages == 1 else None
         with self._lock:
             self._check_open(h)  # the round may have moved
             entry = self._entry(h, cid, wire_bytes)
             if h.num_stages == 1:
                 checks.check_replay(self.accepted_cids, str(cid))
-                self._count_accepted(h.worker_id, Accepted(update, entry, norm))
+                self._count_accepted(h.worker_id, Accepted(update.source, entry, norm))
                 log.info("round %d: accepted %s from %s (loss %.4f)", h.round, cid, h.worker_id, h.train_loss)
                 return cid, self.round.number, None
             part = self.round.partial.setdefault(h.worker_id, StageSlices(h.num_stages))
             checks.check_sibling(h, entry, part)
-            part.slices[h.stage] = Accepted(update, entry)
+            part.slices[h.stage] = Accepted(update.source, entry)
             self._journal_partial()
             self.round.first_accept(self.clock())
             open_round = self.round.number
@@ -158,9 +169,11 @@ class Intake:
                  h.worker_id)
         return cid, open_round, part if part.completing else None
 
-    def complete(self, h: UpdateHeader, part: StageSlices, update: Params, norm: float) -> None:
+    def complete(self, h: UpdateHeader, part: StageSlices, update: UpdateSource, norm: float) -> None:
         """Count the union of a worker's stage slices, checked whole by the caller."""
-        cid = self.run.run_dir.store.put(record_of(update))
+        store = self.run.run_dir.store
+        refs = [parse_record(store.get(part.slices[stage].entry.cid))[0] for stage in range(part.num_stages)]
+        cid = store.put(record_bytes(refs), Codec.JSON)
         first = part.slices[0].entry
         entry = JournalEntry(cid=str(cid), train_loss_e6=first.train_loss_e6, tokens=first.tokens,
                              inner_steps=first.inner_steps, bytes_sent=sum(a.entry.bytes_sent for a in part.slices.values()),

@@ -19,7 +19,8 @@ from attestation import SignedReport
 from attestation.signing import global_digest
 from storage_client import CID, Manifest, from_e6, loads_bounded
 from storage_client.manifest import Traffic
-from trainer.aggregation import InvalidUpdate, check_norm, exact_norm, norm_bound, round_norm
+from trainer.checkpoints import round_updates, updates_round_norm
+from trainer.aggregation import CheckedUpdate, InvalidUpdate, check_norm, norm_bound, round_norm
 from trainer.coordinator import checks
 from trainer.coordinator.intake import Intake
 from trainer.coordinator.publish import derive_round, record_round
@@ -32,9 +33,11 @@ from trainer.coordinator.state import (
 from trainer.coordinator.trust import RunTrust
 from proto import WorkerPhase
 from trainer.limits import clip
+from trainer.memory import release_free_memory
 from trainer.model import param_count
 from trainer.refusal import Reason, Refusal
-from trainer.wire import Layout, Params, decode_params, layout_of
+from trainer.update_source import UpdateSource
+from trainer.wire import Layout, layout_of
 
 log = logging.getLogger("dilocox.coordinator")
 
@@ -192,15 +195,16 @@ class Coordinator:
     def refuse(self, h: UpdateHeader, refusal: Refusal) -> None:
         self.intake.refuse(h, refusal)
 
-    def accept(self, h: UpdateHeader, update: Params, wire_bytes: int) -> tuple[CID, int]:
-        """Store and journal an update, or a stage slice, that passed every check; returns its
-        record's CID and the open round. The last slice of a worker completes its update."""
-        def screen(candidate: Params) -> float:
+    def accept(self, h: UpdateHeader, update: CheckedUpdate, wire_bytes: int, payload: bytes) -> tuple[CID, int]:
+        """Store and journal an update, or a stage slice, that passed every check
+        (trainer.aggregation.checked_update), ``payload`` its bytes as pushed; returns its record's
+        CID and the open round. The last slice of a worker completes its update."""
+        def screen(candidate: UpdateSource) -> float:
             return self.screen.check(self.run.global_state, h.round, candidate)
 
         started = time.perf_counter()
         try:
-            return self._accept(h, update, wire_bytes, screen)
+            return self._accept(h, update, wire_bytes, screen, payload)
         finally:
             self.note_push(h.round, "intake", time.perf_counter() - started)
 
@@ -211,9 +215,9 @@ class Coordinator:
                 phases = self.push_seconds.setdefault(round_, {})
                 phases[phase] = phases.get(phase, 0.0) + seconds
 
-    def _accept(self, h: UpdateHeader, update: Params, wire_bytes: int,
-                screen: Callable[[Params], float]) -> tuple[CID, int]:
-        cid, open_round, complete = self.intake.accept(h, update, wire_bytes, screen)
+    def _accept(self, h: UpdateHeader, update: CheckedUpdate, wire_bytes: int,
+                screen: Callable[[UpdateSource], float], payload: bytes) -> tuple[CID, int]:
+        cid, open_round, complete = self.intake.accept(h, update, wire_bytes, screen, payload)
         if complete is not None:
             merged = complete.merged()
             try:
@@ -222,6 +226,7 @@ class Coordinator:
                 raise Refusal(Reason.MALFORMED, f"the update of all {complete.num_stages} stage slices: {exc}") from exc
             screen(merged)
             self.intake.complete(h, complete, merged, norm)
+        release_free_memory()  # the dense tensors decoded to check and store it
         return cid, open_round
 
     # ----------------------------------------------------------------------------- reports
@@ -269,6 +274,7 @@ class Coordinator:
         """Aggregate and publish the closing round (called by one thread, after close_due)."""
         r, g, cfg = self.round, self.run.global_state, self.config
         started = self.clock()
+        release_free_memory()
         derived = derive_round(self.run, r, g, self._history(r.number))
         with self._lock:
             traffic = tuple(Traffic(worker=w, up=r.up.get(w, 0), down=r.down.get(w, 0))
@@ -296,6 +302,7 @@ class Coordinator:
             self.closed_at[r.number] = self.clock()
             self.intake.open_next(r.number + 1)
             self._lock.notify_all()
+        release_free_memory()  # the parent state, now unreferenced
         log.info(
             "round %d closed in %.2fs (aggregation %.2fs): eval loss %.4f, %d participant(s)%s, "
             "%d bytes up, %d down (%s) -> %s",
@@ -314,8 +321,9 @@ class Coordinator:
             norms = self.norm_history.get(earlier)
             if norms is None:
                 _, manifest = self.run.manifests[earlier]
-                norms = [round_norm([exact_norm(decode_params(self.run.run_dir.store.get(p.update)))
-                                     for p in manifest.participants])]
+                updates = round_updates(self.run.run_dir.store, manifest, layout_of(self.run.global_state.params),
+                                        self.config.model)
+                norms = [updates_round_norm(updates)]
                 self.norm_history[earlier] = norms
             out.extend(norms)
         for old in [r for r in self.norm_history if r < round_ - k]:

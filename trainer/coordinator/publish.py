@@ -5,8 +5,9 @@
 the function the audit re-runs: each update clipped to c × the lower median of the round's norms
 and the previous K rounds' ρ̃, averaged by the config's rule, the outer Nesterov step, and with
 compression on, the global update compressed with error feedback (θ⁽ʳ⁾ is what the replicas rebuild
-from those bytes). Then θ⁽ʳ⁾, m⁽ʳ⁾ (and the downlink bytes) go to the store, then the round's
-manifest, then HEAD moves to it: a crash at any instant leaves either the old tip or the new.
+from those bytes). Then the downlink bytes, and θ⁽ʳ⁾ and m⁽ʳ⁾ when the round keeps a full
+checkpoint (every ``rounds.checkpoint_every`` rounds and the last: trainer.checkpoints), go to the
+store, then the round's manifest, then HEAD moves to it: a crash at any instant leaves either the old tip or the new.
 """
 
 from __future__ import annotations
@@ -17,9 +18,11 @@ from dataclasses import dataclass, field
 
 from storage_client import CID, Manifest, canonical_json, to_e6
 from storage_client.manifest import Downlink, Traffic
-from trainer.aggregation import Aggregated
+from trainer.aggregation import Aggregation
+from trainer.checkpoints import is_full_checkpoint
 from trainer.coordinator.run import Run
 from trainer.coordinator.state import CompressedGlobal, GlobalState, OpenRound
+from trainer.memory import release_free_memory
 from trainer.transition import round_transition
 
 log = logging.getLogger("dilocox.coordinator")
@@ -30,7 +33,7 @@ class Derived:
     """A closing round's new global state, stored, before its manifest is written."""
 
     state: GlobalState  # manifest_cid still the parent's until the manifest is stored
-    aggregated: Aggregated
+    aggregated: Aggregation
     downlink: Downlink | None
     outer_state_cid: CID
     eval_loss: float
@@ -43,7 +46,7 @@ def derive_round(run: Run, r: OpenRound, g: GlobalState, history: list[float]) -
     """Aggregate the closing round's accepted updates onto ``g`` and store the result."""
     cfg, store = run.config, run.run_dir.store
     started = time.perf_counter()
-    result = round_transition(g.outer, {w: a.update for w, a in r.accepted.items()}, outer=cfg.outer,
+    result = round_transition(g.outer, {w: a.source for w, a in r.accepted.items()}, outer=cfg.outer,
                               rounds=cfg.rounds, history=history,
                               norms={w: a.norm for w, a in r.accepted.items() if a.norm is not None},
                               downlink=run.downlink)
@@ -60,9 +63,16 @@ def derive_round(run: Run, r: OpenRound, g: GlobalState, history: list[float]) -
         decision = run.downlink.last_decision
         log.info("round %d: global update compressed to %d bytes (mean rank %.1f, energy %.3f)",
                  r.number, len(sent), decision.mean_rank, decision.energy)
+    release_free_memory()  # the transition's temporaries: before the checkpoint's bytes are made
+    # The outer state's bytes (m and e, twice θ's size) are made and dropped before θ's, which are kept.
+    # Both are stored only every K rounds (trainer.checkpoints); the manifest names them every round.
+    full = is_full_checkpoint(cfg.rounds, r.number)
+    outer_bytes = child.outer_state_bytes()
+    outer_cid = store.put(outer_bytes) if full else CID.of(outer_bytes)
+    del outer_bytes
+    release_free_memory()
     payload = child.params_bytes()
-    params_cid = store.put(payload)
-    outer_cid = store.put(child.outer_state_bytes())
+    params_cid = store.put(payload) if full else CID.of(payload)
     stored_at = time.perf_counter()
     eval_loss, eval_losses_e6 = run.evaluate(child.params)
     phases = {"aggregate": aggregated_at - started, "store": stored_at - aggregated_at,

@@ -3,7 +3,8 @@
 Genesis pins the corpus digest into the config, builds θ⁽⁰⁾ from the seed, stores config, θ⁽⁰⁾ and
 the zero outer state, and publishes manifest 0 (HEAD). Resume re-hashes every manifest from HEAD
 back to genesis (storage_client.lineage), refuses a given config that is not the run's own, and
-rebuilds the published state (θ, m, e and the last compressed global update) from the store.
+rebuilds the published state (θ, m, e and the last compressed global update) from the store: HEAD's
+own checkpoint when stored, else rebuilt from the newest full one (trainer.checkpoints).
 """
 
 from __future__ import annotations
@@ -16,18 +17,19 @@ from dataclasses import dataclass
 import torch
 
 from storage_client import CID, Manifest, canonical_json, lineage, to_e6
+from trainer.checkpoints import checkpoint_at
 from trainer.compression import AdaptiveRankPolicy
 from trainer.config import ConfigError, RunConfig
 from trainer.coordinator.state import CompressedGlobal, GlobalState, RoundSummary
 from trainer.data import eval_batches
 from trainer.dataset import Dataset, TokenSpan, pin_dataset, run_dataset
 from trainer.diloco import (
-    downlink_error_of, evaluate_batches, load_params, momentum_of, outer_state_of, params_of, zero_momentum,
+    evaluate_batches, load_params, outer_state_of, params_of, zero_momentum,
 )
 from trainer.downlink import DownlinkCompressor
 from trainer.model import build_model
 from trainer.run_dir import RunDir
-from trainer.wire import Params, decode_params, encode_params
+from trainer.wire import Params, encode_params
 
 log = logging.getLogger("dilocox.coordinator")
 
@@ -146,9 +148,10 @@ def _resume(run_dir: RunDir, head: CID, config: RunConfig | None) -> Run:
             f"configuration differs ({pinned.cid}). Resume without --config, or use a new run directory"
         )
     parts = _prepared(run_dir, stored)
-    payload = store.get(tip.params)
-    params = decode_params(payload)
-    outer_state = decode_params(store.get(tip.outer_state))
+    # HEAD's checkpoint: stored, or rebuilt from the newest full one (trainer.checkpoints).
+    outer = checkpoint_at(store, chain, tip.round, stored)
+    payload = outer.params_bytes()
+    params = outer.params
     downlink = None
     if tip.downlink is not None:
         header = canonical_json(store.get_json(tip.downlink.header))
@@ -158,8 +161,8 @@ def _resume(run_dir: RunDir, head: CID, config: RunConfig | None) -> Run:
     # check (trainer.shared_eval). e carries on from the stored outer state; the rank policy's
     # window starts afresh.
     losses = tuple(to_e6(x) for x in evaluate_batches(parts["model"], parts["eval_batches"]))
-    state = GlobalState(tip.round, params, momentum_of(outer_state), payload, CID.parse(tip.params), tip_cid,
-                        tip.eval_loss_e6, downlink, downlink_error_of(outer_state), losses)
+    state = GlobalState(tip.round, params, outer.momentum, payload, CID.parse(tip.params), tip_cid,
+                        tip.eval_loss_e6, downlink, outer.downlink_error, losses)
     log.info("run %s: resumed at round %d from %s", stored.run_id, tip.round, tip_cid)
     return Run(**parts, global_state=state, manifests={m.round: (cid, m) for cid, m in chain},
                summaries=[RoundSummary.of(cid, m) for cid, m in chain])

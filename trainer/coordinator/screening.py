@@ -23,6 +23,7 @@ from trainer.data import sample_batch
 from trainer.diloco import evaluate, load_params
 from trainer.model import build_model
 from trainer.refusal import Reason, Refusal
+from trainer.update_source import UpdateSource, source_of
 from trainer.wire import Params
 
 log = logging.getLogger("dilocox.coordinator")
@@ -46,7 +47,7 @@ class Screen:
         self._lock = threading.Lock()
         self._current: _RoundBatches | None = None
 
-    def check(self, start: GlobalState, round_: int, update: Params) -> float:
+    def check(self, start: GlobalState, round_: int, update: Params | UpdateSource) -> float:
         """Refuse ``update`` if it raises the held-out loss of ``start`` by more than the margin;
         returns the loss change (0.0 when screening is off)."""
         if self.model is None:
@@ -61,7 +62,8 @@ class Screen:
                 load_params(self.model, start.params)
                 self._current = _RoundBatches(start.round, evaluate(self.model, batches), batches)
             before, batches = self._current.start_loss, self._current.batches
-            load_params(self.model, {name: p - update[name] for name, p in start.params.items()})
+            source = source_of(update)  # one tensor of the update decoded at a time
+            load_params(self.model, {name: p - source.tensor(name) for name, p in start.params.items()})
             after = evaluate(self.model, batches)
         log.info("round %d: screened an update in %.3fs: held-out loss %.4f -> %.4f", round_,
                  time.perf_counter() - started, before, after)

@@ -39,7 +39,7 @@ import grpc
 from grpc_health.v1 import health, health_pb2
 
 from proto import CHUNK_BYTES, METADATA_SESSION, METADATA_WORKER, PROTOCOL_VERSION, SERVICE_NAME, Encoding, WorkerPhase, pb
-from trainer.aggregation import InvalidUpdate, validate_payload
+from trainer.aggregation import InvalidUpdate, checked_update
 from trainer.coordinator.machine import Coordinator
 from trainer.coordinator.state import GlobalState, StatusView, UpdateHeader
 from trainer.limits import (
@@ -308,14 +308,14 @@ class CoordinatorService:
                 what = f"update from {worker} for round {header.round}"
                 payload = reassemble(data(), header.payload_size, header.payload_sha256, what=what)
                 decoding = time.perf_counter()
-                update = validate_payload(payload, declared, self.c.bound, encoding=Encoding(header.encoding),
-                                          codec_header=codec_header(header))
+                update = checked_update(payload, declared, self.c.bound, encoding=Encoding(header.encoding),
+                                        codec_header=codec_header(header))
                 self.c.note_push(header.round, "decode", time.perf_counter() - decoding)
             except (WireError, InvalidUpdate) as exc:
                 raise Refusal(Reason.MALFORMED, str(exc)) from exc
             finally:
                 self.c.count_up(worker, wire_bytes)  # refused or not, these bytes crossed the network
-            cid, open_round = self.c.accept(header, update, wire_bytes)
+            cid, open_round = self.c.accept(header, update, wire_bytes, payload)
         except Refusal as r:
             self.c.refuse(header, r)
             raise

@@ -15,6 +15,7 @@ from typing import Any
 from proto import Encoding, WorkerPhase
 from storage_client import CID, Manifest, Participant, from_e6
 from trainer.transition import OuterState
+from trainer.update_source import MergedUpdate, UpdateSource
 from trainer.wire import Params
 
 
@@ -88,7 +89,10 @@ class JournalEntry:
 
 @dataclass
 class Accepted:
-    update: Params
+    """An accepted update (or stage slice) as held until the round closes: compact (a compressed
+    push is kept as its packed tensors, trainer.update_source), decoded tensor by tensor at close."""
+
+    source: UpdateSource
     entry: JournalEntry
     norm: float | None = None  # exact_norm of a whole update, computed once (trainer.aggregation)
 
@@ -101,12 +105,9 @@ class StageSlices:
     slices: dict[int, Accepted] = field(default_factory=dict)  # by stage
     completing: bool = False  # the last slice is in: its merged update is being stored
 
-    def merged(self) -> Params:
+    def merged(self) -> MergedUpdate:
         """Δ̂ᵢ: the union of the slices, in stage order."""
-        update: Params = {}
-        for stage in range(self.num_stages):
-            update.update(self.slices[stage].update)
-        return update
+        return MergedUpdate([self.slices[stage].source for stage in range(self.num_stages)])
 
     def to_json(self) -> dict[str, Any]:
         return {"num_stages": self.num_stages,

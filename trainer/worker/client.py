@@ -357,7 +357,7 @@ class CoordinatorClient:
         header = pb.UpdateHeader(
             protocol_version=PROTOCOL_VERSION, run_id=self.config.run_id, round=what.round,
             worker_id=self.worker_id, encoding=piece.encoding,
-            compression_header=canonical_json(piece.codec_header) if piece.codec_header is not None else b"",
+            compression_header=piece.codec_header_bytes or b"",
             tensors=[pb.TensorSpec(name=n, dtype=d, shape=s) for n, (d, s) in layout_of(piece.transmitted).items()],
             payload_size=len(payload), payload_sha256=sha, train_loss=what.train_loss, tokens=what.tokens,
             inner_steps=what.inner_steps, base_params_cid=what.base_params_cid,

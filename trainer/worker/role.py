@@ -36,7 +36,8 @@ from trainer.model import build_model
 from trainer.pipeline import PipelinedInnerLoop, PipelineError
 from trainer.shared_eval import eval_share, shared_evaluation_problem
 from trainer.tls import ClientTls
-from trainer.uplink import Slice, Uplink, merged, merged_decision, record_of
+from trainer.update_record import record_of_slices
+from trainer.uplink import Slice, Uplink, merged, merged_decision
 from trainer.wire import Params, encode_params
 from trainer.worker.client import (
     REFUSED, Checkpoint, CoordinatorClient, PhaseSeconds, PushHeader, WorkerError, slice_name,
@@ -162,13 +163,14 @@ class Worker:
         self.client.phase = WorkerPhase.PUSHING
         result = work.result
         received = self.client.received_for.get(base_cid, 0)
-        # The round's record keeps the dense reconstruction Δ̂, which the coordinator rebuilds from
-        # the slices bit for bit; the report restates its digest.
-        record = record_of(merged(work.slices))
+        # The round's record names the bytes of the slices as pushed, which the coordinator stores
+        # (trainer.update_record); the report restates its digest.
+        record = record_of_slices(work.slices)
         decision = merged_decision(round_, work.slices)
         if decision is not None:
+            dense_bytes = sum(t.numel() * t.element_size() for t in merged(work.slices).values())
             log.info("round %d: compressed %d -> %d bytes in %d slice(s) (mean rank %.1f, energy %.3f)",
-                     round_, len(record), sum(len(s.payload) for s in work.slices), len(work.slices),
+                     round_, dense_bytes, sum(len(s.payload) for s in work.slices), len(work.slices),
                      decision.mean_rank, decision.energy)
         what = PushHeader(round_, result.mean_loss, result.tokens, result.steps, base_cid, received, work.state)
         wire_bytes, started = 0, time.perf_counter()

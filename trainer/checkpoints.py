@@ -1,0 +1,132 @@
+"""Which rounds keep their full checkpoint, and how any other round's checkpoint is rebuilt.
+
+Every round's manifest names the CIDs of its θ⁽ʳ⁾ and outer state (m⁽ʳ⁾, e⁽ʳ⁾), but the store keeps
+their bytes only for genesis, every round r with r % K == 0 (K = ``rounds.checkpoint_every``) and
+the run's last round. A round r in between is rebuilt from the newest stored checkpoint c ≤ r by
+re-running the round transition (trainer.transition.round_transition) on each later round's
+manifest, exactly as the coordinator ran it:
+
+    for q = c+1 .. r:
+        {Δ̂ᵢ⁽q⁾}   the participants' update records, decoded from the pushed bytes (trainer.update_record)
+        ρ̃         the clip history: round_norm of the exact update norms of rounds max(1, q−Kc)..q−1
+        C⁽q⁾       the stored compressed global update, when the manifest names one
+        θ⁽q⁾, m⁽q⁾, e⁽q⁾ = round_transition(θ⁽q⁻¹⁾, m⁽q⁻¹⁾, e⁽q⁻¹⁾, {Δ̂ᵢ⁽q⁾}; ρ̃, C⁽q⁾)
+        sha256 of their bytes must be the CIDs the manifest names (CheckpointError names q if not)
+
+The transition's bits are the same on every CPU (its docstring's rules), so a rebuilt checkpoint
+hashes to its manifest's CIDs. ``checkpoint_at`` is the one function that does this: the
+coordinator's resume, the audit and ``dilocox export`` call it.
+"""
+
+from __future__ import annotations
+
+import os
+from typing import Sequence
+
+from storage_client import CID, Manifest, ObjectStore, StoreError, lineage
+from trainer.aggregation import exact_norm, round_norm
+from trainer.config import ModelConfig, RoundConfig, RunConfig
+from trainer.transition import OuterState, TransitionError, round_transition, stored_downlink
+from trainer.run_dir import RunDir
+from trainer.update_record import RecordError, open_update
+from trainer.update_source import UpdateSource
+from trainer.wire import Layout, Params, json_object, layout_of
+
+Chain = Sequence[tuple[CID, Manifest]]  # storage_client.lineage: genesis first, index = round
+
+
+class CheckpointError(ValueError):
+    """A checkpoint cannot be rebuilt (a missing object, or a round that re-derives to other bytes)."""
+
+
+def is_full_checkpoint(rounds: RoundConfig, round_: int) -> bool:
+    """Whether round ``round_`` keeps its params and outer state in the store."""
+    return round_ == 0 or round_ % rounds.checkpoint_every == 0 or round_ >= rounds.rounds
+
+
+def round_updates(store: ObjectStore, manifest: Manifest, layout: Layout, model: ModelConfig) -> dict[str, UpdateSource]:
+    """Round's accepted updates by worker, opened from their records (trainer.update_record)."""
+    return {p.worker: open_update(store, p.update, layout, model) for p in manifest.participants}
+
+
+def updates_round_norm(updates: dict[str, UpdateSource]) -> float:
+    """ρ̃ of a round from its updates (round_norm of their exact norms), as the coordinator kept it."""
+    return round_norm([exact_norm(updates[w]) for w in sorted(updates)])
+
+
+def _stored_state(store: ObjectStore, manifest: Manifest) -> OuterState | None:
+    if not (store.has(manifest.params) and store.has(manifest.outer_state)):
+        return None
+    try:
+        return OuterState.decode(store.get(manifest.params), store.get(manifest.outer_state))
+    except (StoreError, TransitionError) as exc:
+        raise CheckpointError(f"round {manifest.round}: the stored checkpoint cannot be read: {exc}") from None
+
+
+def checkpoint_at(store: ObjectStore, chain: Chain, round_: int, config: RunConfig | None = None) -> OuterState:
+    """Round ``round_``'s θ, m and e: stored, or rebuilt from the newest stored checkpoint before it
+    (module docstring). ``chain`` is the run's lineage up to at least ``round_``; ``config`` the run's
+    (read from the genesis manifest when None). Raises CheckpointError naming the round that fails."""
+    if not 0 <= round_ < len(chain):
+        raise CheckpointError(f"round {round_} is not in the run's lineage (rounds 0..{len(chain) - 1})")
+    if config is None:
+        config = RunConfig.from_json(store.get_json(chain[0][1].config))
+    base, state = round_, None
+    while state is None:
+        state = _stored_state(store, chain[base][1])
+        if state is None:
+            if base == 0:
+                raise CheckpointError("the genesis checkpoint is not in the store")
+            base -= 1
+    return rebuild_from(store, chain, base, state, round_, config)
+
+
+def rebuild_from(store: ObjectStore, chain: Chain, base: int, state: OuterState, round_: int,
+                 config: RunConfig) -> OuterState:
+    """``state`` (round ``base``'s) carried forward through rounds base+1..``round_`` (module docstring)."""
+    layout = layout_of(state.params)
+    k = config.rounds.clip_history_rounds
+    norms: dict[int, float] = {}
+    for q in range(base + 1, round_ + 1):
+        manifest = chain[q][1]
+        try:
+            history = [_round_norm(store, chain, e, layout, config.model, norms)
+                       for e in range(max(1, q - k), q)] if config.rounds.clip_multiple > 0 else []
+            updates = round_updates(store, manifest, layout, config.model)
+            downlink = None
+            if manifest.downlink is not None:
+                header = json_object(store.get(manifest.downlink.header), "downlink codec header")
+                downlink = stored_downlink(store.get(manifest.downlink.payload), header)
+            result = round_transition(state, updates, outer=config.outer, rounds=config.rounds,
+                                      history=history, downlink=downlink)
+        except (StoreError, RecordError, TransitionError, ValueError) as exc:
+            raise CheckpointError(f"round {q}: cannot be rebuilt: {exc}") from None
+        norms[q] = round_norm([result.aggregated.norms[w] for w in sorted(result.aggregated.norms)])
+        state = result.state
+        if str(CID.of(state.params_bytes())) != manifest.params:
+            raise CheckpointError(f"round {q}: the rebuilt params are not the manifest's {manifest.params}")
+        if str(CID.of(state.outer_state_bytes())) != manifest.outer_state:
+            raise CheckpointError(f"round {q}: the rebuilt outer state is not the manifest's {manifest.outer_state}")
+    return state
+
+
+def _round_norm(store: ObjectStore, chain: Chain, q: int, layout: Layout, model: ModelConfig,
+                norms: dict[int, float]) -> float:
+    if q not in norms:
+        norms[q] = updates_round_norm(round_updates(store, chain[q][1], layout, model))
+    return norms[q]
+
+
+def checkpoint_params(run_dir: str, round_: int) -> tuple[Params, Manifest, CID]:
+    """θ of round ``round_`` of the run in ``run_dir`` (its HEAD lineage), with the round's manifest
+    and CID: what ``dilocox export`` writes."""
+    if not os.path.isdir(run_dir):
+        raise CheckpointError(f"{run_dir} is not a run directory")
+    rd = RunDir(run_dir)
+    head = rd.head()
+    if head is None:
+        raise CheckpointError(f"{run_dir} holds no run")
+    chain = lineage(rd.store, head)
+    state = checkpoint_at(rd.store, chain, round_)
+    cid, manifest = chain[round_]
+    return state.params, manifest, cid
