@@ -29,7 +29,8 @@ from pathlib import Path
 
 from storage_client import CID, Manifest, lineage, strict_json
 from trainer.run_dir import RunDir
-from trainer.wire import Params, decode_params
+from trainer.checkpoints import checkpoint_at
+from trainer.wire import Params
 
 SAFETENSORS_NAME = "model.safetensors"
 
@@ -53,8 +54,8 @@ def checkpoint_params(run_dir: RunDir, round_: int) -> tuple[CID, Params]:
     chain = lineage(run_dir.store, head)
     if not 0 <= round_ < len(chain):
         raise ExportError(f"--round {round_}: run {chain[-1][1].run_id!r} has rounds 0 to {len(chain) - 1}")
-    cid, manifest = chain[round_]
-    return cid, decode_params(run_dir.store.get(manifest.params))
+    # Stored every rounds.checkpoint_every rounds; rebuilt from the newest stored one otherwise.
+    return chain[round_][0], checkpoint_at(run_dir.store, chain, round_).params
 
 
 def run(args: argparse.Namespace) -> int:

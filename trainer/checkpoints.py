@@ -20,17 +20,15 @@ coordinator's resume, the audit and ``dilocox export`` call it.
 
 from __future__ import annotations
 
-import os
 from typing import Sequence
 
-from storage_client import CID, Manifest, ObjectStore, StoreError, lineage
+from storage_client import CID, Manifest, ObjectStore, StoreError
 from trainer.aggregation import exact_norm, round_norm
 from trainer.config import ModelConfig, RoundConfig, RunConfig
 from trainer.transition import OuterState, TransitionError, round_transition, stored_downlink
-from trainer.run_dir import RunDir
 from trainer.update_record import RecordError, open_update
 from trainer.update_source import UpdateSource
-from trainer.wire import Layout, Params, json_object, layout_of
+from trainer.wire import Layout, json_object, layout_of
 
 Chain = Sequence[tuple[CID, Manifest]]  # storage_client.lineage: genesis first, index = round
 
@@ -115,18 +113,3 @@ def _round_norm(store: ObjectStore, chain: Chain, q: int, layout: Layout, model:
     if q not in norms:
         norms[q] = updates_round_norm(round_updates(store, chain[q][1], layout, model))
     return norms[q]
-
-
-def checkpoint_params(run_dir: str, round_: int) -> tuple[Params, Manifest, CID]:
-    """θ of round ``round_`` of the run in ``run_dir`` (its HEAD lineage), with the round's manifest
-    and CID: what ``dilocox export`` writes."""
-    if not os.path.isdir(run_dir):
-        raise CheckpointError(f"{run_dir} is not a run directory")
-    rd = RunDir(run_dir)
-    head = rd.head()
-    if head is None:
-        raise CheckpointError(f"{run_dir} holds no run")
-    chain = lineage(rd.store, head)
-    state = checkpoint_at(rd.store, chain, round_)
-    cid, manifest = chain[round_]
-    return state.params, manifest, cid
