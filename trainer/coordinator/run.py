@@ -21,7 +21,7 @@ from trainer.config import ConfigError, RunConfig
 from trainer.coordinator.state import CompressedGlobal, GlobalState, RoundSummary
 from trainer.data import Corpus, eval_batches, load_corpus, shard_digest
 from trainer.diloco import (
-    downlink_error_of, evaluate, load_params, momentum_of, outer_state_of, params_of, zero_momentum,
+    bind_params, downlink_error_of, evaluate, load_params, momentum_of, outer_state_of, params_of, zero_momentum,
 )
 from trainer.downlink import DownlinkCompressor
 from trainer.model import build_model
@@ -73,7 +73,7 @@ class Run:
         return cfg.inner.steps * cfg.inner.batch_size * cfg.model.block_size
 
     def evaluate(self, params: Params) -> float:
-        load_params(self.model, params)
+        bind_params(self.model, params)  # θ's own tensors, which the global state keeps: no copy
         return evaluate(self.model, self.eval_batches)
 
 
@@ -83,8 +83,11 @@ def open_run(run_dir: RunDir, config: RunConfig | None) -> Run:
     if head is None:
         if config is None:
             raise ConfigError(f"{run_dir.path} holds no run yet: a configuration is needed to start one")
-        return _genesis(run_dir, config)
-    return _resume(run_dir, head, config)
+        run = _genesis(run_dir, config)
+    else:
+        run = _resume(run_dir, head, config)
+    bind_params(run.model, run.global_state.params)  # the model's own copy of θ is dropped
+    return run
 
 
 def _prepared(run_dir: RunDir, config: RunConfig, corpus: Corpus | None = None) -> dict:
