@@ -244,7 +244,8 @@ def cluster(args: argparse.Namespace) -> dict[str, Any]:
         config.save(path)
         started = time.monotonic()
         with LocalCluster(Path(tmp, "run"), insecure=True) as local:
-            coordinator = local.start_coordinator(path, timeout_s=300)
+            extra = ["--idle-timeout", str(args.idle_timeout)] if args.idle_timeout else []
+            coordinator = local.start_coordinator(path, timeout_s=300, extra=extra)
             sampler = RssSampler(coordinator.pid)
             sampler.start()
             workers = {f"w{i}": local.start_worker(f"w{i}") for i in range(args.workers)}
@@ -254,7 +255,8 @@ def cluster(args: argparse.Namespace) -> dict[str, Any]:
                     sampler.stop()
                 reaped[name] = _reap(process, args.timeout_s)
                 if reaped[name][0] != 0:
-                    raise RuntimeError(f"{name} exited with {reaped[name][0]}:\n{local.log(name)}")
+                    raise RuntimeError(f"{name} exited with {reaped[name][0]}:\n{local.log(name)}\n"
+                                       f"coordinator:\n{local.log('coordinator', tail=30)}")
             log_tail = local.log("coordinator", tail=4 * args.rounds + 4)
         seconds = time.monotonic() - started
     return {"mode": "cluster", "workers": args.workers, "rounds": args.rounds, "model_mib": model_mib(config),
@@ -312,6 +314,9 @@ def main(argv: list[str] | None = None) -> int:
     _arguments(p)
     p.add_argument("--rounds", type=int, default=2)
     p.add_argument("--timeout-s", type=float, default=1800.0)
+    p.add_argument("--idle-timeout", type=float, default=0.0,
+                   help="the coordinator's --idle-timeout (0: its default); 8 workers on 2 cores keep it busy "
+                        "checking pushes for longer than the default allows a silent stream")
     make = sub.add_parser("_make-updates")
     make.add_argument("--config", required=True)
     make.add_argument("--workers", type=int, required=True)

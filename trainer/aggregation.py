@@ -263,7 +263,32 @@ def exact_norm(update: Params | UpdateSource) -> float:
 
 
 def _exact_square_sum(t: torch.Tensor) -> float:
-    return math.fsum(t.detach().reshape(-1).double().square().tolist())
+    """Σ xⱼ² correctly rounded to float64: the value ``math.fsum`` of the exactly squared values gives.
+
+    For float32 (and the 16-bit floats, exact in float32) in integers, without a Python float per
+    element: from a value's bits, biased exponent E and 23 fraction bits f, xⱼ = ±mⱼ·2^(max(E,1)−150)
+    with mⱼ = f + 2²³ (f for a subnormal, E = 0), so xⱼ² = mⱼ²·2^(2(max(E,1)−150)); mⱼ² < 2⁴⁸ is split
+    into 24-bit halves whose per-exponent sums (int64 ``scatter_add``, exact whatever the order)
+    cannot overflow below 2³⁹ elements; Python's integers then add the 254 per-exponent sums exactly
+    and one correctly rounded division gives the float64. float64 values (whose squares are not
+    exact) and non-finite ones take ``math.fsum`` itself."""
+    flat = t.detach().reshape(-1)
+    if (flat.dtype not in (torch.float32, torch.float16, torch.bfloat16) or not 0 < flat.numel() < 1 << 39
+            or not bool(torch.isfinite(flat).all())):
+        return math.fsum(flat.double().square().tolist())
+    bits = flat.float().contiguous().view(torch.int32)
+    biased = (bits >> 23) & 0xFF
+    fraction = (bits & 0x7FFFFF).to(torch.int64)
+    m = torch.where(biased > 0, fraction | (1 << 23), fraction)
+    square = m * m  # < 2⁴⁸, exact
+    slot = biased.clamp_min(1).to(torch.int64)  # 1..254: the exponent max(E, 1)
+    high = torch.zeros(256, dtype=torch.int64).scatter_add_(0, slot, square >> 24)
+    low = torch.zeros(256, dtype=torch.int64).scatter_add_(0, slot, square & ((1 << 24) - 1))
+    total = 0  # Σ_E (H_E·2²⁴ + L_E)·2^(2(E−1)): the sum is total·2^(2(1−150))
+    for k, (h, lo) in enumerate(zip(high.tolist(), low.tolist())):
+        if h or lo:
+            total += ((h << 24) + lo) << (2 * (k - 1))
+    return total / (1 << 298)
 
 
 def round_norm(norms: Sequence[float]) -> float:

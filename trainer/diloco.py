@@ -61,6 +61,24 @@ def load_params(model: nn.Module, params: Params) -> None:
             p.copy_(src)
 
 
+def bind_params(model: nn.Module, params: Params) -> None:
+    """Make ``model`` compute with ``params``' own tensors, without a copy (a model that only
+    evaluates the tensors someone else holds need not keep a second copy of them). Names, shapes
+    and dtypes must match exactly. While bound, the model's parameters are those tensors: nothing
+    may train the model or ``load_params`` into it, which would write into ``params``."""
+    own = dict(model.named_parameters())
+    missing, unexpected = sorted(set(own) - set(params)), sorted(set(params) - set(own))
+    if missing or unexpected:
+        raise ValueError(f"parameter names differ: missing {missing}, unexpected {unexpected}")
+    for name, p in own.items():
+        src = params[name]
+        if src.shape != p.shape or src.dtype != p.dtype:
+            raise ValueError(f"parameter {name}: got {src.dtype}{list(src.shape)}, model has {p.dtype}{list(p.shape)}")
+    with torch.no_grad():
+        for name, p in own.items():
+            p.data = params[name]
+
+
 @dataclass(frozen=True)
 class InnerResult:
     pseudo_gradient: Params

@@ -24,7 +24,7 @@ from trainer.coordinator.state import CompressedGlobal, GlobalState, RoundSummar
 from trainer.data import eval_batches
 from trainer.dataset import Dataset, TokenSpan, pin_dataset, run_dataset
 from trainer.diloco import (
-    evaluate_batches, load_params, outer_state_of, params_of, zero_momentum,
+    bind_params, evaluate_batches, load_params, outer_state_of, params_of, zero_momentum,
 )
 from trainer.downlink import DownlinkCompressor
 from trainer.model import build_model
@@ -77,7 +77,7 @@ class Run:
 
     def evaluate(self, params: Params) -> tuple[float, tuple[int, ...]]:
         """The mean held-out loss of ``params``, and each batch's as to_e6 (trainer.shared_eval)."""
-        load_params(self.model, params)
+        bind_params(self.model, params)  # θ's own tensors, which the global state keeps: no copy
         losses = evaluate_batches(self.model, self.eval_batches)
         return sum(losses) / len(losses), tuple(to_e6(x) for x in losses)
 
@@ -88,8 +88,11 @@ def open_run(run_dir: RunDir, config: RunConfig | None) -> Run:
     if head is None:
         if config is None:
             raise ConfigError(f"{run_dir.path} holds no run yet: a configuration is needed to start one")
-        return _genesis(run_dir, config)
-    return _resume(run_dir, head, config)
+        run = _genesis(run_dir, config)
+    else:
+        run = _resume(run_dir, head, config)
+    bind_params(run.model, run.global_state.params)  # the model's own copy of θ is dropped
+    return run
 
 
 def _prepared(run_dir: RunDir, config: RunConfig, dataset: Dataset | None = None) -> dict:
