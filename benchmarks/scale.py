@@ -91,6 +91,7 @@ class Settings:
     cells: tuple[tuple[str, int], ...] = tuple((s, w) for s in SIZES for w in WORKER_COUNTS)
     max_params: int = 0  # 0: no limit
     rounds: int = 3
+    checkpoint_every: int = 0  # rounds.checkpoint_every; 0: R (the last round's full checkpoint only)
     inner_steps: int = 4
     batch_size: int = 4
     block_size: int = 128
@@ -111,6 +112,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                                    f"of {', '.join(SIZES)} with {' and '.join(map(str, WORKER_COUNTS))} workers)")
     p.add_argument("--max-params", type=float, default=0, help="skip cells with more estimated parameters (0: none)")
     p.add_argument("--rounds", type=int, default=3, help="R, rounds per cell")
+    p.add_argument("--checkpoint-every", type=int, default=0,
+                   help="rounds.checkpoint_every K: full parameters and outer state stored every K rounds "
+                        "(default 0: R, so the last round only)")
     p.add_argument("--inner-steps", type=int, default=4, help="H, inner steps a round")
     p.add_argument("--batch-size", type=int, default=4, help="sequences an inner step")
     p.add_argument("--block-size", type=int, default=128, help="tokens a sequence (the model's context)")
@@ -133,11 +137,12 @@ def settings_of(args: argparse.Namespace) -> Settings:
         cells = tuple(_cell(text) for text in args.cells.split(",") if text.strip())
     for name, value, low in (("--rounds", args.rounds, 1), ("--inner-steps", args.inner_steps, 1),
                              ("--batch-size", args.batch_size, 1), ("--block-size", args.block_size, 2),
-                             ("--eval-batches", args.eval_batches, 1), ("--threads", args.threads, 0)):
+                             ("--eval-batches", args.eval_batches, 1), ("--threads", args.threads, 0),
+                             ("--checkpoint-every", args.checkpoint_every, 0)):
         if value < low:
             raise ValueError(f"{name} {value} is out of range: must be >= {low}")
     s = Settings(family=args.family, cells=cells, max_params=int(args.max_params), rounds=args.rounds,
-                 inner_steps=args.inner_steps, batch_size=args.batch_size, block_size=args.block_size,
+                 checkpoint_every=args.checkpoint_every, inner_steps=args.inner_steps, batch_size=args.batch_size, block_size=args.block_size,
                  eval_batches=args.eval_batches, vocab_size=args.vocab_size, tokens=args.tokens,
                  device=args.device, threads=args.threads, out=Path(args.out), keep_runs=args.keep_runs,
                  cell_timeout_s=args.cell_timeout)
@@ -234,6 +239,7 @@ def cell_config(s: Settings, size: Size, workers: int):  # -> RunConfig
     settings += [f"inner.steps={s.inner_steps}", f"inner.batch_size={s.batch_size}",
                  f"data.eval_batches={s.eval_batches}", f"rounds.rounds={s.rounds}",
                  f"rounds.expected_workers={workers}", f"rounds.quorum={workers}",
+                 f"rounds.checkpoint_every={s.checkpoint_every or s.rounds}",
                  "rounds.straggler_timeout_s=86400", "rounds.liveness_timeout_s=600",
                  "compression.enabled=true"]
     return RunConfig(run_id=f"scale-{size.name}-{workers}w", seed=SEED).with_settings(settings)
@@ -326,6 +332,9 @@ def _row(s: Settings, config, run_dir: Path, workers: int, peaks: dict[str, int]
     local = RunDir(run_dir)
     manifests = [m for _, m in lineage(local.store, local.head())][1:]
     wire = sum(m.bytes_up + m.bytes_down for m in manifests)
+    # The full checkpoints stored for rounds 1..R (every rounds.checkpoint_every rounds, and the last).
+    checkpoints = sum(len(local.store.get(cid)) for m in manifests for cid in (m.params, m.outer_state)
+                      if local.store.has(cid))
     return {
         "parameters": parameters_of(config), "workers": workers, "rounds": len(manifests),
         "round_s": _mean([summaries[r]["seconds"] for r in steady]),
@@ -337,6 +346,7 @@ def _row(s: Settings, config, run_dir: Path, workers: int, peaks: dict[str, int]
         "worker_rss": max((v for k, v in peaks.items() if k != "coordinator"), default=0),
         "store_bytes_per_round": store_growth / max(1, len(manifests)),
         "wire_bytes_per_round": wire / max(1, len(manifests)),
+        "checkpoint_bytes_per_round": checkpoints / max(1, len(manifests)),
         "audit_s_per_round": audit_s / max(1, len(manifests)), "wall_s": wall_s,
     }
 
@@ -351,7 +361,8 @@ def _records(path: Path) -> list[dict[str, Any]]:
 # ------------------------------------------------------------------------------- the table
 
 COLUMNS = ("size", "parameters", "workers", "round s", "inner", "compress", "transfer", "aggregate", "store",
-           "evaluate", "coord. RSS", "worker RSS", "store B/round", "wire B/round", "store/wire", "audit s/round")
+           "evaluate", "coord. RSS", "worker RSS", "store B/round", "of which ckpt", "wire B/round",
+           "(store-ckpt)/wire", "audit s/round")
 
 
 def _mb(n: float) -> str:
@@ -362,12 +373,14 @@ def row_cells(name: str, row: dict[str, Any]) -> list[str]:
     if "skipped" in row or "failed" in row:
         reason = row.get("skipped") or f"failed: {row['failed']}"
         return [name, f"{row.get('parameters', 0):,}", str(row["workers"]), reason] + [""] * (len(COLUMNS) - 4)
-    ratio = row["store_bytes_per_round"] / row["wire_bytes_per_round"] if row["wire_bytes_per_round"] else 0.0
+    updates = row["store_bytes_per_round"] - row["checkpoint_bytes_per_round"]
+    ratio = updates / row["wire_bytes_per_round"] if row["wire_bytes_per_round"] else 0.0
     return [name, f"{row['parameters']:,}", str(row["workers"]), f"{row['round_s']:.2f}",
             *(f"{row[k]:.3f}" for k in ("inner_s", "compress_s", "transfer_s", "aggregate_s", "store_s",
                                           "evaluate_s")),
             _mb(row["coordinator_rss"]), _mb(row["worker_rss"]), _mb(row["store_bytes_per_round"]),
-            _mb(row["wire_bytes_per_round"]), f"{ratio:.1f}x", f"{row['audit_s_per_round']:.2f}"]
+            _mb(row["checkpoint_bytes_per_round"]), _mb(row["wire_bytes_per_round"]), f"{ratio:.2f}x",
+            f"{row['audit_s_per_round']:.2f}"]
 
 
 def markdown(header: str, rows: list[tuple[str, dict[str, Any]]]) -> str:
@@ -381,7 +394,8 @@ def describe(s: Settings, info: dict[str, Any]) -> str:
     gpu = f", {info['gpu']}" if "gpu" in info else ""
     return (f"Machine: {info.get('cpu')}, {info.get('cores')} cores, {info.get('ram', '?')} RAM, torch "
             f"{info.get('torch')}, workers on {s.device}{gpu}. Family {s.family}; data: {data}; seed {SEED}; "
-            f"{s.rounds} rounds x {s.inner_steps} inner steps, batch {s.batch_size} x {s.block_size} tokens, "
+            f"{s.rounds} rounds x {s.inner_steps} inner steps, full checkpoints every "
+            f"{s.checkpoint_every or s.rounds} rounds, batch {s.batch_size} x {s.block_size} tokens, "
             f"{s.eval_batches} eval batches; compression on; TLS; dev attestation; signed reports on a local "
             f"chain. Seconds are per round (means over rounds {'2..' + str(s.rounds) if s.rounds > 1 else '1'}).")
 
