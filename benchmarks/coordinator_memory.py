@@ -37,6 +37,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable, Iterator
 
+from storage_client import strict_json
+
 MIB = 1 << 20
 
 
@@ -157,7 +159,7 @@ def make_updates(config_path: str, workers: int, out: str) -> None:
         update = {n: torch.randn(p.shape, generator=g) * scale for n, p in sorted(params.items())}
         payload, header, _ = ErrorFeedbackCompressor(AdaptiveRankPolicy(config.compression)).compress(update)
         Path(out, f"w{i}.payload").write_bytes(payload)
-        Path(out, f"w{i}.header.json").write_text(json.dumps(header))
+        Path(out, f"w{i}.header.json").write_text(strict_json(header))
 
 
 def _push(c: Any, worker: str, payload: bytes, header: dict) -> None:
@@ -331,11 +333,11 @@ def main(argv: list[str] | None = None) -> int:
     peak = result.get("peak_rss_mib", result.get("coordinator_peak_rss_mib"))
     if "table" in result:
         print(result["table"])
-    print(json.dumps({k: v for k, v in result.items() if k not in ("table", "rows")}, indent=1))
+    print(strict_json({k: v for k, v in result.items() if k not in ("table", "rows")}, indent=1))
     print(f"coordinator peak {peak:.0f} MiB = {peak / result['model_mib']:.1f} x the model's {result['model_mib']:.0f} "
           f"MiB; bound 4 x model + 1 GiB = {bound:.0f} MiB: {'within' if peak <= bound else 'OVER'}")
     if args.json:
-        args.json.write_text(json.dumps(result, indent=1))
+        args.json.write_text(strict_json(result, indent=1))
     return 0
 
 
