@@ -180,7 +180,7 @@ def _push(c: Any, worker: str, payload: bytes, header: dict) -> None:
         signature=b"", compression_header=canonical_json(header), inner_state_sha256="ab" * 32)
     declared = c.admit_header(h)
     update = checked_update(payload, declared, c.bound, encoding=Encoding.LOWRANK_INT4, codec_header=header)
-    c.accept(h, update, len(payload))
+    c.accept(h, update, len(payload), payload)
 
 
 def phases(args: argparse.Namespace) -> dict[str, Any]:

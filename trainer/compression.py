@@ -420,6 +420,27 @@ def _matrix_dims(shape: tuple[int, ...] | list[int]) -> tuple[int, int]:
     return int(shape[0]), math.prod(int(k) for k in shape[1:])
 
 
+def thin_svd(a: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """U, σ (descending), Vᵀ of a float64 m × n matrix, k = min(m, n), from the eigendecomposition of
+    the smaller Gram matrix: for m ≤ n, A Aᵀ = U diag(σ²) Uᵀ and V = Aᵀ U diag(σ)⁻¹ (else the
+    transpose). A Gram product and a k × k ``eigh`` cost a few times less than LAPACK's SVD of A
+    and lose precision only in σᵢ below ~1e-8·σ₁, far under what int4 keeps; directions with
+    σᵢ ≤ 1e-12·σ₁ get a zero vector. How a payload was chosen need not be reproducible (see
+    Determinism), only its decompression."""
+    m, n = a.shape
+    wide = m <= n
+    gram = a @ a.T if wide else a.T @ a
+    eigenvalues, vectors = torch.linalg.eigh(gram)  # ascending
+    eigenvalues, vectors = eigenvalues.flip(0), vectors.flip(1)
+    sigma = eigenvalues.clamp_min(0.0).sqrt()
+    floor = float(sigma[0]) * 1e-12 if sigma.numel() else 0.0
+    inverse = torch.where(sigma > floor, 1.0 / sigma.clamp_min(floor if floor > 0 else 1.0), 0.0)
+    other = (a.T @ vectors if wide else a @ vectors) * inverse
+    if wide:
+        return vectors, sigma, other.T
+    return other, sigma, vectors.T
+
+
 def _lowrank_factors(
     u: torch.Tensor, s: torch.Tensor, vh: torch.Tensor, rank: int
 ) -> tuple[torch.Tensor, torch.Tensor]:
@@ -441,6 +462,28 @@ def _factor_order(factor: torch.Tensor) -> torch.Tensor:
     return factor.T.contiguous().reshape(-1)
 
 
+_BLOCK_BYTES = 256 << 10  # a block of rows of the result and its product term stay in a core's L2
+
+
+def _sum_of_outer_products(p: torch.Tensor, q: torch.Tensor) -> torch.Tensor:
+    """Σᵢ pᵢ qᵢᵀ for the rows pᵢ of p (r × m) and qᵢ of q (r × n), float64: each entry is
+    ((p₀q₀ + p₁q₁) + p₂q₂) + …, one rounded product and one rounded sum a term in increasing i, the
+    same on every machine. The m rows are done a block at a time so the running sum stays in cache
+    (the order of operations on each entry is the same as over the whole matrix at once)."""
+    r, m = p.shape
+    n = q.shape[1]
+    out = torch.zeros(m, n, dtype=torch.float64)
+    rows = max(1, min(m, _BLOCK_BYTES // (8 * max(1, n))))
+    term = torch.empty(rows, n, dtype=torch.float64)
+    for start in range(0, m, rows):
+        block = out[start:start + rows]
+        product = term[:block.shape[0]]
+        for i in range(r):
+            torch.mul(p[i, start:start + rows].unsqueeze(1), q[i].unsqueeze(0), out=product)
+            block.add_(product)
+    return out
+
+
 def _reconstruct(entry: TensorEntry, tensors: Mapping[str, torch.Tensor], dtype: torch.dtype) -> torch.Tensor:
     """The dense tensor an entry stands for; elementwise float64 ops only (see Determinism)."""
 
@@ -454,12 +497,7 @@ def _reconstruct(entry: TensorEntry, tensors: Mapping[str, torch.Tensor], dtype:
     if entry.kind == KIND_LOWRANK:
         m, n = _matrix_dims(entry.shape)
         r = entry.rank
-        p = values("P").view(r, m)  # row i is p̃ᵢ
-        q = values("Q").view(r, n)
-        acc = torch.zeros(m, n, dtype=torch.float64)
-        for i in range(r):
-            acc.add_(p[i].unsqueeze(1) * q[i].unsqueeze(0))
-        dense = acc
+        dense = _sum_of_outer_products(values("P").view(r, m), values("Q").view(r, n))  # row i is p̃ᵢ, q̃ᵢ
     else:
         dense = values("W")
     return dense.reshape(entry.shape).to(dtype)
@@ -557,7 +595,7 @@ def _encode_tensor(name: str, t: torch.Tensor, a: torch.Tensor, policy: Adaptive
     mat = a.reshape(m, n)
     g = cfg.int4_group_size
     if not policy.always_dense(m, n):
-        u, sigma, vh = torch.linalg.svd(mat, full_matrices=False)
+        u, sigma, vh = thin_svd(mat)
         decision = policy.decide(name, sigma, (m, n))
         if decision.kind == KIND_LOWRANK:
             rank = decision.rank

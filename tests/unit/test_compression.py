@@ -339,6 +339,35 @@ def test_same_inputs_give_identical_bytes_and_tensors() -> None:
     assert torch.equal(e1["w"], (a - again["w"].double()).float())
 
 
+@pytest.mark.parametrize("m, n, r", [(1, 1, 1), (97, 5000, 3), (4100, 7, 9), (300, 301, 17)])
+def test_reconstruction_adds_the_rank_one_terms_in_order(m: int, n: int, r: int,
+                                                         monkeypatch: pytest.MonkeyPatch) -> None:
+    """Blocked or not, each entry is the same left-to-right sum of rounded products: the bytes are
+    those of the plain definition, whatever the block size."""
+    p = torch.randn(r, m, generator=gen(40), dtype=torch.float64)
+    q = torch.randn(r, n, generator=gen(41), dtype=torch.float64)
+    reference = torch.zeros(m, n, dtype=torch.float64)
+    for i in range(r):
+        reference = reference + p[i].unsqueeze(1) * q[i].unsqueeze(0)
+    for block_bytes in (8, 8 * n * 3, C._BLOCK_BYTES):
+        monkeypatch.setattr(C, "_BLOCK_BYTES", block_bytes)
+        assert torch.equal(C._sum_of_outer_products(p, q), reference)
+
+
+@pytest.mark.parametrize("m, n", [(40, 90), (90, 40), (64, 64)])
+def test_thin_svd_matches_lapack_on_what_int4_keeps(m: int, n: int) -> None:
+    a = low_rank_plus_noise(m, n, 6, 0.01, seed=42).double()
+    u, sigma, vh = C.thin_svd(a)
+    reference = torch.linalg.svdvals(a)
+    assert torch.allclose(sigma, reference, rtol=1e-9, atol=1e-12 * float(reference[0]))
+    for r in (1, 6):  # the rank-r truncation is LAPACK's, to far below an int4 step
+        truncated = (u[:, :r] * sigma[:r]) @ vh[:r]
+        lu, ls, lvh = torch.linalg.svd(a, full_matrices=False)
+        assert torch.allclose(truncated, (lu[:, :r] * ls[:r]) @ lvh[:r], atol=1e-9 * float(reference[0]))
+    zero_u, zero_sigma, zero_vh = C.thin_svd(torch.zeros(m, n, dtype=torch.float64))
+    assert not zero_sigma.any() and not zero_u.isnan().any() and not zero_vh.isnan().any()
+
+
 def test_singular_vector_signs_are_fixed() -> None:
     a = low_rank_plus_noise(40, 30, 3, 0.01, seed=19)
     p_pos, _ = compress({"w": a}, None, AdaptiveRankPolicy.fixed(3))
