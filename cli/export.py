@@ -3,7 +3,11 @@
 Writes ``OUT/config.json`` (the family's ``transformers`` configuration, trainer.hf_model.hf_config:
 ``architectures`` names the causal LM class, dtype float32) and ``OUT/model.safetensors``, the
 round's parameters under their own names, which are the Hugging Face ones, so
-``transformers.AutoModelForCausalLM.from_pretrained(OUT)`` loads the model as trained. The
+``transformers.AutoModelForCausalLM.from_pretrained(OUT)`` loads the model as trained. A run on
+prepared tokens with a BPE tokenizer also gets ``OUT/tokenizer.json`` (the pinned one, read from the
+run's store by its CID) and ``OUT/tokenizer_config.json``, so ``AutoTokenizer.from_pretrained(OUT)``
+encodes text as the run did; its end-of-text token is the config's ``bos_token_id`` and
+``eos_token_id``. Byte-token runs have no Hugging Face tokenizer: ids are the UTF-8 bytes. The
 safetensors metadata ties the file to the run:
 
     format            "pt"
@@ -28,8 +32,10 @@ import shutil
 from pathlib import Path
 
 from storage_client import CID, Manifest, lineage, strict_json
-from trainer.run_dir import RunDir
 from trainer.checkpoints import checkpoint_at
+from trainer.config import RunConfig
+from trainer.run_dir import RunDir
+from trainer.tokenizer import BpeTokenizer
 from trainer.wire import Params
 
 SAFETENSORS_NAME = "model.safetensors"
@@ -85,7 +91,6 @@ def export_checkpoint(run_dir: RunDir, manifest: Manifest, manifest_cid: CID, pa
     import torch
     from safetensors.torch import save_file
 
-    from trainer.config import RunConfig
     from trainer.hf_model import HF_CLASSES, hf_config
     from trainer.model import new_model
 
@@ -103,6 +108,17 @@ def export_checkpoint(run_dir: RunDir, manifest: Manifest, manifest_cid: CID, pa
                           f"{', '.join(wrong[:5])}{' ...' if len(wrong) > 5 else ''}")
     hf = hf_config(config.model).to_dict()
     hf["torch_dtype"] = "float32"  # the key transformers 4 reads; 5 reads "dtype" (also float32)
+    files = {"config.json": b""}
+    tokenizer = run_tokenizer(run_dir, config)
+    if tokenizer is not None:
+        hf["bos_token_id"] = hf["eos_token_id"] = tokenizer.eos_id
+        hf["pad_token_id"] = None
+        files["tokenizer.json"] = tokenizer.json_bytes
+        files["tokenizer_config.json"] = (strict_json({
+            "tokenizer_class": "PreTrainedTokenizerFast", "bos_token": tokenizer.eos_token, "eos_token": tokenizer.eos_token,
+            "model_max_length": config.model.block_size, "clean_up_tokenization_spaces": False,
+        }, indent=2, sort_keys=True) + "\n").encode("utf-8")
+    files["config.json"] = (strict_json(hf, indent=2, sort_keys=True) + "\n").encode("utf-8")
     metadata = {"format": "pt", "dilocox.manifest": str(manifest_cid), "dilocox.round": str(manifest.round),
                 "dilocox.config": manifest.config}
     out.parent.mkdir(parents=True, exist_ok=True)
@@ -110,13 +126,30 @@ def export_checkpoint(run_dir: RunDir, manifest: Manifest, manifest_cid: CID, pa
     shutil.rmtree(partial, ignore_errors=True)
     partial.mkdir()
     try:
-        (partial / "config.json").write_text(strict_json(hf, indent=2, sort_keys=True) + "\n", encoding="utf-8")
+        for name, data in files.items():
+            (partial / name).write_bytes(data)
         save_file({n: t.contiguous() for n, t in params.items()}, str(partial / SAFETENSORS_NAME), metadata=metadata)
-        for name in ("config.json", SAFETENSORS_NAME):
+        for name in (*files, SAFETENSORS_NAME):
             with open(partial / name, "rb") as f:
                 os.fsync(f.fileno())
         os.replace(partial, out)  # onto a missing or empty folder: atomic
     except BaseException:
         shutil.rmtree(partial, ignore_errors=True)
         raise
-    return ["config.json", SAFETENSORS_NAME]
+    return [*files, SAFETENSORS_NAME]
+
+
+def run_tokenizer(run_dir: RunDir, config: RunConfig) -> BpeTokenizer | None:
+    """The BPE tokenizer the run pinned (its token index, then tokenizer.json, both read from the
+    run's store by CID, so verified), or None for byte tokens."""
+    from trainer.dataset import TokenIndex
+
+    if not config.data.tokens_cid:
+        return None
+    try:
+        index = TokenIndex.from_bytes(run_dir.store.get(config.data.tokens_cid), "the run's token index")
+        if index.kind != BpeTokenizer.kind or index.tokenizer_cid is None:
+            return None
+        return BpeTokenizer(run_dir.store.get(index.tokenizer_cid), what="the run's tokenizer.json")
+    except (OSError, ValueError) as exc:  # StoreError, DataError, TokenizerError
+        raise ExportError(f"the run's tokenizer cannot be read from its store: {exc}") from None

@@ -83,10 +83,10 @@ class BpeTokenizer:
             raise TokenizerError(f"{what} has a vocabulary of {self.vocab_size}; it must be in "
                                  f"[{MIN_BPE_VOCAB}, {MAX_VOCAB}]")
         ids = [self._tokenizer.token_to_id(token) for token in EOS_CANDIDATES]
-        eos = next((i for i in ids if i is not None), None)
-        if eos is None:
+        found = next(((token, i) for token, i in zip(EOS_CANDIDATES, ids) if i is not None), None)
+        if found is None:
             raise TokenizerError(f"{what} has no end-of-text token (one of {', '.join(EOS_CANDIDATES)})")
-        self.eos_id = int(eos)
+        self.eos_token, self.eos_id = found[0], int(found[1])
 
     @classmethod
     def load(cls, path: Path) -> BpeTokenizer:

@@ -49,10 +49,11 @@ def tokens(tmp_path_factory) -> Path:
     return out
 
 
-def test_a_demo_run_on_prepared_bpe_tokens_trains_and_audits(tmp_path: Path, tokens: Path) -> None:
+def test_a_llama_demo_run_on_prepared_bpe_tokens_trains_audits_and_exports_with_its_tokenizer(
+        tmp_path: Path, tokens: Path) -> None:
     run_dir = tmp_path / "demo"
-    settings = [f"data.tokens={tokens}", f"model.vocab_size={VOCAB}", "model.n_layer=1", "model.n_embd=64",
-                "model.n_head=2", "model.block_size=32", "inner.steps=12", "inner.batch_size=8",
+    settings = [f"data.tokens={tokens}", f"model.vocab_size={VOCAB}", "model.family=llama", "model.n_layer=1",
+                "model.n_embd=64", "model.n_head=2", "model.block_size=32", "inner.steps=12", "inner.batch_size=8",
                 "rounds.rounds=2", "data.eval_batches=2"]
     done = dilocox("demo", "--run-dir", str(run_dir), *[a for s in settings for a in ("--set", s)], timeout=300)
     assert done.returncode == 0, done.stdout[-4000:] + done.stderr[-4000:]
@@ -66,6 +67,22 @@ def test_a_demo_run_on_prepared_bpe_tokens_trains_and_audits(tmp_path: Path, tok
     # what the audit reads from the store alone: the index and the tokenizer it pins
     assert local.store.get(config.data.tokens_cid) == index
     assert local.store.get(json.loads(index)["tokenizer"]["cid"]) == (tokens / "tokenizer.json").read_bytes()
+
+    # The export carries the pinned tokenizer: transformers encodes text as the run did.
+    out = tmp_path / "hf"
+    done = dilocox("export", "--run", str(run_dir), "--round", "2", str(out))
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert (out / "tokenizer.json").read_bytes() == (tokens / "tokenizer.json").read_bytes()
+    from transformers import AutoConfig, AutoTokenizer
+
+    from trainer.tokenizer import EOS_TOKEN, BpeTokenizer
+
+    hf_tokenizer = AutoTokenizer.from_pretrained(out, local_files_only=True)
+    ours = BpeTokenizer.load(tokens / "tokenizer.json")
+    text = SHAKESPEARE.read_text(encoding="utf-8")[:2000]
+    assert hf_tokenizer(text)["input_ids"] == ours.encode_batch([text])[0]
+    assert hf_tokenizer.eos_token == EOS_TOKEN
+    assert AutoConfig.from_pretrained(out, local_files_only=True).eos_token_id == ours.eos_id == 0
 
 
 def test_a_worker_whose_shard_file_is_missing_fails_at_start_naming_it(tmp_path: Path, tokens: Path) -> None:

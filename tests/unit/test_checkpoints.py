@@ -12,7 +12,7 @@ from storage_client.manifest import Downlink, Participant
 from trainer.checkpoints import CheckpointError, checkpoint_at, is_full_checkpoint
 from trainer.compression import AdaptiveRankPolicy, CompressionConfig
 from trainer.config import ModelConfig, RoundConfig, RunConfig
-from trainer.diloco import outer_state_of, zero_momentum
+from trainer.diloco import zero_momentum
 from trainer.downlink import DownlinkCompressor
 from trainer.transition import OuterState, round_transition
 from trainer.update_record import RecordError, open_update, record_bytes, slice_ref, store_slice
