@@ -261,6 +261,30 @@ def test_adaptive_rank_decreases_as_energy_concentrates() -> None:
     assert sizes[-1] < sizes[0]
 
 
+def test_the_rank_follows_the_update_not_the_residual_error_feedback_adds() -> None:
+    """A rank-3 update under a large, flat error buffer: the policy reads Δ's spectrum (three
+    directions hold τ of it), while A = Δ + e's would need most of the 48; what is dropped stays in e."""
+    cfg = CompressionConfig(target_energy=0.9, min_rank=1, max_rank=40, window=1)
+    update = low_rank_plus_noise(64, 48, 3, 0.0, seed=1)
+    residual = 3.0 * update.norm() / 48 * torch.randn(64, 48, generator=gen(2))
+    errors = {"w": residual.clone()}
+    policy = AdaptiveRankPolicy(cfg)
+    payload, header = compress({"w": update}, errors, policy)
+    d = policy.last_decision.tensors["w"]
+    assert d.target_rank == 3 and d.rank == 3 and d.energy >= 0.9
+    a = update.double() + residual.double()  # what the rule before read: σ of A
+    curve = torch.cumsum(C.singular_values(a) ** 2, 0) / (a.norm() ** 2)
+    assert int(torch.nonzero(curve >= 0.9)[0]) + 1 > 20
+    sent = decompress(payload, header, {"w": ("float32", (64, 48))})["w"]
+    torch.testing.assert_close(errors["w"].double(), a - sent.double(), rtol=0, atol=1e-5)  # e ← A − Â
+
+
+def test_singular_values_match_lapack() -> None:
+    a = low_rank_plus_noise(40, 70, 5, 0.1, seed=3).double()
+    torch.testing.assert_close(C.singular_values(a), torch.linalg.svdvals(a), rtol=1e-9, atol=1e-9)
+    torch.testing.assert_close(C.singular_values(a.T), torch.linalg.svdvals(a), rtol=1e-9, atol=1e-9)
+
+
 def test_rank_changes_by_at_most_the_factor_per_round() -> None:
     cfg = CompressionConfig(target_energy=0.95, min_rank=1, max_rank=32, window=1, max_rank_factor=2.0)
     policy = AdaptiveRankPolicy(cfg)
