@@ -17,6 +17,8 @@ Modes, one row each (``--modes`` takes the keys):
     no-pipeline      dilocox with 1 stage per worker
     fixed-rank       dilocox with a fixed rank 24 (compression.min_rank = max_rank = 24, the middle
                      of the adaptive policy's [16, 32], so both send about the same bytes)
+    eager            dilocox whose overlapped rounds start eagerly (rounds.overlap_start = "eager",
+                     trainer.worker.loops) instead of with the delayed rule
 
 Every DiLoCo mode runs real processes through benchmarks.cluster.LocalCluster: one coordinator and W
 workers (``dilocox worker --metrics FILE [--stages 2]``), one torch thread per worker process, over
@@ -147,6 +149,7 @@ class Mode:
     stages: int = 1
     fixed_rank: int = 0  # 0: the adaptive policy
     allreduce: bool = False
+    overlap_start: str = "delayed"  # rounds.overlap_start of an overlapped mode
 
     @property
     def dilocox(self) -> bool:
@@ -163,6 +166,7 @@ MODES = (
     Mode("no-pipeline", "DiLoCoX −pipeline", compression=True, overlap=True, stages=1),
     Mode("fixed-rank", "DiLoCoX −adaptive rank", compression=True, overlap=True, stages=2,
          fixed_rank=FIXED_RANK),
+    Mode("eager", "DiLoCoX, eager overlap", compression=True, overlap=True, stages=2, overlap_start="eager"),
 )
 BY_KEY = {m.key: m for m in MODES}
 
@@ -272,7 +276,7 @@ def run_config(mode: Mode, s: Settings, data: Data, rounds: int) -> RunConfig:
         outer=outer_of(mode, s), data=data.config,
         rounds=RoundConfig(rounds=rounds, expected_workers=s.workers, quorum=s.workers,
                            straggler_timeout_s=s.timeout_s, heartbeat_interval_s=0.5,
-                           liveness_timeout_s=15.0, overlap=mode.overlap),
+                           liveness_timeout_s=15.0, overlap=mode.overlap, overlap_start=mode.overlap_start),
         compression=compression,
     )
 
@@ -359,7 +363,8 @@ def mean(xs: Sequence[float]) -> float:
 
 def convergence_row(mode: Mode, s: Settings, data: Data, evaluate: Evaluator, root: Path) -> dict[str, Any]:
     config = run_config(mode, s, data, s.rounds)
-    row: dict[str, Any] = {"name": mode.name, "stages": mode.stages, "overlap": mode.overlap,
+    row: dict[str, Any] = {"name": mode.name, "stages": mode.stages,
+                           "overlap": mode.overlap_start if mode.overlap else "no",
                            "compression": ("fixed rank %d" % mode.fixed_rank if mode.fixed_rank else "adaptive")
                            if mode.compression else "none",
                            "outer": asdict(config.outer), "warnings": []}
@@ -571,7 +576,7 @@ def _report_convergence(result: dict[str, Any]) -> list[str]:
             continue
         lines.append(
             f"| {r['name']} | {r['stages'] if key != 'allreduce' else '—'} | "
-            f"{'yes' if r['overlap'] else 'no'} | {r['compression'] if key != 'allreduce' else 'none (fp32)'} | "
+            f"{r['overlap']} | {r['compression'] if key != 'allreduce' else 'none (fp32)'} | "
             f"{_outer(r['outer']) if key != 'allreduce' else 'AdamW only'} | {r['tokens']:,} | {r['final_loss']:.4f} | "
             f"{r['loss_ratio']:.3f} | {_mb(r['bytes_sent_per_worker'])} | {_mb(r['bytes_received_per_worker'])} | "
             f"{r['bytes_per_token']:,.2f} | {_x(r['bytes_x_fewer'])} |")

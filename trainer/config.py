@@ -26,6 +26,9 @@ from trainer.compression import CompressionConfig
 SCHEMA = "dilocox.config/v1"
 # The values of rounds.aggregator (trainer.aggregation.aggregate states each rule).
 AGGREGATORS = ("mean", "trimmed_mean", "median")
+# The values of rounds.overlap_start: where an overlapped worker starts its next round
+# (trainer.worker.loops states both rules).
+OVERLAP_STARTS = ("delayed", "eager")
 _RUN_ID = re.compile(r"^[A-Za-z0-9._-]{1,64}$")
 
 
@@ -160,6 +163,11 @@ class RoundConfig:
     # trainer.worker.loops). Staleness and outer momentum compound, so lower outer.momentum when
     # turning this on (docs/measurements.md has the figures; `dilocox bench overlap` measures them).
     overlap: bool = False
+    # Where an overlapped round starts (trainer.worker.loops): "delayed", the newest global state
+    # plus the worker's own last Δ; or "eager" (Kale et al. 2025), the newest global state moved by
+    # a proxy of the outer step still in flight: the step before it, corrected by the worker's own
+    # change of Δ.
+    overlap_start: str = "delayed"
     # Robust aggregation (trainer.aggregation.aggregate): each update is clipped to clip_multiple
     # (c) x the lower median of the round's update norms and the previous clip_history_rounds (K)
     # rounds' norms. c: 0 (off: the plain mean) or [1, 100]; K: [0, 64].
@@ -491,6 +499,9 @@ def _validate(cfg: RunConfig) -> list[str]:
         problems.append(f"run_id {cfg.run_id!r} must match [A-Za-z0-9._-]{{1,64}}")
     if cfg.model.family not in MODEL_FAMILIES:
         problems.append(_unknown_family(cfg.model.family))
+    if cfg.rounds.overlap_start not in OVERLAP_STARTS:
+        problems.append(f"rounds.overlap_start = {cfg.rounds.overlap_start[:40]!r} must be one of "
+                        f"{', '.join(OVERLAP_STARTS)}")
     if cfg.rounds.aggregator not in AGGREGATORS:
         problems.append(f"rounds.aggregator = {cfg.rounds.aggregator!r} must be one of {', '.join(AGGREGATORS)}")
     for name, value in _numeric_fields(cfg):

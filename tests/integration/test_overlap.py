@@ -15,12 +15,14 @@ from trainer.config import InnerConfig, RoundConfig
 pytestmark = pytest.mark.integration
 
 
-def test_overlapped_compressed_workers_train_and_the_lineage_rederives(cluster: LocalCluster, make_config) -> None:
-    """DiLoCoX's whole exchange: overlap, and compression both ways (the global update reaches a
-    worker one round late and compressed against the round before, which it holds)."""
+@pytest.mark.parametrize("start", ["delayed", "eager"])
+def test_overlapped_compressed_workers_train_and_the_lineage_rederives(cluster: LocalCluster, make_config,
+                                                                       start: str) -> None:
+    """DiLoCoX's whole exchange: overlap (either start rule), and compression both ways (the global
+    update reaches a worker one round late and compressed against the round before, which it holds)."""
     cluster.start_coordinator(make_config(rounds=RoundConfig(
-        rounds=3, expected_workers=2, quorum=2, overlap=True, heartbeat_interval_s=0.5, liveness_timeout_s=3.0),
-        compression=CompressionConfig(enabled=True, min_rank=1, max_rank=4)))
+        rounds=3, expected_workers=2, quorum=2, overlap=True, overlap_start=start, heartbeat_interval_s=0.5,
+        liveness_timeout_s=3.0), compression=CompressionConfig(enabled=True, min_rank=1, max_rank=4)))
     cluster.start_worker("w0")
     cluster.start_worker("w1")
     for name in ("w0", "w1", "coordinator"):
@@ -30,6 +32,7 @@ def test_overlapped_compressed_workers_train_and_the_lineage_rederives(cluster: 
     for _, m in chain[1:]:
         assert [p.worker for p in m.participants] == ["w0", "w1"]
     assert "waited" in cluster.log("w0")
+    assert f"overlapped rounds, {start} start" in cluster.log("w0")
     assert "fetching them dense" not in cluster.log("w0", tail=400)
 
 

@@ -1,13 +1,29 @@
 """The worker's round loops: synchronous (DiLoCo) and with DiLoCoX's one-step-delay overlap.
 
-    synchronous   s⁽ʳ⁾ = θ⁽ʳ⁻¹⁾                      wait for the round before to close, then train
-    overlapped    s⁽ʳ⁾ = θ⁽ʳ⁻²⁾ − Δᵢ⁽ʳ⁻¹⁾  (r ≥ 2)    train at once; push Δ⁽ʳ⁻¹⁾ / fetch θ⁽ʳ⁻¹⁾ meanwhile
+    synchronous   s⁽ʳ⁾ = θ⁽ʳ⁻¹⁾                        wait for the round before to close, then train
+    overlapped    train round r at once; push Δ⁽ʳ⁻¹⁾ / fetch θ⁽ʳ⁻¹⁾ meanwhile, from s⁽ʳ⁾ (r ≥ 2):
+      delayed     s⁽ʳ⁾ = θ⁽ʳ⁻²⁾ − Δᵢ⁽ʳ⁻¹⁾
+      eager       s⁽ʳ⁾ = θ⁽ʳ⁻²⁾ − Ũᵢ⁽ʳ⁻¹⁾,   Ũᵢ⁽ʳ⁻¹⁾ = U⁽ʳ⁻²⁾ + c (Δ̂ᵢ⁽ʳ⁻¹⁾ − Δ̂ᵢ⁽ʳ⁻²⁾)
     both          Δᵢ⁽ʳ⁾ = s⁽ʳ⁾ − θᵢ⁽ʳ'ᴴ⁾ after H inner steps;  θ⁽ʳ⁾ = Outer(θ⁽ʳ⁻¹⁾, mean Δ⁽ʳ⁾)
 
-With overlap the global update reaches a worker one round late: round r builds on θ⁽ʳ⁻²⁾ plus the
-worker's own last round, instead of θ⁽ʳ⁻¹⁾. The coordinator's arithmetic is the same in both modes,
-so checkpoints, reports and the audit do not change. A worker dropped from a round (too late, or
-refused) logs why and starts the next round from the latest global checkpoint.
+With overlap the global update reaches a worker one round late: round r's start cannot include the
+outer step θ⁽ʳ⁻²⁾ → θ⁽ʳ⁻¹⁾, still in flight. ``rounds.overlap_start`` chooses what stands in for it:
+
+* **delayed**: the worker's own last pseudo-gradient, applied whole.
+* **eager** (Kale, Douillard, Donchev, "Eager Updates For Overlapped Communication and Computation
+  in DiLoCo", arXiv:2502.12996): a proxy of the outer step in flight. The paper mixes the worker's
+  current outer gradient with the other workers' delayed ones, ḡ ≈ Δ̄⁽ʳ⁻²⁾ + (Δᵢ⁽ʳ⁻¹⁾ − Δᵢ⁽ʳ⁻²⁾)/W.
+  A worker here holds the global states, not the coordinator's momentum, so the proxy is stated on
+  the displacement the outer step applies, U⁽ᵗ⁾ = θ⁽ᵗ⁻¹⁾ − θ⁽ᵗ⁾ (U⁽⁰⁾ = 0): the last displacement,
+  plus the worker's change of Δ at the weight a fresh outer gradient gets in that step,
+  c = η_out (1 + μ) / W with Nesterov (η_out / W without), W = ``rounds.expected_workers``. Δ̂ᵢ is
+  what the worker transmitted (the coordinator's reconstruction of its push; Δ̂ᵢ⁽⁰⁾ = 0), so every
+  term of the start is in the run's store. When θ⁽ʳ⁻¹⁾ lands, the next start is built on it: the
+  correction is the difference between the proxy and the step that was actually taken.
+
+The coordinator's arithmetic is the same in every mode, so checkpoints, reports and the audit do
+not change. A worker dropped from a round (too late, or refused) logs why and starts the next round
+from the latest global checkpoint.
 """
 
 from __future__ import annotations
@@ -17,7 +33,10 @@ import time
 from concurrent.futures import Future, ThreadPoolExecutor
 from typing import TYPE_CHECKING
 
+from trainer.config import RunConfig
 from trainer.pipeline import PipelineError
+from trainer.uplink import merged
+from trainer.wire import Params
 from trainer.worker.client import Checkpoint
 
 if TYPE_CHECKING:  # the role drives these loops; they only call back into it
@@ -53,15 +72,51 @@ def _exchange(worker: Worker, round_: int, work: RoundWork, base_cid: str) -> tu
     return pushed, worker.client.fetch(round_)
 
 
+class OverlapStart:
+    """Where an overlapped worker's next round starts (see the module docstring); ``rebase`` once
+    per round, after θ⁽ʳ⁻¹⁾ has landed, with that round's work."""
+
+    def __init__(self, config: RunConfig) -> None:
+        self.eager = config.rounds.overlap_start == "eager"
+        outer = config.outer
+        self.weight = outer.lr * ((1.0 + outer.momentum) if outer.nesterov else 1.0) / config.rounds.expected_workers
+        self.reset()
+
+    def reset(self) -> None:
+        """Forget the history: the next start is taken as the first of a run."""
+        self._global: Params | None = None  # θ⁽ʳ⁻²⁾, the global state before the newest
+        self._sent: Params | None = None  # Δ̂ᵢ⁽ʳ⁻²⁾
+
+    def rebase(self, newest: Params, work: RoundWork) -> Params:
+        """s⁽ʳ⁺¹⁾ from θ⁽ʳ⁻¹⁾ = ``newest`` and round r's ``work``."""
+        if not self.eager:
+            delta = work.result.pseudo_gradient
+            return {k: newest[k] - delta[k] for k in newest}
+        sent = merged(work.slices)
+        start: Params = {}
+        for k, theta in newest.items():
+            proxy = (sent[k] - self._sent[k] if self._sent is not None else sent[k]) * self.weight
+            if self._global is not None:
+                proxy = proxy + (self._global[k] - theta)
+            start[k] = theta - proxy
+        self._global, self._sent = newest, sent
+        return start
+
+
 def overlapped(worker: Worker) -> int:
     """While round r trains, the exchange of round r-1 (push Δ⁽ʳ⁻¹⁾, fetch θ⁽ʳ⁻¹⁾) runs in a
-    background thread; round r started from θ⁽ʳ⁻²⁾ − Δ⁽ʳ⁻¹⁾, the newest global this worker held
-    plus its own last round. A worker that finds itself behind (dropped, or the run moved on)
-    starts over synchronously from the newest global."""
+    background thread; round r started from θ⁽ʳ⁻²⁾, the newest global this worker held, moved by
+    what stands in for the step in flight (:class:`OverlapStart`). A worker that finds itself behind
+    (dropped, or the run moved on) starts over synchronously from the newest global."""
     held = worker.client.fetch(0)
     if held.finished:
         return worker.finished(held)
     r, start, base = held.round + 1, held.params, held.params_cid
+    rule = OverlapStart(worker.config)
+    log.info("overlapped rounds, %s start: the next round starts from the newest global state %s",
+             worker.config.rounds.overlap_start,
+             f"moved by a proxy of the outer step in flight (c = {rule.weight:.4g})" if rule.eager
+             else "plus this worker's own last pseudo-gradient")
     inflight: Future | None = None
     with ThreadPoolExecutor(max_workers=1, thread_name_prefix="exchange") as exchange:
         while r <= worker.config.rounds.rounds:
@@ -74,6 +129,7 @@ def overlapped(worker: Worker) -> int:
                 if held.finished:
                     return worker.finished(held)
                 r, start, base, inflight = held.round + 1, held.params, held.params_cid, None
+                rule.reset()
                 continue
             trained = time.monotonic() - started
             if inflight is not None:
@@ -85,11 +141,11 @@ def overlapped(worker: Worker) -> int:
                     if held.finished:
                         return worker.finished(held)
                     r, start, base, inflight = held.round + 1, held.params, held.params_cid, None
+                    rule.reset()
                     continue
             inflight = exchange.submit(_exchange, worker, r, work, base)
             worker.round_done(r, work, trained, time.monotonic() - started - trained)
-            # s⁽ʳ⁺¹⁾ = θ⁽ʳ⁻¹⁾ − Δ⁽ʳ⁾: newest global held, plus this round's own progress.
-            start = {k: held.params[k] - work.result.pseudo_gradient[k] for k in held.params}
+            start = rule.rebase(held.params, work)  # s⁽ʳ⁺¹⁾ from θ⁽ʳ⁻¹⁾ and round r
             base = held.params_cid
             r += 1
         assert inflight is not None
