@@ -28,7 +28,6 @@ from __future__ import annotations
 import argparse
 import functools
 import logging
-import os
 import sys
 from pathlib import Path
 from typing import Callable, Sequence
@@ -53,6 +52,16 @@ def _logging(verbose: bool) -> None:
         fmt = "%(asctime)s %(levelname)s %(name)s: %(message)s"
     handler.setFormatter(logging.Formatter(fmt))
     logging.basicConfig(level=logging.DEBUG if verbose else logging.INFO, handlers=[handler], force=True)
+
+
+def _stages_arg(text: str) -> int | None:
+    """``--stages``: ``auto`` (None) or a positive count."""
+    if text == "auto":
+        return None
+    try:
+        return int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected auto or a number of stages, got {text[:20]!r}") from None
 
 
 def _threads(n: int) -> None:
@@ -147,7 +156,7 @@ def _trust_settings(args: argparse.Namespace):  # -> TrustSettings | None
 def cmd_worker(args: argparse.Namespace) -> int:
     from trainer.worker import Worker
 
-    _threads(args.threads)
+    # Threads are planned with the stages, at the first join (trainer.pipeline.plan_stages).
     provider = None
     if args.attestation != "none":
         from attestation import open_provider
@@ -158,7 +167,8 @@ def cmd_worker(args: argparse.Namespace) -> int:
     link = Link(bandwidth_bps=args.link_bandwidth * 1e6, latency_s=args.link_latency / 1e3)
     worker = Worker(args.coordinator, args.worker_id, tls=_client_tls(args), attestation=provider,
                     reconnect_timeout_s=args.reconnect_timeout, link=link,
-                    metrics=Path(args.metrics) if args.metrics else None, stages=args.stages, device=args.device)
+                    metrics=Path(args.metrics) if args.metrics else None, stages=args.stages, cores=args.cores,
+                    threads=args.threads, device=args.device)
     return _exit_now(worker.run())
 
 
@@ -287,9 +297,9 @@ def cmd_data(args: argparse.Namespace) -> int:
 
 def cmd_bench(args: argparse.Namespace) -> int:
     if args.what == "ablation":
-        from benchmarks.ablation import run, settings_of
+        from benchmarks.ablation import run, run_sweep, settings_of
 
-        run(settings_of(args))
+        (run_sweep if args.sweep else run)(settings_of(args))
         return 0
     if args.what == "flood":
         from benchmarks.flood import main as flood
@@ -383,7 +393,11 @@ def _worker_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--coordinator", required=True, help="host:port")
     p.add_argument("--worker-id", required=True)
     _client_tls_arguments(p)
-    p.add_argument("--threads", type=int, default=max(1, (os.cpu_count() or 1) // 2), help="torch threads")
+    p.add_argument("--cores", type=int, default=None,
+                   help="cores this worker may use (default: the cores this process may run on); the stages and "
+                        "torch threads are planned on them (trainer.pipeline.plan_stages)")
+    p.add_argument("--threads", type=int, default=None,
+                   help="torch threads to share among the stages instead of --cores (default: the cores)")
     p.add_argument("--attestation", choices=("none", "tdx", "dev"), default="none",
                    help="evidence provider: tdx (configfs-tsm) or dev (a stand-in that PROVES NOTHING)")
     p.add_argument("--dev-root-dir", help="directory of the dev attestation root key")
@@ -394,9 +408,10 @@ def _worker_arguments(p: argparse.ArgumentParser) -> None:
                                      "and one at the end (wall and compute seconds) to this file")
     p.add_argument("--reconnect-timeout", type=float, default=120.0,
                    help="seconds to keep retrying an unreachable coordinator")
-    p.add_argument("--stages", type=int, default=1, metavar="P",
+    p.add_argument("--stages", type=_stages_arg, default=None, metavar="auto|P",
                    help="pipeline stages: P local processes, each holding a contiguous slice of layers "
-                        "(torch.distributed gloo on CPU), with max(1, threads // P) torch threads each")
+                        "(torch.distributed gloo on CPU), with max(1, cores // P) torch threads each; auto "
+                        "(default): 2 when the model has 2+ layers and the worker 2+ cores, else 1")
     p.add_argument("--device", default="cpu",
                    help="where the inner loop runs: cpu, cuda or cuda:N (bf16 autocast on CUDA; pipeline stages "
                         "then each on their own GPU over NCCL); what is sent and checked stays on the CPU")
@@ -577,8 +592,9 @@ def check_args(args: argparse.Namespace) -> None:
             raise UsageError(f"--worker-id {args.worker_id[:80]!r} must match [A-Za-z0-9._-]{{1,64}}")
         if args.attestation == "dev" and not args.dev_root_dir:
             raise UsageError("--attestation dev needs --dev-root-dir (the directory of the dev root key)")
-        if args.threads < 1 or args.stages < 1:
-            raise UsageError(f"--threads {args.threads} and --stages {args.stages} must be >= 1")
+        for flag, value in (("--threads", args.threads), ("--stages", args.stages), ("--cores", args.cores)):
+            if value is not None and not 1 <= value <= 4096:
+                raise UsageError(f"{flag} {value} must be in [1, 4096]")
         from trainer.device import DeviceError, parse_device
 
         try:

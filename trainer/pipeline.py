@@ -61,7 +61,10 @@ gradient), and the P2P ops and the metadata exchange run over gloo.
 Processes, time limits and failures
 -----------------------------------
 A worker's P stages are P long-lived local processes, rank s = stage s, held by a
-:class:`StageGroup` and started once, on the first round of :class:`PipelinedInnerLoop`. They are
+:class:`StageGroup` and started once, when the worker sets up at its first join
+(:meth:`PipelinedInnerLoop.start`), so that no round's training pays for them; a worker's ``finished``
+metrics report that start-up apart. How many stages and threads a worker runs on the cores it is
+given is :func:`plan_stages`'s rule (``dilocox worker --stages auto|P --cores C``). They are
 forked by a ``forkserver`` that imports torch once, so only the first group of a worker pays for
 that import (seconds); a replacement group starts in a fraction of a second.
 Every round the worker puts one job on each stage's own queue (its slice of θ⁽ʳ⁻¹⁾, the batches,
@@ -133,6 +136,42 @@ log = logging.getLogger("dilocox.pipeline")
 Batch = tuple[torch.Tensor, torch.Tensor]
 
 DEFAULT_TIMEOUT_S = 60.0
+
+
+@dataclass(frozen=True)
+class StagePlan:
+    """How a worker uses the cores it is given: P stage processes of T torch threads each, and T₀
+    threads for the worker process itself."""
+
+    stages: int
+    threads_per_stage: int
+    worker_threads: int
+
+
+def plan_stages(requested: int | None, n_layer: int, cores: int, threads: int | None = None) -> StagePlan:
+    """The worker's stages and thread budget on ``cores`` cores (``requested`` None: ``auto``).
+
+    C = ``threads`` when given (the torch threads the worker may run), else ``cores``.
+    auto: P = 2 when the model has at least 2 layers and C ≥ 2, else 1.
+    Pipeline stages exist for models that do not fit one device (DiLoCoX's dual optimiser runs per
+    stage); on a machine without a core per stage they only cost: the stages then time-share the
+    cores and pay the microbatch bubble and the activation transfers on top. Two stages are what
+    the benchmarks measure; more is an explicit ``--stages N``.
+
+    Threads: each stage gets max(1, C // P), so P stages never run more threads than the cores they were given; the worker process, which only
+    waits while its stages train (its exchange thread decodes and evaluates), gets 1. One stage is
+    the worker process itself, with all C threads.
+    """
+    if cores < 1 or (threads is not None and threads < 1):
+        raise ValueError(f"need at least one core and one thread, got cores={cores}, threads={threads}")
+    budget = threads if threads is not None else cores
+    stages = requested if requested is not None else (2 if n_layer >= 2 and budget >= 2 else 1)
+    if not 1 <= stages <= n_layer:
+        raise ValueError(f"{stages} pipeline stages: this run's model has {n_layer} layers, "
+                         f"so a worker can run 1 to {n_layer} stages")
+    if stages == 1:
+        return StagePlan(1, budget, budget)
+    return StagePlan(stages, max(1, budget // stages), 1)
 
 
 class PipelineError(RuntimeError):
@@ -649,8 +688,8 @@ class PipelinedInnerLoop:
     encoding its own slice of Δ for the push (trainer.uplink; compressed when ``compression`` is
     given and enabled).
 
-    The stages start on the first :meth:`run` and serve every later one, each keeping its AdamW
-    state. After a failed round (a :class:`PipelineError`) the next :meth:`run` starts a fresh
+    The stages start at :meth:`start` (or the first :meth:`run`) and serve every later one, each
+    keeping its AdamW state. After a failed round (a :class:`PipelineError`) the next :meth:`run` starts a fresh
     group. Call :meth:`close` (or use it as a context manager) to stop the stages.
     """
 
@@ -687,6 +726,10 @@ class PipelinedInnerLoop:
     @property
     def pids(self) -> list[int]:
         return [] if self.group is None else self.group.pids
+
+    def start(self) -> None:
+        """Start the stage processes now (a worker does at set-up, so that no round pays for it)."""
+        self._ensure_group()
 
     def _ensure_group(self) -> StageGroup:
         group = self.group

@@ -6,6 +6,7 @@ round (the coordinator closes it with the others at once), then rejoins with fre
 
 from __future__ import annotations
 
+import json
 import os
 import re
 import signal
@@ -46,7 +47,8 @@ def test_a_worker_with_two_stages_trains_with_a_plain_one(cluster: LocalCluster,
     small_config(model=TINY).save(config)
     cluster.start_coordinator(config)
     cluster.start_worker("w0")
-    cluster.start_worker("w1", extra=["--stages", "2"])
+    metrics = tmp_path / "w1.jsonl"
+    cluster.start_worker("w1", extra=["--stages", "2", "--metrics", str(metrics)])
     for name in ("w0", "w1", "coordinator"):
         assert cluster.wait_exit(name, 120) == 0, cluster.log(name)
 
@@ -62,6 +64,18 @@ def test_a_worker_with_two_stages_trains_with_a_plain_one(cluster: LocalCluster,
     assert log.count("pipeline stages ready") == 1, log
     assert "abandoned" not in log and "fresh group" not in log
     assert not any(alive(pid) for _, pid in pids)
+    # The stages started at set-up, before round 1 trained, and the start-up is reported apart.
+    assert "worker w1: 2 stage(s) x 1 torch thread(s)" in log
+    assert log.index("pipeline stages ready") < log.index("round 1:"), log
+    records = [json.loads(line) for line in metrics.read_text().splitlines()]
+    rounds = [r for r in records if r["event"] == "round"]
+    assert [(r["stages"], r["threads_per_stage"]) for r in rounds] == [(2, 1), (2, 1)]
+    done = records[-1]
+    assert done["event"] == "finished" and done["startup_s"] > 0 and done["last_exchange_s"] > 0
+    assert done["steady_compute_s"] <= done["steady_wall_s"] <= done["wall_s"]
+    # wall runs from the join; start-up from the worker's start, before it: the parts fit inside.
+    assert done["steady_wall_s"] + done["last_exchange_s"] <= done["wall_s"] + 1e-6
+    assert done["startup_s"] + done["steady_wall_s"] + done["last_exchange_s"] >= done["wall_s"]
 
 
 def cpu_seconds(pid: int) -> float:

@@ -33,7 +33,8 @@ from trainer.device import parse_device
 from trainer.diloco import InnerLoop, InnerResult, evaluate_batches, inner_state_digest, load_params, params_of
 from trainer.link import Link
 from trainer.model import build_model
-from trainer.pipeline import PipelinedInnerLoop, PipelineError
+from trainer.pipeline import PipelinedInnerLoop, PipelineError, plan_stages
+from trainer.procgroup import available_cpus
 from trainer.shared_eval import eval_share, shared_evaluation_problem
 from trainer.tls import ClientTls
 from trainer.update_record import record_of_slices
@@ -77,10 +78,16 @@ class Pushed:
 class Worker:
     def __init__(self, address: str, worker_id: str, *, tls: ClientTls, attestation: EvidenceProvider | None = None,
                  reconnect_timeout_s: float = 120.0, fetch_wait_s: float = 5.0, link: Link | None = None,
-                 metrics: Path | None = None, stages: int = 1, device: str = "cpu") -> None:
+                 metrics: Path | None = None, stages: int | None = 1, cores: int | None = None,
+                 threads: int | None = None, device: str = "cpu") -> None:
+        self.created_at = time.monotonic()  # start-up is measured from here (trainer.pipeline.plan_stages)
         self.worker_id = worker_id
         self.device = parse_device(device)  # where the inner loop runs (trainer.device); refused now if absent
-        self.stages = stages  # pipeline stages: local processes, each a contiguous slice of the layers
+        # Pipeline stages (None: auto) on the cores given, and the torch threads of each: planned at
+        # the first join, when the model's depth is known.
+        self.requested_stages, self.cores, self.threads = stages, cores or available_cpus(), threads
+        self.stages = stages or 1
+        self.threads_per_stage = threads or 1
         self.metrics = metrics
         self.client = CoordinatorClient(address, worker_id, tls=tls, attestation=attestation,
                                         reconnect_timeout_s=reconnect_timeout_s, fetch_wait_s=fetch_wait_s,
@@ -88,6 +95,8 @@ class Worker:
         self.config: RunConfig | None = None
         self.inner: InnerLoop | PipelinedInnerLoop | None = None
         self.started_at = time.monotonic()  # reset when the first round starts
+        self.first_step_at: float | None = None  # when the first round's training began
+        self.last_trained_at: float | None = None  # when the latest round's training ended
         self.compute_s = 0.0  # time in the inner loop, all rounds
         self.tokens = 0
         self._counted = (0, 0)  # bytes sent/received up to the last progress record
@@ -96,10 +105,16 @@ class Worker:
 
     def set_up(self, config: RunConfig, shard: int, num_shards: int) -> None:
         """At the first Join: the shard, the held-out batches, θ⁽⁰⁾ and the inner loop."""
-        n_layer = config.model.n_layer
-        if not 1 <= self.stages <= n_layer:
-            raise WorkerError(f"{self.stages} pipeline stages: this run's model has {n_layer} layers, "
-                              f"so a worker can run 1 to {n_layer} stages")
+        try:
+            plan = plan_stages(self.requested_stages, config.model.n_layer, self.cores, self.threads)
+        except ValueError as exc:
+            raise WorkerError(str(exc)) from None
+        self.stages, self.threads_per_stage = plan.stages, plan.threads_per_stage
+        torch.set_num_threads(plan.worker_threads)
+        if plan.stages > self.cores:
+            log.warning("%d pipeline stages on %d core(s): the stages oversubscribe the cores", plan.stages, self.cores)
+        log.info("worker %s: %d stage(s) x %d torch thread(s) on %d core(s)", self.worker_id, plan.stages,
+                 plan.threads_per_stage, self.cores)
         self.shard_index = shard
         # Verified before any training: the pinned index, tokenizer.json, and this slot's shard
         # files and the held-out file (each checked against the index, then memory-mapped).
@@ -118,13 +133,14 @@ class Worker:
         # is checked against the genesis checkpoint's when the coordinator serves it (as "held").
         genesis = params_of(self.model)
         self.client.held = (str(CID.of(encode_params(genesis))), genesis)
-        if self.stages > 1:  # the stage processes share this worker's torch threads
+        if self.stages > 1:
             try:
                 self.inner = PipelinedInnerLoop(config.model, config.inner, self.stages,
                                                 compression=config.compression, device=str(self.device),
-                                                threads_per_stage=max(1, torch.get_num_threads() // self.stages))
+                                                threads_per_stage=self.threads_per_stage)
             except ValueError as exc:  # e.g. a batch that does not cut into equal microbatches
                 raise WorkerError(f"{self.stages} pipeline stages: {exc}") from exc
+            self.inner.start()  # alive for the whole run: no round pays for starting them
         else:
             self.inner = InnerLoop(self.model, config.inner, self.device)
         # Error feedback lives as long as the worker (not its stage processes): what compression
@@ -137,6 +153,13 @@ class Worker:
     def train(self, round_: int, params: Params) -> RoundWork:
         """The round's inner loop and its Δ encoded for the push, by the stages themselves when
         there are several; PipelineError when a pipeline stage failed (see abandon)."""
+        if self.first_step_at is None:
+            self.first_step_at = time.monotonic()
+        work = self._train(round_, params)
+        self.last_trained_at = time.monotonic()
+        return work
+
+    def _train(self, round_: int, params: Params) -> RoundWork:
         self.client.round, self.client.phase = round_, WorkerPhase.TRAINING
         cfg = self.config
         batches = round_batches(self.shard, seed=cfg.seed, shard_index=self.shard_index, round_=round_,
@@ -269,6 +292,7 @@ class Worker:
                  round_, result.steps, result.mean_loss, result.tokens, trained_s, waited_s, sent, received,
                  f", uplink mean rank {decision.mean_rank:.1f}" if decision else "")
         record = {"event": "round", "round": round_, "tokens": result.tokens, "inner_steps": result.steps,
+                  "stages": self.stages, "threads_per_stage": self.threads_per_stage,
                   "train_loss": result.mean_loss, "compute_s": trained_s, "waited_s": waited_s,
                   "bytes_sent": sent, "bytes_received": received, "time": time.time(),
                   "inner_s": work.inner_s, "compress_s": work.compress_s, **self._phases()}
@@ -282,8 +306,15 @@ class Worker:
         log.info("run finished at round %d (%s); sent %d bytes, received %d; trained %.1fs of %.1fs (%.0f%%)",
                  checkpoint.round, checkpoint.manifest_cid, client.bytes_sent, client.bytes_received,
                  self.compute_s, wall, 100 * self.compute_s / wall if wall > 0 else 0.0)
+        now = time.monotonic()
+        first = self.first_step_at if self.first_step_at is not None else now
+        last = self.last_trained_at if self.last_trained_at is not None else now
+        # Start-up (stage processes, join, the fetch of θ⁰) and the last exchange, which no round
+        # can overlap, apart from the rounds between them.
         self._metric({"event": "finished", "rounds": checkpoint.round, "wall_s": wall, "compute_s": self.compute_s,
                       "tokens": self.tokens, "bytes_sent": client.bytes_sent, "bytes_received": client.bytes_received,
+                      "startup_s": first - self.created_at, "last_exchange_s": now - last,
+                      "steady_wall_s": last - first, "steady_compute_s": self.compute_s,
                       **self._phases()})
         return 0
 
