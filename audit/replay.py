@@ -56,7 +56,9 @@ from typing import Iterable, Mapping
 import torch
 
 from storage_client import Manifest, ObjectStore, from_e6
-from trainer.compression import CompressionError, PinnedRankPolicy, compress, decompress, rank_of
+from trainer import topk
+from trainer.compression import CODEC_TOPK, CompressionError, PinnedRankPolicy, compress, decompress, rank_of
+from trainer.topk import KIND_TOPK
 from trainer.config import RunConfig
 from trainer.data import CorpusError, eval_batches, round_batches
 from trainer.dataset import Dataset, run_dataset
@@ -282,9 +284,11 @@ class Replayer:
 
             d = ‖Â − U‖ / ‖U‖ − q
 
-        and carries e' ← fl32(A' − Â) on, as the worker carried its own e ← A − Â."""
+        and carries e' ← fl32(A' − Â) on, as the worker carried its own e ← A − Â. With the top-k
+        codec (trainer.topk) U is A' on its own top-k positions, unquantised."""
         cfg = self.config.compression
-        ranks = {name: rank_of(t.reshape(t.shape[0], -1)) for name, t in stored.items() if t.dim() >= 2 and t.numel()}
+        ranks = ({} if cfg.codec == CODEC_TOPK else
+                 {name: rank_of(t.reshape(t.shape[0], -1)) for name, t in stored.items() if t.dim() >= 2 and t.numel()})
         try:
             payload, header = compress(delta, dict(errors), PinnedRankPolicy(cfg, ranks))
             recompressed = decompress(payload, header, layout_of(stored))
@@ -294,7 +298,11 @@ class Replayer:
         for name, d in delta.items():
             a = d.double() + (errors[name].double() if name in errors else 0.0)
             entry = next(e for e in header["tensors"] if e["name"] == name)
-            if entry["rank"]:
+            if entry["kind"] == KIND_TOPK:
+                flat = a.reshape(-1)
+                _, kept = topk.select(flat, int(entry["chunk"]), int(entry["k"]))
+                a = topk.scatter(flat.numel(), kept, flat[kept]).reshape(a.shape)
+            elif entry["rank"]:
                 u, sigma, vh = torch.linalg.svd(a.reshape(a.shape[0], -1), full_matrices=False)
                 k = int(entry["rank"])
                 a = ((u[:, :k] * sigma[:k]) @ vh[:k]).reshape(a.shape)

@@ -29,6 +29,10 @@ Matrices (ndim ≥ 2), kind ``"lowrank-int4"``:
   the dense matrix is quantised instead: Â = deq(int4(A)), e ← A − Â. When even the policy's
   smallest rank is ≥ min(m, n)/2 the SVD is skipped altogether and the policy is not consulted.
 
+Top-k instead (``CompressionConfig.codec = "topk"``), kind ``"topk-int4"``: A's largest entries,
+chunk by chunk, with int4 values (trainer.topk has the equations and the byte count); e ← A − Â as
+above. No rank is chosen, so the policy is not consulted.
+
 Vectors and scalars (ndim ≤ 1: biases, LayerNorm gains), kind ``"int8"``, one rule for all of them,
 whatever their size (no fp16 path): Â = deq(int8(A)), e ← A − Â, with the same error feedback.
 
@@ -94,7 +98,9 @@ packed nibbles for int4, int8 for int8) and ``<name>.<part>.scale`` (float32). T
      "tensors": [{"name", "shape", "dtype", "kind", "rank", "group_size",
                   "parts": {part: {"shape", "packed_len", "num_scales"}}}, …]}   (sorted by name)
 
-with ``rank`` 0 for the dense kinds, part shapes [m, r] / [n, r] / [m, n] / [numel], packed_len
+with ``rank`` 0 for the dense and top-k kinds (a top-k entry also carries ``chunk`` and ``k``, and
+its parts are ``I``, the in-chunk positions as uint8 pairs with no scales, and ``V``, the int4
+values), part shapes [m, r] / [n, r] / [m, n] / [numel], packed_len
 ⌈numel/2⌉ (int4) or numel (int8), and num_scales ⌈numel/g⌉.
 
 ``decompress`` parses the header into a :class:`CodecHeader` (``CodecHeader.parse``) and checks the
@@ -113,11 +119,13 @@ from __future__ import annotations
 
 import math
 from collections import deque
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 from typing import Any, Mapping, MutableMapping, Sequence
 
 import torch
 
+from trainer import topk
+from trainer.topk import KIND_TOPK
 from trainer.wire import Layout, Params, WireError, decode_params, dtype_name, encode_params
 
 FORMAT = "dilocox-lowrank-int4/1"
@@ -125,14 +133,20 @@ FORMAT = "dilocox-lowrank-int4/1"
 KIND_LOWRANK = "lowrank-int4"
 KIND_INT4 = "int4"
 KIND_INT8 = "int8"
-KINDS = (KIND_LOWRANK, KIND_INT4, KIND_INT8)
+KINDS = (KIND_LOWRANK, KIND_INT4, KIND_INT8, KIND_TOPK)
+
+# How matrices travel (CompressionConfig.codec): the adaptive low-rank + int4 of DiLoCoX, or top-k
+# with int4 values (trainer.topk, SparseLoCo style). Vectors are int8 in both.
+CODEC_LOWRANK = "lowrank-int4"
+CODEC_TOPK = "topk"
+CODECS = (CODEC_LOWRANK, CODEC_TOPK)
 
 INT4_MAX = 7
 INT8_MAX = 127
 SCALE_BYTES = 4  # float32 scales
 FP32_BYTES = 4
 
-_PARTS = {KIND_LOWRANK: ("P", "Q"), KIND_INT4: ("W",), KIND_INT8: ("W",)}
+_PARTS = {KIND_LOWRANK: ("P", "Q"), KIND_INT4: ("W",), KIND_INT8: ("W",), KIND_TOPK: ("I", "V")}
 _FLOAT_DTYPES = {"float16", "bfloat16", "float32", "float64"}
 
 
@@ -215,6 +229,9 @@ class CompressionConfig:
     max_rank_factor: float = 2.0
     int4_group_size: int = 64
     int8_group_size: int = 64
+    codec: str = CODEC_LOWRANK  # one of CODECS
+    topk_density: float = 1 / 32  # (0, 1]: the fraction of each matrix's entries the top-k codec sends
+    topk_chunk: int = 4096  # [1, 65536]: values per chunk, each chunk keeping its own top k
 
     def __post_init__(self) -> None:
         if not 0.0 < self.target_energy <= 1.0:
@@ -228,6 +245,12 @@ class CompressionConfig:
         for name in ("int4_group_size", "int8_group_size"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be positive, got {getattr(self, name)}")
+        if self.codec not in CODECS:
+            raise ValueError(f"codec must be one of {', '.join(CODECS)}, got {str(self.codec)[:40]!r}")
+        if not 0.0 < self.topk_density <= 1.0:
+            raise ValueError(f"topk_density must lie in (0, 1], got {self.topk_density}")
+        if not 1 <= self.topk_chunk <= topk.MAX_CHUNK:
+            raise ValueError(f"topk_chunk must lie in [1, {topk.MAX_CHUNK}], got {self.topk_chunk}")
 
 
 @dataclass(frozen=True)
@@ -513,6 +536,10 @@ def _reconstruct(entry: TensorEntry, tensors: Mapping[str, torch.Tensor], dtype:
         m, n = _matrix_dims(entry.shape)
         r = entry.rank
         dense = _sum_of_outer_products(values("P").view(r, m), values("Q").view(r, n))  # row i is p̃ᵢ, q̃ᵢ
+    elif entry.kind == KIND_TOPK:
+        numel = math.prod(entry.shape)
+        local = topk.decode_positions(tensors[f"{entry.name}.I.q"])
+        dense = topk.scatter(numel, topk.flat_positions(local, numel, entry.chunk, entry.k), values("V"))
     else:
         dense = values("W")
     return dense.reshape(entry.shape).to(dtype)
@@ -588,7 +615,7 @@ class CompressionStream:
         return _reconstruct(entry, self.out, t.dtype)
 
     def finish(self) -> tuple[bytes, dict[str, Any]]:
-        if len(self.out) != 2 * sum(len(e.parts) for e in self.entries):
+        if len(self.out) != _entry_count(self.entries):
             self.policy.abort_round()
             raise CompressionError("tensor names collide once suffixed with .<part>.q / .<part>.scale")
         self.policy.finish_round()
@@ -609,6 +636,13 @@ def _encode_tensor(name: str, t: torch.Tensor, a: torch.Tensor, policy: Adaptive
     m, n = _matrix_dims(shape)
     mat = a.reshape(m, n)
     g = cfg.int4_group_size
+    if cfg.codec == CODEC_TOPK:
+        k = topk.keep_per_chunk(cfg.topk_density, cfg.topk_chunk)
+        local, flat = topk.select(mat.reshape(-1), cfg.topk_chunk, k)
+        out[f"{name}.I.q"] = topk.encode_positions(local)
+        out[f"{name}.V.q"], out[f"{name}.V.scale"] = _encode_part(mat.reshape(-1)[flat], 4, g)
+        parts = {"I": PartSpec((local.numel(),), 2 * local.numel(), 0), "V": PartSpec.of([local.numel()], 4, g)}
+        return TensorEntry(name, shape, dtype_name(t.dtype), KIND_TOPK, 0, g, parts, cfg.topk_chunk, k)
     if not policy.always_dense(m, n):
         u, sigma, vh = thin_svd(mat)
         signal = t.detach().to(torch.float64).reshape(m, n)
@@ -672,11 +706,16 @@ class TensorEntry:
     rank: int
     group_size: int
     parts: dict[str, PartSpec]
+    chunk: int = 0  # top-k: values per chunk, and k, kept in a full one (0 for the other kinds)
+    k: int = 0
 
     def to_json(self) -> dict[str, Any]:
-        return {"name": self.name, "shape": list(self.shape), "dtype": self.dtype, "kind": self.kind,
-                "rank": self.rank, "group_size": self.group_size,
-                "parts": {part: spec.to_json() for part, spec in self.parts.items()}}
+        out = {"name": self.name, "shape": list(self.shape), "dtype": self.dtype, "kind": self.kind,
+               "rank": self.rank, "group_size": self.group_size,
+               "parts": {part: spec.to_json() for part, spec in self.parts.items()}}
+        if self.kind == KIND_TOPK:
+            out.update(chunk=self.chunk, k=self.k)
+        return out
 
     @classmethod
     def parse(cls, obj: Any, expected: Layout) -> TensorEntry:
@@ -703,13 +742,28 @@ class TensorEntry:
             raise _fail(name, "group_size", f"{group!r} is not a positive integer")
         if not _is_int(rank):
             raise _fail(name, "rank", f"{rank!r} is not an integer")
-        expected_parts = _expected_parts(name, kind, rank, want_shape, group)
-        return cls(name, want_shape, want_dtype, kind, rank, group, _parse_parts(name, obj.get("parts"), expected_parts))
+        chunk, k = 0, 0
+        if kind == KIND_TOPK:
+            chunk, k = obj.get("chunk"), obj.get("k")
+            if not _is_int(chunk) or not 1 <= chunk <= topk.MAX_CHUNK:
+                raise _fail(name, "chunk", f"{chunk!r} is not an integer in [1, {topk.MAX_CHUNK}]")
+            if not _is_int(k) or not 1 <= k <= chunk:
+                raise _fail(name, "k", f"{k!r} is not an integer in [1, chunk = {chunk}]")
+        expected_parts = _expected_parts(name, kind, rank, want_shape, group, chunk, k)
+        return cls(name, want_shape, want_dtype, kind, rank, group, _parse_parts(name, obj.get("parts"), expected_parts),
+                   chunk, k)
 
 
-def _expected_parts(name: str, kind: str, rank: int, shape: tuple[int, ...], group: int) -> dict[str, PartSpec]:
-    """The parts a tensor of ``shape`` must travel as, for its kind and rank."""
+def _expected_parts(name: str, kind: str, rank: int, shape: tuple[int, ...], group: int,
+                    chunk: int = 0, k: int = 0) -> dict[str, PartSpec]:
+    """The parts a tensor of ``shape`` must travel as, for its kind and rank (top-k: chunk and k)."""
     bits = 8 if kind == KIND_INT8 else 4
+    if kind == KIND_TOPK:
+        if rank != 0:
+            raise _fail(name, "rank", f"{rank} for a top-k tensor, expected 0")
+        kept = sum(topk.kept_counts(math.prod(shape), chunk, k))
+        # I: the in-chunk positions, two bytes each, no scales; V: the kept values, int4.
+        return {"I": PartSpec((kept,), 2 * kept, 0), "V": PartSpec.of([kept], bits, group)}
     if kind == KIND_LOWRANK:
         m, n = _matrix_dims(shape)
         if not 1 <= rank <= min(m, n):
@@ -777,10 +831,16 @@ class CodecHeader:
             for part, spec in entry.parts.items():
                 q_dtype = torch.int8 if entry.kind == KIND_INT8 else torch.uint8
                 keys[f"{entry.name}.{part}.q"] = (entry.name, f"{part}.q", q_dtype, spec.packed_len)
-                keys[f"{entry.name}.{part}.scale"] = (entry.name, f"{part}.scale", torch.float32, spec.num_scales)
-        if len(keys) != 2 * sum(len(e.parts) for e in self.tensors):
+                if spec.num_scales:  # top-k positions have none
+                    keys[f"{entry.name}.{part}.scale"] = (entry.name, f"{part}.scale", torch.float32, spec.num_scales)
+        if len(keys) != _entry_count(self.tensors):
             raise CompressionError("header: tensor names collide once suffixed with .<part>.q / .<part>.scale")
         return keys
+
+
+def _entry_count(entries: Sequence[TensorEntry]) -> int:
+    """Payload entries the tensors imply: a .q per part, and a .scale per part that has scales."""
+    return sum(1 + (spec.num_scales > 0) for e in entries for spec in e.parts.values())
 
 
 def validate(payload: bytes, header: CodecHeader) -> Params:
@@ -807,8 +867,15 @@ def validate(payload: bytes, header: CodecHeader) -> Params:
             if bool((t < 0).any()):
                 raise _fail(name, fieldname, "negative scale(s)")
     for entry in header.tensors:
+        if entry.kind == KIND_TOPK:
+            problem = topk.position_problem(topk.decode_positions(tensors[f"{entry.name}.I.q"]),
+                                            math.prod(entry.shape), entry.chunk, entry.k)
+            if problem:
+                raise _fail(entry.name, "I.q", problem)
         if entry.kind != KIND_INT8:
             for part, spec in entry.parts.items():
+                if part == "I":
+                    continue
                 if math.prod(spec.shape) % 2 and int(tensors[f"{entry.name}.{part}.q"][-1]) >> 4:
                     raise _fail(entry.name, f"{part}.q", "padding nibble is not zero")
     return tensors
@@ -849,6 +916,37 @@ class CompressedPayload:
     @property
     def nbytes(self) -> int:
         return sum(t.numel() * t.element_size() for t in self._packed.values())
+
+
+def predicted_size(layout: Layout, config: CompressionConfig, rank: int | None = None) -> int:
+    """Bytes of tensor data (as ``compressed_size`` counts them) a payload of ``layout`` takes under
+    ``config``: the low-rank kind at ``rank`` (default ``config.max_rank``), or top-k."""
+    total = 0
+    for _, (_, shape) in sorted(layout.items()):
+        numel = math.prod(shape)
+        if len(shape) <= 1:
+            total += numel + SCALE_BYTES * _num_groups(numel, config.int8_group_size)
+            continue
+        m, n = _matrix_dims(shape)
+        g = config.int4_group_size
+        if config.codec == CODEC_TOPK:
+            total += topk.payload_bytes(numel, config.topk_chunk, topk.keep_per_chunk(config.topk_density, config.topk_chunk), g)
+            continue
+        r = min(rank or config.max_rank, min(m, n))
+        parts = [m * r, n * r] if 2 * r < min(m, n) else [m * n]
+        total += sum((count + 1) // 2 + SCALE_BYTES * _num_groups(count, g) for count in parts)
+    return total
+
+
+def density_matching_bytes(layout: Layout, target_bytes: int, config: CompressionConfig) -> float:
+    """The largest top-k density (k / chunk) whose payload for ``layout`` is at most ``target_bytes``:
+    the two codecs compared at equal bytes."""
+    lo, hi = 1, config.topk_chunk
+    while lo < hi:  # the largest k per chunk that fits
+        mid = (lo + hi + 1) // 2
+        size = predicted_size(layout, replace(config, codec=CODEC_TOPK, topk_density=mid / config.topk_chunk))
+        lo, hi = (mid, hi) if size <= target_bytes else (lo, mid - 1)
+    return lo / config.topk_chunk
 
 
 def compressed_size(header: Mapping[str, Any]) -> int:

@@ -394,6 +394,8 @@ _RANGES: dict[str, tuple[float, float, bool, bool]] = {
     "compression.max_rank_factor": (1.0, 1000.0, False, False),
     "compression.int4_group_size": (1, 1 << 20, False, False),
     "compression.int8_group_size": (1, 1 << 20, False, False),
+    "compression.topk_density": (0.0, 1.0, True, False),
+    "compression.topk_chunk": (1, 65_536, False, False),
 }
 # Held-out tokens (eval_batches x batch_size x block_size) the coordinator and every worker keep in
 # memory, as int64 inputs and targets: 2^24 tokens is 256 MiB. The default is 8 x 16 x 64 = 8192.

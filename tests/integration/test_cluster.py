@@ -73,9 +73,11 @@ def test_two_workers_two_rounds_store_a_rederivable_lineage(cluster: LocalCluste
     assert not (run.path / "pending").exists() or not any((run.path / "pending").iterdir())
 
 
-def test_compressed_updates_travel_small_and_still_rederive(cluster: LocalCluster, make_config) -> None:
+@pytest.mark.parametrize("codec", ["lowrank-int4", "topk"])
+def test_compressed_updates_travel_small_and_still_rederive(cluster: LocalCluster, make_config, codec: str) -> None:
+    """Both codecs (trainer.compression): the same framing, validation and exact re-derivation."""
     config = make_config(model=ModelConfig(block_size=32, n_layer=2, n_head=4, n_embd=128),
-                         compression=CompressionConfig(enabled=True, min_rank=1, max_rank=8))
+                         compression=CompressionConfig(enabled=True, min_rank=1, max_rank=8, codec=codec))
     cluster.start_coordinator(config)
     cluster.start_worker("w0")
     cluster.start_worker("w1")

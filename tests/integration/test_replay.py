@@ -34,9 +34,10 @@ CHEATS = ("lazy", "noisy", "scaled", "stale")
 ROUNDS = 3
 
 
-@pytest.mark.parametrize("compressed", [False, True], ids=["dense", "compressed"])
+@pytest.mark.parametrize("compressed, codec", [(False, "lowrank-int4"), (True, "lowrank-int4"), (True, "topk")],
+                         ids=["dense", "compressed", "topk"])
 def test_the_replay_names_scaled_noisy_lazy_and_stale_updates(cluster: LocalCluster, make_config,
-                                                              compressed: bool) -> None:
+                                                              compressed: bool, codec: str) -> None:
     """Compressed: each update is decompress(C(Δ + e)); the cheats feed their lie to their own
     compressor, so their error feedback stays consistent with it, and the replay rebuilds each
     worker's e along its chain (audit.replay)."""
@@ -44,7 +45,7 @@ def test_the_replay_names_scaled_noisy_lazy_and_stale_updates(cluster: LocalClus
         inner=InnerConfig(steps=12, batch_size=4, lr=1e-3),
         rounds=RoundConfig(rounds=ROUNDS, expected_workers=5, quorum=5, straggler_timeout_s=120.0,
                            heartbeat_interval_s=0.5, liveness_timeout_s=10.0, max_update_norm=1000.0),
-        compression=CompressionConfig(enabled=compressed, min_rank=2, max_rank=8)))
+        compression=CompressionConfig(enabled=compressed, min_rank=2, max_rank=8, codec=codec, topk_density=0.1)))
     clients = {name: Mallory.joined(cluster, name) for name in CHEATS}
     trainers = {name: Trainer(m, cluster) for name, m in clients.items()}
     cluster.start_worker("w0")

@@ -290,13 +290,13 @@ class Worker:
         decision = merged_decision(round_, work.slices)
         log.info("round %d: %d steps, loss %.4f, %d tokens, train %.2fs, waited %.2fs, %d bytes up, %d down%s",
                  round_, result.steps, result.mean_loss, result.tokens, trained_s, waited_s, sent, received,
-                 f", uplink mean rank {decision.mean_rank:.1f}" if decision else "")
+                 f", uplink mean rank {decision.mean_rank:.1f}" if decision and decision.tensors else "")
         record = {"event": "round", "round": round_, "tokens": result.tokens, "inner_steps": result.steps,
                   "stages": self.stages, "threads_per_stage": self.threads_per_stage,
                   "train_loss": result.mean_loss, "compute_s": trained_s, "waited_s": waited_s,
                   "bytes_sent": sent, "bytes_received": received, "time": time.time(),
                   "inner_s": work.inner_s, "compress_s": work.compress_s, **self._phases()}
-        if decision is not None:
+        if decision is not None and decision.tensors:
             record["ranks"] = {name: d.rank for name, d in decision.tensors.items()}
             record["energy"] = decision.energy
         self._metric(record)

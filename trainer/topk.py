@@ -1,0 +1,115 @@
+"""Top-k sparsification with int4 values: the second codec of trainer.compression.
+
+SparseLoCo (Sarfi, Thérien, Lidin, Belilovsky, "Communication Efficient LLM Pre-training with
+SparseLoCo", arXiv:2508.15706) sends each pseudo-gradient as its largest entries, chunk by chunk,
+with low-bit values, and error feedback carries what was not sent into the next round. This module
+is that codec's layout, in our own implementation; trainer.compression frames it (header, payload,
+validation, error feedback) exactly as it frames the low-rank kind, so the coordinator, the
+workers and the audit decode both through one path.
+
+Per matrix (kind ``"topk-int4"``; vectors stay int8, as in trainer.compression)
+------------------------------------------------------------------------------
+A = Δ + e (float64) is flattened row-major into N values and cut into chunks of C values (the
+last one L = N − C·⌊(N−1)/C⌋ long). With k the count kept in a full chunk:
+
+    k_j   = min(L_j, max(1, ⌈k · L_j / C⌉))                      kept in chunk j of length L_j
+    S_j   = the k_j positions of largest |A| in chunk j           (ties: the lower position first)
+    I     = the positions of S_j, in-chunk, ascending, each a little-endian uint16 (C ≤ 65536)
+    V     = deq(int4(A[S]))                                       groups of g kept values, chunk after
+                                                                  chunk (trainer.compression's rule)
+    Â     = 0 everywhere but Â[S] = V
+    e     ← A − Â
+
+so a chunk costs 2·k_j + k_j/2 bytes plus a float32 scale per g kept values: with k = density · C,
+about 2.5 + 4/g bytes per kept value, against 4 for a dense fp32 value.
+
+Decoding is a scatter of dequantised values into zeros (no sums), the same bits on every machine;
+a payload is refused unless each chunk's positions are strictly increasing and inside the chunk
+(one canonical encoding: no repeated position, none out of range).
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+
+KIND_TOPK = "topk-int4"
+MAX_CHUNK = 65_536  # in-chunk positions are uint16
+
+
+def keep_per_chunk(density: float, chunk: int) -> int:
+    """k: the entries kept in a full chunk at ``density`` (at least one)."""
+    return max(1, min(chunk, round(density * chunk)))
+
+
+def chunk_lengths(numel: int, chunk: int) -> list[int]:
+    full, rest = divmod(numel, chunk)
+    return [chunk] * full + ([rest] if rest else [])
+
+
+def kept_counts(numel: int, chunk: int, k: int) -> list[int]:
+    """k_j for every chunk of an N-value tensor (module docstring)."""
+    return [min(length, max(1, -(-k * length // chunk))) for length in chunk_lengths(numel, chunk)]
+
+
+def select(a: torch.Tensor, chunk: int, k: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """(in-chunk positions int64, flat positions int64) of the entries kept from flat float64 ``a``."""
+    local, flat, offset = [], [], 0
+    for length, kept in zip(chunk_lengths(a.numel(), chunk), kept_counts(a.numel(), chunk, k)):
+        magnitude = a[offset:offset + length].abs()
+        # A stable sort on −|a| puts equal magnitudes in position order: the lower position wins a tie.
+        order = torch.sort(-magnitude, stable=True).indices[:kept]
+        positions = torch.sort(order).values
+        local.append(positions)
+        flat.append(positions + offset)
+        offset += length
+    return torch.cat(local), torch.cat(flat)
+
+
+def encode_positions(local: torch.Tensor) -> torch.Tensor:
+    """In-chunk positions as little-endian uint16, two uint8 each."""
+    v = local.to(torch.int64)
+    return torch.stack([v & 0xFF, v >> 8], dim=1).reshape(-1).to(torch.uint8)
+
+
+def decode_positions(packed: torch.Tensor) -> torch.Tensor:
+    pairs = packed.to(torch.int64).view(-1, 2)
+    return pairs[:, 0] | (pairs[:, 1] << 8)
+
+
+def position_problem(local: torch.Tensor, numel: int, chunk: int, k: int) -> str | None:
+    """Why decoded in-chunk positions are not a canonical encoding for this tensor, or None."""
+    lengths, counts = chunk_lengths(numel, chunk), kept_counts(numel, chunk, k)
+    if local.numel() != sum(counts):
+        return f"{local.numel()} positions, expected {sum(counts)}"
+    limit = torch.repeat_interleave(torch.tensor(lengths), torch.tensor(counts))
+    if bool((local >= limit).any()):
+        return "a position lies outside its chunk"
+    first = torch.zeros(local.numel(), dtype=torch.bool)
+    first[torch.tensor([0] + list(torch.tensor(counts).cumsum(0)[:-1]))] = True
+    rising = torch.ones_like(first)
+    rising[1:] = local[1:] > local[:-1]
+    if not bool((rising | first).all()):
+        return "positions within a chunk are not strictly increasing"
+    return None
+
+
+def scatter(numel: int, flat_positions: torch.Tensor, values: torch.Tensor) -> torch.Tensor:
+    """Â, flat float64: zeros but the kept values at their positions."""
+    out = torch.zeros(numel, dtype=torch.float64)
+    out[flat_positions] = values
+    return out
+
+
+def flat_positions(local: torch.Tensor, numel: int, chunk: int, k: int) -> torch.Tensor:
+    """In-chunk positions → positions in the flattened tensor."""
+    counts = kept_counts(numel, chunk, k)
+    offsets = torch.repeat_interleave(torch.arange(len(counts), dtype=torch.int64) * chunk, torch.tensor(counts))
+    return local + offsets
+
+
+def payload_bytes(numel: int, chunk: int, k: int, group: int) -> int:
+    """Bytes of tensor data a matrix of ``numel`` values takes: positions, int4 values, scales."""
+    kept = sum(kept_counts(numel, chunk, k))
+    return 2 * kept + (kept + 1) // 2 + 4 * math.ceil(kept / group)
