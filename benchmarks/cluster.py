@@ -35,7 +35,7 @@ class LocalCluster:
         self.insecure = insecure
         self.client_tls: ClientTls | None = None  # how to reach the coordinator, once it listens
         self.run_dir.logs.mkdir(exist_ok=True)
-        self.threads_per_worker = threads_per_worker
+        self.threads_per_worker = threads_per_worker  # 0: the worker's own budget (its --cores)
         self.processes: dict[str, subprocess.Popen[bytes]] = {}
         self.address: str | None = None
         self._channel: grpc.Channel | None = None
@@ -102,8 +102,9 @@ class LocalCluster:
     def start_worker(self, worker_id: str, extra: Sequence[str] = ()) -> subprocess.Popen[bytes]:
         if self.address is None:
             raise ClusterError("start the coordinator first")
+        threads = ["--threads", str(self.threads_per_worker)] if self.threads_per_worker else []
         return self._spawn(worker_id, ["worker", "--coordinator", self.address, "--worker-id", worker_id,
-                                       "--threads", str(self.threads_per_worker), *self.tls_args(), *extra])
+                                       *threads, *self.tls_args(), *extra])
 
     def stub(self) -> pb_grpc.CoordinatorStub:
         if self._channel is None:

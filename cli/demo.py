@@ -9,8 +9,10 @@
    admitted on chain, train, and sign a report per round; every round is recorded on the ledger;
 4. the lineage audit, from the ledger and the store alone, replaying two sampled contributions.
 
-Shows one line per finished round (eval loss, mean inner loss, bytes each way, time), a summary
-and the audit's table. Afterwards ``dilocox audit --run <run>`` re-verifies the run on its own.
+It runs DiLoCoX, the product's default (trainer.config), with pipeline stages where the machine has
+a core for each; ``--diloco`` runs plain DiLoCo instead. Shows one line per finished round (eval
+loss, mean inner loss, bytes each way, how many times fewer than dense fp32 both ways, time), a
+summary and the audit's table. Afterwards ``dilocox audit --run <run>`` re-verifies the run on its own.
 """
 
 from __future__ import annotations
@@ -28,7 +30,8 @@ from rich.table import Table
 from attestation import DEV_WARNING, DevRoot, code_measurement
 from settlement import DEV_ACCOUNTS, Anvil, Chain, Deployment, Ledger, Registry, deploy
 from storage_client import write_atomic
-from trainer.config import RunConfig, demo_config
+from trainer.config import RunConfig, demo_config, estimated_parameters
+from trainer.procgroup import available_cpus
 from trainer.dataset import pin_dataset
 
 DEMO_REPLAYS = 2  # contributions the demo's audit re-runs (audit.replay)
@@ -40,13 +43,23 @@ def _mb(n: int) -> str:
     return f"{n / 1e6:.2f} MB"
 
 
-def _row(s: dict) -> list[str]:
-    """round, eval loss, train loss, workers, bytes up, bytes down, time."""
+def _kb(n: float) -> str:
+    return f"{n / 1e3:,.1f} kB" if n < 1e6 else _mb(int(n))
+
+
+def _row(s: dict, dense: int) -> list[str]:
+    """round, eval loss, train loss, workers, bytes up, bytes down, × fewer than dense, time.
+
+    ``dense``: one dense fp32 copy of the model, what plain DiLoCo sends each way per worker; the
+    ratio is against that, both directions, over the round's participants (the round's real bytes:
+    every RPC, as the coordinator counted them)."""
     if s["round"] == 0:
-        return ["0", f"{s['eval_loss']:.4f}", "—", "genesis", "—", "—", "—"]
+        return ["0", f"{s['eval_loss']:.4f}", "—", "genesis", "—", "—", "—", "—"]
     workers = str(len(s["participants"])) + (f" (dropped {', '.join(s['dropped'])})" if s["dropped"] else "")
+    sent = s["bytes_up"] + s["bytes_down"]
+    fewer = f"{2 * dense * len(s['participants']) / sent:,.1f}× fewer" if sent else "—"
     return [str(s["round"]), f"{s['eval_loss']:.4f}", f"{s['mean_train_loss']:.4f}", workers,
-            _mb(s["bytes_up"]), _mb(s["bytes_down"]), f"{s['seconds']:.1f}s"]
+            _kb(s["bytes_up"]), _kb(s["bytes_down"]), fewer, f"{s['seconds']:.1f}s"]
 
 
 def provision(run_dir: Path, rpc_url: str, config: RunConfig) -> tuple[list[str], list[str]]:
@@ -88,10 +101,12 @@ def fund_and_mature(run_dir: Path, rpc_url: str, rounds: int) -> None:
     coordinator.w3.provider.make_request("anvil_mine", [hex(DEMO_CHALLENGE_WINDOW)])
 
 
-def run_demo(run_dir: Path, workers: int = 2, settings: Sequence[str] = (), insecure: bool = False) -> int:
-    """The demo's run: ``demo_config()`` for ``workers`` workers, then ``settings`` (``--set``)."""
+def run_demo(run_dir: Path, workers: int = 2, settings: Sequence[str] = (), insecure: bool = False,
+             diloco: bool = False) -> int:
+    """The demo's run: ``demo_config()`` (DiLoCoX; plain DiLoCo with ``diloco``) for ``workers``
+    workers, then ``settings`` (``--set``)."""
     console = Console()
-    config = demo_config()
+    config = demo_config().plain_diloco() if diloco else demo_config()
     config = config.replace(rounds=dataclasses.replace(config.rounds, expected_workers=workers, quorum=workers))
     config = config.with_settings(settings)
     # Pin the corpus (or prepared tokens) now: the allowlisted measurement covers the configuration's CID.
@@ -131,8 +146,16 @@ def run_demo(run_dir: Path, workers: int = 2, settings: Sequence[str] = (), inse
 def _train(console: Console, run_dir: Path, config: RunConfig, config_path: Path, workers: int,
            coordinator_args: list[str], worker_args: list[str], insecure: bool) -> int:
     m = config.model
+    dense = 4 * estimated_parameters(m)
+    c = config.compression
+    technique = ("DiLoCoX: " + ", ".join(
+        [f"adaptive low-rank + int4 (rank {c.min_rank}–{c.max_rank}) both ways" if c.enabled and c.codec == "lowrank-int4"
+         else f"top-k {c.topk_density:g} + int4 both ways" if c.enabled else "dense updates",
+         f"{config.rounds.overlap_start} one-step overlap" if config.rounds.overlap else "synchronous rounds",
+         f"outer lr {config.outer.lr:g} / momentum {config.outer.momentum:g}"])
+        if c.enabled or config.rounds.overlap else "plain DiLoCo (dense, synchronous)")
     console.print(
-        f"[bold]DiLoCo demo[/]: {workers} workers × {config.inner.steps} inner AdamW steps × "
+        f"[bold]{technique}[/]\n{workers} workers × {config.inner.steps} inner AdamW steps × "
         f"{config.rounds.rounds} rounds; {m.family} {m.n_layer}L/{m.n_embd}d/{m.n_head}h, "
         f"context {m.block_size}, "
         f"{f'prepared tokens {config.data.tokens}' if config.data.tokens else 'byte tokens; embedded corpus'}; "
@@ -141,11 +164,14 @@ def _train(console: Console, run_dir: Path, config: RunConfig, config_path: Path
 
     started = time.monotonic()
     table = Table(title="rounds")
-    for column in ("round", "eval loss", "train loss", "workers", "bytes up", "bytes down", "time"):
+    for column in ("round", "eval loss", "train loss", "workers", "bytes up", "bytes down", "vs dense", "time"):
         table.add_column(column, justify="left" if column == "workers" else "right")
     from benchmarks.cluster import ClusterError, LocalCluster
 
-    with LocalCluster(run_dir, insecure=insecure) as cluster:
+    # Each worker plans its stages and threads on its share of the cores (trainer.pipeline.plan_stages):
+    # pipeline stages where the machine has a core for each.
+    cores = ["--cores", str(max(1, available_cpus() // workers))]
+    with LocalCluster(run_dir, insecure=insecure, threads_per_worker=0) as cluster:
         cluster.start_coordinator(config_path, extra=coordinator_args)
         if insecure:
             console.print(f"[bold red]coordinator {cluster.address}: PLAINTEXT (--insecure)[/]")
@@ -153,7 +179,7 @@ def _train(console: Console, run_dir: Path, config: RunConfig, config_path: Path
             console.print(f"coordinator {cluster.address} over TLS; workers pin its certificate, "
                           f"sha256 {cluster.client_tls.fingerprint}")
         for i in range(workers):
-            cluster.start_worker(f"worker-{i}", extra=worker_args)
+            cluster.start_worker(f"worker-{i}", extra=[*worker_args, *cores])
         coordinator = cluster.processes["coordinator"]
         rounds_done: list[dict] = []
         columns = (TextColumn("[progress.description]{task.description}"), BarColumn(),
@@ -166,11 +192,11 @@ def _train(console: Console, run_dir: Path, config: RunConfig, config_path: Path
                 exited = coordinator.poll() is not None
                 for summary in cluster.run_dir.logged_rounds()[len(rounds_done):]:
                     rounds_done.append(summary)
-                    table.add_row(*_row(summary))
-                    r, ev, tr, who, up, down, secs = _row(summary)
+                    table.add_row(*_row(summary, dense))
+                    r, ev, tr, who, up, down, fewer, secs = _row(summary, dense)
                     progress.console.print(
                         f"round {r:>2}/{config.rounds.rounds}  eval {ev}  train {tr:>6}  "
-                        f"workers {who}  up {up}  down {down}  {secs}")
+                        f"workers {who}  up {up}  down {down}  {fewer} than dense fp32  {secs}")
                     progress.update(task, completed=summary["round"])
                 if exited:
                     break
@@ -194,10 +220,12 @@ def _train(console: Console, run_dir: Path, config: RunConfig, config_path: Path
     down = sum(s["bytes_down"] for s in rounds_done)
     failed = {name: code for name, code in codes.items() if code != 0}
     improved = last["eval_loss"] < first["eval_loss"]
+    dense_total = 2 * dense * sum(len(s["participants"]) for s in rounds_done[1:])
     console.print(
         f"[bold]summary[/]: {last['round']} rounds in {elapsed:.1f}s; eval loss "
         f"{rounds_done[0]['eval_loss']:.4f} (genesis) → {first['eval_loss']:.4f} (round 1) → "
-        f"{last['eval_loss']:.4f} (round {last['round']}); {_mb(up)} up, {_mb(down)} down\n"
+        f"{last['eval_loss']:.4f} (round {last['round']}); {_mb(up)} up, {_mb(down)} down, "
+        f"{dense_total / max(1, up + down):,.1f}× fewer bytes than dense fp32 both ways ({_mb(dense_total)})\n"
         f"head manifest {last['manifest_cid']}\nrun dir {run_dir} (store, manifests, logs/)"
     )
     if failed:

@@ -247,6 +247,8 @@ def cmd_config(args: argparse.Namespace) -> int:
     from trainer.config import RunConfig, demo_config
 
     base = demo_config() if args.demo else RunConfig()
+    if args.diloco:
+        base = base.plain_diloco()
     if args.model_config:
         from trainer.hf_model import read_hf_config
 
@@ -262,7 +264,8 @@ def cmd_config(args: argparse.Namespace) -> int:
 def cmd_demo(args: argparse.Namespace) -> int:
     from cli.demo import run_demo
 
-    return run_demo(Path(args.run_dir), workers=args.workers, settings=args.set, insecure=args.insecure)
+    return run_demo(Path(args.run_dir), workers=args.workers, settings=args.set, insecure=args.insecure,
+                    diloco=args.diloco)
 
 
 def cmd_audit(args: argparse.Namespace) -> int:
@@ -347,6 +350,7 @@ def _set_argument(p: argparse.ArgumentParser) -> None:
 def _demo_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--run-dir", default="runs/demo", help="replaced if it holds an earlier demo run")
     p.add_argument("--workers", type=int, default=2, help="worker processes (and the run's expected workers)")
+    _diloco_argument(p)
     _set_argument(p)
     p.add_argument("--insecure", action="store_true",
                    help="plaintext gRPC between the demo's processes (to measure what TLS costs)")
@@ -454,8 +458,15 @@ def cmd_gc(args: argparse.Namespace) -> int:
     return run(args)
 
 
+def _diloco_argument(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--diloco", action="store_true",
+                   help="plain DiLoCo instead of DiLoCoX: dense fp32 updates, synchronous rounds, DiLoCo's outer "
+                        "step (RunConfig.plain_diloco); --set applies after it")
+
+
 def _config_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--demo", action="store_true", help="the demo's configuration")
+    _diloco_argument(p)
     p.add_argument("--model-config", metavar="PATH",
                    help="a Hugging Face config.json (or its folder; llama or qwen2) as the model section: its "
                         "sizes, context and RoPE base; lower the context with --set model.block_size=N")

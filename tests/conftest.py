@@ -15,7 +15,8 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
 
 def small_config(**sections: object) -> RunConfig:
-    """A run that trains in well under a second a round on one CPU thread."""
+    """A run that trains in well under a second a round on one CPU thread: plain DiLoCo (dense,
+    synchronous) unless the test's sections say otherwise."""
     base = RunConfig(
         run_id="test",
         model=ModelConfig(block_size=32, n_layer=1, n_head=2, n_embd=32),
@@ -23,7 +24,7 @@ def small_config(**sections: object) -> RunConfig:
         data=DataConfig(eval_batches=2),
         rounds=RoundConfig(rounds=2, expected_workers=2, quorum=2, straggler_timeout_s=30.0,
                            heartbeat_interval_s=0.5, liveness_timeout_s=3.0),
-    )
+    ).plain_diloco()
     return base.replace(**sections)
 
 

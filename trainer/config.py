@@ -189,19 +189,32 @@ class RoundConfig:
     checkpoint_every: int = 1
 
 
+# What the product runs: DiLoCoX. Each section's own defaults above are the plain building block
+# (DiLoCo: dense, synchronous, outer lr 0.7 / momentum 0.9); a RunConfig's defaults, and a section
+# a configuration file gives only in part, are DiLoCoX's: compression (adaptive low-rank + int4, both
+# directions, error feedback), the one-step-delay overlap, and an outer step tuned for them. The
+# values are the ablation's (benchmarks.ablation; the sweep that chose the outer step is in
+# docs/ablation.md). `plain_diloco` is the one switch back.
+DILOCOX_OUTER = OuterConfig(lr=0.7, momentum=0.3)
+DILOCO_OUTER = OuterConfig()
+DILOCOX_COMPRESSION = CompressionConfig(enabled=True, target_energy=0.9, min_rank=16, max_rank=32,
+                                        int4_group_size=128)
+DILOCOX_ROUNDS = RoundConfig(overlap=True, overlap_start="delayed")
+
+
 @dataclass(frozen=True)
 class RunConfig:
     run_id: str = "dilocox"
     seed: int = 1337  # [0, 2^63 - 1]
     model: ModelConfig = field(default_factory=ModelConfig)
     inner: InnerConfig = field(default_factory=InnerConfig)
-    outer: OuterConfig = field(default_factory=OuterConfig)
+    outer: OuterConfig = field(default_factory=lambda: DILOCOX_OUTER)
     data: DataConfig = field(default_factory=DataConfig)
-    rounds: RoundConfig = field(default_factory=RoundConfig)
+    rounds: RoundConfig = field(default_factory=lambda: DILOCOX_ROUNDS)
     # Ranges checked here (trainer.compression checks less): target_energy (0, 1], min_rank and
     # max_rank [1, 4096] with min <= max, window [1, 1000], max_rank_factor [1, 1000], group sizes
     # [1, 2^20].
-    compression: CompressionConfig = field(default_factory=CompressionConfig)
+    compression: CompressionConfig = field(default_factory=lambda: DILOCOX_COMPRESSION)
 
     def __post_init__(self) -> None:
         problems = _validate(self)
@@ -228,6 +241,12 @@ class RunConfig:
     def replace(self, **sections: Any) -> RunConfig:
         """Copy with some sections or top-level fields replaced (``model=..., seed=...``)."""
         return dataclasses.replace(self, **sections)
+
+    def plain_diloco(self) -> RunConfig:
+        """The same run as plain DiLoCo: dense fp32 updates, synchronous rounds, DiLoCo's outer
+        step (``dilocox demo --diloco``, ``dilocox config --diloco``)."""
+        return self.replace(compression=dataclasses.replace(self.compression, enabled=False),
+                            rounds=dataclasses.replace(self.rounds, overlap=False), outer=DILOCO_OUTER)
 
     def with_settings(self, settings: Sequence[str]) -> RunConfig:
         """Copy with ``section.field=value`` (or ``field=value`` for a top-level field) settings
@@ -305,7 +324,9 @@ def _encode(obj: Any) -> dict[str, Any]:
     return out
 
 
-def _decode(cls: type[T], obj: Any, path: str) -> T:
+def _decode(cls: type[T], obj: Any, path: str, base: T | None = None) -> T:
+    """``obj`` as a ``cls``; a field it leaves out takes ``base``'s value (a RunConfig section: the
+    RunConfig default's, so that a file naming one rounds field does not turn DiLoCoX off)."""
     if not isinstance(obj, dict):
         raise ConfigError(f"{path}: expected an object")
     hints = get_type_hints(cls)
@@ -318,7 +339,7 @@ def _decode(cls: type[T], obj: Any, path: str) -> T:
         kind = hints[name]
         where = f"{path}.{name}"
         if dataclasses.is_dataclass(kind):
-            kwargs[name] = _decode(kind, value, where)
+            kwargs[name] = _decode(kind, value, where, getattr(cls(), name) if cls is RunConfig else None)
         elif kind is float:
             try:
                 kwargs[name] = float(value) if isinstance(value, str) else _exact(value, int, where)
@@ -328,7 +349,7 @@ def _decode(cls: type[T], obj: Any, path: str) -> T:
             kwargs[name] = _exact(value, bool, where)
         else:
             kwargs[name] = _exact(value, kind, where)
-    return cls(**kwargs)
+    return dataclasses.replace(base, **kwargs) if base is not None else cls(**kwargs)
 
 
 def _setting_value(text: str, kind: type, path: str) -> Any:
@@ -565,5 +586,5 @@ def demo_config() -> RunConfig:
     return RunConfig(
         run_id="demo",
         inner=InnerConfig(steps=50, batch_size=16, lr=2e-3),
-        rounds=RoundConfig(rounds=8, expected_workers=2, quorum=2),
+        rounds=dataclasses.replace(DILOCOX_ROUNDS, rounds=8, expected_workers=2, quorum=2),
     )

@@ -58,6 +58,13 @@ def test_a_llama_demo_run_on_prepared_bpe_tokens_trains_audits_and_exports_with_
     done = dilocox("demo", "--run-dir", str(run_dir), *[a for s in settings for a in ("--set", s)], timeout=300)
     assert done.returncode == 0, done.stdout[-4000:] + done.stderr[-4000:]
     assert "prepared tokens" in done.stdout
+    # The demo runs DiLoCoX, the product's default: compressed both ways, overlapped rounds, each
+    # round's line saying how many times fewer bytes than dense crossed the wire; every overlapped
+    # round's report names the round's parent and is accepted (none counts on the coordinator's word).
+    out = " ".join(done.stdout.split())
+    assert "DiLoCoX: adaptive low-rank + int4" in out and "delayed one-step overlap" in out, out[:2000]
+    assert out.count("fewer than dense fp32") >= 2 and "did not report" not in out, out[-3000:]
+    assert "AUDIT PASSED" in out
     local = RunDir(run_dir)
     chain = lineage(local.store, local.head())
     assert [m.round for _, m in chain] == [0, 1, 2]

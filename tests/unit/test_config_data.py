@@ -117,6 +117,8 @@ OUT_OF_RANGE = [
     ("compression.max_rank_factor", [1001.0]),
     ("compression.int4_group_size", [(1 << 20) + 1]),
     ("compression.int8_group_size", [(1 << 20) + 1]),
+    ("compression.topk_density", [0.0, 1.5, float("nan")]),
+    ("compression.topk_chunk", [0, 65_537]),
 ]
 
 

@@ -66,9 +66,11 @@ def synchronous(worker: Worker) -> int:
         min_round = r
 
 
-def _exchange(worker: Worker, round_: int, work: RoundWork, base_cid: str) -> tuple[Pushed | None, Checkpoint]:
-    """Push Δ⁽ʳ⁾, then fetch θ⁽ʳ⁾ (or whatever is newer): the part that overlaps compute."""
-    pushed = worker.push(round_, work, base_cid)
+def _exchange(worker: Worker, round_: int, work: RoundWork, base_cid: str,
+              parent_cid: str) -> tuple[Pushed | None, Checkpoint]:
+    """Push Δ⁽ʳ⁾ (trained from ``base_cid``; the round's parent is ``parent_cid``), then fetch θ⁽ʳ⁾
+    (or whatever is newer): the part that overlaps compute."""
+    pushed = worker.push(round_, work, base_cid, parent_cid)
     return pushed, worker.client.fetch(round_)
 
 
@@ -143,7 +145,7 @@ def overlapped(worker: Worker) -> int:
                     r, start, base, inflight = held.round + 1, held.params, held.params_cid, None
                     rule.reset()
                     continue
-            inflight = exchange.submit(_exchange, worker, r, work, base)
+            inflight = exchange.submit(_exchange, worker, r, work, base, held.params_cid)
             worker.round_done(r, work, trained, time.monotonic() - started - trained)
             start = rule.rebase(held.params, work)  # s⁽ʳ⁺¹⁾ from θ⁽ʳ⁻¹⁾ and round r
             base = held.params_cid

@@ -72,7 +72,7 @@ class Pushed:
     inner_steps: int
     bytes_sent: int
     bytes_received: int  # wire bytes of the fetch that delivered the parameters it started from
-    parent: bytes  # sha256 of the parameters it started from
+    parent: bytes  # sha256 of the round's parent checkpoint θ⁽ʳ⁻¹⁾ (what its report restates)
 
 
 class Worker:
@@ -179,10 +179,14 @@ class Worker:
         encoded = [self.uplink.encode(result.pseudo_gradient)]
         return RoundWork(result, encoded, state, snapshot, trained - started, time.perf_counter() - trained)
 
-    def push(self, round_: int, work: RoundWork, base_cid: str) -> Pushed | None:
+    def push(self, round_: int, work: RoundWork, base_cid: str, parent_cid: str | None = None) -> Pushed | None:
         """Send Δ for ``round_``, one stream per stage slice; what was sent if the coordinator holds
         every slice, None if one was refused (the coordinator then drops the others: the worker is
-        out of the round, which is undone or carried forward as the module docstring says)."""
+        out of the round, which is undone or carried forward as the module docstring says).
+
+        ``base_cid``: the global parameters the round trained from; ``parent_cid``: the round's
+        parent in the lineage, θ⁽ʳ⁻¹⁾, which the report restates (the same but for an overlapped
+        round, which trained from θ⁽ʳ⁻²⁾ while θ⁽ʳ⁻¹⁾ was in flight)."""
         self.client.phase = WorkerPhase.PUSHING
         result = work.result
         received = self.client.received_for.get(base_cid, 0)
@@ -210,7 +214,7 @@ class Worker:
                 self.phase_seconds.add("push", time.perf_counter() - started)
                 started = time.perf_counter()
         return Pushed(round_, CID.of(record).digest, to_e6(result.mean_loss), result.tokens,
-                      result.steps, wire_bytes, received, CID.parse(base_cid).digest)
+                      result.steps, wire_bytes, received, CID.parse(parent_cid or base_cid).digest)
 
     def _undo(self, work: RoundWork) -> None:
         if work.snapshot is not None and isinstance(self.inner, InnerLoop):
