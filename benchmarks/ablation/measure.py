@@ -151,8 +151,6 @@ class DilocoRun:
 def worker_args(mode: Mode, s: Settings) -> list[str]:
     """How a worker of ``mode`` is started: the cores it may use and its stages on them."""
     stages = "auto" if mode.stages == 0 else str(mode.stages)
-    if os.environ.get("ABLATION_PRE_MERGE"):  # TEMPORARY until the worker has --cores
-        return ["--threads", "1", "--stages", "1" if stages == "auto" else stages]
     return ["--cores", str(s.cores_per_worker), "--stages", stages]
 
 

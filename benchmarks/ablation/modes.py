@@ -25,12 +25,12 @@ FIXED_RANK = 24  # the middle of the adaptive policy's [16, 32] (trainer.config.
 GRID_LR = (0.5, 0.7, 1.0)
 GRID_MOMENTUM = (0.0, 0.3, 0.6, 0.9)
 TUNED_OUTER: dict[str, tuple[float, float]] = {
-    "diloco": (0.7, 0.9),
+    "diloco": (0.7, 0.6),
     "dilocox": (0.7, 0.3),
     "no-compression": (0.7, 0.3),
-    "no-overlap": (0.7, 0.3),
+    "no-overlap": (1.0, 0.0),  # at the grid's edge: the row may do a little better with η > 1
     "fixed-rank": (0.7, 0.3),
-    "other-start": (0.7, 0.3),
+    "other-start": (0.7, 0.0),
     "topk": (0.7, 0.3),
 }
 
