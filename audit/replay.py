@@ -39,9 +39,14 @@ ATEN_CPU_CAPABILITY=default and the best capability, 1 and 2 threads) with a mar
 far below what a dishonest update is off by (an update scaled by 1.5 is 0.33 off; the
 measurements for noise, fewer steps and a stale start are in the same document).
 
+Overlapped rounds (rounds.overlap, the delayed start): round r of a worker whose round r−1 counted
+starts from θ⁽ʳ⁻²⁾ − Δ̂ᵢ⁽ʳ⁻¹⁾, both stored, computed as the worker computes it; the replay does the
+same (``Replayer._start``).
+
 What cannot be replayed is said, not passed: a worker of several pipeline stages commits no inner
-state, and overlapped rounds (rounds.overlap) start from the worker's own previous end, which is
-not stored. Those contributions are listed as not replayed, with the reason, and are not sampled.
+state; an overlapped round after an update that did not count, or with the eager start, starts
+from what is not stored. Those contributions are listed as not replayed, with the reason, and are
+not sampled.
 """
 
 from __future__ import annotations
@@ -68,6 +73,7 @@ from trainer.model import build_model
 from trainer.update_record import open_update
 from trainer.update_source import dense
 from trainer.wire import Params, WireError, decode_params, layout_of
+from trainer.worker.loops import delayed_start
 
 # ‖Δ' − Δ‖ / ‖Δ‖ an honest contribution stays within (see the module docstring).
 REPLAY_TOLERANCE = 0.05
@@ -123,13 +129,26 @@ class ReplayOutcome:
                 "rescored": [r.to_json() for r in self.rescored]}
 
 
-def unreplayable_reason(config: RunConfig, manifest: Manifest, worker: str) -> str | None:
-    """Why a contribution cannot be replayed from the store and the config alone, or None."""
-    if config.rounds.overlap:
-        return "overlapped rounds start from the worker's own previous end, which is not stored"
-    participant = {p.worker: p for p in manifest.participants}[worker]
+def _counted(manifest: Manifest | None, worker: str):
+    """``worker``'s participation in a round, or None."""
+    return None if manifest is None else next((p for p in manifest.participants if p.worker == worker), None)
+
+
+def unreplayable_reason(config: RunConfig, manifests: Mapping[int, Manifest], round_: int,
+                        worker: str) -> str | None:
+    """Why a contribution cannot be replayed from the store and the config alone, or None.
+
+    An overlapped round r starts (trainer.worker.loops) from θ⁽ʳ⁻²⁾ − Δ̂ᵢ⁽ʳ⁻¹⁾ when the worker's
+    update of round r−1 counted (both stored), and from θ⁽ʳ⁻¹⁾ when the worker joined with a fresh
+    state; any other start followed an update that did not count, which is not stored."""
+    participant = _counted(manifests[round_], worker)
     if participant.state is None:
         return "the worker ran several pipeline stages and committed no inner state"
+    if config.rounds.overlap and round_ >= 2:
+        if config.rounds.overlap_start != "delayed":
+            return f"an overlapped {config.rounds.overlap_start} start is not replayed (only the delayed one)"
+        if _counted(manifests.get(round_ - 1), worker) is None and participant.state != FRESH_STATE:
+            return "overlapped, and its update of the round before did not count: its start is not stored"
     return None
 
 
@@ -153,7 +172,7 @@ class Replayer:
         row for every contribution that cannot be replayed."""
         replayable, skipped = [], []
         for r, worker in self.contributions():
-            reason = unreplayable_reason(self.config, self.manifests[r], worker)
+            reason = unreplayable_reason(self.config, self.manifests, r, worker)
             if reason is None:
                 replayable.append((r, worker))
             else:
@@ -206,6 +225,22 @@ class Replayer:
             self.problems.append((round_, cid, f"{what} cannot be read: {str(exc)[:300]}"))
             return None
 
+    def _start(self, round_: int, worker: str) -> Params | None:
+        """Where ``worker`` started ``round_``: θ⁽ʳ⁻¹⁾, or for an overlapped round after a counted one,
+        θ⁽ʳ⁻²⁾ − Δ̂ᵢ⁽ʳ⁻¹⁾ by the worker's own computation (trainer.worker.loops.delayed_start)."""
+        previous = _counted(self.manifests.get(round_ - 1), worker)
+        if not (self.config.rounds.overlap and round_ >= 2 and previous is not None):
+            return self._params(round_ - 1, f"θ⁽{round_ - 1}⁾")
+        base = self._params(round_ - 2, f"θ⁽{round_ - 2}⁾")
+        if base is None:
+            return None
+        try:
+            sent = dense(open_update(self.store, previous.update, layout_of(base), self.config.model))
+        except (OSError, ValueError, WireError) as exc:
+            self.problems.append((round_ - 1, previous.update, f"the update of {worker} cannot be read: {exc}"))
+            return None
+        return delayed_start(base, sent)
+
     def replay(self, targets: Iterable[tuple[int, str]]) -> tuple[list[ReplayRow], int]:
         """Every target, with the chains they need (each worker's rounds replayed once, in order);
         returns the rows and the inner steps replayed."""
@@ -237,7 +272,7 @@ class Replayer:
                                           "of this worker before it was replayed to continue from"))
                     inner = None
                     continue
-                start = self._params(r - 1, f"θ⁽{r - 1}⁾")
+                start = self._start(r, worker)
                 try:
                     stored = dense(open_update(self.store, p.update, layout_of(start), cfg.model)) \
                         if start is not None else None

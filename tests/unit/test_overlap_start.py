@@ -1,5 +1,5 @@
 """Where an overlapped worker starts its next round (trainer.worker.loops.OverlapStart): the delayed
-rule adds back the worker's own Δ, the eager rule a proxy of the outer step still in flight."""
+rule takes back the worker's own transmitted Δ̂, the eager rule a proxy of the outer step still in flight."""
 
 from __future__ import annotations
 
@@ -31,9 +31,10 @@ def vec(*xs: float) -> dict[str, torch.Tensor]:
     return {"w": torch.tensor(xs, dtype=torch.float64)}
 
 
-def test_delayed_adds_back_the_workers_own_pseudo_gradient() -> None:
+def test_delayed_takes_back_the_workers_own_transmitted_pseudo_gradient() -> None:
+    """Δ̂ (what the store holds), not the raw Δ (which no one else has): the replay can rebuild it."""
     rule = OverlapStart(config("delayed"))
-    start = rule.rebase(vec(1.0, 2.0), work(vec(0.25, -0.5), sent=vec(9.0, 9.0)))  # raw Δ, not Δ̂
+    start = rule.rebase(vec(1.0, 2.0), work(vec(9.0, 9.0), sent=vec(0.25, -0.5)))
     assert torch.equal(start["w"], torch.tensor([0.75, 2.5], dtype=torch.float64))
 
 

@@ -2,14 +2,17 @@
 
     synchronous   s⁽ʳ⁾ = θ⁽ʳ⁻¹⁾                        wait for the round before to close, then train
     overlapped    train round r at once; push Δ⁽ʳ⁻¹⁾ / fetch θ⁽ʳ⁻¹⁾ meanwhile, from s⁽ʳ⁾ (r ≥ 2):
-      delayed     s⁽ʳ⁾ = θ⁽ʳ⁻²⁾ − Δᵢ⁽ʳ⁻¹⁾
+      delayed     s⁽ʳ⁾ = θ⁽ʳ⁻²⁾ − Δ̂ᵢ⁽ʳ⁻¹⁾
       eager       s⁽ʳ⁾ = θ⁽ʳ⁻²⁾ − Ũᵢ⁽ʳ⁻¹⁾,   Ũᵢ⁽ʳ⁻¹⁾ = U⁽ʳ⁻²⁾ + c (Δ̂ᵢ⁽ʳ⁻¹⁾ − Δ̂ᵢ⁽ʳ⁻²⁾)
     both          Δᵢ⁽ʳ⁾ = s⁽ʳ⁾ − θᵢ⁽ʳ'ᴴ⁾ after H inner steps;  θ⁽ʳ⁾ = Outer(θ⁽ʳ⁻¹⁾, mean Δ⁽ʳ⁾)
 
 With overlap the global update reaches a worker one round late: round r's start cannot include the
 outer step θ⁽ʳ⁻²⁾ → θ⁽ʳ⁻¹⁾, still in flight. ``rounds.overlap_start`` chooses what stands in for it:
 
-* **delayed**: the worker's own last pseudo-gradient, applied whole.
+* **delayed**: the worker's own last pseudo-gradient, applied whole, as it was transmitted (Δ̂ᵢ,
+  the coordinator's reconstruction of its push; Δ̂ = Δ when updates travel dense), so that the
+  start is a function of stored objects: the auditor's replay rebuilds it from θ⁽ʳ⁻²⁾ and the
+  worker's update record of round r−1 (audit.replay.overlapped_start).
 * **eager** (Kale, Douillard, Donchev, "Eager Updates For Overlapped Communication and Computation
   in DiLoCo", arXiv:2502.12996): a proxy of the outer step in flight. The paper mixes the worker's
   current outer gradient with the other workers' delayed ones, ḡ ≈ Δ̄⁽ʳ⁻²⁾ + (Δᵢ⁽ʳ⁻¹⁾ − Δᵢ⁽ʳ⁻²⁾)/W.
@@ -74,6 +77,12 @@ def _exchange(worker: Worker, round_: int, work: RoundWork, base_cid: str,
     return pushed, worker.client.fetch(round_)
 
 
+def delayed_start(newest: Params, sent: Params) -> Params:
+    """s⁽ʳ⁾ = θ⁽ʳ⁻²⁾ − Δ̂ᵢ⁽ʳ⁻¹⁾, elementwise in the tensors' own dtype: the worker's and the
+    replay's one computation (audit.replay)."""
+    return {k: newest[k] - sent[k] for k in newest}
+
+
 class OverlapStart:
     """Where an overlapped worker's next round starts (see the module docstring); ``rebase`` once
     per round, after θ⁽ʳ⁻¹⁾ has landed, with that round's work."""
@@ -91,10 +100,9 @@ class OverlapStart:
 
     def rebase(self, newest: Params, work: RoundWork) -> Params:
         """s⁽ʳ⁺¹⁾ from θ⁽ʳ⁻¹⁾ = ``newest`` and round r's ``work``."""
-        if not self.eager:
-            delta = work.result.pseudo_gradient
-            return {k: newest[k] - delta[k] for k in newest}
         sent = merged(work.slices)
+        if not self.eager:
+            return delayed_start(newest, sent)
         start: Params = {}
         for k, theta in newest.items():
             proxy = (sent[k] - self._sent[k] if self._sent is not None else sent[k]) * self.weight

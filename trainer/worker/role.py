@@ -8,7 +8,8 @@ and moves only through counted rounds: when a one-process worker's push is refus
 undone (AdamW and error feedback restored), so an auditor rebuilds the state from the manifests
 alone (``dilocox audit --replay``). A worker of several stages, and an overlapped one (whose next
 round is already training when the refusal arrives), carries every refused slice's Δ̂ into its
-error feedback instead, so nothing is lost; their contributions are not replayed.
+error feedback instead, so nothing is lost; a multi-stage worker's contributions are not replayed,
+nor an overlapped worker's round after a refusal (audit.replay says which).
 """
 
 from __future__ import annotations
