@@ -143,19 +143,24 @@ def run_demo(run_dir: Path, workers: int = 2, settings: Sequence[str] = (), inse
     return code
 
 
+def _technique(config: RunConfig) -> str:
+    """What the run is, in one line: DiLoCoX and its settings, or plain DiLoCo."""
+    c = config.compression
+    if not (c.enabled or config.rounds.overlap):
+        return "plain DiLoCo (dense, synchronous)"
+    return "DiLoCoX: " + ", ".join([
+        f"adaptive low-rank + int4 (rank {c.min_rank}–{c.max_rank}) both ways" if c.enabled and c.codec == "lowrank-int4"
+        else f"top-k {c.topk_density:g} + int4 both ways" if c.enabled else "dense updates",
+        f"{config.rounds.overlap_start} one-step overlap" if config.rounds.overlap else "synchronous rounds",
+        f"outer lr {config.outer.lr:g} / momentum {config.outer.momentum:g}"])
+
+
 def _train(console: Console, run_dir: Path, config: RunConfig, config_path: Path, workers: int,
            coordinator_args: list[str], worker_args: list[str], insecure: bool) -> int:
     m = config.model
     dense = 4 * estimated_parameters(m)
-    c = config.compression
-    technique = ("DiLoCoX: " + ", ".join(
-        [f"adaptive low-rank + int4 (rank {c.min_rank}–{c.max_rank}) both ways" if c.enabled and c.codec == "lowrank-int4"
-         else f"top-k {c.topk_density:g} + int4 both ways" if c.enabled else "dense updates",
-         f"{config.rounds.overlap_start} one-step overlap" if config.rounds.overlap else "synchronous rounds",
-         f"outer lr {config.outer.lr:g} / momentum {config.outer.momentum:g}"])
-        if c.enabled or config.rounds.overlap else "plain DiLoCo (dense, synchronous)")
     console.print(
-        f"[bold]{technique}[/]\n{workers} workers × {config.inner.steps} inner AdamW steps × "
+        f"[bold]{_technique(config)}[/]\n{workers} workers × {config.inner.steps} inner AdamW steps × "
         f"{config.rounds.rounds} rounds; {m.family} {m.n_layer}L/{m.n_embd}d/{m.n_head}h, "
         f"context {m.block_size}, "
         f"{f'prepared tokens {config.data.tokens}' if config.data.tokens else 'byte tokens; embedded corpus'}; "
@@ -210,8 +215,13 @@ def _train(console: Console, run_dir: Path, config: RunConfig, config_path: Path
             console.print(f"[red]demo failed:[/] {exc}")
             return 1
 
-    elapsed = time.monotonic() - started
     console.print(table)
+    return _summary(console, run_dir, rounds_done, time.monotonic() - started, dense, codes)
+
+
+def _summary(console: Console, run_dir: Path, rounds_done: list[dict], elapsed: float, dense: int,
+             codes: dict[str, int]) -> int:
+    """The run's closing lines; non-zero when a process failed or the loss did not fall."""
     if len(rounds_done) < 2:
         console.print(f"[red]no round was completed[/]; see {run_dir}/logs/")
         return 1

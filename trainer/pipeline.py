@@ -152,7 +152,8 @@ def plan_stages(requested: int | None, n_layer: int, cores: int, threads: int | 
     """The worker's stages and thread budget on ``cores`` cores (``requested`` None: ``auto``).
 
     C = ``threads`` when given (the torch threads the worker may run), else ``cores``.
-    auto: P = 2 when the model has at least 2 layers and C ≥ 2, else 1.
+    auto: P = 2 when the model has at least 2 layers and C ≥ 2, else 1 (on CPU; a worker on a GPU
+    runs one stage unless told otherwise, trainer.worker.role).
     Pipeline stages exist for models that do not fit one device (DiLoCoX's dual optimiser runs per
     stage); on a machine without a core per stage they only cost: the stages then time-share the
     cores and pay the microbatch bubble and the activation transfers on top. Two stages are what

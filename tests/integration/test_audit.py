@@ -70,7 +70,7 @@ def tiny_config(run_id: str) -> RunConfig:
         model=ModelConfig(block_size=8, n_layer=1, n_head=2, n_embd=16),
         inner=InnerConfig(steps=2, batch_size=2, lr=1e-3),
         rounds=RoundConfig(rounds=3, expected_workers=2, quorum=2),
-    )
+    ).plain_diloco()  # the builder writes dense, synchronous rounds
 
 
 def lying_artifact() -> dict[str, Any]:

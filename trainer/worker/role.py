@@ -106,8 +106,10 @@ class Worker:
 
     def set_up(self, config: RunConfig, shard: int, num_shards: int) -> None:
         """At the first Join: the shard, the held-out batches, θ⁽⁰⁾ and the inner loop."""
+        # On a GPU, auto is one stage: GPU stages need a device each, and the worker was given one.
+        requested = self.requested_stages if self.requested_stages is not None or self.device.type == "cpu" else 1
         try:
-            plan = plan_stages(self.requested_stages, config.model.n_layer, self.cores, self.threads)
+            plan = plan_stages(requested, config.model.n_layer, self.cores, self.threads)
         except ValueError as exc:
             raise WorkerError(str(exc)) from None
         self.stages, self.threads_per_stage = plan.stages, plan.threads_per_stage
