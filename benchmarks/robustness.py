@@ -36,7 +36,7 @@ Also an honest-only table: K + 1 honest worker processes (no mallory) under each
 K + 1: what each defence costs a run that has no attacker.
 
 Measured, per run: the held-out loss of the final checkpoint, evaluated here on fixed-seed
-windows of WikiText-2 ``test.txt`` that no process trains on (benchmarks.ablation.heldout_batches:
+windows of WikiText-2 ``test.txt`` that no process trains on (benchmarks.ablation.measure.heldout_batches:
 16 batches of 16 × 64 tokens by default); its ratio to the honest-only run under the plain mean ("clip-off"),
 the reference of every table; the mean round time over rounds 2..R (round 1 also holds the
 workers' start), from the coordinator's rounds.jsonl; what happened to mallory's pushes each
@@ -45,7 +45,7 @@ and whether every round re-derives bit for bit from the stored updates (audit.re
 run's ``rounds`` section). A run that fails (a process exits non-zero, anything raises) is the
 cell ``failed: <one line>`` and the benchmark goes on.
 
-Data as in benchmarks/ablation.py: WikiText-2 raw ``valid.txt`` is the training corpus,
+Data as in benchmarks/ablation/measure.py: WikiText-2 raw ``valid.txt`` is the training corpus,
 ``test.txt`` held out; without that folder it falls back, loudly, to the embedded corpus.
 
 Defaults: the demo model (2 layers × 128 wide GPT, block 64, ``trainer.config.demo_config``'s
@@ -73,7 +73,7 @@ from storage_client import strict_json
 if TYPE_CHECKING:  # torch, grpc and the trainer load when the benchmark runs, not when the CLI parses
     import torch
 
-    from benchmarks.ablation import Data
+    from benchmarks.ablation.measure import Data
     from trainer.config import ModelConfig, RunConfig
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
@@ -167,7 +167,7 @@ def run_config(s: Settings, data: Data, agg: Aggregation, *, run_id: str, mallor
                            straggler_timeout_s=s.timeout_s, heartbeat_interval_s=0.5, liveness_timeout_s=15.0,
                            clip_multiple=agg.clip_multiple, aggregator=agg.aggregator,
                            trim_fraction=s.trim_fraction, screen_margin=s.screen_margin if agg.screen else 0.0),
-    )
+    ).plain_diloco()  # what the aggregation rows compare: dense updates (the hostile clients push dense)
 
 
 # ----------------------------------------------------------------------------------------- mallory
@@ -485,7 +485,8 @@ def run(s: Settings, command: str = "dilocox bench robust") -> dict[str, Any]:
     """The whole benchmark; writes robustness.md / .json under ``s.out``."""
     import torch
 
-    from benchmarks.ablation import HELDOUT_SEED, heldout_batches, load_data, machine
+    from benchmarks.ablation import machine
+    from benchmarks.ablation.measure import HELDOUT_SEED, heldout_batches, load_data
     from trainer.aggregation import norm_bound
     from trainer.diloco import evaluate as evaluate_model, load_params
     from trainer.model import build_model
