@@ -41,7 +41,7 @@ measurements for noise, fewer steps and a stale start are in the same document).
 
 Overlapped rounds (rounds.overlap, the delayed start): round r of a worker whose round r−1 counted
 starts from θ⁽ʳ⁻²⁾ − Δ̂ᵢ⁽ʳ⁻¹⁾, both stored, computed as the worker computes it; the replay does the
-same (``Replayer._start``).
+same (``Replayer._start``, with the worker's own trainer.diloco.delayed_start).
 
 What cannot be replayed is said, not passed: a worker of several pipeline stages commits no inner
 state; an overlapped round after an update that did not count, or with the eager start, starts
@@ -67,13 +67,12 @@ from trainer.topk import KIND_TOPK
 from trainer.config import RunConfig
 from trainer.data import CorpusError, eval_batches, round_batches
 from trainer.dataset import Dataset, run_dataset
-from trainer.diloco import FRESH_STATE, InnerLoop, evaluate, load_params
+from trainer.diloco import FRESH_STATE, InnerLoop, delayed_start, evaluate, load_params
 from trainer.checkpoints import checkpoint_at
 from trainer.model import build_model
 from trainer.update_record import open_update
 from trainer.update_source import dense
 from trainer.wire import Params, WireError, decode_params, layout_of
-from trainer.worker.loops import delayed_start
 
 # ‖Δ' − Δ‖ / ‖Δ‖ an honest contribution stays within (see the module docstring).
 REPLAY_TOLERANCE = 0.05
@@ -227,7 +226,7 @@ class Replayer:
 
     def _start(self, round_: int, worker: str) -> Params | None:
         """Where ``worker`` started ``round_``: θ⁽ʳ⁻¹⁾, or for an overlapped round after a counted one,
-        θ⁽ʳ⁻²⁾ − Δ̂ᵢ⁽ʳ⁻¹⁾ by the worker's own computation (trainer.worker.loops.delayed_start)."""
+        θ⁽ʳ⁻²⁾ − Δ̂ᵢ⁽ʳ⁻¹⁾ by the worker's own computation (trainer.diloco.delayed_start)."""
         previous = _counted(self.manifests.get(round_ - 1), worker)
         if not (self.config.rounds.overlap and round_ >= 2 and previous is not None):
             return self._params(round_ - 1, f"θ⁽{round_ - 1}⁾")

@@ -253,3 +253,10 @@ def evaluate(model: nn.Module, batches: list[tuple[torch.Tensor, torch.Tensor]])
 
 
 FRESH_STATE = inner_state_digest()  # no AdamW step taken, no error carried
+
+
+def delayed_start(newest: Params, sent: Params) -> Params:
+    """Where an overlapped round starts with the delayed rule (trainer.worker.loops):
+    s⁽ʳ⁾ = θ⁽ʳ⁻²⁾ − Δ̂ᵢ⁽ʳ⁻¹⁾, elementwise in the tensors' own dtype; the worker's and the replay's
+    one computation (audit.replay)."""
+    return {k: newest[k] - sent[k] for k in newest}

@@ -148,7 +148,8 @@ def test_stages_must_split_the_model() -> None:
     with pytest.raises(WorkerError, match="batch of 3 sequences cannot be cut into 2 equal microbatches"):
         worker.set_up(odd, 0, 2)
     worker.set_up(config, 0, 2)
-    assert isinstance(worker.inner, PipelinedInnerLoop) and worker.inner.group is None  # starts lazily
+    assert isinstance(worker.inner, PipelinedInnerLoop) and worker.inner.group is not None  # started at set-up
+    worker.inner.close()
     worker.client.close()
 
 

@@ -12,7 +12,7 @@ outer step θ⁽ʳ⁻²⁾ → θ⁽ʳ⁻¹⁾, still in flight. ``rounds.overla
 * **delayed**: the worker's own last pseudo-gradient, applied whole, as it was transmitted (Δ̂ᵢ,
   the coordinator's reconstruction of its push; Δ̂ = Δ when updates travel dense), so that the
   start is a function of stored objects: the auditor's replay rebuilds it from θ⁽ʳ⁻²⁾ and the
-  worker's update record of round r−1 (audit.replay.overlapped_start).
+  worker's update record of round r−1 (trainer.diloco.delayed_start, audit.replay).
 * **eager** (Kale, Douillard, Donchev, "Eager Updates For Overlapped Communication and Computation
   in DiLoCo", arXiv:2502.12996): a proxy of the outer step in flight. The paper mixes the worker's
   current outer gradient with the other workers' delayed ones, ḡ ≈ Δ̄⁽ʳ⁻²⁾ + (Δᵢ⁽ʳ⁻¹⁾ − Δᵢ⁽ʳ⁻²⁾)/W.
@@ -37,6 +37,7 @@ from concurrent.futures import Future, ThreadPoolExecutor
 from typing import TYPE_CHECKING
 
 from trainer.config import RunConfig
+from trainer.diloco import delayed_start
 from trainer.pipeline import PipelineError
 from trainer.uplink import merged
 from trainer.wire import Params
@@ -75,12 +76,6 @@ def _exchange(worker: Worker, round_: int, work: RoundWork, base_cid: str,
     (or whatever is newer): the part that overlaps compute."""
     pushed = worker.push(round_, work, base_cid, parent_cid)
     return pushed, worker.client.fetch(round_)
-
-
-def delayed_start(newest: Params, sent: Params) -> Params:
-    """s⁽ʳ⁾ = θ⁽ʳ⁻²⁾ − Δ̂ᵢ⁽ʳ⁻¹⁾, elementwise in the tensors' own dtype: the worker's and the
-    replay's one computation (audit.replay)."""
-    return {k: newest[k] - sent[k] for k in newest}
 
 
 class OverlapStart:
