@@ -761,7 +761,7 @@ def _expected_parts(name: str, kind: str, rank: int, shape: tuple[int, ...], gro
     if kind == KIND_TOPK:
         if rank != 0:
             raise _fail(name, "rank", f"{rank} for a top-k tensor, expected 0")
-        kept = sum(topk.kept_counts(math.prod(shape), chunk, k))
+        kept = topk.kept_total(math.prod(shape), chunk, k)
         # I: the in-chunk positions, two bytes each, no scales; V: the kept values, int4.
         return {"I": PartSpec((kept,), 2 * kept, 0), "V": PartSpec.of([kept], bits, group)}
     if kind == KIND_LOWRANK:

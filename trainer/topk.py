@@ -43,14 +43,27 @@ def keep_per_chunk(density: float, chunk: int) -> int:
     return max(1, min(chunk, round(density * chunk)))
 
 
-def chunk_lengths(numel: int, chunk: int) -> list[int]:
+def _chunks(numel: int, chunk: int, k: int) -> tuple[int, int, int]:
+    """(full chunks, length of the short last one or 0, k kept in it): O(1), whatever a header says."""
     full, rest = divmod(numel, chunk)
+    return full, rest, (min(rest, max(1, -(-k * rest // chunk))) if rest else 0)
+
+
+def chunk_lengths(numel: int, chunk: int) -> list[int]:
+    full, rest, _ = _chunks(numel, chunk, 1)
     return [chunk] * full + ([rest] if rest else [])
 
 
 def kept_counts(numel: int, chunk: int, k: int) -> list[int]:
     """k_j for every chunk of an N-value tensor (module docstring)."""
-    return [min(length, max(1, -(-k * length // chunk))) for length in chunk_lengths(numel, chunk)]
+    full, rest, last = _chunks(numel, chunk, k)
+    return [min(chunk, k)] * full + ([last] if rest else [])
+
+
+def kept_total(numel: int, chunk: int, k: int) -> int:
+    """Σ k_j, without building the per-chunk list (a hostile header may name tiny chunks)."""
+    full, _, last = _chunks(numel, chunk, k)
+    return full * min(chunk, k) + last
 
 
 def select(a: torch.Tensor, chunk: int, k: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -79,15 +92,19 @@ def decode_positions(packed: torch.Tensor) -> torch.Tensor:
 
 
 def position_problem(local: torch.Tensor, numel: int, chunk: int, k: int) -> str | None:
-    """Why decoded in-chunk positions are not a canonical encoding for this tensor, or None."""
-    lengths, counts = chunk_lengths(numel, chunk), kept_counts(numel, chunk, k)
-    if local.numel() != sum(counts):
-        return f"{local.numel()} positions, expected {sum(counts)}"
-    limit = torch.repeat_interleave(torch.tensor(lengths), torch.tensor(counts))
+    """Why decoded in-chunk positions are not a canonical encoding for this tensor, or None
+    (vectorised: the work is proportional to the positions sent, not to the chunk count named)."""
+    full, rest, last = _chunks(numel, chunk, k)
+    kept = min(chunk, k)
+    if local.numel() != full * kept + last:
+        return f"{local.numel()} positions, expected {full * kept + last}"
+    in_full = full * kept
+    limit = torch.full((local.numel(),), chunk, dtype=torch.int64)
+    limit[in_full:] = rest
     if bool((local >= limit).any()):
         return "a position lies outside its chunk"
-    first = torch.zeros(local.numel(), dtype=torch.bool)
-    first[torch.tensor([0] + list(torch.tensor(counts).cumsum(0)[:-1]))] = True
+    index = torch.arange(local.numel(), dtype=torch.int64)
+    first = torch.where(index < in_full, index % kept == 0, index == in_full)
     rising = torch.ones_like(first)
     rising[1:] = local[1:] > local[:-1]
     if not bool((rising | first).all()):
@@ -104,12 +121,14 @@ def scatter(numel: int, flat_positions: torch.Tensor, values: torch.Tensor) -> t
 
 def flat_positions(local: torch.Tensor, numel: int, chunk: int, k: int) -> torch.Tensor:
     """In-chunk positions → positions in the flattened tensor."""
-    counts = kept_counts(numel, chunk, k)
-    offsets = torch.repeat_interleave(torch.arange(len(counts), dtype=torch.int64) * chunk, torch.tensor(counts))
-    return local + offsets
+    full, _, _ = _chunks(numel, chunk, k)
+    kept = min(chunk, k)
+    index = torch.arange(local.numel(), dtype=torch.int64)
+    chunk_of = torch.where(index < full * kept, index // kept, torch.full_like(index, full))
+    return local + chunk_of * chunk
 
 
 def payload_bytes(numel: int, chunk: int, k: int, group: int) -> int:
     """Bytes of tensor data a matrix of ``numel`` values takes: positions, int4 values, scales."""
-    kept = sum(kept_counts(numel, chunk, k))
+    kept = kept_total(numel, chunk, k)
     return 2 * kept + (kept + 1) // 2 + 4 * math.ceil(kept / group)
