@@ -24,8 +24,10 @@ from __future__ import annotations
 
 from fractions import Fraction
 
+from storage_client import Manifest, ObjectStore
 from trainer.compression import KIND_INT8, KIND_LOWRANK, CodecHeader
 from trainer.config import RunConfig
+from trainer.wire import Layout, json_object
 
 
 def rank_fraction(config: RunConfig, header: CodecHeader | None) -> Fraction:
@@ -52,3 +54,13 @@ def inner_steps_for_round(config: RunConfig, round_: int, header: CodecHeader | 
 def round_tokens(config: RunConfig, steps: int) -> int:
     """The tokens of one worker's round of ``steps`` inner steps."""
     return steps * config.inner.batch_size * config.model.block_size
+
+
+def stored_downlink_header(store: ObjectStore, manifest: Manifest, layout: Layout) -> CodecHeader | None:
+    """The codec header of ``manifest``'s compressed global update, read from ``store`` (bounded
+    JSON) and checked against ``layout``; None when that round's update travelled dense. Raises
+    ``trainer.wire.WireError`` or ``trainer.compression.CompressionError`` naming what is wrong."""
+    if manifest.downlink is None:
+        return None
+    raw = json_object(store.get(manifest.downlink.header), f"round {manifest.round}'s downlink codec header")
+    return CodecHeader.parse(raw, layout)
