@@ -22,7 +22,9 @@ the coordinator checks each push against it and the audit re-derives it from the
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from fractions import Fraction
+from typing import Mapping
 
 from storage_client import Manifest, ObjectStore
 from trainer.compression import KIND_INT8, KIND_LOWRANK, CodecHeader
@@ -64,3 +66,72 @@ def stored_downlink_header(store: ObjectStore, manifest: Manifest, layout: Layou
         return None
     raw = json_object(store.get(manifest.downlink.header), f"round {manifest.round}'s downlink codec header")
     return CodecHeader.parse(raw, layout)
+
+
+def stored_inner_steps(config: RunConfig, round_: int, manifests: Mapping[int, Manifest], store: ObjectStore,
+                       layout: Layout) -> int:
+    """H_r re-derived from the store: round r−2's manifest (from ``manifests``, by round) names the
+    codec header. KeyError when that manifest is not at hand; the errors of
+    ``stored_downlink_header`` when its header is unreadable."""
+    if not config.inner.adaptive_steps or round_ <= 2:
+        return config.inner.steps
+    return inner_steps_for_round(config, round_, stored_downlink_header(store, manifests[round_ - 2], layout))
+
+
+class ScheduleError(ValueError):
+    """A declared H_r out of bounds or not the one the worker derives; the message says which."""
+
+
+@dataclass(frozen=True)
+class StepsDecision:
+    """A round's H_r and where it came from: "derived" by the worker itself (with ρ; None where no
+    header is needed) or "declared" by the coordinator (the worker lacks round r−2's header)."""
+
+    steps: int
+    rank_fraction: float | None
+    source: str
+
+
+class WorkerSchedule:
+    """A worker's view of H_r for the rounds ahead. With each global state θ⁽ᵍ⁾ the coordinator
+    declares H_{g+1} and H_{g+2} (what it will check the pushes against); the worker keeps them,
+    bounded to [1, inner.steps], and the codec header of θ⁽ᵍ⁾'s compressed update when it came
+    compressed. ``decide`` derives H_r itself whenever it can, and refuses a declaration that differs.
+    """
+
+    def __init__(self, config: RunConfig) -> None:
+        self.config = config
+        self.declared: dict[int, int] = {}
+        self.headers: dict[int, CodecHeader] = {}
+
+    def learn(self, round_: int, next_steps: int, second_steps: int, header: CodecHeader | None) -> None:
+        """θ⁽ᵍ⁾ arrived (g = ``round_``) declaring H_{g+1}, H_{g+2}, with its codec header if compressed."""
+        most = self.config.inner.steps
+        declared = {round_ + 1: next_steps, round_ + 2: second_steps}
+        for r, steps in declared.items():
+            if not 1 <= steps <= most:
+                raise ScheduleError(f"the global state of round {round_} declares {steps} inner steps for round "
+                                    f"{r}; this run's rounds train 1 to inner.steps = {most}")
+        headers = {r: h for r, h in self.headers.items() if r >= round_ - 1}
+        if header is not None:
+            headers[round_] = header
+        # One assignment each: an overlapped round reads them while the next fetch runs.
+        self.headers = headers
+        self.declared = {**{r: s for r, s in self.declared.items() if r > round_}, **declared}
+
+    def decide(self, round_: int) -> StepsDecision:
+        """H_r of ``round_``: derived from round r−2's header when held (or when none is needed),
+        else as declared."""
+        cfg, declared = self.config, self.declared.get(round_)
+        needs_header = cfg.inner.adaptive_steps and round_ > 2
+        header = self.headers.get(round_ - 2)
+        if needs_header and header is None:
+            if declared is None:
+                raise ScheduleError(f"round {round_}: no declared inner steps and no codec header of round "
+                                    f"{round_ - 2} to derive them from")
+            return StepsDecision(declared, None, "declared")
+        derived = inner_steps_for_round(cfg, round_, header)
+        if declared is not None and declared != derived:
+            raise ScheduleError(f"round {round_}: the coordinator declares {declared} inner steps, but round "
+                                f"{round_ - 2}'s downlink header gives {derived}")
+        return StepsDecision(derived, float(rank_fraction(cfg, header)) if needs_header else None, "derived")

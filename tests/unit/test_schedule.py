@@ -4,13 +4,16 @@ from __future__ import annotations
 
 from fractions import Fraction
 
+import pytest
 import torch
 
 from trainer.compression import (
     KIND_INT4, KIND_INT8, KIND_LOWRANK, AdaptiveRankPolicy, CodecHeader, TensorEntry, compress,
 )
 from trainer.config import InnerConfig, RunConfig
-from trainer.schedule import inner_steps_for_round, rank_fraction, round_tokens
+from trainer.schedule import (
+    ScheduleError, StepsDecision, WorkerSchedule, inner_steps_for_round, rank_fraction, round_tokens,
+)
 from trainer.wire import layout_of
 
 
@@ -64,3 +67,27 @@ def test_a_real_downlink_header() -> None:
     header = CodecHeader.parse(raw, layout_of(update))
     # both matrices low rank at 2 of r_max 16: ρ = 1/8, H_r = 5
     assert inner_steps_for_round(_config(), 3, header) == 5
+
+
+def test_a_worker_derives_h_when_it_holds_the_header_and_checks_the_declaration() -> None:
+    config = _config(steps=40, max_rank=16)
+    header = _header((KIND_LOWRANK, 4), (KIND_LOWRANK, 8))  # H_r = 15
+    schedule = WorkerSchedule(config)
+    schedule.learn(1, 40, 15, header)  # θ⁽¹⁾ came compressed: round 3 is derivable
+    assert schedule.decide(2) == StepsDecision(40, None, "derived")
+    assert schedule.decide(3) == StepsDecision(15, 0.375, "derived")
+    schedule.learn(1, 40, 14, header)  # a coordinator declaring another H_3 than round 1's header gives
+    with pytest.raises(ScheduleError, match="round 3: the coordinator declares 14 inner steps, but round 1's"):
+        schedule.decide(3)
+
+
+def test_a_late_joiner_takes_the_declared_h_within_bounds() -> None:
+    schedule = WorkerSchedule(_config(steps=40))
+    schedule.learn(5, 12, 30, None)  # θ⁽⁵⁾ fetched dense: no header of round 4 or 5
+    assert schedule.decide(6) == StepsDecision(12, None, "declared")
+    assert schedule.decide(7) == StepsDecision(30, None, "declared")
+    with pytest.raises(ScheduleError, match="no declared inner steps and no codec header of round 6"):
+        schedule.decide(8)
+    for bad in (0, 41):
+        with pytest.raises(ScheduleError, match=f"declares {bad} inner steps for round 7; .* 1 to inner.steps = 40"):
+            WorkerSchedule(_config(steps=40)).learn(5, 12, bad, None)
