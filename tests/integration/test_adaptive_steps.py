@@ -43,6 +43,7 @@ def test_inner_steps_follow_the_downlink_rank_and_the_audit_rederives_them(clust
     config = RunConfig.from_json(store.get_json(manifests[0].config))
     layout = layout_of(decode_params(store.get(manifests[0].params)))
     steps = {r: stored_inner_steps(config, r, manifests, store, layout) for r in range(1, ROUNDS + 1)}
+    print(f"H_r by round: {steps}")
     assert steps[1] == steps[2] == 8 and min(steps.values()) < 8, steps
     assert all(2 <= s <= 8 for s in steps.values())
     for r in range(1, ROUNDS + 1):  # what the coordinator recorded is what the store derives

@@ -483,7 +483,7 @@ def test_a_manifest_claiming_other_inner_steps_is_named(anvil: Anvil, tmp_path: 
         return [builder.report(w, recorded, manifest_digest=cid.digest) for w in builder.keys]
 
     builder.round(mangle=more_steps, reports=signed_as_recorded)
-    result = builder.audit()
+    result = builder.audit(rederive=False)  # the builder's rounds travel dense: the arithmetic is not at issue
     failures = result.failures
     assert {(f.check, f.round) for f in failures} == {("inner-steps", 2)} and len(failures) == 2, failures
     assert "recorded with 3 inner steps and 48 tokens; round 2 trains 2 steps, 32 tokens" in failures[0].message
