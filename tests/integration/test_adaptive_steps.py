@@ -12,7 +12,7 @@ from benchmarks.cluster import LocalCluster
 from storage_client import lineage
 from tests.integration.test_cluster import assert_rederivable
 from trainer.compression import CompressionConfig
-from trainer.config import InnerConfig, RoundConfig, RunConfig
+from trainer.config import InnerConfig, ModelConfig, RoundConfig, RunConfig
 from trainer.schedule import round_tokens, stored_inner_steps
 from trainer.wire import decode_params, layout_of
 
@@ -24,18 +24,21 @@ ROUNDS = 5
 @pytest.mark.parametrize("overlap", [False, True], ids=["synchronous", "overlapped"])
 def test_inner_steps_follow_the_downlink_rank_and_the_audit_rederives_them(cluster: LocalCluster, make_config,
                                                                            tmp_path, overlap: bool) -> None:
-    """Overlapped, a worker trains round r from θ⁽ʳ⁻²⁾, whose header it holds: the same rule."""
+    """Overlapped, a worker trains round r from θ⁽ʳ⁻²⁾, whose header it holds: the same rule; w1 then
+    runs two pipeline stages."""
     metrics = tmp_path / "w0.jsonl"
     # A low target energy keeps the downlink's ranks under r_max = 4, so ρ < 1 and H_r < H = 8.
     cluster.start_coordinator(make_config(
+        model=ModelConfig(block_size=32, n_layer=2, n_head=2, n_embd=32),  # two layers: two stages
         inner=InnerConfig(steps=8, min_steps=2, batch_size=4, lr=1e-3, adaptive_steps=True),
         rounds=RoundConfig(rounds=ROUNDS, expected_workers=2, quorum=2, overlap=overlap,
                            heartbeat_interval_s=0.5, liveness_timeout_s=5.0),
         compression=CompressionConfig(enabled=True, min_rank=1, max_rank=4, target_energy=0.05)))
     cluster.start_worker("w0", extra=["--metrics", str(metrics)])
-    cluster.start_worker("w1")
+    # Overlapped, w1 trains as two pipeline stages: the stages run the round's H_r steps too.
+    cluster.start_worker("w1", extra=["--stages", "2"] if overlap else [])
     for name in ("w0", "w1", "coordinator"):
-        assert cluster.wait_exit(name, 180) == 0, cluster.log(name)
+        assert cluster.wait_exit(name, 120) == 0, cluster.log(name)
     assert_rederivable(cluster.run_dir)
     store = cluster.run_dir.store
     chain = lineage(store, cluster.run_dir.head())
