@@ -27,6 +27,8 @@ Checks, by name:
                         and the recording transactions can be decoded
   manifest-round        manifest.round is the round it was recorded as
   parent                manifest.parent is the CID of the previous round's (recorded) manifest
+  inner-steps           every participant's inner_steps and tokens are the round's H_r and H_r·batch·block,
+                        H_r re-derived from round r−2's stored downlink header (trainer.schedule)
   checkpoint            the round's on-chain checkpoint is the sha256 of the manifest's params
   parent-checkpoint     the round's on-chain parent is the previous round's params digest
   rederive              Δ = the stored updates (decoded from the pushed bytes), clipped (threshold over their norms and the previous K

@@ -3,6 +3,7 @@
 Checks ``run`` (which run is audited), ``run-id``, ``object``, ``manifest``, ``genesis``,
 ``genesis-checkpoint``, ``config``, ``manifest-round``, ``parent``, ``checkpoint``,
 ``parent-checkpoint`` (the chain's parent against the previous round's stored params),
+``inner-steps`` (each participant's inner steps and tokens are the round's H_r, trainer.schedule),
 ``update-record`` (each participant's record, and the pushed bytes it names, fit the model) and
 ``unrecorded``; audit.core describes each. Whether the stored bytes are what the updates give is
 audit.recompute's; the ledger's own records are audit.tallies'.
@@ -27,7 +28,9 @@ from storage_client import (
 )
 from storage_client.manifest import SCHEMA as MANIFEST_SCHEMA
 from trainer.checkpoints import is_full_checkpoint
+from trainer.compression import CompressionError
 from trainer.config import ConfigError, RunConfig
+from trainer.schedule import round_tokens, stored_inner_steps
 from trainer.update_record import RecordError, open_update
 from trainer.update_source import UpdateSource
 from trainer.wire import Layout, WireError, decode_params, layout_of
@@ -53,6 +56,8 @@ class Lineage:
         self.ledger = ledger
         self.config: RunConfig | None = None
         self.layout: Layout | None = None  # the model's tensors, from θ⁽⁰⁾: what an update must match
+        # The manifests of the rounds read so far, by round: round r's H_r needs round r−2's.
+        self.manifests: dict[int, Manifest] = {}
 
     def resolve_run(self, run_id: bytes | None) -> tuple[bytes, RunRecord] | None:
         """The audited run's id and the ledger's runOf view of it; None after a ``run`` failure.
@@ -117,6 +122,7 @@ class Lineage:
                 self.layout = layout_of(decode_params(params))
             except WireError as exc:
                 fail(0, manifest.params, "genesis", f"the genesis params do not decode: {exc}")
+        self.manifests[0] = manifest
         return Loaded(genesis_cid, manifest, params, outer)
 
     def check_round(self, record: RoundRecord, parent: Loaded | None,
@@ -132,6 +138,9 @@ class Lineage:
         if manifest is None:
             return None
         self._check_links(r, cid, manifest, parent, genesis)
+        self.manifests[r] = manifest
+        self._check_inner_steps(r, cid, manifest)
+        self.manifests.pop(r - 2, None)  # round r+1 needs round r−1's, no earlier one
         params = outer = None
         store = self.findings.store
         if self.config is None or is_full_checkpoint(self.config.rounds, r) or store.has(manifest.params):
@@ -153,6 +162,27 @@ class Lineage:
                                f"the chain's parent checkpoint {hex_or_none(record.parent_checkpoint)} is not "
                                f"the digest of round {r - 1}'s params {parent.manifest.params}")
         return Loaded(cid, manifest, params, outer), updates
+
+    def _check_inner_steps(self, r: int, cid: CID, manifest: Manifest) -> None:
+        """Every participant trained H_r steps and H_r·batch·block tokens, H_r re-derived from round
+        r−2's stored downlink header (trainer.schedule) as the coordinator derived it."""
+        if self.config is None or self.layout is None:
+            return
+        try:
+            steps = stored_inner_steps(self.config, r, self.manifests, self.findings.store, self.layout)
+        except KeyError:  # round r−2's manifest could not be read: that is its own failure
+            return
+        except (StoreError, WireError, CompressionError) as exc:
+            header = self.manifests[r - 2].downlink
+            self.findings.fail(r, header.header if header is not None else str(cid), "inner-steps",
+                               f"round {r - 2}'s downlink codec header, which fixes round {r}'s inner steps: {exc}")
+            return
+        tokens = round_tokens(self.config, steps)
+        for p in manifest.participants:
+            if p.inner_steps != steps or p.tokens != tokens:
+                self.findings.fail(r, str(cid), "inner-steps",
+                                   f"participant {p.worker} is recorded with {p.inner_steps} inner steps and "
+                                   f"{p.tokens} tokens; round {r} trains {steps} steps, {tokens} tokens")
 
     def _open_update(self, r: int, worker: str, cid: str) -> UpdateSource | None:
         """A participant's update record and the pushed bytes it names, opened as on arrival

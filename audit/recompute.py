@@ -156,7 +156,7 @@ class Recomputation:
             else:
                 fail(row.round, participant.update, "replay",
                      f"{row.worker}'s update is {row.distance:.3g} away (relative L2) from what "
-                     f"{self.config.inner.steps} inner steps on shard {participant.shard} from round "
+                     f"{participant.inner_steps} inner steps on shard {participant.shard} from round "
                      f"{row.round - 1}'s checkpoint give; an honest replay is within {REPLAY_TOLERANCE:g}")
         for score in outcome.rescored:
             if not score.ok:

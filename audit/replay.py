@@ -9,8 +9,10 @@ worker w to round r (a manifest participant: its update Δ, data shard s, commit
     AdamW    = fresh                                 when σ = FRESH_STATE (trainer.diloco)
              = the state after w's previous counted   otherwise: replayed first, back to w's last
                contribution                            fresh start (the worker's "chain")
-    batches  = round_batches(shard s, seed, s, r, H)  trainer.data: fixed by the config alone
-    Δ'       = θ_start − θ_H                         H AdamW steps, trainer.diloco.InnerLoop
+    batches  = round_batches(shard s, seed, s, r, H_r) trainer.data: fixed by the config and, with
+                                                      inner.adaptive_steps, round r−2's stored
+                                                      downlink header (trainer.schedule)
+    Δ'       = θ_start − θ_H_r                       H_r AdamW steps, trainer.diloco.InnerLoop
     d        = ‖Δ' − Δ‖₂ / ‖Δ‖₂                      refused when d > REPLAY_TOLERANCE
 
 With a compressed uplink the stored update is Â = decompress(C(Δ + e)), e the worker's error
@@ -70,9 +72,10 @@ from trainer.dataset import Dataset, run_dataset
 from trainer.diloco import FRESH_STATE, InnerLoop, delayed_start, evaluate, load_params
 from trainer.checkpoints import checkpoint_at
 from trainer.model import build_model
+from trainer.schedule import stored_inner_steps
 from trainer.update_record import open_update
 from trainer.update_source import dense
-from trainer.wire import Params, WireError, decode_params, layout_of
+from trainer.wire import Layout, Params, WireError, decode_params, layout_of
 
 # ‖Δ' − Δ‖ / ‖Δ‖ an honest contribution stays within (see the module docstring).
 REPLAY_TOLERANCE = 0.05
@@ -160,6 +163,7 @@ class Replayer:
         self.manifests = dict(manifests)
         self.problems: list[tuple[int | None, str, str]] = []
         self._corpus = None
+        self.steps: dict[int, int] = {}  # round -> H_r, re-derived (inner_steps)
 
     # -- what to replay ----------------------------------------------------------------------------
 
@@ -240,6 +244,22 @@ class Replayer:
             return None
         return delayed_start(base, sent)
 
+    def inner_steps(self, round_: int, layout: Layout) -> int | None:
+        """H_r re-derived from round r−2's stored downlink header (trainer.schedule), as the workers
+        trained and the coordinator checked; None (and a problem) when it cannot be read."""
+        if round_ not in self.steps:
+            try:
+                self.steps[round_] = stored_inner_steps(self.config, round_, self.manifests, self.store, layout)
+            except KeyError:
+                self.problems.append((round_, f"round {round_ - 2}", "the inner steps of the round cannot be "
+                                      "derived: round r-2's manifest could not be read"))
+                return None
+            except (OSError, ValueError) as exc:  # StoreError, WireError, CompressionError: ValueError
+                self.problems.append((round_, self.manifests[round_ - 2].downlink.header,
+                                      f"round {round_ - 2}'s downlink codec header: {str(exc)[:300]}"))
+                return None
+        return self.steps[round_]
+
     def replay(self, targets: Iterable[tuple[int, str]]) -> tuple[list[ReplayRow], int]:
         """Every target, with the chains they need (each worker's rounds replayed once, in order);
         returns the rows and the inner steps replayed."""
@@ -288,8 +308,12 @@ class Replayer:
                     self.problems.append((r, f"shard {p.shard}", f"{worker}'s shard cannot be read: {exc}"))
                     inner = None
                     continue
+                round_steps = self.inner_steps(r, layout_of(start))
+                if round_steps is None:
+                    inner = None
+                    continue
                 batches = round_batches(shard_tokens, seed=cfg.seed,
-                                        shard_index=p.shard, round_=r, steps=cfg.inner.steps,
+                                        shard_index=p.shard, round_=r, steps=round_steps,
                                         batch_size=cfg.inner.batch_size, block_size=cfg.model.block_size)
                 result = inner.run(start, batches)
                 steps += result.steps
@@ -392,5 +416,6 @@ def replay_run(store: ObjectStore, config: RunConfig, manifests: Mapping[int, Ma
     targets, skipped = replayer.sample(k, seed)
     rows, steps = replayer.replay(targets)
     rescored = replayer.rescore(r for r, _ in targets) if replayer.corpus_loaded else []
-    return ReplayOutcome(rows + skipped, rescored, seed, steps, len(targets) * config.inner.steps,
+    checked = sum(replayer.steps.get(r, config.inner.steps) for r, _ in targets)
+    return ReplayOutcome(rows + skipped, rescored, seed, steps, checked,
                          time.perf_counter() - started, replayer.problems)

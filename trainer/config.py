@@ -21,7 +21,7 @@ from pathlib import Path
 from typing import Any, Sequence, TypeVar, get_type_hints
 
 from storage_client import CID, Codec, InvalidCIDError, canonical_json, digest_json, strict_json
-from trainer.compression import CompressionConfig
+from trainer.compression import CODEC_LOWRANK, CompressionConfig
 
 SCHEMA = "dilocox.config/v1"
 # The values of rounds.aggregator (trainer.aggregation.aggregate states each rule).
@@ -101,6 +101,10 @@ class InnerConfig:
     beta1: float = 0.9  # [0, 1)
     beta2: float = 0.95  # [0, 1)
     grad_clip: float = 1.0  # [0, 1e6]: max global grad norm; 0 disables clipping
+    # DiLoCoX's adaptive H: round r trains H_r steps, H_r falling with the downlink's rank
+    # (trainer.schedule.inner_steps_for_round has the rule); needs compression with the low-rank codec.
+    adaptive_steps: bool = False
+    min_steps: int = 1  # [1, 1_000_000], <= steps: the floor of H_r when adaptive_steps is on
 
 
 @dataclass(frozen=True)
@@ -396,6 +400,7 @@ _RANGES: dict[str, tuple[float, float, bool, bool]] = {
     "inner.beta1": (0.0, 1.0, False, True),
     "inner.beta2": (0.0, 1.0, False, True),
     "inner.grad_clip": (0.0, 1e6, False, False),
+    "inner.min_steps": (1, 1_000_000, False, False),
     "outer.lr": (0.0, 10.0, True, False),
     "outer.momentum": (0.0, 1.0, False, True),
     "data.eval_fraction": (0.0, 0.5, True, False),
@@ -550,6 +555,11 @@ def _validate(cfg: RunConfig) -> list[str]:
         problems.append(f"data.eval_batches = {cfg.data.eval_batches} holds {eval_tokens:,} held-out tokens "
                         f"(eval_batches x inner.batch_size x model.block_size); at most {MAX_EVAL_TOKENS:,}")
     problems += _data_problems(cfg)
+    if not i.min_steps <= i.steps:
+        problems.append(f"inner.min_steps = {i.min_steps} must not exceed inner.steps = {i.steps}")
+    if i.adaptive_steps and not (c.enabled and c.codec == CODEC_LOWRANK):
+        problems.append(f"inner.adaptive_steps follows the downlink's rank: it needs compression.enabled with "
+                        f"compression.codec = {CODEC_LOWRANK!r}")
     if not r.quorum <= r.expected_workers:
         problems.append(f"rounds.quorum = {r.quorum} must be in [1, expected_workers = {r.expected_workers}]")
     if not r.liveness_timeout_s > r.heartbeat_interval_s:

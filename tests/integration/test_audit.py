@@ -466,6 +466,29 @@ def test_a_manifest_changed_after_the_workers_signed(anvil: Anvil, tmp_path: Pat
     assert {f.object.split()[-1] for f in failures} == {key.address for key in builder.keys.values()}
 
 
+def test_a_manifest_claiming_other_inner_steps_is_named(anvil: Anvil, tmp_path: Path) -> None:
+    """A coordinator credits its workers with more inner steps and tokens than the round trains, and
+    they sign it: ledger and reports agree, but H_r is not the coordinator's or a worker's to claim.
+    The audit re-derives it (trainer.schedule: here the fixed H = 2) and names the round."""
+    builder = RunBuilder(tmp_path, anvil.rpc_url, run_name="steps")
+    builder.round()
+
+    def more_steps(obj: dict[str, Any]) -> None:
+        for p in obj["participants"]:
+            p["inner_steps"], p["tokens"] = 3, 3 * 2 * 8
+
+    def signed_as_recorded(_: Manifest) -> list[SignedReport]:
+        cid = builder.manifests[-1][0]
+        recorded = Manifest.from_json(builder.store.get_json(cid))
+        return [builder.report(w, recorded, manifest_digest=cid.digest) for w in builder.keys]
+
+    builder.round(mangle=more_steps, reports=signed_as_recorded)
+    result = builder.audit(rederive=False)  # the builder's rounds travel dense: the arithmetic is not at issue
+    failures = result.failures
+    assert {(f.check, f.round) for f in failures} == {("inner-steps", 2)} and len(failures) == 2, failures
+    assert "recorded with 3 inner steps and 48 tokens; round 2 trains 2 steps, 32 tokens" in failures[0].message
+
+
 def test_dev_evidence_needs_allow_dev(honest: RunBuilder) -> None:
     result = honest.audit(policy=Policy())
     assert not result.ok

@@ -98,6 +98,7 @@ OUT_OF_RANGE = [
     ("inner.beta1", [-0.1, 1.0]),
     ("inner.beta2", [-0.1, 1.0]),
     ("inner.grad_clip", [-1.0, 2e6]),
+    ("inner.min_steps", [0, 1_000_001]),
     ("outer.lr", [0.0, 11.0]),
     ("outer.momentum", [-0.1, 1.0]),
     ("data.eval_fraction", [0.0, 0.6]),
@@ -185,6 +186,17 @@ def test_relations_between_fields() -> None:
         RunConfig(rounds=RoundConfig(heartbeat_interval_s=1.0, liveness_timeout_s=1.0))
     with pytest.raises(ConfigError, match="compression.min_rank = 9 must not exceed compression.max_rank = 8"):
         RunConfig(compression=_bypass_compression(min_rank=9, max_rank=8))
+    with pytest.raises(ConfigError, match="inner.min_steps = 11 must not exceed inner.steps = 10"):
+        RunConfig(inner=InnerConfig(steps=10, min_steps=11))
+
+
+def test_adaptive_steps_needs_the_low_rank_downlink() -> None:
+    adaptive = InnerConfig(steps=10, min_steps=2, adaptive_steps=True)
+    assert RunConfig(inner=adaptive).inner.adaptive_steps  # the defaults compress with low rank
+    with pytest.raises(ConfigError, match="inner.adaptive_steps follows the downlink's rank"):
+        RunConfig(inner=adaptive).plain_diloco()
+    with pytest.raises(ConfigError, match="inner.adaptive_steps follows the downlink's rank"):
+        RunConfig(inner=adaptive, compression=dataclasses.replace(RunConfig().compression, codec="topk"))
 
 
 def _bypass_compression(**changes: object):

@@ -16,7 +16,8 @@ from proto import PROTOCOL_VERSION, Encoding, WorkerPhase
 from storage_client import lineage
 from tests.conftest import small_config
 from trainer.aggregation import CheckedUpdate, exact_norm
-from trainer.config import ModelConfig, RoundConfig
+from trainer.compression import CompressionConfig
+from trainer.config import InnerConfig, ModelConfig, RoundConfig
 from trainer.coordinator import Coordinator, UpdateHeader, open_run
 from trainer.pipeline import stage_param_names
 from trainer.refusal import Reason, Refusal
@@ -47,12 +48,13 @@ def update_of(c: Coordinator, scale: float, names: list[str] | None = None) -> P
 
 def header(c: Coordinator, worker: str, update: Params, **fields: object) -> UpdateHeader:
     cfg = c.config
+    round_ = int(fields.get("round", c.round.number))
     values = dict(
         protocol_version=PROTOCOL_VERSION, run_id=cfg.run_id, worker_id=worker, round=c.round.number, stage=0,
         num_stages=1, encoding=int(Encoding.DENSE_F32),
         tensors=tuple((n, d, s) for n, (d, s) in layout_of(update).items()), payload_size=1000,
-        payload_sha256="0" * 64, train_loss=float(c.global_state.eval_loss_e6) / 1e6, tokens=c.run.round_tokens,
-        inner_steps=cfg.inner.steps, base_params_cid=str(c.global_state.params_cid), base_bytes_received=0,
+        payload_sha256="0" * 64, train_loss=float(c.global_state.eval_loss_e6) / 1e6, tokens=c.run.round_tokens(round_),
+        inner_steps=c.run.inner_steps(round_), base_params_cid=str(c.global_state.params_cid), base_bytes_received=0,
         signature=b"", compression_header=b"", inner_state_sha256=STATE,
     )
     values.update(fields)
@@ -127,6 +129,34 @@ def test_a_stale_push_is_refused_as_stale_whatever_else_is_wrong(tmp_path) -> No
     u = update_of(c, 3.0)
     assert refused(c, header(c, "w0", u, round=1, encoding=99, tokens=5), u) is Reason.STALE_ROUND
     assert "w0" not in c.round.refused  # a push for a closed round is not filed against the open one
+
+
+def test_a_push_must_claim_the_rounds_adaptive_inner_steps(tmp_path) -> None:
+    # H = 8 falls with the rank of round r-2's downlink (trainer.schedule); a push claiming the
+    # fixed H is refused, and a restarted coordinator derives the same H_r from the store.
+    clock = Clock()
+    compression = CompressionConfig(enabled=True, min_rank=1, max_rank=4, target_energy=0.05)
+    c = coordinator(tmp_path, clock, inner=InnerConfig(steps=8, min_steps=2, batch_size=4, lr=1e-3,
+                                                       adaptive_steps=True),
+                    compression=compression, rounds=dataclasses.replace(small_config().rounds, rounds=4))
+    joined(c, "w0", "w1")
+    for scale in (1.0, 3.0):
+        assert c.run.inner_steps(c.round.number) == 8  # rounds 1 and 2 train H
+        for w, offset in (("w0", 0.0), ("w1", 1.0)):
+            u = update_of(c, scale + offset)
+            push(c, header(c, w, u), u)
+        assert c.close_due()
+        c.close_round()
+    steps = c.run.inner_steps(3)
+    assert 2 <= steps < 8
+    u = update_of(c, 5.0)
+    fixed_h = header(c, "w0", u, inner_steps=8, tokens=8 * 4 * 32)
+    with pytest.raises(Refusal, match=f"round 3 is {steps} inner steps"):
+        push(c, fixed_h, u)
+    push(c, header(c, "w0", u), u)
+    assert c.round.accepted["w0"].entry.inner_steps == steps
+    restarted = Coordinator(open_run(RunDir(tmp_path / "run"), None), clock=clock)
+    assert restarted.run.inner_steps(3) == steps and restarted.round.accepted["w0"].entry.tokens == steps * 4 * 32
 
 
 # ----------------------------------------------------------------------------- close rules
@@ -246,7 +276,7 @@ def test_accepted_updates_and_slices_survive_a_restart_and_the_round_publishes(t
     manifest = chain[-1][1]
     assert [p.worker for p in manifest.participants] == ["w0", "w1"]
     assert manifest.participants[0].state == STATE and manifest.participants[1].state is None
-    assert all(p.tokens == restarted.run.round_tokens for p in manifest.participants)
+    assert all(p.tokens == restarted.run.round_tokens(manifest.round) for p in manifest.participants)
 
 
 def test_a_torn_stage_journal_is_refused_by_name_not_half_used(tmp_path) -> None:

@@ -18,6 +18,7 @@ from trainer.coordinator.state import JournalEntry, OpenRound, StageSlices, Upda
 from trainer.limits import clip
 from trainer.pipeline import stage_param_names
 from trainer.refusal import Reason, Refusal
+from trainer.schedule import round_tokens
 from trainer.wire import Layout
 
 # A declared train loss must lie in [a·L0, b·L0 + c], L0 the held-out loss of the round's start.
@@ -89,20 +90,22 @@ def stage_layout(layout: Layout, model: ModelConfig, stage: int, num_stages: int
     return {name: layout[name] for name in stage_param_names(model, num_stages)[stage]}
 
 
-def check_form(h: UpdateHeader, expected: Layout, config: RunConfig, round_tokens: int, start_loss: float) -> Layout:
+def check_form(h: UpdateHeader, expected: Layout, config: RunConfig, inner_steps: int, start_loss: float) -> Layout:
     """Size, metrics, claims and declared layout of a push whose round, base and signature passed;
-    returns the declared layout the payload must then match."""
+    ``inner_steps`` is the round's H_r (trainer.schedule); returns the declared layout the payload
+    must then match."""
     limit = sum(4 * math.prod(shape) for _, shape in expected.values()) + (1 << 20)
     if h.payload_size > limit:
         raise Refusal(Reason.MALFORMED, f"payload of {h.payload_size} bytes exceeds the {limit} a dense update can need")
     if not (h.train_loss == h.train_loss and abs(h.train_loss) < 1e6) or h.inner_steps < 1:
         raise Refusal(Reason.BAD_CLAIM, f"implausible metrics: train_loss {h.train_loss}, inner_steps {h.inner_steps}")
-    # Tokens and steps are not the worker's to claim: the config fixes them.
-    if h.tokens != round_tokens or h.inner_steps != config.inner.steps:
+    # Tokens and steps are not the worker's to claim: the config and the stored downlink fix them.
+    tokens = round_tokens(config, inner_steps)
+    if h.tokens != tokens or h.inner_steps != inner_steps:
         raise Refusal(Reason.BAD_CLAIM,
-                      f"claimed tokens {h.tokens}, inner_steps {h.inner_steps}; this run's round is "
-                      f"{config.inner.steps} inner steps of {config.inner.batch_size}x{config.model.block_size} "
-                      f"tokens: tokens {round_tokens}, inner_steps {config.inner.steps}")
+                      f"claimed tokens {h.tokens}, inner_steps {h.inner_steps}; this run's round {h.round} is "
+                      f"{inner_steps} inner steps of {config.inner.batch_size}x{config.model.block_size} "
+                      f"tokens: tokens {tokens}, inner_steps {inner_steps}")
     # The declared train loss (the mean over the H inner steps from the round's start) is bounded
     # against the coordinator's own held-out loss L0 of that start.
     low, high = TRAIN_LOSS_BAND[0] * start_loss, TRAIN_LOSS_BAND[1] * start_loss + TRAIN_LOSS_BAND[2]

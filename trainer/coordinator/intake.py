@@ -119,9 +119,9 @@ class Intake:
         # count and takes the worker's (which the worker's signed report restates).
         received = self.served.get(h.worker_id, {}).get(h.base_params_cid, int(h.base_bytes_received))
         single = h.num_stages == 1
-        return JournalEntry(  # tokens and inner steps follow from the config (checks.check_form)
-            cid=str(cid), train_loss_e6=to_e6(h.train_loss), tokens=self.run.round_tokens,
-            inner_steps=self.run.config.inner.steps, bytes_sent=wire_bytes, bytes_received=received,
+        return JournalEntry(  # tokens and inner steps follow from the config and the store (checks.check_form)
+            cid=str(cid), train_loss_e6=to_e6(h.train_loss), tokens=self.run.round_tokens(h.round),
+            inner_steps=self.run.inner_steps(h.round), bytes_sent=wire_bytes, bytes_received=received,
             shard=self.registry.workers[h.worker_id].shard,
             state=h.inner_state_sha256 if single else None,  # a worker of several stages commits none
             base_params_cid=None if single else h.base_params_cid)

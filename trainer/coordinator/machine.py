@@ -185,7 +185,7 @@ class Coordinator:
             self.trust.check_update(h.worker_id, address, h.round, h.stage, h.num_stages, h.payload_sha256,
                                     h.signature)
         expected = checks.stage_layout(self.layout, self.config.model, h.stage, h.num_stages)
-        return checks.check_form(h, expected, self.config, self.run.round_tokens, start_loss)
+        return checks.check_form(h, expected, self.config, self.run.inner_steps(h.round), start_loss)
 
     def count_up(self, worker_id: str, nbytes: int) -> None:
         """Bytes a worker sent, counted into the open round (refused pushes too: they crossed the network)."""

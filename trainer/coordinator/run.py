@@ -18,7 +18,7 @@ import torch
 
 from storage_client import CID, Manifest, canonical_json, lineage, to_e6
 from trainer.checkpoints import checkpoint_at
-from trainer.compression import AdaptiveRankPolicy
+from trainer.compression import AdaptiveRankPolicy, CodecHeader
 from trainer.config import ConfigError, RunConfig
 from trainer.coordinator.state import CompressedGlobal, GlobalState, RoundSummary
 from trainer.data import eval_batches
@@ -29,7 +29,8 @@ from trainer.diloco import (
 from trainer.downlink import DownlinkCompressor
 from trainer.model import build_model
 from trainer.run_dir import RunDir
-from trainer.wire import Params, encode_params
+from trainer.schedule import inner_steps_for_round, round_tokens, stored_downlink_header
+from trainer.wire import Params, encode_params, layout_of
 
 log = logging.getLogger("dilocox.coordinator")
 
@@ -49,6 +50,8 @@ class Run:
     global_state: GlobalState
     manifests: dict[int, tuple[CID, Manifest]]
     summaries: list[RoundSummary]
+    # round -> its parsed downlink codec header, read once from the store (adaptive inner steps)
+    _headers: dict[int, CodecHeader | None] = dataclasses.field(default_factory=dict, repr=False)
 
     @functools.cached_property
     def config_bytes(self) -> bytes:
@@ -69,11 +72,22 @@ class Run:
     def run_digest(self) -> bytes:
         return self.genesis_cid.digest
 
-    @property
-    def round_tokens(self) -> int:
-        """The tokens of one worker's round: H steps of batch_size sequences of block_size tokens."""
-        cfg = self.config
-        return cfg.inner.steps * cfg.inner.batch_size * cfg.model.block_size
+    def inner_steps(self, round_: int) -> int:
+        """H_r (trainer.schedule), from the stored downlink header of round r−2 that its manifest
+        names: the same bytes after a restart, and the same rule the audit re-derives."""
+        return inner_steps_for_round(self.config, round_, self._downlink_header(round_ - 2))
+
+    def round_tokens(self, round_: int) -> int:
+        """The tokens of one worker's round r: H_r steps of batch_size sequences of block_size tokens."""
+        return round_tokens(self.config, self.inner_steps(round_))
+
+    def _downlink_header(self, round_: int) -> CodecHeader | None:
+        if not self.config.inner.adaptive_steps or round_ < 1 or round_ not in self.manifests:
+            return None
+        if round_ not in self._headers:
+            self._headers[round_] = stored_downlink_header(self.run_dir.store, self.manifests[round_][1],
+                                                           layout_of(self.global_state.params))
+        return self._headers[round_]
 
     def evaluate(self, params: Params) -> tuple[float, tuple[int, ...]]:
         """The mean held-out loss of ``params``, and each batch's as to_e6 (trainer.shared_eval)."""

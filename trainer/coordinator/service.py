@@ -359,6 +359,8 @@ class CoordinatorService:
             manifest_cid=str(state.manifest_cid), open_round=open_round, finished=finished,
             eval_loss_e6=state.eval_loss_e6, encoding=Encoding.DENSE_F32, signature=self.c.global_signature(state),
             eval_losses_e6=state.eval_losses_e6,
+            next_inner_steps=self.c.run.inner_steps(state.round + 1),
+            second_inner_steps=self.c.run.inner_steps(state.round + 2),
         )
         payload = state.payload
         if have_params_cid == str(state.params_cid):

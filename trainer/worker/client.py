@@ -32,10 +32,11 @@ from attestation import (
 from attestation.signing import global_digest, update_digest
 from proto import CHANNEL_OPTIONS, PROTOCOL_VERSION, Encoding, WorkerPhase, pb, pb_grpc, session_metadata
 from storage_client import CID, Codec, canonical_json
-from trainer.compression import CompressionError
+from trainer.compression import CodecHeader, CompressionError
 from trainer.config import RunConfig
 from trainer.downlink import apply_update, decode_update
 from trainer.link import Link
+from trainer.schedule import ScheduleError, WorkerSchedule
 from trainer.shared_eval import MAX_EVAL_BATCHES
 from trainer.tls import ClientTls, TlsUnreachable, open_channel
 from trainer.uplink import Slice
@@ -124,6 +125,7 @@ class CoordinatorClient:
         self.bytes_sent = self.bytes_received = 0
         self.held: tuple[str, Params] | None = None  # the newest global parameters, by CID
         self.received_for: dict[str, int] = {}  # wire bytes of the fetch that delivered each CID
+        self.schedule: WorkerSchedule | None = None  # H_r of the rounds ahead; set at the first Join
         # Seconds streaming global states in, header to last byte ("fetch", waiting for a round
         # to close excluded), and rebuilding θ from them ("decode").
         self.phase_seconds = PhaseSeconds()
@@ -216,7 +218,7 @@ class CoordinatorClient:
         self.session = session_metadata(self.worker_id, response.session_token)
         if self.config is None:
             self.on_first_join(config, response.shard, response.num_shards)
-            self.config = config
+            self.config, self.schedule = config, WorkerSchedule(config)
         self.heartbeat_interval_s = response.heartbeat_interval_s
         log.info("joined run %s at %s: shard %d of %d, open round %d%s", config.run_id, self.address,
                  response.shard, response.num_shards, response.open_round,
@@ -298,6 +300,7 @@ class CoordinatorClient:
                 continue
             self.held = (header.params_cid, params)
             self.received_for[header.params_cid] = size
+            learn_schedule(self.schedule, header, params)
             return Checkpoint(header.round, header.params_cid, header.manifest_cid, header.eval_loss_e6,
                               header.finished, params,
                               # one past the bound, kept so that too many claims are refused by count
@@ -397,6 +400,19 @@ class CoordinatorClient:
             if exc.code() == grpc.StatusCode.ALREADY_EXISTS:
                 return
             log.warning("round %d: report refused (%s): %s", round_, exc.code().name, exc.details())
+
+
+def learn_schedule(schedule: WorkerSchedule | None, header: pb.GlobalHeader, params: Params) -> None:
+    """What θ⁽ᵍ⁾'s header says of the inner steps ahead (trainer.schedule.WorkerSchedule.learn)."""
+    assert schedule is not None  # set at the first Join, before any fetch
+    codec = None
+    if header.encoding == Encoding.LOWRANK_INT4:  # already checked whole by the decode
+        raw = json_object(header.compression_header, "compression_header of the global update")
+        codec = CodecHeader.parse(raw, layout_of(params))
+    try:
+        schedule.learn(header.round, header.next_inner_steps, header.second_inner_steps, codec)
+    except ScheduleError as exc:
+        raise WorkerError(str(exc)) from None
 
 
 def global_params(header: pb.GlobalHeader, payload: bytes, held: tuple[str, Params] | None) -> Params:

@@ -36,6 +36,7 @@ from trainer.link import Link
 from trainer.model import build_model
 from trainer.pipeline import PipelinedInnerLoop, PipelineError, plan_stages
 from trainer.procgroup import available_cpus
+from trainer.schedule import ScheduleError, StepsDecision
 from trainer.shared_eval import eval_share, shared_evaluation_problem
 from trainer.tls import ClientTls
 from trainer.update_record import record_of_slices
@@ -60,6 +61,7 @@ class RoundWork:
     snapshot: tuple[dict, list | None] | None = None
     inner_s: float = 0.0  # seconds in the inner loop (the whole pipeline, with several stages)
     compress_s: float = 0.0  # seconds encoding Δ for the push (one-process worker)
+    steps: StepsDecision | None = None  # the round's H_r and how it was decided (trainer.schedule)
 
 
 @dataclass(frozen=True)
@@ -165,14 +167,19 @@ class Worker:
     def _train(self, round_: int, params: Params) -> RoundWork:
         self.client.round, self.client.phase = round_, WorkerPhase.TRAINING
         cfg = self.config
+        assert self.client.schedule is not None
+        try:  # H_r: fixed, or adaptive (trainer.schedule)
+            steps = self.client.schedule.decide(round_)
+        except ScheduleError as exc:
+            raise WorkerError(str(exc)) from None
         batches = round_batches(self.shard, seed=cfg.seed, shard_index=self.shard_index, round_=round_,
-                                steps=cfg.inner.steps, batch_size=cfg.inner.batch_size, block_size=cfg.model.block_size)
+                                steps=steps.steps, batch_size=cfg.inner.batch_size, block_size=cfg.model.block_size)
         if isinstance(self.inner, PipelinedInnerLoop):
             started = time.perf_counter()
             piped = self.inner.run(params, batches, self.uplink.states())
             self.uplink.update(piped.uplink_states)
             return RoundWork(InnerResult(piped.pseudo_gradient, piped.mean_loss, piped.tokens, piped.steps),
-                             piped.slices, inner_s=time.perf_counter() - started)
+                             piped.slices, inner_s=time.perf_counter() - started, steps=steps)
         state = inner_state_digest(self.inner.state(), self.uplink.error_state())
         # Overlapped, the next round is training when a refusal comes back: nothing to undo then.
         snapshot = None if cfg.rounds.overlap else (self.inner.snapshot(), self.uplink.snapshot())
@@ -180,7 +187,7 @@ class Worker:
         result = self.inner.run(params, batches)
         trained = time.perf_counter()
         encoded = [self.uplink.encode(result.pseudo_gradient)]
-        return RoundWork(result, encoded, state, snapshot, trained - started, time.perf_counter() - trained)
+        return RoundWork(result, encoded, state, snapshot, trained - started, time.perf_counter() - trained, steps)
 
     def push(self, round_: int, work: RoundWork, base_cid: str, parent_cid: str | None = None) -> Pushed | None:
         """Send Δ for ``round_``, one stream per stage slice; what was sent if the coordinator holds
@@ -295,10 +302,14 @@ class Worker:
         sent, received = client.bytes_sent - self._counted[0], client.bytes_received - self._counted[1]
         self._counted = (client.bytes_sent, client.bytes_received)
         decision = merged_decision(round_, work.slices)
-        log.info("round %d: %d steps, loss %.4f, %d tokens, train %.2fs, waited %.2fs, %d bytes up, %d down%s",
-                 round_, result.steps, result.mean_loss, result.tokens, trained_s, waited_s, sent, received,
+        rho = work.steps.rank_fraction if work.steps is not None else None
+        source = f" ({work.steps.source}{f', rank fraction {rho:.3f}' if rho is not None else ''})" \
+            if work.steps is not None and self.config.inner.adaptive_steps else ""
+        log.info("round %d: %d steps%s, loss %.4f, %d tokens, train %.2fs, waited %.2fs, %d bytes up, %d down%s",
+                 round_, result.steps, source, result.mean_loss, result.tokens, trained_s, waited_s, sent, received,
                  f", uplink mean rank {decision.mean_rank:.1f}" if decision and decision.tensors else "")
         record = {"event": "round", "round": round_, "tokens": result.tokens, "inner_steps": result.steps,
+                  "rank_fraction": rho,
                   "stages": self.stages, "threads_per_stage": self.threads_per_stage,
                   "train_loss": result.mean_loss, "compute_s": trained_s, "waited_s": waited_s,
                   "bytes_sent": sent, "bytes_received": received, "time": time.time(),
