@@ -286,6 +286,11 @@ class RoundDecision:
             return 1.0
         return sum(d.energy * d.total_energy for d in self.tensors.values()) / total
 
+    def describe(self) -> str:
+        """For a log line: the mean rank and energy kept, or that no rank was chosen (top-k, or
+        only vectors and dense matrices)."""
+        return f"mean rank {self.mean_rank:.1f}, energy {self.energy:.3f}" if self.tensors else "no rank chosen"
+
     def as_dict(self) -> dict[str, Any]:
         return {
             "round": self.round,

@@ -15,6 +15,9 @@ Modes (benchmarks.ablation.modes; one row each, ``--modes`` takes the keys):
     no-compression, no-overlap       DiLoCoX with one technique off
     fixed-rank     DiLoCoX at a fixed rank 24 (about the adaptive policy's bytes)
     other-start    DiLoCoX with the other overlapped start (eager ↔ delayed, trainer.worker.loops)
+    adaptive-steps DiLoCoX with adaptive H (inner.adaptive_steps: H_r in [H/2, H] follows the rank of
+                   round r−2's global update, trainer.schedule); it trains until its tokens reach
+                   the budget and is read at the first checkpoint that does
     topk           DiLoCoX with the top-k + low-bit codec (SparseLoCo style, trainer.topk) at the
                    payload of rank 24: the two codecs at equal bytes
     pipeline       DiLoCoX with 2 stages forced (Part 2 only: stages change which process computes

@@ -16,7 +16,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Sequence
 
-from benchmarks.ablation.modes import Mode, run_config
+from benchmarks.ablation.modes import Mode, rounds_for_tokens, run_config
 
 if TYPE_CHECKING:
     import torch
@@ -223,7 +223,8 @@ def at_tokens(curve: list[tuple[int, float]], budget: int) -> tuple[int, float]:
 def convergence_run(mode: Mode, s: Settings, data: Data, evaluate: Evaluator, root: Path, seed: int,
                     outer: tuple[float, float] | None = None, topk_density: float = 0.0) -> dict[str, Any]:
     """One seed of one mode on R·H steps' tokens: its held-out curve, final loss and wire bytes."""
-    config = run_config(mode, s, data, s.rounds, seed, outer, topk_density)
+    rounds = rounds_for_tokens(mode, s.rounds, s.inner_steps)
+    config = run_config(mode, s, data, rounds, seed, outer, topk_density)
     budget = s.rounds * s.inner_steps * s.workers * s.batch_size * s.model.block_size
     row: dict[str, Any] = {"seed": seed, "outer": [config.outer.lr, config.outer.momentum], "warnings": []}
     started = time.monotonic()

@@ -49,6 +49,7 @@ class Mode:
     overlap_start: str = DILOCOX_START
     stages: int = 0  # 0: the worker's own choice (`--stages auto`, by the cores it is given)
     fixed_rank: int = 0  # 0: the adaptive policy
+    adaptive_steps: bool = False  # inner.adaptive_steps, H_r in [H/2, H] (trainer.schedule)
     allreduce: bool = False
     convergence: bool = True  # a row of Part 1 (loss, bytes)
     throughput: bool = True  # a row of Part 2 (tokens/s)
@@ -77,6 +78,8 @@ MODES = (
          throughput=False),
     Mode("other-start", f"DiLoCoX, {OTHER_START} overlap", compression=True, overlap=True,
          overlap_start=OTHER_START, throughput=False),
+    Mode("adaptive-steps", "DiLoCoX + adaptive H", compression=True, overlap=True, adaptive_steps=True,
+         outer_of="dilocox"),
     Mode("topk", "DiLoCoX, top-k codec", compression=True, overlap=True, codec="topk"),
     Mode("pipeline", "DiLoCoX, 2 stages", compression=True, overlap=True, stages=2, convergence=False,
          outer_of="dilocox"),
@@ -91,6 +94,18 @@ def outer_config(mode: Mode, override: tuple[float, float] | None = None):  # ->
     return OuterConfig(lr=lr, momentum=momentum, nesterov=True)
 
 
+def min_steps(mode: Mode, inner_steps: int) -> int:
+    """H_min of ``mode``: half of H with adaptive H (the rank policy's floor is half its ceiling,
+    r_min/r_max = 16/32, so ρ and H_r fall at most as far as the rank can), else H."""
+    return max(1, inner_steps // 2) if mode.adaptive_steps else inner_steps
+
+
+def rounds_for_tokens(mode: Mode, rounds: int, inner_steps: int) -> int:
+    """Rounds enough for ``rounds`` × H steps' tokens whatever H_r the run takes (each is ≥ H_min);
+    the run is read at the first checkpoint that reaches those tokens."""
+    return -(-rounds * inner_steps // min_steps(mode, inner_steps))
+
+
 def run_config(mode: Mode, s: Settings, data: Data, rounds: int, seed: int,
                outer: tuple[float, float] | None = None, topk_density: float = 0.0) -> RunConfig:
     """The run configuration of ``mode``: everything but the technique under test is shared."""
@@ -101,7 +116,8 @@ def run_config(mode: Mode, s: Settings, data: Data, rounds: int, seed: int,
         compression = replace(compression, min_rank=mode.fixed_rank, max_rank=mode.fixed_rank)
     if mode.codec != "lowrank-int4":
         compression = replace(compression, codec=mode.codec, topk_density=topk_density)
-    inner = InnerConfig(steps=s.inner_steps, batch_size=s.batch_size, lr=s.inner_lr)
+    inner = InnerConfig(steps=s.inner_steps, batch_size=s.batch_size, lr=s.inner_lr,
+                        adaptive_steps=mode.adaptive_steps, min_steps=min_steps(mode, s.inner_steps))
     return RunConfig(
         run_id=f"ablation-{mode.key}", seed=seed, model=s.model, inner=inner,
         outer=outer_config(mode, outer), data=data.config,

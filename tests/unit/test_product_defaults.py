@@ -37,3 +37,23 @@ def test_the_benchmark_measures_the_product_settings() -> None:
 
     assert TUNED_OUTER["dilocox"] == (DILOCOX_OUTER.lr, DILOCOX_OUTER.momentum)
     assert DILOCOX_START == RunConfig().rounds.overlap_start
+
+
+def test_the_adaptive_steps_row_runs_until_it_has_the_budget_of_tokens() -> None:
+    """H_r ≥ H/2, so 2R rounds always reach R·H steps' tokens; every other row runs R rounds."""
+    from pathlib import Path
+
+    from benchmarks.ablation.measure import Data, Settings
+    from benchmarks.ablation.modes import BY_KEY, rounds_for_tokens, run_config
+    from trainer.config import DataConfig, ModelConfig
+
+    s = Settings(workers=2, rounds=8, inner_steps=50, throughput_rounds=4, allreduce_throughput_steps=3,
+                 link_ratio=350.0, link_latency_ms=2.0, batch_size=16, model=ModelConfig(), eval_batches=4,
+                 modes=[], seeds=[1337], data=Path("."), out=Path("."), smoke=False, keep_runs=False)
+    data = Data("embedded", DataConfig(corpus="embedded"), None, False)  # type: ignore[arg-type]
+    adaptive, fixed = BY_KEY["adaptive-steps"], BY_KEY["dilocox"]
+    config = run_config(adaptive, s, data, rounds_for_tokens(adaptive, s.rounds, s.inner_steps), 1337)
+    assert config.inner.adaptive_steps and config.inner.min_steps == 25 and config.rounds.rounds == 16
+    assert config.replace(inner=run_config(fixed, s, data, 16, 1337).inner, run_id="ablation-dilocox") \
+        == run_config(fixed, s, data, 16, 1337)  # DiLoCoX in every other setting
+    assert rounds_for_tokens(fixed, s.rounds, s.inner_steps) == 8 and rounds_for_tokens(adaptive, 3, 5) == 8

@@ -48,6 +48,15 @@ def test_it_keeps_the_largest_entries_of_every_chunk_and_decodes_them_exactly() 
     assert compressed_size(header) == predicted_size(layout_of(t), CONFIG)
 
 
+def test_its_round_decision_says_no_rank_was_chosen() -> None:
+    policy = AdaptiveRankPolicy(CONFIG)
+    ErrorFeedbackCompressor(policy).compress(tensors())
+    assert policy.last_decision is not None and policy.last_decision.describe() == "no rank chosen"
+    low_rank = AdaptiveRankPolicy(CompressionConfig(enabled=True, min_rank=2, max_rank=2, int4_group_size=64))
+    ErrorFeedbackCompressor(low_rank).compress(tensors())
+    assert low_rank.last_decision is not None and low_rank.last_decision.describe().startswith("mean rank 2.0, energy ")
+
+
 def test_ties_go_to_the_lower_position() -> None:
     local, flat = topk.select(torch.ones(10, dtype=torch.float64), chunk=5, k=2)
     assert local.tolist() == [0, 1, 0, 1] and flat.tolist() == [0, 1, 5, 6]

@@ -61,8 +61,7 @@ def derive_round(run: Run, r: OpenRound, g: GlobalState, history: list[float]) -
         compressed = CompressedGlobal(sent, canonical_json(header), str(g.params_cid))
         record = Downlink(payload=str(store.put(sent)), header=str(store.put_json(header)))
         decision = run.downlink.last_decision
-        log.info("round %d: global update compressed to %d bytes (mean rank %.1f, energy %.3f)",
-                 r.number, len(sent), decision.mean_rank, decision.energy)
+        log.info("round %d: global update compressed to %d bytes (%s)", r.number, len(sent), decision.describe())
     release_free_memory()  # the transition's temporaries: before the checkpoint's bytes are made
     # The outer state's bytes (m and e, twice θ's size) are made and dropped before θ's, which are kept.
     # Both are stored only every K rounds (trainer.checkpoints); the manifest names them every round.

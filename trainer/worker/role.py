@@ -206,9 +206,8 @@ class Worker:
         decision = merged_decision(round_, work.slices)
         if decision is not None:
             dense_bytes = sum(t.numel() * t.element_size() for t in merged(work.slices).values())
-            log.info("round %d: compressed %d -> %d bytes in %d slice(s) (mean rank %.1f, energy %.3f)",
-                     round_, dense_bytes, sum(len(s.payload) for s in work.slices), len(work.slices),
-                     decision.mean_rank, decision.energy)
+            log.info("round %d: compressed %d -> %d bytes in %d slice(s) (%s)", round_, dense_bytes,
+                     sum(len(s.payload) for s in work.slices), len(work.slices), decision.describe())
         what = PushHeader(round_, result.mean_loss, result.tokens, result.steps, base_cid, received, work.state)
         wire_bytes, started = 0, time.perf_counter()
         for piece in work.slices:
