@@ -41,14 +41,18 @@ ATEN_CPU_CAPABILITY=default and the best capability, 1 and 2 threads) with a mar
 far below what a dishonest update is off by (an update scaled by 1.5 is 0.33 off; the
 measurements for noise, fewer steps and a stale start are in the same document).
 
-Overlapped rounds (rounds.overlap, the delayed start): round r of a worker whose round r−1 counted
-starts from θ⁽ʳ⁻²⁾ − Δ̂ᵢ⁽ʳ⁻¹⁾, both stored, computed as the worker computes it; the replay does the
-same (``Replayer._start``, with the worker's own trainer.diloco.delayed_start).
+Overlapped rounds (rounds.overlap): round r of a worker whose round r−1 counted starts from stored
+objects, computed as the worker computes it (``Replayer._start``, with the worker's own
+trainer.diloco.delayed_start / eager_start):
+
+    delayed  s⁽ʳ⁾ = θ⁽ʳ⁻²⁾ − Δ̂ᵢ⁽ʳ⁻¹⁾
+    eager    s⁽ʳ⁾ = θ⁽ʳ⁻²⁾ − ((θ⁽ʳ⁻³⁾ − θ⁽ʳ⁻²⁾) + c (Δ̂ᵢ⁽ʳ⁻¹⁾ − Δ̂ᵢ⁽ʳ⁻²⁾)),  c = eager_weight
+             (θ⁽ʳ⁻²⁾ − c Δ̂ᵢ⁽ʳ⁻¹⁾ when round r−1 was the worker's first, its inner state fresh)
 
 What cannot be replayed is said, not passed: a worker of several pipeline stages commits no inner
-state; an overlapped round after an update that did not count, or with the eager start, starts
-from what is not stored. Those contributions are listed as not replayed, with the reason, and are
-not sampled.
+state; an overlapped round after an update that did not count (for the eager start, also round
+r−2's) starts from what is not stored. Those contributions are listed as not replayed, with the
+reason, and are not sampled.
 """
 
 from __future__ import annotations
@@ -62,14 +66,14 @@ from typing import Iterable, Mapping
 
 import torch
 
-from storage_client import Manifest, ObjectStore, from_e6
+from storage_client import Manifest, ObjectStore, Participant, from_e6
 from trainer import topk
 from trainer.compression import CODEC_TOPK, CompressionError, PinnedRankPolicy, compress, decompress, rank_of
 from trainer.topk import KIND_TOPK
 from trainer.config import RunConfig
 from trainer.data import CorpusError, eval_batches, round_batches
 from trainer.dataset import Dataset, run_dataset
-from trainer.diloco import FRESH_STATE, InnerLoop, delayed_start, evaluate, load_params
+from trainer.diloco import FRESH_STATE, InnerLoop, delayed_start, eager_start, eager_weight, evaluate, load_params
 from trainer.checkpoints import checkpoint_at
 from trainer.model import build_model
 from trainer.schedule import stored_inner_steps
@@ -131,7 +135,7 @@ class ReplayOutcome:
                 "rescored": [r.to_json() for r in self.rescored]}
 
 
-def _counted(manifest: Manifest | None, worker: str):
+def _counted(manifest: Manifest | None, worker: str) -> Participant | None:
     """``worker``'s participation in a round, or None."""
     return None if manifest is None else next((p for p in manifest.participants if p.worker == worker), None)
 
@@ -140,17 +144,22 @@ def unreplayable_reason(config: RunConfig, manifests: Mapping[int, Manifest], ro
                         worker: str) -> str | None:
     """Why a contribution cannot be replayed from the store and the config alone, or None.
 
-    An overlapped round r starts (trainer.worker.loops) from θ⁽ʳ⁻²⁾ − Δ̂ᵢ⁽ʳ⁻¹⁾ when the worker's
-    update of round r−1 counted (both stored), and from θ⁽ʳ⁻¹⁾ when the worker joined with a fresh
-    state; any other start followed an update that did not count, which is not stored."""
+    An overlapped round r starts (trainer.worker.loops) from θ⁽ʳ⁻²⁾ moved by the worker's update of
+    round r−1 when that counted (both stored), and from θ⁽ʳ⁻¹⁾ when the worker joined with a fresh
+    state; any other start followed an update that did not count, which is not stored. The eager
+    start also moves by the worker's round r−2 update and θ⁽ʳ⁻³⁾, unless round r−1 was its first
+    (fresh): that update must have counted too."""
     participant = _counted(manifests[round_], worker)
     if participant.state is None:
         return "the worker ran several pipeline stages and committed no inner state"
     if config.rounds.overlap and round_ >= 2:
-        if config.rounds.overlap_start != "delayed":
-            return f"an overlapped {config.rounds.overlap_start} start is not replayed (only the delayed one)"
-        if _counted(manifests.get(round_ - 1), worker) is None and participant.state != FRESH_STATE:
+        previous = _counted(manifests.get(round_ - 1), worker)
+        if previous is None and participant.state != FRESH_STATE:
             return "overlapped, and its update of the round before did not count: its start is not stored"
+        if (config.rounds.overlap_start == "eager" and previous is not None and previous.state != FRESH_STATE
+                and _counted(manifests.get(round_ - 2), worker) is None):
+            return ("overlapped eager start, and its update of round r-2 did not count: the history its "
+                    "start was moved by is not stored")
     return None
 
 
@@ -229,20 +238,39 @@ class Replayer:
             return None
 
     def _start(self, round_: int, worker: str) -> Params | None:
-        """Where ``worker`` started ``round_``: θ⁽ʳ⁻¹⁾, or for an overlapped round after a counted one,
-        θ⁽ʳ⁻²⁾ − Δ̂ᵢ⁽ʳ⁻¹⁾ by the worker's own computation (trainer.diloco.delayed_start)."""
+        """Where ``worker`` started ``round_``: θ⁽ʳ⁻¹⁾, or for an overlapped round after a counted one
+        the worker's own start rule on stored objects (trainer.diloco): delayed, θ⁽ʳ⁻²⁾ − Δ̂ᵢ⁽ʳ⁻¹⁾;
+        eager, θ⁽ʳ⁻²⁾ − Ũᵢ⁽ʳ⁻¹⁾ with the history (θ⁽ʳ⁻³⁾, Δ̂ᵢ⁽ʳ⁻²⁾) unless round r−1 started fresh
+        (``unreplayable_reason`` has already refused the cases where the history is not stored)."""
         previous = _counted(self.manifests.get(round_ - 1), worker)
         if not (self.config.rounds.overlap and round_ >= 2 and previous is not None):
             return self._params(round_ - 1, f"θ⁽{round_ - 1}⁾")
         base = self._params(round_ - 2, f"θ⁽{round_ - 2}⁾")
-        if base is None:
+        sent = self._sent(round_ - 1, worker, previous, base)
+        if base is None or sent is None:
+            return None
+        if self.config.rounds.overlap_start != "eager":
+            return delayed_start(base, sent)
+        history = None
+        if previous.state != FRESH_STATE:
+            before = self._params(round_ - 3, f"θ⁽{round_ - 3}⁾")
+            sent_before = self._sent(round_ - 2, worker, _counted(self.manifests.get(round_ - 2), worker), base)
+            if before is None or sent_before is None:
+                return None
+            history = (before, sent_before)
+        weight = eager_weight(self.config.outer, self.config.rounds.expected_workers)
+        return eager_start(base, sent, weight, history)
+
+    def _sent(self, round_: int, worker: str, participant: Participant | None,
+              like: Params | None) -> Params | None:
+        """Δ̂ᵢ of ``round_`` as stored (the worker's counted update, dense), or None (and a problem)."""
+        if participant is None or like is None:
             return None
         try:
-            sent = dense(open_update(self.store, previous.update, layout_of(base), self.config.model))
+            return dense(open_update(self.store, participant.update, layout_of(like), self.config.model))
         except (OSError, ValueError, WireError) as exc:
-            self.problems.append((round_ - 1, previous.update, f"the update of {worker} cannot be read: {exc}"))
+            self.problems.append((round_, participant.update, f"the update of {worker} cannot be read: {exc}"))
             return None
-        return delayed_start(base, sent)
 
     def inner_steps(self, round_: int, layout: Layout) -> int | None:
         """H_r re-derived from round r−2's stored downlink header (trainer.schedule), as the workers

@@ -22,6 +22,10 @@ This is ``torch.optim.SGD(lr=η, momentum=μ, nesterov=True)`` applied with the 
 written out as a pure function so its state is one plain tensor per parameter, stored as
 safetensors beside each checkpoint, and computed with one rounding per operation (no fused
 multiply-add), so that an auditor on any CPU re-derives the same bits (trainer.transition).
+
+With DiLoCoX's one-step-delay overlap round r starts instead from θ⁽ʳ⁻²⁾ moved by what stands in
+for the outer step still in flight: ``delayed_start`` and ``eager_start`` below, the one function
+each for the worker (trainer.worker.loops, which states both rules) and the audit's replay.
 """
 
 from __future__ import annotations
@@ -260,3 +264,27 @@ def delayed_start(newest: Params, sent: Params) -> Params:
     s⁽ʳ⁾ = θ⁽ʳ⁻²⁾ − Δ̂ᵢ⁽ʳ⁻¹⁾, elementwise in the tensors' own dtype; the worker's and the replay's
     one computation (audit.replay)."""
     return {k: newest[k] - sent[k] for k in newest}
+
+
+def eager_weight(outer: OuterConfig, workers: int) -> float:
+    """c of the eager start: the weight a fresh outer gradient gets in one outer step,
+    η_out (1 + μ) / W with Nesterov, η_out / W without (trainer.worker.loops)."""
+    return outer.lr * ((1.0 + outer.momentum) if outer.nesterov else 1.0) / workers
+
+
+def eager_start(newest: Params, sent: Params, weight: float, history: tuple[Params, Params] | None) -> Params:
+    """Where an overlapped round starts with the eager rule (trainer.worker.loops):
+
+        s⁽ʳ⁾ = θ⁽ʳ⁻²⁾ − Ũᵢ⁽ʳ⁻¹⁾,   Ũᵢ⁽ʳ⁻¹⁾ = (θ⁽ʳ⁻³⁾ − θ⁽ʳ⁻²⁾) + c (Δ̂ᵢ⁽ʳ⁻¹⁾ − Δ̂ᵢ⁽ʳ⁻²⁾)
+
+    with ``newest`` = θ⁽ʳ⁻²⁾, ``sent`` = Δ̂ᵢ⁽ʳ⁻¹⁾, c = ``weight`` and ``history`` = (θ⁽ʳ⁻³⁾, Δ̂ᵢ⁽ʳ⁻²⁾);
+    without history (the worker's first overlapped start since it started or started over) both
+    terms of round r−3 / r−2 are zero: Ũᵢ⁽ʳ⁻¹⁾ = c Δ̂ᵢ⁽ʳ⁻¹⁾. Elementwise, in this order, in the
+    tensors' own dtype: the worker's and the replay's one computation (audit.replay)."""
+    start: Params = {}
+    for k, theta in newest.items():
+        proxy = (sent[k] - history[1][k] if history is not None else sent[k]) * weight
+        if history is not None:
+            proxy = proxy + (history[0][k] - theta)
+        start[k] = theta - proxy
+    return start

@@ -37,7 +37,7 @@ from concurrent.futures import Future, ThreadPoolExecutor
 from typing import TYPE_CHECKING
 
 from trainer.config import RunConfig
-from trainer.diloco import delayed_start
+from trainer.diloco import delayed_start, eager_start, eager_weight
 from trainer.pipeline import PipelineError
 from trainer.uplink import merged
 from trainer.wire import Params
@@ -84,27 +84,20 @@ class OverlapStart:
 
     def __init__(self, config: RunConfig) -> None:
         self.eager = config.rounds.overlap_start == "eager"
-        outer = config.outer
-        self.weight = outer.lr * ((1.0 + outer.momentum) if outer.nesterov else 1.0) / config.rounds.expected_workers
+        self.weight = eager_weight(config.outer, config.rounds.expected_workers)
         self.reset()
 
     def reset(self) -> None:
         """Forget the history: the next start is taken as the first of a run."""
-        self._global: Params | None = None  # θ⁽ʳ⁻²⁾, the global state before the newest
-        self._sent: Params | None = None  # Δ̂ᵢ⁽ʳ⁻²⁾
+        self._history: tuple[Params, Params] | None = None  # θ⁽ʳ⁻²⁾ and Δ̂ᵢ⁽ʳ⁻¹⁾ of the last rebase
 
     def rebase(self, newest: Params, work: RoundWork) -> Params:
         """s⁽ʳ⁺¹⁾ from θ⁽ʳ⁻¹⁾ = ``newest`` and round r's ``work``."""
         sent = merged(work.slices)
         if not self.eager:
             return delayed_start(newest, sent)
-        start: Params = {}
-        for k, theta in newest.items():
-            proxy = (sent[k] - self._sent[k] if self._sent is not None else sent[k]) * self.weight
-            if self._global is not None:
-                proxy = proxy + (self._global[k] - theta)
-            start[k] = theta - proxy
-        self._global, self._sent = newest, sent
+        start = eager_start(newest, sent, self.weight, self._history)
+        self._history = (newest, sent)
         return start
 
 
