@@ -229,16 +229,19 @@ def plot_rounds(result: dict[str, Any], path: Path) -> None:
     import matplotlib.pyplot as plt
 
     fig, (rank_ax, bytes_ax, h_ax) = plt.subplots(3, 1, figsize=(8, 9), dpi=120, sharex=True)
-    for r in ran(result["convergence"]):
+    # One colour per mode in every panel (a panel skips the modes it has nothing for).
+    colours = plt.rcParams["axes.prop_cycle"].by_key()["color"]
+    for i, r in enumerate(ran(result["convergence"])):
         rounds = r.get("per_round") or []
         if not rounds:
             continue
+        style = dict(marker="o", markersize=3, label=r["name"], color=colours[i % len(colours)])
         xs = [p["round"] for p in rounds]
         ranked = [(p["round"], p["mean_rank"]) for p in rounds if p["mean_rank"] is not None]
         if ranked:
-            rank_ax.plot(*zip(*ranked), marker="o", markersize=3, label=r["name"])
-        bytes_ax.plot(xs, [p["bytes_sent"] for p in rounds], marker="o", markersize=3, label=r["name"])
-        h_ax.plot(xs, [p["inner_steps"] for p in rounds], marker="o", markersize=3, label=r["name"])
+            rank_ax.plot(*zip(*ranked), **style)
+        bytes_ax.plot(xs, [p["bytes_sent"] for p in rounds], **style)
+        h_ax.plot(xs, [p["inner_steps"] for p in rounds], **style)
     rank_ax.set_ylabel("uplink mean rank")
     bytes_ax.set_ylabel("bytes up / worker / round")
     bytes_ax.set_yscale("log")
