@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import math
 from pathlib import Path
-from typing import Any
+from typing import Any, Callable
 
 from benchmarks.ablation.modes import FIXED_RANK, GRID_LR, GRID_MOMENTUM
 
@@ -63,6 +63,14 @@ def _settings(result: dict[str, Any]) -> list[str]:
     ]
 
 
+def _rows(rows: dict[str, dict[str, Any]], columns: int,
+          cells: Callable[[str, dict[str, Any]], list[str]]) -> list[str]:
+    """A markdown table's body: per mode its name, then ``cells`` (or its one-line failure, padded
+    to the table's ``columns``)."""
+    return [f"| {r['name']} | {r['failed']} |" + " |" * (columns - 2) if "failed" in r
+            else "| " + " | ".join([r["name"], *cells(key, r)]) + " |" for key, r in rows.items()]
+
+
 def _convergence(result: dict[str, Any]) -> list[str]:
     conv = result["convergence"]
     lines = [
@@ -72,16 +80,14 @@ def _convergence(result: dict[str, Any]) -> list[str]:
         "| × fewer |",
         "| --- | ---: | :---: | --- | --- | ---: | ---: | ---: | ---: | ---: |",
     ]
-    for key, r in conv.items():
-        if "failed" in r:
-            lines.append(f"| {r['name']} | {r['failed']} |" + " |" * 8)
-            continue
+    def cells(key: str, r: dict[str, Any]) -> list[str]:
         base = key == "allreduce"
-        lines.append(
-            f"| {r['name']} | {'—' if base else r['stages']} | {r['overlap']} | "
-            f"{'none (fp32)' if base else r['compression']} | {'AdamW only' if base else '%g/%g' % tuple(r['outer'])} | "
-            f"{r['tokens']:,} | {_pm(r['loss_mean'], r['loss_sd'])} | {_pm(r['ratio_mean'], r['ratio_sd'], 3)} | "
-            f"{r['bytes_per_token']:,.2f} | {_x(r['bytes_x_fewer'])} |")
+        return [str('—' if base else r['stages']), r['overlap'], 'none (fp32)' if base else r['compression'],
+                'AdamW only' if base else '%g/%g' % tuple(r['outer']), f"{r['tokens']:,}",
+                _pm(r['loss_mean'], r['loss_sd']), _pm(r['ratio_mean'], r['ratio_sd'], 3),
+                f"{r['bytes_per_token']:,.2f}", _x(r['bytes_x_fewer'])]
+
+    lines += _rows(conv, 10, cells)
     lines += [
         "",
         f"held-out loss: mean ± sample standard deviation over the {len(result['settings']['seeds'])} seeds; "
@@ -111,16 +117,15 @@ def _throughput(result: dict[str, Any]) -> list[str]:
         "| last exchange s | run tokens/s | × ceiling | utilisation | whole run tokens/s | utilisation |",
         "| --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |",
     ]
-    for key, r in thr.items():
-        if "failed" in r:
-            lines.append(f"| {r['name']} | {r['failed']} |" + " |" * 12)
-            continue
-        lines.append(
-            f"| {r['name']} | {r['stages']} × {r['threads_per_stage']} | {1e3 * r['steady_step_s']:.1f} | "
-            f"{r['steady_tokens_per_s']:,.0f} | {r['steady_tokens_per_s'] / ceiling:.3f} | "
-            f"{_x(r['steady_throughput_x'])} | {_pct(r['steady_utilisation'])} | {r['startup_s']:.2f} | "
-            f"{r['last_exchange_s']:.2f} | {r['run_tokens_per_s']:,.0f} | {r['run_tokens_per_s'] / ceiling:.3f} | "
-            f"{_pct(r['run_utilisation'])} | {r['tokens_per_s']:,.0f} | {_pct(r['utilisation'])} |")
+    def cells(key: str, r: dict[str, Any]) -> list[str]:
+        return [f"{r['stages']} × {r['threads_per_stage']}", f"{1e3 * r['steady_step_s']:.1f}",
+                f"{r['steady_tokens_per_s']:,.0f}", f"{r['steady_tokens_per_s'] / ceiling:.3f}",
+                _x(r['steady_throughput_x']), _pct(r['steady_utilisation']), f"{r['startup_s']:.2f}",
+                f"{r['last_exchange_s']:.2f}", f"{r['run_tokens_per_s']:,.0f}",
+                f"{r['run_tokens_per_s'] / ceiling:.3f}", _pct(r['run_utilisation']), f"{r['tokens_per_s']:,.0f}",
+                _pct(r['utilisation'])]
+
+    lines += _rows(thr, 14, cells)
     lines += [
         "",
         f"steady: rounds 2–{s['throughput_rounds']}, between each worker's round-1 and last round records (their "
