@@ -175,7 +175,8 @@ class Lineage:
         except (StoreError, WireError, CompressionError) as exc:
             header = self.manifests[r - 2].downlink
             self.findings.fail(r, header.header if header is not None else str(cid), "inner-steps",
-                               f"round {r - 2}'s downlink codec header, which fixes round {r}'s inner steps: {exc}")
+                               f"round {r - 2}'s downlink codec header, which fixes round {r}'s inner steps: "
+                               f"{str(exc)[:300]}")
             return
         tokens = round_tokens(self.config, steps)
         for p in manifest.participants:
