@@ -1,7 +1,9 @@
 """``dilocox audit --run DIR``: audit a run directory's store against its ledger.
 
 Reads ``DIR/store`` and ``DIR/chain/deployment.json`` and nothing else of the run directory (not
-HEAD, not rounds.jsonl, not the outbox). Without ``--rpc`` it starts a local anvil from a *copy* of
+HEAD, not rounds.jsonl, not the outbox). Workers are named by their ids beside their addresses, as
+their signed reports and the store's manifests bind them (settlement.roster), and every update a
+round counted without its worker's report is said loudly (UNREPORTED), with the worker's id. Without ``--rpc`` it starts a local anvil from a *copy* of
 ``DIR/chain/state.json`` (so the run directory is left untouched), audits, and stops it. With
 ``--allow-dev`` the development root in ``DIR/dev-root/dev-root.address`` (and any ``--dev-root``)
 is trusted, and dev evidence is accepted, loudly, as proving nothing. TDX evidence is verified with
@@ -265,6 +267,11 @@ def render(result: AuditResult, console: Console) -> None:
         render_replay(result.replay, console)
     if result.tallies:
         render_tallies(result, console)
+    if result.roster is not None:
+        from settlement.roster import unreported_lines
+
+        for line in unreported_lines(result.roster):
+            console.print(f"[bold red]UNREPORTED[/] {escape(line)}")
     for warning in result.warnings:
         console.print(f"[bold yellow]warning[/]: {escape(warning)}")
     for failure in result.failures:
@@ -284,15 +291,20 @@ def render_tallies(result: AuditResult, console: Console) -> None:
     from rich import box
     from rich.table import Table
 
+    from rich.markup import escape
+
+    from settlement.roster import Roster, short_address
+
     accounts = {} if result.rewards is None else result.rewards.workers
+    roster = result.roster or Roster()
     table = Table(title="contributions and rewards", box=box.SIMPLE_HEAD, pad_edge=False)
-    for column in ("worker", "rounds", "tokens", "all runs", *(("earned", "paid") if result.rewards else ())):
-        table.add_column(column, justify="left" if column == "worker" else "right", no_wrap=True)
-    for worker, tally in sorted(result.tallies.items()):
+    for column in ("worker", "address", "rounds", "tokens", "all runs", *(("earned", "paid") if result.rewards else ())):
+        table.add_column(column, justify="left" if column in ("worker", "address") else "right", no_wrap=True)
+    for worker, tally in sorted(result.tallies.items(), key=lambda item: (roster.id_of(item[0]), item[0])):
         account = accounts.get(worker)
         money = (f"{account.earned / 1e18:,.2f}", f"{account.paid / 1e18:,.2f}") if account else ("—", "—")
-        table.add_row(f"{worker[:8]}…{worker[-4:]}", str(tally["rounds"]), f"{tally['tokens']:,}",
-                      f"{tally.get('total_tokens', 0):,}", *(money if result.rewards else ()))
+        table.add_row(escape(roster.id_of(worker)), short_address(worker), str(tally["rounds"]),
+                      f"{tally['tokens']:,}", f"{tally.get('total_tokens', 0):,}", *(money if result.rewards else ()))
     console.print(table)
 
 

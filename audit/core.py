@@ -85,8 +85,10 @@ same block as the recording counts as revoked. Historical ``eth_call`` is not us
 restored from an anvil state file has no history of state, only of blocks and logs.
 
 A participant without a worker's report is a failure (``ghost``) unless the coordinator recorded
-its update as unreported; such updates are listed as warnings, because they count in the round on
-the coordinator's word alone (docs/trust.md).
+its update as unreported; such updates are listed in the result's roster (settlement.roster: the
+worker ids the run's reports bind to addresses, and each unreported update with its worker's id),
+and said loudly, because they count in the round on the coordinator's word alone and earn their
+workers nothing (docs/trust.md).
 
 Where each check lives:
 
@@ -111,6 +113,7 @@ from attestation import DEV_WARNING, Policy
 from settlement import ChainError, Ledger, Registry
 from settlement.records import RoundRecord, RunRecord
 from settlement.rewards import RewardPool
+from settlement.roster import roster_of
 from storage_client import CID, Codec, ObjectStore, from_e6, hex_or_none
 
 from .findings import Findings
@@ -172,6 +175,7 @@ class _Audit:
             parent_checkpoint = record.checkpoint
             if parent is not None:
                 loaded[parent.manifest.round] = parent.manifest
+        self.findings.result.roster = roster_of(self.findings.store, rounds)
         if self.replay > 0:
             self.recompute.check_replay(loaded, self.replay, self.replay_seed)
         self.tallies.check_tallies(run_id, rounds)

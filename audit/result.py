@@ -8,6 +8,8 @@
      "warnings": [str],
      "tallies": {worker: {"tokens", "rounds", "total_tokens"}},
      "rewards": null | settlement.rewards.Statement.to_json(),
+     "roster": null | {"ids": {address: [worker id]},
+                       "unreported": [{"round", "worker", "update", "address"}]},
      "replay": null | {"seed", "steps", "checked_steps", "seconds",
                        "contributions": [{"round", "worker", "sampled", "distance", "status", "note"}],
                        "rescored": [{"round", "reported", "recomputed", "ok"}]}}
@@ -71,6 +73,7 @@ class AuditResult:
     replay: Any = None  # audit.replay.ReplayOutcome of ``--replay K``; None when nothing was replayed
     tallies: dict[str, dict[str, int]] = field(default_factory=dict)  # worker -> tokens, rounds, total_tokens
     rewards: Any = None  # settlement.rewards.Statement of the run's pool; None without one
+    roster: Any = None  # settlement.roster.Roster: worker ids by address, unreported updates; None before rounds
 
     @property
     def ok(self) -> bool:
@@ -90,4 +93,5 @@ class AuditResult:
             "replay": None if self.replay is None else self.replay.to_json(),
             "tallies": {w: dict(t) for w, t in sorted(self.tallies.items())},
             "rewards": None if self.rewards is None else self.rewards.to_json(),
+            "roster": None if self.roster is None else self.roster.to_json(),
         }

@@ -24,19 +24,22 @@ from pathlib import Path
 from typing import Sequence
 
 from rich.console import Console
+from rich.markup import escape
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 from rich.table import Table
 
-from attestation import DEV_WARNING, DevRoot, code_measurement
-from settlement import DEV_ACCOUNTS, Anvil, Chain, Deployment, Ledger, Registry, deploy
-from storage_client import write_atomic
+from attestation import DEV_WARNING, DevRoot
+from settlement import DEV_ACCOUNTS, Anvil, Chain, Deployment, Ledger
+from settlement.provision import TOKEN_UNIT, allow_run, await_run, deploy_to, fund_pool, mine, write_dev_keys
+from settlement.roster import roster_of, unreported_lines
+from storage_client import ObjectStore
 from trainer.config import RunConfig, demo_config, estimated_parameters
 from trainer.procgroup import available_cpus
 from trainer.dataset import pin_dataset
 
 DEMO_REPLAYS = 2  # contributions the demo's audit re-runs (audit.replay)
 DEMO_CHALLENGE_WINDOW = 4  # blocks; the demo mines past it before it settles
-DEMO_POOL = 1_000 * 10**18  # reward tokens (18 decimals) the demo's run is funded with
+DEMO_POOL = 1_000 * TOKEN_UNIT  # reward tokens the demo's run is funded with
 
 
 def _mb(n: int) -> str:
@@ -63,42 +66,49 @@ def _row(s: dict, dense: int) -> list[str]:
 
 
 def provision(run_dir: Path, rpc_url: str, config: RunConfig) -> tuple[list[str], list[str]]:
-    """Deploy, allowlist the measurement, make the coordinator a verifier; returns the extra
-    command-line arguments of the coordinator and of each worker."""
+    """What ``dilocox chain deploy`` and ``dilocox run create`` do (settlement.provision), with the
+    dev accounts' keys in <run>/chain: deploy, allowlist the measurement, make the coordinator a
+    verifier, create the dev root; returns the extra command-line arguments of the coordinator and
+    of each worker."""
     chain_dir = run_dir / "chain"
-    owner = Chain(rpc_url, DEV_ACCOUNTS[0])
-    deployment = deploy(owner)
-    deployment.save(chain_dir / "deployment.json")
-    key_file = chain_dir / "coordinator.key"
-    write_atomic(key_file, DEV_ACCOUNTS[1].encode(), mode=0o600)
-    coordinator = Chain(rpc_url, DEV_ACCOUNTS[1])
-    registry = Registry(owner, deployment.registry)
-    registry.set_verifier(coordinator.address)
-    registry.set_measurement(code_measurement(str(config.cid)))
+    keys = write_dev_keys(chain_dir)
+    owner, coordinator = Chain(rpc_url, DEV_ACCOUNTS[0]), Chain(rpc_url, DEV_ACCOUNTS[1])
+    deployment = deploy_to(owner, chain_dir / "deployment.json")
+    allow_run(owner, deployment, str(config.cid), coordinator.address)
     dev_root = DevRoot.load_or_create(run_dir / "dev-root")
     coordinator_args = ["--ledger", str(chain_dir / "deployment.json"), "--chain-rpc", rpc_url,
-                        "--chain-key-file", str(key_file), "--allow-dev", "--dev-root", dev_root.address,
+                        "--chain-key-file", str(keys[1]), "--allow-dev", "--dev-root", dev_root.address,
                         "--challenge-window", str(DEMO_CHALLENGE_WINDOW)]
     worker_args = ["--attestation", "dev", "--dev-root-dir", str(run_dir / "dev-root")]
     return coordinator_args, worker_args
 
 
 def fund_and_mature(run_dir: Path, rpc_url: str, rounds: int) -> None:
-    """The demo's coordinator opens its run's reward pool (the owner mints the tokens), then the
-    chain mines past the challenge window."""
-    from settlement.rewards import RewardPool, RewardToken
-    from storage_client import lineage
-    from trainer.run_dir import RunDir
-
+    """What ``dilocox pool fund`` and ``dilocox chain mine`` do: the demo's coordinator opens its
+    run's reward pool (the owner mints the tokens), then the chain mines past the challenge window."""
     deployment = Deployment.load(run_dir / "chain" / "deployment.json")
-    local = RunDir(run_dir)
-    run_id = lineage(local.store, local.head())[0][0].digest
     owner, coordinator = Chain(rpc_url, DEV_ACCOUNTS[0]), Chain(rpc_url, DEV_ACCOUNTS[1])
-    RewardToken(owner, deployment.token).mint(coordinator.address, DEMO_POOL)
-    RewardToken(coordinator, deployment.token).approve(deployment.rewards, DEMO_POOL)
     ledger = Ledger(coordinator, deployment.ledger, from_block=deployment.deployed_block)
-    RewardPool(coordinator, deployment.rewards, ledger).open_pool(run_id, DEMO_POOL, rounds)
-    coordinator.w3.provider.make_request("anvil_mine", [hex(DEMO_CHALLENGE_WINDOW)])
+    run_id = await_run(ObjectStore(run_dir / "store"), ledger, timeout_s=0)
+    fund_pool(coordinator, deployment, run_id, DEMO_POOL, rounds, minter=owner)
+    mine(coordinator, DEMO_CHALLENGE_WINDOW)
+
+
+def unreported_summary(run_dir: Path, rpc_url: str, console: Console) -> None:
+    """The demo's closing word on reports: every round whose updates were all reported, or, loudly,
+    each update a round counted without its worker's report (settlement.roster)."""
+    deployment = Deployment.load(run_dir / "chain" / "deployment.json")
+    ledger = Ledger(Chain(rpc_url, DEV_ACCOUNTS[3]), deployment.ledger, from_block=deployment.deployed_block)
+    store = ObjectStore(run_dir / "store")
+    run_id = await_run(store, ledger, timeout_s=0)
+    lines = unreported_lines(roster_of(store, ledger.recorded_rounds(run_id)))
+    for line in lines:
+        console.print(f"[bold red]UNREPORTED[/] {escape(line)}")
+    if lines:
+        console.print(f"[bold red]{len(lines)} update(s) went unreported: their workers are unpaid for those "
+                      f"rounds[/] (the coordinator waits --report-timeout seconds for reports)")
+    else:
+        console.print("every update of every round was reported: each worker is credited for each round it trained")
 
 
 def run_demo(run_dir: Path, workers: int = 2, settings: Sequence[str] = (), insecure: bool = False,
@@ -138,6 +148,7 @@ def run_demo(run_dir: Path, workers: int = 2, settings: Sequence[str] = (), inse
 
         code = audit_run_dir(run_dir, rpc_url=anvil.rpc_url, allow_dev=True, console=console,
                              replay=(DEMO_REPLAYS, None))
+        unreported_summary(run_dir, anvil.rpc_url, console)
     console.print(f"re-verify any time, from {run_dir} alone, on any CPU: dilocox audit --run {run_dir} --allow-dev "
                   f"[--replay K]")
     return code

@@ -7,6 +7,10 @@
     dilocox status --coordinator H:P --tls-fingerprint HEX [--json [FILE]]
                                                    what a running coordinator reports
     dilocox audit --run runs/demo [--json [FILE]]  verify a run's lineage from ledger and store
+    dilocox settle --run runs/demo [--claim]       what each worker is owed from the run's reward pool
+    dilocox chain up|down|deploy|mine ...          a local chain kept in a directory, the contracts on it
+    dilocox run create ...                         a run's code measurement allowlisted, its coordinator a verifier
+    dilocox pool fund ...                          the run's reward pool opened and funded
     dilocox bench gas                              gas of the ledger's calls on a local chain
     dilocox bench ablation [--smoke]               the DiLoCoX ablation: loss, bytes, tokens/s per mode
     dilocox bench flood                            health/Status latency while each limit is flooded
@@ -138,16 +142,18 @@ def _trust_settings(args: argparse.Namespace):  # -> TrustSettings | None
     from settlement import Deployment
     from settlement.gate import TrustSettings
 
-    key_text = Path(args.chain_key_file).read_text(errors="replace").strip().removeprefix("0x")
-    if len(key_text) != 64 or not all(c in "0123456789abcdefABCDEF" for c in key_text):
-        raise UsageError(f"--chain-key-file {args.chain_key_file}: not a chain private key "
-                         f"(expected 64 hex digits, optionally 0x-prefixed)")
+    from settlement.provision import KeyFileError, read_key_file
+
+    try:
+        private_key = read_key_file(Path(args.chain_key_file), "--chain-key-file")
+    except KeyFileError as exc:
+        raise UsageError(str(exc)) from None
     dcap = dcap_settings(args.dcap_collateral, args.pccs_url, args.allow_tcb_status)
     if dcap.source is None:
         logging.getLogger("dilocox").warning(
             "no --dcap-collateral or --pccs-url: TDX quotes cannot be verified, so TDX workers are refused")
     policy = Policy(allow_dev=args.allow_dev, dev_roots=frozenset(args.dev_root), dcap=dcap)
-    return TrustSettings(rpc_url=args.chain_rpc, private_key=bytes.fromhex(key_text),
+    return TrustSettings(rpc_url=args.chain_rpc, private_key=private_key,
                          deployment=Deployment.load(args.ledger), policy=policy,
                          report_timeout_s=args.report_timeout, verification_time=args.attestation_time,
                          confirmations=args.confirmations, challenge_window=args.challenge_window)
@@ -218,6 +224,7 @@ def _write_json(doc: dict, where: str) -> None:
 
 def _print_status(status) -> None:  # status: pb.StatusResponse
     from rich.console import Console
+    from rich.markup import escape
     from rich.table import Table
 
     from proto import WorkerPhase
@@ -226,12 +233,12 @@ def _print_status(status) -> None:  # status: pb.StatusResponse
     console.print(f"run [bold]{status.run_id}[/]: open round {status.open_round} of {status.total_rounds}"
                   f"{' (finished)' if status.finished else ''}; ledger lag {status.ledger_lag_rounds} round(s)")
     workers = Table(title="workers")
-    for column in ("worker", "shard", "alive", "round", "phase", "last seen"):
+    for column in ("worker", "address", "shard", "alive", "round", "phase", "last seen"):
         workers.add_column(column)
     for w in status.workers:
         phase = WorkerPhase(w.phase).label if w.phase in iter(WorkerPhase) else str(w.phase)
-        workers.add_row(w.worker_id, str(w.shard), "yes" if w.alive else "no", str(w.round), phase,
-                        f"{w.last_seen_s:.1f}s ago" if w.last_seen_s >= 0 else "—")
+        workers.add_row(escape(w.worker_id), escape(w.address) or "—", str(w.shard), "yes" if w.alive else "no",
+                        str(w.round), phase, f"{w.last_seen_s:.1f}s ago" if w.last_seen_s >= 0 else "—")
     console.print(workers)
     rounds = Table(title="rounds")
     for column in ("round", "eval loss", "participants", "dropped", "bytes up", "bytes down"):
@@ -290,6 +297,30 @@ def cmd_settle(args: argparse.Namespace) -> int:
     from cli.settle import run
 
     return run(args)
+
+
+def cmd_chain(args: argparse.Namespace) -> int:
+    from cli.chain import run
+
+    return run(args)
+
+
+def _chain_arguments(p: argparse.ArgumentParser) -> None:
+    from cli.chain import chain_arguments
+
+    chain_arguments(p)
+
+
+def _run_arguments(p: argparse.ArgumentParser) -> None:
+    from cli.chain import run_arguments
+
+    run_arguments(p)
+
+
+def _pool_arguments(p: argparse.ArgumentParser) -> None:
+    from cli.chain import pool_arguments
+
+    pool_arguments(p)
 
 
 def cmd_data(args: argparse.Namespace) -> int:
@@ -510,6 +541,11 @@ COMMANDS: dict[str, tuple[str, Callable[..., None], Callable[[argparse.Namespace
     "audit": ("verify a run's lineage from the ledger and the store alone", _audit_arguments, cmd_audit),
     "settle": ("what each worker of a run is owed from its reward pool; --claim pays it", _settle_arguments,
                cmd_settle),
+    "chain": ("a local chain kept in a directory (up, down, mine); the contracts deployed on a chain (deploy)",
+              _chain_arguments, cmd_chain),
+    "run": ("run create: allow a run configuration on the registry, its coordinator a verifier", _run_arguments,
+            cmd_chain),
+    "pool": ("pool fund: open and fund a run's reward pool", _pool_arguments, cmd_chain),
     "bench": ("benchmarks", _bench_arguments, cmd_bench),
     "gc": ("remove store objects the run no longer references (--dry-run: count them)", _gc_arguments, cmd_gc),
     "config": ("print a run configuration to start from", _config_arguments, cmd_config),
@@ -616,6 +652,8 @@ def check_args(args: argparse.Namespace) -> None:
                             ("--reconnect-timeout", args.reconnect_timeout)):
             if not 0 <= value < float("inf"):  # also refuses NaN
                 raise UsageError(f"{flag} {value} is out of range: must be a finite number >= 0")
+    if command == "chain" and args.action == "up":
+        _port(args.port, "--port", 0)
     if command in ("worker", "status"):
         _coordinator_address(args.coordinator)
 

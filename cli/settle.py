@@ -5,8 +5,11 @@ the ledger is this directory's). Without ``--rpc`` it starts the local anvil fro
 ``DIR/chain/state.json`` itself (not a copy: claims are kept). The table comes from the ledger's
 and the pool's events alone (settlement.rewards.RewardPool.statement): per worker the rounds it was
 credited in, what they earn it, what it was paid, what it can claim now (rounds past the run's
-challenge window) and what is still inside the window. ``--claim`` claims every worker's matured
-rounds; any account may send a claim, the tokens always go to the worker.
+challenge window) and what is still inside the window. Each worker is named by its id beside its
+address (settlement.roster: the binding its signed reports and the store's manifests give), and
+every update a round counted without its worker's report is said loudly, with the worker's id: it
+earns that worker nothing. ``--claim`` claims every worker's matured rounds; any account may send a
+claim, the tokens always go to the worker.
 
 Exit status: 0 when the statement (and any claim) went through, 1 when the pool paid more than the
 records entitle, 2 when it could not run (no deployment, no chain, no pool).
@@ -21,9 +24,8 @@ from typing import TYPE_CHECKING
 if TYPE_CHECKING:
     from rich.console import Console
 
-    from settlement import Ledger
     from settlement.rewards import Statement
-    from storage_client import ObjectStore
+    from settlement.roster import Roster
 
 EXIT_OK, EXIT_FAILED, EXIT_ERROR = 0, 1, 2
 
@@ -38,9 +40,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
+    from settlement.provision import read_key_file
+
     key = None
     if args.chain_key_file:
-        key = Path(args.chain_key_file).read_text().strip()
+        key = "0x" + read_key_file(Path(args.chain_key_file), "--chain-key-file").hex()
     return settle_run_dir(Path(args.run), rpc_url=args.rpc, claim=args.claim, key=key,
                           json_path=Path(args.json) if args.json else None)
 
@@ -80,13 +84,16 @@ def settle_run_dir(run_dir: Path, *, rpc_url: str | None = None, claim: bool = F
 def _settle_on(rpc_url: str, run_dir: Path, deployment, claim: bool, key: str, console: Console,
                json_path: Path | None) -> int:
     from settlement import Chain, Ledger
+    from settlement.provision import run_of
     from settlement.rewards import RewardPool
+    from settlement.roster import roster_of
     from storage_client import ObjectStore, strict_json, write_atomic
 
     chain = Chain(rpc_url, key)
     ledger = Ledger(chain, deployment.ledger, from_block=deployment.deployed_block)
     pool = RewardPool(chain, deployment.rewards, ledger, from_block=deployment.deployed_block)
-    run_id = run_of(ObjectStore(run_dir / "store"), ledger)
+    store = ObjectStore(run_dir / "store")
+    run_id = run_of(store, ledger)
     if run_id is None:
         console.print("[bold red]cannot settle[/]: no run on the ledger has its genesis manifest in this store")
         return EXIT_ERROR
@@ -94,29 +101,20 @@ def _settle_on(rpc_url: str, run_dir: Path, deployment, claim: bool, key: str, c
     if statement is None:
         console.print(f"[bold red]cannot settle[/]: run 0x{run_id.hex()[:12]}… has no reward pool")
         return EXIT_ERROR
+    roster = roster_of(store, ledger.recorded_rounds(run_id))
     if claim:
         for worker, account in sorted(statement.workers.items()):
             if account.claimable > 0:
                 amount, _ = pool.claim(run_id, worker)
-                console.print(f"claimed {_tokens(amount)} for {worker}")
+                console.print(f"claimed {_tokens(amount)} for {roster.label(worker)}")
         statement = pool.statement(run_id)
         assert statement is not None
-    render_statement(statement, console)
+    render_statement(statement, console, roster)
     if json_path is not None:
-        write_atomic(json_path, (strict_json(statement.to_json(), indent=2) + "\n").encode())
+        document = {**statement.to_json(), "roster": roster.to_json()}
+        write_atomic(json_path, (strict_json(document, indent=2) + "\n").encode())
     overpaid = [w for w, a in statement.workers.items() if a.overpaid] or statement.paid > statement.funded
     return EXIT_FAILED if overpaid else EXIT_OK
-
-
-def run_of(store: ObjectStore, ledger: Ledger) -> bytes | None:
-    """The ledger's run whose genesis manifest is in ``store`` (the newest, should there be several)."""
-    from storage_client import CID, Codec
-
-    found = None
-    for created in ledger.runs_created():
-        if CID(Codec.JSON, created.genesis_manifest) in store:
-            found = created.run_id
-    return found
 
 
 def _tokens(amount: int) -> str:
@@ -124,22 +122,28 @@ def _tokens(amount: int) -> str:
     return f"{amount / 10**18:,.2f}"
 
 
-def render_statement(statement: Statement, console: Console) -> None:
-    """Per worker: rounds credited, earned, paid, claimable now, still in the challenge window."""
+def render_statement(statement: Statement, console: Console, roster: Roster) -> None:
+    """Per worker (id and address): rounds credited, earned, paid, claimable now, still in the
+    challenge window; then, loudly, every update recorded without its worker's report."""
     from rich import box
+    from rich.markup import escape
     from rich.table import Table
+
+    from settlement.roster import short_address, unreported_lines
 
     table = Table(title=f"rewards of run 0x{statement.run_id.hex()[:12]}… (pool {_tokens(statement.funded)} for "
                         f"{statement.total_rounds} rounds, challenge window {statement.challenge_window} blocks, "
                         f"block {statement.head})", box=box.SIMPLE_HEAD, pad_edge=False)
-    for column in ("worker", "rounds", "earned", "paid", "claimable", "in window"):
-        table.add_column(column, justify="left" if column == "worker" else "right", no_wrap=True)
-    for worker, account in sorted(statement.workers.items()):
-        table.add_row(f"{worker[:8]}…{worker[-4:]}", str(len(account.rounds)), _tokens(account.earned),
-                      _tokens(account.paid),
-                      _tokens(account.claimable), _tokens(account.pending))
+    for column in ("worker", "address", "rounds", "earned", "paid", "claimable", "in window"):
+        table.add_column(column, justify="left" if column in ("worker", "address") else "right", no_wrap=True)
+    for worker, account in sorted(statement.workers.items(), key=lambda item: (roster.id_of(item[0]), item[0])):
+        table.add_row(escape(roster.id_of(worker)), short_address(worker), str(len(account.rounds)),
+                      _tokens(account.earned), _tokens(account.paid), _tokens(account.claimable),
+                      _tokens(account.pending))
     console.print(table)
     console.print(f"paid {_tokens(statement.paid)} of {_tokens(statement.funded)}")
+    for line in unreported_lines(roster):
+        console.print(f"[bold red]UNREPORTED[/] {escape(line)}")
     for worker, account in sorted(statement.workers.items()):
         for problem in account.overpaid:
-            console.print(f"[bold red]OVERPAID[/] {worker}: {problem}")
+            console.print(f"[bold red]OVERPAID[/] {roster.label(worker)}: {problem}")

@@ -7,6 +7,10 @@ cleanly. With a ``state_file`` the chain survives restarts: anvil loads the file
 every second while running (so a SIGKILL loses at most about a second of blocks) and once more when
 stopped with SIGTERM.
 
+A ``detached`` anvil (``dilocox chain up``) runs in its own session with its log in ``log_file``,
+and is left running when this process exits: ``detach()`` hands its pid over, and whoever keeps the
+pid stops it (``dilocox chain down``).
+
     with Anvil(state_file=run / "chain" / "state.json") as anvil:
         chain = Chain(anvil.rpc_url, DEV_ACCOUNTS[0])
 """
@@ -104,16 +108,22 @@ class Anvil:
     @param state_file where the chain state is loaded from and dumped to (None: in memory only)
     @param port the RPC port; 0 picks a free one at start
     @param chain_id the chain id anvil reports (and EIP-712 domains use)
+    @param log_file where anvil's output goes (None: a temporary file, removed when it stops)
+    @param detached start it in its own session (a terminal's Ctrl-C does not reach it) so that
+        ``detach()`` can leave it running after this process
     """
 
     def __init__(self, state_file: Path | None = None, port: int = 0, chain_id: int = 31337,
-                 *, startup_timeout_s: float = 30.0, stop_grace_s: float = 10.0) -> None:
+                 *, startup_timeout_s: float = 30.0, stop_grace_s: float = 10.0, log_file: Path | None = None,
+                 detached: bool = False) -> None:
         self.state_file = Path(state_file) if state_file is not None else None
         self.port = port
         self.chain_id = chain_id
         self.startup_timeout_s = startup_timeout_s
         self.stop_grace_s = stop_grace_s
         self._requested_port = port
+        self.log_file = Path(log_file) if log_file is not None else None
+        self.detached = detached
         self._process: subprocess.Popen[bytes] | None = None
         self._log_dir: tempfile.TemporaryDirectory[str] | None = None
 
@@ -132,11 +142,22 @@ class Anvil:
     def running(self) -> bool:
         return self._process is not None and self._process.poll() is None
 
+    @property
+    def pid(self) -> int:
+        if self._process is None:
+            raise AnvilError("anvil is not running")
+        return self._process.pid
+
+    def _log_path(self) -> Path | None:
+        if self.log_file is not None:
+            return self.log_file
+        return None if self._log_dir is None else Path(self._log_dir.name) / "anvil.log"
+
     def log_tail(self) -> str:
         """The last few KB of anvil's stdout and stderr."""
-        if self._log_dir is None:
+        path = self._log_path()
+        if path is None:
             return ""
-        path = Path(self._log_dir.name) / "anvil.log"
         try:
             with path.open("rb") as f:
                 f.seek(max(0, path.stat().st_size - _LOG_TAIL_BYTES))
@@ -179,9 +200,13 @@ class Anvil:
                 "--silent"]
         if self.state_file is not None:
             args += ["--state", str(self.state_file), "--state-interval", "1"]
-        self._log_dir = tempfile.TemporaryDirectory(prefix="dilocox-anvil-")
-        with open(Path(self._log_dir.name) / "anvil.log", "wb") as log:
-            self._process = subprocess.Popen(args, stdin=subprocess.DEVNULL, stdout=log, stderr=subprocess.STDOUT)
+        if self.log_file is None:
+            self._log_dir = tempfile.TemporaryDirectory(prefix="dilocox-anvil-")
+        log_path = self._log_path()
+        assert log_path is not None
+        with open(log_path, "wb") as log:
+            self._process = subprocess.Popen(args, stdin=subprocess.DEVNULL, stdout=log, stderr=subprocess.STDOUT,
+                                             start_new_session=self.detached)
 
     def _wait_ready(self) -> None:
         assert self._process is not None
@@ -201,6 +226,16 @@ class Anvil:
                 raise AnvilError(f"anvil did not answer eth_chainId on {self.rpc_url} within "
                                  f"{self.startup_timeout_s:.0f}s; its log ends:\n{self.log_tail() or '(empty)'}")
             time.sleep(0.05)
+
+    def detach(self) -> int:
+        """Leave a ``detached`` anvil running after this process exits; returns its pid (whoever keeps
+        it stops the chain, with SIGTERM so that the state is dumped)."""
+        if not self.detached:
+            raise AnvilError("only an anvil started with detached=True can be left running")
+        pid = self.pid
+        _running.discard(self)
+        self._process = None
+        return pid
 
     def stop(self) -> None:
         """SIGTERM (anvil dumps its state file), wait, SIGKILL after the grace period. Idempotent."""

@@ -40,6 +40,7 @@ from settlement import DEV_ACCOUNTS, Anvil, Chain, Ledger, Registry, deploy
 from settlement.artifacts import CONTRACTS_DIR
 from settlement.ledger import RoundHeader, _worker_tuple
 from settlement.rewards import RewardPool, RewardToken
+from settlement.roster import short_address, unreported_lines
 from storage_client import CID, Codec, Manifest, ObjectStore, Participant, Traffic, to_e6
 from proto import Encoding
 from trainer.aggregation import mean_pseudo_gradient
@@ -522,7 +523,9 @@ def test_report_that_restates_the_manifest_wrongly(anvil: Anvil, tmp_path: Path)
     assert checks(result) == {(1, "report-fields")}
     (failure,) = result.failures
     assert builder.keys["w1"].address in failure.object and "tokens" in failure.message
-    assert any("participant w0 did not report" in w for w in result.warnings)
+    w0 = builder.keys["w0"].address  # unreported in round 1, bound to its id by its report of round 2
+    assert [(u.round, u.worker, u.address) for u in result.roster.unreported] == [(1, "w0", w0)]
+    assert result.roster.ids == {w0: ["w0"], builder.keys["w1"].address: ["w1"]}
     assert [row.reports for row in result.rounds] == [0, 1, 2]
 
 
@@ -563,7 +566,13 @@ def test_a_round_nobody_reported_is_recorded_listed_and_credits_nobody(anvil: An
     result = builder.audit()
     assert result.ok, [str(f) for f in result.failures]
     assert [(row.reports, row.unreported) for row in result.rounds] == [(0, 0), (0, 2), (2, 0)]
-    assert sum("did not report" in w for w in result.warnings) == 2
+    keys = builder.keys
+    assert [(u.round, u.worker, u.address) for u in result.roster.unreported] == [
+        (1, "w0", keys["w0"].address), (1, "w1", keys["w1"].address)]
+    lines = unreported_lines(result.roster)
+    assert len(lines) == 2 and all("round 1 was recorded with 0 report(s) for 2 update(s)" in line for line in lines)
+    assert f"participant w0 did not report ({short_address(keys['w0'].address)})" in lines[0]
+    assert f"participant w1 did not report ({short_address(keys['w1'].address)})" in lines[1]
     assert builder.ledger.contribution_of(builder.run_id, builder.keys["w0"].address).rounds == 1
 
 

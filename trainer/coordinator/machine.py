@@ -100,7 +100,8 @@ class Coordinator:
             now = self.clock()
             alive = self.registry.alive(now)
             workers = tuple(
-                WorkerView(w, s.shard, w in alive, s.round, s.phase, now - s.last_seen if math.isfinite(s.last_seen) else -1.0)
+                WorkerView(w, s.shard, w in alive, s.round, s.phase,
+                           now - s.last_seen if math.isfinite(s.last_seen) else -1.0, s.address or "")
                 for w, s in sorted(self.registry.workers.items()))
             return StatusView(self.config.run_id, self.round.number, self.config.rounds.rounds, self.finished,
                               workers, tuple(self.run.summaries), max(0, self.trust.lag) if self.trust else 0)

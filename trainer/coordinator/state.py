@@ -220,6 +220,7 @@ class WorkerView:
     round: int
     phase: WorkerPhase
     last_seen_s: float  # -1 when not heard from since a restart
+    address: str = ""  # its admitted key's address; empty when the run has no ledger (or before it joined)
 
 
 @dataclass(frozen=True)
