@@ -3,8 +3,9 @@
 Reads ``DIR/store`` and ``DIR/chain/deployment.json`` and nothing else of the run directory (not
 HEAD, not rounds.jsonl, not the outbox). Workers are named by their ids beside their addresses, as
 their signed reports and the store's manifests bind them (settlement.roster), and every update a
-round counted without its worker's report is said loudly (UNREPORTED), with the worker's id. Without ``--rpc`` it starts a local anvil from a *copy* of
-``DIR/chain/state.json`` (so the run directory is left untouched), audits, and stops it. With
+round counted without its worker's report is said loudly (UNREPORTED), with the worker's id.
+Without ``--rpc`` it starts a local anvil from a *copy* of ``DIR/chain/state.json`` (so the run
+directory is left untouched), audits, and stops it. With
 ``--allow-dev`` the development root in ``DIR/dev-root/dev-root.address`` (and any ``--dev-root``)
 is trusted, and dev evidence is accepted, loudly, as proving nothing. TDX evidence is verified with
 dcap-qvl against the collateral named by ``--dcap-collateral FILE`` or fetched from ``--pccs-url
@@ -289,9 +290,8 @@ def render(result: AuditResult, console: Console) -> None:
 def render_tallies(result: AuditResult, console: Console) -> None:
     """Each worker's tally in the run and over all runs, and, with a reward pool, its payout."""
     from rich import box
-    from rich.table import Table
-
     from rich.markup import escape
+    from rich.table import Table
 
     from settlement.roster import Roster, short_address
 

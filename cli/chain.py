@@ -171,6 +171,16 @@ def _running_anvil(directory: Path) -> int | None:
     return pid if _pid_alive(pid) and b"anvil" in cmdline and state in cmdline.split(b"\0") else None
 
 
+def running_chain(directory: Path) -> str | None:
+    """The RPC URL of the chain `dilocox chain up` keeps in ``directory``, while it runs."""
+    if _running_anvil(directory) is None:
+        return None
+    try:
+        return (directory / RPC_URL_FILE).read_text()[:100].strip() or None
+    except OSError:
+        return None
+
+
 def cmd_up(args: argparse.Namespace) -> int:
     """Start a local anvil whose state is kept in DIR/state.json (restored when it exists), in its own
     session, left running: its URL goes to DIR/rpc-url, its pid to DIR/anvil.pid, its log to
@@ -186,8 +196,7 @@ def cmd_up(args: argparse.Namespace) -> int:
     directory = Path(args.dir)
     running = _running_anvil(directory)
     if running is not None:
-        url = (directory / RPC_URL_FILE).read_text().strip()[:100]
-        raise ChainCommandError(f"a chain is already up in {directory}: {url} (pid {running}); "
+        raise ChainCommandError(f"a chain is already up in {directory}: {running_chain(directory)} (pid {running}); "
                                 f"`dilocox chain down --dir {directory}` stops it")
     directory.mkdir(parents=True, exist_ok=True)
     restored = (directory / STATE_FILE).is_file()

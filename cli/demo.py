@@ -7,7 +7,14 @@
    pinned by the workers by its fingerprint; ``--insecure`` runs plaintext instead, to measure what
    TLS costs); workers attest with the ``dev`` provider (which PROVES NOTHING, and says so), are
    admitted on chain, train, and sign a report per round; every round is recorded on the ledger;
-4. the lineage audit, from the ledger and the store alone, replaying two sampled contributions.
+4. the rewards settled and the lineage audit, from the ledger and the store alone, replaying two
+   sampled contributions;
+5. a closing word on reports: every update reported, or, loudly, each update a round counted
+   without its worker's report (its worker id and address; it earns that worker nothing).
+
+Step 2, the pool and the mining past the challenge window are settlement.provision's: the functions
+``dilocox chain deploy``, ``dilocox run create``, ``dilocox pool fund`` and ``dilocox chain mine``
+run (README: "Running it by hand").
 
 It runs DiLoCoX, the product's default (trainer.config), with pipeline stages where the machine has
 a core for each; ``--diloco`` runs plain DiLoCo instead. Shows one line per finished round (eval

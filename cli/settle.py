@@ -73,6 +73,12 @@ def settle_run_dir(run_dir: Path, *, rpc_url: str | None = None, claim: bool = F
         if not state.is_file():
             console.print(f"[bold red]cannot settle[/]: no --rpc given and no chain state at {state}")
             return EXIT_ERROR
+        from cli.chain import running_chain
+
+        if (up := running_chain(run_dir / "chain")) is not None:  # a second anvil would dump into its state file
+            console.print(f"[bold red]cannot settle[/]: the chain of {run_dir / 'chain'} is up at {escape(up)} "
+                          f"(dilocox chain up): give --rpc {escape(up)}")
+            return EXIT_ERROR
         with Anvil(state_file=state, chain_id=deployment.chain_id) as anvil:
             console.print(f"local chain {anvil.rpc_url} restored from {state}")
             return _settle_on(anvil.rpc_url, run_dir, deployment, claim, key or DEV_ACCOUNTS[3], console, json_path)
