@@ -56,7 +56,7 @@ class Roster:
     """The run's worker ids by address, and the updates recorded without a report."""
 
     ids: dict[str, list[str]] = field(default_factory=dict)  # address -> worker ids, sorted
-    unreported: list[UnreportedUpdate] = field(default_factory=list)
+    unreported: list[UnreportedUpdate] = field(default_factory=list)  # by round, then worker id
     updates: dict[int, int] = field(default_factory=dict)  # round -> participants in its manifest
 
     def id_of(self, address: str) -> str:
@@ -105,7 +105,7 @@ def roster_of(store: ObjectStore, rounds: Sequence[RoundRecord]) -> Roster:
                 unreported.append((record.round, participant.worker, participant.update))
     roster = Roster(ids={a: sorted(names) for a, names in ids.items()}, updates=updates)
     roster.unreported = [UnreportedUpdate(r, worker, update, roster.address_of(worker))
-                         for r, worker, update in unreported]
+                         for r, worker, update in sorted(unreported)]
     return roster
 
 
