@@ -29,6 +29,7 @@ that cannot work.
 from __future__ import annotations
 
 import argparse
+import inspect
 import os
 import signal
 import time
@@ -56,23 +57,37 @@ def _formatter(p: argparse.ArgumentParser) -> None:
     p.formatter_class = argparse.RawDescriptionHelpFormatter
 
 
+def _doc(command: Callable[[argparse.Namespace], int]) -> str:
+    """A command's docstring as its --help description."""
+    return inspect.cleandoc(command.__doc__ or "")
+
+
+def _described(p: argparse.ArgumentParser) -> None:
+    """``dilocox chain|run|pool --help``: this module's docstring."""
+    p.description = __doc__
+    _formatter(p)
+
+
 def _rpc_key(p: argparse.ArgumentParser, key_help: str) -> None:
-    p.add_argument("--rpc", required=True, metavar="URL", help="the chain's JSON-RPC URL (chain up writes it to DIR/rpc-url)")
+    p.add_argument("--rpc", required=True, metavar="URL",
+                   help="the chain's JSON-RPC URL (chain up writes it to DIR/rpc-url)")
     p.add_argument("--key-file", required=True, metavar="FILE", help=key_help + "; read from the file, never printed")
 
 
 def chain_arguments(p: argparse.ArgumentParser) -> None:
+    _described(p)
     sub = p.add_subparsers(dest="action", required=True, metavar="{up,down,deploy,mine}")
-    up = sub.add_parser("up", help="start a local anvil kept in DIR, left running", description=cmd_up.__doc__)
-    up.add_argument("--dir", required=True, metavar="DIR", help="where the chain's state, URL, pid, log and dev keys live")
+    up = sub.add_parser("up", help="start a local anvil kept in DIR, left running", description=_doc(cmd_up))
+    up.add_argument("--dir", required=True, metavar="DIR",
+                    help="where the chain's state, URL, pid, log and dev keys live")
     up.add_argument("--port", type=int, default=0, help="RPC port on 127.0.0.1 (default 0: a free one)")
-    down = sub.add_parser("down", help="stop the local anvil of DIR (its state saved)", description=cmd_down.__doc__)
+    down = sub.add_parser("down", help="stop the local anvil of DIR (its state saved)", description=_doc(cmd_down))
     down.add_argument("--dir", required=True, metavar="DIR", help="the directory given to chain up")
     deploy = sub.add_parser("deploy", help="deploy the registry, ledger, reward token and pool",
-                            description=cmd_deploy.__doc__)
+                            description=_doc(cmd_deploy))
     _rpc_key(deploy, "the deploying account's key (it owns the registry and the token)")
     deploy.add_argument("--out", required=True, metavar="FILE", help="the deployment file to write (not overwritten)")
-    mine = sub.add_parser("mine", help="mine blocks on a local anvil", description=cmd_mine.__doc__)
+    mine = sub.add_parser("mine", help="mine blocks on a local anvil", description=_doc(cmd_mine))
     mine.add_argument("--rpc", required=True, metavar="URL", help="the local chain's JSON-RPC URL")
     mine.add_argument("blocks", type=int, help="how many blocks to mine")
     for parser in (up, down, deploy, mine):
@@ -80,9 +95,10 @@ def chain_arguments(p: argparse.ArgumentParser) -> None:
 
 
 def run_arguments(p: argparse.ArgumentParser) -> None:
+    _described(p)
     sub = p.add_subparsers(dest="action", required=True, metavar="{create}")
     create = sub.add_parser("create", help="allow a run configuration on the registry, its coordinator a verifier",
-                            description=cmd_create.__doc__)
+                            description=_doc(cmd_create))
     _formatter(create)
     _rpc_key(create, "the registry owner's key (the account that deployed)")
     create.add_argument("--deployment", required=True, metavar="FILE", help="the deployment file of chain deploy")
@@ -96,10 +112,12 @@ def run_arguments(p: argparse.ArgumentParser) -> None:
 
 
 def pool_arguments(p: argparse.ArgumentParser) -> None:
+    _described(p)
     sub = p.add_subparsers(dest="action", required=True, metavar="{fund}")
-    fund = sub.add_parser("fund", help="open and fund the reward pool of a run", description=cmd_fund.__doc__)
+    fund = sub.add_parser("fund", help="open and fund the reward pool of a run", description=_doc(cmd_fund))
     _formatter(fund)
-    fund.add_argument("--run", required=True, metavar="DIR", help="the run directory (its store/ and chain/deployment.json)")
+    fund.add_argument("--run", required=True, metavar="DIR",
+                      help="the run directory (its store/ and chain/deployment.json)")
     _rpc_key(fund, "the run's coordinator's key (only it may open the pool)")
     fund.add_argument("--amount", required=True, metavar="TOKENS", help="reward tokens, e.g. 1000 or 12.5")
     fund.add_argument("--rounds", type=int, metavar="N", help="rounds the pool pays for (default: the run's)")
@@ -124,12 +142,6 @@ def _account(rpc_url: str, key_file: str, flag: str = "--key-file") -> Chain:
         raise ChainCommandError(f"{flag} {key_file} holds one of anvil's PUBLIC dev keys, but {rpc_url} is chain "
                                 f"{chain.chain_id}, not a local anvil ({LOCAL_CHAIN_ID}): refused")
     return chain
-
-
-def _tokens(amount: int) -> str:
-    from settlement.provision import TOKEN_UNIT
-
-    return f"{Decimal(amount) / TOKEN_UNIT:,.2f}"
 
 
 def _token_amount(text: str) -> int:
@@ -299,7 +311,8 @@ def cmd_create(args: argparse.Namespace) -> int:
     try:
         coordinator = checksum_address(args.coordinator)
     except ValueError:
-        raise ChainCommandError(f"--coordinator {args.coordinator[:60]!r} is not a chain address (0x + 40 hex)") from None
+        raise ChainCommandError(f"--coordinator {args.coordinator[:60]!r} is not a chain address "
+                                f"(0x + 40 hex)") from None
     config, _ = pin_dataset(RunConfig.load(args.config))
     deployment = Deployment.load(Path(args.deployment))
     owner = _account(args.rpc, args.key_file)
@@ -325,7 +338,7 @@ def cmd_fund(args: argparse.Namespace) -> int:
     amount to it (the local RewardToken). Waits up to --wait seconds for the coordinator to create
     the run on the ledger."""
     from settlement import Deployment, Ledger
-    from settlement.provision import await_run, fund_pool
+    from settlement.provision import await_run, format_tokens, fund_pool
     from settlement.rewards import RewardPool
     from storage_client import CID, Codec, Manifest, ObjectStore
     from trainer.config import RunConfig
@@ -349,15 +362,15 @@ def cmd_fund(args: argparse.Namespace) -> int:
                                 f"is {run.coordinator}: only it may open the pool")
     pool = RewardPool(funder, deployment.rewards, ledger)
     if (opened := pool.pool_of(run_id)) is not None:
-        raise ChainCommandError(f"run 0x{run_id.hex()[:12]}… already has a pool of {_tokens(opened.funded)} "
+        raise ChainCommandError(f"run 0x{run_id.hex()[:12]}… already has a pool of {format_tokens(opened.funded)} "
                                 f"tokens for {opened.total_rounds} rounds")
     rounds = args.rounds
     if rounds is None:
         genesis = Manifest.load(store, CID(Codec.JSON, run.genesis_manifest))
         rounds = RunConfig.from_json(store.get_json(genesis.config)).rounds.rounds
     fund_pool(funder, deployment, run_id, amount, rounds, minter)
-    print(f"reward pool of run 0x{run_id.hex()[:12]}… opened with {_tokens(amount)} tokens for {rounds} rounds "
-          f"({_tokens(amount // rounds)} a round, split among the workers that report it); claims mature "
+    print(f"reward pool of run 0x{run_id.hex()[:12]}… opened with {format_tokens(amount)} tokens for {rounds} rounds "
+          f"({format_tokens(amount // rounds)} a round, split among the workers that report it); claims mature "
           f"{run.challenge_window} blocks after a round is recorded")
     return 0
 

@@ -90,7 +90,7 @@ def settle_run_dir(run_dir: Path, *, rpc_url: str | None = None, claim: bool = F
 def _settle_on(rpc_url: str, run_dir: Path, deployment, claim: bool, key: str, console: Console,
                json_path: Path | None) -> int:
     from settlement import Chain, Ledger
-    from settlement.provision import run_of
+    from settlement.provision import format_tokens, run_of
     from settlement.rewards import RewardPool
     from settlement.roster import roster_of
     from storage_client import ObjectStore, strict_json, write_atomic
@@ -112,7 +112,7 @@ def _settle_on(rpc_url: str, run_dir: Path, deployment, claim: bool, key: str, c
         for worker, account in sorted(statement.workers.items()):
             if account.claimable > 0:
                 amount, _ = pool.claim(run_id, worker)
-                console.print(f"claimed {_tokens(amount)} for {roster.label(worker)}")
+                console.print(f"claimed {format_tokens(amount)} for {roster.label(worker)}")
         statement = pool.statement(run_id)
         assert statement is not None
     render_statement(statement, console, roster)
@@ -123,11 +123,6 @@ def _settle_on(rpc_url: str, run_dir: Path, deployment, claim: bool, key: str, c
     return EXIT_FAILED if overpaid else EXIT_OK
 
 
-def _tokens(amount: int) -> str:
-    """An 18-decimal token amount, readably."""
-    return f"{amount / 10**18:,.2f}"
-
-
 def render_statement(statement: Statement, console: Console, roster: Roster) -> None:
     """Per worker (id and address): rounds credited, earned, paid, claimable now, still in the
     challenge window; then, loudly, every update recorded without its worker's report."""
@@ -135,19 +130,20 @@ def render_statement(statement: Statement, console: Console, roster: Roster) -> 
     from rich.markup import escape
     from rich.table import Table
 
+    from settlement.provision import format_tokens
     from settlement.roster import short_address, unreported_lines
 
-    table = Table(title=f"rewards of run 0x{statement.run_id.hex()[:12]}… (pool {_tokens(statement.funded)} for "
-                        f"{statement.total_rounds} rounds, challenge window {statement.challenge_window} blocks, "
+    table = Table(title=f"rewards of run 0x{statement.run_id.hex()[:12]}… (pool {format_tokens(statement.funded)} "
+                        f"for {statement.total_rounds} rounds, challenge window {statement.challenge_window} blocks, "
                         f"block {statement.head})", box=box.SIMPLE_HEAD, pad_edge=False)
     for column in ("worker", "address", "rounds", "earned", "paid", "claimable", "in window"):
         table.add_column(column, justify="left" if column in ("worker", "address") else "right", no_wrap=True)
     for worker, account in sorted(statement.workers.items(), key=lambda item: (roster.id_of(item[0]), item[0])):
         table.add_row(escape(roster.id_of(worker)), short_address(worker), str(len(account.rounds)),
-                      _tokens(account.earned), _tokens(account.paid), _tokens(account.claimable),
-                      _tokens(account.pending))
+                      format_tokens(account.earned), format_tokens(account.paid), format_tokens(account.claimable),
+                      format_tokens(account.pending))
     console.print(table)
-    console.print(f"paid {_tokens(statement.paid)} of {_tokens(statement.funded)}")
+    console.print(f"paid {format_tokens(statement.paid)} of {format_tokens(statement.funded)}")
     for line in unreported_lines(roster):
         console.print(f"[bold red]UNREPORTED[/] {escape(line)}")
     for worker, account in sorted(statement.workers.items()):

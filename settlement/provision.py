@@ -33,10 +33,15 @@ from .chain import Chain, ChainError
 from .ledger import Deployment, Ledger, Registry, deploy
 from .rewards import RewardPool, RewardToken
 
-__all__ = ["TOKEN_UNIT", "KeyFileError", "allow_run", "await_run", "deploy_to", "dev_key_file", "fund_pool", "mine",
-           "read_key_file", "run_of", "write_dev_keys"]
+__all__ = ["TOKEN_UNIT", "KeyFileError", "allow_run", "await_run", "deploy_to", "dev_key_file", "format_tokens",
+           "fund_pool", "mine", "read_key_file", "run_of", "write_dev_keys"]
 
 TOKEN_UNIT = 10**18  # the reward token's 18 decimals: 1 token in its smallest unit
+
+
+def format_tokens(amount: int) -> str:
+    """A token amount in its smallest unit, readably: ``1,000.00``."""
+    return f"{amount / TOKEN_UNIT:,.2f}"
 _MAX_KEY_FILE_BYTES = 1024  # a key file is 64 hex digits and some whitespace; more is not a key file
 
 

@@ -23,7 +23,6 @@ import os
 import re
 import shutil
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -36,6 +35,7 @@ from settlement.provision import run_of
 from settlement.rewards import RewardPool
 from settlement.roster import roster_of
 from storage_client import ObjectStore
+from tests.integration.test_user_errors import free_port
 
 pytestmark = pytest.mark.integration
 
@@ -66,12 +66,6 @@ def by_hand_script(port: int, config_settings: tuple[str, ...] = (), coordinator
     script = _replace_once(script, ".venv/bin/dilocox coordinator",
                            " ".join([".venv/bin/dilocox coordinator", *coordinator_flags]))
     return script.replace(".venv/bin/dilocox", f"{sys.executable} -m cli.main")
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
 
 
 def _status(port: int, cwd: Path) -> dict | None:
