@@ -38,7 +38,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Callable
 
 if TYPE_CHECKING:
-    from settlement import Chain
+    from settlement import Chain, Deployment
 
 RPC_URL_FILE, PID_FILE, STATE_FILE, LOG_FILE = "rpc-url", "anvil.pid", "state.json", "anvil.log"
 LOCAL_CHAIN_ID = 31337  # anvil's: the only chain the dev keys are accepted on
@@ -142,6 +142,23 @@ def _account(rpc_url: str, key_file: str, flag: str = "--key-file") -> Chain:
         raise ChainCommandError(f"{flag} {key_file} holds one of anvil's PUBLIC dev keys, but {rpc_url} is chain "
                                 f"{chain.chain_id}, not a local anvil ({LOCAL_CHAIN_ID}): refused")
     return chain
+
+
+def _deployment(path: Path, chain: Chain) -> Deployment:
+    """The deployment file at ``path``, refused unless its contracts are on ``chain`` (a chain restarted
+    without its state, or another chain, has none there)."""
+    from settlement import Deployment
+
+    deployment = Deployment.load(path)
+    if chain.chain_id != deployment.chain_id:
+        raise ChainCommandError(f"{path} is a deployment on chain {deployment.chain_id}, but {chain.rpc_url} is "
+                                f"chain {chain.chain_id}")
+    code = chain.read(lambda: chain.w3.eth.get_code(deployment.registry), "eth_getCode")
+    if not code:
+        raise ChainCommandError(f"{chain.rpc_url} has no contract at the registry address of {path} "
+                                f"({deployment.registry}): not the chain it was deployed on, or restarted without "
+                                f"its state")
+    return deployment
 
 
 def _token_amount(text: str) -> int:
@@ -303,7 +320,7 @@ def cmd_create(args: argparse.Namespace) -> int:
     create the dev attestation root, which PROVES NOTHING (local development only). The run itself is
     created on the ledger by the coordinator at genesis, with its --challenge-window."""
     from attestation import checksum_address
-    from settlement import Deployment, Registry
+    from settlement import Registry
     from settlement.provision import allow_run
     from trainer.config import RunConfig
     from trainer.dataset import pin_dataset
@@ -314,8 +331,8 @@ def cmd_create(args: argparse.Namespace) -> int:
         raise ChainCommandError(f"--coordinator {args.coordinator[:60]!r} is not a chain address "
                                 f"(0x + 40 hex)") from None
     config, _ = pin_dataset(RunConfig.load(args.config))
-    deployment = Deployment.load(Path(args.deployment))
     owner = _account(args.rpc, args.key_file)
+    deployment = _deployment(Path(args.deployment), owner)
     registry_owner = Registry(owner, deployment.registry).owner()
     if registry_owner != owner.address:
         raise ChainCommandError(f"--key-file {args.key_file} is account {owner.address}, but the registry's owner "
@@ -337,7 +354,7 @@ def cmd_fund(args: argparse.Namespace) -> int:
     by the run's coordinator (--key-file); with --mint-key-file the token's owner first mints the
     amount to it (the local RewardToken). Waits up to --wait seconds for the coordinator to create
     the run on the ledger."""
-    from settlement import Deployment, Ledger
+    from settlement import Ledger
     from settlement.provision import await_run, format_tokens, fund_pool
     from settlement.rewards import RewardPool
     from storage_client import CID, Codec, Manifest, ObjectStore
@@ -349,8 +366,8 @@ def cmd_fund(args: argparse.Namespace) -> int:
     if not 0 <= args.wait <= 86_400:
         raise ChainCommandError(f"--wait {args.wait} is out of range: must be in [0, 86400] seconds")
     run_dir = Path(args.run)
-    deployment = Deployment.load(run_dir / "chain" / "deployment.json")
     funder = _account(args.rpc, args.key_file)
+    deployment = _deployment(run_dir / "chain" / "deployment.json", funder)
     minter = _account(args.rpc, args.mint_key_file, "--mint-key-file") if args.mint_key_file else None
     store = ObjectStore(run_dir / "store")
     ledger = Ledger(funder, deployment.ledger, from_block=deployment.deployed_block)

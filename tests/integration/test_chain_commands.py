@@ -111,3 +111,7 @@ def test_pool_fund_without_the_run_on_the_ledger_says_so(tmp_path: Path) -> None
         code, line = dilocox("pool", "fund", "--run", str(tmp_path / "run"), "--rpc", anvil.rpc_url,
                              "--key-file", str(keys[1]), "--amount", "10", "--wait", "0")
         assert code == 1 and "no run on the ledger" in line and "--ledger" in line
+    with Anvil() as empty:  # a fresh chain: the deployment's contracts are not there
+        code, line = dilocox("pool", "fund", "--run", str(tmp_path / "run"), "--rpc", empty.rpc_url,
+                             "--key-file", str(keys[1]), "--amount", "10", "--wait", "0")
+        assert code == 1 and "has no contract at the registry address" in line
