@@ -166,8 +166,10 @@ def _token_amount(text: str) -> int:
     from settlement.provision import TOKEN_UNIT
 
     try:
+        if len(text) > 80:
+            raise InvalidOperation
         value = Decimal(text.strip()) * TOKEN_UNIT
-    except InvalidOperation:
+    except ArithmeticError:  # decimal's InvalidOperation and Overflow
         raise ChainCommandError(f"--amount {text[:40]!r} is not a number of tokens") from None
     if not value.is_finite() or value <= 0 or value != value.to_integral_value() or value >= 2**128:
         raise ChainCommandError(f"--amount {text[:40]!r} must be a positive number of tokens, at most 18 decimals, "
