@@ -14,11 +14,19 @@ FORGE      := node_modules/.bin/forge
 export HF_HUB_OFFLINE := 1
 export PIP_DISABLE_PIP_VERSION_CHECK := 1
 
-.PHONY: all setup stubs demo test clean
+# The Foundry binaries in contracts/package-lock.json are the linux-amd64 builds (anvil, forge, cast).
+PLATFORM := $(shell uname -s)-$(shell uname -m)
+
+.PHONY: all platform setup stubs demo test clean
 
 all: setup
 
-$(PY):
+platform:
+	@case "$(PLATFORM)" in Linux-x86_64) ;; *) echo "dilocox needs Linux on x86-64 (its Foundry binaries are the linux-amd64 builds); this is $(PLATFORM)" >&2; exit 1;; esac
+	@$(PYTHON) -c 'import sys; sys.exit(0 if (3, 11) <= sys.version_info[:2] < (3, 14) else 1)' 2>/dev/null || { echo "dilocox needs Python 3.11 to 3.13 as $(PYTHON) (make PYTHON=... to choose another)" >&2; exit 1; }
+	@command -v npm >/dev/null || { echo "dilocox needs Node.js and npm (for the Foundry toolchain in contracts/package-lock.json)" >&2; exit 1; }
+
+$(PY): | platform
 	$(PYTHON) -m venv $(VENV)
 
 # Reinstall only when the dependency list changes.
@@ -40,7 +48,7 @@ $(NODE_STAMP): contracts/package-lock.json
 $(ARTIFACTS) &: $(NODE_STAMP) $(wildcard contracts/src/*.sol contracts/test/*.sol) contracts/foundry.toml
 	cd contracts && $(FORGE) build
 
-setup: $(STAMP) $(STUBS) $(ARTIFACTS)
+setup: platform $(STAMP) $(STUBS) $(ARTIFACTS)
 
 demo: setup
 	$(VENV)/bin/dilocox demo

@@ -54,6 +54,20 @@ def _logging(verbose: bool) -> None:
     logging.basicConfig(level=logging.DEBUG if verbose else logging.INFO, handlers=[handler], force=True)
 
 
+class HelpFormatter(argparse.RawDescriptionHelpFormatter):
+    """``--help`` as people expect it: each option's default after its help (unless the help says
+    it already), the descriptions as written. Flags (default False) and options with no default
+    (None: "not given") show none."""
+
+    def _get_help_string(self, action: argparse.Action) -> str:
+        text = action.help or ""
+        default = action.default
+        if (default is None or default is False or default == [] or default is argparse.SUPPRESS
+                or "default" in text or "%(default)" in text or not action.option_strings):
+            return text
+        return f"{text} (default: %(default)s)" if text else "default: %(default)s"
+
+
 def _stages_arg(text: str) -> int | None:
     """``--stages``: ``auto`` (None) or a positive count."""
     if text == "auto":
@@ -181,8 +195,6 @@ def _exit_now(code: int) -> int:
 
 
 def cmd_status(args: argparse.Namespace) -> int:
-    from google.protobuf.json_format import MessageToDict
-
     from proto import CHANNEL_OPTIONS, pb, pb_grpc
     from trainer.tls import open_channel
 
@@ -197,13 +209,42 @@ def cmd_status(args: argparse.Namespace) -> int:
             raise ConnectionError(f"--coordinator {args.coordinator}: no answer from a coordinator "
                                   f"({code}: {detail})") from None
     if args.json is not None:
-        _write_json(MessageToDict(status), args.json)
+        _write_json(message_json(status), args.json)
     if args.json != JSON_STDOUT:
         _print_status(status)
     return 0
 
 
 JSON_STDOUT = "-"  # ``--json`` without a FILE: the document goes to stdout, alone
+
+
+def message_json(message) -> dict:  # message: a protobuf Message
+    """A protobuf message as the JSON a person or a script expects: every field under its proto
+    name (zero values included), integers as numbers (protobuf's JSON mapping writes 64-bit ones as
+    strings), enums by name, bytes as hex, and a non-finite double as null (strict JSON has no NaN)."""
+    import math
+
+    from google.protobuf.descriptor import FieldDescriptor
+
+    def value(field, v):
+        if field.type == FieldDescriptor.TYPE_MESSAGE:
+            return message_json(v)
+        if field.type == FieldDescriptor.TYPE_ENUM:
+            known = field.enum_type.values_by_number.get(v)
+            return known.name if known is not None else v
+        if field.type == FieldDescriptor.TYPE_BYTES:
+            return v.hex()
+        if isinstance(v, float) and not math.isfinite(v):
+            return None
+        return v
+
+    out: dict = {}
+    for field in message.DESCRIPTOR.fields:
+        v = getattr(message, field.name)
+        repeated = getattr(field, "is_repeated", None)
+        repeated = repeated if repeated is not None else field.label == FieldDescriptor.LABEL_REPEATED
+        out[field.name] = [value(field, x) for x in v] if repeated else value(field, v)
+    return out
 
 
 def _write_json(doc: dict, where: str) -> None:
@@ -362,7 +403,7 @@ def _coordinator_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--run-dir", required=True, help="store, manifests and HEAD of the run")
     p.add_argument("--config", help="run configuration JSON (default: `dilocox config`'s; optional to resume)")
     _set_argument(p)
-    p.add_argument("--host", default="127.0.0.1")
+    p.add_argument("--host", default="127.0.0.1", help="address to listen on")
     p.add_argument("--port", type=int, default=0, help="0 picks a free port (see <run-dir>/coordinator.addr)")
     p.add_argument("--threads", type=int, default=1, help="torch threads")
     p.add_argument("--linger", type=float, default=10.0, help="seconds to let workers see the end of the run")
@@ -395,7 +436,7 @@ def _coordinator_arguments(p: argparse.ArgumentParser) -> None:
 
 def _worker_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--coordinator", required=True, help="host:port")
-    p.add_argument("--worker-id", required=True)
+    p.add_argument("--worker-id", required=True, help="this worker's name in the run ([A-Za-z0-9._-], 1-64)")
     _client_tls_arguments(p)
     p.add_argument("--cores", type=int, default=None,
                    help="cores this worker may use (default: the cores this process may run on); the stages and "
@@ -497,7 +538,7 @@ def _bench_arguments(p: argparse.ArgumentParser, rest: Sequence[str]) -> None:
             continue
         module = importlib.import_module(module_name)  # argument definitions only: torch loads in cmd_bench
         module.add_arguments(bench.add_parser(name, help=help_, description=module.__doc__,
-                                              formatter_class=argparse.RawDescriptionHelpFormatter))
+                                              formatter_class=HelpFormatter))
 
 
 # name: (help, its arguments, what runs it); a subcommand's arguments are defined only when it is chosen.
@@ -525,12 +566,12 @@ def _chosen(argv: Sequence[str]) -> str | None:
 
 def parser(argv: Sequence[str] = ()) -> argparse.ArgumentParser:
     """The command line; only the subcommand named in ``argv`` gets its arguments (and imports)."""
-    p = argparse.ArgumentParser(prog="dilocox", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = argparse.ArgumentParser(prog="dilocox", description=__doc__, formatter_class=HelpFormatter)
     p.add_argument("-v", "--verbose", action="store_true", help="debug logging")
     sub = p.add_subparsers(dest="command", required=True)
     chosen = _chosen(argv)
     for name, (help_, arguments, run) in COMMANDS.items():
-        sp = sub.add_parser(name, help=help_)
+        sp = sub.add_parser(name, help=help_, description=help_, formatter_class=HelpFormatter)
         sp.set_defaults(func=run)
         if name != chosen:
             continue
@@ -571,6 +612,22 @@ def _coordinator_address(address: str) -> None:
                          f"({getattr(exc, 'strerror', None) or exc})") from None
 
 
+def _warn_oversubscribed(cores: int | None, threads: int | None) -> None:
+    """More cores or threads than this process may run on is allowed (a benchmark may want it) but
+    never silent: every stage and thread then shares a core with another."""
+    import os
+
+    try:
+        have = len(os.sched_getaffinity(0))
+    except AttributeError:  # not Linux
+        have = os.cpu_count() or 1
+    for flag, value in (("--cores", cores), ("--threads", threads)):
+        if value is not None and value > have:
+            logging.getLogger("dilocox").warning(
+                "%s %d but this process may run on %d core(s): the worker's stages and threads will "
+                "oversubscribe them and run slower, not faster", flag, value, have)
+
+
 def check_args(args: argparse.Namespace) -> None:
     """Refuse out-of-range and contradictory arguments before anything starts, with one line each
     naming the flag (argparse checks only types)."""
@@ -606,6 +663,7 @@ def check_args(args: argparse.Namespace) -> None:
         for flag, value in (("--threads", args.threads), ("--stages", args.stages), ("--cores", args.cores)):
             if value is not None and not 1 <= value <= 4096:
                 raise UsageError(f"{flag} {value} must be in [1, 4096]")
+        _warn_oversubscribed(args.cores, args.threads)
         from trainer.device import DeviceError, parse_device
 
         try:
@@ -622,6 +680,11 @@ def check_args(args: argparse.Namespace) -> None:
 
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
+    import os
+
+    if "COLUMNS" not in os.environ and not any(stream.isatty() for stream in (sys.stdin, sys.stdout, sys.stderr)):
+        # Piped or logged: rich would wrap tables at 80 columns; a file has no width to fit.
+        os.environ["COLUMNS"] = "200"
     args = parser(argv).parse_args(argv)
     _logging(args.verbose)
     try:

@@ -345,10 +345,7 @@ def _decode(cls: type[T], obj: Any, path: str, base: T | None = None) -> T:
         if dataclasses.is_dataclass(kind):
             kwargs[name] = _decode(kind, value, where, getattr(cls(), name) if cls is RunConfig else None)
         elif kind is float:
-            try:
-                kwargs[name] = float(value) if isinstance(value, str) else _exact(value, int, where)
-            except ValueError as exc:
-                raise ConfigError(f"{where}: not a number: {value!r}") from exc
+            kwargs[name] = _number(value, where)
         elif kind is bool:
             kwargs[name] = _exact(value, bool, where)
         else:
@@ -370,6 +367,24 @@ def _setting_value(text: str, kind: type, path: str) -> Any:
     except (KeyError, ValueError):
         raise SettingError(f"--set {path[:80]}={text[:40]!r}: not a {kind.__name__}") from None
     return text
+
+
+def _number(value: Any, where: str) -> float:
+    """A float field as a person or a program writes it: a JSON number (``0.001``, ``3``) or the
+    decimal text the canonical form uses (``"0.001"``, what ``dilocox config`` writes, so that the
+    CID never depends on how a JSON library prints a float). Either way the value is the same float,
+    so the same configuration has the same CID whichever way it was written."""
+    if isinstance(value, str) and len(value) <= 64:
+        try:
+            number = float(value)
+        except ValueError:
+            raise ConfigError(f"{where}: not a number: {value[:64]!r}") from None
+    elif type(value) in (int, float):  # bool is an int subclass: a true/false here is a mistake
+        number = float(value)
+    else:
+        shown = repr(value)[:64] if isinstance(value, str) else type(value).__name__
+        raise ConfigError(f"{where}: expected a number, got {shown}")
+    return number  # a non-finite value is refused with its range by the field's validation
 
 
 def _exact(value: Any, kind: type, where: str) -> Any:
