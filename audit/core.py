@@ -107,7 +107,7 @@ from __future__ import annotations
 
 import os
 
-from attestation import DEV_WARNING, Policy
+from attestation import Policy
 from settlement import ChainError, Ledger, Registry
 from settlement.records import RoundRecord, RunRecord
 from settlement.rewards import RewardPool
@@ -121,6 +121,10 @@ from .result import AuditResult, RoundRow
 from .signers import Signers
 from .tallies import Tallies
 
+
+# Why dev evidence proves nothing, in one sentence (the provider's own WARNING says it again at length).
+DEV_NOTE = ("it is made and signed in software by a local development key; no hardware measured or isolated "
+            "the workers (development only)")
 
 class _Audit:
     """One audit: resolves the run, checks genesis, walks the recorded rounds in order, then the
@@ -221,10 +225,11 @@ class _Audit:
         result = self.findings.result
         for row in result.rounds:
             row.status = "FAIL" if result.failures_of(row.round) else "ok"
-        if self.signers.dev_accepted:
-            result.warnings.insert(0, "DEV ATTESTATION ACCEPTED: workers of this run were admitted on dev evidence; "
-                                      "its signatures and bindings verified, but it PROVES NOTHING about what code "
-                                      f"ran. {DEV_WARNING}")
+        dev = self.signers.dev_admitted
+        if dev:  # said once, naming every such worker
+            result.warnings.insert(0, f"DEV ATTESTATION ACCEPTED: {len(dev)} worker(s) of this run were admitted on "
+                                      f"dev evidence ({', '.join(dev)}); its signatures and bindings verified, but "
+                                      f"it PROVES NOTHING about what code ran: {DEV_NOTE}")
         return result
 
 
