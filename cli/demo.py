@@ -102,7 +102,7 @@ def fund_and_mature(run_dir: Path, rpc_url: str, rounds: int) -> None:
 
 
 def run_demo(run_dir: Path, workers: int = 2, settings: Sequence[str] = (), insecure: bool = False,
-             diloco: bool = False) -> int:
+             diloco: bool = False, *, time_limit_s: float) -> int:
     """The demo's run: ``demo_config()`` (DiLoCoX; plain DiLoCo with ``diloco``) for ``workers``
     workers, then ``settings`` (``--set``)."""
     console = Console()
@@ -121,7 +121,8 @@ def run_demo(run_dir: Path, workers: int = 2, settings: Sequence[str] = (), inse
     with Anvil(state_file=run_dir / "chain" / "state.json") as anvil:
         coordinator_args, worker_args = provision(run_dir, anvil.rpc_url, config)
         console.print(f"local chain {anvil.rpc_url} (state kept in {run_dir / 'chain'}); contracts deployed")
-        code = _train(console, run_dir, config, config_path, workers, coordinator_args, worker_args, insecure)
+        code = _train(console, run_dir, config, config_path, workers, coordinator_args, worker_args, insecure,
+                      time_limit_s)
         if code != 0:
             return code
         console.print("\n[bold]rewards[/]: the coordinator funds the run's pool; once the rounds are "
@@ -156,7 +157,7 @@ def _technique(config: RunConfig) -> str:
 
 
 def _train(console: Console, run_dir: Path, config: RunConfig, config_path: Path, workers: int,
-           coordinator_args: list[str], worker_args: list[str], insecure: bool) -> int:
+           coordinator_args: list[str], worker_args: list[str], insecure: bool, time_limit_s: float) -> int:
     m = config.model
     dense = 4 * estimated_parameters(m)
     console.print(
@@ -205,8 +206,9 @@ def _train(console: Console, run_dir: Path, config: RunConfig, config_path: Path
                     progress.update(task, completed=summary["round"])
                 if exited:
                     break
-                if time.monotonic() - started > 600:
-                    console.print("[red]demo timed out after 600s[/]")
+                if time.monotonic() - started > time_limit_s:
+                    console.print(f"[red]the demo's training did not finish within {time_limit_s:g}s "
+                                  f"(--time-limit); see {run_dir}/logs/[/]")
                     return 1
                 time.sleep(0.2)
         try:

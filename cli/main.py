@@ -37,6 +37,8 @@ from rich.logging import RichHandler
 # Blocks a recorded round waits before its rewards can be claimed (about a day of 12 s blocks): time
 # for an auditor to re-check the round, and for a revocation, before anyone is paid for it.
 DEFAULT_CHALLENGE_WINDOW = 7200
+# The demo's training stops after this long (--time-limit): a stuck demo ends; a slow machine asks for more.
+DEMO_TIME_LIMIT_S = 600.0
 
 
 def _logging(verbose: bool) -> None:
@@ -306,7 +308,7 @@ def cmd_demo(args: argparse.Namespace) -> int:
     from cli.demo import run_demo
 
     return run_demo(Path(args.run_dir), workers=args.workers, settings=args.set, insecure=args.insecure,
-                    diloco=args.diloco)
+                    diloco=args.diloco, time_limit_s=args.time_limit)
 
 
 def cmd_audit(args: argparse.Namespace) -> int:
@@ -395,6 +397,8 @@ def _demo_arguments(p: argparse.ArgumentParser) -> None:
     _set_argument(p)
     p.add_argument("--insecure", action="store_true",
                    help="plaintext gRPC between the demo's processes (to measure what TLS costs)")
+    p.add_argument("--time-limit", type=float, default=DEMO_TIME_LIMIT_S, metavar="SECONDS",
+                   help="stop the demo if its training has not finished by then")
 
 
 def _coordinator_arguments(p: argparse.ArgumentParser) -> None:
@@ -635,6 +639,8 @@ def check_args(args: argparse.Namespace) -> None:
     if command == "demo":
         if not 1 <= args.workers <= MAX_DEMO_WORKERS:
             raise UsageError(f"--workers {args.workers} is out of range: must be in [1, {MAX_DEMO_WORKERS}]")
+        if not 1 <= args.time_limit <= 7 * 86_400:  # also refuses NaN
+            raise UsageError(f"--time-limit {args.time_limit} is out of range: must be in [1, 604800] seconds")
     if command == "coordinator":
         _port(args.port, "--port", 0)
         given = [args.ledger, args.chain_rpc, args.chain_key_file]
