@@ -201,6 +201,8 @@ def _train(console: Console, run_dir: Path, config: RunConfig, config_path: Path
                     table.add_row(*_row(summary, dense))
                     r, ev, tr, who, up, down, fewer, secs = _row(summary, dense)
                     progress.console.print(
+                        f"round {r:>2}/{config.rounds.rounds}  eval {ev}  genesis (θ⁽⁰⁾, before any training)"
+                        if summary["round"] == 0 else
                         f"round {r:>2}/{config.rounds.rounds}  eval {ev}  train {tr:>6}  "
                         f"workers {who}  up {up}  down {down}  {fewer} than dense fp32  {secs}")
                     progress.update(task, completed=summary["round"])
