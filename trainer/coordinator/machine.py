@@ -176,6 +176,8 @@ class Coordinator:
                 raise Refusal(Reason.WRONG_RUN,
                               f"update is for run {clip(h.run_id)}; this coordinator runs {self.config.run_id!r}")
             address = self.registry.seen(h.worker_id).address
+            if self.halted is not None:
+                raise Refusal(Reason.HALTED, f"the coordinator stopped the run: {self.halted}")
             checks.check_round(self.round, self.finished, self.config.run_id, h.worker_id, h.round, h.stage,
                                h.num_stages)
             g = self.run.global_state
