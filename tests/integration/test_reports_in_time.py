@@ -22,19 +22,13 @@ from cli.demo import provision
 from settlement import Anvil
 from storage_client import lineage
 from tests.conftest import small_config
-from tests.integration.test_trust import ledger_of, pinned
+from tests.integration.test_trust import chain, ledger_of, pinned  # noqa: F401 (chain is a fixture)
 from trainer.config import InnerConfig, RoundConfig
 
 pytestmark = pytest.mark.integration
 
 REPORT_TIMEOUT_S = 1.0
 ROUNDS = 4
-
-
-@pytest.fixture
-def chain(tmp_path: Path):
-    with Anvil(state_file=tmp_path / "run" / "chain" / "state.json") as anvil:
-        yield anvil
 
 
 def test_rounds_that_train_longer_than_the_report_timeout_credit_every_worker(cluster: LocalCluster, chain: Anvil,

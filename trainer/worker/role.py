@@ -135,9 +135,11 @@ class Worker:
                                          batch_size=config.inner.batch_size, block_size=config.model.block_size)
         self.model = build_model(config.model, config.seed)
         # The model a checkpoint's held-out claims are checked on before signing (evaluation_problem).
-        # Overlapped, that happens in the exchange thread while the next round trains self.model, so
-        # it gets a model of its own (one more copy of the parameters, no optimiser state).
-        self.eval_model = build_model(config.model, config.seed) if config.rounds.overlap else self.model
+        # Overlapped, that happens in the exchange thread while the next round trains self.model in
+        # this process, so it gets a model of its own (one more copy of the parameters, no optimiser
+        # state); pipeline stages train in their own processes.
+        own = config.rounds.overlap and self.stages == 1
+        self.eval_model = build_model(config.model, config.seed) if own else self.model
         # θ⁽⁰⁾ is a function of the run's seed: built here, it need not cross the network. Its CID
         # is checked against the genesis checkpoint's when the coordinator serves it (as "held").
         genesis = params_of(self.model)
