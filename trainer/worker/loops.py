@@ -111,9 +111,10 @@ class OverlapStart:
 
 def overlapped(worker: Worker) -> int:
     """While round r trains, the exchange of round r-1 (push Δ⁽ʳ⁻¹⁾, fetch θ⁽ʳ⁻¹⁾, check it, sign
-    and submit the report of round r-1) runs in a background thread; round r started from θ⁽ʳ⁻²⁾, the newest global this worker held, moved by
-    what stands in for the step in flight (:class:`OverlapStart`). A worker that finds itself behind
-    (dropped, or the run moved on) starts over synchronously from the newest global."""
+    and submit the report of round r-1) runs in a background thread; round r started from θ⁽ʳ⁻²⁾,
+    the newest global this worker held, moved by what stands in for the step in flight
+    (:class:`OverlapStart`). A worker that finds itself behind (dropped, or the run moved on)
+    starts over synchronously from the newest global."""
     held = worker.client.fetch(0)
     if held.finished:
         return worker.finished(held)
