@@ -418,8 +418,9 @@ def _coordinator_arguments(p: argparse.ArgumentParser) -> None:
                    help="accept dev attestation, which PROVES NOTHING (local development only)")
     p.add_argument("--dev-root", action="append", default=[], help="address of a trusted dev root (repeatable)")
     p.add_argument("--report-timeout", type=float, default=30.0,
-                   help="seconds to wait for every participant's report before recording a round (its "
-                        "unreported updates then on the coordinator's word, credited to nobody)")
+                   help="seconds, from a round's publication, to wait for every participant's report before "
+                        "recording the round (its unreported updates then on the coordinator's word, credited "
+                        "to nobody)")
     p.add_argument("--challenge-window", type=int, default=DEFAULT_CHALLENGE_WINDOW, metavar="BLOCKS",
                    help="blocks a recorded round waits before its rewards can be claimed, set when the run is "
                         f"created on the ledger (default {DEFAULT_CHALLENGE_WINDOW}, about a day of 12 s blocks)")

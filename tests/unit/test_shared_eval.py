@@ -36,7 +36,7 @@ def evaluated():
 def worker(slot: int, model, batches) -> Worker:
     """A worker as set up at its first Join, without a coordinator (evaluation_problem needs none)."""
     w = Worker.__new__(Worker)
-    w.config, w.shard_index, w.model, w.eval_batches = CONFIG, slot, model, batches
+    w.config, w.shard_index, w.model, w.eval_model, w.eval_batches = CONFIG, slot, model, model, batches
     return w
 
 

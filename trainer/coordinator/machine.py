@@ -17,7 +17,7 @@ from typing import Callable
 
 from attestation import SignedReport
 from attestation.signing import global_digest
-from storage_client import CID, Manifest, from_e6, loads_bounded
+from storage_client import CID, Manifest, loads_bounded
 from storage_client.manifest import Traffic
 from trainer.checkpoints import round_updates, updates_round_norm
 from trainer.aggregation import CheckedUpdate, InvalidUpdate, check_norm, norm_bound, round_norm
@@ -66,6 +66,8 @@ class Coordinator:
         self.push_seconds: dict[int, dict[str, float]] = {}
         # Report deadlines of rounds published before a restart count from the restart.
         self.closed_at: dict[int, float] = {r: clock() for r in run.manifests}
+        self._all_refused_since: float | None = None  # see stalled()
+        self.halted: str | None = None  # why the run cannot go on, once the coordinator says so (halt)
         if trust is None:
             log.warning("no ledger configured: workers are not attested and rounds are not recorded on chain")
 
@@ -147,6 +149,8 @@ class Coordinator:
         with self._lock:
             self.registry.seen(worker_id)
             while self.run.global_state.round < min_round and not self.finished:
+                if self.halted is not None:
+                    raise Refusal(Reason.HALTED, f"the coordinator stopped the run: {self.halted}")
                 remaining = deadline - self.clock()
                 if remaining <= 0:
                     return None, self.round.number, False
@@ -172,6 +176,8 @@ class Coordinator:
                 raise Refusal(Reason.WRONG_RUN,
                               f"update is for run {clip(h.run_id)}; this coordinator runs {self.config.run_id!r}")
             address = self.registry.seen(h.worker_id).address
+            if self.halted is not None:
+                raise Refusal(Reason.HALTED, f"the coordinator stopped the run: {self.halted}")
             checks.check_round(self.round, self.finished, self.config.run_id, h.worker_id, h.round, h.stage,
                                h.num_stages)
             g = self.run.global_state
@@ -179,13 +185,12 @@ class Coordinator:
             if self.config.rounds.overlap:  # one round stale is the point of the overlap
                 bases.add(self.run.manifests[max(h.round - 2, 0)][1].params)
             checks.check_base(h, str(g.params_cid), bases)
-            start_loss = from_e6(g.eval_loss_e6)
         checks.check_digest_form(h)
         if self.trust is not None:
             self.trust.check_update(h.worker_id, address, h.round, h.stage, h.num_stages, h.payload_sha256,
                                     h.signature)
         expected = checks.stage_layout(self.layout, self.config.model, h.stage, h.num_stages)
-        return checks.check_form(h, expected, self.config, self.run.inner_steps(h.round), start_loss)
+        return checks.check_form(h, expected, self.config, self.run.inner_steps(h.round))
 
     def count_up(self, worker_id: str, nbytes: int) -> None:
         """Bytes a worker sent, counted into the open round (refused pushes too: they crossed the network)."""
@@ -269,6 +274,35 @@ class Coordinator:
                 r.closing = True
                 return True
             return False
+
+    def stalled(self) -> str | None:
+        """Why the open round can never close, in one line, or None.
+
+        A round closes only with an accepted update (close_due), and a worker whose push was
+        refused does not push that round again: it waits for the round to close. So once every
+        live worker's push of the open round was refused, and no update or stage slice is in,
+        nothing can move the run. Said once that has held for ``straggler_timeout_s`` (what the
+        coordinator would wait for a straggler anyway: room for a worker still starting, or one
+        coming back to life); a live worker without a refusal, or an accepted push, resets it."""
+        with self._lock:
+            r, now = self.round, self.clock()
+            alive = self.registry.alive(now)
+            if self.finished or r.closing or r.accepted or r.partial or not alive or not alive <= set(r.refused):
+                self._all_refused_since = None
+                return None
+            if self._all_refused_since is None:
+                self._all_refused_since = now
+            if now - self._all_refused_since < self.config.rounds.straggler_timeout_s:
+                return None
+            why = "; ".join(f"{w}: {r.refused[w][0]}" for w in sorted(alive))  # our own bounded messages
+            return (f"round {r.number} cannot close: every live worker's push of it was refused and none was "
+                    f"accepted ({why})")
+
+    def halt(self, why: str) -> None:
+        """Stop serving the run's rounds: a worker waiting for a global state is told ``why``."""
+        with self._lock:
+            self.halted = why
+            self._lock.notify_all()
 
     def close_round(self) -> RoundSummary:
         """Aggregate and publish the closing round (called by one thread, after close_due)."""

@@ -35,6 +35,7 @@ from storage_client import CID, Codec, canonical_json
 from trainer.compression import CodecHeader, CompressionError
 from trainer.config import RunConfig
 from trainer.downlink import apply_update, decode_update
+from trainer.limits import clip
 from trainer.link import Link
 from trainer.schedule import ScheduleError, WorkerSchedule
 from trainer.shared_eval import MAX_EVAL_BATCHES
@@ -283,7 +284,13 @@ class CoordinatorClient:
         dense_only = False
         while True:
             held = None if dense_only else self.held
-            header, payload, size = self.call("fetch global state", lambda: self._fetch_once(min_round, held))
+            try:
+                header, payload, size = self.call("fetch global state", lambda: self._fetch_once(min_round, held))
+            except grpc.RpcError as exc:
+                if exc.code() != grpc.StatusCode.FAILED_PRECONDITION:
+                    raise
+                # The coordinator stopped the run (trainer.coordinator.server: a round that cannot close).
+                raise WorkerError(f"waiting for round {min_round}: {clip(exc.details(), 600)}") from None
             if payload is None:
                 continue
             self.checked_signature(header)  # before a byte of the payload is used

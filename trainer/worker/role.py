@@ -134,6 +134,12 @@ class Worker:
         self.eval_batches = eval_batches(dataset.eval_tokens(), seed=config.seed, count=config.data.eval_batches,
                                          batch_size=config.inner.batch_size, block_size=config.model.block_size)
         self.model = build_model(config.model, config.seed)
+        # The model a checkpoint's held-out claims are checked on before signing (evaluation_problem).
+        # Overlapped, that happens in the exchange thread while the next round trains self.model in
+        # this process, so it gets a model of its own (one more copy of the parameters, no optimiser
+        # state); pipeline stages train in their own processes.
+        own = config.rounds.overlap and self.stages == 1
+        self.eval_model = build_model(config.model, config.seed) if own else self.model
         # θ⁽⁰⁾ is a function of the run's seed: built here, it need not cross the network. Its CID
         # is checked against the genesis checkpoint's when the coordinator serves it (as "held").
         genesis = params_of(self.model)
@@ -237,7 +243,12 @@ class Worker:
 
     def report(self, pushed: Pushed | None, checkpoint: Checkpoint) -> None:
         """Sign and submit the RoundReport of a round this worker contributed to, once the round's
-        checkpoint is in hand (nothing when the run has no ledger or ``checkpoint`` is another round's)."""
+        checkpoint is in hand (nothing when the run has no ledger or ``checkpoint`` is another round's).
+
+        Called as soon as the checkpoint is fetched, whatever trains meanwhile: the overlapped loop
+        calls it from its exchange thread (trainer.worker.loops), since the coordinator waits for
+        reports only ``--report-timeout`` from the round's publication (settlement.reports). It
+        touches nothing the training thread uses: the check runs on ``eval_model``."""
         client = self.client
         if pushed is None or checkpoint.round != pushed.round or client.domain is None:
             return
@@ -259,11 +270,13 @@ class Worker:
 
     def evaluation_problem(self, checkpoint: Checkpoint) -> str | None:
         """What is wrong with the checkpoint's claimed held-out losses, or None: the claims are
-        checked whole and this worker's share of the batches re-evaluated (trainer.shared_eval)."""
+        checked whole and this worker's share of the batches re-evaluated (trainer.shared_eval), on
+        ``eval_model``, with the process's torch threads (a few batches, beside the training's)."""
         cfg = self.config
         share = eval_share(cfg.data.eval_batches, cfg.rounds.expected_workers, self.shard_index)
-        load_params(self.model, checkpoint.params)
-        losses = evaluate_batches(self.model, [self.eval_batches[j] for j in share]) if share else []
+        load_params(self.eval_model, checkpoint.params)
+        with torch.no_grad():
+            losses = evaluate_batches(self.eval_model, [self.eval_batches[j] for j in share]) if share else []
         return shared_evaluation_problem(checkpoint.eval_losses_e6, cfg.data.eval_batches, checkpoint.eval_loss_e6,
                                          {j: to_e6(loss) for j, loss in zip(share, losses)})
 
@@ -273,7 +286,8 @@ class Worker:
         checkpoint to go on from: ``round_`` (wait for it to close), or ``round_ - 1`` when no other
         live worker is still on the round, which then could never close: this worker trains it
         again. Either way the next round starts fresh stage processes. ``inflight``: the overlapped
-        path's exchange of the round before, which still counts and is waited for.
+        path's exchange of the round before, which still counts and is waited for (it reports that
+        round itself).
         """
         log.error("round %d: abandoned, no update pushed: %s", round_, exc)
         self.client.phase = WorkerPhase.ABANDONED
@@ -282,7 +296,7 @@ class Worker:
         except grpc.RpcError as rpc:  # the periodic heartbeat says it again
             log.warning("round %d: could not tell the coordinator: %s", round_, rpc.details())
         if inflight is not None:
-            self.report(*inflight.result())
+            inflight.result()
         status = self.client.status()
         if status.open_round == round_ and not any(
                 w.alive and w.worker_id != self.worker_id and w.phase != WorkerPhase.DONE
