@@ -87,18 +87,15 @@ def run(args: argparse.Namespace) -> int:
 
 
 def export_checkpoint(run_dir: RunDir, manifest: Manifest, manifest_cid: CID, params: Params, out: Path) -> list[str]:
-    """Write the Hugging Face folder ``out`` for the round of ``manifest`` (see the module doc)."""
+    """Write the Hugging Face folder ``out`` for the round of ``manifest`` (see the module doc), checked
+    as loaded back (:func:`check_export`) before it is renamed into place."""
     import torch
     from safetensors.torch import save_file
 
-    from trainer.hf_model import HF_CLASSES, hf_config
+    from trainer.hf_model import export_state, exported_config_json
     from trainer.model import new_model
 
     config = RunConfig.from_json(run_dir.store.get_json(manifest.config))
-    family = config.model.family
-    if family not in HF_CLASSES:
-        raise ExportError(f"run {config.run_id!r} trains the {family!r} family, which has no transformers class: "
-                          f"only {', '.join(HF_CLASSES)} runs can be exported")
     with torch.device("meta"):
         expected = {n: (p.dtype, tuple(p.shape)) for n, p in new_model(config.model).named_parameters()}
     got = {n: (t.dtype, tuple(t.shape)) for n, t in params.items()}
@@ -106,18 +103,16 @@ def export_checkpoint(run_dir: RunDir, manifest: Manifest, manifest_cid: CID, pa
         wrong = sorted(set(got) ^ set(expected)) or sorted(n for n in got if got[n] != expected[n])
         raise ExportError(f"round {manifest.round}'s parameters do not fit the run's model: "
                           f"{', '.join(wrong[:5])}{' ...' if len(wrong) > 5 else ''}")
-    hf = hf_config(config.model).to_dict()
-    hf["torch_dtype"] = "float32"  # the key transformers 4 reads; 5 reads "dtype" (also float32)
+    hf = exported_config_json(config.model)
     files = {"config.json": b""}
     tokenizer = run_tokenizer(run_dir, config)
+    # Byte tokens have no special token: no id is claimed for one.
+    special = tokenizer.eos_id if tokenizer is not None else None
+    hf["bos_token_id"] = hf["eos_token_id"] = hf["pad_token_id"] = special
     if tokenizer is not None:
-        hf["bos_token_id"] = hf["eos_token_id"] = tokenizer.eos_id
-        hf["pad_token_id"] = None
         files["tokenizer.json"] = tokenizer.json_bytes
-        files["tokenizer_config.json"] = (strict_json({
-            "tokenizer_class": "PreTrainedTokenizerFast", "bos_token": tokenizer.eos_token, "eos_token": tokenizer.eos_token,
-            "model_max_length": config.model.block_size, "clean_up_tokenization_spaces": False,
-        }, indent=2, sort_keys=True) + "\n").encode("utf-8")
+        files["tokenizer_config.json"] = (strict_json(tokenizer_config(tokenizer, config), indent=2, sort_keys=True)
+                                          + "\n").encode("utf-8")
     files["config.json"] = (strict_json(hf, indent=2, sort_keys=True) + "\n").encode("utf-8")
     metadata = {"format": "pt", "dilocox.manifest": str(manifest_cid), "dilocox.round": str(manifest.round),
                 "dilocox.config": manifest.config}
@@ -128,15 +123,80 @@ def export_checkpoint(run_dir: RunDir, manifest: Manifest, manifest_cid: CID, pa
     try:
         for name, data in files.items():
             (partial / name).write_bytes(data)
-        save_file({n: t.contiguous() for n, t in params.items()}, str(partial / SAFETENSORS_NAME), metadata=metadata)
+        save_file(export_state(config.model, params), str(partial / SAFETENSORS_NAME), metadata=metadata)
         for name in (*files, SAFETENSORS_NAME):
             with open(partial / name, "rb") as f:
                 os.fsync(f.fileno())
+        check_export(partial, config, params, tokenizer)
         os.replace(partial, out)  # onto a missing or empty folder: atomic
     except BaseException:
         shutil.rmtree(partial, ignore_errors=True)
         raise
     return [*files, SAFETENSORS_NAME]
+
+
+def tokenizer_config(tokenizer: BpeTokenizer, config: RunConfig) -> dict:
+    """tokenizer_config.json: the run's tokenizer.json as it stands (``PreTrainedTokenizerFast``), its
+    end-of-text token as bos, eos and pad (a token of the vocabulary, so batches pad), padded on the
+    left as a decoder's batched ``generate`` needs. transformers 5 gives a ``qwen2`` folder its own
+    ``Qwen2Tokenizer`` whatever ``tokenizer_class`` says (it rebuilds the pre-tokenizer and adds a
+    pad token of its own); an ``auto_map`` naming the class takes that path out, and transformers
+    (4.4x and 5) load the named class, without remote code, because the folder has no code."""
+    obj = {"tokenizer_class": "PreTrainedTokenizerFast", "bos_token": tokenizer.eos_token,
+           "eos_token": tokenizer.eos_token, "pad_token": tokenizer.eos_token, "padding_side": "left",
+           "model_max_length": config.model.block_size, "clean_up_tokenization_spaces": False}
+    if config.model.family == "qwen2":
+        obj["auto_map"] = {"AutoTokenizer": [None, "PreTrainedTokenizerFast"]}
+    return obj
+
+
+# Encoded by the run's tokenizer and by the export's AutoTokenizer at export time: words, digits,
+# punctuation, runs of spaces, newlines, and text that Unicode normalisation would change
+# (a decomposed é, a ligature, full-width letters), where rebuilt tokenizers differ.
+CHECK_TEXT = ("The 2024 report said: \"Count them again,\" 1234567 times!\n\n  Indented   lines\tand tabs; "
+              "cafe\u0301 caf\u00e9 \ufb01ne \uff21\uff22 \u96ea 🙂 <|endoftext|> end.")
+# Relative and absolute tolerance on the logits: float32, the same operations in another order.
+LOGITS_TOLERANCE = 1e-4
+
+
+def check_export(folder: Path, config: RunConfig, params: Params, tokenizer: BpeTokenizer | None) -> None:
+    """The export as a user loads it: ``AutoTokenizer`` gives the run's ids on :data:`CHECK_TEXT`
+    (special tokens inside the vocabulary), and ``AutoModelForCausalLM`` gives the run's model's
+    logits on a batch of every position of the context (up to 256): RoPE, biases, tying and names
+    included. ExportError, one line, when it does not."""
+    import torch
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from trainer.diloco import load_params
+    from trainer.model import build_model
+
+    if tokenizer is not None:
+        loaded_tokenizer = AutoTokenizer.from_pretrained(folder, local_files_only=True)
+        [want] = tokenizer.encode_batch([CHECK_TEXT])
+        got = loaded_tokenizer(CHECK_TEXT, add_special_tokens=False)["input_ids"]
+        if got != want:
+            first = next((i for i, (a, b) in enumerate(zip(got, want)) if a != b), min(len(got), len(want)))
+            raise ExportError(f"the exported tokenizer, loaded by AutoTokenizer as {type(loaded_tokenizer).__name__}, "
+                              f"encodes a sample differently from the run's tokenizer (first at token {first} "
+                              f"of {len(want)})")
+        for role in ("bos", "eos", "pad"):
+            token_id = getattr(loaded_tokenizer, f"{role}_token_id")
+            if token_id is None or not 0 <= token_id < config.model.vocab_size:
+                raise ExportError(f"the exported tokenizer's {role} token id {token_id} is not in the model's "
+                                  f"vocabulary of {config.model.vocab_size}")
+    loaded = AutoModelForCausalLM.from_pretrained(folder, local_files_only=True, dtype=torch.float32)
+    model = build_model(config.model, config.seed)
+    load_params(model, params)
+    model.eval()
+    loaded.eval()
+    length = min(config.model.block_size, 256)
+    sample = torch.randint(config.model.vocab_size, (2, length), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        ours, theirs = model(sample)[0], loaded(sample).logits
+    if theirs.shape != ours.shape or not torch.allclose(theirs, ours, rtol=LOGITS_TOLERANCE, atol=LOGITS_TOLERANCE):
+        diff = (theirs - ours).abs().max().item() if theirs.shape == ours.shape else float("nan")
+        raise ExportError(f"the exported model, loaded by AutoModelForCausalLM as {type(loaded).__name__}, does not "
+                          f"compute the run's logits (largest difference {diff:.3g})")
 
 
 def run_tokenizer(run_dir: RunDir, config: RunConfig) -> BpeTokenizer | None:

@@ -110,6 +110,8 @@ class Worker:
         """At the first Join: the shard, the held-out batches, θ⁽⁰⁾ and the inner loop."""
         # On a GPU, auto is one stage: GPU stages need a device each, and the worker was given one.
         requested = self.requested_stages if self.requested_stages is not None or self.device.type == "cpu" else 1
+        if requested is None and config.model.tie_word_embeddings:
+            requested = 1  # auto: a tied embedding and head cannot be split across stages (trainer.pipeline)
         try:
             plan = plan_stages(requested, config.model.n_layer, self.cores, self.threads)
         except ValueError as exc:
