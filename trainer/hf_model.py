@@ -414,8 +414,11 @@ def model_section_from_hf(obj: Any) -> dict[str, Any]:
     if not isinstance(obj, dict):
         raise ConfigError("config.json: not a JSON object")
     family = obj.get("model_type")
+    if family == "gpt2":
+        return _gpt2_section(obj)
     if family not in HF_CLASSES:
-        raise ConfigError(f"{_field('model_type', family)} is not supported: must be one of {', '.join(HF_CLASSES)}")
+        raise ConfigError(f"{_field('model_type', family)} is not supported: must be one of "
+                          f"{', '.join(HF_CLASSES)}, gpt2")
     _refuse_unsupported(obj, family)
     section: dict[str, Any] = {"family": family}
     for hf_name, name in _HF_SIZES.items():
@@ -429,6 +432,28 @@ def model_section_from_hf(obj: Any) -> dict[str, Any]:
     head_dim = obj.get("head_dim")
     if head_dim is not None and head_dim != section["n_embd"] // section["n_head"]:
         section["head_size"] = _number(obj, "head_dim", int)
+    return section
+
+
+def _gpt2_section(obj: dict) -> dict[str, Any]:
+    """The built-in GPT's model section of a GPT-2 config.json that computes what it computes
+    (:func:`gpt2_config_json`, as ``dilocox export`` writes it): exact GELU, LayerNorm eps 1e-5, a 4x
+    MLP, an untied head. The hub's GPT-2 checkpoints use the tanh GELU and a tied head: refused."""
+    # (field, GPT2Config's default, what the GPT computes)
+    for name, default, want in (("activation_function", "gelu_new", "gelu"), ("layer_norm_epsilon", 1e-5, 1e-5),
+                                ("tie_word_embeddings", True, False), ("scale_attn_weights", True, True),
+                                ("scale_attn_by_inverse_layer_idx", False, False),
+                                ("reorder_and_upcast_attn", False, False)):
+        value = obj.get(name, default)
+        if value != want:
+            raise ConfigError(f"{_field(name, value)} is not supported: the built-in GPT (family gpt) computes "
+                              f"{name} = {want!r}")
+    section: dict[str, Any] = {"family": "gpt"}
+    for hf_name, name in (("vocab_size", "vocab_size"), ("n_positions", "block_size"), ("n_layer", "n_layer"),
+                          ("n_head", "n_head"), ("n_embd", "n_embd")):
+        section[name] = _number(obj, hf_name, int)
+    if obj.get("n_inner") not in (None, 4 * section["n_embd"]):
+        raise ConfigError(f"{_field('n_inner', obj['n_inner'])} is not supported: the built-in GPT's MLP is 4 x n_embd")
     return section
 
 

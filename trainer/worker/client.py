@@ -298,6 +298,11 @@ class CoordinatorClient:
                           "them dense", header.round, Encoding(header.encoding).name, exc)
                 dense_only = True
                 continue
+            pinned = self.config.model.init_params if self.config is not None else ""
+            if header.round == 0 and pinned and header.params_cid != pinned:
+                # θ⁽⁰⁾ from existing weights (trainer.init_weights): the config, not the coordinator, says which.
+                raise WorkerError(f"the coordinator's θ⁽⁰⁾ is {header.params_cid}, but the run's config pins "
+                                  f"model.init_params = {pinned}")
             self.held = (header.params_cid, params)
             self.received_for[header.params_cid] = size
             learn_schedule(self.schedule, header, params)

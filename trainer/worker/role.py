@@ -138,8 +138,10 @@ class Worker:
         self.model = build_model(config.model, config.seed)
         # θ⁽⁰⁾ is a function of the run's seed: built here, it need not cross the network. Its CID
         # is checked against the genesis checkpoint's when the coordinator serves it (as "held").
-        genesis = params_of(self.model)
-        self.client.held = (str(CID.of(encode_params(genesis))), genesis)
+        # θ⁽⁰⁾ from existing weights (model.init_params) is fetched, and checked against that CID.
+        if not config.model.init_params:
+            genesis = params_of(self.model)
+            self.client.held = (str(CID.of(encode_params(genesis))), genesis)
         if self.stages > 1:
             try:
                 self.inner = PipelinedInnerLoop(config.model, config.inner, self.stages,
