@@ -364,7 +364,8 @@ def _rope_fields(obj: dict) -> dict[str, Any]:
                 return 1.0 if factor <= 1 else 0.1 * m * math.log(factor) + 1.0
 
             attention = scale(number("mscale")) / scale(number("mscale_all_dim"))
-        if attention is not None:
+        # The default (0: derived from factor) when it is the derived value, as an export writes it.
+        if attention is not None and attention != 0.1 * math.log(factor) + 1.0:
             fields["rope_attention_factor"] = repr(_number({name: attention}, name, float))
     if obj.get("partial_rotary_factor", params.get("partial_rotary_factor", 1.0)) != 1.0:
         raise ConfigError(f"{_field('partial_rotary_factor', obj.get('partial_rotary_factor'))} is not supported: "
