@@ -1,0 +1,130 @@
+"""Real configs trained by a real coordinator and two workers over TLS, exported, and loaded back by
+transformers as trained: a Qwen2 with tied embeddings on BPE tokens (the run's tokenizer ids, its
+RoPE base of 1e6, batched generation with padding), and a Llama with llama3 RoPE scaling started
+from existing weights (``dilocox config --init-from``, θ⁽⁰⁾ pinned by its CID and checked by the
+workers), its exported config carrying the run's RoPE parameters in both transformers spellings."""
+
+from __future__ import annotations
+
+import dataclasses
+import io
+import json
+from contextlib import redirect_stdout
+from pathlib import Path
+
+import pytest
+import torch
+
+from benchmarks.cluster import LocalCluster
+from cli.main import main
+from storage_client import lineage
+from tests.conftest import small_config
+from trainer.config import DataConfig, InnerConfig, ModelConfig, RoundConfig, RunConfig
+from trainer.diloco import load_params
+from trainer.model import build_model
+from trainer.wire import decode_params
+
+pytestmark = pytest.mark.integration
+
+QWEN2_TIED = ModelConfig(family="qwen2", vocab_size=300, block_size=32, n_layer=2, n_head=4, n_kv_head=2, n_embd=32,
+                         tie_word_embeddings=True, rope_theta=1e6)
+LLAMA3 = ModelConfig(family="llama", block_size=32, n_layer=2, n_head=4, n_kv_head=2, n_embd=32, intermediate_size=96,
+                     rope_theta=5e5, rope_type="llama3", rope_factor=8.0, rope_original_max_position_embeddings=16)
+
+
+def train(cluster: LocalCluster, config: RunConfig, path: Path) -> list:
+    """Two workers train ``config`` to its end; the run's lineage."""
+    config.save(path)
+    cluster.start_coordinator(path)
+    cluster.start_worker("w0")
+    cluster.start_worker("w1")
+    for name in ("w0", "w1", "coordinator"):
+        assert cluster.wait_exit(name, 240) == 0, cluster.log(name)
+    chain = lineage(cluster.run_dir.store, cluster.run_dir.head())
+    assert [m.round for _, m in chain] == list(range(config.rounds.rounds + 1))
+    assert all(sorted(p.worker for p in m.participants) == ["w0", "w1"] for _, m in chain[1:])
+    return chain
+
+
+def assert_same_logits(out: Path, config: RunConfig, params_bytes: bytes):
+    from transformers import AutoModelForCausalLM
+
+    loaded = AutoModelForCausalLM.from_pretrained(out, local_files_only=True)
+    ours = build_model(config.model, config.seed)
+    load_params(ours, decode_params(params_bytes))
+    x = torch.randint(config.model.vocab_size, (2, config.model.block_size), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        assert torch.allclose(loaded(x).logits, ours(x)[0], atol=1e-5)
+    return loaded
+
+
+def test_a_tied_qwen2_on_bpe_tokens_trains_exports_and_loads_with_the_runs_tokenizer(
+        cluster: LocalCluster, tmp_path: Path) -> None:
+    from transformers import AutoTokenizer
+
+    from trainer.prepare import prepare
+    from trainer.tokenizer import BpeTokenizer
+
+    text = "\n\n".join(f"{i} the miller carried 1234 broken lanterns by the mill, said the queen. Café\n"
+                       for i in range(60))
+    (tmp_path / "corpus.txt").write_text(text)
+    prepare([tmp_path / "corpus.txt"], tmp_path / "tokens", tokenizer="bpe", vocab_size=300, shards=2,
+            eval_fraction=0.1)
+    config = small_config(model=QWEN2_TIED, data=DataConfig(tokens=str(tmp_path / "tokens"), eval_batches=2))
+    chain = train(cluster, config, tmp_path / "config.json")
+    # Tied: one tensor, and the workers ran one stage (auto cannot split it).
+    assert "lm_head.weight" not in decode_params(cluster.run_dir.store.get(chain[-1][1].params))
+    assert "1 stage(s)" in cluster.log("w0", tail=400)
+
+    out = tmp_path / "hf"
+    assert main(["export", "--run", str(cluster.run_dir.path), "--round", "2", str(out)]) == 0
+    hf = json.loads((out / "config.json").read_text())
+    assert hf["tie_word_embeddings"] is True and hf["rope_theta"] == 1e6 and hf["rope_scaling"] is None
+    loaded = assert_same_logits(out, config, cluster.run_dir.store.get(chain[-1][1].params))
+    assert loaded.config.tie_word_embeddings and loaded.config.rope_parameters["rope_theta"] == 1e6
+    assert loaded.lm_head.weight.data_ptr() == loaded.model.embed_tokens.weight.data_ptr()
+
+    tokenizer = AutoTokenizer.from_pretrained(out, local_files_only=True)
+    ours = BpeTokenizer.load(tmp_path / "tokens" / "tokenizer.json")
+    for sample in (text[:500], "Café, cafe\u0301 and 98765 lanterns"):
+        assert tokenizer(sample, add_special_tokens=False)["input_ids"] == ours.encode_batch([sample])[0]
+    assert tokenizer.pad_token_id == ours.eos_id < QWEN2_TIED.vocab_size
+    batch = tokenizer(["the miller", "said the queen by the mill"], return_tensors="pt", padding=True)
+    generated = loaded.generate(**batch, max_new_tokens=4, do_sample=False)
+    assert generated.shape == (2, batch["input_ids"].shape[1] + 4)
+
+
+def test_a_llama3_rope_run_from_given_weights_trains_exports_and_loads_with_its_rope(
+        cluster: LocalCluster, tmp_path: Path) -> None:
+    from transformers import AutoConfig
+
+    from trainer.coordinator.run import open_run
+    from trainer.run_dir import RunDir
+
+    # The given weights: round 0 of another run of the same model, from another seed, exported.
+    source = small_config(model=LLAMA3).replace(seed=7)
+    open_run(RunDir(tmp_path / "source"), source)
+    assert main(["export", "--run", str(tmp_path / "source"), "--round", "0", str(tmp_path / "weights")]) == 0
+    printed = io.StringIO()
+    with redirect_stdout(printed):
+        assert main(["config", "--init-from", str(tmp_path / "weights")]) == 0
+    pinned = RunConfig.from_json(json.loads(printed.getvalue())).model
+    assert dataclasses.replace(pinned, init_from="", init_params="") == LLAMA3
+    config = small_config(model=pinned, inner=InnerConfig(steps=3, batch_size=4, lr=1e-3),
+                          rounds=dataclasses.replace(small_config().rounds, rounds=1))
+    chain = train(cluster, config, tmp_path / "config.json")
+    # θ⁽⁰⁾ is the given weights (the workers checked the CID the config pins), not the seed's.
+    assert chain[0][1].params == pinned.init_params
+    assert chain[0][1].params == lineage(RunDir(tmp_path / "source").store, RunDir(tmp_path / "source").head())[0][1].params
+
+    out = tmp_path / "hf"
+    assert main(["export", "--run", str(cluster.run_dir.path), "--round", "1", str(out)]) == 0
+    hf = json.loads((out / "config.json").read_text())
+    # transformers 4.4x reads rope_theta and rope_scaling; 5 reads rope_parameters (rope_scaling first)
+    assert hf["rope_theta"] == 5e5
+    assert hf["rope_scaling"] == {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0,
+                                  "high_freq_factor": 4.0, "original_max_position_embeddings": 16}
+    assert hf["rope_parameters"] == {**hf["rope_scaling"], "rope_theta": 5e5}
+    loaded_config = AutoConfig.from_pretrained(out, local_files_only=True)
+    assert loaded_config.rope_parameters == {**hf["rope_scaling"], "rope_theta": 5e5}
+    assert_same_logits(out, config, cluster.run_dir.store.get(chain[-1][1].params))
