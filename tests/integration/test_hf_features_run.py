@@ -11,15 +11,19 @@ import io
 import json
 from contextlib import redirect_stdout
 from pathlib import Path
+from typing import Sequence
 
 import pytest
 import torch
 
 from benchmarks.cluster import LocalCluster
+from cli.demo import provision
 from cli.main import main
+from settlement import Anvil
 from storage_client import lineage
 from tests.conftest import small_config
-from trainer.config import DataConfig, InnerConfig, ModelConfig, RoundConfig, RunConfig
+from trainer.config import DataConfig, InnerConfig, ModelConfig, RunConfig
+from trainer.data import load_corpus
 from trainer.diloco import load_params
 from trainer.model import build_model
 from trainer.wire import decode_params
@@ -32,12 +36,13 @@ LLAMA3 = ModelConfig(family="llama", block_size=32, n_layer=2, n_head=4, n_kv_he
                      rope_theta=5e5, rope_type="llama3", rope_factor=8.0, rope_original_max_position_embeddings=16)
 
 
-def train(cluster: LocalCluster, config: RunConfig, path: Path) -> list:
+def train(cluster: LocalCluster, config: RunConfig, path: Path, coordinator_args: Sequence[str] = (),
+          worker_args: Sequence[str] = ()) -> list:
     """Two workers train ``config`` to its end; the run's lineage."""
     config.save(path)
-    cluster.start_coordinator(path)
-    cluster.start_worker("w0")
-    cluster.start_worker("w1")
+    cluster.start_coordinator(path, extra=coordinator_args)
+    cluster.start_worker("w0", extra=worker_args)
+    cluster.start_worker("w1", extra=worker_args)
     for name in ("w0", "w1", "coordinator"):
         assert cluster.wait_exit(name, 240) == 0, cluster.log(name)
     chain = lineage(cluster.run_dir.store, cluster.run_dir.head())
@@ -112,10 +117,21 @@ def test_a_llama3_rope_run_from_given_weights_trains_exports_and_loads_with_its_
     assert dataclasses.replace(pinned, init_from="", init_params="") == LLAMA3
     config = small_config(model=pinned, inner=InnerConfig(steps=3, batch_size=4, lr=1e-3),
                           rounds=dataclasses.replace(small_config().rounds, rounds=1))
-    chain = train(cluster, config, tmp_path / "config.json")
-    # θ⁽⁰⁾ is the given weights (the workers checked the CID the config pins), not the seed's.
-    assert chain[0][1].params == pinned.init_params
-    assert chain[0][1].params == lineage(RunDir(tmp_path / "source").store, RunDir(tmp_path / "source").head())[0][1].params
+    # pinned as genesis pins it, so that the measurements provisioned are of the run's own config
+    config = config.replace(data=dataclasses.replace(config.data, corpus_sha256=load_corpus(
+        config.data, config.seed, config.model.block_size).sha256))
+    with Anvil(state_file=cluster.run_dir.path / "chain" / "state.json") as anvil:
+        co_args, wo_args = provision(cluster.run_dir.path, anvil.rpc_url, config)
+        chain = train(cluster, config, tmp_path / "config.json", [*co_args, "--report-timeout", "10"], wo_args)
+        # θ⁽⁰⁾ is the given weights (the workers checked the CID the config pins), not the seed's;
+        # the audit checks the genesis checkpoint against that CID and replays a contribution from it.
+        source_chain = lineage(RunDir(tmp_path / "source").store, RunDir(tmp_path / "source").head())
+        assert chain[0][1].params == pinned.init_params == source_chain[0][1].params
+        printed = io.StringIO()
+        with redirect_stdout(printed):
+            assert main(["audit", "--run", str(cluster.run_dir.path), "--rpc", anvil.rpc_url, "--allow-dev",
+                         "--replay", "1", "--replay-seed", "3"]) == 0
+        assert "AUDIT PASSED" in printed.getvalue() and "MISMATCH" not in printed.getvalue(), printed.getvalue()[-3000:]
 
     out = tmp_path / "hf"
     assert main(["export", "--run", str(cluster.run_dir.path), "--round", "1", str(out)]) == 0
