@@ -144,6 +144,8 @@ def tokenizer_config(tokenizer: BpeTokenizer, config: RunConfig) -> dict:
     (4.4x and 5) load the named class, without remote code, because the folder has no code."""
     obj = {"tokenizer_class": "PreTrainedTokenizerFast", "bos_token": tokenizer.eos_token,
            "eos_token": tokenizer.eos_token, "pad_token": tokenizer.eos_token, "padding_side": "left",
+           # a decoder takes no token_type_ids, which transformers 4's PreTrainedTokenizerFast adds otherwise
+           "model_input_names": ["input_ids", "attention_mask"],
            "model_max_length": config.model.block_size, "clean_up_tokenization_spaces": False}
     if config.model.family == "qwen2":
         obj["auto_map"] = {"AutoTokenizer": [None, "PreTrainedTokenizerFast"]}
