@@ -1,14 +1,25 @@
 """``dilocox export --run DIR --round N OUT/``: a round's checkpoint as a Hugging Face folder.
 
-Writes ``OUT/config.json`` (the family's ``transformers`` configuration, trainer.hf_model.hf_config:
-``architectures`` names the causal LM class, dtype float32) and ``OUT/model.safetensors``, the
-round's parameters under their own names, which are the Hugging Face ones, so
-``transformers.AutoModelForCausalLM.from_pretrained(OUT)`` loads the model as trained. A run on
-prepared tokens with a BPE tokenizer also gets ``OUT/tokenizer.json`` (the pinned one, read from the
-run's store by its CID) and ``OUT/tokenizer_config.json``, so ``AutoTokenizer.from_pretrained(OUT)``
-encodes text as the run did; its end-of-text token is the config's ``bos_token_id`` and
-``eos_token_id``. Byte-token runs have no Hugging Face tokenizer: ids are the UTF-8 bytes. The
-safetensors metadata ties the file to the run:
+Writes ``OUT/config.json`` and ``OUT/model.safetensors``, the round's parameters, so that
+``transformers.AutoModelForCausalLM.from_pretrained(OUT)`` loads the model as trained, with
+transformers 4.4x and 5 alike:
+
+* llama and qwen2 runs: the family's configuration with every field both versions read
+  (trainer.hf_model.hf_config_json: ``rope_theta`` and ``rope_scaling`` beside ``rope_parameters``,
+  ``torch_dtype`` beside ``dtype``, ``tie_word_embeddings``, ``head_dim``, ``attention_bias``), the
+  parameters under their own names, which are the Hugging Face ones (a tied head is not stored: it
+  is the embedding);
+* gpt runs: ``GPT2LMHeadModel`` (trainer.hf_model.gpt2_config_json: exact GELU, untied head), the
+  parameters under GPT-2's names, linear weights transposed to GPT-2's Conv1D layout.
+
+A run on prepared tokens with a BPE tokenizer also gets ``OUT/tokenizer.json`` (the pinned one,
+read from the run's store by its CID) and ``OUT/tokenizer_config.json`` (:func:`tokenizer_config`),
+so ``AutoTokenizer.from_pretrained(OUT)`` loads that tokenizer as it stands
+(``PreTrainedTokenizerFast``, not a family's own class that rebuilds the pre-tokenizer); its
+end-of-text token is bos, eos and pad (``bos_token_id``, ``eos_token_id`` and ``pad_token_id`` in
+config.json), padding on the left for batched ``generate``. Byte-token runs have no Hugging Face
+tokenizer: ids are the UTF-8 bytes, and no special token id is written. The safetensors metadata
+ties the file to the run:
 
     format            "pt"
     dilocox.manifest  the CID of round N's manifest (the lineage entry ``dilocox audit`` checks)
@@ -17,11 +28,12 @@ safetensors metadata ties the file to the run:
 
 The lineage from HEAD back to genesis is re-hashed before anything is read (storage_client.lineage),
 and the parameters must be exactly the names, shapes and dtype (float32) of the run's model. The
-folder is written beside OUT and renamed into place, so OUT holds a whole export or nothing.
+folder is written beside OUT, checked as a user loads it (:func:`check_export`: the tokenizer's ids
+on a sample, the model's logits against the run's own model), and only then renamed into place, so
+OUT holds a whole, checked export or nothing.
 
 Refused with one line: a DIR that holds no run, a round the run has not reached (exit 2), an OUT that
-exists and is not an empty folder (exit 2), and a run of the built-in gpt family, which has no
-``transformers`` class.
+exists and is not an empty folder (exit 2), and an export that fails its own check (exit 1).
 """
 
 from __future__ import annotations

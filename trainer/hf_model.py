@@ -1,7 +1,7 @@
 """Decoder models of the Hugging Face ``transformers`` families (Llama, Qwen2), built from a
 :class:`trainer.config.ModelConfig` alone: no hub id, no download, no weights read. A local
 ``config.json`` can supply that model section (:func:`read_hf_config`, ``dilocox config
---model-config``).
+--model-config`` / ``--init-from``); the built-in GPT maps onto GPT-2 (:func:`gpt2_name`).
 
 ``hf_config(cfg)`` is the family's ``transformers`` configuration (``LlamaConfig`` /
 ``Qwen2Config``) with the sizes of ``cfg``, and every setting this project depends on pinned
@@ -9,12 +9,24 @@ explicitly rather than left to the library's defaults:
 
     hidden_size = n_embd, num_hidden_layers = n_layer, num_attention_heads = n_head,
     num_key_value_heads = kv_heads, intermediate_size = mlp_width, vocab_size,
-    max_position_embeddings = block_size, rope_parameters = {rope_type: default, rope_theta},
-    rms_norm_eps, hidden_act silu, initializer_range 0.02, no dropout,
-    tie_word_embeddings False (tied weights share storage, which safetensors refuses),
+    max_position_embeddings = block_size (yarn: its pretraining context, max_position_embeddings),
+    rope_parameters = {rope_type, rope_theta, and the type's fields} (rope_parameters),
+    rms_norm_eps, hidden_act silu, initializer_range 0.02, no dropout, tie_word_embeddings,
     attn_implementation "sdpa", dtype float32;
-    llama: no biases (attention_bias, mlp_bias False); qwen2: biases on q, k, v (the class has
-    them fixed), no sliding window.
+    llama: attention_bias (q, k, v, o), no MLP bias, head_dim = ModelConfig.head_dim;
+    qwen2: biases on q, k, v (the class has them fixed), no sliding window.
+
+The model trains with transformers' own rotary module built from those ``rope_parameters``, so the
+run computes the RoPE the exported model computes (linear: positions / factor; llama3: the
+wavelength-banded division of the frequencies by factor; yarn: the ramp between interpolated and
+extrapolated frequencies over the correction range of beta_fast..beta_slow rotations, cos and sin
+scaled by attention_factor; all as transformers.modeling_rope_utils states them). A tied model's
+``lm_head.weight`` is ``model.embed_tokens.weight`` (one Parameter, so one tensor in θ, in
+checkpoints and in the export; transformers ties it again on load).
+
+:func:`hf_config_json` is the exported ``config.json``: every field transformers 4.4x and 5 read,
+in both spellings (``rope_theta`` + ``rope_scaling`` for 4.4x, ``rope_parameters`` for 5, which
+prefers ``rope_scaling`` when both are present: they are written to agree).
 
 :class:`HFDecoder` holds the ``transformers`` model's two top-level modules under their own names,
 ``model`` (``LlamaModel`` / ``Qwen2Model``: embed_tokens, layers, norm, rotary_emb) and
