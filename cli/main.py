@@ -474,7 +474,8 @@ def _config_arguments(p: argparse.ArgumentParser) -> None:
     _diloco_argument(p)
     p.add_argument("--model-config", metavar="PATH",
                    help="a Hugging Face config.json (or its folder; llama or qwen2) as the model section: its "
-                        "sizes, context and RoPE base; lower the context with --set model.block_size=N")
+                        "sizes, context, RoPE (base and scaling), tied embeddings, attention biases and head_dim; "
+                        "lower the context with --set model.block_size=N")
     p.add_argument("--init-from", metavar="DIR",
                    help="start the run from existing weights: a Hugging Face folder (config.json and "
                         "model.safetensors; llama, qwen2, or a GPT-2 folder of `dilocox export`); its config.json "

@@ -66,7 +66,9 @@ class ModelConfig:
 
     The HF families map onto their ``transformers`` configurations as n_embd -> hidden_size,
     n_layer -> num_hidden_layers, n_head -> num_attention_heads, n_kv_head -> num_key_value_heads,
-    block_size -> max_position_embeddings, rope_theta, rms_norm_eps (trainer.hf_model.hf_config).
+    block_size -> max_position_embeddings, rope_theta, rms_norm_eps, tie_word_embeddings,
+    attention_bias, head_size -> head_dim, rope_type and rope_<field> -> rope_parameters[<field>]
+    (trainer.hf_model.hf_config).
     """
 
     family: str = "gpt"  # one of MODEL_FAMILIES

@@ -289,13 +289,16 @@ def test_tampered_or_mismatched_weights_are_refused(tmp_path: Path, capsys) -> N
     state = load_file(str(weights / "model.safetensors"))
     state["model.norm.weight"][0] += 1e-3  # one value changed after the config pinned the weights
     save_file(state, str(weights / "model.safetensors"))
-    with pytest.raises(InitWeightsError, match=f"its weights hash to .*pins model.init_params = {config.model.init_params}"):
+    pinned = config.model.init_params
+    with pytest.raises(InitWeightsError, match=f"its weights hash to .*pins model.init_params = {pinned}"):
         open_genesis(tmp_path / "run", config)
     assert not (tmp_path / "run" / "HEAD").exists()
 
     cases = [
-        ({k: v for k, v in state.items() if k != "model.norm.weight"}, "lacks parameters of the run's model: model.norm.weight"),
-        ({**state, "model.extra.weight": torch.zeros(2)}, "holds tensors the run's model does not have: model.extra.weight"),
+        ({k: v for k, v in state.items() if k != "model.norm.weight"},
+         "lacks parameters of the run's model: model.norm.weight"),
+        ({**state, "model.extra.weight": torch.zeros(2)},
+         "holds tensors the run's model does not have: model.extra.weight"),
         ({**state, "model.norm.weight": torch.zeros(31)}, "model.norm.weight has shape [31], the run's model [32]"),
         ({**state, "model.norm.weight": torch.zeros(32, dtype=torch.int32)}, "model.norm.weight is int32"),
     ]
