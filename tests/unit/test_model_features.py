@@ -315,3 +315,17 @@ def test_tampered_or_mismatched_weights_are_refused(tmp_path: Path, capsys) -> N
     config = config_from(weights)
     assert config.model.init_params == str(init_params_cid({k: v.to(torch.bfloat16).float() for k, v in state.items()}))
     assert main(["config", "--init-from", str(weights), "--model-config", str(weights)]) == 2
+
+
+def test_a_worker_refuses_a_genesis_that_is_not_the_pinned_weights(tmp_path: Path) -> None:
+    from proto import pb
+    from trainer.worker.client import WorkerError, check_pinned_genesis
+
+    weights = export_of(tmp_path, LLAMA, seed=7)
+    config = config_from(weights)
+    pinned = config.model.init_params
+    check_pinned_genesis(config, pb.GlobalHeader(round=0, params_cid=pinned))
+    check_pinned_genesis(config, pb.GlobalHeader(round=1, params_cid=str(CID.of(b"later"))))
+    check_pinned_genesis(run_config(LLAMA), pb.GlobalHeader(round=0, params_cid=str(CID.of(b"seed"))))
+    with pytest.raises(WorkerError, match=f"but the run's config pins model.init_params = {pinned}"):
+        check_pinned_genesis(config, pb.GlobalHeader(round=0, params_cid=str(CID.of(b"other"))))
