@@ -329,3 +329,33 @@ def test_a_worker_refuses_a_genesis_that_is_not_the_pinned_weights(tmp_path: Pat
     check_pinned_genesis(run_config(LLAMA), pb.GlobalHeader(round=0, params_cid=str(CID.of(b"seed"))))
     with pytest.raises(WorkerError, match=f"but the run's config pins model.init_params = {pinned}"):
         check_pinned_genesis(config, pb.GlobalHeader(round=0, params_cid=str(CID.of(b"other"))))
+
+
+def test_the_audit_checks_the_genesis_checkpoint_against_the_pinned_weights(tmp_path: Path) -> None:
+    from audit.findings import Findings
+    from audit.lineage import Lineage
+    from audit.result import AuditResult
+    from settlement.records import RunRecord
+    from storage_client import Manifest
+
+    weights = export_of(tmp_path, LLAMA, seed=7)
+    run = open_genesis(tmp_path / "run", config_from(weights, "inner.batch_size=2", "data.eval_batches=1"))
+    store = run.run_dir.store
+    honest_cid, honest = run.manifests[0]
+    # A genesis that names the seed's θ⁽⁰⁾ under the same config: every digest on the chain agrees
+    # with it, only the config's pin does not.
+    seed_params = store.put(encode_params(params_of(build_model(LLAMA, run.config.seed))))
+    forged = dataclasses.replace(honest, params=str(seed_params))
+    forged_cid = forged.store(store)
+
+    def failures(cid: CID, manifest: Manifest) -> list:
+        findings = Findings(AuditResult(), store)
+        record = RunRecord(coordinator="0x" + "11" * 20, last_round=0, challenge_window=0, last_checkpoint=b"",
+                           genesis_checkpoint=CID.parse(manifest.params).digest,
+                           config_digest=CID.parse(manifest.config).digest, genesis_manifest=cid.digest)
+        assert Lineage(findings, ledger=None).check_genesis(cid.digest, record) is not None
+        return findings.result.failures
+
+    assert failures(honest_cid, honest) == []
+    [failure] = failures(forged_cid, forged)
+    assert failure.check == "genesis-checkpoint" and "not the weights the config pins" in failure.message
