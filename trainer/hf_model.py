@@ -346,8 +346,8 @@ def _rope_fields(obj: dict) -> dict[str, Any]:
         raise ConfigError(f"{_field(name + '.rope_type', rope_type)} is not supported: must be one of "
                           f"{', '.join(ROPE_TYPES)} (dynamic and longrope change the frequencies with the "
                           f"sequence's length)")
-    base = obj.get("rope_parameters") if isinstance(obj.get("rope_parameters"), dict) else {}
-    theta = params.get("rope_theta", base.get("rope_theta", obj.get("rope_theta", 10000.0)))
+    # as transformers 5 fills it in: the object's own, else the top-level rope_theta (4.4x's only one)
+    theta = params.get("rope_theta", obj.get("rope_theta", 10000.0))
     fields: dict[str, Any] = {"rope_theta": repr(_number({"rope_theta": theta}, "rope_theta", float))}
     if rope_type == "default":
         return fields
@@ -379,9 +379,6 @@ def _rope_fields(obj: dict) -> dict[str, Any]:
         # The default (0: derived from factor) when it is the derived value, as an export writes it.
         if attention is not None and attention != 0.1 * math.log(factor) + 1.0:
             fields["rope_attention_factor"] = repr(_number({name: attention}, name, float))
-    if obj.get("partial_rotary_factor", params.get("partial_rotary_factor", 1.0)) != 1.0:
-        raise ConfigError(f"{_field('partial_rotary_factor', obj.get('partial_rotary_factor'))} is not supported: "
-                          f"RoPE rotates every coordinate of a head here")
     return fields
 
 
@@ -389,11 +386,8 @@ def _refuse_unsupported(obj: dict, family: str) -> None:
     """One line naming the first field that asks for something this loader does not build."""
     expected = {"hidden_act": "silu", "attention_dropout": 0.0, "mlp_bias": False, "use_sliding_window": False,
                 "quantization_config": None, "partial_rotary_factor": 1.0}
-    if family == "qwen2":  # its q, k, v biases are fixed by the class, not a setting
+    if family == "qwen2":  # its q, k, v biases are fixed by the class, not a setting (attention_bias is ignored)
         del expected["mlp_bias"]
-        if "attention_bias" in obj:
-            raise ConfigError(f"{_field('attention_bias', obj['attention_bias'])} is not supported: qwen2's q, k, v "
-                              f"biases are fixed by its transformers class")
     for name, want in expected.items():
         if name in obj and obj[name] != want:
             raise ConfigError(f"{_field(name, obj[name])} is not supported: this loader builds {want!r}")
@@ -419,8 +413,8 @@ def model_section_from_hf(obj: Any) -> dict[str, Any]:
     hidden_size -> n_embd, num_hidden_layers -> n_layer, num_attention_heads -> n_head,
     num_key_value_heads -> n_kv_head (absent: n_head), intermediate_size, vocab_size,
     max_position_embeddings -> block_size, rms_norm_eps, tie_word_embeddings, attention_bias
-    (llama), head_dim -> head_size (llama; left 0 when it is hidden_size / heads), the RoPE fields
-    (:func:`_rope_fields`). A field the loader does not build (dynamic or longrope RoPE, sliding
+    (llama; qwen2's biases are fixed by its class, which ignores the field), head_dim -> head_size
+    (llama; left 0 when it is hidden_size / heads), the RoPE fields (:func:`_rope_fields`). A field the loader does not build (dynamic or longrope RoPE, sliding
     windows, an MLP bias, another activation, dropout, quantization, partial rotary) is refused with
     one line naming it and its value.
     """
@@ -439,9 +433,10 @@ def model_section_from_hf(obj: Any) -> dict[str, Any]:
         section[name] = _number(obj, hf_name, int, default)
     section.update(_rope_fields(obj))
     section["rms_norm_eps"] = repr(_number(obj, "rms_norm_eps", float, 1e-6))
-    for name in ("tie_word_embeddings", "attention_bias"):
-        if obj.get(name):
-            section[name] = True
+    if obj.get("tie_word_embeddings"):
+        section["tie_word_embeddings"] = True
+    if obj.get("attention_bias") and family == "llama":
+        section["attention_bias"] = True
     head_dim = obj.get("head_dim")
     if head_dim is not None and head_dim != section["n_embd"] // section["n_head"]:
         section["head_size"] = _number(obj, "head_dim", int)

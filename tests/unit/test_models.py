@@ -132,7 +132,6 @@ def test_a_config_json_becomes_the_model_section(tmp_path: Path, capsys) -> None
     ({"layer_types": ["full_attention", "sliding_attention"]}, "layer_types = "),
     ({"hidden_act": "gelu"}, "hidden_act = 'gelu' is not supported"),
     ({"mlp_bias": True}, "mlp_bias = 'True' is not supported"),
-    ({"model_type": "qwen2", "attention_bias": True}, "qwen2's q, k, v biases are fixed"),
     ({"model_type": "qwen2", "head_dim": 128}, "head_dim = '128' is not supported for qwen2"),
     ({"model_type": "gpt2", "n_positions": 64, "n_embd": 32, "n_layer": 1, "n_head": 2},
      "activation_function = 'gelu_new' is not supported: the built-in GPT"),
