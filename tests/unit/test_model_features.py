@@ -359,3 +359,14 @@ def test_the_audit_checks_the_genesis_checkpoint_against_the_pinned_weights(tmp_
     assert failures(honest_cid, honest) == []
     [failure] = failures(forged_cid, forged)
     assert failure.check == "genesis-checkpoint" and "not the weights the config pins" in failure.message
+
+
+@pytest.mark.parametrize("cfg", [LLAMA3, YARN, BIASED], ids=["llama3", "yarn", "bias-head_dim"])
+def test_pipeline_stages_compute_the_features_as_the_whole_model(cfg: ModelConfig) -> None:
+    model = build_model(cfg, 5)
+    x = torch.randint(cfg.vocab_size, (2, cfg.block_size), generator=torch.Generator().manual_seed(2))
+    with torch.no_grad():
+        hidden = x
+        for stage in split_model(model, 2):  # each stage builds its own (cos, sin) from the rotary module
+            hidden = stage(hidden)
+        assert torch.equal(hidden, model(x)[0])
