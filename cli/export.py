@@ -139,7 +139,14 @@ def export_checkpoint(run_dir: RunDir, manifest: Manifest, manifest_cid: CID, pa
         for name in (*files, SAFETENSORS_NAME):
             with open(partial / name, "rb") as f:
                 os.fsync(f.fileno())
-        check_export(partial, config, params, tokenizer)
+        try:
+            check_export(partial, config, params, tokenizer)
+        except (ExportError, KeyboardInterrupt):
+            raise
+        except Exception as exc:  # transformers cannot load what was written: said in one line
+            reason = " ".join(str(exc).split())[:300]
+            raise ExportError(f"the export does not load back with transformers ({type(exc).__name__}: "
+                              f"{reason})") from exc
         os.replace(partial, out)  # onto a missing or empty folder: atomic
     except BaseException:
         shutil.rmtree(partial, ignore_errors=True)

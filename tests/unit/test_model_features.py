@@ -370,3 +370,16 @@ def test_pipeline_stages_compute_the_features_as_the_whole_model(cfg: ModelConfi
         for stage in split_model(model, 2):  # each stage builds its own (cos, sin) from the rotary module
             hidden = stage(hidden)
         assert torch.equal(hidden, model(x)[0])
+
+
+def test_an_export_transformers_cannot_load_is_refused_in_one_line(tmp_path: Path, monkeypatch, capsys) -> None:
+    import trainer.hf_model
+
+    open_genesis(tmp_path / "run", run_config(LLAMA))
+    config_json = trainer.hf_model.exported_config_json
+    monkeypatch.setattr(trainer.hf_model, "exported_config_json",
+                        lambda cfg: {**config_json(cfg), "model_type": "no-such-model"})
+    assert main(["export", "--run", str(tmp_path / "run"), "--round", "0", str(tmp_path / "hf")]) == 1
+    err = capsys.readouterr().err
+    assert "the export does not load back with transformers (ValueError" in err and "Traceback" not in err, err
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["run"]
