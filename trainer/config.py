@@ -90,9 +90,9 @@ class ModelConfig:
     rms_norm_eps: float = 1e-6
     # and at most MAX_PARAMETERS (1e10) parameters in all (estimated_parameters)
 
-    # The HF families' options below map onto the transformers configuration under their own names
-    # (trainer.hf_model.hf_config); the GPT needs each at its default. Each is left out of the JSON
-    # while at its default (OMITTED_AT_DEFAULT).
+    # The fields below are left out of the JSON while at their defaults (OMITTED_AT_DEFAULT). Up to
+    # init_from, the HF families' options, which map onto the transformers configuration under their
+    # own names (trainer.hf_model.hf_config); the GPT needs each at its default.
     # The output head is the input embedding (one tensor, model.embed_tokens.weight), as in Qwen2-0.5B.
     tie_word_embeddings: bool = field(default=False, metadata=OMITTED_AT_DEFAULT)
     # Llama: biases on the q, k, v and o projections. Qwen2's q, k, v biases are fixed by its class
