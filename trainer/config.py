@@ -604,40 +604,37 @@ def _rope_problems(m: ModelConfig, defaults: dict[str, Any]) -> list[str]:
     return problems
 
 
+def _pinned_folder_problems(path_name: str, path: Any, cid_name: str, cid: Any, codec: Codec, pinned: str,
+                            folder: str) -> list[str]:
+    """A folder path field and the CID field that pins what it holds (or ""): a bounded path, a CID
+    of ``codec`` (what it pins: ``pinned``), set only with the path (``folder`` says what it is)."""
+    problems = []
+    if not isinstance(path, str) or len(path) > 4096 or "\x00" in path:
+        problems.append(f"{path_name} must be a directory path of at most 4096 characters")
+    if not isinstance(cid, str) or len(cid) > 128:
+        problems.append(f"{cid_name} must be a CID of at most 128 characters")
+    elif cid:
+        try:
+            if CID.parse(cid).codec != codec:
+                problems.append(f"{cid_name} must be the CID of {pinned} (codec {codec.name.lower()})")
+        except InvalidCIDError:
+            problems.append(f"{cid_name} is not a CID")
+        if not path:
+            problems.append(f"{cid_name} is set but {path_name} ({folder}) is not")
+    return problems
+
+
 def _init_problems(m: ModelConfig) -> list[str]:
     """model.init_from (a bounded path) and model.init_params (a RAW CID, with init_from)."""
-    problems = []
-    if not isinstance(m.init_from, str) or len(m.init_from) > 4096 or "\x00" in m.init_from:
-        problems.append("model.init_from must be a directory path of at most 4096 characters")
-    if not isinstance(m.init_params, str) or len(m.init_params) > 128:
-        problems.append("model.init_params must be a CID of at most 128 characters")
-    elif m.init_params:
-        try:
-            if CID.parse(m.init_params).codec != Codec.RAW:
-                problems.append("model.init_params must be the CID of θ⁽⁰⁾'s bytes (codec raw)")
-        except InvalidCIDError:
-            problems.append("model.init_params is not a CID")
-        if not m.init_from:
-            problems.append("model.init_params is set but model.init_from (the weights' folder) is not")
-    return problems
+    return _pinned_folder_problems("model.init_from", m.init_from, "model.init_params", m.init_params, Codec.RAW,
+                                   "θ⁽⁰⁾'s bytes", "the weights' folder")
 
 
 def _data_problems(cfg: RunConfig) -> list[str]:
     """The prepared-token fields: a bounded path, and a JSON-codec CID (or "")."""
-    d, problems = cfg.data, []
-    if not isinstance(d.tokens, str) or len(d.tokens) > 4096 or "\x00" in d.tokens:
-        problems.append("data.tokens must be a directory path of at most 4096 characters")
-    if not isinstance(d.tokens_cid, str) or len(d.tokens_cid) > 128:
-        problems.append("data.tokens_cid must be a CID of at most 128 characters")
-    elif d.tokens_cid:
-        try:
-            if CID.parse(d.tokens_cid).codec != Codec.JSON:
-                problems.append("data.tokens_cid must be the CID of a JSON index (codec json)")
-        except InvalidCIDError:
-            problems.append("data.tokens_cid is not a CID")
-        if not d.tokens:
-            problems.append("data.tokens_cid is set but data.tokens (the prepared directory) is not")
-    return problems
+    d = cfg.data
+    return _pinned_folder_problems("data.tokens", d.tokens, "data.tokens_cid", d.tokens_cid, Codec.JSON,
+                                   "a JSON index", "the prepared directory")
 
 
 def _validate(cfg: RunConfig) -> list[str]:
