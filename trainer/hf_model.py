@@ -414,9 +414,10 @@ def model_section_from_hf(obj: Any) -> dict[str, Any]:
     num_key_value_heads -> n_kv_head (absent: n_head), intermediate_size, vocab_size,
     max_position_embeddings -> block_size, rms_norm_eps, tie_word_embeddings, attention_bias
     (llama; qwen2's biases are fixed by its class, which ignores the field), head_dim -> head_size
-    (llama; left 0 when it is hidden_size / heads), the RoPE fields (:func:`_rope_fields`). A field the loader does not build (dynamic or longrope RoPE, sliding
-    windows, an MLP bias, another activation, dropout, quantization, partial rotary) is refused with
-    one line naming it and its value.
+    (llama; left 0 when it is hidden_size / heads), the RoPE fields (:func:`_rope_fields`). A field
+    the loader does not build (dynamic or longrope RoPE, sliding windows, an MLP bias, another
+    activation, dropout, quantization, partial rotary) is refused with one line naming it and its
+    value. A ``gpt2`` config.json is read as the built-in GPT's (:func:`_gpt2_section`).
     """
     if not isinstance(obj, dict):
         raise ConfigError("config.json: not a JSON object")

@@ -31,8 +31,8 @@ pytestmark = pytest.mark.integration
 
 QWEN2_TIED = ModelConfig(family="qwen2", vocab_size=300, block_size=32, n_layer=2, n_head=4, n_kv_head=2, n_embd=32,
                          tie_word_embeddings=True, rope_theta=1e6)
-LLAMA3 = ModelConfig(family="llama", vocab_size=300, block_size=32, n_layer=2, n_head=4, n_kv_head=2, n_embd=32, intermediate_size=96,
-                     rope_theta=5e5, rope_type="llama3", rope_factor=8.0, rope_original_max_position_embeddings=16)
+LLAMA3 = ModelConfig(family="llama", vocab_size=300, block_size=32, n_layer=2, n_head=4, n_kv_head=2, n_embd=32,
+                     intermediate_size=96, rope_theta=5e5, rope_type="llama3", rope_factor=8.0, rope_original_max_position_embeddings=16)
 
 
 TEXT = "\n\n".join(f"{i} the miller carried 1234 broken lanterns by the mill, said the queen. Café\n"
