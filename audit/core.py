@@ -18,7 +18,8 @@ Checks, by name:
   manifest              a manifest parses (schema, fields, sorted participants and traffic,
                         traffic sums equal to bytes_up / bytes_down, no downlink at genesis)
   genesis               the genesis manifest is round 0 without a parent
-  genesis-checkpoint    the chain's genesis checkpoint is the sha256 of θ⁽⁰⁾'s bytes
+  genesis-checkpoint    the chain's genesis checkpoint is the sha256 of θ⁽⁰⁾'s bytes; θ⁽⁰⁾ is the config's
+                        model.init_params when it pins existing weights (trainer.init_weights)
   config                the chain's configDigest is the config's CID; every round names that config
                         and the genesis run id; the config parses
   rounds                the ledger's rounds are 1..lastRound, each once, in order

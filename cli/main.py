@@ -13,7 +13,7 @@
     dilocox bench robust [--quick]                 one dishonest worker against each aggregation setting
     dilocox bench overlap                          synchronous vs overlapped rounds at two outer momenta
     dilocox bench scale [--smoke]                  a round's cost split by phase, RSS, store vs wire bytes
-    dilocox config [--demo] [--model-config PATH/config.json] [--set ...] > cfg.json
+    dilocox config [--demo] [--model-config PATH/config.json | --init-from DIR] [--set ...] > cfg.json
                                                    the run configuration, to edit
     dilocox export --run DIR --round N OUT/       a round's checkpoint as a Hugging Face folder
     dilocox data prepare INPUT... --out DIR [--tokenizer byte|bpe|FILE] [--shards N]
@@ -292,12 +292,17 @@ def cmd_config(args: argparse.Namespace) -> int:
     base = demo_config() if args.demo else RunConfig()
     if args.diloco:
         base = base.plain_diloco()
-    if args.model_config:
+    if args.model_config and args.init_from:
+        raise UsageError("--init-from DIR takes the model section from DIR/config.json: give it or --model-config")
+    if args.model_config or args.init_from:
         from trainer.hf_model import read_hf_config
+        from trainer.init_weights import pin_init
 
         body = base.to_json()
-        body["model"] = read_hf_config(args.model_config)
-        config = RunConfig.from_json_with_settings(body, args.set)
+        body["model"] = read_hf_config(args.model_config or args.init_from)
+        if args.init_from:  # the weights beside it are θ⁽⁰⁾, pinned by their CID (trainer.init_weights)
+            body["model"]["init_from"] = str(Path(args.init_from).resolve())
+        config, _ = pin_init(RunConfig.from_json_with_settings(body, args.set))
     else:
         config = base.with_settings(args.set)
     print(strict_json(config.to_json(), indent=2, sort_keys=True))
@@ -515,7 +520,12 @@ def _config_arguments(p: argparse.ArgumentParser) -> None:
     _diloco_argument(p)
     p.add_argument("--model-config", metavar="PATH",
                    help="a Hugging Face config.json (or its folder; llama or qwen2) as the model section: its "
-                        "sizes, context and RoPE base; lower the context with --set model.block_size=N")
+                        "sizes, context, RoPE (base and scaling), tied embeddings, attention biases and head_dim; "
+                        "lower the context with --set model.block_size=N")
+    p.add_argument("--init-from", metavar="DIR",
+                   help="start the run from existing weights: a Hugging Face folder (config.json and "
+                        "model.safetensors; llama, qwen2, or a GPT-2 folder of `dilocox export`); its config.json "
+                        "is the model section and its weights are θ(0), pinned in the config by their CID")
     _set_argument(p)
 
 

@@ -233,6 +233,11 @@ def _stage_of(model: nn.Module, index: int, num_stages: int) -> GPTStage | HFSta
     if isinstance(model, GPT):
         return GPTStage(model, index, num_stages)
     if isinstance(model, HFDecoder):
+        if model.cfg.tie_word_embeddings and num_stages > 1:
+            # Stage 0 would train the embedding and the last stage the head as two copies: the
+            # sum of their gradients, which tying needs, is never formed across stage processes.
+            raise ValueError("model.tie_word_embeddings: the embedding and the output head are one tensor, which "
+                             "pipeline stages cannot split: run this model as one stage (--stages 1)")
         return HFStage(model, index, num_stages, stage_blocks(model.cfg.n_layer, num_stages)[index])
     raise ValueError(f"a {type(model).__name__[:60]} cannot be split into pipeline stages: only the "
                      f"{', '.join(MODEL_FAMILIES)} families' models (trainer.model.build_model) can")

@@ -305,6 +305,7 @@ class CoordinatorClient:
                           "them dense", header.round, Encoding(header.encoding).name, exc)
                 dense_only = True
                 continue
+            check_pinned_genesis(self.config, header)
             self.held = (header.params_cid, params)
             self.received_for[header.params_cid] = size
             learn_schedule(self.schedule, header, params)
@@ -420,6 +421,15 @@ def learn_schedule(schedule: WorkerSchedule | None, header: pb.GlobalHeader, par
         schedule.learn(header.round, header.next_inner_steps, header.second_inner_steps, codec)
     except ScheduleError as exc:
         raise WorkerError(str(exc)) from None
+
+
+def check_pinned_genesis(config: RunConfig | None, header: pb.GlobalHeader) -> None:
+    """θ⁽⁰⁾ from existing weights (trainer.init_weights) is the one the run's config pins by its CID,
+    whatever the coordinator sends."""
+    pinned = config.model.init_params if config is not None else ""
+    if header.round == 0 and pinned and header.params_cid != pinned:
+        raise WorkerError(f"the coordinator's θ⁽⁰⁾ is {header.params_cid}, but the run's config pins "
+                          f"model.init_params = {pinned}")
 
 
 def global_params(header: pb.GlobalHeader, payload: bytes, held: tuple[str, Params] | None) -> Params:

@@ -110,6 +110,8 @@ class Worker:
         """At the first Join: the shard, the held-out batches, θ⁽⁰⁾ and the inner loop."""
         # On a GPU, auto is one stage: GPU stages need a device each, and the worker was given one.
         requested = self.requested_stages if self.requested_stages is not None or self.device.type == "cpu" else 1
+        if requested is None and config.model.tie_word_embeddings:
+            requested = 1  # auto: a tied embedding and head cannot be split across stages (trainer.pipeline)
         try:
             plan = plan_stages(requested, config.model.n_layer, self.cores, self.threads)
         except ValueError as exc:
@@ -142,8 +144,10 @@ class Worker:
         self.eval_model = build_model(config.model, config.seed) if own else self.model
         # θ⁽⁰⁾ is a function of the run's seed: built here, it need not cross the network. Its CID
         # is checked against the genesis checkpoint's when the coordinator serves it (as "held").
-        genesis = params_of(self.model)
-        self.client.held = (str(CID.of(encode_params(genesis))), genesis)
+        # θ⁽⁰⁾ from existing weights (model.init_params) is fetched, and checked against that CID.
+        if not config.model.init_params:
+            genesis = params_of(self.model)
+            self.client.held = (str(CID.of(encode_params(genesis))), genesis)
         if self.stages > 1:
             try:
                 self.inner = PipelinedInnerLoop(config.model, config.inner, self.stages,
