@@ -28,7 +28,7 @@ from trainer.coordinator.registry import WorkerRegistry
 from trainer.coordinator.run import Run
 from trainer.coordinator.screening import Screen
 from trainer.coordinator.state import (
-    GlobalState, OpenRound, RoundSummary, StatusView, UpdateHeader, WorkerView,
+    GlobalState, OpenRound, RoundSummary, StallWatch, StatusView, UpdateHeader, WorkerView,
 )
 from trainer.coordinator.trust import RunTrust
 from proto import WorkerPhase
@@ -61,12 +61,11 @@ class Coordinator:
         self.screen = Screen(self.config, run.eval_tokens)
         self.intake = Intake(run, self.registry, self._lock, clock)
         self.norm_history: dict[int, list[float]] = {}  # round -> [its ρ̃] (see _history)
-        # Seconds spent on each open round's pushes, by phase ("decode", "intake"), summed over
-        # workers; written with the round's summary to rounds.jsonl, for `dilocox bench scale`.
+        # Seconds on each round's pushes by phase ("decode", "intake"), for rounds.jsonl (bench scale).
         self.push_seconds: dict[int, dict[str, float]] = {}
         # Report deadlines of rounds published before a restart count from the restart.
         self.closed_at: dict[int, float] = {r: clock() for r in run.manifests}
-        self._all_refused_since: float | None = None  # see stalled()
+        self._stall = StallWatch(rounds.straggler_timeout_s)
         self.halted: str | None = None  # why the run cannot go on, once the coordinator says so (halt)
         if trust is None:
             log.warning("no ledger configured: workers are not attested and rounds are not recorded on chain")
@@ -276,27 +275,9 @@ class Coordinator:
             return False
 
     def stalled(self) -> str | None:
-        """Why the open round can never close, in one line, or None.
-
-        A round closes only with an accepted update (close_due), and a worker whose push was
-        refused does not push that round again: it waits for the round to close. So once every
-        live worker's push of the open round was refused, and no update or stage slice is in,
-        nothing can move the run. Said once that has held for ``straggler_timeout_s`` (what the
-        coordinator would wait for a straggler anyway: room for a worker still starting, or one
-        coming back to life); a live worker without a refusal, or an accepted push, resets it."""
+        """Why the open round can never close, in one line, or None (:class:`StallWatch`)."""
         with self._lock:
-            r, now = self.round, self.clock()
-            alive = self.registry.alive(now)
-            if self.finished or r.closing or r.accepted or r.partial or not alive or not alive <= set(r.refused):
-                self._all_refused_since = None
-                return None
-            if self._all_refused_since is None:
-                self._all_refused_since = now
-            if now - self._all_refused_since < self.config.rounds.straggler_timeout_s:
-                return None
-            why = "; ".join(f"{w}: {r.refused[w][0]}" for w in sorted(alive))  # our own bounded messages
-            return (f"round {r.number} cannot close: every live worker's push of it was refused and none was "
-                    f"accepted ({why})")
+            return self._stall.check(self.round, self.registry.alive(self.clock()), self.clock(), self.finished)
 
     def halt(self, why: str) -> None:
         """Stop serving the run's rounds: a worker waiting for a global state is told ``why``."""

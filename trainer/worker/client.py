@@ -146,9 +146,10 @@ class CoordinatorClient:
                                       f"{self.reconnect_timeout_s:.0f}s: {exc}") from exc
                 time.sleep(1.0)
 
-    def call(self, what: str, fn: Callable[[], T]) -> T:
-        """Run ``fn``; while the coordinator is unreachable or busy, retry with backoff, then
-        rejoin; when it no longer knows this worker's session, rejoin at once."""
+    def call(self, what: str, fn: Callable[[], T], halted: str = "") -> T:
+        """Run ``fn``; while the coordinator is unreachable or busy, retry with backoff, then rejoin;
+        when it no longer knows this worker's session, rejoin at once. A fetch told the run stopped
+        (``halted``: what it was for) ends in a WorkerError with the coordinator's reason."""
         deadline = time.monotonic() + self.reconnect_timeout_s
         delay, lost, rejoins = 0.2, False, 0
         while True:
@@ -164,6 +165,8 @@ class CoordinatorClient:
                                 exc.details())
                     lost, rejoins = True, rejoins + 1
                     continue
+                if halted and exc.code() == grpc.StatusCode.FAILED_PRECONDITION:
+                    raise WorkerError(f"{halted}: {clip(exc.details(), 600)}") from None
                 if exc.code() not in _RETRYABLE:
                     raise
                 if time.monotonic() >= deadline:
@@ -284,13 +287,8 @@ class CoordinatorClient:
         dense_only = False
         while True:
             held = None if dense_only else self.held
-            try:
-                header, payload, size = self.call("fetch global state", lambda: self._fetch_once(min_round, held))
-            except grpc.RpcError as exc:
-                if exc.code() != grpc.StatusCode.FAILED_PRECONDITION:
-                    raise
-                # The coordinator stopped the run (trainer.coordinator.server: a round that cannot close).
-                raise WorkerError(f"waiting for round {min_round}: {clip(exc.details(), 600)}") from None
+            header, payload, size = self.call("fetch global state", lambda: self._fetch_once(min_round, held),
+                                              halted=f"waiting for round {min_round}")
             if payload is None:
                 continue
             self.checked_signature(header)  # before a byte of the payload is used
