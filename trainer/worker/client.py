@@ -127,8 +127,7 @@ class CoordinatorClient:
         self.held: tuple[str, Params] | None = None  # the newest global parameters, by CID
         self.received_for: dict[str, int] = {}  # wire bytes of the fetch that delivered each CID
         self.schedule: WorkerSchedule | None = None  # H_r of the rounds ahead; set at the first Join
-        # Seconds streaming global states in, header to last byte ("fetch", waiting for a round
-        # to close excluded), and rebuilding θ from them ("decode").
+        # Seconds streaming global states in ("fetch": header to last byte, not the wait) and rebuilding θ ("decode").
         self.phase_seconds = PhaseSeconds()
 
     # ----------------------------------------------------------------------------- calls
@@ -147,9 +146,9 @@ class CoordinatorClient:
                 time.sleep(1.0)
 
     def call(self, what: str, fn: Callable[[], T], halted: str = "") -> T:
-        """Run ``fn``; while the coordinator is unreachable or busy, retry with backoff, then rejoin;
-        when it no longer knows this worker's session, rejoin at once. A fetch told the run stopped
-        (``halted``: what it was for) ends in a WorkerError with the coordinator's reason."""
+        """Run ``fn``; retry with backoff while the coordinator is unreachable or busy, then rejoin; rejoin
+        at once when it no longer knows this session; a fetch told the run stopped (``halted``: what
+        for) ends in a WorkerError with the coordinator's reason."""
         deadline = time.monotonic() + self.reconnect_timeout_s
         delay, lost, rejoins = 0.2, False, 0
         while True:
@@ -166,7 +165,7 @@ class CoordinatorClient:
                     lost, rejoins = True, rejoins + 1
                     continue
                 if halted and exc.code() == grpc.StatusCode.FAILED_PRECONDITION:
-                    raise WorkerError(f"{halted}: {clip(exc.details(), 600)}") from None
+                    raise WorkerError(f"{halted}: {clip(exc.details(), 600)}") from None  # the run stopped
                 if exc.code() not in _RETRYABLE:
                     raise
                 if time.monotonic() >= deadline:
@@ -288,7 +287,7 @@ class CoordinatorClient:
         while True:
             held = None if dense_only else self.held
             header, payload, size = self.call("fetch global state", lambda: self._fetch_once(min_round, held),
-                                              halted=f"waiting for round {min_round}")
+                                              f"waiting for round {min_round}")
             if payload is None:
                 continue
             self.checked_signature(header)  # before a byte of the payload is used

@@ -27,7 +27,7 @@ outer step θ⁽ʳ⁻²⁾ → θ⁽ʳ⁻¹⁾, still in flight. ``rounds.overla
 The coordinator's arithmetic is the same in every mode, so checkpoints, reports and the audit do
 not change. Reports never wait on training: a worker signs and submits its report of round r as
 soon as it holds θ⁽ʳ⁾ and has checked it, in the overlapped loop from the exchange thread while
-round r+1 trains (Worker.report checks θ⁽ʳ⁾ on a model of its own), because the coordinator
+round r+1 trains (trainer.worker.reporter checks θ⁽ʳ⁾ on a model of its own), because the coordinator
 records round r ``--report-timeout`` after publishing θ⁽ʳ⁾ with whatever reports it holds then.
 A worker dropped from a round (too late, or refused) logs why and starts the next round from the
 latest global checkpoint; when every live worker's push of a round was refused, the coordinator
@@ -59,7 +59,7 @@ def synchronous(worker: Worker) -> int:
     min_round, pushed = 0, None
     while True:
         checkpoint = worker.client.fetch(min_round)
-        worker.report(pushed, checkpoint)
+        worker.reporter.report(pushed, checkpoint)
         if checkpoint.finished:
             return worker.finished(checkpoint)
         r = checkpoint.round + 1
@@ -82,7 +82,7 @@ def _exchange(worker: Worker, round_: int, work: RoundWork, base_cid: str, paren
     ``--report-timeout`` after publishing θ⁽ʳ⁾, with the reports it holds by then."""
     pushed = worker.push(round_, work, base_cid, parent_cid)
     checkpoint = worker.client.fetch(round_)
-    worker.report(pushed, checkpoint)
+    worker.reporter.report(pushed, checkpoint)
     return checkpoint
 
 

@@ -24,20 +24,19 @@ from pathlib import Path
 import grpc
 import torch
 
-from attestation import EvidenceProvider, RoundReport, SignedReport
+from attestation import EvidenceProvider
 from proto import WorkerPhase
 from storage_client import CID, strict_json, to_e6
 from trainer.config import RunConfig
 from trainer.data import eval_batches, round_batches
 from trainer.dataset import PreparedDataset, open_dataset
 from trainer.device import parse_device
-from trainer.diloco import InnerLoop, InnerResult, evaluate_batches, inner_state_digest, load_params, params_of
+from trainer.diloco import InnerLoop, InnerResult, inner_state_digest, params_of
 from trainer.link import Link
 from trainer.model import build_model
 from trainer.pipeline import PipelinedInnerLoop, PipelineError, plan_stages
 from trainer.procgroup import available_cpus
 from trainer.schedule import ScheduleError, StepsDecision
-from trainer.shared_eval import eval_share, shared_evaluation_problem
 from trainer.tls import ClientTls
 from trainer.update_record import record_of_slices
 from trainer.uplink import Slice, Uplink, merged, merged_decision
@@ -46,6 +45,7 @@ from trainer.worker.client import (
     REFUSED, Checkpoint, CoordinatorClient, PhaseSeconds, PushHeader, WorkerError, slice_name,
 )
 from trainer.worker.loops import overlapped, synchronous
+from trainer.worker.reporter import Reporter
 
 log = logging.getLogger("dilocox.worker")
 
@@ -136,12 +136,12 @@ class Worker:
         self.eval_batches = eval_batches(dataset.eval_tokens(), seed=config.seed, count=config.data.eval_batches,
                                          batch_size=config.inner.batch_size, block_size=config.model.block_size)
         self.model = build_model(config.model, config.seed)
-        # The model a checkpoint's held-out claims are checked on before signing (evaluation_problem).
-        # Overlapped, that happens in the exchange thread while the next round trains self.model in
-        # this process, so it gets a model of its own (one more copy of the parameters, no optimiser
-        # state); pipeline stages train in their own processes.
+        # Overlapped, a checkpoint is checked (and its report signed) while the next round trains
+        # self.model in this process: on a model of its own (one more copy of the parameters, no
+        # optimiser state). Pipeline stages train in their own processes.
         own = config.rounds.overlap and self.stages == 1
-        self.eval_model = build_model(config.model, config.seed) if own else self.model
+        self.reporter = Reporter(self.client, config, shard, self.data_digest, self.eval_batches,
+                                 build_model(config.model, config.seed) if own else self.model, self.phase_seconds)
         # θ⁽⁰⁾ is a function of the run's seed: built here, it need not cross the network. Its CID
         # is checked against the genesis checkpoint's when the coordinator serves it (as "held").
         # θ⁽⁰⁾ from existing weights (model.init_params) is fetched, and checked against that CID.
@@ -244,45 +244,6 @@ class Worker:
         else:
             # Error feedback assumed these values arrived; none counts, so carry them.
             self.uplink.carry_back(work.slices)
-
-    def report(self, pushed: Pushed | None, checkpoint: Checkpoint) -> None:
-        """Sign and submit the RoundReport of a round this worker contributed to, once the round's
-        checkpoint is in hand (nothing when the run has no ledger or ``checkpoint`` is another round's).
-
-        Called as soon as the checkpoint is fetched, whatever trains meanwhile: the overlapped loop
-        calls it from its exchange thread (trainer.worker.loops), since the coordinator waits for
-        reports only ``--report-timeout`` from the round's publication (settlement.reports). It
-        touches nothing the training thread uses: the check runs on ``eval_model``."""
-        client = self.client
-        if pushed is None or checkpoint.round != pushed.round or client.domain is None:
-            return
-        assert client.key is not None
-        started = time.perf_counter()
-        problem = self.evaluation_problem(checkpoint)
-        self.phase_seconds.add("evaluate", time.perf_counter() - started)
-        if problem is not None:
-            log.error("round %d: refusing to sign: %s", pushed.round, problem)
-            return
-        report = RoundReport(
-            run_id=client.run_digest, round=pushed.round, worker=client.key.address, parent_checkpoint=pushed.parent,
-            checkpoint=CID.parse(checkpoint.params_cid).digest, manifest_digest=CID.parse(checkpoint.manifest_cid).digest,
-            update_digest=pushed.update, data_digest=self.data_digest, train_loss_e6=pushed.train_loss_e6,
-            eval_loss_e6=checkpoint.eval_loss_e6, tokens=pushed.tokens, inner_steps=pushed.inner_steps,
-            bytes_sent=pushed.bytes_sent, bytes_received=pushed.bytes_received,
-        )
-        client.submit_report(SignedReport(report, client.key.sign_digest(report.digest(client.domain))))
-
-    def evaluation_problem(self, checkpoint: Checkpoint) -> str | None:
-        """What is wrong with the checkpoint's claimed held-out losses, or None: the claims are
-        checked whole and this worker's share of the batches re-evaluated (trainer.shared_eval), on
-        ``eval_model``, with the process's torch threads (a few batches, beside the training's)."""
-        cfg = self.config
-        share = eval_share(cfg.data.eval_batches, cfg.rounds.expected_workers, self.shard_index)
-        load_params(self.eval_model, checkpoint.params)
-        with torch.no_grad():
-            losses = evaluate_batches(self.eval_model, [self.eval_batches[j] for j in share]) if share else []
-        return shared_evaluation_problem(checkpoint.eval_losses_e6, cfg.data.eval_batches, checkpoint.eval_loss_e6,
-                                         {j: to_e6(loss) for j, loss in zip(share, losses)})
 
     def abandon(self, round_: int, exc: PipelineError, inflight: Future | None = None) -> int:
         """Drop out of ``round_`` after a pipeline stage failed: push nothing for it, and tell the
