@@ -34,6 +34,8 @@ from typing import Callable, Sequence
 
 from rich.logging import RichHandler
 
+from trainer.progress import PLAIN_LOG_FORMAT, use_console
+
 # Blocks a recorded round waits before its rewards can be claimed (about a day of 12 s blocks): time
 # for an auditor to re-check the round, and for a revocation, before anyone is paid for it.
 DEFAULT_CHALLENGE_WINDOW = 7200
@@ -49,7 +51,7 @@ def _logging(verbose: bool) -> None:
         fmt = "%(name)s: %(message)s"
     else:  # log files and pipes: plain, timestamped, one line per record
         handler = logging.StreamHandler()
-        fmt = "%(asctime)s %(levelname)s %(name)s: %(message)s"
+        fmt = PLAIN_LOG_FORMAT
     handler.setFormatter(logging.Formatter(fmt))
     logging.basicConfig(level=logging.DEBUG if verbose else logging.INFO, handlers=[handler], force=True)
 
@@ -541,6 +543,11 @@ def parser(argv: Sequence[str] = ()) -> argparse.ArgumentParser:
     return p
 
 
+# Long-running processes show their progress in their logs; every other command on its console
+# (trainer.progress: a bar on a terminal, lines on stderr when piped).
+LOGGED_PROGRESS = ("worker", "coordinator")
+
+
 class UsageError(ValueError):
     """Command-line arguments that cannot work together or are out of range (exit status 2)."""
 
@@ -624,10 +631,13 @@ def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     args = parser(argv).parse_args(argv)
     _logging(args.verbose)
+    if args.command not in LOGGED_PROGRESS:
+        use_console()
     try:
         check_args(args)
         return args.func(args)
-    except KeyboardInterrupt:
+    except KeyboardInterrupt:  # the with blocks have unwound: anvil stopped, temporary files removed
+        logging.getLogger("dilocox").error("interrupted (SIGINT): stopped, cleaned up, exiting")
         return 130
     except Exception as exc:  # one clear line for expected failures; the traceback with -v
         from attestation import AttestationError, PolicyViolation

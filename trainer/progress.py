@@ -11,7 +11,7 @@ Rate and ETA are computed here and nowhere else, over the time t since the count
 and read, as a line (:meth:`Snapshot.line`),
 
     <what>: i/N (x%), <rate>, ETA mm:ss        while it runs
-    <what>: N/N (100%), <rate>, done in mm:ss  at the end
+    <what>: N/N (100%), <rate>, done in mm:ss  at the end ("stopped after mm:ss" on a failure)
 
 Where it goes (a *sink*): long-running processes (workers, stage processes, the coordinator) log
 the line through ``logging`` at most every P seconds, and once at the end; a command's console
@@ -113,6 +113,7 @@ class Snapshot:
     elapsed_s: float
     unit: str = ""  # of done and total ("B": shown as bytes)
     rate_unit: str = ""  # of the rate: the amount's unit
+    stopped: bool = False  # ended by a failure or an interruption, not by finishing
 
     @property
     def rate(self) -> float:
@@ -140,7 +141,8 @@ class Snapshot:
 
     def detail(self, final: bool = False) -> str:
         """Everything after ``<what>: ``."""
-        when = (f"done in {format_duration(self.elapsed_s)}" if final
+        when = (f"stopped after {format_duration(self.elapsed_s)}" if final and self.stopped
+                else f"done in {format_duration(self.elapsed_s)}" if final
                 else f"ETA {format_duration(self.eta_s)}" if self.total is not None
                 else f"{format_duration(self.elapsed_s)} so far")
         return f"{self.counts()}, {format_rate(self.rate, self.rate_unit)}, {when}"
@@ -257,7 +259,8 @@ def use_console() -> None:
 class Progress:
     """A counter of ``what`` toward ``total`` (None: unknown) in ``unit``s, shown on ``sink`` (the
     process's default: its log, or its console after :func:`use_console`). Use it as a context
-    manager, or call :meth:`close` once: the final line is shown then. ``rate_unit`` names what the
+    manager (an exception makes the final line say "stopped after"), or call :meth:`close` once:
+    the final line is shown then. ``rate_unit`` names what the
     rate counts when :meth:`advance` is given an ``amount`` (tokens), else the rate is of ``unit``s."""
 
     def __init__(self, what: str, total: float | None = None, *, unit: str = "", rate_unit: str | None = None,
@@ -275,12 +278,12 @@ class Progress:
     def __enter__(self) -> Progress:
         return self
 
-    def __exit__(self, *exc: object) -> None:
-        self.close()
+    def __exit__(self, exc_type: type[BaseException] | None, *exc: object) -> None:
+        self.close(stopped=exc_type is not None)
 
-    def snapshot(self) -> Snapshot:
+    def snapshot(self, stopped: bool = False) -> Snapshot:
         return Snapshot(self.what, self.done, self.total, self.amount, self.clock() - self.started, self.unit,
-                        self.rate_unit)
+                        self.rate_unit, stopped)
 
     def advance(self, n: float = 1, amount: float | None = None) -> None:
         """``n`` more units done (``amount`` more of what the rate counts; default ``n``)."""
@@ -301,10 +304,11 @@ class Progress:
             self._shown_at = now
             self.sink.show(self.snapshot())
 
-    def close(self) -> None:
+    def close(self, stopped: bool = False) -> None:
+        """The final line: ``done in``, or ``stopped after`` when the work ended otherwise."""
         if not self.closed:
             self.closed = True
-            self.sink.close(self.snapshot())
+            self.sink.close(self.snapshot(stopped))
 
 
 __all__ = ["BYTES", "DEFAULT_EVERY_S", "EVERY_ENV", "PLAIN_LOG_FORMAT", "LineSink", "Progress", "Snapshot",

@@ -67,6 +67,10 @@ def test_lines_come_once_a_period_and_once_at_the_end() -> None:
     assert len(lines) == 3, lines
     assert lines[0] == "prepare: 40 B/100 B (40%), 4 B/s, ETA 00:15"
     assert lines[-1] == "prepare: 100 B/100 B (100%), 4 B/s, done in 00:25"
+    with pytest.raises(KeyError), Progress("x", 4, sink=LineSink(lines.append, every=10.0), clock=clock) as failing:
+        failing.advance()
+        raise KeyError("failed half-way")
+    assert lines[-1] == "x: 1/4 (25%), 1/s, stopped after 00:00".replace("1/s", "—/s")
 
 
 def test_period_zero_shows_every_update_and_a_wait_ticks() -> None:
