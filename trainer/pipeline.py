@@ -66,7 +66,9 @@ A worker's P stages are P long-lived local processes, rank s = stage s, held by 
 metrics report that start-up apart. How many stages and threads a worker runs on the cores it is
 given is :func:`plan_stages`'s rule (``dilocox worker --stages auto|P --cores C``). They are
 forked by a ``forkserver`` that imports torch once, so only the first group of a worker pays for
-that import (seconds); a replacement group starts in a fraction of a second.
+that import (seconds); a replacement group starts in a fraction of a second. The start is shown as
+progress in the worker's log (stages ready of P, trainer.progress), and the last stage logs each
+round's inner steps (step i/H, tokens/s, ETA) into the same log, on the stderr it inherits.
 Every round the worker puts one job on each stage's own queue (its slice of θ⁽ʳ⁻¹⁾, the batches,
 the inner hyper-parameters, and, when updates travel compressed, the stage's error-feedback state)
 and each stage answers on a shared queue with Δ_s, the losses, its token count and Δ_s encoded for
