@@ -108,11 +108,11 @@ from __future__ import annotations
 
 import functools
 import logging
-from contextlib import nullcontext
 import os
 import queue as queue_mod
 import sys
 import time
+from contextlib import nullcontext
 from dataclasses import dataclass
 from datetime import timedelta
 from typing import Any, Callable, NoReturn, Sequence
@@ -130,8 +130,8 @@ from trainer.device import backend_for, stage_device
 from trainer.diloco import load_params
 from trainer.hf_model import HFDecoder, HFStage
 from trainer.model import GPT, build_model, new_model
-from trainer.progress import PLAIN_LOG_FORMAT, Progress
 from trainer.procgroup import LocalGroup, Member, answer, available_cpus, join_group, leave_child, report_error
+from trainer.progress import PLAIN_LOG_FORMAT, Progress
 from trainer.uplink import Slice, encode_slice, new_compressor
 from trainer.wire import Params
 
