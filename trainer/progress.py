@@ -260,12 +260,16 @@ class Progress:
     """A counter of ``what`` toward ``total`` (None: unknown) in ``unit``s, shown on ``sink`` (the
     process's default: its log, or its console after :func:`use_console`). Use it as a context
     manager (an exception makes the final line say "stopped after"), or call :meth:`close` once:
-    the final line is shown then. ``rate_unit`` names what the
+    the final line is shown then (with ``final_if_shown``, only after a periodic line: a quick
+    step inside a longer one says nothing). ``rate_unit`` names what the
     rate counts when :meth:`advance` is given an ``amount`` (tokens), else the rate is of ``unit``s."""
 
     def __init__(self, what: str, total: float | None = None, *, unit: str = "", rate_unit: str | None = None,
-                 sink: Sink | None = None, clock: Callable[[], float] = time.monotonic) -> None:
+                 sink: Sink | None = None, clock: Callable[[], float] = time.monotonic,
+                 final_if_shown: bool = False) -> None:
         self.what, self.total, self.unit = what, total, unit
+        self.final_if_shown = final_if_shown  # a step inside another: its final line only if it was long
+        self.shown = False
         self.rate_unit = unit if rate_unit is None else rate_unit
         self.sink = sink if sink is not None else _default_sink()
         self.clock = clock
@@ -301,14 +305,15 @@ class Progress:
             return
         now = self.clock()
         if now - self._shown_at >= self.sink.every_s:
-            self._shown_at = now
+            self._shown_at, self.shown = now, True
             self.sink.show(self.snapshot())
 
     def close(self, stopped: bool = False) -> None:
         """The final line: ``done in``, or ``stopped after`` when the work ended otherwise."""
         if not self.closed:
             self.closed = True
-            self.sink.close(self.snapshot(stopped))
+            if self.shown or not self.final_if_shown:
+                self.sink.close(self.snapshot(stopped))
 
 
 __all__ = ["BYTES", "DEFAULT_EVERY_S", "EVERY_ENV", "PLAIN_LOG_FORMAT", "LineSink", "Progress", "Snapshot",

@@ -96,3 +96,18 @@ def test_the_period_comes_from_the_environment(monkeypatch: pytest.MonkeyPatch, 
     assert every_s() == expected
     monkeypatch.delenv(EVERY_ENV)
     assert every_s() == DEFAULT_EVERY_S
+
+
+def test_a_quick_inner_step_says_nothing_a_long_one_says_how_it_ended() -> None:
+    clock, lines = Clock(), []
+    with Progress("verifying a.bin", 10, sink=LineSink(lines.append, every=10.0), clock=clock,
+                  final_if_shown=True) as quick:
+        quick.advance(10)
+    assert lines == []
+    with Progress("verifying b.bin", 10, sink=LineSink(lines.append, every=10.0), clock=clock,
+                  final_if_shown=True) as slow:
+        clock.now += 11
+        slow.advance(5)
+        slow.advance(5)
+    assert lines == ["verifying b.bin: 5/10 (50%), 0.45/s, ETA 00:11",
+                     "verifying b.bin: 10/10 (100%), 0.91/s, done in 00:11"]
