@@ -29,10 +29,10 @@ the next). Slot k's dataDigest is the shard's sha256 when it has one shard, else
 sha256(d_k || d_{k+W} || ...) over the shards' 32-byte digests in that order.
 
 Before any token is used, a file is verified against the index: present, size = tokens x itemsize,
-sha256 equal (streamed in chunks), and every token < the tokenizer's vocabulary (checked in the
-same pass, its progress shown when it is long: trainer.progress); then it is opened with ``numpy.memmap``, so a worker maps only its own shards and the
-held-out file, and corpora larger than memory work. Every refusal is a :class:`DataError` naming the
-file or field.
+sha256 equal (streamed in chunks), and every token < the tokenizer's vocabulary (checked in the same
+pass, its progress shown when it is long: trainer.progress); then it is opened with
+``numpy.memmap``, so a worker maps only its own shards and the held-out file, and corpora larger
+than memory work. Every refusal is a :class:`DataError` naming the file or field.
 """
 
 from __future__ import annotations

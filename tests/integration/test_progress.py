@@ -150,8 +150,10 @@ def _anvils_on(port: int) -> list[int]:
     return out
 
 
-@pytest.mark.parametrize("sig, code, said", [(signal.SIGTERM, 128 + signal.SIGTERM, "SIGTERM: stopping the local chain"),
-                                             (signal.SIGINT, 130, "interrupted (SIGINT)")], ids=["SIGTERM", "SIGINT"])
+@pytest.mark.parametrize("sig, code, said", [
+    (signal.SIGTERM, 128 + signal.SIGTERM, "SIGTERM: stopping the local chain"),
+    (signal.SIGINT, 130, "interrupted (SIGINT)"),
+], ids=["SIGTERM", "SIGINT"])
 def test_a_signalled_audit_stops_its_anvil_and_removes_its_temp_dir(demo_run: Path, tmp_path: Path, sig: int,
                                                                      code: int, said: str) -> None:
     temp = tmp_path / "tmp"
