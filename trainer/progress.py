@@ -276,7 +276,9 @@ class Progress:
         self.started = clock()
         self.done = 0.0
         self.amount = 0.0
-        self._shown_at = self.started  # the first line comes one period in (a bar draws at once)
+        self._shown_at = self.started  # the first line comes one period in (a bar draws at once) ...
+        # ... but a step inside another draws no bar either until it has taken one period.
+        self._quiet_until = self.started + (every_s() if final_if_shown else 0.0)
         self.closed = False
 
     def __enter__(self) -> Progress:
@@ -304,7 +306,7 @@ class Progress:
         if self.closed:
             return
         now = self.clock()
-        if now - self._shown_at >= self.sink.every_s:
+        if now >= self._quiet_until and now - self._shown_at >= self.sink.every_s:
             self._shown_at, self.shown = now, True
             self.sink.show(self.snapshot())
 

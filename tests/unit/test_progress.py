@@ -7,7 +7,7 @@ import math
 import pytest
 
 from trainer.progress import (
-    BYTES, DEFAULT_EVERY_S, EVERY_ENV, LineSink, Progress, Snapshot, every_s, format_count, format_duration,
+    BYTES, DEFAULT_EVERY_S, EVERY_ENV, BarSink, LineSink, Progress, Snapshot, every_s, format_count, format_duration,
     format_rate,
 )
 
@@ -111,3 +111,22 @@ def test_a_quick_inner_step_says_nothing_a_long_one_says_how_it_ended() -> None:
         slow.advance(5)
     assert lines == ["verifying b.bin: 5/10 (50%), 0.45/s, ETA 00:11",
                      "verifying b.bin: 10/10 (100%), 0.91/s, done in 00:11"]
+
+
+def test_a_bar_and_a_counter_started_under_it(capsys: pytest.CaptureFixture[str]) -> None:
+    clock = Clock()
+    outer = Progress("outer", 2, unit="steps", sink=BarSink(), clock=clock)
+    clock.now += 1
+    outer.advance()
+    inner = Progress("inner", 1, sink=BarSink(), clock=clock)  # one live bar at a time: lines above it
+    inner.advance()
+    inner.close()
+    outer.advance()
+    outer.close()
+    err = capsys.readouterr().err
+    assert "inner: 1/1 (100%), " in err and "done in 00:00" in err
+    assert "outer" in err and "2/2 steps (100%)" in err
+    again = Progress("again", 1, sink=BarSink(), clock=clock)  # the bar is free again
+    again.advance()
+    again.close()
+    assert again.sink._bar is None and "again" in capsys.readouterr().err
