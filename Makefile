@@ -27,14 +27,18 @@ platform:
 	@command -v npm >/dev/null || { echo "dilocox needs Node.js and npm (for the Foundry toolchain in contracts/package-lock.json)" >&2; exit 1; }
 
 $(PY): | platform
+	@echo "set-up 1/5: a Python virtual environment in $(VENV)"
 	$(PYTHON) -m venv $(VENV)
 
-# Reinstall only when the dependency list changes.
+# Reinstall only when the dependency list changes. pip says each package it collects and installs
+# (a bar per download on a terminal): the first time takes minutes (torch alone is large).
 $(STAMP): pyproject.toml | $(PY)
-	$(PY) -m pip install --quiet -e '.[test]'
+	@echo "set-up 2/5: the Python packages (pip install -e '.[test]'; minutes on a fresh machine)"
+	$(PY) -m pip install -e '.[test]'
 	touch $@
 
 $(STUBS) &: proto/dilocox.proto $(STAMP)
+	@echo "set-up 3/5: the gRPC stubs from proto/dilocox.proto"
 	$(PY) -m grpc_tools.protoc -I. --python_out=. --pyi_out=. --grpc_python_out=. proto/dilocox.proto
 
 stubs: $(STUBS)
@@ -42,10 +46,12 @@ stubs: $(STUBS)
 # anvil, forge, cast and solc-js come from contracts/package-lock.json; forge runs from contracts/
 # because foundry.toml names the solc-js wrapper by a relative path.
 $(NODE_STAMP): contracts/package-lock.json
-	cd contracts && npm ci --no-audit --no-fund
+	@echo "set-up 4/5: the Foundry toolchain (anvil, forge, solc-js) from contracts/package-lock.json (npm ci)"
+	cd contracts && npm ci --no-audit --no-fund --progress=true
 	touch $@
 
 $(ARTIFACTS) &: $(NODE_STAMP) $(wildcard contracts/src/*.sol contracts/test/*.sol) contracts/foundry.toml
+	@echo "set-up 5/5: the contracts (forge build)"
 	cd contracts && $(FORGE) build
 
 setup: platform $(STAMP) $(STUBS) $(ARTIFACTS)

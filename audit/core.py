@@ -113,6 +113,7 @@ from settlement import ChainError, Ledger, Registry
 from settlement.records import RoundRecord, RunRecord
 from settlement.rewards import RewardPool
 from storage_client import CID, Codec, ObjectStore, from_e6, hex_or_none
+from trainer.progress import Progress
 
 from .findings import Findings
 from .lineage import Lineage, Loaded, check_unrecorded
@@ -172,11 +173,14 @@ class _Audit:
 
         parent, parent_checkpoint = genesis, run.genesis_checkpoint
         loaded = {0: genesis.manifest} if genesis is not None else {}
-        for record in rounds:
-            parent = self.check_round(run_id, record, parent, genesis, parent_checkpoint, run.coordinator)
-            parent_checkpoint = record.checkpoint
-            if parent is not None:
-                loaded[parent.manifest.round] = parent.manifest
+        what = "audit: rounds checked" + (" and checkpoints re-derived" if self.rederiving else "")
+        with Progress(what, len(rounds), unit="rounds") as progress:
+            for record in rounds:
+                parent = self.check_round(run_id, record, parent, genesis, parent_checkpoint, run.coordinator)
+                parent_checkpoint = record.checkpoint
+                if parent is not None:
+                    loaded[parent.manifest.round] = parent.manifest
+                progress.advance()
         if self.replay > 0:
             self.recompute.check_replay(loaded, self.replay, self.replay_seed)
         self.tallies.check_tallies(run_id, rounds)

@@ -46,6 +46,7 @@ from pathlib import Path
 from storage_client import CID, Manifest, lineage, strict_json
 from trainer.checkpoints import checkpoint_at
 from trainer.config import RunConfig
+from trainer.progress import Progress
 from trainer.run_dir import RunDir
 from trainer.tokenizer import BpeTokenizer
 from trainer.wire import Params
@@ -63,9 +64,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("out", metavar="OUT", help="folder to write (must not exist, or be empty)")
 
 
-def checkpoint_params(run_dir: RunDir, round_: int) -> tuple[CID, Params]:
+def checkpoint_params(run_dir: RunDir, round_: int, progress: Progress | None = None) -> tuple[CID, Params]:
     """Round ``round_``'s manifest CID and its full parameters θ⁽ʳᵒᵘⁿᵈ⁾, after re-hashing the
-    lineage from HEAD to genesis."""
+    lineage from HEAD to genesis (``progress``: trainer.checkpoints.checkpoint_at's)."""
     head = run_dir.head()
     if head is None:
         raise ExportError(f"--run {run_dir.path}: holds no run (no HEAD)")
@@ -73,7 +74,7 @@ def checkpoint_params(run_dir: RunDir, round_: int) -> tuple[CID, Params]:
     if not 0 <= round_ < len(chain):
         raise ExportError(f"--round {round_}: run {chain[-1][1].run_id!r} has rounds 0 to {len(chain) - 1}")
     # Stored every rounds.checkpoint_every rounds; rebuilt from the newest stored one otherwise.
-    return chain[round_][0], checkpoint_at(run_dir.store, chain, round_).params
+    return chain[round_][0], checkpoint_at(run_dir.store, chain, round_, progress=progress).params
 
 
 def run(args: argparse.Namespace) -> int:
@@ -90,9 +91,12 @@ def run(args: argparse.Namespace) -> int:
     tip = Manifest.load(run_dir.store, head)  # type: ignore[arg-type] - HEAD was found above
     if not 0 <= args.round <= tip.round:
         raise UsageError(f"--round {args.round}: run {tip.run_id!r} has rounds 0 to {tip.round}")
-    manifest_cid, params = checkpoint_params(run_dir, args.round)
-    manifest = Manifest.load(run_dir.store, manifest_cid)
-    written = export_checkpoint(run_dir, manifest, manifest_cid, params, out)
+    # Steps: the checkpoint read, each round rebuilt from it (rounds.checkpoint_every), the folder written.
+    with Progress(f"export of round {args.round}", 1, unit="steps") as progress:
+        manifest_cid, params = checkpoint_params(run_dir, args.round, progress)
+        manifest = Manifest.load(run_dir.store, manifest_cid)
+        written = export_checkpoint(run_dir, manifest, manifest_cid, params, out)
+        progress.advance()
     print(f"round {args.round} of run {manifest.run_id!r} (manifest {manifest_cid}) exported to {out}: "
           f"{', '.join(written)}")
     return 0

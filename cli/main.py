@@ -4,7 +4,7 @@
     dilocox coordinator --run-dir runs/x [--config cfg.json] [--set section.field=value ...]
                         [--host H --port P]        TLS: prints its certificate's fingerprint
     dilocox worker --coordinator H:P --worker-id w0 --tls-fingerprint HEX [--device cuda]
-    dilocox status --coordinator H:P --tls-fingerprint HEX [--json [FILE]]
+    dilocox status --coordinator H:P --tls-fingerprint HEX [--json [FILE] | --watch [SECONDS]]
                                                    what a running coordinator reports
     dilocox audit --run runs/demo [--json [FILE]]  verify a run's lineage from ledger and store
     dilocox bench gas                              gas of the ledger's calls on a local chain
@@ -18,6 +18,7 @@
     dilocox export --run DIR --round N OUT/       a round's checkpoint as a Hugging Face folder
     dilocox data prepare INPUT... --out DIR [--tokenizer byte|bpe|FILE] [--shards N]
                                                    tokenize a corpus once into token shards
+    dilocox plot --run DIR [--out FILE.png]        loss, bytes and round time per round, as a PNG
 
 Every run setting can be given as ``--set section.field=value`` (repeatable; ``dilocox config``
 lists the sections and fields). Each subcommand imports what it needs only when it runs.
@@ -33,6 +34,8 @@ from pathlib import Path
 from typing import Callable, Sequence
 
 from rich.logging import RichHandler
+
+from trainer.progress import PLAIN_LOG_FORMAT, use_console
 
 # Blocks a recorded round waits before its rewards can be claimed (about a day of 12 s blocks): time
 # for an auditor to re-check the round, and for a revocation, before anyone is paid for it.
@@ -51,7 +54,7 @@ def _logging(verbose: bool) -> None:
         fmt = "%(name)s: %(message)s"
     else:  # log files and pipes: plain, timestamped, one line per record
         handler = logging.StreamHandler()
-        fmt = "%(asctime)s %(levelname)s %(name)s: %(message)s"
+        fmt = PLAIN_LOG_FORMAT
     handler.setFormatter(logging.Formatter(fmt))
     logging.basicConfig(level=logging.DEBUG if verbose else logging.INFO, handlers=[handler], force=True)
 
@@ -197,19 +200,9 @@ def _exit_now(code: int) -> int:
 
 
 def cmd_status(args: argparse.Namespace) -> int:
-    from proto import CHANNEL_OPTIONS, pb, pb_grpc
-    from trainer.tls import open_channel
-
-    import grpc
-
-    with open_channel(args.coordinator, _client_tls(args), CHANNEL_OPTIONS) as channel:
-        try:
-            status = pb_grpc.CoordinatorStub(channel).Status(pb.StatusRequest(), timeout=10)
-        except grpc.RpcError as exc:
-            detail = (exc.details() or "").splitlines()[0][:300] if hasattr(exc, "details") else ""
-            code = exc.code().name if hasattr(exc, "code") and exc.code() is not None else "error"
-            raise ConnectionError(f"--coordinator {args.coordinator}: no answer from a coordinator "
-                                  f"({code}: {detail})") from None
+    if args.watch is not None:
+        return _watch_status(args)
+    status = _fetch_status(args)
     if args.json is not None:
         _write_json(message_json(status), args.json)
     if args.json != JSON_STDOUT:
@@ -217,7 +210,59 @@ def cmd_status(args: argparse.Namespace) -> int:
     return 0
 
 
+def _fetch_status(args: argparse.Namespace):  # -> pb.StatusResponse
+    """The coordinator's Status; ConnectionError naming it when it does not answer."""
+    from proto import CHANNEL_OPTIONS, pb, pb_grpc
+    from trainer.tls import open_channel
+
+    import grpc
+
+    with open_channel(args.coordinator, _client_tls(args), CHANNEL_OPTIONS) as channel:
+        try:
+            return pb_grpc.CoordinatorStub(channel).Status(pb.StatusRequest(), timeout=10)
+        except grpc.RpcError as exc:
+            detail = (exc.details() or "").splitlines()[0][:300] if hasattr(exc, "details") else ""
+            code = exc.code().name if hasattr(exc, "code") and exc.code() is not None else "error"
+            raise ConnectionError(f"--coordinator {args.coordinator}: no answer from a coordinator "
+                                  f"({code}: {detail})") from None
+
+
+def _watch_status(args: argparse.Namespace) -> int:
+    """``status --watch S``: the tables again every S seconds until interrupted (Ctrl-C: exit 0). On
+    a terminal they are redrawn in place; piped, each refresh follows the last under a time line. A
+    coordinator that does not answer is said in one line, and asked again at the next refresh."""
+    import time
+
+    from rich.console import Console, Group
+    from rich.live import Live
+    from rich.markup import escape
+
+    console = Console()
+    live = Live(console=console, auto_refresh=False) if console.is_terminal else None
+    try:
+        if live is not None:
+            live.start()
+        while True:
+            try:
+                shown = Group(*_status_tables(_fetch_status(args)))
+            except (ConnectionError, OSError, ValueError) as exc:  # TlsError is a ValueError
+                shown = Group(f"[red]{escape(' '.join(str(exc).split())[:500])}[/]")
+            stamp = time.strftime("%H:%M:%S")
+            if live is not None:
+                live.update(Group(f"{stamp}, every {args.watch:g}s (Ctrl-C to stop)", shown), refresh=True)
+            else:
+                console.print(f"--- {stamp}")
+                console.print(shown)
+            time.sleep(args.watch)
+    except KeyboardInterrupt:
+        return 0
+    finally:
+        if live is not None:
+            live.stop()
+
+
 JSON_STDOUT = "-"  # ``--json`` without a FILE: the document goes to stdout, alone
+DEFAULT_WATCH_S = 2.0  # ``status --watch`` alone: seconds between refreshes
 
 
 def message_json(message) -> dict:  # message: a protobuf Message
@@ -261,13 +306,20 @@ def _write_json(doc: dict, where: str) -> None:
 
 def _print_status(status) -> None:  # status: pb.StatusResponse
     from rich.console import Console
+
+    console = Console()
+    for shown in _status_tables(status):
+        console.print(shown)
+
+
+def _status_tables(status) -> list:  # status: pb.StatusResponse; -> the run line and two rich Tables
+    from rich.markup import escape
     from rich.table import Table
 
     from proto import WorkerPhase
 
-    console = Console()
-    console.print(f"run [bold]{status.run_id}[/]: open round {status.open_round} of {status.total_rounds}"
-                  f"{' (finished)' if status.finished else ''}; ledger lag {status.ledger_lag_rounds} round(s)")
+    head = (f"run [bold]{escape(status.run_id)}[/]: open round {status.open_round} of {status.total_rounds}"
+            f"{' (finished)' if status.finished else ''}; ledger lag {status.ledger_lag_rounds} round(s)")
     workers = Table(title="workers")
     for column in ("worker", "shard", "alive", "round", "phase", "last seen"):
         workers.add_column(column)
@@ -275,14 +327,13 @@ def _print_status(status) -> None:  # status: pb.StatusResponse
         phase = WorkerPhase(w.phase).label if w.phase in iter(WorkerPhase) else str(w.phase)
         workers.add_row(w.worker_id, str(w.shard), "yes" if w.alive else "no", str(w.round), phase,
                         f"{w.last_seen_s:.1f}s ago" if w.last_seen_s >= 0 else "—")
-    console.print(workers)
     rounds = Table(title="rounds")
     for column in ("round", "eval loss", "participants", "dropped", "bytes up", "bytes down"):
         rounds.add_column(column)
     for r in status.rounds:
         rounds.add_row(str(r.round), f"{r.eval_loss:.4f}", ", ".join(r.participants) or "—",
                        ", ".join(r.dropped) or "—", str(r.bytes_up), str(r.bytes_down))
-    console.print(rounds)
+    return [head, workers, rounds]
 
 
 def cmd_config(args: argparse.Namespace) -> int:
@@ -330,6 +381,18 @@ def cmd_export(args: argparse.Namespace) -> int:
 
 def _export_arguments(p: argparse.ArgumentParser) -> None:
     from cli.export import add_arguments
+
+    add_arguments(p)
+
+
+def cmd_plot(args: argparse.Namespace) -> int:
+    from cli.plot import run
+
+    return run(args)
+
+
+def _plot_arguments(p: argparse.ArgumentParser) -> None:
+    from cli.plot import add_arguments
 
     add_arguments(p)
 
@@ -477,6 +540,8 @@ def _status_arguments(p: argparse.ArgumentParser) -> None:
     _client_tls_arguments(p)
     p.add_argument("--json", nargs="?", const=JSON_STDOUT, metavar="FILE",
                    help="write the status as JSON to FILE; --json alone (or --json -) writes it to stdout, alone")
+    p.add_argument("--watch", nargs="?", type=float, const=DEFAULT_WATCH_S, metavar="SECONDS",
+                   help=f"show the tables again every SECONDS (default {DEFAULT_WATCH_S:g}) until Ctrl-C")
 
 
 def _audit_arguments(p: argparse.ArgumentParser) -> None:
@@ -570,6 +635,8 @@ COMMANDS: dict[str, tuple[str, Callable[..., None], Callable[[argparse.Namespace
     "gc": ("remove store objects the run no longer references (--dry-run: count them)", _gc_arguments, cmd_gc),
     "config": ("print a run configuration to start from", _config_arguments, cmd_config),
     "export": ("a round's checkpoint as a Hugging Face folder", _export_arguments, cmd_export),
+    "plot": ("a run's loss, bytes and round time per round as a PNG (from rounds.jsonl)", _plot_arguments,
+             cmd_plot),
     "data": ("data prepare: tokenize a corpus once into token shards", _data_arguments, cmd_data),
 }
 
@@ -595,6 +662,11 @@ def parser(argv: Sequence[str] = ()) -> argparse.ArgumentParser:
         else:
             arguments(sp)
     return p
+
+
+# Long-running processes show their progress in their logs; every other command on its console
+# (trainer.progress: a bar on a terminal, lines on stderr when piped).
+LOGGED_PROGRESS = ("worker", "coordinator")
 
 
 class UsageError(ValueError):
@@ -691,6 +763,11 @@ def check_args(args: argparse.Namespace) -> None:
                             ("--reconnect-timeout", args.reconnect_timeout)):
             if not 0 <= value < float("inf"):  # also refuses NaN
                 raise UsageError(f"{flag} {value} is out of range: must be a finite number >= 0")
+    if command == "status" and args.watch is not None:
+        if args.json is not None:
+            raise UsageError("--watch shows the tables; it does not go with --json")
+        if not 0.1 <= args.watch <= 86_400:  # also refuses NaN
+            raise UsageError(f"--watch {args.watch} is out of range: must be in [0.1, 86400] seconds")
     if command in ("worker", "status"):
         _coordinator_address(args.coordinator)
 
@@ -704,10 +781,13 @@ def main(argv: list[str] | None = None) -> int:
         os.environ["COLUMNS"] = "200"
     args = parser(argv).parse_args(argv)
     _logging(args.verbose)
+    if args.command not in LOGGED_PROGRESS:
+        use_console()
     try:
         check_args(args)
         return args.func(args)
-    except KeyboardInterrupt:
+    except KeyboardInterrupt:  # the with blocks have unwound: anvil stopped, temporary files removed
+        logging.getLogger("dilocox").error("interrupted (SIGINT): stopped, cleaned up, exiting")
         return 130
     except Exception as exc:  # one clear line for expected failures; the traceback with -v
         from attestation import AttestationError, PolicyViolation

@@ -30,6 +30,7 @@ from trainer.diloco import (
 from trainer.downlink import DownlinkCompressor
 from trainer.init_weights import pin_init
 from trainer.model import build_model
+from trainer.progress import Progress
 from trainer.run_dir import RunDir
 from trainer.schedule import inner_steps_for_round, round_tokens, stored_downlink_header
 from trainer.wire import Params, encode_params, layout_of
@@ -172,7 +173,8 @@ def _resume(run_dir: RunDir, head: CID, config: RunConfig | None) -> Run:
         )
     parts = _prepared(run_dir, stored)
     # HEAD's checkpoint: stored, or rebuilt from the newest full one (trainer.checkpoints).
-    outer = checkpoint_at(store, chain, tip.round, stored)
+    with Progress(f"resuming at round {tip.round}: its checkpoint", unit="rounds", final_if_shown=True) as progress:
+        outer = checkpoint_at(store, chain, tip.round, stored, progress)
     payload = outer.params_bytes()
     params = outer.params
     downlink = None

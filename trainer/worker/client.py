@@ -219,10 +219,10 @@ class CoordinatorClient:
         if len(response.session_token) != 32:
             raise WorkerError("the coordinator's Join gave no session token; is it an older version?")
         self.session = session_metadata(self.worker_id, response.session_token)
-        if self.config is None:
+        self.heartbeat_interval_s = response.heartbeat_interval_s
+        if self.config is None:  # set-up (pipeline stages start): heartbeats already say STARTING
             self.on_first_join(config, response.shard, response.num_shards)
             self.config, self.schedule = config, WorkerSchedule(config)
-        self.heartbeat_interval_s = response.heartbeat_interval_s
         log.info("joined run %s at %s: shard %d of %d, open round %d%s", config.run_id, self.address,
                  response.shard, response.num_shards, response.open_round,
                  f", key {self.key.address}" if self.domain else "")
@@ -252,8 +252,11 @@ class CoordinatorClient:
     # ----------------------------------------------------------------------------- liveness
 
     def heartbeats(self, stop: threading.Event) -> None:
-        """Say round and phase every heartbeat interval until ``stop``."""
+        """Say round and phase every heartbeat interval until ``stop``, from the first Join on (so a
+        worker setting up after it, e.g. starting its pipeline stages, is alive and "starting")."""
         while not stop.wait(self.heartbeat_interval_s):
+            if not self.session:  # not joined yet: nothing to say
+                continue
             try:
                 self.say(self.round, self.phase)
             except grpc.RpcError as exc:

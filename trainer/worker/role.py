@@ -36,6 +36,7 @@ from trainer.link import Link
 from trainer.model import build_model
 from trainer.pipeline import PipelinedInnerLoop, PipelineError, plan_stages
 from trainer.procgroup import available_cpus
+from trainer.progress import Progress
 from trainer.schedule import ScheduleError, StepsDecision
 from trainer.tls import ClientTls
 from trainer.update_record import record_of_slices
@@ -184,9 +185,10 @@ class Worker:
             raise WorkerError(str(exc)) from None
         batches = round_batches(self.shard, seed=cfg.seed, shard_index=self.shard_index, round_=round_,
                                 steps=steps.steps, batch_size=cfg.inner.batch_size, block_size=cfg.model.block_size)
+        what = f"round {round_} inner steps"
         if isinstance(self.inner, PipelinedInnerLoop):
             started = time.perf_counter()
-            piped = self.inner.run(params, batches, self.uplink.states())
+            piped = self.inner.run(params, batches, self.uplink.states(), what=what)
             self.uplink.update(piped.uplink_states)
             return RoundWork(InnerResult(piped.pseudo_gradient, piped.mean_loss, piped.tokens, piped.steps),
                              piped.slices, inner_s=time.perf_counter() - started, steps=steps)
@@ -194,7 +196,8 @@ class Worker:
         # Overlapped, the next round is training when a refusal comes back: nothing to undo then.
         snapshot = None if cfg.rounds.overlap else (self.inner.snapshot(), self.uplink.snapshot())
         started = time.perf_counter()
-        result = self.inner.run(params, batches)
+        with Progress(what, steps.steps, unit="steps", rate_unit="tokens") as progress:
+            result = self.inner.run(params, batches, progress)
         trained = time.perf_counter()
         encoded = [self.uplink.encode(result.pseudo_gradient)]
         return RoundWork(result, encoded, state, snapshot, trained - started, time.perf_counter() - trained, steps)
@@ -332,13 +335,14 @@ class Worker:
 
     def run(self) -> int:
         client = self.client
-        client.call("join", client.join)
         stop = threading.Event()
+        # Started first: it speaks from the Join on, while this worker sets up (WorkerPhase.STARTING).
         beat = threading.Thread(target=client.heartbeats, args=(stop,), name="heartbeat", daemon=True)
         beat.start()
-        # Wall time for utilisation runs from here (joined) to holding the final checkpoint.
-        self.started_at = time.monotonic()
         try:
+            client.call("join", client.join)
+            # Wall time for utilisation runs from here (joined) to holding the final checkpoint.
+            self.started_at = time.monotonic()
             return (overlapped if self.config.rounds.overlap else synchronous)(self)
         finally:
             client.phase = WorkerPhase.DONE
