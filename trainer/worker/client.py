@@ -251,24 +251,6 @@ class CoordinatorClient:
 
     # ----------------------------------------------------------------------------- liveness
 
-    def heartbeats(self, stop: threading.Event) -> None:
-        """Say round and phase every heartbeat interval until ``stop``, from the first Join on (so a
-        worker setting up after it, e.g. starting its pipeline stages, is alive and "starting")."""
-        while not stop.wait(self.heartbeat_interval_s):
-            if not self.session:  # not joined yet: nothing to say
-                continue
-            try:
-                self.say(self.round, self.phase)
-            except grpc.RpcError as exc:
-                log.debug("heartbeat failed: %s", exc.details())
-                if exc.code() == grpc.StatusCode.UNAUTHENTICATED:
-                    # The coordinator restarted and forgot this session: join again now rather than
-                    # at the next call, which may be a whole inner loop away, so it keeps us live.
-                    try:
-                        self.join()
-                    except (grpc.RpcError, WorkerError) as rejoin:
-                        log.warning("heartbeat: could not join again: %s", rejoin)
-
     def say(self, round_: int, phase: WorkerPhase, timeout: float = 5) -> None:
         self.stub.Heartbeat(pb.HeartbeatRequest(worker_id=self.worker_id, round=round_, phase=phase),
                             timeout=timeout, metadata=self.session)
@@ -421,6 +403,25 @@ def learn_schedule(schedule: WorkerSchedule | None, header: pb.GlobalHeader, par
         schedule.learn(header.round, header.next_inner_steps, header.second_inner_steps, codec)
     except ScheduleError as exc:
         raise WorkerError(str(exc)) from None
+
+
+def heartbeats(client: CoordinatorClient, stop: threading.Event) -> None:
+    """Say the client's round and phase every heartbeat interval until ``stop``, from the first Join
+    on (so a worker setting up after it, e.g. starting its pipeline stages, is alive and "starting")."""
+    while not stop.wait(client.heartbeat_interval_s):
+        if not client.session:  # not joined yet: nothing to say
+            continue
+        try:
+            client.say(client.round, client.phase)
+        except grpc.RpcError as exc:
+            log.debug("heartbeat failed: %s", exc.details())
+            if exc.code() == grpc.StatusCode.UNAUTHENTICATED:
+                # The coordinator restarted and forgot this session: join again now rather than
+                # at the next call, which may be a whole inner loop away, so it keeps us live.
+                try:
+                    client.join()
+                except (grpc.RpcError, WorkerError) as rejoin:
+                    log.warning("heartbeat: could not join again: %s", rejoin)
 
 
 def check_pinned_genesis(config: RunConfig | None, header: pb.GlobalHeader) -> None:

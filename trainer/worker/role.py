@@ -43,7 +43,7 @@ from trainer.update_record import record_of_slices
 from trainer.uplink import Slice, Uplink, merged, merged_decision
 from trainer.wire import Params, encode_params
 from trainer.worker.client import (
-    REFUSED, Checkpoint, CoordinatorClient, PhaseSeconds, PushHeader, WorkerError, slice_name,
+    REFUSED, Checkpoint, CoordinatorClient, PhaseSeconds, PushHeader, WorkerError, heartbeats, slice_name,
 )
 from trainer.worker.loops import overlapped, synchronous
 from trainer.worker.reporter import Reporter
@@ -337,7 +337,7 @@ class Worker:
         client = self.client
         stop = threading.Event()
         # Started first: it speaks from the Join on, while this worker sets up (WorkerPhase.STARTING).
-        beat = threading.Thread(target=client.heartbeats, args=(stop,), name="heartbeat", daemon=True)
+        beat = threading.Thread(target=heartbeats, args=(client, stop), name="heartbeat", daemon=True)
         beat.start()
         try:
             client.call("join", client.join)
