@@ -14,19 +14,31 @@ FORGE      := node_modules/.bin/forge
 export HF_HUB_OFFLINE := 1
 export PIP_DISABLE_PIP_VERSION_CHECK := 1
 
-.PHONY: all setup stubs demo test clean
+# The Foundry binaries in contracts/package-lock.json are the linux-amd64 builds (anvil, forge, cast).
+PLATFORM := $(shell uname -s)-$(shell uname -m)
+
+.PHONY: all platform setup stubs demo test clean
 
 all: setup
 
-$(PY):
+platform:
+	@case "$(PLATFORM)" in Linux-x86_64) ;; *) echo "dilocox needs Linux on x86-64 (its Foundry binaries are the linux-amd64 builds); this is $(PLATFORM)" >&2; exit 1;; esac
+	@$(PYTHON) -c 'import sys; sys.exit(0 if (3, 11) <= sys.version_info[:2] < (3, 14) else 1)' 2>/dev/null || { echo "dilocox needs Python 3.11 to 3.13 as $(PYTHON) (make PYTHON=... to choose another)" >&2; exit 1; }
+	@command -v npm >/dev/null || { echo "dilocox needs Node.js and npm (for the Foundry toolchain in contracts/package-lock.json)" >&2; exit 1; }
+
+$(PY): | platform
+	@echo "set-up 1/5: a Python virtual environment in $(VENV)"
 	$(PYTHON) -m venv $(VENV)
 
-# Reinstall only when the dependency list changes.
+# Reinstall only when the dependency list changes. pip says each package it collects and installs
+# (a bar per download on a terminal): the first time takes minutes (torch alone is large).
 $(STAMP): pyproject.toml | $(PY)
-	$(PY) -m pip install --quiet -e '.[test]'
+	@echo "set-up 2/5: the Python packages (pip install -e '.[test]'; minutes on a fresh machine)"
+	$(PY) -m pip install -e '.[test]'
 	touch $@
 
 $(STUBS) &: proto/dilocox.proto $(STAMP)
+	@echo "set-up 3/5: the gRPC stubs from proto/dilocox.proto"
 	$(PY) -m grpc_tools.protoc -I. --python_out=. --pyi_out=. --grpc_python_out=. proto/dilocox.proto
 
 stubs: $(STUBS)
@@ -34,13 +46,15 @@ stubs: $(STUBS)
 # anvil, forge, cast and solc-js come from contracts/package-lock.json; forge runs from contracts/
 # because foundry.toml names the solc-js wrapper by a relative path.
 $(NODE_STAMP): contracts/package-lock.json
-	cd contracts && npm ci --no-audit --no-fund
+	@echo "set-up 4/5: the Foundry toolchain (anvil, forge, solc-js) from contracts/package-lock.json (npm ci)"
+	cd contracts && npm ci --no-audit --no-fund --progress=true
 	touch $@
 
 $(ARTIFACTS) &: $(NODE_STAMP) $(wildcard contracts/src/*.sol contracts/test/*.sol) contracts/foundry.toml
+	@echo "set-up 5/5: the contracts (forge build)"
 	cd contracts && $(FORGE) build
 
-setup: $(STAMP) $(STUBS) $(ARTIFACTS)
+setup: platform $(STAMP) $(STUBS) $(ARTIFACTS)
 
 demo: setup
 	$(VENV)/bin/dilocox demo

@@ -132,10 +132,13 @@ def verify_evidence(
     expected_report_data: bytes,
     policy: Policy,
     now: int | None = None,
+    log_acceptance: bool = True,
 ) -> VerifiedEvidence:
     """Check evidence against a policy and the REPORTDATA the verifier expects; see the module
     docstring for the checks. `now` (unix seconds, default the real clock) is the time at which
-    dcap-qvl judges the collateral and certificates of tdx evidence."""
+    dcap-qvl judges the collateral and certificates of tdx evidence. `log_acceptance`: log what was
+    accepted (an auditor that reports every admission itself turns it off, so dev evidence is said
+    once per audit, not once per worker)."""
     if not isinstance(expected_report_data, (bytes, bytearray)) or len(expected_report_data) != 64:
         raise ValueError("expected_report_data must be 64 bytes")
     expected_report_data = bytes(expected_report_data)
@@ -174,7 +177,9 @@ def verify_evidence(
             "measurement", f"measurement {measurement.hex()} is not in the policy's allowlist"
         )
 
-    if proves_nothing:
+    if not log_acceptance:
+        pass
+    elif proves_nothing:
         log.warning("accepted DEV evidence, which PROVES NOTHING: %s", DEV_WARNING)
     else:
         log.info("accepted tdx evidence: dcap-qvl verified the quote (TCB %s, %s)",

@@ -15,7 +15,9 @@ URL``; without either it is refused. Only TCB status UpToDate is accepted unless
 one JSON document.
 
 Exit status: 0 when every check passed, 1 when any failed, 2 when the audit could not run (no
-deployment file, no chain).
+deployment file, no chain). SIGTERM (143), SIGHUP (129) or Ctrl-C (130) stop it in order: the local
+anvil is stopped and the temporary copy of the state removed (settlement.anvil). The rounds checked,
+the replay and the re-scoring show their progress on stderr (trainer.progress).
 """
 
 from __future__ import annotations

@@ -18,7 +18,8 @@ Checks, by name:
   manifest              a manifest parses (schema, fields, sorted participants and traffic,
                         traffic sums equal to bytes_up / bytes_down, no downlink at genesis)
   genesis               the genesis manifest is round 0 without a parent
-  genesis-checkpoint    the chain's genesis checkpoint is the sha256 of θ⁽⁰⁾'s bytes
+  genesis-checkpoint    the chain's genesis checkpoint is the sha256 of θ⁽⁰⁾'s bytes; θ⁽⁰⁾ is the config's
+                        model.init_params when it pins existing weights (trainer.init_weights)
   config                the chain's configDigest is the config's CID; every round names that config
                         and the genesis run id; the config parses
   rounds                the ledger's rounds are 1..lastRound, each once, in order
@@ -109,12 +110,13 @@ from __future__ import annotations
 
 import os
 
-from attestation import DEV_WARNING, Policy
+from attestation import Policy
 from settlement import ChainError, Ledger, Registry
 from settlement.records import RoundRecord, RunRecord
 from settlement.rewards import RewardPool
 from settlement.roster import roster_of
 from storage_client import CID, Codec, ObjectStore, from_e6, hex_or_none
+from trainer.progress import Progress
 
 from .findings import Findings
 from .lineage import Lineage, Loaded, check_unrecorded
@@ -124,6 +126,10 @@ from .result import AuditResult, RoundRow
 from .signers import Signers
 from .tallies import Tallies
 
+
+# Why dev evidence proves nothing, in one sentence (the provider's own WARNING says it again at length).
+DEV_NOTE = ("it is made and signed in software by a local development key; no hardware measured or isolated "
+            "the workers (development only)")
 
 class _Audit:
     """One audit: resolves the run, checks genesis, walks the recorded rounds in order, then the
@@ -170,11 +176,14 @@ class _Audit:
 
         parent, parent_checkpoint = genesis, run.genesis_checkpoint
         loaded = {0: genesis.manifest} if genesis is not None else {}
-        for record in rounds:
-            parent = self.check_round(run_id, record, parent, genesis, parent_checkpoint, run.coordinator)
-            parent_checkpoint = record.checkpoint
-            if parent is not None:
-                loaded[parent.manifest.round] = parent.manifest
+        what = "audit: rounds checked" + (" and checkpoints re-derived" if self.rederiving else "")
+        with Progress(what, len(rounds), unit="rounds") as progress:
+            for record in rounds:
+                parent = self.check_round(run_id, record, parent, genesis, parent_checkpoint, run.coordinator)
+                parent_checkpoint = record.checkpoint
+                if parent is not None:
+                    loaded[parent.manifest.round] = parent.manifest
+                progress.advance()
         self.findings.result.roster = roster_of(self.findings.store, rounds)
         if self.replay > 0:
             self.recompute.check_replay(loaded, self.replay, self.replay_seed)
@@ -225,10 +234,13 @@ class _Audit:
         result = self.findings.result
         for row in result.rounds:
             row.status = "FAIL" if result.failures_of(row.round) else "ok"
-        if self.signers.dev_accepted:
-            result.warnings.insert(0, "DEV ATTESTATION ACCEPTED: workers of this run were admitted on dev evidence; "
-                                      "its signatures and bindings verified, but it PROVES NOTHING about what code "
-                                      f"ran. {DEV_WARNING}")
+        dev = self.signers.dev_admitted
+        if dev:  # said once, naming every such worker (by id too, where its reports name one)
+            ids = result.roster.ids if result.roster is not None else {}
+            named = ", ".join(f"{'/'.join(ids[a])} ({a})" if ids.get(a) else a for a in dev)
+            result.warnings.insert(0, f"DEV ATTESTATION ACCEPTED: {len(dev)} worker(s) of this run were admitted on "
+                                      f"dev evidence: {named}; its signatures and bindings verified, but it PROVES "
+                                      f"NOTHING about what code ran: {DEV_NOTE}")
         return result
 
 

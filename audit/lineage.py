@@ -117,6 +117,11 @@ class Lineage:
                 self.config = RunConfig.from_json(self.findings.store.get_json(manifest.config))
             except (StoreError, ConfigError, ValueError) as exc:
                 fail(0, manifest.config, "config", f"the run config does not parse: {exc}")
+        pinned = self.config.model.init_params if self.config is not None else ""
+        if pinned and manifest.params != pinned:
+            fail(0, manifest.params, "genesis-checkpoint",
+                 f"the genesis params {manifest.params} are not the weights the config pins (model.init_params "
+                 f"{pinned})")
         if params is not None:
             try:
                 self.layout = layout_of(decode_params(params))

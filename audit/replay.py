@@ -76,6 +76,7 @@ from trainer.dataset import Dataset, run_dataset
 from trainer.diloco import FRESH_STATE, InnerLoop, delayed_start, eager_start, eager_weight, evaluate, load_params
 from trainer.checkpoints import checkpoint_at
 from trainer.model import build_model
+from trainer.progress import Progress
 from trainer.schedule import stored_inner_steps
 from trainer.update_record import open_update
 from trainer.update_source import dense
@@ -304,60 +305,82 @@ class Replayer:
             by_worker[worker].update(self.chain(r, worker))
         rows: list[ReplayRow] = []
         steps = 0
-        for worker in sorted(by_worker):
-            model = build_model(cfg.model, cfg.seed)
-            inner: InnerLoop | None = None
-            previous: int | None = None
-            errors: Params = {}  # the worker's error feedback e, rebuilt along the chain
-            for r in sorted(by_worker[worker]):
-                p = self._participant(r, worker)
-                if p.state == FRESH_STATE:
-                    inner, errors = InnerLoop(model, cfg.inner), {}
-                elif inner is None or previous is None or not self._consecutive(worker, previous, r):
-                    rows.append(ReplayRow(r, worker, (r, worker) in sampled, None, "MISMATCH",
-                                          "the committed inner state is not fresh, and no counted contribution "
-                                          "of this worker before it was replayed to continue from"))
-                    inner = None
-                    continue
-                start = self._start(r, worker)
-                try:
-                    stored = dense(open_update(self.store, p.update, layout_of(start), cfg.model)) \
-                        if start is not None else None
-                except (OSError, ValueError, WireError) as exc:  # RecordError is a ValueError
-                    self.problems.append((r, p.update, f"the update of {worker} cannot be read: {exc}"))
-                    inner = None
-                    continue
-                if start is None:
-                    inner = None
-                    continue
-                try:
-                    shard_tokens = corpus.slot_tokens(p.shard)
-                except CorpusError as exc:
-                    self.problems.append((r, f"shard {p.shard}", f"{worker}'s shard cannot be read: {exc}"))
-                    inner = None
-                    continue
-                round_steps = self.inner_steps(r, layout_of(start))
-                if round_steps is None:
-                    inner = None
-                    continue
-                batches = round_batches(shard_tokens, seed=cfg.seed,
-                                        shard_index=p.shard, round_=r, steps=round_steps,
-                                        batch_size=cfg.inner.batch_size, block_size=cfg.model.block_size)
-                result = inner.run(start, batches)
-                steps += result.steps
-                if cfg.compression.enabled:
-                    try:
-                        errors, distance = self._recompressed(result.pseudo_gradient, errors, stored)
-                    except ReplayError as exc:
-                        self.problems.append((r, p.update, f"{worker}: {exc}"))
-                        inner = None
-                        continue
-                else:
-                    distance = relative_distance(result.pseudo_gradient, stored)
-                ok = distance <= REPLAY_TOLERANCE
-                rows.append(ReplayRow(r, worker, (r, worker) in sampled, distance, "ok" if ok else "MISMATCH"))
-                previous = r
+        planned = sum(len(chain) for chain in by_worker.values())
+        # Counted in inner steps, planned at H each until a round's own H_r is derived.
+        with Progress(f"audit replay ({len(sampled)} sampled, {planned} with their chains)", planned * cfg.inner.steps,
+                      unit="steps", rate_unit="tokens") as progress:
+            for worker in sorted(by_worker):
+                steps += self._replay_worker(worker, sorted(by_worker[worker]), sampled, corpus, rows, progress)
         return sorted(rows, key=lambda row: (row.round, row.worker)), steps
+
+    def _replay_worker(self, worker: str, rounds: list[int], sampled: set[tuple[int, str]], corpus: Dataset,
+                       rows: list[ReplayRow], progress: Progress) -> int:
+        """``worker``'s chain of ``rounds`` replayed in order (one AdamW state carried along), a row
+        for each; returns the inner steps replayed."""
+        cfg = self.config
+        model = build_model(cfg.model, cfg.seed)
+        inner: InnerLoop | None = None
+        previous: int | None = None
+        errors: Params = {}  # the worker's error feedback e, rebuilt along the chain
+        steps = 0
+        for r in rounds:
+            p = self._participant(r, worker)
+            if p.state == FRESH_STATE:
+                inner, errors = InnerLoop(model, cfg.inner), {}
+            elif inner is None or previous is None or not self._consecutive(worker, previous, r):
+                rows.append(ReplayRow(r, worker, (r, worker) in sampled, None, "MISMATCH",
+                                      "the committed inner state is not fresh, and no counted contribution "
+                                      "of this worker before it was replayed to continue from"))
+                inner = None
+                progress.add_total(-cfg.inner.steps)
+                continue
+            inputs = self._inputs(r, worker, p, corpus)
+            if inputs is None:
+                inner = None
+                progress.add_total(-cfg.inner.steps)
+                continue
+            start, stored, round_steps, batches = inputs
+            progress.add_total(round_steps - cfg.inner.steps)
+            result = inner.run(start, batches, progress)
+            steps += result.steps
+            if cfg.compression.enabled:
+                try:
+                    errors, distance = self._recompressed(result.pseudo_gradient, errors, stored)
+                except ReplayError as exc:
+                    self.problems.append((r, p.update, f"{worker}: {exc}"))
+                    inner = None
+                    continue
+            else:
+                distance = relative_distance(result.pseudo_gradient, stored)
+            ok = distance <= REPLAY_TOLERANCE
+            rows.append(ReplayRow(r, worker, (r, worker) in sampled, distance, "ok" if ok else "MISMATCH"))
+            previous = r
+        return steps
+
+    def _inputs(self, r: int, worker: str, p: Participant, corpus: Dataset
+                ) -> tuple[Params, Params, int, Iterable[tuple[torch.Tensor, torch.Tensor]]] | None:
+        """What ``worker``'s contribution to round ``r`` is replayed from: its start, its stored
+        update, H_r and its batches; None (and a problem) when one of them cannot be read."""
+        cfg = self.config
+        start = self._start(r, worker)
+        if start is None:
+            return None
+        try:
+            stored = dense(open_update(self.store, p.update, layout_of(start), cfg.model))
+        except (OSError, ValueError, WireError) as exc:  # RecordError is a ValueError
+            self.problems.append((r, p.update, f"the update of {worker} cannot be read: {exc}"))
+            return None
+        try:
+            shard_tokens = corpus.slot_tokens(p.shard)
+        except CorpusError as exc:
+            self.problems.append((r, f"shard {p.shard}", f"{worker}'s shard cannot be read: {exc}"))
+            return None
+        round_steps = self.inner_steps(r, layout_of(start))
+        if round_steps is None:
+            return None
+        batches = round_batches(shard_tokens, seed=cfg.seed, shard_index=p.shard, round_=r, steps=round_steps,
+                                batch_size=cfg.inner.batch_size, block_size=cfg.model.block_size)
+        return start, stored, round_steps, batches
 
     def _recompressed(self, delta: Params, errors: Params, stored: Params) -> tuple[Params, Params, float]:
         """With a compressed uplink the stored update is Â = decompress(C(Δ + e)). The replay forms
@@ -412,14 +435,17 @@ class Replayer:
                                batch_size=cfg.inner.batch_size, block_size=cfg.model.block_size)
         model = build_model(cfg.model, cfg.seed)
         out = []
-        for r in sorted(set(rounds)):
-            params = self._params(r, f"θ⁽{r}⁾")
-            if params is None:
-                continue
-            load_params(model, params)
-            recomputed = evaluate(model, batches)
-            reported = from_e6(self.manifests[r].eval_loss_e6)
-            out.append(RescoreRow(r, reported, recomputed, abs(recomputed - reported) <= EVAL_TOLERANCE))
+        targets = sorted(set(rounds))
+        with Progress("audit re-scoring held-out loss", len(targets), unit="checkpoints") as progress:
+            for r in targets:
+                params = self._params(r, f"θ⁽{r}⁾")
+                progress.advance()
+                if params is None:
+                    continue
+                load_params(model, params)
+                recomputed = evaluate(model, batches)
+                reported = from_e6(self.manifests[r].eval_loss_e6)
+                out.append(RescoreRow(r, reported, recomputed, abs(recomputed - reported) <= EVAL_TOLERANCE))
         return out
 
 

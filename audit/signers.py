@@ -50,9 +50,10 @@ class Signers:
         self.measurement_events = self.registry.measurement_changes()
 
     @property
-    def dev_accepted(self) -> bool:
-        """Whether some signer was admitted on dev evidence that the policy accepted."""
-        return any(c.provider == Provider.DEV and c.ok for _, c in self._admission_checks.values())
+    def dev_admitted(self) -> list[str]:
+        """The signers admitted on dev evidence that the policy accepted, in the order first met."""
+        return list(dict.fromkeys(worker for (worker, _), (_, c) in self._admission_checks.items()
+                                  if c.provider == Provider.DEV and c.ok))
 
     def check(self, run_id: bytes, r: int, label: str, worker: str, block: int) -> None:
         """``worker``, who signed report ``label`` of round r, recorded at ``block``, was admitted, not

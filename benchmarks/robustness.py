@@ -360,7 +360,7 @@ def short_reason(details: str) -> str:
                           ("was computed from", "not the round's base"), ("claimed tokens", "claimed tokens"),
                           ("exceeds the bound", "norm above the coarse bound"),
                           ("screened on held-out", "screened: raises held-out loss"),
-                          ("claimed train_loss", "train loss outside the band")):
+                          ("claimed train_loss", "train loss not a cross-entropy")):
         if needle in details:
             return words
     return details.split(":")[0][:60]

@@ -13,11 +13,13 @@ from __future__ import annotations
 import argparse
 from pathlib import Path
 
+from cli.main import HelpFormatter
+
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
     action = p.add_subparsers(dest="action", required=True)
     prep = action.add_parser("prepare", help="tokenize a corpus into token shards and an index",
-                             description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+                             description=__doc__, formatter_class=HelpFormatter)
     prep.add_argument("inputs", nargs="+", type=Path, metavar="INPUT",
                       help="text files, JSON-lines files (.jsonl, a \"text\" field a line) or directories of them")
     prep.add_argument("--out", type=Path, required=True, help="the directory to write (new or empty)")

@@ -119,7 +119,7 @@ def unreported_summary(run_dir: Path, rpc_url: str, console: Console) -> None:
 
 
 def run_demo(run_dir: Path, workers: int = 2, settings: Sequence[str] = (), insecure: bool = False,
-             diloco: bool = False) -> int:
+             diloco: bool = False, *, time_limit_s: float) -> int:
     """The demo's run: ``demo_config()`` (DiLoCoX; plain DiLoCo with ``diloco``) for ``workers``
     workers, then ``settings`` (``--set``)."""
     console = Console()
@@ -138,7 +138,8 @@ def run_demo(run_dir: Path, workers: int = 2, settings: Sequence[str] = (), inse
     with Anvil(state_file=run_dir / "chain" / "state.json") as anvil:
         coordinator_args, worker_args = provision(run_dir, anvil.rpc_url, config)
         console.print(f"local chain {anvil.rpc_url} (state kept in {run_dir / 'chain'}); contracts deployed")
-        code = _train(console, run_dir, config, config_path, workers, coordinator_args, worker_args, insecure)
+        code = _train(console, run_dir, config, config_path, workers, coordinator_args, worker_args, insecure,
+                      time_limit_s)
         if code != 0:
             return code
         console.print("\n[bold]rewards[/]: the coordinator funds the run's pool; once the rounds are "
@@ -174,7 +175,7 @@ def _technique(config: RunConfig) -> str:
 
 
 def _train(console: Console, run_dir: Path, config: RunConfig, config_path: Path, workers: int,
-           coordinator_args: list[str], worker_args: list[str], insecure: bool) -> int:
+           coordinator_args: list[str], worker_args: list[str], insecure: bool, time_limit_s: float) -> int:
     m = config.model
     dense = 4 * estimated_parameters(m)
     console.print(
@@ -218,13 +219,16 @@ def _train(console: Console, run_dir: Path, config: RunConfig, config_path: Path
                     table.add_row(*_row(summary, dense))
                     r, ev, tr, who, up, down, fewer, secs = _row(summary, dense)
                     progress.console.print(
+                        f"round {r:>2}/{config.rounds.rounds}  eval {ev}  genesis (θ⁽⁰⁾, before any training)"
+                        if summary["round"] == 0 else
                         f"round {r:>2}/{config.rounds.rounds}  eval {ev}  train {tr:>6}  "
                         f"workers {who}  up {up}  down {down}  {fewer} than dense fp32  {secs}")
                     progress.update(task, completed=summary["round"])
                 if exited:
                     break
-                if time.monotonic() - started > 600:
-                    console.print("[red]demo timed out after 600s[/]")
+                if time.monotonic() - started > time_limit_s:
+                    console.print(f"[red]the demo's training did not finish within {time_limit_s:g}s "
+                                  f"(--time-limit); see {run_dir}/logs/[/]")
                     return 1
                 time.sleep(0.2)
         try:

@@ -4,7 +4,7 @@
     dilocox coordinator --run-dir runs/x [--config cfg.json] [--set section.field=value ...]
                         [--host H --port P]        TLS: prints its certificate's fingerprint
     dilocox worker --coordinator H:P --worker-id w0 --tls-fingerprint HEX [--device cuda]
-    dilocox status --coordinator H:P --tls-fingerprint HEX [--json [FILE]]
+    dilocox status --coordinator H:P --tls-fingerprint HEX [--json [FILE] | --watch [SECONDS]]
                                                    what a running coordinator reports
     dilocox audit --run runs/demo [--json [FILE]]  verify a run's lineage from ledger and store
     dilocox settle --run runs/demo [--claim]       what each worker is owed from the run's reward pool
@@ -17,11 +17,12 @@
     dilocox bench robust [--quick]                 one dishonest worker against each aggregation setting
     dilocox bench overlap                          synchronous vs overlapped rounds at two outer momenta
     dilocox bench scale [--smoke]                  a round's cost split by phase, RSS, store vs wire bytes
-    dilocox config [--demo] [--model-config PATH/config.json] [--set ...] > cfg.json
+    dilocox config [--demo] [--model-config PATH/config.json | --init-from DIR] [--set ...] > cfg.json
                                                    the run configuration, to edit
     dilocox export --run DIR --round N OUT/       a round's checkpoint as a Hugging Face folder
     dilocox data prepare INPUT... --out DIR [--tokenizer byte|bpe|FILE] [--shards N]
                                                    tokenize a corpus once into token shards
+    dilocox plot --run DIR [--out FILE.png]        loss, bytes and round time per round, as a PNG
 
 Every run setting can be given as ``--set section.field=value`` (repeatable; ``dilocox config``
 lists the sections and fields). Each subcommand imports what it needs only when it runs.
@@ -38,9 +39,13 @@ from typing import Callable, Sequence
 
 from rich.logging import RichHandler
 
+from trainer.progress import PLAIN_LOG_FORMAT, use_console
+
 # Blocks a recorded round waits before its rewards can be claimed (about a day of 12 s blocks): time
 # for an auditor to re-check the round, and for a revocation, before anyone is paid for it.
 DEFAULT_CHALLENGE_WINDOW = 7200
+# The demo's training stops after this long (--time-limit): a stuck demo ends; a slow machine asks for more.
+DEMO_TIME_LIMIT_S = 600.0
 
 
 def _logging(verbose: bool) -> None:
@@ -53,9 +58,23 @@ def _logging(verbose: bool) -> None:
         fmt = "%(name)s: %(message)s"
     else:  # log files and pipes: plain, timestamped, one line per record
         handler = logging.StreamHandler()
-        fmt = "%(asctime)s %(levelname)s %(name)s: %(message)s"
+        fmt = PLAIN_LOG_FORMAT
     handler.setFormatter(logging.Formatter(fmt))
     logging.basicConfig(level=logging.DEBUG if verbose else logging.INFO, handlers=[handler], force=True)
+
+
+class HelpFormatter(argparse.RawDescriptionHelpFormatter):
+    """``--help`` as people expect it: each option's default after its help (unless the help says
+    it already), the descriptions as written. Flags (default False) and options with no default
+    (None: "not given") show none."""
+
+    def _get_help_string(self, action: argparse.Action) -> str:
+        text = action.help or ""
+        default = action.default
+        if (default is None or default is False or default == [] or default is argparse.SUPPRESS
+                or "default" in text or "%(default)" in text or not action.option_strings):
+            return text
+        return f"{text} (default: %(default)s)" if text else "default: %(default)s"
 
 
 def _stages_arg(text: str) -> int | None:
@@ -187,8 +206,18 @@ def _exit_now(code: int) -> int:
 
 
 def cmd_status(args: argparse.Namespace) -> int:
-    from google.protobuf.json_format import MessageToDict
+    if args.watch is not None:
+        return _watch_status(args)
+    status = _fetch_status(args)
+    if args.json is not None:
+        _write_json(message_json(status), args.json)
+    if args.json != JSON_STDOUT:
+        _print_status(status)
+    return 0
 
+
+def _fetch_status(args: argparse.Namespace):  # -> pb.StatusResponse
+    """The coordinator's Status; ConnectionError naming it when it does not answer."""
     from proto import CHANNEL_OPTIONS, pb, pb_grpc
     from trainer.tls import open_channel
 
@@ -196,20 +225,79 @@ def cmd_status(args: argparse.Namespace) -> int:
 
     with open_channel(args.coordinator, _client_tls(args), CHANNEL_OPTIONS) as channel:
         try:
-            status = pb_grpc.CoordinatorStub(channel).Status(pb.StatusRequest(), timeout=10)
+            return pb_grpc.CoordinatorStub(channel).Status(pb.StatusRequest(), timeout=10)
         except grpc.RpcError as exc:
             detail = (exc.details() or "").splitlines()[0][:300] if hasattr(exc, "details") else ""
             code = exc.code().name if hasattr(exc, "code") and exc.code() is not None else "error"
             raise ConnectionError(f"--coordinator {args.coordinator}: no answer from a coordinator "
                                   f"({code}: {detail})") from None
-    if args.json is not None:
-        _write_json(MessageToDict(status), args.json)
-    if args.json != JSON_STDOUT:
-        _print_status(status)
-    return 0
+
+
+def _watch_status(args: argparse.Namespace) -> int:
+    """``status --watch S``: the tables again every S seconds until interrupted (Ctrl-C: exit 0). On
+    a terminal they are redrawn in place; piped, each refresh follows the last under a time line. A
+    coordinator that does not answer is said in one line, and asked again at the next refresh."""
+    import time
+
+    from rich.console import Console, Group
+    from rich.live import Live
+    from rich.markup import escape
+
+    console = Console()
+    live = Live(console=console, auto_refresh=False) if console.is_terminal else None
+    try:
+        if live is not None:
+            live.start()
+        while True:
+            try:
+                shown = Group(*_status_tables(_fetch_status(args)))
+            except (ConnectionError, OSError, ValueError) as exc:  # TlsError is a ValueError
+                shown = Group(f"[red]{escape(' '.join(str(exc).split())[:500])}[/]")
+            stamp = time.strftime("%H:%M:%S")
+            if live is not None:
+                live.update(Group(f"{stamp}, every {args.watch:g}s (Ctrl-C to stop)", shown), refresh=True)
+            else:
+                console.print(f"--- {stamp}")
+                console.print(shown)
+            time.sleep(args.watch)
+    except KeyboardInterrupt:
+        return 0
+    finally:
+        if live is not None:
+            live.stop()
 
 
 JSON_STDOUT = "-"  # ``--json`` without a FILE: the document goes to stdout, alone
+DEFAULT_WATCH_S = 2.0  # ``status --watch`` alone: seconds between refreshes
+
+
+def message_json(message) -> dict:  # message: a protobuf Message
+    """A protobuf message as the JSON a person or a script expects: every field under its proto
+    name (zero values included), integers as numbers (protobuf's JSON mapping writes 64-bit ones as
+    strings), enums by name, bytes as hex, and a non-finite double as null (strict JSON has no NaN)."""
+    import math
+
+    from google.protobuf.descriptor import FieldDescriptor
+
+    def value(field, v):
+        if field.type == FieldDescriptor.TYPE_MESSAGE:
+            return message_json(v)
+        if field.type == FieldDescriptor.TYPE_ENUM:
+            known = field.enum_type.values_by_number.get(v)
+            return known.name if known is not None else v
+        if field.type == FieldDescriptor.TYPE_BYTES:
+            return v.hex()
+        if isinstance(v, float) and not math.isfinite(v):
+            return None
+        return v
+
+    out: dict = {}
+    for field in message.DESCRIPTOR.fields:
+        v = getattr(message, field.name)
+        repeated = getattr(field, "is_repeated", None)
+        repeated = repeated if repeated is not None else field.label == FieldDescriptor.LABEL_REPEATED
+        out[field.name] = [value(field, x) for x in v] if repeated else value(field, v)
+    return out
 
 
 def _write_json(doc: dict, where: str) -> None:
@@ -224,14 +312,20 @@ def _write_json(doc: dict, where: str) -> None:
 
 def _print_status(status) -> None:  # status: pb.StatusResponse
     from rich.console import Console
+
+    console = Console()
+    for shown in _status_tables(status):
+        console.print(shown)
+
+
+def _status_tables(status) -> list:  # status: pb.StatusResponse; -> the run line and two rich Tables
     from rich.markup import escape
     from rich.table import Table
 
     from proto import WorkerPhase
 
-    console = Console()
-    console.print(f"run [bold]{status.run_id}[/]: open round {status.open_round} of {status.total_rounds}"
-                  f"{' (finished)' if status.finished else ''}; ledger lag {status.ledger_lag_rounds} round(s)")
+    head = (f"run [bold]{escape(status.run_id)}[/]: open round {status.open_round} of {status.total_rounds}"
+            f"{' (finished)' if status.finished else ''}; ledger lag {status.ledger_lag_rounds} round(s)")
     workers = Table(title="workers")
     for column in ("worker", "address", "shard", "alive", "round", "phase", "last seen"):
         workers.add_column(column)
@@ -239,14 +333,13 @@ def _print_status(status) -> None:  # status: pb.StatusResponse
         phase = WorkerPhase(w.phase).label if w.phase in iter(WorkerPhase) else str(w.phase)
         workers.add_row(escape(w.worker_id), escape(w.address) or "—", str(w.shard), "yes" if w.alive else "no",
                         str(w.round), phase, f"{w.last_seen_s:.1f}s ago" if w.last_seen_s >= 0 else "—")
-    console.print(workers)
     rounds = Table(title="rounds")
     for column in ("round", "eval loss", "participants", "dropped", "bytes up", "bytes down"):
         rounds.add_column(column)
     for r in status.rounds:
         rounds.add_row(str(r.round), f"{r.eval_loss:.4f}", ", ".join(r.participants) or "—",
                        ", ".join(r.dropped) or "—", str(r.bytes_up), str(r.bytes_down))
-    console.print(rounds)
+    return [head, workers, rounds]
 
 
 def cmd_config(args: argparse.Namespace) -> int:
@@ -256,12 +349,17 @@ def cmd_config(args: argparse.Namespace) -> int:
     base = demo_config() if args.demo else RunConfig()
     if args.diloco:
         base = base.plain_diloco()
-    if args.model_config:
+    if args.model_config and args.init_from:
+        raise UsageError("--init-from DIR takes the model section from DIR/config.json: give it or --model-config")
+    if args.model_config or args.init_from:
         from trainer.hf_model import read_hf_config
+        from trainer.init_weights import pin_init
 
         body = base.to_json()
-        body["model"] = read_hf_config(args.model_config)
-        config = RunConfig.from_json_with_settings(body, args.set)
+        body["model"] = read_hf_config(args.model_config or args.init_from)
+        if args.init_from:  # the weights beside it are θ⁽⁰⁾, pinned by their CID (trainer.init_weights)
+            body["model"]["init_from"] = str(Path(args.init_from).resolve())
+        config, _ = pin_init(RunConfig.from_json_with_settings(body, args.set))
     else:
         config = base.with_settings(args.set)
     print(strict_json(config.to_json(), indent=2, sort_keys=True))
@@ -272,7 +370,7 @@ def cmd_demo(args: argparse.Namespace) -> int:
     from cli.demo import run_demo
 
     return run_demo(Path(args.run_dir), workers=args.workers, settings=args.set, insecure=args.insecure,
-                    diloco=args.diloco)
+                    diloco=args.diloco, time_limit_s=args.time_limit)
 
 
 def cmd_audit(args: argparse.Namespace) -> int:
@@ -289,6 +387,18 @@ def cmd_export(args: argparse.Namespace) -> int:
 
 def _export_arguments(p: argparse.ArgumentParser) -> None:
     from cli.export import add_arguments
+
+    add_arguments(p)
+
+
+def cmd_plot(args: argparse.Namespace) -> int:
+    from cli.plot import run
+
+    return run(args)
+
+
+def _plot_arguments(p: argparse.ArgumentParser) -> None:
+    from cli.plot import add_arguments
 
     add_arguments(p)
 
@@ -385,6 +495,8 @@ def _demo_arguments(p: argparse.ArgumentParser) -> None:
     _set_argument(p)
     p.add_argument("--insecure", action="store_true",
                    help="plaintext gRPC between the demo's processes (to measure what TLS costs)")
+    p.add_argument("--time-limit", type=float, default=DEMO_TIME_LIMIT_S, metavar="SECONDS",
+                   help="stop the demo if its training has not finished by then")
 
 
 def _coordinator_arguments(p: argparse.ArgumentParser) -> None:
@@ -393,7 +505,7 @@ def _coordinator_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--run-dir", required=True, help="store, manifests and HEAD of the run")
     p.add_argument("--config", help="run configuration JSON (default: `dilocox config`'s; optional to resume)")
     _set_argument(p)
-    p.add_argument("--host", default="127.0.0.1")
+    p.add_argument("--host", default="127.0.0.1", help="address to listen on")
     p.add_argument("--port", type=int, default=0, help="0 picks a free port (see <run-dir>/coordinator.addr)")
     p.add_argument("--threads", type=int, default=1, help="torch threads")
     p.add_argument("--linger", type=float, default=10.0, help="seconds to let workers see the end of the run")
@@ -404,8 +516,9 @@ def _coordinator_arguments(p: argparse.ArgumentParser) -> None:
                    help="accept dev attestation, which PROVES NOTHING (local development only)")
     p.add_argument("--dev-root", action="append", default=[], help="address of a trusted dev root (repeatable)")
     p.add_argument("--report-timeout", type=float, default=30.0,
-                   help="seconds to wait for every participant's report before recording a round (its "
-                        "unreported updates then on the coordinator's word, credited to nobody)")
+                   help="seconds, from a round's publication, to wait for every participant's report before "
+                        "recording the round (its unreported updates then on the coordinator's word, credited "
+                        "to nobody)")
     p.add_argument("--challenge-window", type=int, default=DEFAULT_CHALLENGE_WINDOW, metavar="BLOCKS",
                    help="blocks a recorded round waits before its rewards can be claimed, set when the run is "
                         f"created on the ledger (default {DEFAULT_CHALLENGE_WINDOW}, about a day of 12 s blocks)")
@@ -426,7 +539,7 @@ def _coordinator_arguments(p: argparse.ArgumentParser) -> None:
 
 def _worker_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--coordinator", required=True, help="host:port")
-    p.add_argument("--worker-id", required=True)
+    p.add_argument("--worker-id", required=True, help="this worker's name in the run ([A-Za-z0-9._-], 1-64)")
     _client_tls_arguments(p)
     p.add_argument("--cores", type=int, default=None,
                    help="cores this worker may use (default: the cores this process may run on); the stages and "
@@ -457,6 +570,8 @@ def _status_arguments(p: argparse.ArgumentParser) -> None:
     _client_tls_arguments(p)
     p.add_argument("--json", nargs="?", const=JSON_STDOUT, metavar="FILE",
                    help="write the status as JSON to FILE; --json alone (or --json -) writes it to stdout, alone")
+    p.add_argument("--watch", nargs="?", type=float, const=DEFAULT_WATCH_S, metavar="SECONDS",
+                   help=f"show the tables again every SECONDS (default {DEFAULT_WATCH_S:g}) until Ctrl-C")
 
 
 def _audit_arguments(p: argparse.ArgumentParser) -> None:
@@ -500,7 +615,12 @@ def _config_arguments(p: argparse.ArgumentParser) -> None:
     _diloco_argument(p)
     p.add_argument("--model-config", metavar="PATH",
                    help="a Hugging Face config.json (or its folder; llama or qwen2) as the model section: its "
-                        "sizes, context and RoPE base; lower the context with --set model.block_size=N")
+                        "sizes, context, RoPE (base and scaling), tied embeddings, attention biases and head_dim; "
+                        "lower the context with --set model.block_size=N")
+    p.add_argument("--init-from", metavar="DIR",
+                   help="start the run from existing weights: a Hugging Face folder (config.json and "
+                        "model.safetensors; llama, qwen2, or a GPT-2 folder of `dilocox export`); its config.json "
+                        "is the model section and its weights are θ(0), pinned in the config by their CID")
     _set_argument(p)
 
 
@@ -528,7 +648,7 @@ def _bench_arguments(p: argparse.ArgumentParser, rest: Sequence[str]) -> None:
             continue
         module = importlib.import_module(module_name)  # argument definitions only: torch loads in cmd_bench
         module.add_arguments(bench.add_parser(name, help=help_, description=module.__doc__,
-                                              formatter_class=argparse.RawDescriptionHelpFormatter))
+                                              formatter_class=HelpFormatter))
 
 
 # name: (help, its arguments, what runs it); a subcommand's arguments are defined only when it is chosen.
@@ -550,6 +670,8 @@ COMMANDS: dict[str, tuple[str, Callable[..., None], Callable[[argparse.Namespace
     "gc": ("remove store objects the run no longer references (--dry-run: count them)", _gc_arguments, cmd_gc),
     "config": ("print a run configuration to start from", _config_arguments, cmd_config),
     "export": ("a round's checkpoint as a Hugging Face folder", _export_arguments, cmd_export),
+    "plot": ("a run's loss, bytes and round time per round as a PNG (from rounds.jsonl)", _plot_arguments,
+             cmd_plot),
     "data": ("data prepare: tokenize a corpus once into token shards", _data_arguments, cmd_data),
 }
 
@@ -561,12 +683,12 @@ def _chosen(argv: Sequence[str]) -> str | None:
 
 def parser(argv: Sequence[str] = ()) -> argparse.ArgumentParser:
     """The command line; only the subcommand named in ``argv`` gets its arguments (and imports)."""
-    p = argparse.ArgumentParser(prog="dilocox", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = argparse.ArgumentParser(prog="dilocox", description=__doc__, formatter_class=HelpFormatter)
     p.add_argument("-v", "--verbose", action="store_true", help="debug logging")
     sub = p.add_subparsers(dest="command", required=True)
     chosen = _chosen(argv)
     for name, (help_, arguments, run) in COMMANDS.items():
-        sp = sub.add_parser(name, help=help_)
+        sp = sub.add_parser(name, help=help_, description=help_, formatter_class=HelpFormatter)
         sp.set_defaults(func=run)
         if name != chosen:
             continue
@@ -575,6 +697,11 @@ def parser(argv: Sequence[str] = ()) -> argparse.ArgumentParser:
         else:
             arguments(sp)
     return p
+
+
+# Long-running processes show their progress in their logs; every other command on its console
+# (trainer.progress: a bar on a terminal, lines on stderr when piped).
+LOGGED_PROGRESS = ("worker", "coordinator")
 
 
 class UsageError(ValueError):
@@ -607,6 +734,22 @@ def _coordinator_address(address: str) -> None:
                          f"({getattr(exc, 'strerror', None) or exc})") from None
 
 
+def _warn_oversubscribed(cores: int | None, threads: int | None) -> None:
+    """More cores or threads than this process may run on is allowed (a benchmark may want it) but
+    never silent: every stage and thread then shares a core with another."""
+    import os
+
+    try:
+        have = len(os.sched_getaffinity(0))
+    except AttributeError:  # not Linux
+        have = os.cpu_count() or 1
+    for flag, value in (("--cores", cores), ("--threads", threads)):
+        if value is not None and value > have:
+            logging.getLogger("dilocox").warning(
+                "%s %d but this process may run on %d core(s): the worker's stages and threads will "
+                "oversubscribe them and run slower, not faster", flag, value, have)
+
+
 def check_args(args: argparse.Namespace) -> None:
     """Refuse out-of-range and contradictory arguments before anything starts, with one line each
     naming the flag (argparse checks only types)."""
@@ -614,6 +757,8 @@ def check_args(args: argparse.Namespace) -> None:
     if command == "demo":
         if not 1 <= args.workers <= MAX_DEMO_WORKERS:
             raise UsageError(f"--workers {args.workers} is out of range: must be in [1, {MAX_DEMO_WORKERS}]")
+        if not 1 <= args.time_limit <= 7 * 86_400:  # also refuses NaN
+            raise UsageError(f"--time-limit {args.time_limit} is out of range: must be in [1, 604800] seconds")
     if command == "coordinator":
         _port(args.port, "--port", 0)
         given = [args.ledger, args.chain_rpc, args.chain_key_file]
@@ -642,6 +787,7 @@ def check_args(args: argparse.Namespace) -> None:
         for flag, value in (("--threads", args.threads), ("--stages", args.stages), ("--cores", args.cores)):
             if value is not None and not 1 <= value <= 4096:
                 raise UsageError(f"{flag} {value} must be in [1, 4096]")
+        _warn_oversubscribed(args.cores, args.threads)
         from trainer.device import DeviceError, parse_device
 
         try:
@@ -654,18 +800,31 @@ def check_args(args: argparse.Namespace) -> None:
                 raise UsageError(f"{flag} {value} is out of range: must be a finite number >= 0")
     if command == "chain" and args.action == "up":
         _port(args.port, "--port", 0)
+    if command == "status" and args.watch is not None:
+        if args.json is not None:
+            raise UsageError("--watch shows the tables; it does not go with --json")
+        if not 0.1 <= args.watch <= 86_400:  # also refuses NaN
+            raise UsageError(f"--watch {args.watch} is out of range: must be in [0.1, 86400] seconds")
     if command in ("worker", "status"):
         _coordinator_address(args.coordinator)
 
 
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
+    import os
+
+    if "COLUMNS" not in os.environ and not any(stream.isatty() for stream in (sys.stdin, sys.stdout, sys.stderr)):
+        # Piped or logged: rich would wrap tables at 80 columns; a file has no width to fit.
+        os.environ["COLUMNS"] = "200"
     args = parser(argv).parse_args(argv)
     _logging(args.verbose)
+    if args.command not in LOGGED_PROGRESS:
+        use_console()
     try:
         check_args(args)
         return args.func(args)
-    except KeyboardInterrupt:
+    except KeyboardInterrupt:  # the with blocks have unwound: anvil stopped, temporary files removed
+        logging.getLogger("dilocox").error("interrupted (SIGINT): stopped, cleaned up, exiting")
         return 130
     except Exception as exc:  # one clear line for expected failures; the traceback with -v
         from attestation import AttestationError, PolicyViolation

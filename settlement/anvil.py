@@ -11,6 +11,14 @@ A ``detached`` anvil (``dilocox chain up``) runs in its own session with its log
 and is left running when this process exits: ``detach()`` hands its pid over, and whoever keeps the
 pid stops it (``dilocox chain down``).
 
+While an anvil runs, SIGTERM and SIGHUP to this process are an orderly exit (:class:`Terminated`,
+status 128 + the signal's number, one line on stderr saying why): the ``with`` blocks unwind as on
+any exception, so the anvil is stopped and temporary directories are removed, as at a normal exit
+(SIGINT already unwinds them, as KeyboardInterrupt). The handlers are installed by the first
+``start`` in the main thread over the default ones only (a process with its own, such as the
+coordinator, keeps them) and put back when the last anvil stops. Every command that starts anvil
+(``dilocox audit``, ``settle``, ``demo``, ``bench gas``) gets this one behaviour.
+
     with Anvil(state_file=run / "chain" / "state.json") as anvil:
         chain = Chain(anvil.rpc_url, DEV_ACCOUNTS[0])
 """
@@ -24,6 +32,7 @@ import signal
 import socket
 import subprocess
 import tempfile
+import threading
 import time
 import urllib.error
 import urllib.request
@@ -32,7 +41,7 @@ from pathlib import Path
 from types import TracebackType
 from typing import Self
 
-__all__ = ["DEV_ACCOUNTS", "Anvil", "AnvilError", "anvil_binary"]
+__all__ = ["DEV_ACCOUNTS", "Anvil", "AnvilError", "Terminated", "anvil_binary"]
 
 #: The private keys of anvil's first four default accounts (each funded with 10,000 ETH).
 #: They are PUBLIC TEST KEYS, printed by every anvil and hardhat node and derived from the well-known
@@ -60,6 +69,48 @@ def _stop_all() -> None:
 
 class AnvilError(RuntimeError):
     """The anvil binary is missing, or the chain did not start."""
+
+
+class Terminated(SystemExit):
+    """SIGTERM or SIGHUP while an anvil runs: leave as on an error, cleaning up on the way out
+    (a SystemExit, so no ``except Exception`` swallows it; exit status 128 + the signal's number)."""
+
+    def __init__(self, signum: int) -> None:
+        super().__init__(128 + signum)
+        self.signum = signum
+
+
+_TERMINATING = (signal.SIGTERM, signal.SIGHUP)
+_installed: dict[int, object] = {}  # signal -> the handler it had before, while ours is installed
+_terminating = False
+
+
+def _orderly_exit(signum: int, frame: object) -> None:
+    global _terminating
+    _terminating = True
+    for sig in _TERMINATING:  # a second signal must not cut the clean-up short
+        signal.signal(sig, signal.SIG_IGN)
+    name = signal.Signals(signum).name
+    os.write(2, f"dilocox: {name}: stopping the local chain and removing temporary files, then exiting\n".encode())
+    raise Terminated(signum)
+
+
+def _install_exit_handlers() -> None:
+    """Our handler for SIGTERM and SIGHUP, where the process has the default one (main thread only)."""
+    if _installed or threading.current_thread() is not threading.main_thread():
+        return
+    for sig in _TERMINATING:
+        if signal.getsignal(sig) == signal.SIG_DFL:
+            _installed[sig] = signal.signal(sig, _orderly_exit)
+
+
+def _restore_exit_handlers() -> None:
+    """The handlers from before, once no anvil runs (left as they are while exiting on a signal)."""
+    if _running or _terminating or threading.current_thread() is not threading.main_thread():
+        return
+    while _installed:
+        sig, previous = _installed.popitem()
+        signal.signal(sig, previous)  # type: ignore[arg-type]
 
 
 def anvil_binary() -> Path:
@@ -180,6 +231,7 @@ class Anvil:
         attempts = 3 if self._requested_port == 0 else 1
         for attempt in range(attempts):
             try:
+                _install_exit_handlers()  # before the child exists: no window in which a signal orphans it
                 self._launch(binary)
                 self._wait_ready()
                 _running.add(self)
@@ -188,7 +240,12 @@ class Anvil:
                 exited = self._process is not None and self._process.poll() is not None
                 self._terminate()
                 if not exited or attempt == attempts - 1:
+                    _restore_exit_handlers()
                     raise
+            except BaseException:  # a signal or Ctrl-C while starting: no anvil is left behind
+                self._terminate()
+                _restore_exit_handlers()
+                raise
         raise AssertionError("unreachable")
 
     def _launch(self, binary: Path) -> None:
@@ -241,6 +298,7 @@ class Anvil:
         """SIGTERM (anvil dumps its state file), wait, SIGKILL after the grace period. Idempotent."""
         _running.discard(self)
         self._terminate()
+        _restore_exit_handlers()
 
     def _terminate(self) -> None:
         process, self._process = self._process, None

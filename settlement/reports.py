@@ -23,7 +23,13 @@ class ReportBook:
 
     Rounds are queued strictly in order (the ledger refuses gaps): round r goes once every
     participant of r has reported, or ``report_timeout_s`` after r closed, whatever has arrived by
-    then. A participant without a report is listed by its update digest as unreported: the ledger
+    then. The timeout counts from the moment a report could first be sent: r's publication (the
+    coordinator's ``closed_at``, taken when θ⁽ʳ⁾ becomes what FetchGlobal serves; after a restart,
+    the restart). A participant then needs only to fetch θ⁽ʳ⁾, check its share of the held-out
+    claims and sign, which no worker defers behind training (trainer.worker.loops), so the timeout
+    bounds a fetch and an evaluation, not a round of training.
+
+    A participant without a report is listed by its update digest as unreported: the ledger
     records it on the coordinator's word and credits nobody, and the audit lists it. So a round
     whose participants all died before reporting is still recorded, and never blocks the rounds
     after it.

@@ -25,6 +25,7 @@ from typing import Sequence
 from storage_client import CID, Manifest, ObjectStore, StoreError
 from trainer.aggregation import exact_norm, round_norm
 from trainer.config import ModelConfig, RoundConfig, RunConfig
+from trainer.progress import Progress
 from trainer.transition import OuterState, TransitionError, round_transition, stored_downlink
 from trainer.update_record import RecordError, open_update
 from trainer.update_source import UpdateSource
@@ -61,10 +62,12 @@ def _stored_state(store: ObjectStore, manifest: Manifest) -> OuterState | None:
         raise CheckpointError(f"round {manifest.round}: the stored checkpoint cannot be read: {exc}") from None
 
 
-def checkpoint_at(store: ObjectStore, chain: Chain, round_: int, config: RunConfig | None = None) -> OuterState:
+def checkpoint_at(store: ObjectStore, chain: Chain, round_: int, config: RunConfig | None = None,
+                  progress: Progress | None = None) -> OuterState:
     """Round ``round_``'s θ, m and e: stored, or rebuilt from the newest stored checkpoint before it
     (module docstring). ``chain`` is the run's lineage up to at least ``round_``; ``config`` the run's
-    (read from the genesis manifest when None). Raises CheckpointError naming the round that fails."""
+    (read from the genesis manifest when None); ``progress`` counts the stored checkpoint read and
+    each round rebuilt. Raises CheckpointError naming the round that fails."""
     if not 0 <= round_ < len(chain):
         raise CheckpointError(f"round {round_} is not in the run's lineage (rounds 0..{len(chain) - 1})")
     if config is None:
@@ -76,12 +79,16 @@ def checkpoint_at(store: ObjectStore, chain: Chain, round_: int, config: RunConf
             if base == 0:
                 raise CheckpointError("the genesis checkpoint is not in the store")
             base -= 1
-    return rebuild_from(store, chain, base, state, round_, config)
+    if progress is not None:
+        progress.add_total(round_ - base + 1)
+        progress.advance()
+    return rebuild_from(store, chain, base, state, round_, config, progress)
 
 
 def rebuild_from(store: ObjectStore, chain: Chain, base: int, state: OuterState, round_: int,
-                 config: RunConfig) -> OuterState:
-    """``state`` (round ``base``'s) carried forward through rounds base+1..``round_`` (module docstring)."""
+                 config: RunConfig, progress: Progress | None = None) -> OuterState:
+    """``state`` (round ``base``'s) carried forward through rounds base+1..``round_`` (module
+    docstring); ``progress`` counts the rounds rebuilt."""
     layout = layout_of(state.params)
     k = config.rounds.clip_history_rounds
     norms: dict[int, float] = {}
@@ -105,6 +112,8 @@ def rebuild_from(store: ObjectStore, chain: Chain, base: int, state: OuterState,
             raise CheckpointError(f"round {q}: the rebuilt params are not the manifest's {manifest.params}")
         if str(CID.of(state.outer_state_bytes())) != manifest.outer_state:
             raise CheckpointError(f"round {q}: the rebuilt outer state is not the manifest's {manifest.outer_state}")
+        if progress is not None:
+            progress.advance()
     return state
 
 

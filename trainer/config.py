@@ -37,6 +37,26 @@ _RUN_ID = re.compile(r"^[A-Za-z0-9._-]{1,64}$")
 MODEL_FAMILIES = ("gpt", "llama", "qwen2")
 # The families whose attention uses rotary position embeddings (head_dim must be even).
 ROPE_FAMILIES = ("llama", "qwen2")
+# The values of model.rope_type: transformers' RoPE variants whose frequencies depend on the
+# configuration alone, and that transformers 4.4x and 5.x compute alike from the exported config.json
+# (trainer.hf_model.rope_parameters). Not here: "dynamic" and "longrope", whose frequencies change with
+# the length of the sequence at inference (a model trained on block_size tokens would be evaluated
+# with other frequencies past its original context).
+ROPE_TYPES = ("default", "linear", "llama3", "yarn")
+# The model fields that only some RoPE types read, with their defaults: each must keep its default
+# under the other types (a setting that would be ignored is a mistake, not a no-op).
+ROPE_TYPE_FIELDS = {
+    "rope_factor": (1.0, ("linear", "llama3", "yarn")),
+    "rope_original_max_position_embeddings": (0, ("llama3", "yarn")),
+    "rope_low_freq_factor": (1.0, ("llama3",)),
+    "rope_high_freq_factor": (4.0, ("llama3",)),
+    "rope_beta_fast": (32.0, ("yarn",)),
+    "rope_beta_slow": (1.0, ("yarn",)),
+    "rope_attention_factor": (0.0, ("yarn",)),
+}
+# Fields left out of the configuration's JSON while they hold their default (dataclass field
+# metadata): added after runs existed, they keep the CIDs of configurations that do not use them.
+OMITTED_AT_DEFAULT = {"omitted_at_default": True}
 
 
 @dataclass(frozen=True)
@@ -46,7 +66,9 @@ class ModelConfig:
 
     The HF families map onto their ``transformers`` configurations as n_embd -> hidden_size,
     n_layer -> num_hidden_layers, n_head -> num_attention_heads, n_kv_head -> num_key_value_heads,
-    block_size -> max_position_embeddings, rope_theta, rms_norm_eps (trainer.hf_model.hf_config).
+    block_size -> max_position_embeddings, rope_theta, rms_norm_eps, tie_word_embeddings,
+    attention_bias, head_size -> head_dim, rope_type and rope_<field> -> rope_parameters[<field>]
+    (trainer.hf_model.hf_config).
     """
 
     family: str = "gpt"  # one of MODEL_FAMILIES
@@ -68,6 +90,37 @@ class ModelConfig:
     rms_norm_eps: float = 1e-6
     # and at most MAX_PARAMETERS (1e10) parameters in all (estimated_parameters)
 
+    # The fields below are left out of the JSON while at their defaults (OMITTED_AT_DEFAULT). Up to
+    # init_from, the HF families' options, which map onto the transformers configuration under their
+    # own names (trainer.hf_model.hf_config); the GPT needs each at its default.
+    # The output head is the input embedding (one tensor, model.embed_tokens.weight), as in Qwen2-0.5B.
+    tie_word_embeddings: bool = field(default=False, metadata=OMITTED_AT_DEFAULT)
+    # Llama: biases on the q, k, v and o projections. Qwen2's q, k, v biases are fixed by its class
+    # (and it has none on o): false there.
+    attention_bias: bool = field(default=False, metadata=OMITTED_AT_DEFAULT)
+    # [0, 1024], even: the attention head dimension (transformers' head_dim); 0 = n_embd / n_head.
+    # Llama only: transformers' Qwen2Config has no head_dim (its attention uses n_embd / n_head).
+    head_size: int = field(default=0, metadata=OMITTED_AT_DEFAULT)
+    # RoPE scaling, as transformers defines it (modeling_rope_utils): one of ROPE_TYPES, and the
+    # fields its type reads (ROPE_TYPE_FIELDS; the others keep their defaults).
+    rope_type: str = field(default="default", metadata=OMITTED_AT_DEFAULT)
+    rope_factor: float = field(default=1.0, metadata=OMITTED_AT_DEFAULT)  # [1, 1e4]: linear, llama3, yarn
+    # [0, 16777216]: the pretraining context, > 0 for llama3 and yarn
+    rope_original_max_position_embeddings: int = field(default=0, metadata=OMITTED_AT_DEFAULT)
+    rope_low_freq_factor: float = field(default=1.0, metadata=OMITTED_AT_DEFAULT)  # (0, 1e4]: llama3
+    rope_high_freq_factor: float = field(default=4.0, metadata=OMITTED_AT_DEFAULT)  # (0, 1e4], > low: llama3
+    rope_beta_fast: float = field(default=32.0, metadata=OMITTED_AT_DEFAULT)  # (0, 1e4], > beta_slow: yarn
+    rope_beta_slow: float = field(default=1.0, metadata=OMITTED_AT_DEFAULT)  # (0, 1e4]: yarn
+    # [0, 100]: yarn's scale of cos and sin; 0 = transformers' default, 0.1 ln(rope_factor) + 1
+    rope_attention_factor: float = field(default=0.0, metadata=OMITTED_AT_DEFAULT)
+    # θ⁽⁰⁾ from existing weights (trainer.init_weights; `dilocox config --init-from DIR`): a folder
+    # holding config.json and model.safetensors, read by the coordinator at genesis only, and the CID
+    # of those weights as the run encodes θ⁽⁰⁾ (trainer.wire), which every party checks: the
+    # coordinator before genesis, each worker on the θ⁽⁰⁾ it is sent, the audit on the genesis
+    # checkpoint. "" and "": θ⁽⁰⁾ is built from the seed.
+    init_from: str = field(default="", metadata=OMITTED_AT_DEFAULT)
+    init_params: str = field(default="", metadata=OMITTED_AT_DEFAULT)
+
     @property
     def kv_heads(self) -> int:
         """Key/value heads: n_kv_head, or n_head when it is 0."""
@@ -75,7 +128,8 @@ class ModelConfig:
 
     @property
     def head_dim(self) -> int:
-        return self.n_embd // self.n_head
+        """The attention head dimension: head_size, or n_embd / n_head when it is 0."""
+        return self.head_size or self.n_embd // self.n_head
 
     @property
     def mlp_width(self) -> int:
@@ -319,6 +373,8 @@ def _encode(obj: Any) -> dict[str, Any]:
     out: dict[str, Any] = {}
     for f in fields(obj):
         value = getattr(obj, f.name)
+        if f.metadata.get("omitted_at_default") and value == f.default:
+            continue
         if dataclasses.is_dataclass(value):
             out[f.name] = _encode(value)
         elif isinstance(value, float):
@@ -345,10 +401,7 @@ def _decode(cls: type[T], obj: Any, path: str, base: T | None = None) -> T:
         if dataclasses.is_dataclass(kind):
             kwargs[name] = _decode(kind, value, where, getattr(cls(), name) if cls is RunConfig else None)
         elif kind is float:
-            try:
-                kwargs[name] = float(value) if isinstance(value, str) else _exact(value, int, where)
-            except ValueError as exc:
-                raise ConfigError(f"{where}: not a number: {value!r}") from exc
+            kwargs[name] = _number(value, where)
         elif kind is bool:
             kwargs[name] = _exact(value, bool, where)
         else:
@@ -372,6 +425,24 @@ def _setting_value(text: str, kind: type, path: str) -> Any:
     return text
 
 
+def _number(value: Any, where: str) -> float:
+    """A float field as a person or a program writes it: a JSON number (``0.001``, ``3``) or the
+    decimal text the canonical form uses (``"0.001"``, what ``dilocox config`` writes, so that the
+    CID never depends on how a JSON library prints a float). Either way the value is the same float,
+    so the same configuration has the same CID whichever way it was written."""
+    if isinstance(value, str) and len(value) <= 64:
+        try:
+            number = float(value)
+        except ValueError:
+            raise ConfigError(f"{where}: not a number: {value[:64]!r}") from None
+    elif type(value) in (int, float):  # bool is an int subclass: a true/false here is a mistake
+        number = float(value)
+    else:
+        shown = repr(value)[:64] if isinstance(value, str) else type(value).__name__
+        raise ConfigError(f"{where}: expected a number, got {shown}")
+    return number  # a non-finite value is refused with its range by the field's validation
+
+
 def _exact(value: Any, kind: type, where: str) -> Any:
     # bool is an int subclass; a true/false where a count belongs is a mistake, not a 1/0.
     if type(value) is not kind:
@@ -393,6 +464,14 @@ _RANGES: dict[str, tuple[float, float, bool, bool]] = {
     "model.intermediate_size": (0, 1 << 20, False, False),
     "model.rope_theta": (1.0, 1e9, False, False),
     "model.rms_norm_eps": (1e-12, 0.01, False, False),
+    "model.head_size": (0, 1024, False, False),
+    "model.rope_factor": (1.0, 1e4, False, False),
+    "model.rope_original_max_position_embeddings": (0, 1 << 24, False, False),
+    "model.rope_low_freq_factor": (0.0, 1e4, True, False),
+    "model.rope_high_freq_factor": (0.0, 1e4, True, False),
+    "model.rope_beta_fast": (0.0, 1e4, True, False),
+    "model.rope_beta_slow": (0.0, 1e4, True, False),
+    "model.rope_attention_factor": (0.0, 100.0, False, False),
     "inner.steps": (1, 1_000_000, False, False),
     "inner.batch_size": (1, 4096, False, False),
     "inner.lr": (0.0, 10.0, True, False),
@@ -457,11 +536,12 @@ def _numeric_fields(cfg: RunConfig) -> list[tuple[str, Any]]:
 def estimated_parameters(m: ModelConfig) -> int:
     """The model's parameter count, from its fields; exact (tests compare it with the built model).
 
-    With d = n_embd, V = vocab_size, L = n_layer, q = n_head x head_dim (= d), kv = kv_heads x head_dim
-    and I = mlp_width, every family having untied input and output embeddings (2 V d):
+    With d = n_embd, V = vocab_size, L = n_layer, q = n_head x head_dim, kv = kv_heads x head_dim
+    and I = mlp_width; E = 2 V d for untied input and output embeddings, V d when tied:
 
         gpt:    2 V d + block_size d (learned positions) + L (12 d^2 + 13 d) + 2 d (final LayerNorm)
-        llama:  2 V d + L (2 d q + 2 d kv + 3 d I + 2 d) + d             (no biases, RMSNorm weights)
+        llama:  E + L (2 d q + 2 d kv + 3 d I + 2 d) + d                 (RMSNorm weights)
+                + L (q + 2 kv + d) with attention_bias                   (q, k, v, o projection biases)
         qwen2:  llama's + L (q + 2 kv)                                    (q, k, v projection biases)
     """
     d, vocab = m.n_embd, m.vocab_size
@@ -471,9 +551,9 @@ def estimated_parameters(m: ModelConfig) -> int:
         raise ConfigError(_unknown_family(m.family))
     q, kv = m.n_head * m.head_dim, m.kv_heads * m.head_dim
     layer = 2 * d * q + 2 * d * kv + 3 * d * m.mlp_width + 2 * d
-    if m.family == "qwen2":
-        layer += q + 2 * kv
-    return 2 * vocab * d + m.n_layer * layer + d
+    if m.family == "qwen2" or m.attention_bias:
+        layer += q + 2 * kv + (d if m.attention_bias else 0)
+    return (1 if m.tie_word_embeddings else 2) * vocab * d + m.n_layer * layer + d
 
 
 def _unknown_family(family: object) -> str:
@@ -481,15 +561,22 @@ def _unknown_family(family: object) -> str:
             f"{', '.join(MODEL_FAMILIES)}")
 
 
+# The model fields only the HF families read, with the value the GPT needs (its default).
+_HF_ONLY_FIELDS = ("n_kv_head", "intermediate_size", "rope_theta", "rms_norm_eps", "tie_word_embeddings",
+                   "attention_bias", "head_size", "rope_type", *ROPE_TYPE_FIELDS)
+
+
 def _model_problems(m: ModelConfig) -> list[str]:
     """The model section's relations (its fields each in range already)."""
-    if m.n_embd % m.n_head != 0:
+    if not m.head_size and m.n_embd % m.n_head != 0:
         return [f"model.n_embd must be divisible by model.n_head (n_embd {m.n_embd}, n_head {m.n_head})"]
-    problems = []
+    problems = _init_problems(m)
+    defaults = {f.name: f.default for f in fields(ModelConfig)}
     if m.family == "gpt":
-        # The GPT has multi-head attention, a 4x MLP and learned positions: these would be ignored.
-        for name, value, default in (("n_kv_head", m.n_kv_head, 0), ("intermediate_size", m.intermediate_size, 0),
-                                     ("rope_theta", m.rope_theta, 10000.0), ("rms_norm_eps", m.rms_norm_eps, 1e-6)):
+        # The GPT has multi-head attention, a 4x MLP, learned positions and untied LayerNorm-ed
+        # embeddings: these would be ignored.
+        for name in _HF_ONLY_FIELDS:
+            value, default = getattr(m, name), defaults[name]
             if value != default:
                 problems.append(f"model.{name} = {value!r} applies to the {', '.join(ROPE_FAMILIES)} families only; "
                                 f"the gpt family needs {default!r}")
@@ -498,27 +585,71 @@ def _model_problems(m: ModelConfig) -> list[str]:
         problems.append(f"model.n_head = {m.n_head} must be a multiple of model.n_kv_head = {m.n_kv_head} "
                         f"(each key/value head serves n_head / n_kv_head query heads)")
     if m.head_dim % 2:
-        problems.append(f"model.n_embd / model.n_head = {m.head_dim} (the head dimension) must be even: rotary "
-                        f"position embeddings rotate pairs of coordinates")
+        problems.append(f"model.head_size, or model.n_embd / model.n_head when it is 0, = {m.head_dim} (the head "
+                        f"dimension) must be even: rotary position embeddings rotate pairs of coordinates")
+    if m.family == "qwen2":
+        if m.attention_bias:
+            problems.append("model.attention_bias applies to the llama family: qwen2's q, k, v biases are fixed by "
+                            "its transformers class (and o has none)")
+        if m.head_size and m.head_size != m.n_embd // m.n_head:
+            problems.append(f"model.head_size = {m.head_size} applies to the llama family: transformers' Qwen2Config "
+                            f"has no head_dim (its attention uses n_embd / n_head)")
+    return problems + _rope_problems(m, defaults)
+
+
+def _rope_problems(m: ModelConfig, defaults: dict[str, Any]) -> list[str]:
+    """The RoPE type and the fields it reads (ROPE_TYPE_FIELDS)."""
+    if m.rope_type not in ROPE_TYPES:
+        return [f"model.rope_type = {str(m.rope_type)[:40]!r} is not supported: must be one of "
+                f"{', '.join(ROPE_TYPES)} (dynamic and longrope change the frequencies with the sequence's length)"]
+    problems = []
+    for name, (default, types) in ROPE_TYPE_FIELDS.items():
+        if m.rope_type not in types and getattr(m, name) != default:
+            problems.append(f"model.{name} = {getattr(m, name)!r} applies to rope_type {' or '.join(types)} only; "
+                            f"rope_type {m.rope_type!r} needs {default!r}")
+    if m.rope_type in ("llama3", "yarn") and m.rope_original_max_position_embeddings == 0:
+        problems.append(f"model.rope_type {m.rope_type!r} needs model.rope_original_max_position_embeddings "
+                        f"(the pretraining context)")
+    if m.rope_type == "llama3" and not m.rope_high_freq_factor > m.rope_low_freq_factor:
+        problems.append(f"model.rope_high_freq_factor = {m.rope_high_freq_factor!r} must exceed "
+                        f"model.rope_low_freq_factor = {m.rope_low_freq_factor!r}")
+    if m.rope_type == "yarn" and not m.rope_beta_fast > m.rope_beta_slow:
+        problems.append(f"model.rope_beta_fast = {m.rope_beta_fast!r} must exceed model.rope_beta_slow = "
+                        f"{m.rope_beta_slow!r}")
     return problems
+
+
+def _pinned_folder_problems(path_name: str, path: Any, cid_name: str, cid: Any, codec: Codec, pinned: str,
+                            folder: str) -> list[str]:
+    """A folder path field and the CID field that pins what it holds (or ""): a bounded path, a CID
+    of ``codec`` (what it pins: ``pinned``), set only with the path (``folder`` says what it is)."""
+    problems = []
+    if not isinstance(path, str) or len(path) > 4096 or "\x00" in path:
+        problems.append(f"{path_name} must be a directory path of at most 4096 characters")
+    if not isinstance(cid, str) or len(cid) > 128:
+        problems.append(f"{cid_name} must be a CID of at most 128 characters")
+    elif cid:
+        try:
+            if CID.parse(cid).codec != codec:
+                problems.append(f"{cid_name} must be the CID of {pinned} (codec {codec.name.lower()})")
+        except InvalidCIDError:
+            problems.append(f"{cid_name} is not a CID")
+        if not path:
+            problems.append(f"{cid_name} is set but {path_name} ({folder}) is not")
+    return problems
+
+
+def _init_problems(m: ModelConfig) -> list[str]:
+    """model.init_from (a bounded path) and model.init_params (a RAW CID, with init_from)."""
+    return _pinned_folder_problems("model.init_from", m.init_from, "model.init_params", m.init_params, Codec.RAW,
+                                   "θ⁽⁰⁾'s bytes", "the weights' folder")
 
 
 def _data_problems(cfg: RunConfig) -> list[str]:
     """The prepared-token fields: a bounded path, and a JSON-codec CID (or "")."""
-    d, problems = cfg.data, []
-    if not isinstance(d.tokens, str) or len(d.tokens) > 4096 or "\x00" in d.tokens:
-        problems.append("data.tokens must be a directory path of at most 4096 characters")
-    if not isinstance(d.tokens_cid, str) or len(d.tokens_cid) > 128:
-        problems.append("data.tokens_cid must be a CID of at most 128 characters")
-    elif d.tokens_cid:
-        try:
-            if CID.parse(d.tokens_cid).codec != Codec.JSON:
-                problems.append("data.tokens_cid must be the CID of a JSON index (codec json)")
-        except InvalidCIDError:
-            problems.append("data.tokens_cid is not a CID")
-        if not d.tokens:
-            problems.append("data.tokens_cid is set but data.tokens (the prepared directory) is not")
-    return problems
+    d = cfg.data
+    return _pinned_folder_problems("data.tokens", d.tokens, "data.tokens_cid", d.tokens_cid, Codec.JSON,
+                                   "a JSON index", "the prepared directory")
 
 
 def _validate(cfg: RunConfig) -> list[str]:

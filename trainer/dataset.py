@@ -29,10 +29,10 @@ the next). Slot k's dataDigest is the shard's sha256 when it has one shard, else
 sha256(d_k || d_{k+W} || ...) over the shards' 32-byte digests in that order.
 
 Before any token is used, a file is verified against the index: present, size = tokens x itemsize,
-sha256 equal (streamed in chunks), and every token < the tokenizer's vocabulary (checked in the
-same pass); then it is opened with ``numpy.memmap``, so a worker maps only its own shards and the
-held-out file, and corpora larger than memory work. Every refusal is a :class:`DataError` naming the
-file or field.
+sha256 equal (streamed in chunks), and every token < the tokenizer's vocabulary (checked in the same
+pass, its progress shown when it is long: trainer.progress); then it is opened with
+``numpy.memmap``, so a worker maps only its own shards and the held-out file, and corpora larger
+than memory work. Every refusal is a :class:`DataError` naming the file or field.
 """
 
 from __future__ import annotations
@@ -53,6 +53,7 @@ from storage_client import (
 )
 from trainer.config import RunConfig
 from trainer.data import Corpus, CorpusError, load_corpus, shard_digest
+from trainer.progress import BYTES, Progress
 
 INDEX_SCHEMA = "dilocox-tokens/1"
 INDEX_FILE = "index.json"
@@ -204,8 +205,9 @@ def verify_token_file(directory: Path, entry: TokenFile, dtype: str, vocab_size:
         raise DataError(f"token file {path} is {size} bytes, but the index says {entry.tokens} tokens of {dtype} "
                         f"({entry.tokens * itemsize} bytes): wrong dtype, truncated or not this index's file")
     digest, buffer = hashlib.sha256(), bytearray(HASH_CHUNK_BYTES)
-    with path.open("rb") as f:
+    with path.open("rb") as f, Progress(f"verifying {entry.file}", size, unit=BYTES, final_if_shown=True) as read:
         while n := f.readinto(buffer):
+            read.advance(n)
             chunk = memoryview(buffer)[:n]
             digest.update(chunk)
             if n % itemsize:  # the size was checked; only a file growing under us gets here

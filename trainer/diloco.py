@@ -40,6 +40,7 @@ import torch.nn as nn
 
 from trainer.config import InnerConfig, OuterConfig
 from trainer.device import autocast
+from trainer.progress import Progress
 from trainer.wire import Params, encode_params
 
 
@@ -115,7 +116,9 @@ class InnerLoop:
             weight_decay=cfg.weight_decay,
         )
 
-    def run(self, start: Params, batches: Iterable[tuple[torch.Tensor, torch.Tensor]]) -> InnerResult:
+    def run(self, start: Params, batches: Iterable[tuple[torch.Tensor, torch.Tensor]],
+            progress: Progress | None = None) -> InnerResult:
+        """H AdamW steps from ``start``, one a batch; ``progress`` counts the steps and their tokens."""
         load_params(self.model, start)
         self.model.train()
         losses: list[float] = []
@@ -134,6 +137,8 @@ class InnerLoop:
             self.optimizer.step()
             losses.append(loss.item())
             tokens += x.numel()
+            if progress is not None:
+                progress.advance(1, amount=x.numel())
         if not losses:
             raise ValueError("an inner loop needs at least one batch")
         end = params_of(self.model)

@@ -1,7 +1,7 @@
 """Decoder models of the Hugging Face ``transformers`` families (Llama, Qwen2), built from a
 :class:`trainer.config.ModelConfig` alone: no hub id, no download, no weights read. A local
 ``config.json`` can supply that model section (:func:`read_hf_config`, ``dilocox config
---model-config``).
+--model-config`` / ``--init-from``); the built-in GPT maps onto GPT-2 (:func:`gpt2_name`).
 
 ``hf_config(cfg)`` is the family's ``transformers`` configuration (``LlamaConfig`` /
 ``Qwen2Config``) with the sizes of ``cfg``, and every setting this project depends on pinned
@@ -9,12 +9,24 @@ explicitly rather than left to the library's defaults:
 
     hidden_size = n_embd, num_hidden_layers = n_layer, num_attention_heads = n_head,
     num_key_value_heads = kv_heads, intermediate_size = mlp_width, vocab_size,
-    max_position_embeddings = block_size, rope_parameters = {rope_type: default, rope_theta},
-    rms_norm_eps, hidden_act silu, initializer_range 0.02, no dropout,
-    tie_word_embeddings False (tied weights share storage, which safetensors refuses),
+    max_position_embeddings = block_size (yarn: its pretraining context, max_position_embeddings),
+    rope_parameters = {rope_type, rope_theta, and the type's fields} (rope_parameters),
+    rms_norm_eps, hidden_act silu, initializer_range 0.02, no dropout, tie_word_embeddings,
     attn_implementation "sdpa", dtype float32;
-    llama: no biases (attention_bias, mlp_bias False); qwen2: biases on q, k, v (the class has
-    them fixed), no sliding window.
+    llama: attention_bias (q, k, v, o), no MLP bias, head_dim = ModelConfig.head_dim;
+    qwen2: biases on q, k, v (the class has them fixed), no sliding window.
+
+The model trains with transformers' own rotary module built from those ``rope_parameters``, so the
+run computes the RoPE the exported model computes (linear: positions / factor; llama3: the
+wavelength-banded division of the frequencies by factor; yarn: the ramp between interpolated and
+extrapolated frequencies over the correction range of beta_fast..beta_slow rotations, cos and sin
+scaled by attention_factor; all as transformers.modeling_rope_utils states them). A tied model's
+``lm_head.weight`` is ``model.embed_tokens.weight`` (one Parameter, so one tensor in θ, in
+checkpoints and in the export; transformers ties it again on load).
+
+:func:`hf_config_json` is the exported ``config.json``: every field transformers 4.4x and 5 read,
+in both spellings (``rope_theta`` + ``rope_scaling`` for 4.4x, ``rope_parameters`` for 5, which
+prefers ``rope_scaling`` when both are present: they are written to agree).
 
 :class:`HFDecoder` holds the ``transformers`` model's two top-level modules under their own names,
 ``model`` (``LlamaModel`` / ``Qwen2Model``: embed_tokens, layers, norm, rotary_emb) and
@@ -37,6 +49,7 @@ position_ids=[0..T-1])``; with no mask, ``transformers``' sdpa attention runs ca
 
 from __future__ import annotations
 
+import math
 from pathlib import Path
 from typing import Any
 
@@ -44,7 +57,7 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from trainer.config import ROPE_FAMILIES, ConfigError, ModelConfig
+from trainer.config import ROPE_FAMILIES, ROPE_TYPES, ConfigError, ModelConfig
 
 # family -> (transformers configuration class, causal LM class), imported by name when needed
 # (importing transformers takes seconds; the GPT never needs it).
@@ -65,23 +78,71 @@ def _classes(family: str) -> tuple[type, type]:
     return getattr(transformers, config_name), getattr(transformers, model_name)
 
 
+def rope_scaling(cfg: ModelConfig) -> dict[str, Any] | None:
+    """``cfg``'s RoPE scaling as transformers 4.4x reads it (``rope_scaling``; None for unscaled
+    RoPE), complete for transformers 5 too given the top-level ``rope_theta`` and
+    ``max_position_embeddings`` (5 takes ``rope_scaling`` over ``rope_parameters`` when a config.json
+    has both, so the two must agree). yarn's ``attention_factor`` is written out (0.1 ln(factor) + 1
+    when the config leaves it 0), so the versions need not agree on its default."""
+    if cfg.rope_type == "default":
+        return None
+    scaling: dict[str, Any] = {"rope_type": cfg.rope_type, "factor": cfg.rope_factor}
+    if cfg.rope_type == "llama3":
+        scaling.update(low_freq_factor=cfg.rope_low_freq_factor, high_freq_factor=cfg.rope_high_freq_factor,
+                       original_max_position_embeddings=cfg.rope_original_max_position_embeddings)
+    elif cfg.rope_type == "yarn":
+        scaling.update(attention_factor=cfg.rope_attention_factor or 0.1 * math.log(cfg.rope_factor) + 1.0,
+                       beta_fast=cfg.rope_beta_fast, beta_slow=cfg.rope_beta_slow)
+    return scaling
+
+
+def rope_parameters(cfg: ModelConfig) -> dict[str, Any]:
+    """``cfg``'s RoPE as transformers 5 reads it (``rope_parameters``): the type, the base and the
+    scaling's fields (:func:`rope_scaling`)."""
+    params: dict[str, Any] = {**(rope_scaling(cfg) or {"rope_type": "default"}), "rope_theta": cfg.rope_theta}
+    if cfg.rope_type == "yarn":
+        params["original_max_position_embeddings"] = cfg.rope_original_max_position_embeddings
+    return params
+
+
+def max_position_embeddings(cfg: ModelConfig) -> int:
+    """block_size, except under yarn: its pretraining context. transformers 4.4x's yarn finds its
+    correction range from ``max_position_embeddings``, 5's from ``original_max_position_embeddings``;
+    equal, the two compute the same frequencies (no other part of these models reads it)."""
+    return cfg.rope_original_max_position_embeddings if cfg.rope_type == "yarn" else cfg.block_size
+
+
 def hf_config(cfg: ModelConfig) -> Any:
     """The family's ``transformers`` configuration for ``cfg`` (see the module doc)."""
     config_class, model_class = _classes(cfg.family)
     extra: dict[str, Any] = {}
     if cfg.family == "llama":
-        extra = dict(attention_bias=False, mlp_bias=False)
+        extra = dict(attention_bias=cfg.attention_bias, mlp_bias=False, head_dim=cfg.head_dim)
     elif cfg.family == "qwen2":
         extra = dict(use_sliding_window=False, sliding_window=None)
     return config_class(
         vocab_size=cfg.vocab_size, hidden_size=cfg.n_embd, intermediate_size=cfg.mlp_width,
         num_hidden_layers=cfg.n_layer, num_attention_heads=cfg.n_head, num_key_value_heads=cfg.kv_heads,
-        max_position_embeddings=cfg.block_size,
-        rope_parameters={"rope_type": "default", "rope_theta": cfg.rope_theta},
+        max_position_embeddings=max_position_embeddings(cfg), rope_parameters=rope_parameters(cfg),
         hidden_act="silu", rms_norm_eps=cfg.rms_norm_eps, initializer_range=INITIALIZER_RANGE,
-        attention_dropout=0.0, tie_word_embeddings=False,
+        attention_dropout=0.0, tie_word_embeddings=cfg.tie_word_embeddings,
         architectures=[model_class.__name__], dtype="float32", **extra,
     )
+
+
+def hf_config_json(cfg: ModelConfig) -> dict[str, Any]:
+    """The exported ``config.json`` object of ``cfg``: :func:`hf_config` with every field that
+    transformers 4.4x and 5.x read, in both spellings where they differ: ``rope_theta`` and
+    ``rope_scaling`` (4.4x) beside ``rope_parameters`` (5), ``torch_dtype`` (4) beside ``dtype`` (5)."""
+    hf = hf_config(cfg).to_dict()
+    hf["rope_parameters"] = rope_parameters(cfg)
+    hf["rope_theta"] = cfg.rope_theta
+    hf["rope_scaling"] = rope_scaling(cfg)
+    hf["torch_dtype"] = hf["dtype"] = "float32"
+    hf["tie_word_embeddings"] = cfg.tie_word_embeddings
+    if cfg.family == "llama":
+        hf["head_dim"] = cfg.head_dim
+    return hf
 
 
 class HFDecoder(nn.Module):
@@ -156,6 +217,86 @@ class HFStage(nn.Module):
         return x
 
 
+# --------------------------------------------------------------------- the built-in GPT as GPT-2
+
+# GPT (trainer.model) parameter -> GPT-2 (transformers' GPT2LMHeadModel) parameter, and whether the
+# tensor is transposed: GPT-2's Conv1D keeps a linear map's weight as (in, out), nn.Linear as (out, in).
+# The blocks match GPT-2's exactly: pre-LayerNorm (eps 1e-5), fused q, k, v in that order, exact
+# (erf) GELU (GPT-2's activation_function "gelu"), a 4x MLP, biases on every linear map but the head,
+# learned positions, attention scaled by 1/sqrt(head dim), no dropout; the head is untied.
+_GPT2_BLOCK = {"ln1.weight": ("ln_1.weight", False), "ln1.bias": ("ln_1.bias", False),
+               "attn.qkv.weight": ("attn.c_attn.weight", True), "attn.qkv.bias": ("attn.c_attn.bias", False),
+               "attn.proj.weight": ("attn.c_proj.weight", True), "attn.proj.bias": ("attn.c_proj.bias", False),
+               "ln2.weight": ("ln_2.weight", False), "ln2.bias": ("ln_2.bias", False),
+               "mlp.fc.weight": ("mlp.c_fc.weight", True), "mlp.fc.bias": ("mlp.c_fc.bias", False),
+               "mlp.proj.weight": ("mlp.c_proj.weight", True), "mlp.proj.bias": ("mlp.c_proj.bias", False)}
+_GPT2_TOP = {"wte.weight": "transformer.wte.weight", "wpe.weight": "transformer.wpe.weight",
+             "ln_f.weight": "transformer.ln_f.weight", "ln_f.bias": "transformer.ln_f.bias",
+             "lm_head.weight": "lm_head.weight"}
+
+
+def gpt2_name(name: str) -> tuple[str, bool]:
+    """The GPT-2 name of a GPT parameter, and whether its tensor is transposed there."""
+    if name in _GPT2_TOP:
+        return _GPT2_TOP[name], False
+    parts = name.split(".", 2)
+    if len(parts) == 3 and parts[0] == "blocks" and parts[1].isdigit() and parts[2] in _GPT2_BLOCK:
+        gpt2, transposed = _GPT2_BLOCK[parts[2]]
+        return f"transformer.h.{parts[1]}.{gpt2}", transposed
+    raise ConfigError(f"{name[:80]!r} is not a parameter of the built-in GPT")
+
+
+def gpt2_config_json(cfg: ModelConfig) -> dict[str, Any]:
+    """The ``config.json`` of ``cfg``'s GPT as ``GPT2LMHeadModel`` (transformers 4.4x and 5.x)."""
+    from transformers import GPT2Config
+
+    hf = GPT2Config(
+        vocab_size=cfg.vocab_size, n_positions=cfg.block_size, n_embd=cfg.n_embd, n_layer=cfg.n_layer,
+        n_head=cfg.n_head, n_inner=4 * cfg.n_embd, activation_function="gelu", resid_pdrop=0.0, embd_pdrop=0.0,
+        attn_pdrop=0.0, layer_norm_epsilon=1e-5, initializer_range=INITIALIZER_RANGE, scale_attn_weights=True,
+        scale_attn_by_inverse_layer_idx=False, reorder_and_upcast_attn=False, tie_word_embeddings=False,
+        architectures=["GPT2LMHeadModel"], dtype="float32", bos_token_id=None, eos_token_id=None,
+    ).to_dict()
+    hf["n_ctx"] = cfg.block_size  # read by transformers 4.x as the context
+    hf["torch_dtype"] = hf["dtype"] = "float32"
+    hf["tie_word_embeddings"] = False
+    return hf
+
+
+def export_state(cfg: ModelConfig, params: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """θ under the exported model's names: the Hugging Face families' as they stand (their names are
+    transformers' already), the GPT's as GPT-2's (:func:`gpt2_name`), contiguous."""
+    if cfg.family in HF_CLASSES:
+        return {name: t.contiguous() for name, t in params.items()}
+    out = {}
+    for name, tensor in params.items():
+        gpt2, transposed = gpt2_name(name)
+        out[gpt2] = (tensor.t() if transposed else tensor).contiguous()
+    return out
+
+
+def import_state(cfg: ModelConfig, state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """The inverse of :func:`export_state`: a Hugging Face state dict under the run's names (a GPT's
+    from GPT-2's); a name the run's model does not have is kept as it is, for the caller to refuse."""
+    if cfg.family in HF_CLASSES:
+        return dict(state)
+    from trainer.model import new_model
+
+    with torch.device("meta"):
+        names = [n for n, _ in new_model(cfg).named_parameters()]
+    back = {gpt2_name(n)[0]: (n, gpt2_name(n)[1]) for n in names}
+    out = {}
+    for name, tensor in state.items():
+        ours, transposed = back.get(name, (name, False))
+        out[ours] = tensor.t().contiguous() if transposed else tensor
+    return out
+
+
+def exported_config_json(cfg: ModelConfig) -> dict[str, Any]:
+    """The exported ``config.json`` of any family: :func:`hf_config_json`, or :func:`gpt2_config_json`."""
+    return hf_config_json(cfg) if cfg.family in HF_CLASSES else gpt2_config_json(cfg)
+
+
 # ------------------------------------------------------------------- a local config.json in
 
 MAX_HF_CONFIG_BYTES = 1 << 20  # a model's config.json is a few kB
@@ -180,41 +321,89 @@ def _number(obj: dict, name: str, kind: type, default: Any = None) -> Any:
     return value
 
 
-def _rope_theta(obj: dict) -> float:
-    """The RoPE base of a config.json in either spelling (``rope_theta``, or transformers 5's
-    ``rope_parameters``); any scaled RoPE (``rope_scaling``, a rope_type other than default) is refused."""
-    if obj.get("rope_scaling") is not None:
-        raise ConfigError(f"{_field('rope_scaling', obj['rope_scaling'])} is not supported: only unscaled RoPE")
-    params = obj.get("rope_parameters")
-    if params is None:
-        return _number(obj, "rope_theta", float, 10000.0)
+# The keys of a rope_scaling / rope_parameters object this loader reads (the rest are refused by name).
+_ROPE_KEYS = {"rope_type", "type", "rope_theta", "factor", "low_freq_factor", "high_freq_factor",
+              "original_max_position_embeddings", "attention_factor", "beta_fast", "beta_slow", "mscale",
+              "mscale_all_dim", "truncate"}
+
+
+def _rope_fields(obj: dict) -> dict[str, Any]:
+    """The RoPE fields of the model section (floats as their repr, as the JSON form holds them) from a
+    config.json in either spelling: ``rope_scaling`` and ``rope_theta`` (transformers 4.4x), or
+    ``rope_parameters`` (5), ``rope_scaling`` first when both are there, as transformers 5 reads them.
+    Defaults are transformers': 10000 for the base, ``max_position_embeddings`` for the pretraining
+    context, 32 and 1 for yarn's betas; yarn's ``mscale`` and ``mscale_all_dim`` become the
+    ``attention_factor`` transformers 5 derives from them."""
+    params = obj.get("rope_scaling") or obj.get("rope_parameters") or {}
+    name = "rope_scaling" if obj.get("rope_scaling") else "rope_parameters"
     if not isinstance(params, dict):
-        raise ConfigError(f"{_field('rope_parameters', params)} is not an object")
-    if params.get("rope_type", "default") != "default":
-        raise ConfigError(f"{_field('rope_parameters.rope_type', params.get('rope_type'))} is not supported: "
-                          f"only 'default' (unscaled RoPE)")
-    return _number(params, "rope_theta", float, obj.get("rope_theta", 10000.0))
+        raise ConfigError(f"{_field(name, params)} is not an object")
+    unknown = sorted(str(k)[:40] for k in params if k not in _ROPE_KEYS)
+    if unknown:
+        raise ConfigError(f"config.json: {name} has {', '.join(unknown[:5])}, which this loader does not build")
+    rope_type = params.get("rope_type", params.get("type", "default"))
+    if rope_type not in ROPE_TYPES:
+        raise ConfigError(f"{_field(name + '.rope_type', rope_type)} is not supported: must be one of "
+                          f"{', '.join(ROPE_TYPES)} (dynamic and longrope change the frequencies with the "
+                          f"sequence's length)")
+    # as transformers 5 fills it in: the object's own, else the top-level rope_theta (4.4x's only one)
+    theta = params.get("rope_theta", obj.get("rope_theta", 10000.0))
+    fields: dict[str, Any] = {"rope_theta": repr(_number({"rope_theta": theta}, "rope_theta", float))}
+    if rope_type == "default":
+        return fields
+
+    def number(key: str, kind: type = float, default: Any = None) -> Any:
+        return _number({f"{name}.{key}": params.get(key, default)}, f"{name}.{key}", kind)
+
+    fields.update(rope_type=rope_type, rope_factor=repr(number("factor")))
+    if rope_type in ("llama3", "yarn"):
+        fields["rope_original_max_position_embeddings"] = number(
+            "original_max_position_embeddings", int, obj.get("max_position_embeddings"))
+    if rope_type == "llama3":
+        fields.update(rope_low_freq_factor=repr(number("low_freq_factor")),
+                      rope_high_freq_factor=repr(number("high_freq_factor")))
+    elif rope_type == "yarn":
+        if params.get("truncate", True) is not True:
+            raise ConfigError(f"{_field(name + '.truncate', params.get('truncate'))} is not supported: "
+                              f"transformers 4.4x always truncates yarn's correction range")
+        fields.update(rope_beta_fast=repr(number("beta_fast", float, 32.0)),
+                      rope_beta_slow=repr(number("beta_slow", float, 1.0)))
+        factor, attention = float(fields["rope_factor"]), params.get("attention_factor")
+        mscale, mscale_all_dim = params.get("mscale"), params.get("mscale_all_dim")
+        if attention is None and mscale and mscale_all_dim:  # transformers 5's rule
+
+            def scale(m: float) -> float:
+                return 1.0 if factor <= 1 else 0.1 * m * math.log(factor) + 1.0
+
+            attention = scale(number("mscale")) / scale(number("mscale_all_dim"))
+        # The default (0: derived from factor) when it is the derived value, as an export writes it.
+        if attention is not None and attention != 0.1 * math.log(factor) + 1.0:
+            fields["rope_attention_factor"] = repr(_number({name: attention}, name, float))
+    return fields
 
 
 def _refuse_unsupported(obj: dict, family: str) -> None:
     """One line naming the first field that asks for something this loader does not build."""
-    expected = {"tie_word_embeddings": False, "hidden_act": "silu", "attention_dropout": 0.0,
-                "attention_bias": False, "mlp_bias": False, "use_sliding_window": False,
-                "quantization_config": None}
-    if family == "qwen2":  # its q, k, v biases are fixed by the class, not a setting
-        del expected["attention_bias"], expected["mlp_bias"]
+    expected = {"hidden_act": "silu", "attention_dropout": 0.0, "mlp_bias": False, "use_sliding_window": False,
+                "quantization_config": None, "partial_rotary_factor": 1.0}
+    if family == "qwen2":  # its q, k, v biases are fixed by the class, not a setting (attention_bias is ignored)
+        del expected["mlp_bias"]
     for name, want in expected.items():
         if name in obj and obj[name] != want:
             raise ConfigError(f"{_field(name, obj[name])} is not supported: this loader builds {want!r}")
+    for name in ("tie_word_embeddings", "attention_bias"):
+        if name in obj and type(obj[name]) is not bool:
+            raise ConfigError(f"{_field(name, obj[name])} is not true or false")
     layer_types = obj.get("layer_types")
     if layer_types is not None and (not isinstance(layer_types, list)
                                     or any(t != "full_attention" for t in layer_types)):
         raise ConfigError(f"{_field('layer_types', layer_types)} is not supported: every layer must be "
                           f"'full_attention' (no sliding windows)")
     head_dim = obj.get("head_dim")
-    if head_dim is not None and head_dim != _number(obj, "hidden_size", int) // _number(obj, "num_attention_heads", int):
-        raise ConfigError(f"{_field('head_dim', head_dim)} is not supported: must be hidden_size / "
-                          f"num_attention_heads")
+    if (family == "qwen2" and head_dim is not None
+            and head_dim != _number(obj, "hidden_size", int) // _number(obj, "num_attention_heads", int)):
+        raise ConfigError(f"{_field('head_dim', head_dim)} is not supported for qwen2: transformers' Qwen2Config "
+                          f"has no head_dim (its attention uses hidden_size / num_attention_heads)")
 
 
 def model_section_from_hf(obj: Any) -> dict[str, Any]:
@@ -223,22 +412,57 @@ def model_section_from_hf(obj: Any) -> dict[str, Any]:
 
     hidden_size -> n_embd, num_hidden_layers -> n_layer, num_attention_heads -> n_head,
     num_key_value_heads -> n_kv_head (absent: n_head), intermediate_size, vocab_size,
-    max_position_embeddings -> block_size, rope_theta, rms_norm_eps. A field asking for what the
-    loader does not build (scaled RoPE, sliding windows, tied embeddings, biases Llama lacks,
-    another activation, dropout, quantization) is refused with one line naming it and its value.
+    max_position_embeddings -> block_size, rms_norm_eps, tie_word_embeddings, attention_bias
+    (llama; qwen2's biases are fixed by its class, which ignores the field), head_dim -> head_size
+    (llama; left 0 when it is hidden_size / heads), the RoPE fields (:func:`_rope_fields`). A field
+    the loader does not build (dynamic or longrope RoPE, sliding windows, an MLP bias, another
+    activation, dropout, quantization, partial rotary) is refused with one line naming it and its
+    value. A ``gpt2`` config.json is read as the built-in GPT's (:func:`_gpt2_section`).
     """
     if not isinstance(obj, dict):
         raise ConfigError("config.json: not a JSON object")
     family = obj.get("model_type")
+    if family == "gpt2":
+        return _gpt2_section(obj)
     if family not in HF_CLASSES:
-        raise ConfigError(f"{_field('model_type', family)} is not supported: must be one of {', '.join(HF_CLASSES)}")
+        raise ConfigError(f"{_field('model_type', family)} is not supported: must be one of "
+                          f"{', '.join(HF_CLASSES)}, gpt2")
     _refuse_unsupported(obj, family)
     section: dict[str, Any] = {"family": family}
     for hf_name, name in _HF_SIZES.items():
         default = obj.get("num_attention_heads") if hf_name == "num_key_value_heads" else None
         section[name] = _number(obj, hf_name, int, default)
-    section["rope_theta"] = repr(_rope_theta(obj))
+    section.update(_rope_fields(obj))
     section["rms_norm_eps"] = repr(_number(obj, "rms_norm_eps", float, 1e-6))
+    if obj.get("tie_word_embeddings"):
+        section["tie_word_embeddings"] = True
+    if obj.get("attention_bias") and family == "llama":
+        section["attention_bias"] = True
+    head_dim = obj.get("head_dim")
+    if head_dim is not None and head_dim != section["n_embd"] // section["n_head"]:
+        section["head_size"] = _number(obj, "head_dim", int)
+    return section
+
+
+def _gpt2_section(obj: dict) -> dict[str, Any]:
+    """The built-in GPT's model section of a GPT-2 config.json that computes what it computes
+    (:func:`gpt2_config_json`, as ``dilocox export`` writes it): exact GELU, LayerNorm eps 1e-5, a 4x
+    MLP, an untied head. The hub's GPT-2 checkpoints use the tanh GELU and a tied head: refused."""
+    # (field, GPT2Config's default, what the GPT computes)
+    for name, default, want in (("activation_function", "gelu_new", "gelu"), ("layer_norm_epsilon", 1e-5, 1e-5),
+                                ("tie_word_embeddings", True, False), ("scale_attn_weights", True, True),
+                                ("scale_attn_by_inverse_layer_idx", False, False),
+                                ("reorder_and_upcast_attn", False, False)):
+        value = obj.get(name, default)
+        if value != want:
+            raise ConfigError(f"{_field(name, value)} is not supported: the built-in GPT (family gpt) computes "
+                              f"{name} = {want!r}")
+    section: dict[str, Any] = {"family": "gpt"}
+    for hf_name, name in (("vocab_size", "vocab_size"), ("n_positions", "block_size"), ("n_layer", "n_layer"),
+                          ("n_head", "n_head"), ("n_embd", "n_embd")):
+        section[name] = _number(obj, hf_name, int)
+    if obj.get("n_inner") not in (None, 4 * section["n_embd"]):
+        raise ConfigError(f"{_field('n_inner', obj['n_inner'])} is not supported: the built-in GPT's MLP is 4 x n_embd")
     return section
 
 

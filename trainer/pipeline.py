@@ -66,7 +66,9 @@ A worker's P stages are P long-lived local processes, rank s = stage s, held by 
 metrics report that start-up apart. How many stages and threads a worker runs on the cores it is
 given is :func:`plan_stages`'s rule (``dilocox worker --stages auto|P --cores C``). They are
 forked by a ``forkserver`` that imports torch once, so only the first group of a worker pays for
-that import (seconds); a replacement group starts in a fraction of a second.
+that import (seconds); a replacement group starts in a fraction of a second. The start is shown as
+progress in the worker's log (stages ready of P, trainer.progress), and the last stage logs each
+round's inner steps (step i/H, tokens/s, ETA) into the same log, on the stderr it inherits.
 Every round the worker puts one job on each stage's own queue (its slice of θ⁽ʳ⁻¹⁾, the batches,
 the inner hyper-parameters, and, when updates travel compressed, the stage's error-feedback state)
 and each stage answers on a shared queue with Δ_s, the losses, its token count and Δ_s encoded for
@@ -110,6 +112,7 @@ import os
 import queue as queue_mod
 import sys
 import time
+from contextlib import nullcontext
 from dataclasses import dataclass
 from datetime import timedelta
 from typing import Any, Callable, NoReturn, Sequence
@@ -128,6 +131,7 @@ from trainer.diloco import load_params
 from trainer.hf_model import HFDecoder, HFStage
 from trainer.model import GPT, build_model, new_model
 from trainer.procgroup import LocalGroup, Member, answer, available_cpus, join_group, leave_child, report_error
+from trainer.progress import PLAIN_LOG_FORMAT, Progress
 from trainer.uplink import Slice, encode_slice, new_compressor
 from trainer.wire import Params
 
@@ -233,6 +237,11 @@ def _stage_of(model: nn.Module, index: int, num_stages: int) -> GPTStage | HFSta
     if isinstance(model, GPT):
         return GPTStage(model, index, num_stages)
     if isinstance(model, HFDecoder):
+        if model.cfg.tie_word_embeddings and num_stages > 1:
+            # Stage 0 would train the embedding and the last stage the head as two copies: the
+            # sum of their gradients, which tying needs, is never formed across stage processes.
+            raise ValueError("model.tie_word_embeddings: the embedding and the output head are one tensor, which "
+                             "pipeline stages cannot split: run this model as one stage (--stages 1)")
         return HFStage(model, index, num_stages, stage_blocks(model.cfg.n_layer, num_stages)[index])
     raise ValueError(f"a {type(model).__name__[:60]} cannot be split into pipeline stages: only the "
                      f"{', '.join(MODEL_FAMILIES)} families' models (trainer.model.build_model) can")
@@ -372,11 +381,13 @@ class StageRunner:
             self._schedule_shape = shape
         return self._schedule
 
-    def run(self, inner_cfg: InnerConfig, start: Params, batches: Sequence[Batch]) -> StageResult:
+    def run(self, inner_cfg: InnerConfig, start: Params, batches: Sequence[Batch],
+            progress: Progress | None = None) -> StageResult:
         """One round of this stage; see the module doc.
 
         ``start`` needs (at least) this stage's slice; ``batches`` are the worker's full batches
-        (stage 0 reads the inputs, the last stage the targets).
+        (stage 0 reads the inputs, the last stage the targets); ``progress`` counts the steps and
+        their tokens.
         """
         where, stage = self.where, self.stage
         _check_microbatches(batches, self.n_microbatches)
@@ -424,6 +435,8 @@ class StageRunner:
             optimizer.step()
             losses.append(loss)
             tokens += x.numel()
+            if progress is not None:
+                progress.advance(1, amount=x.numel())
 
         delta = {n: mine[n] - p.detach().cpu() for n, p in stage.named_parameters()}
         steps = min((int(s["step"]) for s in optimizer.state.values()), default=0)
@@ -473,6 +486,7 @@ class RoundJob:
     batches: list[tuple[np.ndarray, np.ndarray]]
     compression: CompressionConfig | None = None  # None: the slice goes dense
     uplink_state: dict[str, np.ndarray] | None = None  # the stage's error feedback, kept by the worker
+    what: str = "inner steps"  # what the last stage's progress lines call the round's steps
 
 
 # Runs one round in a stage process; tests substitute one that fails on purpose.
@@ -498,7 +512,10 @@ def run_round(runner: StageRunner, job: RoundJob) -> dict[str, Any]:
     """The default :data:`RoundFn`: the stage's round, then its slice encoded for the push
     (trainer.uplink: compressed with the error feedback the job brought, or dense), as a plain
     dict of numpy arrays."""
-    result = runner.run(job.inner_cfg, _to_torch(job.start), _to_torch(job.batches))
+    # The last stage knows each step's loss last: it alone shows the round's progress, in the worker's log.
+    shown = runner.index == runner.num_stages - 1
+    with Progress(job.what, len(job.batches), unit="steps", rate_unit="tokens") if shown else nullcontext() as progress:
+        result = runner.run(job.inner_cfg, _to_torch(job.start), _to_torch(job.batches), progress)
     compressor = None
     if job.compression is not None:
         compressor = new_compressor(job.compression, _to_torch(job.uplink_state))
@@ -530,6 +547,8 @@ def _stage_main(member: Member, results: Any, setup: _Setup, jobs: Any, round_fn
     # The process that started this one: the worker, or the forkserver, which leaves when the
     # worker is gone. Either way, once it is gone this process is adopted and no job will come.
     parent = os.getppid()
+    if not logging.getLogger().handlers:  # its lines (progress) join the worker's log, on the inherited stderr
+        logging.basicConfig(level=logging.INFO, format=PLAIN_LOG_FORMAT)
     try:
         device = stage_device(torch.device(setup.device), member.rank)
         if device.type == "cuda":
@@ -597,7 +616,8 @@ class StageGroup:
             self.group.start()
             for s, pid in enumerate(self.group.pids):
                 log.info("pipeline stage %d of %d: pid %d", s, num_stages, pid)
-            self.group.collect(0, timeout_s + _START_ALLOWANCE_S, "pipeline start")
+            with Progress(f"starting {num_stages} pipeline stages", num_stages, unit="ready") as progress:
+                self.group.collect(0, timeout_s + _START_ALLOWANCE_S, "pipeline start", progress)
         except BaseException:
             self.close(graceful=False)
             raise
@@ -628,12 +648,13 @@ class StageGroup:
 
     def run(self, inner_cfg: InnerConfig, start_params: Params, batches: Sequence[Batch], *,
             deadline_s: float | None = None, compression: CompressionConfig | None = None,
-            uplink_states: Sequence[Params] | None = None) -> PipelineResult:
+            uplink_states: Sequence[Params] | None = None, what: str = "inner steps") -> PipelineResult:
         """One round's inner loop on the group's stages, from the full θ⁽ʳ⁻¹⁾ ``start_params``,
         each stage then encoding its slice: compressed with ``compression`` and its state from
         ``uplink_states`` (one per stage), or dense when ``compression`` is None.
 
-        ``deadline_s`` bounds the round (None: only the stages' own timeouts). ValueError for
+        ``deadline_s`` bounds the round (None: only the stages' own timeouts); ``what`` names the
+        steps in the last stage's progress lines (trainer.progress). ValueError for
         inputs that do not fit (the group stays usable); PipelineError, the group closed, when a
         stage fails.
         """
@@ -654,7 +675,7 @@ class StageGroup:
             for s, names in enumerate(self.names):
                 state = None if compression is None else _to_numpy(dict(uplink_states[s]))
                 self._jobs[s].put(RoundJob(self._seq, inner_cfg, _to_numpy({n: start_params[n] for n in names}),
-                                           shared, compression, state))
+                                           shared, compression, state, what))
             stages = [_stage_result(p) for p in self.group.collect(self._seq, deadline_s, "pipeline round")]
             delta: Params = {}
             for s, result in enumerate(stages):
@@ -753,12 +774,14 @@ class PipelinedInnerLoop:
         return self.group
 
     def run(self, start: Params, batches: Sequence[Batch],
-            uplink_states: Sequence[Params] | None = None) -> PipelineResult:
+            uplink_states: Sequence[Params] | None = None, what: str = "inner steps") -> PipelineResult:
         """One round; each stage encodes its slice, compressed when the loop was made with a
-        ``compression`` config (``uplink_states``: each stage's error feedback, see trainer.uplink)."""
+        ``compression`` config (``uplink_states``: each stage's error feedback, see trainer.uplink);
+        ``what`` names the steps in the progress lines."""
         try:
             result = self._ensure_group().run(self.cfg, start, batches, deadline_s=self.deadline_s,
-                                              compression=self.compression, uplink_states=uplink_states)
+                                              compression=self.compression, uplink_states=uplink_states,
+                                              what=what)
         except PipelineError as exc:
             self._failure = f"a failure ({str(exc).splitlines()[0]})"
             self.close()

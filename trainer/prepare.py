@@ -22,7 +22,8 @@ Tokens. BPE: each document's ids followed by the end-of-text id. Byte tokens (no
 each document's UTF-8 bytes with its trailing newlines replaced by one blank line (``\\n\\n``).
 Documents are tokenized in batches and written as they are tokenized, so at most one batch of
 tokens is in memory; a BPE tokenizer is trained first, in one streaming pass over the train
-documents. The index (trainer.dataset) is written last; a refused input removes the token files
+documents. The input bytes read are shown as progress (trainer.progress), once for the BPE pass
+and once for tokenizing. The index (trainer.dataset) is written last; a refused input removes the token files
 written so far, and a directory without ``index.json`` is never a prepared one.
 """
 
@@ -41,6 +42,7 @@ from storage_client import JSONBoundsError, loads_bounded
 from trainer.dataset import (
     INDEX_FILE, MAX_SHARDS, TOKENIZER_FILE, DataError, TokenFile, TokenIndex, dtype_for,
 )
+from trainer.progress import BYTES, Progress
 from trainer.tokenizer import BpeTokenizer, ByteTokenizer, Tokenizer, tokenizer_for
 
 TEXT_SUFFIXES = (".txt", ".text", ".md")
@@ -136,9 +138,24 @@ def _jsonl_documents(path: Path) -> Iterator[str]:
         raise DataError(f"cannot read {path}: {exc.strerror}") from None
 
 
-def documents(sources: list[Source]) -> Iterator[str]:
+def documents(sources: list[Source], progress: Progress | None = None) -> Iterator[str]:
+    """The documents of ``sources`` in order; ``progress`` counts the input bytes read (a document's
+    characters while in a file, the file's exact size at its end)."""
     for source in sources:
-        yield from (_jsonl_documents if source.jsonl else _text_documents)(source.path)
+        before = progress.done if progress is not None else 0
+        for doc in (_jsonl_documents if source.jsonl else _text_documents)(source.path):
+            if progress is not None:
+                progress.advance(len(doc))
+            yield doc
+        if progress is not None:
+            progress.advance(before + _size(source.path) - progress.done)
+
+
+def _size(path: Path) -> int:
+    try:
+        return path.stat().st_size
+    except OSError:
+        return 0
 
 
 def held_out(i: int, fraction: Fraction) -> bool:
@@ -182,13 +199,14 @@ def _document_ids(tokenizer: Tokenizer, texts: list[str]) -> list[list[int]]:
     return [ids + [tokenizer.eos_id] for ids in tokenizer.encode_batch(texts)]
 
 
-def _routed(train: list[Source], held: list[Source] | None, fraction: Fraction) -> Iterator[tuple[bool, str]]:
+def _routed(train: list[Source], held: list[Source] | None, fraction: Fraction,
+            progress: Progress | None = None) -> Iterator[tuple[bool, str]]:
     """(held out?, document) in order."""
     if held is not None:
-        yield from ((False, d) for d in documents(train))
-        yield from ((True, d) for d in documents(held))
+        yield from ((False, d) for d in documents(train, progress))
+        yield from ((True, d) for d in documents(held, progress))
         return
-    for i, doc in enumerate(documents(train)):
+    for i, doc in enumerate(documents(train, progress)):
         yield held_out(i, fraction), doc
 
 
@@ -205,8 +223,13 @@ def prepare(inputs: list[Path], out: Path, *, tokenizer: str = "byte", vocab_siz
     if out.exists() and (not out.is_dir() or any(out.iterdir())):
         raise DataError(f"--out {out} exists and is not an empty directory")
     held = eval_sources.files if eval_sources else None
-    tok: Tokenizer = tokenizer_for(tokenizer, (d for h, d in _routed(sources.files, held, fraction) if not h),
-                                   vocab_size) if tokenizer == "bpe" else tokenizer_for(tokenizer)
+    input_bytes = sum(_size(s.path) for s in [*sources.files, *(held or [])])
+    if tokenizer == "bpe":
+        with Progress("data prepare: reading for the BPE tokenizer", input_bytes, unit=BYTES) as reading:
+            tok: Tokenizer = tokenizer_for(
+                tokenizer, (d for h, d in _routed(sources.files, held, fraction, reading) if not h), vocab_size)
+    else:
+        tok = tokenizer_for(tokenizer)
     dtype = dtype_for(tok.vocab_size)
     out.mkdir(parents=True, exist_ok=True)
     writers = [TokenWriter(out / f"train-{k:05d}.bin", dtype) for k in range(shards)]
@@ -226,13 +249,14 @@ def prepare(inputs: list[Path], out: Path, *, tokenizer: str = "byte", vocab_siz
         batch.clear()
 
     try:
-        for routed in _routed(sources.files, held, fraction):
-            batch.append(routed)
-            size += len(routed[1])
-            if size >= BATCH_CHARS:
-                flush()
-                size = 0
-        flush()
+        with Progress("data prepare: tokenizing", input_bytes, unit=BYTES) as tokenizing:
+            for routed in _routed(sources.files, held, fraction, tokenizing):
+                batch.append(routed)
+                size += len(routed[1])
+                if size >= BATCH_CHARS:
+                    flush()
+                    size = 0
+            flush()
     except BaseException:  # a refused input leaves no half-written token files behind
         for writer in [*writers, eval_writer]:
             writer.close()

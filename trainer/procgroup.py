@@ -30,6 +30,8 @@ from typing import Any, Callable, NoReturn, Sequence
 import torch
 import torch.distributed as dist
 
+from trainer.progress import Progress
+
 
 @dataclass(frozen=True)
 class Answer:
@@ -157,8 +159,10 @@ class LocalGroup:
         proc = self.procs[rank]
         return f"{self.who(rank)} (pid {proc.pid}) died: exit code {proc.exitcode}"
 
-    def collect(self, seq: int, deadline_s: float | None = None, what: str = "round") -> list[Any]:
-        """Every rank's answer to ``seq``, by rank, watching the processes while waiting."""
+    def collect(self, seq: int, deadline_s: float | None = None, what: str = "round",
+                progress: Progress | None = None) -> list[Any]:
+        """Every rank's answer to ``seq``, by rank, watching the processes while waiting;
+        ``progress`` counts the ranks that answered (and shows the wait while none does)."""
         payloads: dict[int, Any] = {}
         errors: dict[int, tuple[str, str]] = {}  # in order of arrival: the first is the likely cause
         stop_at = None if deadline_s is None else time.monotonic() + deadline_s
@@ -168,6 +172,8 @@ class LocalGroup:
                 message = self.results.get(timeout=0.1)
             except queue_mod.Empty:
                 message = None
+            if progress is not None:
+                _count(progress, len(payloads))
             if message is not None:
                 if _take(message, seq, payloads, errors):
                     failed_at = failed_at or time.monotonic()
@@ -191,6 +197,8 @@ class LocalGroup:
                 waiting = [k for k in range(self.world_size) if k not in payloads]
                 raise self.error(f"{what} exceeded {deadline_s:g} s; ranks {waiting} of {self.world_size} "
                                  f"had not finished")
+        if progress is not None:
+            _count(progress, len(payloads))
         return [payloads[k] for k in range(self.world_size)]
 
     def _drain(self, seq: int, payloads: dict[int, Any], errors: dict[int, tuple[str, str]]) -> None:
@@ -222,6 +230,14 @@ class LocalGroup:
             q.cancel_join_thread()  # what a dead child never read must not block our exit
             q.close()
         del self._store
+
+
+def _count(progress: Progress, answered: int) -> None:
+    """Advance ``progress`` to the ranks that answered; without a new answer, show the wait."""
+    if answered > progress.done:
+        progress.advance(answered - progress.done)
+    else:
+        progress.tick()
 
 
 def _take(message: Answer | Failure, seq: int, payloads: dict[int, Any], errors: dict[int, tuple[str, str]]) -> bool:

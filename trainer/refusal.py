@@ -25,6 +25,7 @@ class Reason(enum.Enum):
     STALE_ROUND = "stale-round"        # the round has closed
     ROUND_NOT_OPEN = "round-not-open"  # the round has not opened yet
     WRONG_BASE = "wrong-base"          # computed from no checkpoint or not the round's start
+    HALTED = "halted"                  # the coordinator stopped the run: it cannot go on (named)
     NOT_PUBLISHED = "not-published"    # a report of a round without a published checkpoint, or too late
     NOT_PARTICIPANT = "not-participant"  # a report of a round the worker did not contribute to
     NO_LEDGER = "no-ledger"            # reports sent to a run without a ledger

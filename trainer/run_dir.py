@@ -33,6 +33,9 @@ class RunDirError(ValueError):
     """A state file of the run that cannot be used; the message names the file."""
 
 
+ROUNDS_LOG = "rounds.jsonl"  # one summary line per published round (``dilocox plot`` reads it)
+
+
 def _reason(exc: BaseException) -> str:
     text = getattr(exc, "strerror", None) or str(exc) or type(exc).__name__
     return text.splitlines()[0][:200]
@@ -100,7 +103,7 @@ class RunDir:
 
     @property
     def rounds_log(self) -> Path:
-        return self.path / "rounds.jsonl"
+        return self.path / ROUNDS_LOG
 
     def log_round(self, summary: dict[str, Any]) -> None:
         """Append a round's summary (the manifest stays the record; this is its readable trace)."""

@@ -296,7 +296,8 @@ def test_happy_path(honest: RunBuilder) -> None:
         assert row.participants == len(manifest.participants)
         assert row.reports == (0 if row.round == 0 else 2)
         assert row.eval_loss == pytest.approx(manifest.eval_loss_e6 / 1e6)
-    assert any("PROVES NOTHING" in w for w in result.warnings)
+    assert sum("PROVES NOTHING" in w for w in result.warnings) == 1  # once for the run, naming the workers
+    assert all(key.address in result.warnings[0] for key in honest.keys.values())
 
     doc = json.loads(json.dumps(result.to_json()))
     assert {"ok", "failures", "rounds", "warnings"} <= set(doc)

@@ -153,9 +153,6 @@ def test_the_readme_by_hand_section_runs_audits_and_settles(tmp_path: Path) -> N
     check_everyone_paid(tmp_path, addresses)
 
 
-@pytest.mark.xfail(strict=True, reason="issue 25: a worker reports round r-1 only after training round r, so a "
-                                       "round that outlasts --report-timeout is recorded unreported; the `reports` "
-                                       "branch fixes the worker: remove this mark once it is merged")
 def test_by_hand_with_rounds_longer_than_the_report_timeout_pays_everyone(tmp_path: Path) -> None:
     # 100 steps: about 3 s of training a round on an idle core, three times the report timeout. (At
     # 200 steps the audit's replay of an overlapped round 2 is refused, 0.086 off, for honest workers:

@@ -98,11 +98,12 @@ def test_replays_free_riders_stale_bases_and_inflated_claims_are_refused(cluster
     other = "bafkreie7q3iidccmpvszul7kudcvvuavuo7u6gzlbobczuk5nqze4zvxjy"
     assert f"was computed from '{other}', but the round starts from {base}" in m.refused(
         PRECONDITION, honest, base_params_cid=other)
-    # Inflated claims: a million times the tokens, or other inner steps; an absurd train loss.
+    # Inflated claims: a million times the tokens, or other inner steps; a train loss no cross-entropy has.
     details = m.refused(INVALID, honest, base_params_cid=base, tokens=tokens * 10**6)
     assert f"claimed tokens {tokens * 10**6}" in details and f"tokens {tokens}, inner_steps {cfg.inner.steps}" in details
     assert "claimed tokens" in m.refused(INVALID, honest, base_params_cid=base, inner_steps=cfg.inner.steps + 1)
-    assert "claimed train_loss 0.001" in m.refused(INVALID, honest, base_params_cid=base, train_loss=0.001)
+    assert "claimed train_loss -0.001 is not a mean cross-entropy" in m.refused(INVALID, honest, base_params_cid=base,
+                                                                                 train_loss=-0.001)
 
     first = m.push(honest, base_params_cid=base)
     cluster.start_worker("w0")

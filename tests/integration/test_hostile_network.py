@@ -296,7 +296,10 @@ def test_plaintext_and_wrong_pins_are_refused(cluster: LocalCluster, make_config
 
     status = subprocess.run([sys.executable, "-m", "cli.main", "status", "--coordinator", cluster.address,
                              *cluster.tls_args(), "--json"], capture_output=True, text=True, timeout=60)
-    assert status.returncode == 0 and json.loads(status.stdout)["runId"] == "test", status.stderr
+    assert status.returncode == 0, status.stderr
+    doc = json.loads(status.stdout)  # proto field names, every field, integers as numbers
+    assert doc["run_id"] == "test" and isinstance(doc["open_round"], int) and doc["ledger_lag_rounds"] == 0
+    assert isinstance(doc["total_rounds"], int) and doc["finished"] in (True, False) and "workers" in doc
     untold = subprocess.run([sys.executable, "-m", "cli.main", "status", "--coordinator", cluster.address],
                             capture_output=True, text=True, timeout=60)
     assert untold.returncode == 1 and "--tls-fingerprint" in untold.stderr and "Traceback" not in untold.stderr

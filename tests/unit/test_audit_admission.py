@@ -63,7 +63,7 @@ def only(result) -> tuple[str, str, str]:
 def test_dev_admission_verifies_and_says_it_proves_nothing(tmp_path: Path) -> None:
     result = Admitted(tmp_path).check()
     assert result.ok and result.provider == "dev" and result.proves_nothing
-    assert any("PROVES NOTHING" in w for w in result.warnings)
+    assert result.proves_nothing  # the audit says it once for the run, naming every such worker (audit.core)
 
 
 def test_dev_evidence_refused_without_allow_dev(tmp_path: Path) -> None:
@@ -194,9 +194,9 @@ def test_tdx_admission_is_checked_against_the_records_code_measurement(tmp_path:
     seen = []
     real = audit.admission.verify_evidence
 
-    def spy(evidence, *, expected_report_data, policy):
+    def spy(evidence, *, expected_report_data, policy, **options):
         seen.append(expected_report_data)
-        return real(evidence, expected_report_data=expected_report_data, policy=policy)
+        return real(evidence, expected_report_data=expected_report_data, policy=policy, **options)
 
     monkeypatch.setattr(audit.admission, "verify_evidence", spy)
     result = admitted.check()

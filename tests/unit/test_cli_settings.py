@@ -52,3 +52,26 @@ def test_parsing_a_command_line_imports_no_benchmark_and_no_torch() -> None:
     done = subprocess.run([sys.executable, "-c", _PROBE], cwd=REPO, capture_output=True, text=True, timeout=120)
     assert done.returncode == 0, done.stderr[-2000:]
     assert done.stdout.strip() == "light", done.stdout[:2000]
+
+
+def test_status_json_is_every_field_by_its_proto_name_with_numbers() -> None:
+    from cli.main import message_json
+    from proto import pb
+
+    status = pb.StatusResponse(run_id="r", open_round=3, total_rounds=2**40, workers=[
+        pb.WorkerStatus(worker_id="w0", phase=2, last_seen_s=float("nan"))], rounds=[pb.RoundSummary(round=1)])
+    doc = message_json(status)
+    assert doc["total_rounds"] == 2**40 and doc["finished"] is False and doc["ledger_lag_rounds"] == 0
+    worker = doc["workers"][0]
+    assert worker == {"worker_id": "w0", "shard": 0, "alive": False, "last_seen_s": None, "round": 0,
+                      "phase": "WORKER_PHASE_JOINED"}
+    assert doc["rounds"][0]["participants"] == [] and doc["rounds"][0]["eval_loss"] == 0.0
+
+
+def test_help_shows_defaults() -> None:
+    from cli.main import parser
+
+    text = " ".join(parser(["coordinator"])._subparsers._group_actions[0].choices["coordinator"].format_help().split())
+    assert "(default: 30.0)" in text  # --report-timeout
+    assert "(default: 127.0.0.1)" in text  # --host
+    assert "(default: None)" not in text and "(default: False)" not in text

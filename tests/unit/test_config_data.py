@@ -29,6 +29,21 @@ def test_config_refuses_unknown_fields_and_wrong_types() -> None:
         RunConfig.from_json({**obj, "rounds": {**obj["rounds"], "rounds": True}})
 
 
+def test_json_numbers_are_accepted_where_floats_are_written_as_text() -> None:
+    # A hand-edited file writes "lr": 0.001; the canonical form writes "0.001". Same float, same CID.
+    cfg = small_config()
+    obj = json.loads(json.dumps(cfg.to_json()))
+    as_numbers = {**obj, "inner": {**obj["inner"], "lr": 0.001, "weight_decay": float(obj["inner"]["weight_decay"])},
+                  "outer": {**obj["outer"], "lr": float(obj["outer"]["lr"])}}
+    assert RunConfig.from_json(as_numbers) == cfg
+    assert RunConfig.from_json(as_numbers).cid == cfg.cid
+    assert RunConfig.from_json({**obj, "inner": {**obj["inner"], "lr": 1}}).inner.lr == 1.0
+    with pytest.raises(ConfigError, match=r"\$.inner.lr: expected a number, got bool"):
+        RunConfig.from_json({**obj, "inner": {**obj["inner"], "lr": True}})
+    with pytest.raises(ConfigError, match=r"\$.inner.lr: not a number: 'x{20}'"):
+        RunConfig.from_json({**obj, "inner": {**obj["inner"], "lr": "x" * 20}})
+
+
 def test_config_validation_names_the_field() -> None:
     with pytest.raises(ConfigError, match="n_embd must be divisible"):
         small_config(model=small_config().model.__class__(n_embd=30, n_head=4))
@@ -91,6 +106,14 @@ OUT_OF_RANGE = [
     ("model.intermediate_size", [-1, (1 << 20) + 1]),
     ("model.rope_theta", [0.5, 2e9]),
     ("model.rms_norm_eps", [0.0, 0.1]),
+    ("model.head_size", [-1, 1025]),
+    ("model.rope_factor", [0.5, 1e5]),
+    ("model.rope_original_max_position_embeddings", [-1, (1 << 24) + 1]),
+    ("model.rope_low_freq_factor", [0.0, 1e5]),
+    ("model.rope_high_freq_factor", [0.0, 1e5]),
+    ("model.rope_beta_fast", [0.0, 1e5]),
+    ("model.rope_beta_slow", [-1.0, 1e5]),
+    ("model.rope_attention_factor", [-0.5, 101.0]),
     ("inner.steps", [0, 1_000_001]),
     ("inner.batch_size", [0, 4097]),
     ("inner.lr", [0.0, -1e-3, 10.5]),

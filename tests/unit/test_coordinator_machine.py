@@ -102,7 +102,7 @@ def test_a_push_header_is_refused_by_its_first_fault_in_a_fixed_order(tmp_path) 
         (dict(encoding=99), Reason.MALFORMED),
         (dict(payload_size=10**12), Reason.MALFORMED),
         (dict(tokens=1), Reason.BAD_CLAIM),
-        (dict(train_loss=1e5), Reason.BAD_CLAIM),
+        (dict(train_loss=-1.0), Reason.BAD_CLAIM),
         (dict(tensors=()), Reason.MALFORMED),
         (dict(inner_state_sha256="not hex"), Reason.MALFORMED),
     ]
@@ -290,3 +290,71 @@ def test_a_torn_stage_journal_is_refused_by_name_not_half_used(tmp_path) -> None
         run_dir.save_pending(1, {"w0": bad}, "stages")
         with pytest.raises(ValueError, match=says):
             Coordinator(open_run(RunDir(tmp_path / "run"), None), clock=clock)
+
+
+# ----------------------------------------------------------------------------- honest claims at any H
+
+
+def test_any_finite_nonnegative_train_loss_is_accepted_whatever_the_held_out_loss(tmp_path) -> None:
+    """Overfitting a shard at a large H drives the mean train loss far below the held-out loss of
+    the start (0.39 against 2.28 with the demo model at H = 500), and a shard of another
+    distribution, or a diverging learning rate, can put it far above: honest either way."""
+    clock = Clock()
+    c = coordinator(tmp_path, clock, rounds=RoundConfig(rounds=3, expected_workers=4, quorum=4))
+    joined(c, "w0", "w1", "w2", "w3")
+    start_loss = c.global_state.eval_loss_e6 / 1e6
+    for i, loss in enumerate((0.0, start_loss / 50, start_loss * 20 + 10)):
+        u = update_of(c, 1.0 + i)
+        push(c, header(c, f"w{i}", u, train_loss=loss), u)
+    u = update_of(c, 9.0)
+    for impossible in (-1e-6, float("nan"), float("inf"), 1e6):  # no mean cross-entropy, or beyond the e6 fields
+        assert refused(c, header(c, "w3", u, train_loss=impossible), u) is Reason.BAD_CLAIM
+    assert set(c.round.accepted) == {"w0", "w1", "w2"}
+
+
+# ----------------------------------------------------------------------------- a round that cannot close
+
+
+def test_a_round_whose_every_live_push_was_refused_stops_the_run_with_its_reasons(tmp_path) -> None:
+    clock = Clock()
+    c = coordinator(tmp_path, clock, rounds=RoundConfig(rounds=3, expected_workers=2, quorum=2,
+                                                         straggler_timeout_s=10.0, liveness_timeout_s=3.0))
+    joined(c, "w0", "w1")
+    assert c.stalled() is None  # nothing pushed yet
+    u0 = update_of(c, 1.0)
+    assert refused(c, header(c, "w0", u0, tokens=1), u0) is Reason.BAD_CLAIM
+    clock.now += 20.0
+    c.heartbeat("w0", 1, WorkerPhase.WAITING)
+    c.heartbeat("w1", 1, WorkerPhase.TRAINING)
+    assert c.stalled() is None  # w1 is live and may still deliver
+    u1 = update_of(c, 2.0)
+    assert refused(c, header(c, "w1", u1, base_params_cid=""), u1) is Reason.WRONG_BASE
+    assert c.stalled() is None  # every live push refused: said once that held straggler_timeout_s
+    clock.now += 2.0
+    c.heartbeat("w0", 1, WorkerPhase.WAITING)
+    c.heartbeat("w1", 1, WorkerPhase.WAITING)
+    assert c.stalled() is None
+    clock.now += 8.0
+    c.heartbeat("w0", 1, WorkerPhase.WAITING)
+    c.heartbeat("w1", 1, WorkerPhase.WAITING)
+    why = c.stalled()
+    assert why is not None and why.startswith("round 1 cannot close: every live worker's push of it was refused")
+    assert "w0: claimed tokens 1" in why and "w1: update for round 1 names no base_params_cid" in why
+    assert "\n" not in why
+    c.halt(why)
+    with pytest.raises(Refusal) as caught:
+        c.wait_for_global("w0", 1, 0.0)
+    assert caught.value.reason is Reason.HALTED and why in caught.value.message
+
+
+def test_a_refused_worker_beside_an_accepted_one_does_not_stop_the_run(tmp_path) -> None:
+    clock = Clock()
+    c = coordinator(tmp_path, clock, rounds=RoundConfig(rounds=3, expected_workers=2, quorum=2,
+                                                         straggler_timeout_s=10.0, liveness_timeout_s=30.0))
+    joined(c, "w0", "w1")
+    u0, u1 = update_of(c, 1.0), update_of(c, 2.0)
+    assert refused(c, header(c, "w0", u0, tokens=1), u0) is Reason.BAD_CLAIM
+    push(c, header(c, "w1", u1), u1)
+    c.stalled()
+    clock.now += 11.0
+    assert c.stalled() is None and c.close_due()

@@ -15,7 +15,7 @@ from trainer.diloco import evaluate, evaluate_batches, params_of
 from trainer.model import build_model
 from trainer.shared_eval import EVAL_TOLERANCE_E6, MAX_EVAL_LOSS_E6, eval_share, shared_evaluation_problem
 from trainer.worker.client import Checkpoint
-from trainer.worker.role import Worker
+from trainer.worker.reporter import Reporter
 
 CONFIG = RunConfig(model=ModelConfig(n_layer=1, n_embd=32, n_head=2, block_size=16), inner=InnerConfig(batch_size=2),
                    data=DataConfig(eval_batches=5), rounds=RoundConfig(expected_workers=2, quorum=2))
@@ -33,11 +33,9 @@ def evaluated():
     return model, batches, [to_e6(x) for x in losses], to_e6(evaluate(model, batches))
 
 
-def worker(slot: int, model, batches) -> Worker:
-    """A worker as set up at its first Join, without a coordinator (evaluation_problem needs none)."""
-    w = Worker.__new__(Worker)
-    w.config, w.shard_index, w.model, w.eval_batches = CONFIG, slot, model, batches
-    return w
+def worker(slot: int, model, batches) -> Reporter:
+    """A worker's reporter as set up at its first Join, without a coordinator (evaluation_problem needs none)."""
+    return Reporter(None, CONFIG, slot, b"", batches, model, None)  # type: ignore[arg-type]
 
 
 def checkpoint(model, claims: list[int], manifest_e6: int) -> Checkpoint:

@@ -13,7 +13,7 @@ Life of round r (the global checkpoint of round r-1 is the run's HEAD):
 
 Refused by name besides malformed pushes: an all-zero update, a replay of an accepted one, one that
 names no base or not the round's base, claims of tokens or inner steps other than the config's, a
-train loss outside the band around the round's start loss, and (screening) an update that raises
+train loss that is no cross-entropy (negative or not finite), and (screening) an update that raises
 the held-out loss. Every refusal carries a typed reason (trainer.refusal).
 
     run         Run / open_run: genesis or resume; what the run is before any worker speaks

@@ -21,8 +21,9 @@ from trainer.refusal import Reason, Refusal
 from trainer.schedule import round_tokens
 from trainer.wire import Layout
 
-# A declared train loss must lie in [a·L0, b·L0 + c], L0 the held-out loss of the round's start.
-TRAIN_LOSS_BAND = (0.2, 1.5, 0.5)
+# The declared train loss is a mean cross-entropy (≥ 0); this bounds it only to what the ledger's
+# fixed-point fields can hold (storage_client.to_e6), as any honest value is.
+MAX_TRAIN_LOSS = 1e6
 _SHA256_HEX = re.compile(r"^[0-9a-f]{64}$")
 
 
@@ -90,15 +91,28 @@ def stage_layout(layout: Layout, model: ModelConfig, stage: int, num_stages: int
     return {name: layout[name] for name in stage_param_names(model, num_stages)[stage]}
 
 
-def check_form(h: UpdateHeader, expected: Layout, config: RunConfig, inner_steps: int, start_loss: float) -> Layout:
+def check_form(h: UpdateHeader, expected: Layout, config: RunConfig, inner_steps: int) -> Layout:
     """Size, metrics, claims and declared layout of a push whose round, base and signature passed;
     ``inner_steps`` is the round's H_r (trainer.schedule); returns the declared layout the payload
-    must then match."""
+    must then match.
+
+    The declared train loss (the mean cross-entropy of the H inner steps from the round's start) is
+    held only to what no honest run can break: a finite number ≥ 0. No band around the start's
+    held-out loss L0 is honest at every H: training can drive the mean far below L0 (a shard
+    overfitted at H = 500 gave 0.39 against L0 = 2.28), and the shard is another distribution than
+    the held-out set, and a high learning rate can diverge, so neither can it be bounded above by
+    L0. The loss is a claim the worker signs into its report, not something the coordinator can
+    check from the update; only re-running the round verifies it (the audit's replay,
+    audit.replay, re-runs the inner steps to the update's digest, but does not yet compare the
+    claimed loss)."""
     limit = sum(4 * math.prod(shape) for _, shape in expected.values()) + (1 << 20)
     if h.payload_size > limit:
         raise Refusal(Reason.MALFORMED, f"payload of {h.payload_size} bytes exceeds the {limit} a dense update can need")
-    if not (h.train_loss == h.train_loss and abs(h.train_loss) < 1e6) or h.inner_steps < 1:
-        raise Refusal(Reason.BAD_CLAIM, f"implausible metrics: train_loss {h.train_loss}, inner_steps {h.inner_steps}")
+    if not (math.isfinite(h.train_loss) and 0.0 <= h.train_loss < MAX_TRAIN_LOSS):
+        raise Refusal(Reason.BAD_CLAIM, f"claimed train_loss {h.train_loss:.4g} is not a mean cross-entropy: it must "
+                                        f"be a finite number in [0, {MAX_TRAIN_LOSS:g})")
+    if h.inner_steps < 1:
+        raise Refusal(Reason.BAD_CLAIM, f"implausible metrics: inner_steps {h.inner_steps}")
     # Tokens and steps are not the worker's to claim: the config and the stored downlink fix them.
     tokens = round_tokens(config, inner_steps)
     if h.tokens != tokens or h.inner_steps != inner_steps:
@@ -106,13 +120,6 @@ def check_form(h: UpdateHeader, expected: Layout, config: RunConfig, inner_steps
                       f"claimed tokens {h.tokens}, inner_steps {h.inner_steps}; this run's round {h.round} is "
                       f"{inner_steps} inner steps of {config.inner.batch_size}x{config.model.block_size} "
                       f"tokens: tokens {tokens}, inner_steps {inner_steps}")
-    # The declared train loss (the mean over the H inner steps from the round's start) is bounded
-    # against the coordinator's own held-out loss L0 of that start.
-    low, high = TRAIN_LOSS_BAND[0] * start_loss, TRAIN_LOSS_BAND[1] * start_loss + TRAIN_LOSS_BAND[2]
-    if not low <= h.train_loss <= high:
-        raise Refusal(Reason.BAD_CLAIM,
-                      f"claimed train_loss {h.train_loss:.4g} is outside [{low:.4g}, {high:.4g}], the band "
-                      f"around the round's start checkpoint's held-out loss {start_loss:.4g}")
     declared = {name: (dtype, shape) for name, dtype, shape in h.tensors}
     if len(declared) != len(h.tensors):
         raise Refusal(Reason.MALFORMED, "header names a tensor twice")

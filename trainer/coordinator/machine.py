@@ -17,7 +17,7 @@ from typing import Callable
 
 from attestation import SignedReport
 from attestation.signing import global_digest
-from storage_client import CID, Manifest, from_e6, loads_bounded
+from storage_client import CID, Manifest, loads_bounded
 from storage_client.manifest import Traffic
 from trainer.checkpoints import round_updates, updates_round_norm
 from trainer.aggregation import CheckedUpdate, InvalidUpdate, check_norm, norm_bound, round_norm
@@ -28,7 +28,7 @@ from trainer.coordinator.registry import WorkerRegistry
 from trainer.coordinator.run import Run
 from trainer.coordinator.screening import Screen
 from trainer.coordinator.state import (
-    GlobalState, OpenRound, RoundSummary, StatusView, UpdateHeader, WorkerView,
+    GlobalState, OpenRound, RoundSummary, StallWatch, StatusView, UpdateHeader, WorkerView,
 )
 from trainer.coordinator.trust import RunTrust
 from proto import WorkerPhase
@@ -61,11 +61,12 @@ class Coordinator:
         self.screen = Screen(self.config, run.eval_tokens)
         self.intake = Intake(run, self.registry, self._lock, clock)
         self.norm_history: dict[int, list[float]] = {}  # round -> [its ρ̃] (see _history)
-        # Seconds spent on each open round's pushes, by phase ("decode", "intake"), summed over
-        # workers; written with the round's summary to rounds.jsonl, for `dilocox bench scale`.
+        # Seconds on each round's pushes by phase ("decode", "intake"), for rounds.jsonl (bench scale).
         self.push_seconds: dict[int, dict[str, float]] = {}
         # Report deadlines of rounds published before a restart count from the restart.
         self.closed_at: dict[int, float] = {r: clock() for r in run.manifests}
+        self._stall = StallWatch(rounds.straggler_timeout_s)
+        self.halted: str | None = None  # why the run cannot go on, once the coordinator says so (halt)
         if trust is None:
             log.warning("no ledger configured: workers are not attested and rounds are not recorded on chain")
 
@@ -148,6 +149,8 @@ class Coordinator:
         with self._lock:
             self.registry.seen(worker_id)
             while self.run.global_state.round < min_round and not self.finished:
+                if self.halted is not None:
+                    raise Refusal(Reason.HALTED, f"the coordinator stopped the run: {self.halted}")
                 remaining = deadline - self.clock()
                 if remaining <= 0:
                     return None, self.round.number, False
@@ -173,6 +176,8 @@ class Coordinator:
                 raise Refusal(Reason.WRONG_RUN,
                               f"update is for run {clip(h.run_id)}; this coordinator runs {self.config.run_id!r}")
             address = self.registry.seen(h.worker_id).address
+            if self.halted is not None:
+                raise Refusal(Reason.HALTED, f"the coordinator stopped the run: {self.halted}")
             checks.check_round(self.round, self.finished, self.config.run_id, h.worker_id, h.round, h.stage,
                                h.num_stages)
             g = self.run.global_state
@@ -180,13 +185,12 @@ class Coordinator:
             if self.config.rounds.overlap:  # one round stale is the point of the overlap
                 bases.add(self.run.manifests[max(h.round - 2, 0)][1].params)
             checks.check_base(h, str(g.params_cid), bases)
-            start_loss = from_e6(g.eval_loss_e6)
         checks.check_digest_form(h)
         if self.trust is not None:
             self.trust.check_update(h.worker_id, address, h.round, h.stage, h.num_stages, h.payload_sha256,
                                     h.signature)
         expected = checks.stage_layout(self.layout, self.config.model, h.stage, h.num_stages)
-        return checks.check_form(h, expected, self.config, self.run.inner_steps(h.round), start_loss)
+        return checks.check_form(h, expected, self.config, self.run.inner_steps(h.round))
 
     def count_up(self, worker_id: str, nbytes: int) -> None:
         """Bytes a worker sent, counted into the open round (refused pushes too: they crossed the network)."""
@@ -270,6 +274,17 @@ class Coordinator:
                 r.closing = True
                 return True
             return False
+
+    def stalled(self) -> str | None:
+        """Why the open round can never close, in one line, or None (:class:`StallWatch`)."""
+        with self._lock:
+            return self._stall.check(self.round, self.registry.alive(self.clock()), self.clock(), self.finished)
+
+    def halt(self, why: str) -> None:
+        """Stop serving the run's rounds: a worker waiting for a global state is told ``why``."""
+        with self._lock:
+            self.halted = why
+            self._lock.notify_all()
 
     def close_round(self) -> RoundSummary:
         """Aggregate and publish the closing round (called by one thread, after close_due)."""

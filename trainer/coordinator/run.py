@@ -1,7 +1,8 @@
 """The run a coordinator serves: created at genesis, or resumed from the store's lineage.
 
-Genesis pins the corpus digest into the config, builds θ⁽⁰⁾ from the seed, stores config, θ⁽⁰⁾ and
-the zero outer state, and publishes manifest 0 (HEAD). Resume re-hashes every manifest from HEAD
+Genesis pins the corpus digest into the config, builds θ⁽⁰⁾ from the seed (or reads it from the
+weights ``model.init_from`` names, checked against ``model.init_params``: trainer.init_weights),
+stores config, θ⁽⁰⁾ and the zero outer state, and publishes manifest 0 (HEAD). Resume re-hashes every manifest from HEAD
 back to genesis (storage_client.lineage), refuses a given config that is not the run's own, and
 rebuilds the published state (θ, m, e and the last compressed global update) from the store: HEAD's
 own checkpoint when stored, else rebuilt from the newest full one (trainer.checkpoints).
@@ -27,7 +28,9 @@ from trainer.diloco import (
     bind_params, evaluate_batches, load_params, outer_state_of, params_of, zero_momentum,
 )
 from trainer.downlink import DownlinkCompressor
+from trainer.init_weights import pin_init
 from trainer.model import build_model
+from trainer.progress import Progress
 from trainer.run_dir import RunDir
 from trainer.schedule import inner_steps_for_round, round_tokens, stored_downlink_header
 from trainer.wire import Params, encode_params, layout_of
@@ -127,8 +130,12 @@ def _genesis(run_dir: RunDir, config: RunConfig) -> Run:
     # Pin the corpus bytes (or the prepared tokens' index) into the run's identity, so every worker
     # must train on the same tokens.
     config, dataset = pin_dataset(config, run_dir.store)
+    # θ⁽⁰⁾ from existing weights when the config names them, checked against the CID it pins.
+    config, init = pin_init(config)
     parts = _prepared(run_dir, config, dataset)
     store, model = run_dir.store, parts["model"]
+    if init is not None:
+        load_params(model, init)
     params = params_of(model)
     momentum = zero_momentum(params)
     payload = encode_params(params)
@@ -166,7 +173,8 @@ def _resume(run_dir: RunDir, head: CID, config: RunConfig | None) -> Run:
         )
     parts = _prepared(run_dir, stored)
     # HEAD's checkpoint: stored, or rebuilt from the newest full one (trainer.checkpoints).
-    outer = checkpoint_at(store, chain, tip.round, stored)
+    with Progress(f"resuming at round {tip.round}: its checkpoint", unit="rounds", final_if_shown=True) as progress:
+        outer = checkpoint_at(store, chain, tip.round, stored, progress)
     payload = outer.params_bytes()
     params = outer.params
     downlink = None

@@ -4,8 +4,9 @@
 (trainer.coordinator.service) and, when the run has a ledger, the settlement thread of its trust
 layer; then closes and publishes rounds until the last, lets live workers fetch the final
 checkpoint, and waits for the ledger to confirm every round. It exits 1 with one line when a round
-cannot be published or the ledger cannot be caught up; everything finished stays in the run
-directory, and a restart resumes from HEAD.
+cannot be published, when it cannot close because every live worker's push of it was refused
+(Coordinator.stalled; the workers are told, and stop too), or when the ledger cannot be caught up;
+everything finished stays in the run directory, and a restart resumes from HEAD.
 """
 
 from __future__ import annotations
@@ -125,17 +126,15 @@ def _run_rounds(coordinator: Coordinator, run_dir: RunDir, stop: threading.Event
     while not stop.is_set() and not coordinator.finished:
         if coordinator.close_due():
             coordinator.close_round()
+        elif (why := coordinator.stalled()) is not None:
+            return _halt(coordinator, why, stop, linger_s)
         else:
             stop.wait(0.05)
     if not coordinator.finished:
         log.info("stopped at round %d by a signal; the run resumes from %s", coordinator.round.number, run_dir.path)
         return 0
     # Let live workers fetch the final checkpoint and learn the run is over before going away.
-    deadline = time.monotonic() + linger_s
-    while not stop.is_set() and time.monotonic() < deadline:
-        if coordinator.live_workers_done():
-            break
-        stop.wait(0.1)
+    _linger(coordinator, stop, linger_s)
     log.info("run %s finished: %d rounds, head %s", coordinator.config.run_id,
              coordinator.global_state.round, coordinator.global_state.manifest_cid)
     deadline = time.monotonic() + settle_timeout_s
@@ -148,3 +147,22 @@ def _run_rounds(coordinator: Coordinator, run_dir: RunDir, stop: threading.Event
     if coordinator.trust is not None:
         log.info("every round is recorded on the ledger %s", coordinator.trust.ledger_address)
     return 0
+
+
+def _linger(coordinator: Coordinator, stop: threading.Event, linger_s: float) -> None:
+    """Serve until every live worker said it is done, ``linger_s`` at most (or ``stop``)."""
+    deadline = time.monotonic() + linger_s
+    while not stop.is_set() and time.monotonic() < deadline:
+        if coordinator.live_workers_done():
+            break
+        stop.wait(0.1)
+
+
+def _halt(coordinator: Coordinator, why: str, stop: threading.Event, linger_s: float) -> int:
+    """The open round can never close (Coordinator.stalled): say why in one line, tell the workers
+    (their wait for the round's checkpoint is refused with ``why``, and they exit), and exit 1.
+    The run directory keeps HEAD; a coordinator started again reopens the round."""
+    log.error("cannot go on: %s", why)
+    coordinator.halt(why)
+    _linger(coordinator, stop, linger_s)
+    return 1

@@ -146,6 +146,34 @@ class OpenRound:
         self.first_accept_at = self.first_accept_at or now
 
 
+class StallWatch:
+    """When the open round can never close.
+
+    A round closes only with an accepted update (Coordinator.close_due), and a worker whose push was
+    refused does not push that round again: it waits for the round to close. So once every live
+    worker's push of the open round was refused, and no update or stage slice is in, nothing can
+    move the run. Said once that has held for ``patience_s`` (``straggler_timeout_s``: what the
+    coordinator would wait for a straggler anyway, room for a worker still starting or one coming
+    back to life); a live worker without a refusal, or an accepted push, resets it."""
+
+    def __init__(self, patience_s: float) -> None:
+        self.patience_s = patience_s
+        self.since: float | None = None  # when every live worker's push was first seen refused
+
+    def check(self, r: OpenRound, alive: set[str], now: float, finished: bool) -> str | None:
+        """Why round ``r`` cannot close, in one line, or None."""
+        if finished or r.closing or r.accepted or r.partial or not alive or not alive <= set(r.refused):
+            self.since = None
+            return None
+        if self.since is None:
+            self.since = now
+        if now - self.since < self.patience_s:
+            return None
+        why = "; ".join(f"{w}: {r.refused[w][0]}" for w in sorted(alive))  # our own bounded messages
+        return (f"round {r.number} cannot close: every live worker's push of it was refused and none was "
+                f"accepted ({why})")
+
+
 @dataclass
 class WorkerState:
     shard: int

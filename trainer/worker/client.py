@@ -35,6 +35,7 @@ from storage_client import CID, Codec, canonical_json
 from trainer.compression import CodecHeader, CompressionError
 from trainer.config import RunConfig
 from trainer.downlink import apply_update, decode_update
+from trainer.limits import clip
 from trainer.link import Link
 from trainer.schedule import ScheduleError, WorkerSchedule
 from trainer.shared_eval import MAX_EVAL_BATCHES
@@ -126,8 +127,7 @@ class CoordinatorClient:
         self.held: tuple[str, Params] | None = None  # the newest global parameters, by CID
         self.received_for: dict[str, int] = {}  # wire bytes of the fetch that delivered each CID
         self.schedule: WorkerSchedule | None = None  # H_r of the rounds ahead; set at the first Join
-        # Seconds streaming global states in, header to last byte ("fetch", waiting for a round
-        # to close excluded), and rebuilding θ from them ("decode").
+        # Seconds streaming global states in ("fetch": header to last byte, not the wait) and rebuilding θ ("decode").
         self.phase_seconds = PhaseSeconds()
 
     # ----------------------------------------------------------------------------- calls
@@ -145,9 +145,10 @@ class CoordinatorClient:
                                       f"{self.reconnect_timeout_s:.0f}s: {exc}") from exc
                 time.sleep(1.0)
 
-    def call(self, what: str, fn: Callable[[], T]) -> T:
-        """Run ``fn``; while the coordinator is unreachable or busy, retry with backoff, then
-        rejoin; when it no longer knows this worker's session, rejoin at once."""
+    def call(self, what: str, fn: Callable[[], T], halted: str = "") -> T:
+        """Run ``fn``; retry with backoff while the coordinator is unreachable or busy, then rejoin; rejoin
+        at once when it no longer knows this session; a fetch told the run stopped (``halted``: what
+        for) ends in a WorkerError with the coordinator's reason."""
         deadline = time.monotonic() + self.reconnect_timeout_s
         delay, lost, rejoins = 0.2, False, 0
         while True:
@@ -163,6 +164,8 @@ class CoordinatorClient:
                                 exc.details())
                     lost, rejoins = True, rejoins + 1
                     continue
+                if halted and exc.code() == grpc.StatusCode.FAILED_PRECONDITION:
+                    raise WorkerError(f"{halted}: {clip(exc.details(), 600)}") from None  # the run stopped
                 if exc.code() not in _RETRYABLE:
                     raise
                 if time.monotonic() >= deadline:
@@ -216,10 +219,10 @@ class CoordinatorClient:
         if len(response.session_token) != 32:
             raise WorkerError("the coordinator's Join gave no session token; is it an older version?")
         self.session = session_metadata(self.worker_id, response.session_token)
-        if self.config is None:
+        self.heartbeat_interval_s = response.heartbeat_interval_s
+        if self.config is None:  # set-up (pipeline stages start): heartbeats already say STARTING
             self.on_first_join(config, response.shard, response.num_shards)
             self.config, self.schedule = config, WorkerSchedule(config)
-        self.heartbeat_interval_s = response.heartbeat_interval_s
         log.info("joined run %s at %s: shard %d of %d, open round %d%s", config.run_id, self.address,
                  response.shard, response.num_shards, response.open_round,
                  f", key {self.key.address}" if self.domain else "")
@@ -248,21 +251,6 @@ class CoordinatorClient:
 
     # ----------------------------------------------------------------------------- liveness
 
-    def heartbeats(self, stop: threading.Event) -> None:
-        """Say round and phase every heartbeat interval until ``stop``."""
-        while not stop.wait(self.heartbeat_interval_s):
-            try:
-                self.say(self.round, self.phase)
-            except grpc.RpcError as exc:
-                log.debug("heartbeat failed: %s", exc.details())
-                if exc.code() == grpc.StatusCode.UNAUTHENTICATED:
-                    # The coordinator restarted and forgot this session: join again now rather than
-                    # at the next call, which may be a whole inner loop away, so it keeps us live.
-                    try:
-                        self.join()
-                    except (grpc.RpcError, WorkerError) as rejoin:
-                        log.warning("heartbeat: could not join again: %s", rejoin)
-
     def say(self, round_: int, phase: WorkerPhase, timeout: float = 5) -> None:
         self.stub.Heartbeat(pb.HeartbeatRequest(worker_id=self.worker_id, round=round_, phase=phase),
                             timeout=timeout, metadata=self.session)
@@ -283,7 +271,8 @@ class CoordinatorClient:
         dense_only = False
         while True:
             held = None if dense_only else self.held
-            header, payload, size = self.call("fetch global state", lambda: self._fetch_once(min_round, held))
+            header, payload, size = self.call("fetch global state", lambda: self._fetch_once(min_round, held),
+                                              f"waiting for round {min_round}")
             if payload is None:
                 continue
             self.checked_signature(header)  # before a byte of the payload is used
@@ -298,6 +287,7 @@ class CoordinatorClient:
                           "them dense", header.round, Encoding(header.encoding).name, exc)
                 dense_only = True
                 continue
+            check_pinned_genesis(self.config, header)
             self.held = (header.params_cid, params)
             self.received_for[header.params_cid] = size
             learn_schedule(self.schedule, header, params)
@@ -413,6 +403,34 @@ def learn_schedule(schedule: WorkerSchedule | None, header: pb.GlobalHeader, par
         schedule.learn(header.round, header.next_inner_steps, header.second_inner_steps, codec)
     except ScheduleError as exc:
         raise WorkerError(str(exc)) from None
+
+
+def heartbeats(client: CoordinatorClient, stop: threading.Event) -> None:
+    """Say the client's round and phase every heartbeat interval until ``stop``, from the first Join
+    on (so a worker setting up after it, e.g. starting its pipeline stages, is alive and "starting")."""
+    while not stop.wait(client.heartbeat_interval_s):
+        if not client.session:  # not joined yet: nothing to say
+            continue
+        try:
+            client.say(client.round, client.phase)
+        except grpc.RpcError as exc:
+            log.debug("heartbeat failed: %s", exc.details())
+            if exc.code() == grpc.StatusCode.UNAUTHENTICATED:
+                # The coordinator restarted and forgot this session: join again now rather than
+                # at the next call, which may be a whole inner loop away, so it keeps us live.
+                try:
+                    client.join()
+                except (grpc.RpcError, WorkerError) as rejoin:
+                    log.warning("heartbeat: could not join again: %s", rejoin)
+
+
+def check_pinned_genesis(config: RunConfig | None, header: pb.GlobalHeader) -> None:
+    """θ⁽⁰⁾ from existing weights (trainer.init_weights) is the one the run's config pins by its CID,
+    whatever the coordinator sends."""
+    pinned = config.model.init_params if config is not None else ""
+    if header.round == 0 and pinned and header.params_cid != pinned:
+        raise WorkerError(f"the coordinator's θ⁽⁰⁾ is {header.params_cid}, but the run's config pins "
+                          f"model.init_params = {pinned}")
 
 
 def global_params(header: pb.GlobalHeader, payload: bytes, held: tuple[str, Params] | None) -> Params:

@@ -25,8 +25,13 @@ outer step θ⁽ʳ⁻²⁾ → θ⁽ʳ⁻¹⁾, still in flight. ``rounds.overla
   correction is the difference between the proxy and the step that was actually taken.
 
 The coordinator's arithmetic is the same in every mode, so checkpoints, reports and the audit do
-not change. A worker dropped from a round (too late, or refused) logs why and starts the next round
-from the latest global checkpoint.
+not change. Reports never wait on training: a worker signs and submits its report of round r as
+soon as it holds θ⁽ʳ⁾ and has checked it, in the overlapped loop from the exchange thread while
+round r+1 trains (trainer.worker.reporter checks θ⁽ʳ⁾ on a model of its own), because the coordinator
+records round r ``--report-timeout`` after publishing θ⁽ʳ⁾ with whatever reports it holds then.
+A worker dropped from a round (too late, or refused) logs why and starts the next round from the
+latest global checkpoint; when every live worker's push of a round was refused, the coordinator
+stops the run and the workers' wait for it ends with the coordinator's line (WorkerError).
 """
 
 from __future__ import annotations
@@ -44,7 +49,7 @@ from trainer.wire import Params
 from trainer.worker.client import Checkpoint
 
 if TYPE_CHECKING:  # the role drives these loops; they only call back into it
-    from trainer.worker.role import Pushed, RoundWork, Worker
+    from trainer.worker.role import RoundWork, Worker
 
 log = logging.getLogger("dilocox.worker")
 
@@ -54,7 +59,7 @@ def synchronous(worker: Worker) -> int:
     min_round, pushed = 0, None
     while True:
         checkpoint = worker.client.fetch(min_round)
-        worker.report(pushed, checkpoint)
+        worker.reporter.report(pushed, checkpoint)
         if checkpoint.finished:
             return worker.finished(checkpoint)
         r = checkpoint.round + 1
@@ -70,12 +75,15 @@ def synchronous(worker: Worker) -> int:
         min_round = r
 
 
-def _exchange(worker: Worker, round_: int, work: RoundWork, base_cid: str,
-              parent_cid: str) -> tuple[Pushed | None, Checkpoint]:
-    """Push Δ⁽ʳ⁾ (trained from ``base_cid``; the round's parent is ``parent_cid``), then fetch θ⁽ʳ⁾
-    (or whatever is newer): the part that overlaps compute."""
+def _exchange(worker: Worker, round_: int, work: RoundWork, base_cid: str, parent_cid: str) -> Checkpoint:
+    """Push Δ⁽ʳ⁾ (trained from ``base_cid``; the round's parent is ``parent_cid``), fetch θ⁽ʳ⁾ (or
+    whatever is newer), check it and report round r at once: the part that overlaps compute. The
+    report cannot wait for the round being trained: the coordinator records round r
+    ``--report-timeout`` after publishing θ⁽ʳ⁾, with the reports it holds by then."""
     pushed = worker.push(round_, work, base_cid, parent_cid)
-    return pushed, worker.client.fetch(round_)
+    checkpoint = worker.client.fetch(round_)
+    worker.reporter.report(pushed, checkpoint)
+    return checkpoint
 
 
 class OverlapStart:
@@ -102,10 +110,11 @@ class OverlapStart:
 
 
 def overlapped(worker: Worker) -> int:
-    """While round r trains, the exchange of round r-1 (push Δ⁽ʳ⁻¹⁾, fetch θ⁽ʳ⁻¹⁾) runs in a
-    background thread; round r started from θ⁽ʳ⁻²⁾, the newest global this worker held, moved by
-    what stands in for the step in flight (:class:`OverlapStart`). A worker that finds itself behind
-    (dropped, or the run moved on) starts over synchronously from the newest global."""
+    """While round r trains, the exchange of round r-1 (push Δ⁽ʳ⁻¹⁾, fetch θ⁽ʳ⁻¹⁾, check it, sign
+    and submit the report of round r-1) runs in a background thread; round r started from θ⁽ʳ⁻²⁾,
+    the newest global this worker held, moved by what stands in for the step in flight
+    (:class:`OverlapStart`). A worker that finds itself behind (dropped, or the run moved on)
+    starts over synchronously from the newest global."""
     held = worker.client.fetch(0)
     if held.finished:
         return worker.finished(held)
@@ -131,8 +140,7 @@ def overlapped(worker: Worker) -> int:
                 continue
             trained = time.monotonic() - started
             if inflight is not None:
-                pushed, held = inflight.result()
-                worker.report(pushed, held)
+                held = inflight.result()  # round r-1, reported by the exchange
                 if held.finished or held.round != r - 1:
                     # Behind the run: this round's work builds on a stale base; start over.
                     log.warning("round %d: the run is at round %d; restarting from it", r, held.round)
@@ -147,8 +155,7 @@ def overlapped(worker: Worker) -> int:
             base = held.params_cid
             r += 1
         assert inflight is not None
-        pushed, checkpoint = inflight.result()
-        worker.report(pushed, checkpoint)
+        checkpoint = inflight.result()
         while not checkpoint.finished:
             checkpoint = worker.client.fetch(checkpoint.round + 1)
         return worker.finished(checkpoint)

@@ -24,28 +24,29 @@ from pathlib import Path
 import grpc
 import torch
 
-from attestation import EvidenceProvider, RoundReport, SignedReport
+from attestation import EvidenceProvider
 from proto import WorkerPhase
 from storage_client import CID, strict_json, to_e6
 from trainer.config import RunConfig
 from trainer.data import eval_batches, round_batches
 from trainer.dataset import PreparedDataset, open_dataset
 from trainer.device import parse_device
-from trainer.diloco import InnerLoop, InnerResult, evaluate_batches, inner_state_digest, load_params, params_of
+from trainer.diloco import InnerLoop, InnerResult, inner_state_digest, params_of
 from trainer.link import Link
 from trainer.model import build_model
 from trainer.pipeline import PipelinedInnerLoop, PipelineError, plan_stages
 from trainer.procgroup import available_cpus
+from trainer.progress import Progress
 from trainer.schedule import ScheduleError, StepsDecision
-from trainer.shared_eval import eval_share, shared_evaluation_problem
 from trainer.tls import ClientTls
 from trainer.update_record import record_of_slices
 from trainer.uplink import Slice, Uplink, merged, merged_decision
 from trainer.wire import Params, encode_params
 from trainer.worker.client import (
-    REFUSED, Checkpoint, CoordinatorClient, PhaseSeconds, PushHeader, WorkerError, slice_name,
+    REFUSED, Checkpoint, CoordinatorClient, PhaseSeconds, PushHeader, WorkerError, heartbeats, slice_name,
 )
 from trainer.worker.loops import overlapped, synchronous
+from trainer.worker.reporter import Reporter
 
 log = logging.getLogger("dilocox.worker")
 
@@ -110,6 +111,8 @@ class Worker:
         """At the first Join: the shard, the held-out batches, θ⁽⁰⁾ and the inner loop."""
         # On a GPU, auto is one stage: GPU stages need a device each, and the worker was given one.
         requested = self.requested_stages if self.requested_stages is not None or self.device.type == "cpu" else 1
+        if requested is None and config.model.tie_word_embeddings:
+            requested = 1  # auto: a tied embedding and head cannot be split across stages (trainer.pipeline)
         try:
             plan = plan_stages(requested, config.model.n_layer, self.cores, self.threads)
         except ValueError as exc:
@@ -134,10 +137,18 @@ class Worker:
         self.eval_batches = eval_batches(dataset.eval_tokens(), seed=config.seed, count=config.data.eval_batches,
                                          batch_size=config.inner.batch_size, block_size=config.model.block_size)
         self.model = build_model(config.model, config.seed)
+        # Overlapped, a checkpoint is checked (and its report signed) while the next round trains
+        # self.model in this process: on a model of its own (one more copy of the parameters, no
+        # optimiser state). Pipeline stages train in their own processes.
+        own = config.rounds.overlap and self.stages == 1
+        self.reporter = Reporter(self.client, config, shard, self.data_digest, self.eval_batches,
+                                 build_model(config.model, config.seed) if own else self.model, self.phase_seconds)
         # θ⁽⁰⁾ is a function of the run's seed: built here, it need not cross the network. Its CID
         # is checked against the genesis checkpoint's when the coordinator serves it (as "held").
-        genesis = params_of(self.model)
-        self.client.held = (str(CID.of(encode_params(genesis))), genesis)
+        # θ⁽⁰⁾ from existing weights (model.init_params) is fetched, and checked against that CID.
+        if not config.model.init_params:
+            genesis = params_of(self.model)
+            self.client.held = (str(CID.of(encode_params(genesis))), genesis)
         if self.stages > 1:
             try:
                 self.inner = PipelinedInnerLoop(config.model, config.inner, self.stages,
@@ -174,9 +185,10 @@ class Worker:
             raise WorkerError(str(exc)) from None
         batches = round_batches(self.shard, seed=cfg.seed, shard_index=self.shard_index, round_=round_,
                                 steps=steps.steps, batch_size=cfg.inner.batch_size, block_size=cfg.model.block_size)
+        what = f"round {round_} inner steps"
         if isinstance(self.inner, PipelinedInnerLoop):
             started = time.perf_counter()
-            piped = self.inner.run(params, batches, self.uplink.states())
+            piped = self.inner.run(params, batches, self.uplink.states(), what=what)
             self.uplink.update(piped.uplink_states)
             return RoundWork(InnerResult(piped.pseudo_gradient, piped.mean_loss, piped.tokens, piped.steps),
                              piped.slices, inner_s=time.perf_counter() - started, steps=steps)
@@ -184,7 +196,8 @@ class Worker:
         # Overlapped, the next round is training when a refusal comes back: nothing to undo then.
         snapshot = None if cfg.rounds.overlap else (self.inner.snapshot(), self.uplink.snapshot())
         started = time.perf_counter()
-        result = self.inner.run(params, batches)
+        with Progress(what, steps.steps, unit="steps", rate_unit="tokens") as progress:
+            result = self.inner.run(params, batches, progress)
         trained = time.perf_counter()
         encoded = [self.uplink.encode(result.pseudo_gradient)]
         return RoundWork(result, encoded, state, snapshot, trained - started, time.perf_counter() - trained, steps)
@@ -235,45 +248,14 @@ class Worker:
             # Error feedback assumed these values arrived; none counts, so carry them.
             self.uplink.carry_back(work.slices)
 
-    def report(self, pushed: Pushed | None, checkpoint: Checkpoint) -> None:
-        """Sign and submit the RoundReport of a round this worker contributed to, once the round's
-        checkpoint is in hand (nothing when the run has no ledger or ``checkpoint`` is another round's)."""
-        client = self.client
-        if pushed is None or checkpoint.round != pushed.round or client.domain is None:
-            return
-        assert client.key is not None
-        started = time.perf_counter()
-        problem = self.evaluation_problem(checkpoint)
-        self.phase_seconds.add("evaluate", time.perf_counter() - started)
-        if problem is not None:
-            log.error("round %d: refusing to sign: %s", pushed.round, problem)
-            return
-        report = RoundReport(
-            run_id=client.run_digest, round=pushed.round, worker=client.key.address, parent_checkpoint=pushed.parent,
-            checkpoint=CID.parse(checkpoint.params_cid).digest, manifest_digest=CID.parse(checkpoint.manifest_cid).digest,
-            update_digest=pushed.update, data_digest=self.data_digest, train_loss_e6=pushed.train_loss_e6,
-            eval_loss_e6=checkpoint.eval_loss_e6, tokens=pushed.tokens, inner_steps=pushed.inner_steps,
-            bytes_sent=pushed.bytes_sent, bytes_received=pushed.bytes_received,
-        )
-        client.submit_report(SignedReport(report, client.key.sign_digest(report.digest(client.domain))))
-
-    def evaluation_problem(self, checkpoint: Checkpoint) -> str | None:
-        """What is wrong with the checkpoint's claimed held-out losses, or None: the claims are
-        checked whole and this worker's share of the batches re-evaluated (trainer.shared_eval)."""
-        cfg = self.config
-        share = eval_share(cfg.data.eval_batches, cfg.rounds.expected_workers, self.shard_index)
-        load_params(self.model, checkpoint.params)
-        losses = evaluate_batches(self.model, [self.eval_batches[j] for j in share]) if share else []
-        return shared_evaluation_problem(checkpoint.eval_losses_e6, cfg.data.eval_batches, checkpoint.eval_loss_e6,
-                                         {j: to_e6(loss) for j, loss in zip(share, losses)})
-
     def abandon(self, round_: int, exc: PipelineError, inflight: Future | None = None) -> int:
         """Drop out of ``round_`` after a pipeline stage failed: push nothing for it, and tell the
         coordinator at once (ABANDONED) so the round closes with the others. Returns the round whose
         checkpoint to go on from: ``round_`` (wait for it to close), or ``round_ - 1`` when no other
         live worker is still on the round, which then could never close: this worker trains it
         again. Either way the next round starts fresh stage processes. ``inflight``: the overlapped
-        path's exchange of the round before, which still counts and is waited for.
+        path's exchange of the round before, which still counts and is waited for (it reports that
+        round itself).
         """
         log.error("round %d: abandoned, no update pushed: %s", round_, exc)
         self.client.phase = WorkerPhase.ABANDONED
@@ -282,7 +264,7 @@ class Worker:
         except grpc.RpcError as rpc:  # the periodic heartbeat says it again
             log.warning("round %d: could not tell the coordinator: %s", round_, rpc.details())
         if inflight is not None:
-            self.report(*inflight.result())
+            inflight.result()
         status = self.client.status()
         if status.open_round == round_ and not any(
                 w.alive and w.worker_id != self.worker_id and w.phase != WorkerPhase.DONE
@@ -353,13 +335,14 @@ class Worker:
 
     def run(self) -> int:
         client = self.client
-        client.call("join", client.join)
         stop = threading.Event()
-        beat = threading.Thread(target=client.heartbeats, args=(stop,), name="heartbeat", daemon=True)
+        # Started first: it speaks from the Join on, while this worker sets up (WorkerPhase.STARTING).
+        beat = threading.Thread(target=heartbeats, args=(client, stop), name="heartbeat", daemon=True)
         beat.start()
-        # Wall time for utilisation runs from here (joined) to holding the final checkpoint.
-        self.started_at = time.monotonic()
         try:
+            client.call("join", client.join)
+            # Wall time for utilisation runs from here (joined) to holding the final checkpoint.
+            self.started_at = time.monotonic()
             return (overlapped if self.config.rounds.overlap else synchronous)(self)
         finally:
             client.phase = WorkerPhase.DONE

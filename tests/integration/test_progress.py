@@ -1,0 +1,219 @@
+"""Progress on every long step, read as a user reading a pipe would (trainer.progress).
+
+Each command runs as its own process with stdout and stderr pipes and ``DILOCOX_PROGRESS_EVERY=0``
+(every update shown), so the periodic lines of short runs can be read: ``data prepare`` on a small
+corpus, a demo run's workers (their logs), the audit's rounds and replay, export; ``plot`` on the
+run's rounds.jsonl; ``status --watch`` beside a worker whose two pipeline stages start (alive and
+"starting" meanwhile, the start-up and the last stage's inner steps in its log). And the audit's
+anvil and temporary directory do not outlive a SIGTERM or a SIGINT.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import signal
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from benchmarks.cluster import LocalCluster
+from proto import WorkerPhase
+from tests.conftest import small_config
+from trainer.config import ModelConfig, RoundConfig
+from trainer.progress import EVERY_ENV
+
+pytestmark = pytest.mark.integration
+
+REPO = Path(__file__).resolve().parents[2]
+ENV = {**os.environ, EVERY_ENV: "0", "PYTHONUNBUFFERED": "1"}
+# <what>: i/N [unit] (x%), <rate>, ETA mm:ss   and the final   ..., done in mm:ss
+PERIODIC = r": (\d[\d,.]*(?: [kMG]?B)?)/(\d[\d,.]*(?: [kMG]?B)?)(?: \w+)? \((\d+)%\), .+/s, ETA \d\d:\d\d$"
+FINAL = r": .*\(100%\), .+/s, done in \d\d:\d\d$"
+DEMO = ["model.family=llama", "model.n_layer=1", "model.n_embd=32", "model.n_head=2", "model.block_size=32",
+        "inner.steps=6", "inner.batch_size=4", "rounds.rounds=2", "data.eval_batches=2"]
+
+
+def dilocox(*args: str, timeout: float = 240, env: dict[str, str] | None = None) -> subprocess.CompletedProcess[str]:
+    return subprocess.run([sys.executable, "-m", "cli.main", *args], cwd=REPO, stdin=subprocess.DEVNULL,
+                          stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, timeout=timeout, env=env or ENV)
+
+
+def lines_of(text: str, what: str) -> list[str]:
+    """The lines of ``what``'s progress (a log line's prefix is allowed)."""
+    return [line for line in text.splitlines() if f"{what}: " in line or line.startswith(what)]
+
+
+def assert_progress(text: str, what: str, min_periodic: int = 2) -> list[str]:
+    """At least ``min_periodic`` periodic lines of ``what``, counting up, then one final line."""
+    lines = lines_of(text, what)
+    periodic = [line for line in lines if re.search(PERIODIC, line)]
+    finals = [line for line in lines if re.search(FINAL, line)]
+    assert len(periodic) >= min_periodic and len(finals) == 1, "\n".join(lines) or text[-3000:]
+    percents = [int(re.search(PERIODIC, line).group(3)) for line in periodic]
+    assert percents == sorted(percents) and percents[-1] == 100, percents
+    assert lines[-1] == finals[0], lines[-3:]
+    return lines
+
+
+@pytest.fixture(scope="module")
+def demo_run(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """A finished demo run (a local chain, 2 workers, 2 rounds of a tiny Llama), its workers' and
+    audit's progress shown at every update."""
+    run_dir = tmp_path_factory.mktemp("progress") / "demo"
+    done = dilocox("demo", "--run-dir", str(run_dir), *[a for s in DEMO for a in ("--set", s)], timeout=300)
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    return run_dir
+
+
+def test_data_prepare_shows_the_bytes_it_has_read(tmp_path: Path) -> None:
+    corpus = tmp_path / "corpus"
+    corpus.mkdir()
+    for f in range(3):
+        (corpus / f"part{f}.txt").write_text("".join(f"document {f}.{d}: " + "words of text " * 2000 + "\n\n"
+                                                     for d in range(4)))
+    done = dilocox("data", "prepare", str(corpus), "--out", str(tmp_path / "tokens"), "--tokenizer", "bpe",
+                   "--vocab-size", "300", "--eval-fraction", "0.2")
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert_progress(done.stderr, "data prepare: reading for the BPE tokenizer")
+    lines = assert_progress(done.stderr, "data prepare: tokenizing")
+    assert "336.2 kB/336.2 kB (100%)" in lines[-1] and re.search(r"[kM]B/s", lines[-1])
+    assert "data prepare" not in done.stdout and "train on it with" in done.stdout  # stdout: the result only
+
+
+def test_a_workers_inner_steps_are_in_its_log(demo_run: Path) -> None:
+    log = (demo_run / "logs" / "worker-0.log").read_text(errors="replace")
+    for r in (1, 2):
+        lines = assert_progress(log, f"round {r} inner steps", min_periodic=6)
+        assert all("tokens/s" in line and " steps (" in line for line in lines)
+        assert all(" INFO dilocox.progress: " in line for line in lines)  # through logging
+    assert not lines_of(log, "starting 1 pipeline stages")  # one stage: no stage processes to start
+
+
+def test_the_audits_rounds_and_replay_show_progress_piped(demo_run: Path) -> None:
+    done = dilocox("audit", "--run", str(demo_run), "--allow-dev", "--replay", "2", "--replay-seed", "3")
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    assert "AUDIT PASSED" in done.stdout
+    assert_progress(done.stderr, "audit: rounds checked and checkpoints re-derived", min_periodic=2)
+    lines = assert_progress(done.stderr, "audit replay (2 sampled", min_periodic=6)
+    assert all("tokens/s" in line for line in lines)
+    assert_progress(done.stderr, "audit re-scoring held-out loss", min_periodic=1)
+    assert "audit" not in " ".join(re.findall(r"^audit.*$", done.stdout, re.M))  # no progress on stdout
+
+
+def test_export_shows_its_steps(demo_run: Path, tmp_path: Path) -> None:
+    done = dilocox("export", "--run", str(demo_run), "--round", "2", str(tmp_path / "hf"))
+    assert done.returncode == 0, done.stderr[-2000:]
+    lines = assert_progress(done.stderr, "export of round 2", min_periodic=2)
+    assert lines[0].startswith("export of round 2: 1/2 steps (50%)"), lines
+    assert (tmp_path / "hf" / "model.safetensors").is_file()
+
+
+def test_plot_draws_the_rounds_and_names_a_bad_line(demo_run: Path, tmp_path: Path) -> None:
+    run = tmp_path / "run"
+    run.mkdir()
+    text = (demo_run / "rounds.jsonl").read_text()
+    (run / "rounds.jsonl").write_text(text + '{"round": 3, "eval_loss": NaN, "bytes_up": 1}\n' + "[" * 5000 + "\n")
+    done = dilocox("plot", "--run", str(run), "--out", str(tmp_path / "rounds.png"))
+    assert done.returncode == 0, done.stderr[-2000:]
+    png = (tmp_path / "rounds.png").read_bytes()
+    assert png.startswith(b"\x89PNG\r\n\x1a\n") and len(png) > 20_000
+    assert "wrote" in done.stdout and "(3 rounds" in done.stdout
+    assert "rounds.jsonl line 4 skipped: \"bytes_down\" is not a whole number >= 0" in done.stderr
+    assert "rounds.jsonl line 5 skipped: the line nests deeper than" in done.stderr
+    assert "Traceback" not in done.stderr
+    empty = tmp_path / "empty"
+    empty.mkdir()
+    done = dilocox("plot", "--run", str(empty))
+    assert done.returncode == 1 and "rounds.jsonl does not exist" in done.stderr and "Traceback" not in done.stderr
+
+
+def ours(temp: Path) -> list[str]:
+    """The audit's temporary directories (its copy of the chain state, anvil's log) in ``temp``."""
+    return sorted(p.name for p in temp.iterdir() if p.name.startswith("dilocox-"))
+
+
+def _anvils_on(port: int) -> list[int]:
+    """Pids of anvil processes serving ``port``."""
+    out = []
+    for entry in Path("/proc").iterdir():
+        try:
+            args = (entry / "cmdline").read_bytes().split(b"\0")
+        except OSError:
+            continue
+        if args and args[0].endswith(b"anvil") and str(port).encode() in args:
+            out.append(int(entry.name))
+    return out
+
+
+@pytest.mark.parametrize("sig, code, said", [
+    (signal.SIGTERM, 128 + signal.SIGTERM, "SIGTERM: stopping the local chain"),
+    (signal.SIGINT, 130, "interrupted (SIGINT)"),
+], ids=["SIGTERM", "SIGINT"])
+def test_a_signalled_audit_stops_its_anvil_and_removes_its_temp_dir(demo_run: Path, tmp_path: Path, sig: int,
+                                                                     code: int, said: str) -> None:
+    temp = tmp_path / "tmp"
+    temp.mkdir()
+    audit = subprocess.Popen([sys.executable, "-m", "cli.main", "audit", "--run", str(demo_run), "--allow-dev",
+                              "--replay", "4"], cwd=REPO, stdin=subprocess.DEVNULL, stdout=subprocess.PIPE,
+                             stderr=subprocess.PIPE, text=True, env={**ENV, "TMPDIR": str(temp)})
+    try:
+        assert audit.stderr is not None
+        for line in audit.stderr:  # wait for the replay to be under way: anvil runs, the temp dir exists
+            if line.startswith("audit replay ("):
+                break
+        else:
+            pytest.fail(f"the audit ended before its replay began: {audit.wait()}")
+        assert ours(temp)
+        audit.send_signal(sig)
+        out, err = audit.communicate(timeout=60)
+    finally:
+        if audit.poll() is None:
+            audit.kill()
+    assert audit.returncode == code, (audit.returncode, err[-2000:])
+    assert said in err and "Traceback" not in err, err[-2000:]
+    assert "AUDIT PASSED" not in out  # stopped before the verdict
+    port = int(re.search(r"local chain http://127\.0\.0\.1:(\d+)", out).group(1))
+    assert _anvils_on(port) == []
+    with pytest.raises(OSError):
+        socket.create_connection(("127.0.0.1", port), timeout=2).close()
+    assert ours(temp) == []  # the state copy and anvil's log directory are gone
+    assert (demo_run / "chain" / "state.json").is_file()  # the run's own state untouched
+
+
+def test_status_watch_shows_a_worker_starting_its_stages_as_alive(cluster: LocalCluster, tmp_path: Path,
+                                                                  monkeypatch: pytest.MonkeyPatch) -> None:
+    config = tmp_path / "config.json"
+    small_config(model=ModelConfig(block_size=32, n_layer=2, n_head=2, n_embd=32),
+                 rounds=RoundConfig(rounds=1, expected_workers=1, quorum=1, straggler_timeout_s=30.0,
+                                    heartbeat_interval_s=0.2, liveness_timeout_s=1.0)).save(config)
+    monkeypatch.setenv(EVERY_ENV, "0")  # the cluster's processes inherit it
+    cluster.start_coordinator(config)
+    cluster.start_worker("w0", extra=["--stages", "2", "--cores", "2"])
+    watch = subprocess.Popen([sys.executable, "-m", "cli.main", "status", "--coordinator", str(cluster.address),
+                              *cluster.tls_args(), "--watch", "0.2"], cwd=REPO, stdin=subprocess.DEVNULL,
+                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=ENV)
+    try:
+        # Liveness lapses 1 s after the last heartbeat; starting the stages takes longer than that.
+        status = cluster.wait_for(lambda s: any(w.phase == WorkerPhase.STARTING for w in s.workers), 60,
+                                  "w0 to say it is starting")
+        while status.workers[0].phase == WorkerPhase.STARTING:
+            assert status.workers[0].alive, status
+            time.sleep(0.2)
+            status = cluster.status()
+        assert cluster.wait_exit("w0", 120) == 0, cluster.log("w0")
+        watch.send_signal(signal.SIGINT)
+        out, err = watch.communicate(timeout=30)
+    finally:
+        if watch.poll() is None:
+            watch.kill()
+    assert watch.returncode == 0, err[-2000:]
+    assert out.count("--- ") >= 2 and "workers" in out and "starting" in out, out[-3000:]
+    log = cluster.log("w0", tail=1000)
+    assert_progress(log, "starting 2 pipeline stages", min_periodic=1)
+    lines = assert_progress(log, "round 1 inner steps", min_periodic=3)  # from the last stage's process
+    assert all("tokens/s" in line for line in lines)
