@@ -64,7 +64,7 @@ def test_status_json_is_every_field_by_its_proto_name_with_numbers() -> None:
     assert doc["total_rounds"] == 2**40 and doc["finished"] is False and doc["ledger_lag_rounds"] == 0
     worker = doc["workers"][0]
     assert worker == {"worker_id": "w0", "shard": 0, "alive": False, "last_seen_s": None, "round": 0,
-                      "phase": "WORKER_PHASE_JOINED"}
+                      "phase": "WORKER_PHASE_JOINED", "address": ""}
     assert doc["rounds"][0]["participants"] == [] and doc["rounds"][0]["eval_loss"] == 0.0
 
 

@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import dataclasses
 import logging
-import math
 import threading
 import time
 from typing import Callable
@@ -100,10 +99,7 @@ class Coordinator:
         with self._lock:
             now = self.clock()
             alive = self.registry.alive(now)
-            workers = tuple(
-                WorkerView(w, s.shard, w in alive, s.round, s.phase,
-                           now - s.last_seen if math.isfinite(s.last_seen) else -1.0, s.address or "")
-                for w, s in sorted(self.registry.workers.items()))
+            workers = tuple(WorkerView.of(w, s, w in alive, now) for w, s in sorted(self.registry.workers.items()))
             return StatusView(self.config.run_id, self.round.number, self.config.rounds.rounds, self.finished,
                               workers, tuple(self.run.summaries), max(0, self.trust.lag) if self.trust else 0)
 

@@ -9,6 +9,7 @@ between these and the wire.
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field, fields
 from typing import Any
 
@@ -249,6 +250,11 @@ class WorkerView:
     phase: WorkerPhase
     last_seen_s: float  # -1 when not heard from since a restart
     address: str = ""  # its admitted key's address; empty when the run has no ledger (or before it joined)
+
+    @classmethod
+    def of(cls, worker_id: str, state: WorkerState, alive: bool, now: float) -> WorkerView:
+        seen = now - state.last_seen if math.isfinite(state.last_seen) else -1.0
+        return cls(worker_id, state.shard, alive, state.round, state.phase, seen, state.address or "")
 
 
 @dataclass(frozen=True)
