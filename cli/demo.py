@@ -119,9 +119,10 @@ def unreported_summary(run_dir: Path, rpc_url: str, console: Console) -> None:
 
 
 def run_demo(run_dir: Path, workers: int = 2, settings: Sequence[str] = (), insecure: bool = False,
-             diloco: bool = False, *, time_limit_s: float) -> int:
+             diloco: bool = False, *, time_limit_s: float, report_timeout_s: float | None = None) -> int:
     """The demo's run: ``demo_config()`` (DiLoCoX; plain DiLoCo with ``diloco``) for ``workers``
-    workers, then ``settings`` (``--set``)."""
+    workers, then ``settings`` (``--set``); ``report_timeout_s``: the coordinator's
+    ``--report-timeout`` (None: its default)."""
     console = Console()
     config = demo_config().plain_diloco() if diloco else demo_config()
     config = config.replace(rounds=dataclasses.replace(config.rounds, expected_workers=workers, quorum=workers))
@@ -137,6 +138,8 @@ def run_demo(run_dir: Path, workers: int = 2, settings: Sequence[str] = (), inse
     console.print(f"[bold yellow]{DEV_WARNING}[/]")
     with Anvil(state_file=run_dir / "chain" / "state.json") as anvil:
         coordinator_args, worker_args = provision(run_dir, anvil.rpc_url, config)
+        if report_timeout_s is not None:
+            coordinator_args += ["--report-timeout", repr(report_timeout_s)]
         console.print(f"local chain {anvil.rpc_url} (state kept in {run_dir / 'chain'}); contracts deployed")
         code = _train(console, run_dir, config, config_path, workers, coordinator_args, worker_args, insecure,
                       time_limit_s)

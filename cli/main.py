@@ -370,7 +370,7 @@ def cmd_demo(args: argparse.Namespace) -> int:
     from cli.demo import run_demo
 
     return run_demo(Path(args.run_dir), workers=args.workers, settings=args.set, insecure=args.insecure,
-                    diloco=args.diloco, time_limit_s=args.time_limit)
+                    diloco=args.diloco, time_limit_s=args.time_limit, report_timeout_s=args.report_timeout)
 
 
 def cmd_audit(args: argparse.Namespace) -> int:
@@ -497,6 +497,8 @@ def _demo_arguments(p: argparse.ArgumentParser) -> None:
                    help="plaintext gRPC between the demo's processes (to measure what TLS costs)")
     p.add_argument("--time-limit", type=float, default=DEMO_TIME_LIMIT_S, metavar="SECONDS",
                    help="stop the demo if its training has not finished by then")
+    p.add_argument("--report-timeout", type=float, default=None, metavar="SECONDS",
+                   help="the coordinator's --report-timeout (default: the coordinator's)")
 
 
 def _coordinator_arguments(p: argparse.ArgumentParser) -> None:
@@ -759,6 +761,8 @@ def check_args(args: argparse.Namespace) -> None:
             raise UsageError(f"--workers {args.workers} is out of range: must be in [1, {MAX_DEMO_WORKERS}]")
         if not 1 <= args.time_limit <= 7 * 86_400:  # also refuses NaN
             raise UsageError(f"--time-limit {args.time_limit} is out of range: must be in [1, 604800] seconds")
+        if args.report_timeout is not None and not 0 <= args.report_timeout <= 86_400:
+            raise UsageError(f"--report-timeout {args.report_timeout} is out of range: must be in [0, 86400] seconds")
     if command == "coordinator":
         _port(args.port, "--port", 0)
         given = [args.ledger, args.chain_rpc, args.chain_key_file]

@@ -49,9 +49,11 @@ def test_port_out_of_range(tmp_path: Path) -> None:
     assert not (tmp_path / "run" / "coordinator.addr").exists()
 
 
-def test_demo_workers_below_one(tmp_path: Path) -> None:
-    code, line = dilocox("demo", "--run-dir", str(tmp_path / "demo"), "--workers", "0")
-    assert code == 2 and "--workers 0 is out of range" in line
+@pytest.mark.parametrize(("flag", "value"), [("--workers", "0"), ("--time-limit", "nan"), ("--time-limit", "0"),
+                                             ("--report-timeout", "-1")])
+def test_demo_arguments_out_of_range(tmp_path: Path, flag: str, value: str) -> None:
+    code, line = dilocox("demo", "--run-dir", str(tmp_path / "demo"), flag, value)
+    assert code == 2 and f"{flag} " in line and "is out of range" in line
     assert not (tmp_path / "demo").exists()
 
 
