@@ -373,72 +373,6 @@ def cmd_demo(args: argparse.Namespace) -> int:
                     diloco=args.diloco, time_limit_s=args.time_limit, report_timeout_s=args.report_timeout)
 
 
-def cmd_audit(args: argparse.Namespace) -> int:
-    from audit.cli import run
-
-    return run(args)
-
-
-def cmd_export(args: argparse.Namespace) -> int:
-    from cli.export import run
-
-    return run(args)
-
-
-def _export_arguments(p: argparse.ArgumentParser) -> None:
-    from cli.export import add_arguments
-
-    add_arguments(p)
-
-
-def cmd_plot(args: argparse.Namespace) -> int:
-    from cli.plot import run
-
-    return run(args)
-
-
-def _plot_arguments(p: argparse.ArgumentParser) -> None:
-    from cli.plot import add_arguments
-
-    add_arguments(p)
-
-
-def cmd_settle(args: argparse.Namespace) -> int:
-    from cli.settle import run
-
-    return run(args)
-
-
-def cmd_chain(args: argparse.Namespace) -> int:
-    from cli.chain import run
-
-    return run(args)
-
-
-def _chain_arguments(p: argparse.ArgumentParser) -> None:
-    from cli.chain import chain_arguments
-
-    chain_arguments(p)
-
-
-def _run_arguments(p: argparse.ArgumentParser) -> None:
-    from cli.chain import run_arguments
-
-    run_arguments(p)
-
-
-def _pool_arguments(p: argparse.ArgumentParser) -> None:
-    from cli.chain import pool_arguments
-
-    pool_arguments(p)
-
-
-def cmd_data(args: argparse.Namespace) -> int:
-    from cli.data import run
-
-    return run(args)
-
-
 def cmd_bench(args: argparse.Namespace) -> int:
     if args.what == "ablation":
         from benchmarks.ablation import run, run_sweep, settings_of
@@ -576,30 +510,6 @@ def _status_arguments(p: argparse.ArgumentParser) -> None:
                    help=f"show the tables again every SECONDS (default {DEFAULT_WATCH_S:g}) until Ctrl-C")
 
 
-def _audit_arguments(p: argparse.ArgumentParser) -> None:
-    from audit.cli import add_arguments
-
-    add_arguments(p)
-
-
-def _settle_arguments(p: argparse.ArgumentParser) -> None:
-    from cli.settle import add_arguments
-
-    add_arguments(p)
-
-
-def _data_arguments(p: argparse.ArgumentParser) -> None:
-    from cli.data import add_arguments
-
-    add_arguments(p)
-
-
-def _gc_arguments(p: argparse.ArgumentParser) -> None:
-    from cli.gc import add_arguments
-
-    add_arguments(p)
-
-
 def cmd_gc(args: argparse.Namespace) -> int:
     from cli.gc import run
 
@@ -653,6 +563,17 @@ def _bench_arguments(p: argparse.ArgumentParser, rest: Sequence[str]) -> None:
                                               formatter_class=HelpFormatter))
 
 
+def _lazy(module: str, name: str) -> Callable:
+    """``module.name``, imported only when called: a subcommand's arguments and code load only when it
+    is the one asked for."""
+    def call(*args: object) -> object:
+        import importlib
+
+        return getattr(importlib.import_module(module), name)(*args)
+
+    return call
+
+
 # name: (help, its arguments, what runs it); a subcommand's arguments are defined only when it is chosen.
 COMMANDS: dict[str, tuple[str, Callable[..., None], Callable[[argparse.Namespace], int]]] = {
     "demo": ("run a coordinator and workers locally on the embedded corpus", _demo_arguments, cmd_demo),
@@ -660,21 +581,26 @@ COMMANDS: dict[str, tuple[str, Callable[..., None], Callable[[argparse.Namespace
                     cmd_coordinator),
     "worker": ("train on one data shard and push pseudo-gradients", _worker_arguments, cmd_worker),
     "status": ("what a running coordinator reports (a table; --json for JSON)", _status_arguments, cmd_status),
-    "audit": ("verify a run's lineage from the ledger and the store alone", _audit_arguments, cmd_audit),
-    "settle": ("what each worker of a run is owed from its reward pool; --claim pays it", _settle_arguments,
-               cmd_settle),
+    "audit": ("verify a run's lineage from the ledger and the store alone",
+              _lazy("audit.cli", "add_arguments"), _lazy("audit.cli", "run")),
+    "settle": ("what each worker of a run is owed from its reward pool; --claim pays it",
+               _lazy("cli.settle", "add_arguments"), _lazy("cli.settle", "run")),
     "chain": ("a local chain kept in a directory (up, down, mine); the contracts deployed on a chain (deploy)",
-              _chain_arguments, cmd_chain),
-    "run": ("run create: allow a run configuration on the registry, its coordinator a verifier", _run_arguments,
-            cmd_chain),
-    "pool": ("pool fund: open and fund a run's reward pool", _pool_arguments, cmd_chain),
+              _lazy("cli.chain", "chain_arguments"), _lazy("cli.chain", "run")),
+    "run": ("run create: allow a run configuration on the registry, its coordinator a verifier",
+            _lazy("cli.chain", "run_arguments"), _lazy("cli.chain", "run")),
+    "pool": ("pool fund: open and fund a run's reward pool", _lazy("cli.chain", "pool_arguments"),
+             _lazy("cli.chain", "run")),
     "bench": ("benchmarks", _bench_arguments, cmd_bench),
-    "gc": ("remove store objects the run no longer references (--dry-run: count them)", _gc_arguments, cmd_gc),
+    "gc": ("remove store objects the run no longer references (--dry-run: count them)",
+           _lazy("cli.gc", "add_arguments"), cmd_gc),
     "config": ("print a run configuration to start from", _config_arguments, cmd_config),
-    "export": ("a round's checkpoint as a Hugging Face folder", _export_arguments, cmd_export),
-    "plot": ("a run's loss, bytes and round time per round as a PNG (from rounds.jsonl)", _plot_arguments,
-             cmd_plot),
-    "data": ("data prepare: tokenize a corpus once into token shards", _data_arguments, cmd_data),
+    "export": ("a round's checkpoint as a Hugging Face folder", _lazy("cli.export", "add_arguments"),
+               _lazy("cli.export", "run")),
+    "plot": ("a run's loss, bytes and round time per round as a PNG (from rounds.jsonl)",
+             _lazy("cli.plot", "add_arguments"), _lazy("cli.plot", "run")),
+    "data": ("data prepare: tokenize a corpus once into token shards", _lazy("cli.data", "add_arguments"),
+             _lazy("cli.data", "run")),
 }
 
 
