@@ -209,6 +209,9 @@ def check_export(folder: Path, config: RunConfig, params: Params, tokenizer: Bpe
             if token_id is None or not 0 <= token_id < config.model.vocab_size:
                 raise ExportError(f"the exported tokenizer's {role} token id {token_id} is not in the model's "
                                   f"vocabulary of {config.model.vocab_size}")
+    from transformers.utils import logging as hf_logging
+
+    hf_logging.disable_progress_bar()  # the export's own progress says where it is; no second bar
     loaded = AutoModelForCausalLM.from_pretrained(folder, local_files_only=True, dtype=torch.float32)
     model = build_model(config.model, config.seed)
     load_params(model, params)
