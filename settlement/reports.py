@@ -33,6 +33,14 @@ class ReportBook:
     records it on the coordinator's word and credits nobody, and the audit lists it. So a round
     whose participants all died before reporting is still recorded, and never blocks the rounds
     after it.
+
+    A participant that missed its report of a round is *silent* (``state["silent"]``, kept on disk
+    across restarts): later rounds are not held back for it, only for the others, until a report of
+    it passes the gate again (``add``, in time or too late). So a worker that never reports costs
+    the ledger one report timeout once, not one every round; its report of a later round still
+    counts if it arrives before that round is queued. The price for an honest worker that missed
+    one report: a round or two queued without waiting for it (its report arriving too late is
+    refused, and uncredited), after which it is waited for again.
     """
 
     def __init__(self, run_dir: RunDir, outbox: Outbox, run_id: bytes, report_timeout_s: float,
@@ -64,9 +72,18 @@ class ReportBook:
             self.state["run_created"] = True
             self._save()
 
+    @property
+    def silent(self) -> set[str]:
+        """Participants that missed a report and have not reported since: not waited for."""
+        return set(self.state.get("silent", []))
+
     def add(self, worker_id: str, signed: SignedReport) -> None:
         r = signed.report.round
         with self._lock:
+            if worker_id in self.silent:  # it reports again: later rounds wait for it again
+                self.state["silent"] = sorted(self.silent - {worker_id})
+                self._save()
+                log.info("%s reports again (round %d): rounds wait for its report again", worker_id, r)
             if r <= self.queued_through:
                 raise Refusal(Reason.NOT_PUBLISHED,
                               f"round {r} has already been handed to the ledger; report too late")
@@ -84,9 +101,10 @@ class ReportBook:
             while (r := self.queued_through + 1) in manifests:
                 cid, manifest = manifests[r]
                 held = self.run_dir.pending(r, "reports")
-                expected = {p.worker for p in manifest.participants}
+                silent = self.silent
+                awaited = {p.worker for p in manifest.participants} - silent
                 waited = now - closed_at.get(r, now)
-                if not (expected <= set(held) or waited >= self.report_timeout_s):
+                if not (awaited <= set(held) or waited >= self.report_timeout_s):
                     break
                 parent = manifests[r - 1][1]
                 unreported = {p.worker: CID.parse(p.update).digest for p in manifest.participants
@@ -96,12 +114,24 @@ class ReportBook:
                     checkpoint=CID.parse(manifest.params).digest, manifest_digest=cid.digest,
                     reports=[held[w] for w in sorted(held)], unreported=list(unreported.values()),
                 )
-                if unreported:
-                    log.warning("round %d: no report from %s after %.0fs; queued for the ledger with %s update(s) "
-                                "unreported (on the coordinator's word, credited to nobody)", r,
-                                ", ".join(sorted(unreported)), waited, "its" if not held else "their")
+                self._note_unreported(r, sorted(unreported), silent, waited, bool(held))
                 self.state["queued_through"] = r
                 self._save()
                 self.run_dir.clear_pending(r, "reports")
                 queued.append(r)
         return queued
+
+    def _note_unreported(self, r: int, unreported: list[str], silent: set[str], waited: float, any_held: bool) -> None:
+        """Log round ``r``'s missing reports, and mark their workers silent (class docstring)."""
+        if not unreported:
+            return
+        missed = [w for w in unreported if w not in silent]
+        if missed:
+            log.warning("round %d: no report from %s after %.0fs; queued for the ledger with %s update(s) "
+                        "unreported (on the coordinator's word, credited to nobody); later rounds do not wait "
+                        "for %s until it reports again", r, ", ".join(missed), waited,
+                        "its" if not any_held else "their", "it" if len(missed) == 1 else "them")
+        if len(missed) < len(unreported):
+            log.info("round %d: queued without waiting for %s (silent since a missed report; unreported)", r,
+                     ", ".join(w for w in unreported if w in silent))
+        self.state["silent"] = sorted(silent | set(unreported))
