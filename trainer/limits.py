@@ -15,8 +15,9 @@ Every request is checked here before the coordinator's state machine sees it:
                 allowance is cancelled by one reaper thread; a long-poll's wait is allowed for.
     rate        ``TokenBucket`` per key (a connection, or "*" for everyone), for Challenge and Join.
     echo        ``clip`` quotes at most ``ECHO_CHARS`` of anything a caller sent.
-    log lines   ``LogBudget``: a malformed message costs at most one log line, and no more than
-                ``per_minute`` lines a minute for each kind of fault, never a traceback.
+    log lines   ``LogBudget``, the one budget of every refusal's log line: a refused message costs at
+                most one line, and no more than ``per_minute`` lines a minute for each kind of fault
+                from each party, ``all_per_minute`` from all of them, never a traceback.
 """
 
 from __future__ import annotations
@@ -130,29 +131,57 @@ class TokenBucket:
 
 
 class LogBudget:
-    """At most ``per_minute`` log lines a minute for each kind of fault; the rest are counted and
-    summed up in the next line that is let through."""
+    """The one budget of every refusal's log line: at most ``per_minute`` lines a minute for each
+    kind of fault from each party (a peer's host, or an authenticated worker's id), and at most
+    ``all_per_minute`` a minute for each kind from all parties together (so N parties, or one with
+    N addresses, cost no more). A line over either budget is counted against its party; the next
+    line let through for that kind and party says how many were not logged. At most ``max_keys``
+    (kind, party) windows are remembered, the least recently used going first: a flood of new
+    parties cannot grow memory, only lose the count of suppressed lines of the oldest."""
 
-    def __init__(self, logger: logging.Logger, per_minute: int = 10, clock: Callable[[], float] = time.monotonic) -> None:
+    EVERYONE = "*"
+
+    def __init__(self, logger: logging.Logger, per_minute: int = 10, clock: Callable[[], float] = time.monotonic,
+                 *, all_per_minute: int = 120, max_keys: int = 4096) -> None:
         self.logger = logger
         self.per_minute = per_minute
+        self.all_per_minute = all_per_minute
+        self.max_keys = max_keys
         self.clock = clock
         self._lock = threading.Lock()
-        self._window: dict[str, tuple[float, int, int]] = {}  # kind -> (window start, lines, suppressed)
+        # (kind, party) -> [window start, lines let through in it, lines suppressed since the last one]
+        self._window: OrderedDict[tuple[str, str], list[float]] = OrderedDict()
 
-    def warning(self, kind: str, message: str, *args: object) -> None:
+    def warning(self, kind: str, message: str, *args: object, party: str = EVERYONE) -> None:
+        self.log(logging.WARNING, kind, party, message, *args)
+
+    def log(self, level: int, kind: str, party: str, message: str, *args: object) -> None:
+        """Log ``message % args`` at ``level`` if ``party`` and everyone have budget left for ``kind``."""
         now = self.clock()
         with self._lock:
-            start, lines, suppressed = self._window.get(kind, (now, 0, 0))
-            if now - start >= 60.0:
-                start, lines = now, 0
-            if lines >= self.per_minute:
-                self._window[kind] = (start, lines, suppressed + 1)
+            mine = self._current((kind, party), now)
+            everyone = mine if party == self.EVERYONE else self._current((kind, self.EVERYONE), now)
+            if mine[1] >= self.per_minute or everyone[1] >= self.all_per_minute:
+                mine[2] += 1
                 return
-            self._window[kind] = (start, lines + 1, 0)
+            suppressed = int(mine[2])
+            mine[1] += 1
+            mine[2] = 0
+            if everyone is not mine:
+                everyone[1] += 1
         if suppressed:
-            message += f" ({suppressed} more like it not logged)"
-        self.logger.warning(message, *args)
+            message += f" ({suppressed} more like it from {clip(party)} not logged)"
+        self.logger.log(level, message, *args)
+
+    def _current(self, key: tuple[str, str], now: float) -> list[float]:
+        """``key``'s window, restarted when a minute has passed (its suppressed count is kept)."""
+        window = self._window.pop(key, None) or [now, 0, 0]
+        if now - window[0] >= 60.0:
+            window[0], window[1] = now, 0
+        self._window[key] = window
+        while len(self._window) > self.max_keys:
+            self._window.popitem(last=False)
+        return window
 
 
 # ----------------------------------------------------------------------------------- slots
@@ -182,6 +211,7 @@ class CallSlots:
         self._calls: dict[int, _Call] = {}
         self._per_caller: dict[str, int] = {}
         self._next_id = 0
+        self.budget = LogBudget(log)
         self._stop = threading.Event()
         self._reaper = threading.Thread(target=self._reap, name="idle-reaper", daemon=True)
         self._reaper.start()
@@ -226,7 +256,8 @@ class CallSlots:
             with self._lock:
                 idle = [(i, c) for i, c in self._calls.items() if now - c.last > c.allowance_s]
             for call_id, call in idle:
-                log.warning("cancelled a stream of %s: no progress for %.0fs", call.caller, now - call.last)
+                self.budget.warning("idle", "cancelled a stream of %s: no progress for %.0fs", call.caller,
+                                    now - call.last, party=call.caller)
                 self._release(call_id)
                 try:
                     call.cancel()

@@ -274,6 +274,38 @@ def test_undecodable_messages_cost_a_log_line_each_at_most(cluster: LocalCluster
     assert refusals <= 40, f"{refusals} log lines for 212 bad messages"
 
 
+def test_a_malformed_health_check_and_a_flood_of_refused_pushes_cost_a_budgeted_few_lines(
+        cluster: LocalCluster, make_config) -> None:
+    """A Health/Check whose service name is not UTF-8 is INVALID_ARGUMENT, never INTERNAL with a
+    traceback; 1,000 refused pushes from a joined worker cost its log budget (trainer.limits.LogBudget),
+    not a line each, and health still answers."""
+    cluster.start_coordinator(make_config())
+    log_file = cluster.run_dir.logs / "coordinator.log"
+    hostile = Hostile(cluster)
+    check = hostile.channel.unary_unary("/grpc.health.v1.Health/Check", request_serializer=lambda b: b,
+                                        response_deserializer=lambda b: b)
+    not_utf8 = b"\x0a\x02\xff\xfe"  # field 1 (service), wire type 2 (bytes), 2 bytes that are not UTF-8
+    for _ in range(20):
+        code, details = code_of(lambda: check(not_utf8, timeout=10))
+        assert code == INVALID, (code, details)
+    hostile.responsive_within(1.0)
+
+    hostile.join("mallory")
+    before = log_file.stat().st_size
+    for _ in range(1000):
+        code, details = code_of(lambda: hostile.push("mallory", hostile.session, run_id="not-this-run"))
+        assert code == grpc.StatusCode.FAILED_PRECONDITION and "not-this-run" in details, (code, details)
+    hostile.responsive_within(1.0)
+    hostile.close()
+    grown = log_file.stat().st_size - before
+    log = cluster.log("coordinator", tail=100_000)
+    assert "Traceback" not in log and "Exception deserializing" not in log
+    assert len(re.findall(r"Health/Check from .* refused", log)) <= 10
+    assert len([line for line in log.splitlines() if "not-this-run" in line]) <= 10
+    assert grown < 4096, f"1,000 refused pushes logged {grown} bytes"
+    print(f"1,000 refused pushes from a joined worker: {grown} bytes of coordinator log")
+
+
 def test_plaintext_and_wrong_pins_are_refused(cluster: LocalCluster, make_config) -> None:
     cluster.start_coordinator(make_config())
     plain = grpc.insecure_channel(cluster.address, options=CHANNEL_OPTIONS)

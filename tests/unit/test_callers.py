@@ -152,7 +152,31 @@ def test_log_budget_keeps_ten_lines_a_minute_per_kind(caplog) -> None:
         budget.warning("field", "after a minute")
     lines = [r.getMessage() for r in caplog.records]
     assert len(lines) == 12 and "another kind" in lines
-    assert lines[-1] == "after a minute (990 more like it not logged)"
+    assert lines[-1] == "after a minute (990 more like it from '*' not logged)"
+
+
+def test_log_budget_is_per_party_and_capped_for_all_parties_together(caplog) -> None:
+    """1,000 refusals from one worker cost its 10 lines a minute and leave other parties theirs;
+    1,000 parties together cost at most ``all_per_minute`` lines; each party's next line says how
+    many of its own were not logged; memory stays within ``max_keys`` windows."""
+    clock = Clock()
+    budget = LogBudget(logging.getLogger("test.budget"), per_minute=10, clock=clock, all_per_minute=50, max_keys=64)
+    with caplog.at_level(logging.INFO, logger="test.budget"):
+        for i in range(1000):
+            budget.log(logging.INFO, "refused push", "mallory", "refused push %d from mallory", i)
+        budget.warning("refused push", "refused push from w0", party="w0")
+        assert [r.getMessage() for r in caplog.records].count("refused push from w0") == 1
+        assert len(caplog.records) == 11
+        caplog.clear()
+        clock.now += 61
+        budget.log(logging.INFO, "refused push", "mallory", "refused push again")
+        assert [r.getMessage() for r in caplog.records] == [
+            "refused push again (990 more like it from 'mallory' not logged)"]
+        caplog.clear()
+        for i in range(1000):
+            budget.warning("field", "bad field from host %d", i, party=f"host{i}")
+        assert len(caplog.records) == 50
+        assert len(budget._window) <= 64
 
 
 def test_after_a_restart_registered_workers_get_one_liveness_window_to_come_back(tmp_path) -> None:

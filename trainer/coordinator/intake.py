@@ -8,6 +8,10 @@ union, checked whole), and one refused slice drops the worker's others for the r
 byte-identical to one already accepted in the run (``accepted_cids``, rebuilt on restart from the
 manifests and the journal) is refused as a replay.
 
+Refusals: each is filed in the round's record (the first ``MAX_REFUSALS_KEPT`` per worker) and
+logged within a per-worker budget (trainer.limits.LogBudget), so a flood of refused pushes from a
+joined worker costs a few log lines a minute.
+
 Traffic: every byte of every RPC stream is counted per worker and direction into the round open at
 the time; the manifest records it, and each participant's ``bytes_received`` is the fetch of the
 state its update built on (``served``), which its signed report restates.
@@ -26,6 +30,7 @@ from trainer.coordinator import checks
 from trainer.coordinator.registry import WorkerRegistry
 from trainer.coordinator.run import Run
 from trainer.coordinator.state import Accepted, JournalEntry, OpenRound, StageSlices, UpdateHeader
+from trainer.limits import LogBudget
 from trainer.refusal import Reason, Refusal
 from trainer.update_record import open_update, parse_record, record_bytes, slice_ref, store_slice
 from trainer.update_source import UpdateSource
@@ -49,6 +54,9 @@ class Intake:
             p.update: (r, p.worker) for r, (_, m) in sorted(run.manifests.items()) for p in m.participants}
         # Wire bytes of each worker's completed FetchGlobal streams, by params CID served.
         self.served: dict[str, dict[str, int]] = {}
+        # The log line of a refused push is budgeted per worker: a joined worker's flood of bad
+        # pushes costs a few lines a minute, not one each (the record keeps MAX_REFUSALS_KEPT).
+        self.budget = LogBudget(log)
         self._reload()
 
     # ------------------------------------------------------------------------- journal
@@ -195,16 +203,18 @@ class Intake:
         """File a refusal: the worker is out of the round, and its other stage slices of the round
         go with it. A duplicate changes nothing: what it repeats is held."""
         if not refusal.reason.files:
-            log.info("round %d: %s from %s", h.round, refusal.message, h.worker_id)
+            self.budget.log(logging.INFO, "refused push", h.worker_id, "round %d: %s from %s", h.round,
+                            refusal.message, h.worker_id)
             return
         dropped = None
         with self._lock:
             if h.round == self.round.number and h.worker_id in self.registry:
                 filed = self.round.refused.setdefault(h.worker_id, [])
-                if len(filed) < MAX_REFUSALS_KEPT:  # the log has every one; the record keeps the first few
+                if len(filed) < MAX_REFUSALS_KEPT:  # the record keeps the first few, the log a budgeted few a minute
                     filed.append(refusal.message)
                 dropped = self.round.partial.pop(h.worker_id, None)
                 if dropped is not None:
                     self._journal_partial()
-        log.warning("round %d: refused %s from %s: %s%s", h.round, h.what, h.worker_id, refusal.message,
-                    f" (its {len(dropped.slices)} other slice(s) dropped)" if dropped and dropped.slices else "")
+        self.budget.log(logging.WARNING, "refused push", h.worker_id, "round %d: refused %s from %s: %s%s", h.round,
+                        h.what, h.worker_id, refusal.message,
+                        f" (its {len(dropped.slices)} other slice(s) dropped)" if dropped and dropped.slices else "")

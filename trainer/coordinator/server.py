@@ -21,13 +21,15 @@ from concurrent import futures
 from typing import Callable
 
 import grpc
-from grpc_health.v1 import health_pb2, health_pb2_grpc
+from grpc_health.v1 import health_pb2
 
 from proto import CHANNEL_OPTIONS, SERVICE_NAME
 from trainer.config import RunConfig
 from trainer.coordinator.machine import Coordinator
 from trainer.coordinator.run import Run, open_run
-from trainer.coordinator.service import MAX_RPCS, MAX_STREAMS_PER_CONNECTION, THREADS, CoordinatorService, _Health, handler
+from trainer.coordinator.service import (
+    MAX_RPCS, MAX_STREAMS_PER_CONNECTION, THREADS, CoordinatorService, _Health, handler, health_handler,
+)
 from trainer.coordinator.trust import RunTrust
 from trainer.limits import clip
 from trainer.run_dir import RunDir
@@ -68,7 +70,7 @@ def serve(run_dir: RunDir, config: RunConfig | None, host: str = "127.0.0.1", po
                          maximum_concurrent_rpcs=MAX_RPCS)
     server.add_generic_rpc_handlers((handler(service),))
     health_servicer = _Health()
-    health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
+    server.add_generic_rpc_handlers((health_handler(health_servicer, service.budget),))
     where = f"{host}:{port}"
     try:  # no SO_REUSEPORT: a port another process holds is refused, not silently shared
         bound = server.add_secure_port(where, credentials) if credentials else server.add_insecure_port(where)

@@ -3,7 +3,9 @@
 Every RPC passes these steps, in order, before trainer.coordinator.machine sees it:
 
   1. decoding    a message that does not decode is refused (INVALID_ARGUMENT) with one log line,
-                 never a traceback (``_parser``: the deserializer returns ``MALFORMED``);
+                 never a traceback (``_parser``: the deserializer returns ``MALFORMED``); the same
+                 for grpc.health.v1 (``health_handler``). Every refusal's log line is budgeted per
+                 party, the peer's host (trainer.limits.LogBudget);
   2. fields      every string/bytes/repeated field is bounded, worker ids and phases have their
                  form (trainer.limits); refusals quote at most a short prefix of what was sent;
   3. identity    FetchGlobal, PushUpdate, SubmitReport and Heartbeat act for a worker: they carry
@@ -156,27 +158,28 @@ class CoordinatorService:
 
     def _call(self, context: grpc.ServicerContext, rpc: str, body: Callable[[], T]) -> T:
         """Run ``body``; turn every refusal into its status code, and anything else into INTERNAL."""
+        peer = _peer_host(context)
         try:
             return body()
         except Refusal as r:
             code, message = STATUS_OF[r.reason], r.message
             if code == grpc.StatusCode.UNAUTHENTICATED:  # someone acting for a worker it is not
-                self.budget.warning("unauthenticated", "%s from %s refused: %s", rpc, _peer_host(context), message)
+                self.budget.warning("unauthenticated", "%s from %s refused: %s", rpc, peer, message, party=peer)
         except FieldError as exc:
-            self.budget.warning("field", "%s from %s refused: %s", rpc, _peer_host(context), exc)
+            self.budget.warning("field", "%s from %s refused: %s", rpc, peer, exc, party=peer)
             code, message = grpc.StatusCode.INVALID_ARGUMENT, str(exc)
         except Exhausted as exc:
-            self.budget.warning("exhausted", "%s from %s refused: %s", rpc, _peer_host(context), exc)
+            self.budget.warning("exhausted", "%s from %s refused: %s", rpc, peer, exc, party=peer)
             code, message = grpc.StatusCode.RESOURCE_EXHAUSTED, str(exc)
         except OSError as exc:  # the store's disk is full or failing: the caller may retry later
             self.budget.warning("storage", "%s failed to store: %s", rpc, clip(exc, 200))
             code, message = grpc.StatusCode.UNAVAILABLE, "the coordinator cannot store data right now; retry later"
         except grpc.RpcError:  # the call was cancelled (by the caller, or as idle) while we read it
-            self.budget.warning("cancelled", "%s from %s ended before its request was complete", rpc,
-                                _peer_host(context))
+            self.budget.warning("cancelled", "%s from %s ended before its request was complete", rpc, peer,
+                                party=peer)
             code, message = grpc.StatusCode.CANCELLED, "the call was cancelled"
         except Exception as exc:  # a bug, not the caller's fault: one line, the traceback only at debug
-            self.budget.warning("internal", "%s failed: %s: %s", rpc, type(exc).__name__, clip(exc, 200))
+            self.budget.warning("internal", "%s failed: %s: %s", rpc, type(exc).__name__, clip(exc, 200), party=peer)
             log.debug("%s failed", rpc, exc_info=True)
             code, message = grpc.StatusCode.INTERNAL, "internal error; the coordinator's log says more"
         context.abort(code, message)
@@ -415,6 +418,32 @@ class _Health(health.HealthServicer):
     def Watch(self, request: health_pb2.HealthCheckRequest, context: grpc.ServicerContext,
               send_response_callback: object = None) -> None:
         context.abort(grpc.StatusCode.UNIMPLEMENTED, "Watch is not served; poll Check")
+
+
+def health_handler(servicer: _Health, budget: LogBudget) -> grpc.GenericRpcHandler:
+    """grpc.health.v1.Health served with the decoding of step 1: a request that does not decode (a
+    service name that is not UTF-8, say) is INVALID_ARGUMENT with at most one budgeted line, where
+    grpc_health's own registration would log a traceback and answer INTERNAL."""
+
+    def check(request: object, context: grpc.ServicerContext) -> health_pb2.HealthCheckResponse:
+        if request is MALFORMED:
+            peer = _peer_host(context)
+            budget.warning("field", "Health/Check from %s refused: the HealthCheckRequest message does not decode",
+                           peer, party=peer)
+            context.abort(grpc.StatusCode.INVALID_ARGUMENT, "the HealthCheckRequest message does not decode")
+        return servicer.Check(request, context)
+
+    def watch(request: object, context: grpc.ServicerContext) -> Iterator[health_pb2.HealthCheckResponse]:
+        servicer.Watch(request, context)  # aborts
+        yield from ()
+
+    serialize = health_pb2.HealthCheckResponse.SerializeToString
+    return grpc.method_handlers_generic_handler("grpc.health.v1.Health", {
+        "Check": grpc.unary_unary_rpc_method_handler(
+            check, request_deserializer=_parser(health_pb2.HealthCheckRequest), response_serializer=serialize),
+        "Watch": grpc.unary_stream_rpc_method_handler(
+            watch, request_deserializer=_parser(health_pb2.HealthCheckRequest), response_serializer=serialize),
+    })
 
 
 def handler(service: CoordinatorService) -> grpc.GenericRpcHandler:
