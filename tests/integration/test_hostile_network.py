@@ -288,6 +288,10 @@ def test_a_malformed_health_check_and_a_flood_of_refused_pushes_cost_a_budgeted_
     for _ in range(20):
         code, details = code_of(lambda: check(not_utf8, timeout=10))
         assert code == INVALID, (code, details)
+    watch = hostile.channel.unary_stream("/grpc.health.v1.Health/Watch", request_serializer=lambda b: b,
+                                         response_deserializer=lambda b: b)
+    for request in (b"", not_utf8):  # Watch would hold a thread per caller: not served, whatever is sent
+        assert code_of(lambda: watch(request, timeout=10))[0] == grpc.StatusCode.UNIMPLEMENTED
     hostile.responsive_within(1.0)
 
     hostile.join("mallory")
