@@ -178,7 +178,7 @@ class CoordinatorClient:
             except grpc.RpcError as exc:
                 if exc.code() == grpc.StatusCode.UNAUTHENTICATED and self.session and rejoins < 2:
                     log.warning("%s: the coordinator does not know this session (%s); joining again", what,
-                                exc.details())
+                                clip(exc.details(), 200))
                     lost, rejoins = True, rejoins + 1
                     continue
                 if halted and exc.code() == grpc.StatusCode.FAILED_PRECONDITION:
@@ -187,9 +187,9 @@ class CoordinatorClient:
                     raise
                 if time.monotonic() >= deadline:
                     raise WorkerError(f"coordinator at {self.address} unreachable for {self.reconnect_timeout_s:.0f}s "
-                                      f"({what}: {exc.details()})") from exc
+                                      f"({what}: {clip(exc.details(), 200)})") from exc
                 if not lost:
-                    log.warning("%s: coordinator unreachable (%s); retrying", what, exc.details())
+                    log.warning("%s: coordinator unreachable (%s); retrying", what, clip(exc.details(), 200))
                 lost = True
                 backoff.wait()
 
@@ -416,7 +416,7 @@ class CoordinatorClient:
         except grpc.RpcError as exc:
             if exc.code() == grpc.StatusCode.ALREADY_EXISTS:
                 return
-            log.warning("round %d: report refused (%s): %s", round_, exc.code().name, exc.details())
+            log.warning("round %d: report refused (%s): %s", round_, exc.code().name, clip(exc.details(), 200))
 
 
 def learn_schedule(schedule: WorkerSchedule | None, header: pb.GlobalHeader, params: Params) -> None:
