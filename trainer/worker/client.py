@@ -469,9 +469,10 @@ def heartbeat_interval(dictated_s: float) -> float:
 def wait_after_empty(backoff: Backoff, took_s: float, fetch_wait_s: float) -> None:
     """Wait before asking again for a global state the coordinator said it has not (the long-poll
     it held counts toward the wait); refuse one that keeps answering without holding the poll."""
-    if took_s >= fetch_wait_s / 2:
+    if took_s >= fetch_wait_s / 2:  # held: longer than the backoff's first wait already
         backoff.reset()
-    elif backoff.retries >= MAX_EARLY_EMPTY:
+        return
+    if backoff.retries >= MAX_EARLY_EMPTY:
         raise WorkerError(f"the coordinator answered 'no new global state yet' {backoff.retries + 1} times in a "
                           f"row without holding the {fetch_wait_s:g}s long-poll asked for; it misbehaves")
     backoff.wait(took_s)
