@@ -18,11 +18,25 @@ Every request is checked here before the coordinator's state machine sees it:
     log lines   ``LogBudget``, the one budget of every refusal's log line: a refused message costs at
                 most one line, and no more than ``per_minute`` lines a minute for each kind of fault
                 from each party, ``all_per_minute`` from all of them, never a traceback.
+
+The other side of the wire, what a worker allows the coordinator it pinned (trainer.worker.client):
+
+    payload     a global state is at most ``dense_payload_limit`` of the run's parameter count: 4
+                bytes per fp32 value plus ``FRAMING_MARGIN`` (the coordinator bounds a push alike,
+                trainer.coordinator.checks.check_form).
+    intervals   what the coordinator dictates is held to [floor, ceiling] (``bounded``): heartbeats
+                to [``HEARTBEAT_FLOOR_S``, ``HEARTBEAT_CEILING_S``], the long-poll asked for to
+                [``FETCH_WAIT_FLOOR_S``, ``FETCH_WAIT_CEILING_S``].
+    retries     ``Backoff``: with d_k = min(ceiling, floor · 2^k), the k-th retry waits a time drawn
+                uniformly from [max(floor, d_k / 2), d_k] (jitter: workers that failed together do
+                not retry together; never less than the floor).
 """
 
 from __future__ import annotations
 
 import logging
+import math
+import random
 import re
 import threading
 import time
@@ -290,3 +304,50 @@ class Slot:
 
     def __exit__(self, *exc: object) -> None:
         self.release()
+
+
+# ----------------------------------------------------------------------------------- the worker's side
+
+FRAMING_MARGIN = 1 << 20     # bytes beyond the tensors' own: the safetensors header naming each tensor
+# The run config's own range of rounds.heartbeat_interval_s (trainer.config): no honest run is held
+# back, and a coordinator asking for more often (it asked for 0: 2,137 a second) gets 20 a second.
+HEARTBEAT_FLOOR_S = 0.05
+HEARTBEAT_CEILING_S = 60.0
+FETCH_WAIT_FLOOR_S = 0.5
+FETCH_WAIT_CEILING_S = 30.0  # the coordinator holds a long-poll at most this long anyway
+RETRY_FLOOR_S = 0.2
+RETRY_CEILING_S = 5.0
+
+
+def dense_payload_limit(values: int) -> int:
+    """The most bytes a dense fp32 state of ``values`` numbers can need on the wire."""
+    return 4 * values + FRAMING_MARGIN
+
+
+def bounded(seconds: float, floor: float, ceiling: float) -> float:
+    """``seconds`` held to [floor, ceiling]; NaN (no number at all) is the floor."""
+    return floor if math.isnan(seconds) else min(max(seconds, floor), ceiling)
+
+
+class Backoff:
+    """Growing, jittered waits between retries (module docstring); ``reset`` after a success.
+    ``wait(already_s)`` counts the time the failed attempt itself took toward the wait, so a
+    long-poll the coordinator held for its whole wait is asked again at once."""
+
+    def __init__(self, floor: float = RETRY_FLOOR_S, ceiling: float = RETRY_CEILING_S, *,
+                 sleep: Callable[[float], None] = time.sleep, uniform: Callable[[], float] = random.random) -> None:
+        self.floor, self.ceiling, self.sleep, self.uniform = floor, ceiling, sleep, uniform
+        self.retries = 0
+
+    def next_delay(self) -> float:
+        full = min(self.ceiling, self.floor * 2.0 ** min(self.retries, 64))
+        self.retries += 1
+        return max(self.floor, full * (0.5 + 0.5 * self.uniform()))
+
+    def wait(self, already_s: float = 0.0) -> None:
+        delay = self.next_delay() - already_s
+        if delay > 0:
+            self.sleep(delay)
+
+    def reset(self) -> None:
+        self.retries = 0

@@ -81,17 +81,20 @@ def chunked(data: bytes, size: int = CHUNK_BYTES) -> Iterator[bytes]:
 
 
 def reassemble(chunks: Iterable[bytes], size: int, sha256: str, *, what: str) -> bytes:
-    """Join chunks, refusing oversize chunks, a wrong total length and a wrong digest."""
+    """Join chunks, refusing oversize chunks, a wrong total length and a wrong digest; the digest is
+    taken as the chunks arrive, and reading stops at the first byte past the declared ``size``."""
     buffer = bytearray()
+    digest = hashlib.sha256()
     for chunk in chunks:
         if len(chunk) > CHUNK_BYTES:
             raise WireError(f"{what}: chunk of {len(chunk)} bytes exceeds {CHUNK_BYTES}")
-        buffer += chunk
-        if len(buffer) > size:
+        if len(buffer) + len(chunk) > size:
             raise WireError(f"{what}: more than the declared {size} bytes arrived")
+        buffer += chunk
+        digest.update(chunk)
     if len(buffer) != size:
         raise WireError(f"{what}: {len(buffer)} bytes arrived, header declared {size}")
-    actual = sha256_hex(bytes(buffer))
+    actual = digest.hexdigest()
     if actual != sha256:
         raise WireError(f"{what}: digest mismatch: header says sha256 {sha256}, bytes hash to {actual}")
     return bytes(buffer)

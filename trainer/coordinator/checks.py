@@ -15,7 +15,7 @@ from proto import PROTOCOL_VERSION, PUSH_ENCODINGS
 from trainer.aggregation import InvalidUpdate, check_layout
 from trainer.config import ModelConfig, RunConfig
 from trainer.coordinator.state import JournalEntry, OpenRound, StageSlices, UpdateHeader
-from trainer.limits import clip
+from trainer.limits import clip, dense_payload_limit
 from trainer.pipeline import stage_param_names
 from trainer.refusal import Reason, Refusal
 from trainer.schedule import round_tokens
@@ -105,7 +105,7 @@ def check_form(h: UpdateHeader, expected: Layout, config: RunConfig, inner_steps
     check from the update; only re-running the round verifies it (the audit's replay,
     audit.replay, re-runs the inner steps to the update's digest, but does not yet compare the
     claimed loss)."""
-    limit = sum(4 * math.prod(shape) for _, shape in expected.values()) + (1 << 20)
+    limit = dense_payload_limit(sum(math.prod(shape) for _, shape in expected.values()))
     if h.payload_size > limit:
         raise Refusal(Reason.MALFORMED, f"payload of {h.payload_size} bytes exceeds the {limit} a dense update can need")
     if not (math.isfinite(h.train_loss) and 0.0 <= h.train_loss < MAX_TRAIN_LOSS):

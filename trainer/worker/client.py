@@ -7,6 +7,15 @@ coordinator names, and every global state must carry the coordinator's signature
 hash to its CID. Every call made for this worker after Join carries its session token
 (proto.session_metadata). Every byte is counted per direction.
 
+Nor is the coordinator trusted to be well-behaved (bounds in trainer.limits): a global state's header
+must carry the coordinator's signature and declare at most ``dense_payload_limit`` of the model's
+parameter count before a payload byte is read, and the stream is cut at the first byte past what it
+declared (the payload is hashed as it arrives, trainer.wire.reassemble); the run configuration is
+parsed with bounded size and nesting; the heartbeat interval it dictates is held to
+[HEARTBEAT_FLOOR_S, HEARTBEAT_CEILING_S]; every retry waits a growing, jittered ``Backoff``; and
+more than ``MAX_EARLY_EMPTY`` answers in a row of "no new global state yet" that did not wait the
+long-poll asked for end the worker with one line (WorkerError), as any invalid global state does.
+
 Faults it rides out: a coordinator unreachable (restart, network blip) or busy (RESOURCE_EXHAUSTED)
 is retried with backoff for up to ``reconnect_timeout_s``; after reconnecting, or when the
 coordinator no longer knows the session (it restarted), the worker joins again and re-sends an
@@ -16,7 +25,6 @@ sent).
 
 from __future__ import annotations
 
-import json
 import logging
 import threading
 import time
@@ -31,11 +39,14 @@ from attestation import (
 )
 from attestation.signing import global_digest, update_digest
 from proto import CHANNEL_OPTIONS, PROTOCOL_VERSION, Encoding, WorkerPhase, pb, pb_grpc, session_metadata
-from storage_client import CID, Codec, canonical_json
+from storage_client import CID, Codec, canonical_json, loads_bounded
 from trainer.compression import CodecHeader, CompressionError
-from trainer.config import RunConfig
+from trainer.config import RunConfig, estimated_parameters
 from trainer.downlink import apply_update, decode_update
-from trainer.limits import clip
+from trainer.limits import (
+    FETCH_WAIT_CEILING_S, FETCH_WAIT_FLOOR_S, HEARTBEAT_CEILING_S, HEARTBEAT_FLOOR_S, Backoff, bounded, clip,
+    dense_payload_limit,
+)
 from trainer.link import Link
 from trainer.schedule import ScheduleError, WorkerSchedule
 from trainer.shared_eval import MAX_EVAL_BATCHES
@@ -52,6 +63,10 @@ _RETRYABLE = {grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED, gr
 # A push answered with one of these is out of the round: the worker undoes or carries it forward.
 REFUSED = {grpc.StatusCode.FAILED_PRECONDITION, grpc.StatusCode.INVALID_ARGUMENT, grpc.StatusCode.PERMISSION_DENIED,
            grpc.StatusCode.UNAUTHENTICATED}
+MAX_CONFIG_JSON = 1 << 20  # bytes of the run configuration a coordinator may send (an honest one: a few kB)
+# "No new global state yet" answered sooner than half the long-poll asked for, this many times in a
+# row, is a coordinator that does not hold the poll: the worker stops rather than poll it forever.
+MAX_EARLY_EMPTY = 20
 
 
 class WorkerError(RuntimeError):
@@ -108,9 +123,11 @@ def slice_name(piece: Slice) -> str:
 class CoordinatorClient:
     def __init__(self, address: str, worker_id: str, *, tls: ClientTls, attestation: EvidenceProvider | None,
                  reconnect_timeout_s: float, fetch_wait_s: float, link: Link,
-                 on_first_join: Callable[[RunConfig, int, int], None]) -> None:
-        self.address, self.worker_id = address, worker_id
-        self.reconnect_timeout_s, self.fetch_wait_s = reconnect_timeout_s, fetch_wait_s
+                 on_first_join: Callable[[RunConfig, int, int], None],
+                 sleep: Callable[[float], None] = time.sleep) -> None:
+        self.address, self.worker_id, self.sleep = address, worker_id, sleep  # sleep: every retry's wait
+        self.reconnect_timeout_s = reconnect_timeout_s
+        self.fetch_wait_s = bounded(fetch_wait_s, FETCH_WAIT_FLOOR_S, FETCH_WAIT_CEILING_S)
         self.attestation, self.link, self.on_first_join = attestation, link, on_first_join
         self.channel = self._open(tls)
         self.stub = pb_grpc.CoordinatorStub(self.channel)
@@ -135,7 +152,7 @@ class CoordinatorClient:
     def _open(self, tls: ClientTls) -> grpc.Channel:
         """The channel to the coordinator; a pinned certificate is fetched first, so a coordinator
         that is not up yet is waited for, as any unreachable coordinator is (``call``)."""
-        deadline = time.monotonic() + self.reconnect_timeout_s
+        deadline, backoff = time.monotonic() + self.reconnect_timeout_s, Backoff(sleep=self.sleep)
         while True:
             try:
                 return open_channel(self.address, tls, CHANNEL_OPTIONS)
@@ -143,14 +160,14 @@ class CoordinatorClient:
                 if time.monotonic() >= deadline:
                     raise WorkerError(f"coordinator at {self.address} unreachable for "
                                       f"{self.reconnect_timeout_s:.0f}s: {exc}") from exc
-                time.sleep(1.0)
+                backoff.wait()
 
     def call(self, what: str, fn: Callable[[], T], halted: str = "") -> T:
         """Run ``fn``; retry with backoff while the coordinator is unreachable or busy, then rejoin; rejoin
         at once when it no longer knows this session; a fetch told the run stopped (``halted``: what
         for) ends in a WorkerError with the coordinator's reason."""
-        deadline = time.monotonic() + self.reconnect_timeout_s
-        delay, lost, rejoins = 0.2, False, 0
+        deadline, backoff = time.monotonic() + self.reconnect_timeout_s, Backoff(sleep=self.sleep)
+        lost, rejoins = False, 0
         while True:
             try:
                 if lost:
@@ -161,7 +178,7 @@ class CoordinatorClient:
             except grpc.RpcError as exc:
                 if exc.code() == grpc.StatusCode.UNAUTHENTICATED and self.session and rejoins < 2:
                     log.warning("%s: the coordinator does not know this session (%s); joining again", what,
-                                exc.details())
+                                clip(exc.details(), 200))
                     lost, rejoins = True, rejoins + 1
                     continue
                 if halted and exc.code() == grpc.StatusCode.FAILED_PRECONDITION:
@@ -170,12 +187,11 @@ class CoordinatorClient:
                     raise
                 if time.monotonic() >= deadline:
                     raise WorkerError(f"coordinator at {self.address} unreachable for {self.reconnect_timeout_s:.0f}s "
-                                      f"({what}: {exc.details()})") from exc
+                                      f"({what}: {clip(exc.details(), 200)})") from exc
                 if not lost:
-                    log.warning("%s: coordinator unreachable (%s); retrying", what, exc.details())
+                    log.warning("%s: coordinator unreachable (%s); retrying", what, clip(exc.details(), 200))
                 lost = True
-                time.sleep(delay)
-                delay = min(delay * 2, 2.0)
+                backoff.wait()
 
     def close(self) -> None:
         self.channel.close()
@@ -186,7 +202,7 @@ class CoordinatorClient:
         """Challenge, attest (when the run has a ledger), join; set up on the first join. A worker
         id still held by a live session is retried until that session lapses (a restarted worker).
         One join at a time: the heartbeat thread may join again while the main thread calls."""
-        deadline = time.monotonic() + self.reconnect_timeout_s
+        deadline, backoff = time.monotonic() + self.reconnect_timeout_s, Backoff(floor=1.0, sleep=self.sleep)
         while True:
             try:
                 with self._joining:
@@ -194,8 +210,8 @@ class CoordinatorClient:
             except grpc.RpcError as exc:
                 if exc.code() != grpc.StatusCode.ALREADY_EXISTS or time.monotonic() >= deadline:
                     raise
-                log.warning("join: %s; retrying", exc.details())
-                time.sleep(1.0)
+                log.warning("join: %s; retrying", clip(exc.details(), 200))
+                backoff.wait()
 
     def _join_once(self) -> pb.JoinResponse:
         challenge = self.stub.Challenge(pb.ChallengeRequest(
@@ -219,7 +235,7 @@ class CoordinatorClient:
         if len(response.session_token) != 32:
             raise WorkerError("the coordinator's Join gave no session token; is it an older version?")
         self.session = session_metadata(self.worker_id, response.session_token)
-        self.heartbeat_interval_s = response.heartbeat_interval_s
+        self.heartbeat_interval_s = heartbeat_interval(response.heartbeat_interval_s)
         if self.config is None:  # set-up (pipeline stages start): heartbeats already say STARTING
             self.on_first_join(config, response.shard, response.num_shards)
             self.config, self.schedule = config, WorkerSchedule(config)
@@ -244,7 +260,11 @@ class CoordinatorClient:
         actual = CID.of(config_json, Codec.JSON)
         if str(actual) != config_cid:
             raise WorkerError(f"run configuration hashes to {actual}, coordinator named {config_cid}")
-        config = RunConfig.from_json(json.loads(config_json))
+        try:  # a hostile coordinator names the CID of whatever it sends: parse it as untrusted
+            config = RunConfig.from_json(loads_bounded(config_json, max_bytes=MAX_CONFIG_JSON,
+                                                       what="the coordinator's run configuration"))
+        except (ValueError, TypeError, KeyError, AttributeError) as exc:  # JSONBoundsError, ConfigError among them
+            raise WorkerError(f"the coordinator's run configuration is refused: {clip(exc, 300)}") from None
         if self.config is not None and config.cid != self.config.cid:
             raise WorkerError(f"coordinator now runs config {config.cid}, not {self.config.cid}")
         return config
@@ -268,14 +288,15 @@ class CoordinatorClient:
         CID the header names; if it does not, the worker says so and fetches θ⁽ʳ⁾ dense.
         """
         self.phase = WorkerPhase.WAITING
-        dense_only = False
+        dense_only, backoff = False, Backoff(sleep=self.sleep)
         while True:
             held = None if dense_only else self.held
+            asked = time.monotonic()
             header, payload, size = self.call("fetch global state", lambda: self._fetch_once(min_round, held),
                                               f"waiting for round {min_round}")
-            if payload is None:
+            if payload is None:  # not yet: ask again, no sooner than the backoff allows
+                wait_after_empty(backoff, time.monotonic() - asked, self.fetch_wait_s)
                 continue
-            self.checked_signature(header)  # before a byte of the payload is used
             decoding = time.perf_counter()
             try:
                 params = global_params(header, payload, held)
@@ -318,8 +339,14 @@ class CoordinatorClient:
                 self._received(message.ByteSize())
                 yield message.data
 
-        payload = reassemble(data(), header.payload_size, header.payload_sha256,
-                             what=f"global state of round {header.round}")
+        try:  # signature and size before a byte of the payload is read; not a byte past what was declared
+            self.checked_signature(header)
+            check_size(self.config, header)
+            payload = reassemble(data(), header.payload_size, header.payload_sha256,
+                                 what=f"global state of round {header.round}")
+        except WireError:
+            stream.cancel()  # the rest of the stream is not read
+            raise
         self.phase_seconds.add("fetch", time.perf_counter() - streaming)
         return header, payload, size
 
@@ -389,7 +416,7 @@ class CoordinatorClient:
         except grpc.RpcError as exc:
             if exc.code() == grpc.StatusCode.ALREADY_EXISTS:
                 return
-            log.warning("round %d: report refused (%s): %s", round_, exc.code().name, exc.details())
+            log.warning("round %d: report refused (%s): %s", round_, exc.code().name, clip(exc.details(), 200))
 
 
 def learn_schedule(schedule: WorkerSchedule | None, header: pb.GlobalHeader, params: Params) -> None:
@@ -407,14 +434,20 @@ def learn_schedule(schedule: WorkerSchedule | None, header: pb.GlobalHeader, par
 
 def heartbeats(client: CoordinatorClient, stop: threading.Event) -> None:
     """Say the client's round and phase every heartbeat interval until ``stop``, from the first Join
-    on (so a worker setting up after it, e.g. starting its pipeline stages, is alive and "starting")."""
-    while not stop.wait(client.heartbeat_interval_s):
+    on (so a worker setting up after it, e.g. starting its pipeline stages, is alive and "starting").
+    After a failed heartbeat the next waits at least a growing ``Backoff``, until one succeeds."""
+    backoff = Backoff(floor=client.heartbeat_interval_s)
+    wait_s = client.heartbeat_interval_s
+    while not stop.wait(wait_s):
+        wait_s = client.heartbeat_interval_s
         if not client.session:  # not joined yet: nothing to say
             continue
         try:
             client.say(client.round, client.phase)
+            backoff.reset()
         except grpc.RpcError as exc:
-            log.debug("heartbeat failed: %s", exc.details())
+            wait_s = max(wait_s, backoff.next_delay())
+            log.debug("heartbeat failed: %s", clip(exc.details(), 200))
             if exc.code() == grpc.StatusCode.UNAUTHENTICATED:
                 # The coordinator restarted and forgot this session: join again now rather than
                 # at the next call, which may be a whole inner loop away, so it keeps us live.
@@ -422,6 +455,36 @@ def heartbeats(client: CoordinatorClient, stop: threading.Event) -> None:
                     client.join()
                 except (grpc.RpcError, WorkerError) as rejoin:
                     log.warning("heartbeat: could not join again: %s", rejoin)
+
+
+def heartbeat_interval(dictated_s: float) -> float:
+    """The coordinator's heartbeat interval, held to [HEARTBEAT_FLOOR_S, HEARTBEAT_CEILING_S]."""
+    interval = bounded(dictated_s, HEARTBEAT_FLOOR_S, HEARTBEAT_CEILING_S)
+    if interval != dictated_s:
+        log.warning("the coordinator asks for a heartbeat every %.4gs; sending one every %.4gs (bounds %g to %gs)",
+                    dictated_s, interval, HEARTBEAT_FLOOR_S, HEARTBEAT_CEILING_S)
+    return interval
+
+
+def wait_after_empty(backoff: Backoff, took_s: float, fetch_wait_s: float) -> None:
+    """Wait before asking again for a global state the coordinator said it has not (the long-poll
+    it held counts toward the wait); refuse one that keeps answering without holding the poll."""
+    if took_s >= fetch_wait_s / 2:  # held: longer than the backoff's first wait already
+        backoff.reset()
+        return
+    if backoff.retries >= MAX_EARLY_EMPTY:
+        raise WorkerError(f"the coordinator answered 'no new global state yet' {backoff.retries + 1} times in a "
+                          f"row without holding the {fetch_wait_s:g}s long-poll asked for; it misbehaves")
+    backoff.wait(took_s)
+
+
+def check_size(config: RunConfig | None, header: pb.GlobalHeader) -> None:
+    """A global state is no larger than the run's model, dense (trainer.limits.dense_payload_limit)."""
+    assert config is not None  # set at the first Join, before any fetch
+    limit = dense_payload_limit(estimated_parameters(config.model))
+    if not 0 <= header.payload_size <= limit:
+        raise WireError(f"global state of round {header.round} declares {header.payload_size} bytes, more than "
+                        f"the {limit} this run's model can need")
 
 
 def check_pinned_genesis(config: RunConfig | None, header: pb.GlobalHeader) -> None:
