@@ -665,12 +665,9 @@ def _coordinator_address(address: str) -> None:
 def _warn_oversubscribed(cores: int | None, threads: int | None) -> None:
     """More cores or threads than this process may run on is allowed (a benchmark may want it) but
     never silent: every stage and thread then shares a core with another."""
-    import os
+    from trainer.procgroup import available_cpus  # the worker loads torch next anyway
 
-    try:
-        have = len(os.sched_getaffinity(0))
-    except AttributeError:  # not Linux
-        have = os.cpu_count() or 1
+    have = available_cpus()
     for flag, value in (("--cores", cores), ("--threads", threads)):
         if value is not None and value > have:
             logging.getLogger("dilocox").warning(

@@ -164,8 +164,8 @@ class CoordinatorClient:
 
     def call(self, what: str, fn: Callable[[], T], halted: str = "") -> T:
         """Run ``fn``; retry with backoff while the coordinator is unreachable or busy, then rejoin; rejoin
-        at once when it no longer knows this session; a fetch told the run stopped (``halted``: what
-        for) ends in a WorkerError with the coordinator's reason."""
+        at once when it no longer knows this session; a fetch refused as not fitting the run (``halted``:
+        what for; FAILED_PRECONDITION, e.g. the run stopped) ends in a WorkerError with the reason."""
         deadline, backoff = time.monotonic() + self.reconnect_timeout_s, Backoff(sleep=self.sleep)
         lost, rejoins = False, 0
         while True:
