@@ -470,7 +470,8 @@ def _coordinator_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--insecure", action="store_true",
                    help="serve plaintext gRPC (no TLS): only for a trusted loopback; workers need --insecure too")
     p.add_argument("--idle-timeout", type=float, default=30.0,
-                   help="seconds a stream may make no progress before it is cancelled")
+                   help="seconds a call may wait for its request (10 at most), a stream go without a "
+                        "message, and a stream moving data fall behind 256 KiB/s before it is ended")
 
 
 def _worker_arguments(p: argparse.ArgumentParser) -> None:

@@ -6,13 +6,17 @@ Every request is checked here before the coordinator's state machine sees it:
                 (``FIELD_LIMITS``, else ``DEFAULT_STRING``/``DEFAULT_BYTES``/``DEFAULT_REPEATED``),
                 found by walking the message's descriptor, so a field added to the .proto later is
                 bounded too. Worker ids must match ``WORKER_ID`` and phases be one of ``proto.HEARTBEAT_PHASES``.
-    slots       calls that can hold a server thread for long (PushUpdate, FetchGlobal, Join) take a
-                slot: at most ``per_caller`` at once per caller (an authenticated worker, or the
-                peer address for calls made before a Join) and ``total`` in all; the server's
-                thread pool is larger than ``total``, so health, Status and the short calls always
-                find a thread. Beyond a limit a call is refused at once with RESOURCE_EXHAUSTED.
-    idle        a slot's call that makes no progress (no message received or sent) for its
-                allowance is cancelled by one reaper thread; a long-poll's wait is allowed for.
+    arrival     every call's request message must arrive within the server's arrival allowance
+                (trainer.coordinator.service.ARRIVAL_S); until it has, a call holds a coroutine of
+                the server's event loop and nothing else: no thread, no slot, no log line.
+    streams     ``StreamBudget``: PushUpdate and FetchGlobal streams are held per worker id (an
+                authenticated one), a few of each kind per id and none shared among ids, so no
+                number of other ids can take an id's push or its fetch; the registry bounds how
+                many ids there are (trainer.coordinator.registry).
+    progress    ``Progress``: a stream that moves data keeps a least pace (bytes a second after a
+                grace) and never goes ``idle_s`` without a message, or it is cut; a long-poll's
+                wait for a round is not counted (nothing moves, and it costs a coroutine).
+    connections ``ConnectionCap``: calls in flight on at most ``per_host`` connections of one host.
     rate        ``TokenBucket`` per key (a connection, or "*" for everyone), for Challenge and Join.
     echo        ``clip`` quotes at most ``ECHO_CHARS`` of anything a caller sent.
     log lines   ``LogBudget``, the one budget of every refusal's log line: a refused message costs at
@@ -34,6 +38,7 @@ The other side of the wire, what a worker allows the coordinator it pinned (trai
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import math
 import random
@@ -42,7 +47,7 @@ import threading
 import time
 from collections import OrderedDict
 from dataclasses import dataclass, field
-from typing import Callable
+from typing import Callable, Iterator
 
 from google.protobuf.message import Message
 
@@ -198,112 +203,104 @@ class LogBudget:
         return window
 
 
-# ----------------------------------------------------------------------------------- slots
+# ----------------------------------------------------------------------------------- streams
 
 
 class Exhausted(Exception):
-    """No slot is free for this caller, or none at all; the message says which limit."""
+    """A budget of this caller (or of its host) is spent; the message says which."""
 
 
-@dataclass
-class _Call:
-    caller: str
-    cancel: Callable[[], None]
-    allowance_s: float
-    last: float
+class Stalled(Exception):
+    """A call that did not keep its pace: its request did not arrive in time, or its stream did
+    not move data fast enough (``Progress``); the message says which."""
 
 
-class CallSlots:
-    """Concurrency limits per caller and in total, and the idle reaper (module docstring)."""
+class StreamBudget:
+    """Streams a worker id holds at once, by kind (module docstring, "streams"): a budget of each
+    id's own, so that nothing any other id does (or any number of them) can take an id's push or
+    fetch. Used from the server's event loop only; a ``with`` of ``hold`` gives the stream back."""
 
-    def __init__(self, *, total: int, per_caller: int, idle_s: float, clock: Callable[[], float] = time.monotonic) -> None:
-        self.total = total
-        self.per_caller = per_caller
-        self.idle_s = idle_s
-        self.clock = clock
-        self._lock = threading.Lock()
-        self._calls: dict[int, _Call] = {}
-        self._per_caller: dict[str, int] = {}
-        self._next_id = 0
-        self.budget = LogBudget(log)
-        self._stop = threading.Event()
-        self._reaper = threading.Thread(target=self._reap, name="idle-reaper", daemon=True)
-        self._reaper.start()
+    def __init__(self, per_worker: dict[str, int]) -> None:
+        self.per_worker = dict(per_worker)
+        self._held: dict[tuple[str, str], int] = {}
 
-    def acquire(self, caller: str, cancel: Callable[[], None]) -> Slot:
-        with self._lock:
-            if len(self._calls) >= self.total:
-                raise Exhausted(f"the coordinator is serving {self.total} streams, its limit; retry shortly")
-            held = self._per_caller.get(caller, 0)
-            if held >= self.per_caller:
-                raise Exhausted(f"this caller already holds {held} streams, the limit per caller")
-            self._next_id += 1
-            self._calls[self._next_id] = _Call(caller, cancel, self.idle_s, self.clock())
-            self._per_caller[caller] = held + 1
-            return Slot(self, self._next_id)
-
-    def in_use(self) -> int:
-        with self._lock:
-            return len(self._calls)
-
-    def _touch(self, call_id: int, allowance_s: float | None) -> None:
-        with self._lock:
-            call = self._calls.get(call_id)
-            if call is not None:
-                call.last = self.clock()
-                call.allowance_s = self.idle_s if allowance_s is None else allowance_s + self.idle_s
-
-    def _release(self, call_id: int) -> None:
-        with self._lock:
-            call = self._calls.pop(call_id, None)
-            if call is None:
-                return
-            left = self._per_caller[call.caller] - 1
+    @contextlib.contextmanager
+    def hold(self, kind: str, worker: str) -> Iterator[None]:
+        key = (kind, worker)
+        held = self._held.get(key, 0)
+        if held >= self.per_worker[kind]:
+            raise Exhausted(f"worker {worker!r} already holds {held} {kind} stream(s), its limit; "
+                            f"retry once one ends")
+        self._held[key] = held + 1
+        try:
+            yield
+        finally:
+            left = self._held.pop(key) - 1
             if left:
-                self._per_caller[call.caller] = left
-            else:
-                del self._per_caller[call.caller]
+                self._held[key] = left
 
-    def _reap(self) -> None:
-        while not self._stop.wait(min(0.5, self.idle_s / 4)):
-            now = self.clock()
-            with self._lock:
-                idle = [(i, c) for i, c in self._calls.items() if now - c.last > c.allowance_s]
-            for call_id, call in idle:
-                self.budget.warning("idle", "cancelled a stream of %s: no progress for %.0fs", call.caller,
-                                    now - call.last, party=call.caller)
-                self._release(call_id)
-                try:
-                    call.cancel()
-                except Exception as exc:  # a call that ended meanwhile: nothing left to cancel
-                    log.debug("cancel of an idle stream failed: %s", exc)
+    def held(self, kind: str | None = None) -> int:
+        return sum(n for (k, _), n in self._held.items() if kind is None or k == kind)
 
-    def close(self) -> None:
-        self._stop.set()
+
+class ConnectionCap:
+    """At most ``per_host`` connections of one host with calls in flight (module docstring,
+    "connections"); a call on a further connection of that host is refused at once. A connection
+    is a peer string "ipv4:10.0.0.1:51234"; its host, "ipv4:10.0.0.1". Event loop only."""
+
+    def __init__(self, per_host: int) -> None:
+        self.per_host = per_host
+        self._calls: dict[str, dict[str, int]] = {}  # host -> connection -> calls in flight
+
+    @contextlib.contextmanager
+    def hold(self, peer: str) -> Iterator[None]:
+        host = peer.rsplit(":", 1)[0]
+        connections = self._calls.setdefault(host, {})
+        if peer not in connections and len(connections) >= self.per_host:
+            raise Exhausted(f"this host has calls in flight on {len(connections)} connections, the limit; "
+                            f"use fewer connections")
+        connections[peer] = connections.get(peer, 0) + 1
+        try:
+            yield
+        finally:
+            left = connections.pop(peer) - 1
+            if left:
+                connections[peer] = left
+            elif not connections:
+                self._calls.pop(host, None)
+
+    def connections(self, host: str) -> int:
+        return len(self._calls.get(host, {}))
 
 
 @dataclass
-class Slot:
-    """One call's hold on a slot: ``progress()`` on every message, ``waiting(s)`` before a wait
-    of up to ``s`` seconds that is not idleness, ``release()`` (or ``with``) when the call ends."""
+class Progress:
+    """The pace a stream must keep once it began moving data (module docstring, "progress"): by
+    t seconds after ``started``, at least min_rate · (t − grace_s) bytes moved, and never more
+    than ``idle_s`` without a message. ``allowance(now)`` is how long the stream may now wait
+    for its next message before it is cut; ``moved(n, now)`` counts a message of n bytes."""
 
-    slots: CallSlots
-    call_id: int
+    started: float
+    grace_s: float
+    min_rate: float        # bytes a second
+    idle_s: float
+    bytes: int = 0
+    last: float = field(init=False)
 
-    def progress(self) -> None:
-        self.slots._touch(self.call_id, None)
+    def __post_init__(self) -> None:
+        self.last = self.started
 
-    def waiting(self, seconds: float) -> None:
-        self.slots._touch(self.call_id, seconds)
+    def moved(self, nbytes: int, now: float) -> None:
+        self.bytes += nbytes
+        self.last = now
 
-    def release(self) -> None:
-        self.slots._release(self.call_id)
+    def allowance(self, now: float) -> float:
+        behind_at = self.started + self.grace_s + self.bytes / self.min_rate  # when the rate is broken
+        return min(self.last + self.idle_s, behind_at) - now
 
-    def __enter__(self) -> Slot:
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        self.release()
+    def describe(self, now: float) -> str:
+        return (f"{self.bytes} bytes in {now - self.started:.1f}s, below the least pace of "
+                f"{self.min_rate / 1024:.0f} KiB/s after {self.grace_s:.0f}s, or {self.idle_s:.0f}s without a message")
 
 
 # ----------------------------------------------------------------------------------- the worker's side

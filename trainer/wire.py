@@ -80,21 +80,36 @@ def chunked(data: bytes, size: int = CHUNK_BYTES) -> Iterator[bytes]:
         yield bytes(view[offset : offset + size])
 
 
-def reassemble(chunks: Iterable[bytes], size: int, sha256: str, *, what: str) -> bytes:
-    """Join chunks, refusing oversize chunks, a wrong total length and a wrong digest; the digest is
-    taken as the chunks arrive, and reading stops at the first byte past the declared ``size``."""
-    buffer = bytearray()
-    digest = hashlib.sha256()
-    for chunk in chunks:
+class Reassembly:
+    """A payload joined one chunk at a time, refusing oversize chunks, a wrong total length and a
+    wrong digest; the digest is taken as the chunks arrive, and the first byte past the declared
+    ``size`` is refused."""
+
+    def __init__(self, size: int, sha256: str, *, what: str) -> None:
+        self.size, self.sha256, self.what = size, sha256, what
+        self.buffer = bytearray()
+        self.digest = hashlib.sha256()
+
+    def add(self, chunk: bytes) -> None:
         if len(chunk) > CHUNK_BYTES:
-            raise WireError(f"{what}: chunk of {len(chunk)} bytes exceeds {CHUNK_BYTES}")
-        if len(buffer) + len(chunk) > size:
-            raise WireError(f"{what}: more than the declared {size} bytes arrived")
-        buffer += chunk
-        digest.update(chunk)
-    if len(buffer) != size:
-        raise WireError(f"{what}: {len(buffer)} bytes arrived, header declared {size}")
-    actual = digest.hexdigest()
-    if actual != sha256:
-        raise WireError(f"{what}: digest mismatch: header says sha256 {sha256}, bytes hash to {actual}")
-    return bytes(buffer)
+            raise WireError(f"{self.what}: chunk of {len(chunk)} bytes exceeds {CHUNK_BYTES}")
+        if len(self.buffer) + len(chunk) > self.size:
+            raise WireError(f"{self.what}: more than the declared {self.size} bytes arrived")
+        self.buffer += chunk
+        self.digest.update(chunk)
+
+    def payload(self) -> bytes:
+        if len(self.buffer) != self.size:
+            raise WireError(f"{self.what}: {len(self.buffer)} bytes arrived, header declared {self.size}")
+        actual = self.digest.hexdigest()
+        if actual != self.sha256:
+            raise WireError(f"{self.what}: digest mismatch: header says sha256 {self.sha256}, bytes hash to {actual}")
+        return bytes(self.buffer)
+
+
+def reassemble(chunks: Iterable[bytes], size: int, sha256: str, *, what: str) -> bytes:
+    """The payload of ``chunks`` (``Reassembly``'s checks), read no further than the first refusal."""
+    joined = Reassembly(size, sha256, what=what)
+    for chunk in chunks:
+        joined.add(chunk)
+    return joined.payload()

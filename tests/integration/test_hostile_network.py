@@ -227,16 +227,17 @@ def test_floods_are_bounded_and_health_answers_within_a_second(cluster: LocalClu
     assert time.monotonic() - started < 20
     worst = max(worst, mallory.responsive_within(1.0))
 
-    # The stalled pushes are cancelled once idle (3 s here); the long-polls end when their wait does.
+    # The stalled pushes end when their header is late (the idle timeout, 3 s here); the long-polls
+    # when their wait does.
     time.sleep(4.0)
     worst = max(worst, mallory.responsive_within(1.0))
     release.set()
     for t in threads:
         t.join(timeout=90)
     assert len(outcomes) == 80
-    assert outcomes.count(EXHAUSTED) >= 80 - 8, outcomes  # 8 streams at most per caller
+    assert outcomes.count(EXHAUSTED) >= 80 - 6, outcomes  # 2 pushes and 4 fetches at most per worker id
     from collections import Counter
-    assert grpc.StatusCode.CANCELLED in outcomes or grpc.StatusCode.OK in outcomes, Counter(outcomes)
+    assert grpc.StatusCode.DEADLINE_EXCEEDED in outcomes or grpc.StatusCode.OK in outcomes, Counter(outcomes)
     # With her streams free again, a 2.5 MB run id is refused by its length, quoted by its name only.
     code, details = code_of(lambda: mallory.push("mallory", mallory.session, run_id="r" * 2_500_000))
     assert code == INVALID and "run_id" in details and len(details) < 300, (code, details[:300])
@@ -248,7 +249,7 @@ def test_floods_are_bounded_and_health_answers_within_a_second(cluster: LocalClu
     assert status.ByteSize() < 256_000
     log = cluster.log("coordinator", tail=100_000)
     assert "Traceback" not in log
-    assert "no progress for" in log  # the idle reaper named what it cancelled
+    assert "did not arrive within 3s" in log  # the arrival deadline named what it ended
     print(f"health+Status under flood: worst {worst * 1000:.0f} ms")
 
 

@@ -7,6 +7,7 @@ tests/integration/test_hostile_network.py.
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import threading
 
@@ -16,7 +17,7 @@ from proto import PROTOCOL_VERSION, WorkerPhase, pb
 from tests.conftest import small_config
 from trainer.coordinator import Coordinator, open_run
 from trainer.limits import (
-    CallSlots, Exhausted, FieldError, LogBudget, TokenBucket, check_fields, check_phase, check_worker_id, clip,
+    ConnectionCap, Exhausted, FieldError, LogBudget, Progress, StreamBudget, TokenBucket, check_fields, check_phase, check_worker_id, clip,
 )
 from trainer.refusal import Reason, Refusal
 from trainer.run_dir import RunDir
@@ -118,27 +119,54 @@ def test_token_bucket_limits_each_key_and_forgets_old_ones() -> None:
     assert len(bucket._buckets) == 2
 
 
-def test_stream_slots_per_caller_and_in_total_and_idle_ones_are_cancelled() -> None:
-    slots = CallSlots(total=3, per_caller=2, idle_s=0.2)
-    cancelled = threading.Event()
-    a1 = slots.acquire("a", cancelled.set)
-    slots.acquire("a", lambda: None).release()
-    a2 = slots.acquire("a", lambda: None)
-    with pytest.raises(Exhausted, match="per caller"):
-        slots.acquire("a", lambda: None)
-    b1 = slots.acquire("b", lambda: None)
-    with pytest.raises(Exhausted, match="its limit"):
-        slots.acquire("c", lambda: None)
-    for _ in range(10):  # a1 makes no progress, a2 and b1 do
-        a2.progress()
-        b1.progress()
-        if cancelled.wait(0.05):
+def test_streams_are_budgeted_per_worker_and_no_other_id_can_take_them() -> None:
+    streams = StreamBudget({"push": 2, "fetch": 1})
+    with streams.hold("push", "a"), streams.hold("push", "a"):
+        with pytest.raises(Exhausted, match="'a' already holds 2 push"):
+            with streams.hold("push", "a"):
+                pass
+        with contextlib.ExitStack() as others:
+            for i in range(100):  # a hundred other ids hold what they may ...
+                others.enter_context(streams.hold("push", f"m{i}"))
+                others.enter_context(streams.hold("fetch", f"m{i}"))
+            with streams.hold("fetch", "a"):  # ... and a still has its fetch
+                assert streams.held("fetch") == 101
+            assert streams.held("push") == 102
+    with pytest.raises(RuntimeError), streams.hold("push", "a"):  # given back when the call raised too
+        raise RuntimeError
+    assert streams.held() == 0
+
+
+def test_calls_are_held_on_a_bounded_number_of_connections_per_host() -> None:
+    cap = ConnectionCap(per_host=2)
+    with cap.hold("ipv4:10.0.0.1:1000"), cap.hold("ipv4:10.0.0.1:1000"), cap.hold("ipv4:10.0.0.1:1001"):
+        with pytest.raises(Exhausted, match="2 connections"):
+            with cap.hold("ipv4:10.0.0.1:1002"):
+                pass
+        with cap.hold("ipv4:10.0.0.2:1002"):  # another host is not limited by this one
+            assert cap.connections("ipv4:10.0.0.2") == 1
+    assert cap.connections("ipv4:10.0.0.1") == 0
+    with cap.hold("ipv4:10.0.0.1:1002"):
+        pass
+
+
+def test_a_stream_keeps_its_pace_after_a_grace_and_never_idles_too_long() -> None:
+    pace = Progress(started=100.0, grace_s=10.0, min_rate=1000.0, idle_s=5.0)
+    assert pace.allowance(100.0) == 5.0  # idle allowance first
+    pace.moved(100_000, 104.0)           # a fast start earns slack ...
+    assert pace.allowance(104.0) == 5.0
+    for t in range(105, 300, 4):         # ... and a drip of a byte every 4 s spends it
+        if pace.allowance(float(t)) <= 0:
             break
-    assert cancelled.is_set() and slots.in_use() == 2
-    a1.release()  # releasing twice is harmless
-    b1.waiting(5.0)  # a long-poll's wait is not idleness
-    assert slots.in_use() == 2
-    slots.close()
+        pace.moved(1, float(t))
+    assert pace.allowance(float(t)) <= 0 and 100 + 10 + 100 <= t + 4, t
+    assert "KiB/s" in pace.describe(float(t))
+    drip = Progress(started=0.0, grace_s=10.0, min_rate=1000.0, idle_s=5.0)
+    for t in range(0, 60, 4):
+        if drip.allowance(float(t)) <= 0:
+            break
+        drip.moved(1, float(t))
+    assert t <= 16, t  # cut within the grace and an idle allowance
 
 
 def test_log_budget_keeps_ten_lines_a_minute_per_kind(caplog) -> None:

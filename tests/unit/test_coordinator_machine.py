@@ -343,7 +343,7 @@ def test_a_round_whose_every_live_push_was_refused_stops_the_run_with_its_reason
     assert "\n" not in why
     c.halt(why)
     with pytest.raises(Refusal) as caught:
-        c.wait_for_global("w0", 1, 0.0)
+        c.global_for("w0", 2)
     assert caught.value.reason is Reason.HALTED and why in caught.value.message
 
 
@@ -358,3 +358,34 @@ def test_a_refused_worker_beside_an_accepted_one_does_not_stop_the_run(tmp_path)
     c.stalled()
     clock.now += 11.0
     assert c.stalled() is None and c.close_due()
+
+
+def test_a_live_id_that_never_pushes_holds_back_one_round_once_not_every_round(tmp_path) -> None:
+    """An insider id kept live (heartbeats, long-polls) that never pushes is waited for once, up to
+    the straggler timeout; from the next round on it is a laggard, and rounds close without it,
+    until it delivers again."""
+    clock = Clock()
+    c = coordinator(tmp_path, clock, rounds=RoundConfig(rounds=5, expected_workers=2, quorum=1,
+                                                         straggler_timeout_s=10.0, liveness_timeout_s=30.0))
+    joined(c, "w0", "idle")
+    u = update_of(c, 1.0)
+    push(c, header(c, "w0", u), u)
+    assert not c.close_due()          # round 1 waits for the live id ...
+    clock.now += 10.0
+    c.heartbeat("idle", 1, WorkerPhase.TRAINING)
+    assert c.close_due()              # ... until the straggler timeout
+    c.close_round()
+    for _ in range(2):                # then rounds close as soon as w0 is in
+        c.heartbeat("idle", c.round.number, WorkerPhase.TRAINING)
+        u = update_of(c, 2.0 + c.round.number)
+        push(c, header(c, "w0", u), u)
+        assert c.close_due()
+        c.close_round()
+    u, v = update_of(c, 7.0), update_of(c, 8.0)   # once it delivers again, it is waited for again
+    push(c, header(c, "idle", v), v)
+    c.close_due()
+    clock.now += 10.0
+    assert c.close_due()
+    c.close_round()
+    push(c, header(c, "w0", u), u)
+    assert not c.close_due()

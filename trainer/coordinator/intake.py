@@ -91,6 +91,10 @@ class Intake:
 
     # ------------------------------------------------------------------------- under the coordinator's lock
 
+    def delivered(self) -> set[str]:
+        """Workers that delivered to the open round: a push accepted or refused, or word that they abandoned it."""
+        return set(self.round.accepted) | set(self.round.refused) | self.registry.abandoned(self.round.number)
+
     def busy(self) -> set[str]:
         return set(self.round.accepted) | set(self.round.partial)
 

@@ -66,6 +66,8 @@ class Coordinator:
         self.closed_at: dict[int, float] = {r: clock() for r in run.manifests}
         self._stall = StallWatch(rounds.straggler_timeout_s)
         self.halted: str | None = None  # why the run cannot go on, once the coordinator says so (halt)
+        # Called under the lock, never blocking, when a round is published or the run halts.
+        self.on_publish: list[Callable[[], None]] = []
         if trust is None:
             log.warning("no ledger configured: workers are not attested and rounds are not recorded on chain")
 
@@ -140,26 +142,25 @@ class Coordinator:
                 self._signatures = {key: signature}  # one state is served at a time
         return signature
 
-    def wait_for_global(self, worker_id: str, min_round: int, wait_s: float) -> tuple[GlobalState | None, int, bool]:
-        deadline = self.clock() + max(0.0, min(wait_s, 60.0))
+    def global_for(self, worker_id: str, min_round: int) -> tuple[GlobalState | None, int, bool]:
+        """(HEAD, open round, finished), HEAD None until ``min_round`` is published (see on_publish)."""
         with self._lock:
             self.registry.seen(worker_id)
-            while self.run.global_state.round < min_round and not self.finished:
-                if self.halted is not None:
-                    raise Refusal(Reason.HALTED, f"the coordinator stopped the run: {self.halted}")
-                remaining = deadline - self.clock()
-                if remaining <= 0:
-                    return None, self.round.number, False
-                self._lock.wait(remaining)
-            return self.run.global_state, self.round.number, self.finished
+            if self.run.global_state.round >= min_round or self.finished:
+                return self.run.global_state, self.round.number, self.finished
+            if self.halted is not None:
+                raise Refusal(Reason.HALTED, f"the coordinator stopped the run: {self.halted}")
+            return None, self.round.number, False
 
-    def count_down(self, worker_id: str, nbytes: int) -> None:
-        with self._lock:
+    def _published(self) -> None:  # a round was published or the run halted; under the lock
+        for listener in self.on_publish:
+            listener()
+
+    def count_down(self, worker_id: str, nbytes: int, params_cid: str | None = None) -> None:
+        with self._lock:  # bytes sent to a worker, and the state they carried if it was served whole
             self.intake.count(worker_id, nbytes, self.round.down)
-
-    def served_state(self, worker_id: str, params_cid: str, nbytes: int) -> None:
-        with self._lock:
-            self.intake.served_state(worker_id, params_cid, nbytes)
+            if params_cid is not None:
+                self.intake.served_state(worker_id, params_cid, nbytes)
 
     # ----------------------------------------------------------------------------- pushing
 
@@ -257,14 +258,14 @@ class Coordinator:
     # ----------------------------------------------------------------------------- closing
 
     def close_due(self) -> bool:
-        """Close when ``quorum`` updates are in and every live worker has delivered, or
-        ``straggler_timeout_s`` after the first accepted update."""
+        """Close when ``quorum`` updates are in and every awaited live worker has delivered
+        (registry.awaited), or ``straggler_timeout_s`` after the first accepted update."""
         with self._lock:
             r, now = self.round, self.clock()
             if self.finished or r.closing or not r.accepted:
                 return False
-            delivered = set(r.accepted) | set(r.refused) | self.registry.abandoned(r.number)
-            everyone_in = len(r.accepted) >= self.config.rounds.quorum and self.registry.alive(now) <= delivered
+            awaited, delivered = self.registry.awaited(now), self.intake.delivered()
+            everyone_in = len(r.accepted) >= self.config.rounds.quorum and awaited <= delivered
             assert r.first_accept_at is not None
             if everyone_in or now - r.first_accept_at >= self.config.rounds.straggler_timeout_s:
                 r.closing = True
@@ -280,7 +281,7 @@ class Coordinator:
         """Stop serving the run's rounds: a worker waiting for a global state is told ``why``."""
         with self._lock:
             self.halted = why
-            self._lock.notify_all()
+            self._published()
 
     def close_round(self) -> RoundSummary:
         """Aggregate and publish the closing round (called by one thread, after close_due)."""
@@ -295,6 +296,7 @@ class Coordinator:
             # Registered workers heard from in this round's liveness window that did not contribute.
             recent = self.registry.heard_since(r.opened_at - cfg.rounds.liveness_timeout_s)
             dropped = tuple(sorted(recent - set(r.accepted)))
+            self.registry.closed(self.intake.delivered())
             incomplete = {w: (len(p.slices), p.num_stages) for w, p in r.partial.items()}
         recording = time.perf_counter()
         manifest_cid, manifest = record_round(self.run, r, g, derived, traffic, dropped)
@@ -313,7 +315,7 @@ class Coordinator:
             self.run.summaries.append(summary)
             self.closed_at[r.number] = self.clock()
             self.intake.open_next(r.number + 1)
-            self._lock.notify_all()
+            self._published()
         release_free_memory()  # the parent state, now unreferenced
         log.info(
             "round %d closed in %.2fs (aggregation %.2fs): eval loss %.4f, %d participant(s)%s, "

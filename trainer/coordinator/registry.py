@@ -31,6 +31,7 @@ class WorkerRegistry:
         self.liveness_s = liveness_s
         self.clock = clock
         self.started_at = clock()
+        self.laggards: set[str] = set()
         self.workers: dict[str, WorkerState] = {
             w: WorkerState(shard=s, last_seen=float("-inf")) for w, s in run_dir.workers().items()
         }
@@ -40,6 +41,18 @@ class WorkerRegistry:
 
     def alive(self, now: float) -> set[str]:
         return {w for w, s in self.workers.items() if now - s.last_seen <= self.liveness_s}
+
+    def awaited(self, now: float) -> set[str]:
+        """The live workers a round waits for: all but the laggards, registered ids that delivered
+        nothing to the last round (no push accepted or refused, no word that they abandoned it),
+        until they deliver again. So an id kept live that never pushes holds back one round by
+        the straggler timeout, once, not every round; the price, that a worker which missed a
+        round is not waited for in the next, is that of a straggler."""
+        return self.alive(now) - self.laggards
+
+    def closed(self, delivered: set[str]) -> None:
+        """A round closed with pushes from ``delivered``: who are the laggards now (``awaited``)."""
+        self.laggards = set(self.workers) - delivered
 
     def known(self, worker_id: str) -> WorkerState:
         state = self.workers.get(worker_id)

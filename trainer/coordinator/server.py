@@ -1,7 +1,8 @@
 """The coordinator process: one run directory, one gRPC server, the round loop, exit codes.
 
 ``serve`` locks the run directory (one coordinator a run), opens the run, starts the service
-(trainer.coordinator.service) and, when the run has a ledger, the settlement thread of its trust
+(trainer.coordinator.service) on a grpc.aio server of its own event loop (``RpcServer``, with the
+HTTP/2 limits of ``SERVER_OPTIONS``) and, when the run has a ledger, the settlement thread of its trust
 layer; then closes and publishes rounds until the last, lets live workers fetch the final
 checkpoint, and waits for the ledger to confirm every round. It exits 1 with one line when a round
 cannot be published, when it cannot close because every live worker's push of it was refused
@@ -11,13 +12,13 @@ everything finished stays in the run directory, and a restart resumes from HEAD.
 
 from __future__ import annotations
 
+import asyncio
 import fcntl
 import logging
 import os
 import signal
 import threading
 import time
-from concurrent import futures
 from typing import Callable
 
 import grpc
@@ -28,7 +29,7 @@ from trainer.config import RunConfig
 from trainer.coordinator.machine import Coordinator
 from trainer.coordinator.run import Run, open_run
 from trainer.coordinator.service import (
-    MAX_RPCS, MAX_STREAMS_PER_CONNECTION, THREADS, CoordinatorService, _Health, handler, health_handler,
+    MAX_RPCS, MAX_STREAMS_PER_CONNECTION, CoordinatorService, Health, handler, health_handler,
 )
 from trainer.coordinator.trust import RunTrust
 from trainer.limits import clip
@@ -54,6 +55,62 @@ def lock_run_dir(run_dir: RunDir) -> int:
     return fd
 
 
+# HTTP/2 and connection limits (module docstring of trainer.coordinator.calls for the rest).
+SERVER_OPTIONS: tuple[tuple[str, int], ...] = (
+    *CHANNEL_OPTIONS,
+    ("grpc.so_reuseport", 0),                      # a port another process holds is refused, not shared
+    ("grpc.max_concurrent_streams", MAX_STREAMS_PER_CONNECTION),
+    ("grpc.max_metadata_size", 16 << 10),          # headers: a worker sends its id and token
+    ("grpc.server_handshake_timeout_ms", 10_000),  # a TLS handshake that does not finish
+    ("grpc.max_connection_idle_ms", 300_000),      # a connection with no call for 5 min is closed
+    ("grpc.keepalive_time_ms", 60_000),            # the server pings a quiet peer to find dead ones
+    ("grpc.keepalive_timeout_ms", 20_000),
+    ("grpc.http2.min_ping_interval_without_data_ms", 10_000),  # ping floods: GOAWAY after max strikes
+    ("grpc.http2.max_ping_strikes", 2),
+)
+
+
+class RpcServer:
+    """The grpc.aio server on an event loop of its own thread, so the round loop and the settlement
+    thread stay plain threads. ``start`` returns the bound port; ``stop`` ends every call."""
+
+    def __init__(self, service: CoordinatorService, health: Health, where: str,
+                 credentials: grpc.ServerCredentials | None) -> None:
+        self.service, self.health, self.where, self.credentials = service, health, where, credentials
+        self.loop = asyncio.new_event_loop()
+        self._thread = threading.Thread(target=self.loop.run_forever, name="rpc-loop", daemon=True)
+        self._server: grpc.aio.Server | None = None
+
+    def start(self) -> int:
+        self._thread.start()
+        return asyncio.run_coroutine_threadsafe(self._start(), self.loop).result(timeout=60)
+
+    async def _start(self) -> int:
+        self.service.bind(asyncio.get_running_loop())
+        server = grpc.aio.server(options=SERVER_OPTIONS, maximum_concurrent_rpcs=MAX_RPCS)
+        server.add_generic_rpc_handlers((handler(self.service), health_handler(self.health)))
+        try:
+            bound = (server.add_secure_port(self.where, self.credentials) if self.credentials
+                     else server.add_insecure_port(self.where))
+        except RuntimeError:
+            bound = 0
+        if bound == 0:
+            raise OSError(f"cannot listen on {self.where}: the address is in use or not this machine's")
+        await server.start()
+        self._server = server
+        return bound
+
+    def set_health(self, status: int) -> None:
+        for name in ("", SERVICE_NAME):
+            self.loop.call_soon_threadsafe(self.health.set, name, status)
+
+    def stop(self, grace_s: float) -> None:
+        if self._server is not None:
+            asyncio.run_coroutine_threadsafe(self._server.stop(grace_s), self.loop).result(timeout=grace_s + 30)
+        self.loop.call_soon_threadsafe(self.loop.stop)
+        self._thread.join(timeout=30)
+
+
 def serve(run_dir: RunDir, config: RunConfig | None, host: str = "127.0.0.1", port: int = 0,
           linger_s: float = 10.0, trust: Callable[[Run], RunTrust] | None = None, settle_timeout_s: float = 120.0,
           credentials: grpc.ServerCredentials | None = None, idle_s: float = 30.0) -> int:
@@ -65,22 +122,13 @@ def serve(run_dir: RunDir, config: RunConfig | None, host: str = "127.0.0.1", po
     run = open_run(run_dir, config)
     coordinator = Coordinator(run, trust=trust(run) if trust is not None else None)
     service = CoordinatorService(coordinator, idle_s=idle_s)
-    options = [*CHANNEL_OPTIONS, ("grpc.so_reuseport", 0), ("grpc.max_concurrent_streams", MAX_STREAMS_PER_CONNECTION)]
-    server = grpc.server(futures.ThreadPoolExecutor(max_workers=THREADS, thread_name_prefix="rpc"), options=options,
-                         maximum_concurrent_rpcs=MAX_RPCS)
-    server.add_generic_rpc_handlers((handler(service),))
-    health_servicer = _Health()
-    server.add_generic_rpc_handlers((health_handler(health_servicer, service.budget),))
-    where = f"{host}:{port}"
-    try:  # no SO_REUSEPORT: a port another process holds is refused, not silently shared
-        bound = server.add_secure_port(where, credentials) if credentials else server.add_insecure_port(where)
-    except RuntimeError:
-        bound = 0
-    if bound == 0:
-        raise OSError(f"cannot listen on {where}: the address is in use or not this machine's")
-    server.start()
-    for name in ("", SERVICE_NAME):
-        health_servicer.set(name, health_pb2.HealthCheckResponse.SERVING)
+    server = RpcServer(service, Health(service.gate), f"{host}:{port}", credentials)
+    try:
+        bound = server.start()
+    except BaseException:
+        server.stop(0)
+        raise
+    server.set_health(health_pb2.HealthCheckResponse.SERVING)
     address = f"{host}:{bound}"
     run_dir.write_address(address)
     log.info("coordinator of run %s listening on %s (%s), open round %d of %d", coordinator.config.run_id,
@@ -113,9 +161,8 @@ def serve(run_dir: RunDir, config: RunConfig | None, host: str = "127.0.0.1", po
         settling.set()
         if settler is not None:
             settler.join(timeout=30)
-        for name in ("", SERVICE_NAME):
-            health_servicer.set(name, health_pb2.HealthCheckResponse.NOT_SERVING)
-        server.stop(grace=2.0).wait()
+        server.set_health(health_pb2.HealthCheckResponse.NOT_SERVING)
+        server.stop(grace_s=2.0)
         service.close()
         os.close(lock)
     return code

@@ -1,245 +1,129 @@
-"""The coordinator's gRPC service: who may call, and what a call may cost, before the state machine.
+"""The coordinator's gRPC service: its handlers, and the translation between protobuf and the state machine.
 
-Every RPC passes these steps, in order, before trainer.coordinator.machine sees it:
+Every call first passes trainer.coordinator.calls (connections, arrival, decoding, identity,
+budgets, pace); then a handler bounds the request's fields (trainer.limits.check_fields), runs the
+state machine (trainer.coordinator.machine) on a thread of the right pool, and translates
+protobuf messages into the machine's plain types and back. Who acts for a worker: FetchGlobal,
+PushUpdate, SubmitReport and Heartbeat carry its id and the session token of its latest Join; a
+session token is 32 random bytes given in JoinResponse, only its sha256 is kept, and a new Join
+of the same worker replaces it (trainer.coordinator.registry says who may re-join a live id).
 
-  1. decoding    a message that does not decode is refused (INVALID_ARGUMENT) with one log line,
-                 never a traceback (``_parser``: the deserializer returns ``MALFORMED``); the same
-                 for grpc.health.v1 (``health_handler``). Every refusal's log line is budgeted per
-                 party, the peer's host (trainer.limits.LogBudget);
-  2. fields      every string/bytes/repeated field is bounded, worker ids and phases have their
-                 form (trainer.limits); refusals quote at most a short prefix of what was sent;
-  3. identity    FetchGlobal, PushUpdate, SubmitReport and Heartbeat act for a worker: they carry
-                 its id and the session token of its latest Join in the call's metadata
-                 (``METADATA_WORKER``, ``METADATA_SESSION``), and the id in the request must be the
-                 same. Anything else is UNAUTHENTICATED and changes nothing: no refusal filed, no
-                 traffic counted, no phase or liveness set;
-  4. resources   Challenge and Join are rate-limited per connection and in all; PushUpdate and FetchGlobal hold
-                 one of a bounded number of slots per worker and in all, Join one of a few, and a
-                 slot whose call makes no progress for the idle allowance is cancelled
-                 (trainer.limits.CallSlots). The thread pool is larger than all slots together, so
-                 health and Status always answer.
-
-Then the service translates: protobuf messages into the machine's plain types and back, and a
-trainer.refusal.Refusal's reason into its status code (``STATUS_OF``); anything unexpected becomes
-INTERNAL with one rate-limited log line. A session token is 32 random bytes given in JoinResponse;
-only its sha256 is kept, and a new Join of the same worker replaces it (trainer.coordinator.registry
-says who may re-join a live worker's id).
+What a call holds, and for how long:
+  unary calls      a coroutine until the request arrives (ARRIVAL_S), then a thread for the
+                   machine's answer; Join at most ``JOIN_SLOTS`` at once, Challenge, Join and
+                   Status under rate limits per connection and in all.
+  FetchGlobal      one of its worker's ``STREAMS_PER_WORKER["fetch"]``; its wait for a round
+                   (a long-poll, ``LONG_POLL_MAX_S`` at most) costs a coroutine woken when a
+                   round is published; sending keeps the pace (trainer.limits.Progress).
+  PushUpdate       one of its worker's ``STREAMS_PER_WORKER["push"]``; the header within
+                   ARRIVAL_S and checked before a payload byte is read, then the payload at the
+                   pace, hashed as it arrives; decoding and storing take a HEAVY thread.
 """
 
 from __future__ import annotations
 
+import asyncio
 import dataclasses
-import hashlib
-import hmac
 import logging
-import os
-import threading
 import time
-from typing import Callable, Iterator, TypeVar
 
 import grpc
-from grpc_health.v1 import health, health_pb2
+from grpc_health.v1 import health_pb2
 
-from proto import CHUNK_BYTES, METADATA_SESSION, METADATA_WORKER, PROTOCOL_VERSION, SERVICE_NAME, Encoding, WorkerPhase, pb
+from proto import CHUNK_BYTES, PROTOCOL_VERSION, SERVICE_NAME, Encoding, WorkerPhase, pb
 from trainer.aggregation import InvalidUpdate, checked_update
+from trainer.coordinator.calls import HEAVY, MALFORMED, PUBLIC, WORKERS, CallGate, parser
 from trainer.coordinator.machine import Coordinator
 from trainer.coordinator.state import GlobalState, StatusView, UpdateHeader
-from trainer.limits import (
-    CallSlots, Exhausted, FieldError, LogBudget, Slot, TokenBucket, check_fields, check_phase, check_worker_id,
-    clip,
-)
+from trainer.limits import Exhausted, FieldError, StreamBudget, TokenBucket, check_fields, check_phase, check_worker_id, clip
 from trainer.refusal import Reason, Refusal
-from trainer.wire import WireError, chunked, json_object, reassemble, sha256_hex
+from trainer.wire import Reassembly, WireError, chunked, json_object, sha256_hex
 
 log = logging.getLogger("dilocox.service")
-T = TypeVar("T")
 
 LONG_POLL_MAX_S = 30.0   # the longest a FetchGlobal may wait for a round to close
-STREAM_SLOTS = 32        # PushUpdate + FetchGlobal calls at once, in all
-STREAM_SLOTS_PER_WORKER = 8
+STREAMS_PER_WORKER = {"push": 2, "fetch": 4}  # a retry may overlap the call it replaces
 JOIN_SLOTS = 4           # Joins being verified at once (evidence, chain)
-THREADS = 64             # > STREAM_SLOTS + JOIN_SLOTS: the rest serve health, Status and short calls
-MAX_RPCS = 256           # beyond this gRPC itself answers RESOURCE_EXHAUSTED, before any thread
-MAX_STREAMS_PER_CONNECTION = 64
-
-_CODE = grpc.StatusCode
-# Every refusal reason's status code: the one place the round logic's reasons meet gRPC.
-STATUS_OF: dict[Reason, grpc.StatusCode] = {
-    Reason.MALFORMED: _CODE.INVALID_ARGUMENT, Reason.BAD_CLAIM: _CODE.INVALID_ARGUMENT,
-    Reason.REPLAYED: _CODE.INVALID_ARGUMENT, Reason.SCREENED_OUT: _CODE.INVALID_ARGUMENT,
-    Reason.PROTOCOL: _CODE.FAILED_PRECONDITION, Reason.WRONG_RUN: _CODE.FAILED_PRECONDITION,
-    Reason.FINISHED: _CODE.FAILED_PRECONDITION, Reason.STALE_ROUND: _CODE.FAILED_PRECONDITION,
-    Reason.ROUND_NOT_OPEN: _CODE.FAILED_PRECONDITION, Reason.WRONG_BASE: _CODE.FAILED_PRECONDITION,
-    Reason.NOT_PUBLISHED: _CODE.FAILED_PRECONDITION, Reason.NOT_PARTICIPANT: _CODE.FAILED_PRECONDITION,
-    Reason.NO_LEDGER: _CODE.FAILED_PRECONDITION, Reason.BAD_NONCE: _CODE.FAILED_PRECONDITION,
-    Reason.HALTED: _CODE.FAILED_PRECONDITION,
-    Reason.NO_SESSION: _CODE.UNAUTHENTICATED, Reason.BAD_SIGNATURE: _CODE.UNAUTHENTICATED,
-    Reason.NO_EVIDENCE: _CODE.UNAUTHENTICATED, Reason.UNKNOWN_WORKER: _CODE.PERMISSION_DENIED,
-    Reason.NOT_ADMITTED: _CODE.PERMISSION_DENIED, Reason.DUPLICATE: _CODE.ALREADY_EXISTS,
-    Reason.ID_HELD: _CODE.ALREADY_EXISTS, Reason.REGISTRY_FULL: _CODE.RESOURCE_EXHAUSTED,
-    Reason.CHAIN_UNAVAILABLE: _CODE.UNAVAILABLE,
-}
-
-
-class _Malformed:
-    """What a request that does not decode arrives as (see module docstring, step 1)."""
-
-    def __repr__(self) -> str:
-        return "MALFORMED"
-
-
-MALFORMED = _Malformed()
-
-
-def _parser(message_type: type) -> Callable[[bytes], object]:
-    def parse(data: bytes) -> object:
-        try:
-            return message_type.FromString(data)
-        except Exception:  # DecodeError, or worse on hostile bytes: never let gRPC log a traceback
-            return MALFORMED
-    return parse
-
-
-def _decoded(request: object, what: str) -> None:
-    if request is MALFORMED:
-        raise FieldError(f"the {what} message does not decode")
-
-
-class Sessions:
-    """Session tokens of joined workers: worker id → sha256(token). Thread-safe; bounded by the
-    coordinator's worker registry (``retain``)."""
-
-    def __init__(self) -> None:
-        self._lock = threading.Lock()
-        self._digests: dict[str, bytes] = {}
-
-    def issue(self, worker_id: str) -> bytes:
-        token = os.urandom(32)
-        with self._lock:
-            self._digests[worker_id] = hashlib.sha256(token).digest()
-        return token
-
-    def valid(self, worker_id: str, token: bytes) -> bool:
-        with self._lock:
-            digest = self._digests.get(worker_id)
-        return digest is not None and hmac.compare_digest(digest, hashlib.sha256(token).digest())
-
-    def retain(self, worker_ids: set[str]) -> None:
-        with self._lock:
-            self._digests = {w: d for w, d in self._digests.items() if w in worker_ids}
-
-
-def _peer_host(context: grpc.ServicerContext) -> str:
-    """"ipv4:127.0.0.1:5123" → "ipv4:127.0.0.1": the caller's host, for log lines and Join slots."""
-    return context.peer().rsplit(":", 1)[0]
+MAX_STREAMS_PER_CONNECTION = 32
+MAX_RPCS = 8192          # calls in flight in all; beyond, gRPC answers RESOURCE_EXHAUSTED
 
 
 class CoordinatorService:
-    """The Coordinator service's handlers (registered by ``handler``)."""
+    """The Coordinator service's handlers (registered by ``handler``); one event loop calls them."""
 
     def __init__(self, coordinator: Coordinator, *, idle_s: float = 30.0) -> None:
         self.c = coordinator
-        self.sessions = Sessions()
-        self.streams = CallSlots(total=STREAM_SLOTS, per_caller=STREAM_SLOTS_PER_WORKER, idle_s=idle_s)
-        self.joins = CallSlots(total=JOIN_SLOTS, per_caller=JOIN_SLOTS, idle_s=120.0)
-        # Per connection, so a flood from one client (or many on the same host, as on loopback or
-        # behind one NAT) drains only its own buckets; the "*" buckets cap everyone together.
+        self.gate = CallGate(idle_s=idle_s)
+        self.sessions, self.budget = self.gate.sessions, self.gate.budget
+        self.streams = StreamBudget(STREAMS_PER_WORKER)
+        self.joining = 0
+        # Per connection, so a flood from one client drains only its own buckets; "*" caps everyone.
         self.challenges = TokenBucket(rate=5.0, burst=20.0)
         self.join_rate = TokenBucket(rate=2.0, burst=10.0)
+        self.status_rate = TokenBucket(rate=10.0, burst=20.0)
         self.all_challenges = TokenBucket(rate=200.0, burst=400.0)
         self.all_joins = TokenBucket(rate=20.0, burst=40.0)
-        self.budget = LogBudget(log)
+        self.all_status = TokenBucket(rate=200.0, burst=400.0)
+        self._published: asyncio.Event | None = None
+        self._loop: asyncio.AbstractEventLoop | None = None
+
+    def bind(self, loop: asyncio.AbstractEventLoop) -> None:
+        """Serve on ``loop``: long-polls wake when the machine publishes a round or halts."""
+        self._loop, self._published = loop, asyncio.Event()
+        self.c.on_publish.append(self._notify)
+
+    def _notify(self) -> None:  # any thread, under the machine's lock: never blocks
+        try:
+            if self._loop is not None:
+                self._loop.call_soon_threadsafe(self._wake)
+        except RuntimeError:  # the loop is closed: the server is gone, nobody waits
+            pass
+
+    def _wake(self) -> None:
+        assert self._published is not None
+        self._published.set()
+        self._published = asyncio.Event()
 
     def close(self) -> None:
-        self.streams.close()
-        self.joins.close()
-
-    # ------------------------------------------------------------------------- the steps
-
-    def _call(self, context: grpc.ServicerContext, rpc: str, body: Callable[[], T]) -> T:
-        """Run ``body``; turn every refusal into its status code, and anything else into INTERNAL."""
-        peer = _peer_host(context)
-        try:
-            return body()
-        except Refusal as r:
-            code, message = STATUS_OF[r.reason], r.message
-            if code == grpc.StatusCode.UNAUTHENTICATED:  # someone acting for a worker it is not
-                self.budget.warning("unauthenticated", "%s from %s refused: %s", rpc, peer, message, party=peer)
-        except FieldError as exc:
-            self.budget.warning("field", "%s from %s refused: %s", rpc, peer, exc, party=peer)
-            code, message = grpc.StatusCode.INVALID_ARGUMENT, str(exc)
-        except Exhausted as exc:
-            self.budget.warning("exhausted", "%s from %s refused: %s", rpc, peer, exc, party=peer)
-            code, message = grpc.StatusCode.RESOURCE_EXHAUSTED, str(exc)
-        except OSError as exc:  # the store's disk is full or failing: the caller may retry later
-            self.budget.warning("storage", "%s failed to store: %s", rpc, clip(exc, 200))
-            code, message = grpc.StatusCode.UNAVAILABLE, "the coordinator cannot store data right now; retry later"
-        except grpc.RpcError:  # the call was cancelled (by the caller, or as idle) while we read it
-            self.budget.warning("cancelled", "%s from %s ended before its request was complete", rpc, peer,
-                                party=peer)
-            code, message = grpc.StatusCode.CANCELLED, "the call was cancelled"
-        except Exception as exc:  # a bug, not the caller's fault: one line, the traceback only at debug
-            self.budget.warning("internal", "%s failed: %s: %s", rpc, type(exc).__name__, clip(exc, 200), party=peer)
-            log.debug("%s failed", rpc, exc_info=True)
-            code, message = grpc.StatusCode.INTERNAL, "internal error; the coordinator's log says more"
-        context.abort(code, message)
-        raise AssertionError("unreachable")  # abort raises
-
-    def _worker(self, context: grpc.ServicerContext, claimed: str | None = None) -> str:
-        """The worker a call acts for, proved by its session token (step 3)."""
-        metadata = dict(context.invocation_metadata() or ())
-        worker = metadata.get(METADATA_WORKER, "")
-        token = metadata.get(METADATA_SESSION, b"")
-        if not isinstance(worker, str) or not worker or not isinstance(token, bytes):
-            raise Refusal(Reason.NO_SESSION,
-                          f"this call acts for a worker: send {METADATA_WORKER} and {METADATA_SESSION} metadata "
-                          f"(the session token of your Join)")
-        check_worker_id(worker)
-        if not self.sessions.valid(worker, token):
-            raise Refusal(Reason.NO_SESSION,
-                          f"no session of worker {worker!r} has this token: Join again")
-        if claimed is not None and claimed != worker:
-            raise Refusal(Reason.NO_SESSION,
-                          f"the request names worker {clip(claimed)}, but the session is {worker!r}'s")
-        return worker
-
-    def _rate(self, context: grpc.ServicerContext, bucket: TokenBucket, everyone: TokenBucket, what: str) -> None:
-        if not bucket.allow(context.peer()):
-            raise Exhausted(f"too many {what} requests on this connection; retry in a few seconds")
-        if not everyone.allow("*"):
-            raise Exhausted(f"too many {what} requests from all callers; retry in a few seconds")
+        if self._notify in self.c.on_publish:
+            self.c.on_publish.remove(self._notify)
+        self.gate.close()
 
     # ------------------------------------------------------------------------- unary
 
-    def Challenge(self, request: pb.ChallengeRequest, context: grpc.ServicerContext) -> pb.ChallengeResponse:
-        def body() -> pb.ChallengeResponse:
-            _decoded(request, "ChallengeRequest")
+    async def Challenge(self, context: grpc.aio.ServicerContext) -> pb.ChallengeResponse:
+        async def body() -> pb.ChallengeResponse:
+            request = await self.gate.arrival(context, "ChallengeRequest")
             check_fields(request)
             check_worker_id(request.worker_id)
-            self._rate(context, self.challenges, self.all_challenges, "Challenge")
-            nonce = self.c.challenge(request.worker_id, request.protocol_version)
+            self.gate.rate(context, self.challenges, self.all_challenges, "Challenge")
+            nonce = await self.gate.run(PUBLIC, self.c.challenge, request.worker_id, request.protocol_version)
             chain_id, ledger = self._ledger()
             return pb.ChallengeResponse(
                 nonce=nonce, run_digest=self.c.run.run_digest, config_json=self.c.run.config_bytes,
                 config_cid=str(self.c.run.config_cid), attestation_required=self.c.trust is not None,
                 chain_id=chain_id, ledger=ledger, coordinator_address=self.c.signer.address,
             )
-        return self._call(context, "Challenge", body)
+        return await self.gate.call(context, "Challenge", body)
 
-    def Join(self, request: pb.JoinRequest, context: grpc.ServicerContext) -> pb.JoinResponse:
-        def body() -> pb.JoinResponse:
-            _decoded(request, "JoinRequest")
+    async def Join(self, context: grpc.aio.ServicerContext) -> pb.JoinResponse:
+        async def body() -> pb.JoinResponse:
+            request = await self.gate.arrival(context, "JoinRequest")
             check_fields(request)
             check_worker_id(request.worker_id)
-            self._rate(context, self.join_rate, self.all_joins, "Join")
-            metadata = dict(context.invocation_metadata() or ())
-            token = metadata.get(METADATA_SESSION, b"")
-            proves = isinstance(token, bytes) and self.sessions.valid(request.worker_id, token)
-            with self.joins.acquire(_peer_host(context), context.cancel):
-                shard, open_round = self.c.join(request.worker_id, request.protocol_version, request.address,
-                                                request.evidence, request.nonce, proves_session=proves)
+            self.gate.rate(context, self.join_rate, self.all_joins, "Join")
+            proves = self.sessions.valid(request.worker_id, self.gate.session_token(context))
+            if self.joining >= JOIN_SLOTS:
+                raise Exhausted(f"the coordinator is verifying {self.joining} joins, its limit; retry shortly")
+            self.joining += 1
+            try:
+                shard, open_round = await self.gate.run(
+                    HEAVY, lambda: self.c.join(request.worker_id, request.protocol_version, request.address,
+                                               request.evidence, request.nonce, proves_session=proves))
+            finally:
+                self.joining -= 1
             token = self.sessions.issue(request.worker_id)
-            self.sessions.retain(self.c.registered())
+            self.sessions.retain(await self.gate.run(WORKERS, self.c.registered))
             cfg = self.c.config
             chain_id, ledger = self._ledger()
             return pb.JoinResponse(
@@ -249,28 +133,36 @@ class CoordinatorService:
                 run_digest=self.c.run.run_digest, chain_id=chain_id, ledger=ledger, session_token=token,
                 coordinator_address=self.c.signer.address,
             )
-        return self._call(context, "Join", body)
+        return await self.gate.call(context, "Join", body)
 
-    def SubmitReport(self, request: pb.SubmitReportRequest, context: grpc.ServicerContext) -> pb.SubmitReportResponse:
-        def body() -> pb.SubmitReportResponse:
-            _decoded(request, "SubmitReportRequest")
+    async def SubmitReport(self, context: grpc.aio.ServicerContext) -> pb.SubmitReportResponse:
+        async def body() -> pb.SubmitReportResponse:
+            worker = self.gate.worker(context)
+            request = await self.gate.arrival(context, "SubmitReportRequest")
             check_fields(request)
-            worker = self._worker(context, request.worker_id)
-            return pb.SubmitReportResponse(accepted=True, round=self.c.submit_report(worker, request.signed_report))
-        return self._call(context, "SubmitReport", body)
+            self.gate.worker(context, request.worker_id)
+            round_ = await self.gate.run(WORKERS, self.c.submit_report, worker, request.signed_report)
+            return pb.SubmitReportResponse(accepted=True, round=round_)
+        return await self.gate.call(context, "SubmitReport", body)
 
-    def Heartbeat(self, request: pb.HeartbeatRequest, context: grpc.ServicerContext) -> pb.HeartbeatResponse:
-        def body() -> pb.HeartbeatResponse:
-            _decoded(request, "HeartbeatRequest")
+    async def Heartbeat(self, context: grpc.aio.ServicerContext) -> pb.HeartbeatResponse:
+        async def body() -> pb.HeartbeatResponse:
+            worker = self.gate.worker(context)
+            request = await self.gate.arrival(context, "HeartbeatRequest")
             check_fields(request)
-            worker = self._worker(context, request.worker_id)
+            self.gate.worker(context, request.worker_id)
             check_phase(request.phase)
-            open_round, finished = self.c.heartbeat(worker, request.round, WorkerPhase(request.phase))
+            open_round, finished = await self.gate.run(WORKERS, self.c.heartbeat, worker, request.round,
+                                                       WorkerPhase(request.phase))
             return pb.HeartbeatResponse(open_round=open_round, finished=finished)
-        return self._call(context, "Heartbeat", body)
+        return await self.gate.call(context, "Heartbeat", body)
 
-    def Status(self, request: pb.StatusRequest, context: grpc.ServicerContext) -> pb.StatusResponse:
-        return self._call(context, "Status", lambda: status_message(self.c.status()))
+    async def Status(self, context: grpc.aio.ServicerContext) -> pb.StatusResponse:
+        async def body() -> pb.StatusResponse:
+            await self.gate.arrival(context, "StatusRequest")
+            self.gate.rate(context, self.status_rate, self.all_status, "Status")
+            return status_message(await self.gate.run(PUBLIC, self.c.status))
+        return await self.gate.call(context, "Status", body)
 
     def _ledger(self) -> tuple[int, str]:
         trust = self.c.trust
@@ -278,17 +170,16 @@ class CoordinatorService:
 
     # ------------------------------------------------------------------------- streams
 
-    def PushUpdate(self, request_iterator: Iterator[pb.UpdateChunk], context: grpc.ServicerContext) -> pb.PushUpdateResponse:
-        def body() -> pb.PushUpdateResponse:
-            worker = self._worker(context)
-            with self.streams.acquire(worker, context.cancel) as slot:
-                return self._push(worker, request_iterator, slot)
-        return self._call(context, "PushUpdate", body)
+    async def PushUpdate(self, context: grpc.aio.ServicerContext) -> pb.PushUpdateResponse:
+        async def body() -> pb.PushUpdateResponse:
+            worker = self.gate.worker(context)
+            with self.streams.hold("push", worker):
+                return await self._push(worker, context)
+        return await self.gate.call(context, "PushUpdate", body)
 
-    def _push(self, worker: str, request_iterator: Iterator[pb.UpdateChunk], slot: Slot) -> pb.PushUpdateResponse:
-        first = next(request_iterator, None)
-        slot.progress()
-        if first is None or first is MALFORMED or not first.HasField("header"):
+    async def _push(self, worker: str, context: grpc.aio.ServicerContext) -> pb.PushUpdateResponse:
+        first = await self.gate.arrival(context, "UpdateChunk")
+        if not first.HasField("header"):
             raise FieldError("the first message of a push must be its header")
         check_fields(first)
         header = update_header(first.header)
@@ -296,62 +187,71 @@ class CoordinatorService:
             raise Refusal(Reason.NO_SESSION,
                           f"the push header names worker {clip(header.worker_id)}, but the session is {worker!r}'s")
         wire_bytes = first.ByteSize()
-
-        def data() -> Iterator[bytes]:
-            nonlocal wire_bytes
-            for message in request_iterator:
-                slot.progress()
-                if message is MALFORMED or not message.HasField("data"):
-                    raise WireError("a push carries one header, then data chunks only")
-                wire_bytes += message.ByteSize()
-                yield message.data
-
         try:
             try:
-                declared = self.c.admit_header(header)  # refused before a payload byte is read
-                what = f"update from {worker} for round {header.round}"
-                payload = reassemble(data(), header.payload_size, header.payload_sha256, what=what)
-                decoding = time.perf_counter()
-                update = checked_update(payload, declared, self.c.bound, encoding=Encoding(header.encoding),
-                                        codec_header=codec_header(header))
-                self.c.note_push(header.round, "decode", time.perf_counter() - decoding)
+                declared = await self.gate.run(WORKERS, self.c.admit_header, header)  # before a payload byte
+                joined = Reassembly(header.payload_size, header.payload_sha256,
+                                    what=f"update from {worker} for round {header.round}")
+                pace = self.gate.pace()
+                while (message := await self.gate.read(context, pace)) is not grpc.aio.EOF:
+                    if message is MALFORMED or not message.HasField("data"):
+                        raise WireError("a push carries one header, then data chunks only")
+                    wire_bytes += message.ByteSize()
+                    joined.add(message.data)
+                payload = joined.payload()
+                update = await self.gate.run(HEAVY, self._decode, header, declared, payload)
             except (WireError, InvalidUpdate) as exc:
                 raise Refusal(Reason.MALFORMED, str(exc)) from exc
-            finally:
-                self.c.count_up(worker, wire_bytes)  # refused or not, these bytes crossed the network
-            cid, open_round = self.c.accept(header, update, wire_bytes, payload)
+            finally:  # refused or not, these bytes crossed the network
+                await self.gate.run(WORKERS, self.c.count_up, worker, wire_bytes)
+            cid, open_round = await self.gate.run(HEAVY, self.c.accept, header, update, wire_bytes, payload)
         except Refusal as r:
-            self.c.refuse(header, r)
+            await self.gate.run(WORKERS, self.c.refuse, header, r)
             raise
         return pb.PushUpdateResponse(accepted=True, update_cid=str(cid), open_round=open_round)
 
-    def FetchGlobal(self, request: pb.FetchGlobalRequest, context: grpc.ServicerContext) -> Iterator[pb.GlobalChunk]:
-        def begin() -> tuple[str, Slot, tuple[GlobalState | None, int, bool]]:
-            _decoded(request, "FetchGlobalRequest")
-            check_fields(request)
-            worker = self._worker(context, request.worker_id)
-            slot = self.streams.acquire(worker, context.cancel)
-            try:
-                wait_s = min(max(request.wait_s, 0.0), LONG_POLL_MAX_S) if request.wait_s == request.wait_s else 0.0
-                slot.waiting(wait_s)
-                return worker, slot, self.c.wait_for_global(worker, request.min_round, wait_s)
-            except BaseException:
-                slot.release()
-                raise
+    def _decode(self, header: UpdateHeader, declared: object, payload: bytes) -> object:
+        decoding = time.perf_counter()
+        update = checked_update(payload, declared, self.c.bound, encoding=Encoding(header.encoding),
+                                codec_header=codec_header(header))
+        self.c.note_push(header.round, "decode", time.perf_counter() - decoding)
+        return update
 
-        worker, slot, (state, open_round, finished) = self._call(context, "FetchGlobal", begin)
-        context.add_callback(slot.release)
-        try:
-            sent = 0
-            for message in self._global_messages(state, open_round, finished, request.have_params_cid):
-                self.c.count_down(worker, message.ByteSize())
-                sent += message.ByteSize()
-                yield message
-                slot.progress()
-            if state is not None:
-                self.c.served_state(worker, str(state.params_cid), sent)
-        finally:
-            slot.release()
+    async def FetchGlobal(self, context: grpc.aio.ServicerContext) -> None:
+        async def body() -> None:
+            worker = self.gate.worker(context)
+            request = await self.gate.arrival(context, "FetchGlobalRequest")
+            check_fields(request)
+            self.gate.worker(context, request.worker_id)
+            with self.streams.hold("fetch", worker):
+                wait_s = min(max(request.wait_s, 0.0), LONG_POLL_MAX_S) if request.wait_s == request.wait_s else 0.0
+                state, open_round, finished = await self._wait_for_global(worker, request.min_round, wait_s)
+                pace, sent, whole = self.gate.pace(), 0, False
+                try:
+                    for message in self._global_messages(state, open_round, finished, request.have_params_cid):
+                        await self.gate.write(context, message, pace)
+                        sent += message.ByteSize()
+                    whole = state is not None
+                finally:
+                    await self.gate.run(WORKERS, self.c.count_down, worker, sent,
+                                        str(state.params_cid) if whole else None)
+        await self.gate.call(context, "FetchGlobal", body)
+
+    async def _wait_for_global(self, worker: str, min_round: int,
+                               wait_s: float) -> tuple[GlobalState | None, int, bool]:
+        """The long-poll: costs a coroutine, woken when a round is published (or once a second)."""
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + wait_s
+        while True:
+            published = self._published  # taken before the check: a publication after it wakes us
+            state, open_round, finished = await self.gate.run(WORKERS, self.c.global_for, worker, min_round)
+            remaining = deadline - loop.time()
+            if state is not None or remaining <= 0 or published is None:
+                return state, open_round, finished
+            try:
+                await asyncio.wait_for(published.wait(), min(remaining, 1.0))
+            except asyncio.TimeoutError:
+                pass
 
     def _global_messages(self, state: GlobalState | None, open_round: int, finished: bool,
                          have_params_cid: str) -> Iterator[pb.GlobalChunk]:
@@ -412,57 +312,61 @@ def codec_header(h: UpdateHeader) -> dict | None:
         raise InvalidUpdate(str(exc)) from exc
 
 
-class _Health(health.HealthServicer):
-    """grpc.health.v1 with Check only: Watch would hold a server thread per caller for ever."""
+class Health:
+    """grpc.health.v1 with Check only (Watch would hold a call per caller for ever), served through
+    the same gate as the service: a request that does not decode (a service name that is not
+    UTF-8, say) is INVALID_ARGUMENT with at most one budgeted line, never a traceback."""
 
-    def Watch(self, request: health_pb2.HealthCheckRequest, context: grpc.ServicerContext,
-              send_response_callback: object = None) -> None:
-        context.abort(grpc.StatusCode.UNIMPLEMENTED, "Watch is not served; poll Check")
+    def __init__(self, gate: CallGate) -> None:
+        self.gate = gate
+        self.statuses: dict[str, int] = {}
+
+    def set(self, service: str, status: int) -> None:
+        self.statuses[service] = status
+
+    async def Check(self, context: grpc.aio.ServicerContext) -> health_pb2.HealthCheckResponse:
+        async def body() -> health_pb2.HealthCheckResponse:
+            request = await self.gate.arrival(context, "HealthCheckRequest")
+            status = self.statuses.get(request.service)
+            if status is None:  # as grpc.health.v1 says: an unknown service is NOT_FOUND
+                await context.abort(grpc.StatusCode.NOT_FOUND, f"no service {clip(request.service)} here")
+            return health_pb2.HealthCheckResponse(status=status)
+        return await self.gate.call(context, "Health/Check", body)
+
+    async def Watch(self, context: grpc.aio.ServicerContext) -> None:
+        await context.abort(grpc.StatusCode.UNIMPLEMENTED, "Watch is not served; poll Check")
 
 
-def health_handler(servicer: _Health, budget: LogBudget) -> grpc.GenericRpcHandler:
-    """grpc.health.v1.Health served with the decoding of step 1: a request that does not decode (a
-    service name that is not UTF-8, say) is INVALID_ARGUMENT with at most one budgeted line, where
-    grpc_health's own registration would log a traceback and answer INTERNAL."""
+def _methods(service_name: str, methods: dict[str, tuple[object, type, type]]) -> grpc.GenericRpcHandler:
+    """Every method served as a request stream (trainer.coordinator.calls: the handler awaits the
+    request itself, with a deadline), with deserializers that never raise."""
+    handlers = {}
+    for name, (fn, request_type, response_kind) in methods.items():
+        kind = grpc.stream_stream_rpc_method_handler if response_kind is _STREAM else grpc.stream_unary_rpc_method_handler
+        async def behaviour(request_iterator: object, context: grpc.aio.ServicerContext, fn=fn) -> object:
+            return await fn(context)  # the request is read by the handler (calls.CallGate.arrival)
+        handlers[name] = kind(behaviour, request_deserializer=parser(request_type),
+                              response_serializer=lambda m: m.SerializeToString())
+    return grpc.method_handlers_generic_handler(service_name, handlers)
 
-    def check(request: object, context: grpc.ServicerContext) -> health_pb2.HealthCheckResponse:
-        if request is MALFORMED:
-            peer = _peer_host(context)
-            budget.warning("field", "Health/Check from %s refused: the HealthCheckRequest message does not decode",
-                           peer, party=peer)
-            context.abort(grpc.StatusCode.INVALID_ARGUMENT, "the HealthCheckRequest message does not decode")
-        return servicer.Check(request, context)
 
-    def watch(request: object, context: grpc.ServicerContext) -> Iterator[health_pb2.HealthCheckResponse]:
-        servicer.Watch(request, context)  # aborts
-        yield from ()
+_UNARY, _STREAM = object(), object()
 
-    serialize = health_pb2.HealthCheckResponse.SerializeToString
-    return grpc.method_handlers_generic_handler("grpc.health.v1.Health", {
-        "Check": grpc.unary_unary_rpc_method_handler(
-            check, request_deserializer=_parser(health_pb2.HealthCheckRequest), response_serializer=serialize),
-        "Watch": grpc.unary_stream_rpc_method_handler(
-            watch, request_deserializer=_parser(health_pb2.HealthCheckRequest), response_serializer=serialize),
+
+def health_handler(servicer: Health) -> grpc.GenericRpcHandler:
+    return _methods("grpc.health.v1.Health", {
+        "Check": (servicer.Check, health_pb2.HealthCheckRequest, _UNARY),
+        "Watch": (servicer.Watch, health_pb2.HealthCheckRequest, _STREAM),
     })
 
 
 def handler(service: CoordinatorService) -> grpc.GenericRpcHandler:
-    """The Coordinator service's method handlers, with deserializers that never raise (step 1)."""
-    unary, server_stream, client_stream = (grpc.unary_unary_rpc_method_handler, grpc.unary_stream_rpc_method_handler,
-                                           grpc.stream_unary_rpc_method_handler)
-    methods = {
-        "Challenge": (unary, pb.ChallengeRequest, service.Challenge),
-        "Join": (unary, pb.JoinRequest, service.Join),
-        "FetchGlobal": (server_stream, pb.FetchGlobalRequest, service.FetchGlobal),
-        "PushUpdate": (client_stream, pb.UpdateChunk, service.PushUpdate),
-        "SubmitReport": (unary, pb.SubmitReportRequest, service.SubmitReport),
-        "Heartbeat": (unary, pb.HeartbeatRequest, service.Heartbeat),
-        "Status": (unary, pb.StatusRequest, service.Status),
-    }
-    return grpc.method_handlers_generic_handler(SERVICE_NAME, {
-        name: kind(fn, request_deserializer=_parser(request_type),
-                   response_serializer=lambda m: m.SerializeToString())
-        for name, (kind, request_type, fn) in methods.items()
+    return _methods(SERVICE_NAME, {
+        "Challenge": (service.Challenge, pb.ChallengeRequest, _UNARY),
+        "Join": (service.Join, pb.JoinRequest, _UNARY),
+        "FetchGlobal": (service.FetchGlobal, pb.FetchGlobalRequest, _STREAM),
+        "PushUpdate": (service.PushUpdate, pb.UpdateChunk, _UNARY),
+        "SubmitReport": (service.SubmitReport, pb.SubmitReportRequest, _UNARY),
+        "Heartbeat": (service.Heartbeat, pb.HeartbeatRequest, _UNARY),
+        "Status": (service.Status, pb.StatusRequest, _UNARY),
     })
-
-
