@@ -25,8 +25,10 @@ the held-out loss. Every refusal carries a typed reason (trainer.refusal).
     publish     where a round is published (the transition itself: trainer.transition)
     machine     Coordinator: the state machine that ties them, thread-safe, no transport
     trust       RunTrust: what the machine asks of a ledger-backed trust layer (settlement/)
-    service     the gRPC service: decoding, bounds, sessions, rate limits, reasons → status codes
-    server      serve(): the process: lock, server, the round loop, settlement thread, exit codes
+    calls       CallGate: how a call gets in (arrival deadline, decoding, sessions, budgets, pace),
+                its thread pools, refusal reasons → status codes
+    service     the gRPC handlers: bounds, protobuf ↔ the machine's types, long-polls, push streams
+    server      serve(): the process: lock, the grpc.aio server, the round loop, settlement, exit codes
 """
 
 from trainer.coordinator.machine import Coordinator
