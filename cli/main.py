@@ -33,6 +33,7 @@ from __future__ import annotations
 import argparse
 import functools
 import logging
+import os
 import sys
 from pathlib import Path
 from typing import Callable, Sequence
@@ -40,6 +41,10 @@ from typing import Callable, Sequence
 from rich.logging import RichHandler
 
 from trainer.progress import PLAIN_LOG_FORMAT, use_console
+
+# gRPC's C core writes connection-level lines (a GOAWAY when an idle connection is closed, say) to
+# stderr at INFO; read before grpc is first imported, which the subcommands do.
+os.environ.setdefault("GRPC_VERBOSITY", "ERROR")
 
 # Blocks a recorded round waits before its rewards can be claimed (about a day of 12 s blocks): time
 # for an auditor to re-check the round, and for a revocation, before anyone is paid for it.

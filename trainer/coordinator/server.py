@@ -16,6 +16,7 @@ import asyncio
 import fcntl
 import logging
 import os
+import resource
 import signal
 import threading
 import time
@@ -62,7 +63,7 @@ SERVER_OPTIONS: tuple[tuple[str, int], ...] = (
     ("grpc.max_concurrent_streams", MAX_STREAMS_PER_CONNECTION),
     ("grpc.max_metadata_size", 16 << 10),          # headers: a worker sends its id and token
     ("grpc.server_handshake_timeout_ms", 10_000),  # a TLS handshake that does not finish
-    ("grpc.max_connection_idle_ms", 300_000),      # a connection with no call for 5 min is closed
+    ("grpc.max_connection_idle_ms", 30_000),       # no call for 30 s: closed (a worker's channel reconnects)
     ("grpc.keepalive_time_ms", 60_000),            # the server pings a quiet peer to find dead ones
     ("grpc.keepalive_timeout_ms", 20_000),
     ("grpc.http2.min_ping_interval_without_data_ms", 10_000),  # ping floods: GOAWAY after max strikes
@@ -111,6 +112,17 @@ class RpcServer:
         self._thread.join(timeout=30)
 
 
+def _raise_open_file_limit() -> None:
+    """Every connection costs a file descriptor: allow as many as the system lets this process have,
+    so idle connections of strangers (closed after 30 s) exhaust no soft limit of 1,024 first."""
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    if soft != hard:
+        try:
+            resource.setrlimit(resource.RLIMIT_NOFILE, (hard, hard))
+        except (ValueError, OSError) as exc:
+            log.warning("cannot raise the open-file limit from %d to %d: %s", soft, hard, exc)
+
+
 def serve(run_dir: RunDir, config: RunConfig | None, host: str = "127.0.0.1", port: int = 0,
           linger_s: float = 10.0, trust: Callable[[Run], RunTrust] | None = None, settle_timeout_s: float = 120.0,
           credentials: grpc.ServerCredentials | None = None, idle_s: float = 30.0) -> int:
@@ -119,6 +131,7 @@ def serve(run_dir: RunDir, config: RunConfig | None, host: str = "127.0.0.1", po
     ``trust`` opens the run's trust layer once the run is known (settlement.ledger_trust);
     ``credentials`` None serves plaintext, which the caller must have asked for (--insecure)."""
     lock = lock_run_dir(run_dir)
+    _raise_open_file_limit()
     run = open_run(run_dir, config)
     coordinator = Coordinator(run, trust=trust(run) if trust is not None else None)
     service = CoordinatorService(coordinator, idle_s=idle_s)
