@@ -1,13 +1,15 @@
 """Issue 26's "Done when": no stranger and no insider with several ids can stop a run.
 
 Real processes over TLS: one coordinator and two honest ``dilocox worker`` processes training a tiny
-model (a round in about a second). The honest rate is measured without attack, then during each
-attack of benchmarks.attacks in turn, in the same run: unfinished unary calls over one connection,
-slot hoarding by 4 joined ids, dripping pushes from 4 joined ids. Each window is measured in rounds
-(the time the run takes for ``WINDOW_ROUNDS`` rounds), not wall time, so a loaded machine slows
-both sides alike; a window is cut at the time those rounds may take at 80% of the rate without
-attack, so an attack that stops the run fails the test within seconds. Health Check answers within
-1 s throughout, nothing logs a traceback, and the run finishes. The ledger variant (anvil, dev
+model (a round in under a second). The honest rate is measured without attack, then during each
+attack of benchmarks.attacks in turn, in the same run (dripping pushes from 4 joined ids, slot
+hoarding by 4 other joined ids, unfinished unary calls over one connection), then without attack
+again: the rate without is that of both windows together, as the load of a shared machine drifts.
+Each window is measured in rounds (the time the run takes for ``WINDOW_ROUNDS`` rounds), not wall
+time, so a loaded machine slows both sides alike; an attacked window is cut at the time those
+rounds may take at 80% of the first rate without attack (and a second), so an attack that stops
+the run fails the test within seconds. Health Check answers within 1 s throughout, nothing logs a
+traceback, and the run finishes. The ledger variant (anvil, dev
 attestation) has 4 dev-attested insiders hoard slots and drip pushes for the whole run, and the
 ledger must still record every round with both honest workers' reports.
 """
@@ -33,7 +35,7 @@ pytestmark = pytest.mark.integration
 
 WINDOW_ROUNDS = 4
 KEPT = 0.8            # the issue's bound: honest rounds/min under attack >= 80% of the rate without
-ROUNDS = 30           # enough for a warm-up, the window without attack and three windows with
+ROUNDS = 36           # enough for a warm-up, two windows without attack and three with, and recoveries
 ATTACKER_IDS = 4
 INNER_STEPS = 200
 STALL_S = 30.0        # no round closed for this long: the run is stopped
@@ -49,6 +51,11 @@ def fast_run(rounds: int) -> RunConfig:
 
 def table(windows: list[Window]) -> str:
     return "\n".join(w.line() for w in windows)
+
+
+def rate_of(windows: list[Window]) -> float:
+    """Rounds per minute over several windows together (the load of a shared machine drifts)."""
+    return 60.0 * sum(w.rounds for w in windows) / sum(w.seconds for w in windows)
 
 
 def no_traceback(cluster: LocalCluster) -> None:
@@ -95,14 +102,19 @@ def test_honest_rounds_keep_their_rate_under_each_attack(cluster: LocalCluster, 
     finally:
         for insider in drippers + hoarders:
             insider.close()
-    print(table(windows + recoveries))
-    for window in windows[1:]:
-        assert window.rounds_per_min >= KEPT * without.rounds_per_min, table(windows + recoveries)
+    attacked = windows[1:]
+    for window in attacked:  # fail promptly: the run must go on before the rate without is measured again
+        assert window.rounds > 0, table(windows + recoveries)
+    windows.append(observe(cluster, "no attack, after", max_s=90, rounds=WINDOW_ROUNDS))
+    rate_without = rate_of([without, windows[-1]])
+    print(table(windows + recoveries) + f"\nwithout attack: {rate_without:.1f} rounds/min")
+    for window in attacked:
+        assert window.rounds_per_min >= KEPT * rate_without, table(windows + recoveries)
     for window in windows:
         assert window.health_failures == 0 and window.health_worst_ms < 1000 * HEALTH_DEADLINE_S, table(windows)
 
     finished_while_progressing(cluster)
-    assert len(cluster.run_dir.logged_rounds()) == ROUNDS
+    assert [r["round"] for r in cluster.run_dir.logged_rounds()] == list(range(ROUNDS + 1))  # genesis and every round
     no_traceback(cluster)
 
 
