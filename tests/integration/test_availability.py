@@ -1,17 +1,17 @@
 """Issue 26's "Done when": no stranger and no insider with several ids can stop a run.
 
 Real processes over TLS: one coordinator and two honest ``dilocox worker`` processes training a tiny
-model (a round in under a second). The honest rate is measured without attack, then during each
-attack of benchmarks.attacks in turn, in the same run (dripping pushes from 4 joined ids, slot
-hoarding by 4 other joined ids, unfinished unary calls over one connection), then without attack
-again: the rate without is that of both windows together, as the load of a shared machine drifts.
-Each window is measured in rounds (the time the run takes for ``WINDOW_ROUNDS`` rounds), not wall
-time, so a loaded machine slows both sides alike; an attacked window is cut at the time those
-rounds may take at 80% of the first rate without attack (and a second), so an attack that stops
-the run fails the test within seconds. Health Check answers within 1 s throughout, nothing logs a
-traceback, and the run finishes. The ledger variant (anvil, dev
-attestation) has 4 dev-attested insiders hoard slots and drip pushes for the whole run, and the
-ledger must still record every round with both honest workers' reports.
+model (a round in under a second). The honest rate is measured during each attack of
+benchmarks.attacks in turn, in the same run (dripping pushes from 4 joined ids, slot hoarding by 4
+other joined ids, unfinished unary calls over one connection), with windows without attack before,
+between and after them: each attacked window is held to the two windows without attack around it
+together, as the load of a shared machine drifts. Each window is measured in rounds (the time the
+run takes for ``WINDOW_ROUNDS`` rounds), not wall time, so a loaded machine slows both sides alike;
+an attacked window is cut at the time those rounds may take at 80% of the rate just before it (and
+a round's alignment), so an attack that stops the run costs the test seconds, not a timeout. Health
+Check answers within 1 s throughout, nothing logs a traceback, and the run finishes. The ledger
+variant (anvil, dev attestation) has 4 dev-attested insiders hoard slots and drip pushes for the
+whole run, and the ledger must still record every round with both honest workers' reports.
 """
 
 from __future__ import annotations
@@ -33,9 +33,9 @@ from trainer.config import InnerConfig, RoundConfig, RunConfig
 
 pytestmark = pytest.mark.integration
 
-WINDOW_ROUNDS = 4
+WINDOW_ROUNDS = 8
 KEPT = 0.8            # the issue's bound: honest rounds/min under attack >= 80% of the rate without
-ROUNDS = 36           # enough for a warm-up, two windows without attack and three with, and recoveries
+ROUNDS = 72           # a warm-up, four windows without attack and three with, their alignments and recoveries
 ATTACKER_IDS = 4
 INNER_STEPS = 200
 STALL_S = 30.0        # no round closed for this long: the run is stopped
@@ -63,6 +63,14 @@ def no_traceback(cluster: LocalCluster) -> None:
         assert "Traceback" not in cluster.log(name, tail=100_000), cluster.log(name)
 
 
+def next_round(cluster: LocalCluster, what: str) -> None:
+    """Wait for the run to close a round (an attack stopped, it must go on) within ``STALL_S``."""
+    closed, deadline = rounds_closed(cluster.run_dir.path), time.monotonic() + STALL_S
+    while rounds_closed(cluster.run_dir.path) == closed:
+        assert time.monotonic() < deadline, f"no round closed for {STALL_S:.0f}s {what}"
+        time.sleep(0.1)
+
+
 def finished_while_progressing(cluster: LocalCluster) -> None:
     """Wait for the workers and the coordinator to exit 0; fail as soon as no round has closed for
     ``STALL_S`` (an attack that stops the run fails the test promptly, not at a long timeout)."""
@@ -87,31 +95,28 @@ def test_honest_rounds_keep_their_rate_under_each_attack(cluster: LocalCluster, 
     cluster.start_worker("w1")
     cluster.wait_for(lambda s: len(s.rounds) >= 2, 120, "the first round")  # round 0 and round 1: warmed up
 
-    without = observe(cluster, "no attack", max_s=90, rounds=WINDOW_ROUNDS)
-    assert without.rounds == WINDOW_ROUNDS, without.line()
-    allowed_s = without.seconds / KEPT + 1.0  # the slowest the attacked windows may be, and a poll's slack
     drippers = join_insiders(cluster, [f"dripper{i}" for i in range(ATTACKER_IDS)])
     hoarders = join_insiders(cluster, [f"hoarder{i}" for i in range(ATTACKER_IDS)])
-    windows, recoveries = [without], []
+    without = [observe(cluster, "no attack", max_s=60, rounds=WINDOW_ROUNDS)]
+    attacked: list[Window] = []
     try:
-        # Least harmful first, and a round closed between attacks: a window that fails on today's
-        # server says what its own attack did, not what the one before left behind.
+        # Least harmful first, and a round closed after each attack before the next window: a window
+        # that fails on today's server says what its own attack did, not what the one before left.
         for attack in (Dripping(drippers), Hoarding(hoarders), UnfinishedUnary(cluster)):
-            windows.append(under_attack(cluster, attack, max_s=allowed_s + 2.0, rounds=WINDOW_ROUNDS))
-            recoveries.append(observe(cluster, f"after {attack.name}", max_s=STALL_S, rounds=1))
+            assert without[-1].rounds == WINDOW_ROUNDS, table(without + attacked)
+            allowed_s = without[-1].seconds / KEPT + 1.0  # the slowest it may be, and a round's alignment
+            attacked.append(under_attack(cluster, attack, max_s=allowed_s + 2.0, rounds=WINDOW_ROUNDS))
+            next_round(cluster, f"after {attack.name}\n{table(without + attacked)}")
+            without.append(observe(cluster, "no attack", max_s=60, rounds=WINDOW_ROUNDS))
     finally:
         for insider in drippers + hoarders:
             insider.close()
-    attacked = windows[1:]
-    for window in attacked:  # fail promptly: the run must go on before the rate without is measured again
-        assert window.rounds > 0, table(windows + recoveries)
-    windows.append(observe(cluster, "no attack, after", max_s=90, rounds=WINDOW_ROUNDS))
-    rate_without = rate_of([without, windows[-1]])
-    print(table(windows + recoveries) + f"\nwithout attack: {rate_without:.1f} rounds/min")
-    for window in attacked:
-        assert window.rounds_per_min >= KEPT * rate_without, table(windows + recoveries)
-    for window in windows:
-        assert window.health_failures == 0 and window.health_worst_ms < 1000 * HEALTH_DEADLINE_S, table(windows)
+    print(table(without + attacked))
+    for i, window in enumerate(attacked):  # against the windows without attack just before and after it
+        assert window.rounds_per_min >= KEPT * rate_of(without[i:i + 2]), table(without + attacked)
+    for window in without + attacked:
+        assert window.health_failures == 0 and window.health_worst_ms < 1000 * HEALTH_DEADLINE_S, \
+            table(without + attacked)
 
     finished_while_progressing(cluster)
     assert [r["round"] for r in cluster.run_dir.logged_rounds()] == list(range(ROUNDS + 1))  # genesis and every round
