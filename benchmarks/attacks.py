@@ -120,6 +120,8 @@ class Attack:
             return exc.code().name
         with self._lock:
             self._in_flight[i] = call
+        if self.stopping.is_set():  # stop() took its list of calls to cancel before this one began
+            call.cancel()
         try:
             if stream:
                 for _ in call:  # type: ignore[attr-defined]
@@ -288,7 +290,8 @@ class Flood(Attack):
 
 
 def rounds_closed(run: Path) -> int:
-    """Rounds the coordinator has closed: lines of <run>/rounds.jsonl, read without an RPC."""
+    """Lines of <run>/rounds.jsonl, read without an RPC: the rounds the coordinator has closed, and
+    the run's start (round 0)."""
     try:
         return (run / "rounds.jsonl").read_bytes().count(b"\n")
     except FileNotFoundError:

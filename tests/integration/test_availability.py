@@ -80,7 +80,7 @@ def finished_while_progressing(cluster: LocalCluster) -> None:
         if now_closed > closed:
             closed, progressed = now_closed, time.monotonic()
         assert time.monotonic() - progressed < STALL_S, (
-            f"no round closed for {STALL_S:.0f}s after round {closed}:\n{cluster.log('coordinator')}\n"
+            f"no round closed for {STALL_S:.0f}s after round {closed - 1}:\n{cluster.log('coordinator')}\n"
             f"w0: {cluster.log('w0', tail=5)}\nw1: {cluster.log('w1', tail=5)}")
         time.sleep(0.2)
     for name in ("w0", "w1", "coordinator"):
