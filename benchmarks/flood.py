@@ -39,14 +39,16 @@ from typing import TYPE_CHECKING
 if TYPE_CHECKING:  # torch and the attack clients load only when the bench runs
     from benchmarks.attacks import Attack, Window
     from benchmarks.cluster import LocalCluster
+    from trainer.config import RunConfig
 
 BIG_WORKER_ID = "x" * 100_000
 RECOVERY_S = 60.0  # an attack that stopped the run: how long the next window waits for a round first
 
 
-def fast_config(rounds: int):  # -> RunConfig (torch-free import of the module: see TYPE_CHECKING)
+def fast_config(rounds: int) -> RunConfig:
     """Two workers and a tiny model (rounds of 200 steps of a 1-layer, 32-wide model): rounds/min
-    is a rate of dozens of rounds, so a window of seconds measures it."""
+    is a rate of dozens of rounds, so a window of seconds measures it. The hostile coordinator's
+    run (benchmarks.hostile_coordinator) is this one too."""
     from trainer.config import DataConfig, InnerConfig, ModelConfig, RoundConfig, RunConfig
 
     return RunConfig(

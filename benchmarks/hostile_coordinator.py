@@ -40,9 +40,10 @@ import grpc
 
 from attestation import WorkerKey
 from attestation.signing import global_digest
+from benchmarks.flood import fast_config, machine_line
 from proto import CHANNEL_OPTIONS, Encoding, pb, pb_grpc
 from storage_client import CID, Codec
-from trainer.config import DataConfig, InnerConfig, ModelConfig, RoundConfig, RunConfig, estimated_parameters
+from trainer.config import RunConfig, estimated_parameters
 from trainer.tls import ensure_self_signed, server_credentials
 
 RUN_DIGEST = bytes(range(32))
@@ -149,13 +150,6 @@ def run_worker(flags: list[str], log: Path, *, stop_after_s: float | None = None
 # ------------------------------------------------------------------------------------ the bench
 
 
-def bench_config() -> RunConfig:
-    """A tiny run: what the worker's bounds (payload size, RSS) are measured against."""
-    return RunConfig(run_id="hostile", model=ModelConfig(block_size=32, n_layer=1, n_head=2, n_embd=32),
-                     inner=InnerConfig(steps=3, batch_size=4, lr=1e-3), data=DataConfig(eval_batches=2),
-                     rounds=RoundConfig(rounds=2, expected_workers=2, quorum=2)).plain_diloco()
-
-
 def _oversized(h: Hostile) -> None:
     def stream() -> Iterator[pb.GlobalChunk]:
         yield signed_header(h.key, payload_size=1 << 50, payload_sha256="0" * 64)
@@ -216,7 +210,7 @@ def last_line(output: str) -> str:
 
 
 def run(config: RunConfig | None = None) -> list[WorkerOutcome]:
-    config = config or bench_config()
+    config = config or fast_config(rounds=2)
     outcomes = []
     with tempfile.TemporaryDirectory(prefix="dilocox-hostile-") as tmp:
         for i, (name, (misbehave, stop_after_s)) in enumerate(MISBEHAVIOURS.items()):
@@ -231,9 +225,7 @@ def run(config: RunConfig | None = None) -> list[WorkerOutcome]:
 
 
 def main() -> None:
-    from benchmarks.flood import machine_line
-
-    config = bench_config()
+    config = fast_config(rounds=2)
     outcomes = run(config)
     bound = 4 * 4 * estimated_parameters(config.model) + (1 << 30)
     print(f"dilocox worker (a real process, TLS to a pinned self-signed certificate) against a hostile coordinator, "
