@@ -13,7 +13,8 @@ mallory's shard would push (trainer.diloco.InnerLoop on trainer.data.round_batch
 dishonest thing about mallory is what it does with it. ``Heartbeats`` keeps mallory live while it
 trains, as a worker's heartbeat thread does, so a round waits for its push.
 
-Used by tests/integration/test_bad_input.py, test_dishonest_workers.py and benchmarks/robustness.py.
+Used by tests/integration/test_bad_input.py, test_dishonest_workers.py, benchmarks/robustness.py and
+benchmarks/attacks.py (the header of a dripping push).
 """
 
 from __future__ import annotations
@@ -68,7 +69,15 @@ class Mallory:
         """Push ``tensors`` (or raw ``payload`` bytes); ``header`` overrides any UpdateHeader field."""
         tensors = self.default if tensors is None else tensors
         payload = encode_params(tensors) if payload is None else payload
-        layout = layout_of(tensors) if layout is None else layout
+        first = self.header(payload, layout_of(tensors) if layout is None else layout, **header)
+        stream = [first] + [pb.UpdateChunk(data=p) for p in chunked(payload)]
+        self.wire_bytes = sum(message.ByteSize() for message in stream)  # what the coordinator counts
+        return self.stub.PushUpdate(iter(stream), timeout=30, metadata=self.session)
+
+    def header(self, payload: bytes, layout: dict | None = None, **header: object) -> pb.UpdateChunk:
+        """The first message of a push of ``payload`` (by default the layout of the default update):
+        what an honest worker's header would claim, ``header`` overriding any field."""
+        layout = layout_of(self.default) if layout is None else layout
         fields = dict(
             protocol_version=PROTOCOL_VERSION, run_id=self.config.run_id, round=1,
             worker_id=self.worker_id, encoding=Encoding.DENSE_F32,
@@ -83,10 +92,7 @@ class Mallory:
         fields.update(header)
         if fields["num_stages"] != 1 and "inner_state_sha256" not in header:
             fields["inner_state_sha256"] = ""  # a stage slice commits no inner state
-
-        stream = [pb.UpdateChunk(header=pb.UpdateHeader(**fields))] + [pb.UpdateChunk(data=p) for p in chunked(payload)]
-        self.wire_bytes = sum(message.ByteSize() for message in stream)  # what the coordinator counts
-        return self.stub.PushUpdate(iter(stream), timeout=30, metadata=self.session)
+        return pb.UpdateChunk(header=pb.UpdateHeader(**fields))
 
     def fetch(self, min_round: int = 0) -> dict[str, object]:
         """Fetch the global parameters as a worker would; returns the header fields a push that

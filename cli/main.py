@@ -13,7 +13,7 @@
     dilocox pool fund ...                          the run's reward pool opened and funded
     dilocox bench gas                              gas of the ledger's calls on a local chain
     dilocox bench ablation [--smoke]               the DiLoCoX ablation: loss, bytes, tokens/s per mode
-    dilocox bench flood                            health/Status latency while each limit is flooded
+    dilocox bench flood [--side worker]            honest rounds/min, health and coordinator RSS under each attack
     dilocox bench robust [--quick]                 one dishonest worker against each aggregation setting
     dilocox bench overlap                          synchronous vs overlapped rounds at two outer momenta
     dilocox bench scale [--smoke]                  a round's cost split by phase, RSS, store vs wire bytes
@@ -546,7 +546,8 @@ def _config_arguments(p: argparse.ArgumentParser) -> None:
 BENCHES: dict[str, tuple[str, str | None]] = {
     "gas": ("the ledger's gas per call on a local anvil", None),
     "ablation": ("DiLoCoX ablation: held-out loss, bytes/token, tokens/s per mode", "benchmarks.ablation"),
-    "flood": ("health and Status latency while hostile clients hit each limit", "benchmarks.flood"),
+    "flood": ("honest rounds/min, health latency and coordinator resources under each attack "
+              "(--side worker: a worker against a hostile coordinator)", "benchmarks.flood"),
     "robust": ("one admitted dishonest worker against each aggregation setting", "benchmarks.robustness"),
     "overlap": ("synchronous rounds against the one-step-delay overlap at two outer momenta",
                 "benchmarks.overlap_momentum"),

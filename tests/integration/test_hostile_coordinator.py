@@ -1,6 +1,6 @@
 """``dilocox worker`` (a real process, over TLS to a pinned certificate) against a hostile coordinator.
 
-The coordinator is tests.unit.test_hostile_coordinator's stand-in, served here over TLS with a
+The coordinator is benchmarks.hostile_coordinator's stand-in, served here over TLS with a
 self-signed certificate the worker pins by fingerprint: what a compromised coordinator could send.
 The worker must refuse each misbehaviour with one line and a non-zero exit, with bounded memory
 (peak RSS from the kernel's own account of the child, ``os.wait4``) and heartbeats no faster
@@ -9,58 +9,26 @@ than the floor whatever interval it is told.
 
 from __future__ import annotations
 
-import os
-import subprocess
-import sys
-import threading
-from concurrent import futures
 from pathlib import Path
 from typing import Iterator
 
-import grpc
 import pytest
 
 from attestation import WorkerKey
-from proto import CHANNEL_OPTIONS, pb, pb_grpc
-from tests.unit.test_hostile_coordinator import CONFIG, Hostile, signed_header
+from benchmarks.hostile_coordinator import NESTED_CONFIG, PAYLOAD_CHUNKS, Hostile, run_worker, served, signed_header
+from proto import pb
+from tests.unit.test_hostile_coordinator import CONFIG
 from trainer.config import estimated_parameters
 from trainer.limits import HEARTBEAT_FLOOR_S
-from trainer.tls import ensure_self_signed, server_credentials
 
 pytestmark = pytest.mark.integration
-
-PAYLOAD_CHUNKS = 64  # what the hostile coordinator would stream after its header, 1 MiB each
-
 
 @pytest.fixture
 def hostile_tls(tmp_path: Path) -> Iterator[tuple[Hostile, list[str]]]:
     """The stand-in coordinator over TLS, and the flags that make a worker pin it."""
-    coordinator = Hostile(WorkerKey.generate())
-    identity = ensure_self_signed(tmp_path / "tls", ("127.0.0.1",))
-    server = grpc.server(futures.ThreadPoolExecutor(max_workers=8), options=CHANNEL_OPTIONS)
-    pb_grpc.add_CoordinatorServicer_to_server(coordinator, server)
-    port = server.add_secure_port("127.0.0.1:0", server_credentials(identity))
-    server.start()
-    try:
-        yield coordinator, ["--coordinator", f"127.0.0.1:{port}", "--tls-fingerprint", identity.fingerprint]
-    finally:
-        server.stop(grace=None)
-
-
-def run_worker(flags: list[str], log: Path) -> tuple[int, str, int]:
-    """Exit code, output and peak RSS in bytes of ``dilocox worker`` run to its end (killed after 120 s)."""
-    with open(log, "wb") as out:
-        process = subprocess.Popen([sys.executable, "-m", "cli.main", "worker", "--worker-id", "w0", "--threads", "1",
-                                    *flags], stdin=subprocess.DEVNULL, stdout=out, stderr=subprocess.STDOUT,
-                                   env={**os.environ, "PYTHONUNBUFFERED": "1"})
-    killer = threading.Timer(120, process.kill)
-    killer.start()
-    try:
-        _, status, usage = os.wait4(process.pid, 0)  # this child's own peak RSS, from the kernel
-    finally:
-        killer.cancel()
-    process.returncode = os.waitstatus_to_exitcode(status)
-    return process.returncode, log.read_text(errors="replace"), usage.ru_maxrss * 1024
+    coordinator = Hostile(WorkerKey.generate(), CONFIG)
+    with served(coordinator, tmp_path / "tls") as (_, flags):
+        yield coordinator, flags
 
 
 def test_a_worker_refuses_an_oversized_global_state_with_bounded_memory_and_heartbeats(hostile_tls, tmp_path) -> None:
@@ -93,7 +61,7 @@ def test_a_worker_refuses_an_oversized_global_state_with_bounded_memory_and_hear
 
 def test_a_worker_refuses_a_nested_config_with_one_line(hostile_tls, tmp_path) -> None:
     coordinator, flags = hostile_tls
-    coordinator.config_json = b"[" * 200_000 + b"]" * 200_000
+    coordinator.config_json = NESTED_CONFIG
     code, output, _ = run_worker(flags, tmp_path / "w0.log")
     assert code == 1, output
     assert "WorkerError: the coordinator's run configuration is refused: " in output and "nests deeper" in output

@@ -10,17 +10,14 @@ payload byte" is observed, not timed.
 from __future__ import annotations
 
 import threading
-import time
-from concurrent import futures
 from typing import Callable, Iterator
 
-import grpc
 import pytest
 
 from attestation import WorkerKey
-from attestation.signing import global_digest
-from proto import CHANNEL_OPTIONS, Encoding, pb, pb_grpc
-from storage_client import CID, Codec
+from benchmarks.hostile_coordinator import NESTED_CONFIG, Hostile, served, signed_header
+from proto import pb
+from storage_client import CID
 from tests.conftest import small_config
 from trainer.config import estimated_parameters
 from trainer.limits import (
@@ -32,62 +29,17 @@ from trainer.wire import WireError
 from trainer.worker.client import MAX_EARLY_EMPTY, CoordinatorClient, WorkerError, heartbeats, wait_after_empty
 
 CONFIG = small_config()
-RUN_DIGEST = bytes(range(32))
-PARAMS_CID = str(CID.of(b"params"))
-MANIFEST_CID = str(CID.of(b"manifest", Codec.JSON))
 
 
 class Stop(Exception):
     """Raised by the recording sleep to end a retry loop the test has seen enough of."""
 
 
-class Hostile(pb_grpc.CoordinatorServicer):
-    """A coordinator whose answers the test sets: ``fetch`` yields a FetchGlobal stream's messages."""
-
-    def __init__(self, key: WorkerKey) -> None:
-        self.key = key
-        self.config_json = CONFIG.canonical()
-        self.heartbeat_interval_s = 1.0
-        self.heartbeat_times: list[float] = []
-        self.third_heartbeat = threading.Event()
-        self.fetch: Callable[[], Iterator[pb.GlobalChunk]] = lambda: iter(())
-        self.fetches = 0
-
-    def Challenge(self, request: pb.ChallengeRequest, context: grpc.ServicerContext) -> pb.ChallengeResponse:
-        return pb.ChallengeResponse(config_json=self.config_json,
-                                    config_cid=str(CID.of(self.config_json, Codec.JSON)),
-                                    coordinator_address=self.key.address, run_digest=RUN_DIGEST, nonce=b"n" * 32)
-
-    def Join(self, request: pb.JoinRequest, context: grpc.ServicerContext) -> pb.JoinResponse:
-        return pb.JoinResponse(coordinator_address=self.key.address, session_token=b"t" * 32, shard=0,
-                               num_shards=CONFIG.rounds.expected_workers,
-                               heartbeat_interval_s=self.heartbeat_interval_s)
-
-    def Heartbeat(self, request: pb.HeartbeatRequest, context: grpc.ServicerContext) -> pb.HeartbeatResponse:
-        self.heartbeat_times.append(time.monotonic())
-        if len(self.heartbeat_times) >= 3:
-            self.third_heartbeat.set()
-        return pb.HeartbeatResponse()
-
-    def FetchGlobal(self, request: pb.FetchGlobalRequest, context: grpc.ServicerContext) -> Iterator[pb.GlobalChunk]:
-        self.fetches += 1
-        yield from self.fetch()
-
-    def Status(self, request: pb.StatusRequest, context: grpc.ServicerContext) -> pb.StatusResponse:
-        context.abort(grpc.StatusCode.UNAVAILABLE, "busy, forever")
-
-
 @pytest.fixture
 def hostile() -> Iterator[tuple[Hostile, str]]:
-    coordinator = Hostile(WorkerKey.generate())
-    server = grpc.server(futures.ThreadPoolExecutor(max_workers=4), options=CHANNEL_OPTIONS)
-    pb_grpc.add_CoordinatorServicer_to_server(coordinator, server)
-    port = server.add_insecure_port("127.0.0.1:0")
-    server.start()
-    try:
-        yield coordinator, f"127.0.0.1:{port}"
-    finally:
-        server.stop(grace=None)
+    coordinator = Hostile(WorkerKey.generate(), CONFIG)
+    with served(coordinator, threads=4) as (address, _):
+        yield coordinator, address
 
 
 def client_of(address: str, sleeps: list[float], *, stop_after: int = 10_000) -> CoordinatorClient:
@@ -99,13 +51,6 @@ def client_of(address: str, sleeps: list[float], *, stop_after: int = 10_000) ->
     return CoordinatorClient(address, "w0", tls=ClientTls(insecure=True), attestation=None, reconnect_timeout_s=30,
                              fetch_wait_s=5, link=Link(), on_first_join=lambda config, shard, shards: None,
                              sleep=sleep)
-
-
-def signed_header(key: WorkerKey, **fields: object) -> pb.GlobalChunk:
-    digest = global_digest(RUN_DIGEST, 1, CID.parse(PARAMS_CID).digest, CID.parse(MANIFEST_CID).digest)
-    return pb.GlobalChunk(header=pb.GlobalHeader(
-        available=True, round=1, params_cid=PARAMS_CID, manifest_cid=MANIFEST_CID, encoding=Encoding.DENSE_F32,
-        signature=key.sign_digest(digest), **fields))
 
 
 def held_back_payload(header: pb.GlobalChunk, chunks: int, released: threading.Event,
@@ -229,7 +174,7 @@ def test_a_heartbeat_interval_of_zero_is_held_to_the_floor(hostile) -> None:
 
 def test_a_deeply_nested_config_is_one_line_not_a_recursion_error(hostile) -> None:
     coordinator, address = hostile
-    coordinator.config_json = b"[" * 200_000 + b"]" * 200_000  # its CID is named alongside: it "matches"
+    coordinator.config_json = NESTED_CONFIG  # its CID is named alongside: it "matches"
     client = client_of(address, [])
     with pytest.raises(WorkerError, match="run configuration is refused: .*nests deeper than") as refused:
         client.join()
