@@ -56,7 +56,7 @@ def fast_config(rounds: int) -> RunConfig:
         model=ModelConfig(block_size=32, n_layer=1, n_head=2, n_embd=32),
         inner=InnerConfig(steps=200, batch_size=4, lr=1e-3),
         data=DataConfig(eval_batches=2),
-        rounds=RoundConfig(rounds=rounds, expected_workers=2, quorum=2, straggler_timeout_s=30.0,
+        rounds=RoundConfig(rounds=rounds, expected_workers=2, quorum=2, straggler_timeout_s=10.0,
                            heartbeat_interval_s=0.5, liveness_timeout_s=5.0),
     ).plain_diloco()
 
