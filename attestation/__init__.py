@@ -6,7 +6,10 @@
     dev          DevProvider / DevRoot: a software stand-in that PROVES NOTHING
     keys         WorkerKey (never logged or written out), report_data, recover_address
     measurement  code_measurement: sha256 of the measured code files and the run config CID
-    policy       Policy, verify_evidence, attest
+    policy       Policy, verify_evidence (the checks every provider shares), attest
+    verifier     EvidenceVerifier interface, the registry of one verifier per provider
+    tdx_verifier TdxVerifier: "tdx" evidence, through dcap-qvl
+    dev_verifier DevVerifier: "dev" evidence, which PROVES NOTHING
     providers    EvidenceProvider interface, open_provider("tdx" | "dev")
     report       signed round reports (EIP-712)
 """
@@ -31,6 +34,14 @@ from .measurement import DEFAULT_PACKAGES, code_manifest, code_measurement
 from .policy import Policy, attest, verify_evidence
 from .providers import EvidenceProvider, open_provider
 from .report import Domain, ReportError, RoundReport, SignedReport
+from .verifier import (
+    EvidenceVerifier,
+    Expected,
+    register_verifier,
+    registered_providers,
+    unregister_verifier,
+    verifier_for,
+)
 from .tdx import (
     DEFAULT_TSM_PATH,
     TdxProvider,
@@ -69,6 +80,12 @@ __all__ = [
     "Policy",
     "attest",
     "verify_evidence",
+    "EvidenceVerifier",
+    "Expected",
+    "register_verifier",
+    "registered_providers",
+    "unregister_verifier",
+    "verifier_for",
     "EvidenceProvider",
     "open_provider",
     "Domain",

@@ -29,7 +29,7 @@ from typing import Any
 from eth_account import Account
 
 from .errors import AttestationError, EvidenceError
-from .evidence import DEV_QE_VENDOR_ID, Evidence, Provider
+from .evidence import Evidence, Provider
 from .keys import SignatureError, recover_address
 from .tdx import TD_ATTRIBUTES_DEBUG, build_quote_v4
 
@@ -41,6 +41,8 @@ WARNING = (
     "development (Policy(allow_dev=True))."
 )
 
+# QE vendor id written into dev quotes, so a dev quote cannot pass as a TDX one.
+DEV_QE_VENDOR_ID = b"dilocox-dev-only"
 DEV_SIGNING_DOMAIN = b"dilocox/dev-quote/v1"
 ROOT_KEY_FILE = "dev-root.key"
 ROOT_ADDRESS_FILE = "dev-root.address"

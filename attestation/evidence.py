@@ -9,7 +9,9 @@ Its byte form is canonical JSON (storage_client.canonical_json), one byte string
     {"dev_signature":"<130 hex>","provider":"dev","quote":"<hex>","schema":"dilocox.evidence/v1"}
     {"provider":"tdx","quote":"<hex>","schema":"dilocox.evidence/v1"}
 
-Keys sorted, no whitespace, lowercase hex, `dev_signature` present exactly when provider is "dev".
+Keys sorted, no whitespace, lowercase hex, `dev_signature` present exactly when provider is "dev"
+(the verifier of a provider says whether it carries one: attestation.verifier). The provider's
+verifier checks the quote is well formed; this module reads no quote itself.
 The sha256 of these bytes is the `evidenceDigest` that WorkerRegistry records, and the bytes are
 kept in the store as a RAW object (so `Evidence.cid()` names them). `from_bytes` accepts only this
 exact form: anything else, including the same record re-serialised differently, is refused. It
@@ -42,12 +44,9 @@ class Provider(enum.StrEnum):
     DEV = "dev"  # a software stand-in that PROVES NOTHING
 
 
-PROVIDERS = tuple(p.value for p in Provider)
 MAX_EVIDENCE_BYTES = 4 << 20  # a quote is limited to 1 MiB, hex doubles it
 MAX_EVIDENCE_DEPTH = 2  # a flat object of strings; anything nested is refused before parsing
 DEV_SIGNATURE_SIZE = 65
-# QE vendor id written into dev quotes, so a dev quote cannot pass as a TDX one.
-DEV_QE_VENDOR_ID = b"dilocox-dev-only"
 _HEX = frozenset("0123456789abcdef")
 
 
@@ -75,47 +74,37 @@ def _refuse_duplicates(pairs: list[tuple[str, Any]]) -> dict[str, Any]:
     return out
 
 
+def check_dev_signature(evidence: Evidence, *, carried: bool) -> None:
+    """The record's ``dev_signature`` is there (65 bytes) exactly when its provider carries one."""
+    sig = evidence.dev_signature
+    if not carried:
+        if sig is not None:
+            raise EvidenceError(f"{evidence.provider} evidence must not carry a dev_signature")
+        return
+    if not isinstance(sig, bytes) or len(sig) != DEV_SIGNATURE_SIZE:
+        got = "none" if sig is None else (f"{len(sig)} bytes" if isinstance(sig, bytes) else type(sig).__name__)
+        raise EvidenceError(f"{evidence.provider} evidence needs a {DEV_SIGNATURE_SIZE}-byte dev_signature, got {got}")
+
+
 @dataclass(frozen=True)
 class Evidence:
     """One provider's evidence. Constructing it checks it is well formed (not that it is true)."""
 
-    provider: Provider
+    provider: str  # a Provider for the built-ins; any name with a registered verifier
     quote: bytes
     dev_signature: bytes | None = None
 
     def __post_init__(self) -> None:
-        from .tdx import parse_quote  # tdx builds Evidence too; import here to avoid a cycle
+        from .verifier import verifier_for  # the verifiers build Evidence too; import here to avoid a cycle
 
-        if self.provider not in PROVIDERS:
-            raise EvidenceError(f"unknown evidence provider {_shown(self.provider)}; known: {PROVIDERS}")
-        object.__setattr__(self, "provider", Provider(self.provider))
+        verifier = verifier_for(self.provider)
+        object.__setattr__(self, "provider", verifier.name)
         if not isinstance(self.quote, (bytes, bytearray)):
             raise EvidenceError(f"evidence quote must be bytes, not {type(self.quote).__name__}")
-        quote = parse_quote(bytes(self.quote))  # raises TdxQuoteError (an EvidenceError) by field
-        object.__setattr__(self, "quote", quote.raw)  # without padding after the signature data
-        if self.provider == Provider.DEV:
-            sig = self.dev_signature
-            if not isinstance(sig, (bytes, bytearray)) or len(sig) != DEV_SIGNATURE_SIZE:
-                got = "none" if sig is None else (
-                    f"{len(sig)} bytes" if isinstance(sig, (bytes, bytearray)) else type(sig).__name__
-                )
-                raise EvidenceError(
-                    f"dev evidence needs a {DEV_SIGNATURE_SIZE}-byte dev_signature, got {got}"
-                )
-            object.__setattr__(self, "dev_signature", bytes(sig))
-            if quote.qe_vendor_id != DEV_QE_VENDOR_ID:
-                raise EvidenceError(
-                    "dev evidence: QE vendor id at offset 12 is "
-                    f"{quote.qe_vendor_id.hex()}, expected the dev marker {DEV_QE_VENDOR_ID.hex()}"
-                )
-        else:
-            if self.dev_signature is not None:
-                raise EvidenceError("tdx evidence must not carry a dev_signature")
-            if quote.qe_vendor_id == DEV_QE_VENDOR_ID:
-                raise EvidenceError(
-                    "evidence labelled 'tdx' carries a dev-provider quote (QE vendor id "
-                    f"{DEV_QE_VENDOR_ID!r}); dev quotes prove nothing and must say so"
-                )
+        if isinstance(self.dev_signature, bytearray):
+            object.__setattr__(self, "dev_signature", bytes(self.dev_signature))
+        # the provider's verifier parses the quote, refusing it by field, and drops its padding
+        object.__setattr__(self, "quote", verifier.canonical_quote(self))
 
     def to_bytes(self) -> bytes:
         """The canonical byte form (module docstring); its sha256 is the on-chain evidenceDigest."""
@@ -127,6 +116,8 @@ class Evidence:
     @classmethod
     def from_bytes(cls, data: bytes) -> Evidence:
         """Parse untrusted bytes; refuse anything that is not exactly the canonical form."""
+        from .verifier import verifier_for
+
         if not isinstance(data, (bytes, bytearray, memoryview)):
             raise EvidenceError(f"evidence must be bytes, not {type(data).__name__}")
         data = bytes(data)
@@ -144,10 +135,9 @@ class Evidence:
             raise EvidenceError(f"evidence must be a JSON object, not {type(obj).__name__}")
         if obj.get("schema") != SCHEMA:
             raise EvidenceError(f"evidence schema is {_shown(obj.get('schema'))}, expected {SCHEMA!r}")
-        if obj.get("provider") not in PROVIDERS:
-            raise EvidenceError(f"unknown evidence provider {_shown(obj.get('provider'))}; known: {PROVIDERS}")
-        provider = Provider(obj["provider"])
-        expected = {"schema", "provider", "quote"} | ({"dev_signature"} if provider == Provider.DEV else set())
+        verifier = verifier_for(obj.get("provider"))
+        provider, signed = verifier.name, verifier.carries_dev_signature
+        expected = {"schema", "provider", "quote"} | ({"dev_signature"} if signed else set())
         if set(obj) != expected:
             missing = sorted(expected - set(obj))
             extra = sorted(set(obj) - expected)
@@ -158,7 +148,7 @@ class Evidence:
         evidence = cls(
             provider=provider,
             quote=_hex_field(obj, "quote"),
-            dev_signature=_hex_field(obj, "dev_signature") if provider == Provider.DEV else None,
+            dev_signature=_hex_field(obj, "dev_signature") if signed else None,
         )
         if len(evidence.quote) * 2 != len(obj["quote"]):
             raise EvidenceError(
@@ -181,7 +171,9 @@ class Evidence:
         return CID.of(self.to_bytes(), Codec.RAW)
 
     def __repr__(self) -> str:
-        note = ", DEV: PROVES NOTHING" if self.provider == Provider.DEV else ""
+        from .verifier import verifier_for
+
+        note = f", {self.provider.upper()}: PROVES NOTHING" if verifier_for(self.provider).proves_nothing else ""
         return f"Evidence(provider={self.provider!r}, quote={len(self.quote)} bytes{note})"
 
 
@@ -199,22 +191,18 @@ class VerifiedEvidence:
                   "dev_root" and "evidence": "DEV: PROVES NOTHING"; for tdx "tcb_status",
                   "advisory_ids", "collateral", "collateral_next_update" and "verified_at"
     warnings      what a reader should know about how much this proves (dev: its WARNING)
+    label         how to show this evidence, said by its provider's verifier: dev evidence never
+                  reads as anything but "DEV evidence: PROVES NOTHING"
     """
 
-    provider: Provider
+    provider: str
     measurement: bytes
     report_data: bytes
     debug: bool
     proves_nothing: bool
+    label: str
     details: dict[str, str] = field(default_factory=dict)
     warnings: tuple[str, ...] = ()
-
-    @property
-    def label(self) -> str:
-        """How to show this evidence: dev evidence never reads as anything but DEV."""
-        if self.provider == Provider.DEV:
-            return "DEV evidence: PROVES NOTHING"
-        return f"{self.provider} quote verified by dcap-qvl (TCB {self.details.get('tcb_status', '?')})"
 
     def __repr__(self) -> str:
         return (f"VerifiedEvidence({self.label}, measurement={self.measurement.hex()}, "

@@ -6,10 +6,12 @@
 The verifier computes `code_measurement` itself (the coordinator: `code_measurement(config_cid)`
 over its own code); nothing here takes it, or any other expected value, from the evidence.
 
-Checks, in order; the first that fails raises PolicyViolation naming it:
+Checks, in order; the first that fails raises PolicyViolation naming it. `provider` and the last
+three are the checks every provider shares, made here; the others are made by the verifier
+registered for the evidence's provider (attestation.verifier: tdx_verifier, dev_verifier):
 
     format       the bytes parse as Evidence (only when bytes are passed)
-    provider     dev evidence only with allow_dev=True
+    provider     evidence of a provider that proves nothing (dev) only with allow_dev=True
     signature    dev: the signature recovers to one of dev_roots
     dcap         tdx: always. dcap-qvl verifies the quote's signature chain against the collateral
                  `policy.dcap` names, at `now`, and its TCB status must be allowed
@@ -33,14 +35,12 @@ import logging
 from dataclasses import dataclass, field
 from typing import Any
 
-from .dcap import DcapSettings, dcap_verify
-from .dev import WARNING as DEV_WARNING
-from .dev import recover_dev_signer
+from .dcap import DcapSettings
 from .errors import EvidenceError, PolicyViolation
-from .evidence import Evidence, Provider, VerifiedEvidence
+from .evidence import Evidence, VerifiedEvidence
 from .keys import WorkerKey, checksum_address, report_data
 from .providers import EvidenceProvider
-from .tdx import TdxQuote, measurement_of, parse_quote
+from .verifier import EvidenceVerifier, Expected, verifier_for
 
 log = logging.getLogger("dilocox.attestation")
 
@@ -85,45 +85,34 @@ class Policy:
         return cls(allow_dev=True, dev_roots=frozenset(dev_roots), **kwargs)
 
 
-def _verify_dev(evidence: Evidence, quote: TdxQuote, policy: Policy, details: dict[str, str]) -> None:
-    """Dev evidence: allowed by the policy, signed by a trusted dev root, and self-consistent."""
-    if not policy.allow_dev:
+def _refuse_unless_allowed(verifier: EvidenceVerifier, policy: Policy) -> None:
+    """A provider that proves nothing only with allow_dev, before its verifier reads anything."""
+    if verifier.proves_nothing and not policy.allow_dev:
         raise PolicyViolation(
             "provider",
-            "evidence comes from the 'dev' provider, which PROVES NOTHING, and this policy "
+            f"evidence comes from the {str(verifier.name)!r} provider, which PROVES NOTHING, and this policy "
             "does not allow it (allow_dev=False)",
         )
-    if not policy.dev_roots:
-        raise PolicyViolation("signature", "dev evidence, but the policy trusts no dev roots")
-    try:
-        signer = recover_dev_signer(evidence)
-    except EvidenceError as exc:
-        raise PolicyViolation("signature", str(exc)) from None
-    if signer not in policy.dev_roots:
-        raise PolicyViolation(
-            "signature",
-            f"dev evidence is signed by {signer}, which is not a trusted dev root "
-            f"({', '.join(sorted(policy.dev_roots))})",
-        )
-    if quote.mrtd != quote.report_data[32:64] + bytes(16) or any(r != bytes(48) for r in quote.rtmrs):
-        raise PolicyViolation(
-            "consistency",
-            "dev quote's MRTD is not REPORTDATA[32:64] padded with zeros, or its RTMRs are not zero",
-        )
-    details["dev_root"] = signer
-    details["evidence"] = "DEV: PROVES NOTHING"
 
 
-def _verify_tdx(quote: TdxQuote, policy: Policy, details: dict[str, str], now: int | None) -> bytes:
-    """TDX evidence: dcap-qvl verifies the quote's signature chain and TCB (PolicyViolation("dcap")
-    on failure); returns the hardware measurement."""
-    result = dcap_verify(quote.raw, policy.dcap, now=now)
-    details["tcb_status"] = result.status
-    details["advisory_ids"] = ",".join(result.advisory_ids)
-    details["collateral"] = result.collateral_source
-    details["collateral_next_update"] = str(result.collateral_window.next_update)
-    details["verified_at"] = str(result.verified_at)
-    return measurement_of(quote)
+def _check_claim(claim: VerifiedEvidence, expected_report_data: bytes, policy: Policy) -> None:
+    """The checks every provider's claim must pass: REPORTDATA, debug, the allowlist."""
+    if claim.report_data != expected_report_data:
+        raise PolicyViolation(
+            "report_data",
+            f"REPORTDATA is {claim.report_data.hex()}, expected {expected_report_data.hex()} "
+            "(wrong worker key, run, nonce or code measurement)",
+        )
+    if claim.debug and not policy.allow_debug:
+        raise PolicyViolation(
+            "debug",
+            "the TD was launched with TUD.DEBUG (its memory is readable by the host) and the "
+            "policy does not allow debug TDs (allow_debug=False)",
+        )
+    if policy.allowed_measurements is not None and claim.measurement not in policy.allowed_measurements:
+        raise PolicyViolation(
+            "measurement", f"measurement {claim.measurement.hex()} is not in the policy's allowlist"
+        )
 
 
 def verify_evidence(
@@ -150,49 +139,13 @@ def verify_evidence(
         except EvidenceError as exc:
             raise PolicyViolation("format", str(exc)) from None
 
-    quote = parse_quote(evidence.quote)
-    details = quote.details()
-    if evidence.provider == Provider.DEV:
-        _verify_dev(evidence, quote, policy, details)
-        measurement = expected_report_data[32:64]  # the verifier's own code measurement
-        proves_nothing, warnings = True, [DEV_WARNING]
-    else:
-        measurement = _verify_tdx(quote, policy, details, now)
-        proves_nothing, warnings = False, []
-
-    if quote.report_data != expected_report_data:
-        raise PolicyViolation(
-            "report_data",
-            f"REPORTDATA is {quote.report_data.hex()}, expected {expected_report_data.hex()} "
-            "(wrong worker key, run, nonce or code measurement)",
-        )
-    if quote.debug and not policy.allow_debug:
-        raise PolicyViolation(
-            "debug",
-            "the TD was launched with TUD.DEBUG (its memory is readable by the host) and the "
-            "policy does not allow debug TDs (allow_debug=False)",
-        )
-    if policy.allowed_measurements is not None and measurement not in policy.allowed_measurements:
-        raise PolicyViolation(
-            "measurement", f"measurement {measurement.hex()} is not in the policy's allowlist"
-        )
-
-    if not log_acceptance:
-        pass
-    elif proves_nothing:
-        log.warning("accepted DEV evidence, which PROVES NOTHING: %s", DEV_WARNING)
-    else:
-        log.info("accepted tdx evidence: dcap-qvl verified the quote (TCB %s, %s)",
-                 details["tcb_status"], details["collateral"])
-    return VerifiedEvidence(
-        provider=evidence.provider,
-        measurement=measurement,
-        report_data=quote.report_data,
-        debug=quote.debug,
-        proves_nothing=proves_nothing,
-        details=details,
-        warnings=tuple(warnings),
-    )
+    verifier = verifier_for(evidence.provider)
+    _refuse_unless_allowed(verifier, policy)
+    claim = verifier.verify(evidence, Expected(expected_report_data, now), policy)
+    _check_claim(claim, expected_report_data, policy)
+    if log_acceptance:
+        (log.warning if claim.proves_nothing else log.info)(verifier.acceptance(claim))
+    return claim
 
 
 def attest(

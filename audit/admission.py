@@ -15,8 +15,9 @@ The code measurement is never taken from the evidence (a quote's own REPORTDATA[
 only be compared with itself). It is the record's ``code_measurement``: the value the coordinator
 computed with its own code, required of the worker, and committed on chain with the record's
 digest. For dev evidence it must also equal the recorded (and on-chain) measurement, which for
-dev *is* the code measurement; a v1 record, which has no ``code_measurement``, is read for dev
-evidence with the recorded measurement in its place and refused for tdx. When the auditor knows
+dev *is* the code measurement (its verifier ``measures_code``: attestation.verifier); a v1 record,
+which has no ``code_measurement``, is read for dev evidence with the recorded measurement in its
+place and refused for tdx. When the auditor knows
 which code measurements to expect (for instance ``code_measurement(config_cid)`` over the code it
 audits), it passes them as ``code_measurements`` and the record's must be one of them.
 """
@@ -27,13 +28,13 @@ from collections.abc import Collection
 from dataclasses import dataclass, field
 
 from attestation import (
-    Provider,
     Evidence,
     EvidenceError,
     Policy,
     PolicyViolation,
     checksum_address,
     report_data,
+    verifier_for,
     verify_evidence,
 )
 from attestation.admission import (
@@ -194,8 +195,9 @@ def _code_measurement(record: _Record, evidence: Evidence, obj_name: str, worker
     if record.provider != evidence.provider:
         result.fail(obj_name, "admission-record",
                     f"the record says provider {record.provider!r}, the evidence is {evidence.provider!r}")
+    measures_code = verifier_for(evidence.provider).measures_code  # dev: its measurement is the code's
     if record.code is None:  # a v1 record
-        if evidence.provider != Provider.DEV:
+        if not measures_code:
             result.fail(obj_name, "admission-record",
                         f"the {ADMISSION_SCHEMA_V1} record of {worker} does not say which code measurement the "
                         f"coordinator required, and the quote's own REPORTDATA[32:64] proves nothing")
@@ -203,9 +205,9 @@ def _code_measurement(record: _Record, evidence: Evidence, obj_name: str, worker
         code = record.measurement
     else:
         code = record.code
-        if evidence.provider == Provider.DEV and code != record.measurement:
+        if measures_code and code != record.measurement:
             result.fail(obj_name, "admission-record",
-                        f"the record's code measurement 0x{code.hex()} is not its dev measurement "
+                        f"the record's code measurement 0x{code.hex()} is not its {evidence.provider} measurement "
                         f"0x{record.measurement.hex()}")
     if code_measurements is not None and code not in {bytes(c) for c in code_measurements}:
         result.fail(obj_name, "admission-record",

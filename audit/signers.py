@@ -13,7 +13,7 @@ from __future__ import annotations
 
 from collections import defaultdict
 
-from attestation import Policy, Provider, checksum_address
+from attestation import Policy, checksum_address
 from settlement import Ledger, Registry
 from settlement.records import Admission, MeasurementChange, Revocation
 
@@ -51,9 +51,10 @@ class Signers:
 
     @property
     def dev_admitted(self) -> list[str]:
-        """The signers admitted on dev evidence that the policy accepted, in the order first met."""
+        """The signers admitted on evidence that proves nothing (dev) that the policy accepted, in the
+        order first met."""
         return list(dict.fromkeys(worker for (worker, _), (_, c) in self._admission_checks.items()
-                                  if c.provider == Provider.DEV and c.ok))
+                                  if c.proves_nothing and c.ok))
 
     def check(self, run_id: bytes, r: int, label: str, worker: str, block: int) -> None:
         """``worker``, who signed report ``label`` of round r, recorded at ``block``, was admitted, not

@@ -29,7 +29,6 @@ from dataclasses import dataclass, field
 from typing import Callable
 
 from attestation import (
-    Provider,
     Evidence, EvidenceError, Policy, PolicyViolation, ReportError, SignatureError, SignedReport,
     checksum_address, recover_address, report_data, verify_evidence,
 )
@@ -145,7 +144,7 @@ class TrustGate:
         except ChainError as exc:
             raise Refusal(Reason.CHAIN_UNAVAILABLE,
                           f"worker {worker_id!r} cannot be admitted now: {exc}") from exc
-        note = (" (DEV evidence: PROVES NOTHING)" if verified.provider == Provider.DEV
+        note = (f" ({verified.provider.upper()} evidence: PROVES NOTHING)" if verified.proves_nothing
                 else f" ({verified.provider} evidence)")
         log.info("worker %s admitted as %s, measurement 0x%s, record %s%s", worker_id, address,
                  verified.measurement.hex()[:16], record, note)
