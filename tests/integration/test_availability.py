@@ -16,6 +16,7 @@ whole run, and the ledger must still record every round with both honest workers
 
 from __future__ import annotations
 
+import re
 import time
 from pathlib import Path
 
@@ -64,6 +65,9 @@ def rate_of(windows: list[Window]) -> float:
 def no_traceback(cluster: LocalCluster) -> None:
     for name in ("coordinator", "w0", "w1"):
         assert "Traceback" not in cluster.log(name, tail=100_000), cluster.log(name)
+    # Nothing an attacker did is an internal error of the coordinator (calls.CallGate.call's "failed").
+    internal = re.findall(r"\w+(?:/\w+)? failed: .*", cluster.log("coordinator", tail=100_000))
+    assert not internal, internal[:3]
 
 
 def next_round(cluster: LocalCluster, what: str) -> None:

@@ -23,7 +23,8 @@ Only then does a call take a thread, from one of three pools so that no kind of 
 another's: ``WORKERS`` (calls of authenticated workers: heartbeats, reports, the checks of a fetch
 or a push), ``HEAVY`` (verifying a Join's evidence, decoding and storing a push) and ``PUBLIC``
 (Status and Challenge, which anyone may call). ``CallGate.call`` turns what went wrong into a
-status code (a trainer.refusal.Refusal by ``STATUS_OF``) and at most one line of the one
+status code (a trainer.refusal.Refusal by ``STATUS_OF``; a caller gone mid-call, ``PeerGone``,
+is CANCELLED) and at most one line of the one
 per-party log budget (trainer.limits.LogBudget); a bug is INTERNAL, its traceback only at debug.
 """
 
@@ -72,6 +73,10 @@ STATUS_OF: dict[Reason, grpc.StatusCode] = {
     Reason.ID_HELD: _CODE.ALREADY_EXISTS, Reason.REGISTRY_FULL: _CODE.RESOURCE_EXHAUSTED,
     Reason.CHAIN_UNAVAILABLE: _CODE.UNAVAILABLE,
 }
+
+
+class PeerGone(Exception):
+    """The caller went away mid-call (it cancelled, or its connection closed): nothing to answer."""
 
 
 class _Malformed:
@@ -162,6 +167,9 @@ class CallGate:
         except Stalled as exc:
             self.budget.warning("stalled", "%s from %s ended: %s", rpc, party, exc, party=party)
             code, message = grpc.StatusCode.DEADLINE_EXCEEDED, str(exc)
+        except PeerGone as exc:
+            self.budget.warning("gone", "%s from %s ended: %s", rpc, party, exc, party=party)
+            code, message = grpc.StatusCode.CANCELLED, str(exc)
         except OSError as exc:  # the store's disk is full or failing: the caller may retry later
             self.budget.warning("storage", "%s failed to store: %s", rpc, clip(exc, 200))
             code, message = grpc.StatusCode.UNAVAILABLE, "the coordinator cannot store data right now; retry later"
@@ -180,6 +188,8 @@ class CallGate:
             message = await asyncio.wait_for(context.read(), allowance)
         except asyncio.TimeoutError:
             raise Stalled(f"the {what} message did not arrive within {allowance:.0f}s") from None
+        except Exception as exc:  # the transport's error: the caller is gone
+            raise PeerGone(f"the caller went away before its {what} message ({type(exc).__name__})") from None
         if message is grpc.aio.EOF:
             raise FieldError(f"the call carried no {what} message")
         if message is MALFORMED:
@@ -200,6 +210,8 @@ class CallGate:
             message = await asyncio.wait_for(context.read(), allowance)
         except asyncio.TimeoutError:
             raise Stalled(f"cut: {pace.describe(loop.time())}") from None
+        except Exception as exc:  # the transport's error: the caller is gone
+            raise PeerGone(f"the caller went away mid-stream ({type(exc).__name__})") from None
         if message is not grpc.aio.EOF and message is not MALFORMED:
             pace.moved(message.ByteSize(), loop.time())
         return message
@@ -214,6 +226,8 @@ class CallGate:
             await asyncio.wait_for(context.write(message), allowance)
         except asyncio.TimeoutError:
             raise Stalled(f"cut: {pace.describe(loop.time())}") from None
+        except Exception as exc:  # the transport's error: the caller is gone
+            raise PeerGone(f"the caller went away mid-stream ({type(exc).__name__})") from None
         pace.moved(message.ByteSize(), loop.time())
 
     def worker(self, context: grpc.aio.ServicerContext, claimed: str | None = None) -> str:
