@@ -39,6 +39,7 @@ from typing import Callable, Sequence
 
 from rich.logging import RichHandler
 
+from storage_client import DilocoxError
 from trainer.progress import PLAIN_LOG_FORMAT, use_console
 
 # Blocks a recorded round waits before its rewards can be claimed (about a day of 12 s blocks): time
@@ -633,7 +634,7 @@ def parser(argv: Sequence[str] = ()) -> argparse.ArgumentParser:
 LOGGED_PROGRESS = ("worker", "coordinator")
 
 
-class UsageError(ValueError):
+class UsageError(DilocoxError, ValueError):
     """Command-line arguments that cannot work together or are out of range (exit status 2)."""
 
 
@@ -755,23 +756,11 @@ def main(argv: list[str] | None = None) -> int:
         logging.getLogger("dilocox").error("interrupted (SIGINT): stopped, cleaned up, exiting")
         return 130
     except Exception as exc:  # one clear line for expected failures; the traceback with -v
-        from attestation import AttestationError, PolicyViolation
-        from settlement.anvil import AnvilError
-        from settlement.chain import ChainError
-        from storage_client import StoreError
-        from trainer.config import ConfigError, SettingError
-        from trainer.data import CorpusError
-        from trainer.tls import TlsError
-        from trainer.wire import WireError
+        from trainer.config import SettingError
 
-        known = (ConfigError, CorpusError, StoreError, OSError, AttestationError, PolicyViolation, TlsError,
-                 WireError, ValueError, ChainError, AnvilError)
-        try:
-            from trainer.worker import WorkerError
-            known += (WorkerError,)
-        except ImportError:
-            pass
-        if isinstance(exc, known) and not args.verbose:
+        # DilocoxError is every error of the product's own; OSError and ValueError are the standard
+        # library's refusals of what the user gave (a missing file, a port in use, a bad number).
+        if isinstance(exc, (DilocoxError, OSError, ValueError)) and not args.verbose:
             text = " ".join(str(exc).split()) or type(exc).__name__  # one line, whatever the message holds
             logging.getLogger("dilocox").error("%s: %s", type(exc).__name__, text)
             return 2 if isinstance(exc, (UsageError, SettingError)) else 1

@@ -20,7 +20,7 @@ from dataclasses import dataclass, field, fields
 from pathlib import Path
 from typing import Any, Sequence, TypeVar, get_type_hints
 
-from storage_client import CID, Codec, InvalidCIDError, canonical_json, digest_json, strict_json
+from storage_client import CID, Codec, DilocoxError, InvalidCIDError, canonical_json, digest_json, strict_json
 from trainer.compression import CODEC_LOWRANK, CompressionConfig
 
 SCHEMA = "dilocox.config/v1"
@@ -357,7 +357,7 @@ class RunConfig:
         Path(path).write_text(strict_json(self.to_json(), indent=2, sort_keys=True) + "\n")
 
 
-class ConfigError(ValueError):
+class ConfigError(DilocoxError, ValueError):
     """A configuration that cannot be used, with the field that is wrong."""
 
 
