@@ -7,6 +7,11 @@ because they do not change the numbers a run produces.
 
 Canonical JSON refuses floats (their text forms differ across languages), so float fields travel
 as their shortest round-trip decimal strings (``repr``): ``0.0004`` becomes ``"0.0004"``.
+
+Each field is described once, where it is declared (trainer.config_fields): its choices by a
+``Literal`` type, its help and accepted range in its metadata. The checks of each field on its own,
+the reading of ``--set`` values and the field list of ``dilocox config --help`` are derived from the
+declarations; ``_validate`` adds the relations between fields.
 """
 
 from __future__ import annotations
