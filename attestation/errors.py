@@ -8,12 +8,14 @@
 
 from __future__ import annotations
 
+from storage_client import DilocoxError
+
 
 class EvidenceError(ValueError):
     """Raised when evidence bytes (a quote, a serialised Evidence record) are malformed."""
 
 
-class AttestationError(RuntimeError):
+class AttestationError(DilocoxError, RuntimeError):
     """Raised when a provider fails to produce evidence."""
 
 
@@ -21,7 +23,7 @@ class AttestationUnavailable(AttestationError):
     """Raised when the requested provider does not exist on this machine."""
 
 
-class PolicyViolation(Exception):
+class PolicyViolation(DilocoxError):
     """Raised when verification refuses evidence; `check` names the check that failed.
 
     Checks: "format", "provider", "signature", "dcap", "consistency", "report_data",

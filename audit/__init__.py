@@ -1,7 +1,7 @@
 """Lineage audit: re-verify a run from the ledger and the store alone (``dilocox audit``).
 
-    core       run_audit(store, ledger, registry, *, run_id, policy, rederive) -> AuditResult;
-               the list of checks is in its docstring, and which module makes each
+    core       run_audit(store, ledger, registry, *, run_id, policy, rederive) -> AuditResult
+    checks     AuditCheck: every check by name, what it checks, and which module makes it
     result     AuditResult (ok, failures, rounds, warnings, to_json), Failure, RoundRow
     findings   the failures and warnings being collected, and the store read through them
     lineage    genesis, manifests, parent links and checkpoints; what the store holds past the ledger
@@ -17,9 +17,10 @@
 
 from typing import Any
 
+from .checks import AuditCheck
 from .result import AuditResult, Failure, RoundRow
 
-__all__ = ["AuditResult", "Failure", "RoundRow", "run_audit"]
+__all__ = ["AuditCheck", "AuditResult", "Failure", "RoundRow", "run_audit"]
 
 
 def __getattr__(name: str) -> Any:

@@ -55,6 +55,8 @@ from storage_client import (
     StoreError,
 )
 
+from .checks import AuditCheck
+
 _KEYS_BY_SCHEMA = {ADMISSION_SCHEMA: RECORD_KEYS, ADMISSION_SCHEMA_V1: RECORD_KEYS_V1}
 
 
@@ -63,7 +65,7 @@ class AdmissionCheck:
     """What checking one admission found: failures as (object, check, message), and notes."""
 
     record: str
-    failures: list[tuple[str, str, str]] = field(default_factory=list)
+    failures: list[tuple[str, AuditCheck, str]] = field(default_factory=list)
     warnings: list[str] = field(default_factory=list)
     provider: str | None = None
     proves_nothing: bool = False
@@ -72,7 +74,7 @@ class AdmissionCheck:
     def ok(self) -> bool:
         return not self.failures
 
-    def fail(self, obj: str, check: str, message: str) -> None:
+    def fail(self, obj: str, check: AuditCheck, message: str) -> None:
         self.failures.append((obj, check, message))
 
 
@@ -118,25 +120,25 @@ def _read_record(store: ObjectStore, record_cid: CID, worker: str, evidence_dige
     try:
         record = store.get_json(record_cid)
     except MissingObjectError:
-        result.fail(obj_name, "admission-record",
+        result.fail(obj_name, AuditCheck.ADMISSION_RECORD,
                     f"the admission record of {worker} (evidenceDigest 0x{evidence_digest.hex()}) is not in the store")
         return None
     except CorruptObjectError as exc:
-        result.fail(obj_name, "admission-record", f"the admission record of {worker} is corrupt: {exc}")
+        result.fail(obj_name, AuditCheck.ADMISSION_RECORD, f"the admission record of {worker} is corrupt: {exc}")
         return None
     except StoreError as exc:
-        result.fail(obj_name, "admission-record", f"the admission record of {worker} is unreadable: {exc}")
+        result.fail(obj_name, AuditCheck.ADMISSION_RECORD, f"the admission record of {worker} is unreadable: {exc}")
         return None
 
     schema = record.get("schema") if isinstance(record, dict) else None
     if not isinstance(schema, str) or schema not in _KEYS_BY_SCHEMA:
         schema = schema if isinstance(record, dict) else type(record).__name__
-        result.fail(obj_name, "admission-record",
+        result.fail(obj_name, AuditCheck.ADMISSION_RECORD,
                     f"not an admission record: schema {str(schema)[:60]!r}, expected {ADMISSION_SCHEMA!r}")
         return None
     expected_keys = _KEYS_BY_SCHEMA[record["schema"]]
     if set(record) != expected_keys:
-        result.fail(obj_name, "admission-record",
+        result.fail(obj_name, AuditCheck.ADMISSION_RECORD,
                     f"not a {record['schema']} record: keys {sorted(str(k)[:40] for k in record)[:12]}, "
                     f"expected {sorted(expected_keys)}")
         return None
@@ -147,7 +149,7 @@ def _read_record(store: ObjectStore, record_cid: CID, worker: str, evidence_dige
                        run_id=field["run_id"], nonce=field["nonce"], measurement=field["measurement"],
                        code=field.get("code_measurement"), evidence=CID.parse(record["evidence"]))
     except (KeyError, ValueError, TypeError, InvalidCIDError) as exc:
-        result.fail(obj_name, "admission-record", f"malformed admission record: {exc}")
+        result.fail(obj_name, AuditCheck.ADMISSION_RECORD, f"malformed admission record: {exc}")
         return None
 
 
@@ -156,17 +158,17 @@ def _matches_chain(obj_name: str, record: _Record, worker: str, measurement: byt
     """The record names the worker and the measurement the chain admitted; a record of another run
     is a warning. False when its evidence is not a RAW object, so there is no evidence to read."""
     if record.worker != worker:
-        result.fail(obj_name, "admission-record",
+        result.fail(obj_name, AuditCheck.ADMISSION_RECORD,
                     f"the record names worker {record.worker}, but the chain admitted {worker} with it")
     if record.measurement != measurement:
-        result.fail(obj_name, "admission-record",
+        result.fail(obj_name, AuditCheck.ADMISSION_RECORD,
                     f"the record says measurement 0x{record.measurement.hex()}, the chain 0x{measurement.hex()}")
     if record.run_id != run_id:
         result.warnings.append(
             f"worker {worker} was admitted with evidence for run 0x{record.run_id.hex()}, not the audited run "
             f"0x{run_id.hex()} (its key was active already; the registry is shared between runs)")
     if record.evidence.codec != Codec.RAW:
-        result.fail(obj_name, "admission-record", f"evidence CID {record.evidence} is not a RAW object")
+        result.fail(obj_name, AuditCheck.ADMISSION_RECORD, f"evidence CID {record.evidence} is not a RAW object")
         return False
     return True
 
@@ -176,15 +178,15 @@ def _read_evidence(store: ObjectStore, evidence_cid: CID, worker: str, result: A
     try:
         evidence_bytes = store.get(evidence_cid)
     except MissingObjectError:
-        result.fail(str(evidence_cid), "evidence", f"the evidence of {worker} is not in the store")
+        result.fail(str(evidence_cid), AuditCheck.EVIDENCE, f"the evidence of {worker} is not in the store")
         return None
     except CorruptObjectError as exc:
-        result.fail(str(evidence_cid), "evidence", f"the evidence of {worker} is corrupt: {exc}")
+        result.fail(str(evidence_cid), AuditCheck.EVIDENCE, f"the evidence of {worker} is corrupt: {exc}")
         return None
     try:
         return Evidence.from_bytes(evidence_bytes)
     except EvidenceError as exc:
-        result.fail(str(evidence_cid), "evidence", f"the evidence of {worker} is malformed: {exc}")
+        result.fail(str(evidence_cid), AuditCheck.EVIDENCE, f"the evidence of {worker} is malformed: {exc}")
         return None
 
 
@@ -193,12 +195,12 @@ def _code_measurement(record: _Record, evidence: Evidence, obj_name: str, worker
     """The code measurement the evidence's REPORTDATA must bind (module docstring), after checking
     that the record agrees with the evidence and the auditor; None when a v1 record cannot say it."""
     if record.provider != evidence.provider:
-        result.fail(obj_name, "admission-record",
+        result.fail(obj_name, AuditCheck.ADMISSION_RECORD,
                     f"the record says provider {record.provider!r}, the evidence is {evidence.provider!r}")
     measures_code = verifier_for(evidence.provider).measures_code  # dev: its measurement is the code's
     if record.code is None:  # a v1 record
         if not measures_code:
-            result.fail(obj_name, "admission-record",
+            result.fail(obj_name, AuditCheck.ADMISSION_RECORD,
                         f"the {ADMISSION_SCHEMA_V1} record of {worker} does not say which code measurement the "
                         f"coordinator required, and the quote's own REPORTDATA[32:64] proves nothing")
             return None
@@ -206,11 +208,11 @@ def _code_measurement(record: _Record, evidence: Evidence, obj_name: str, worker
     else:
         code = record.code
         if measures_code and code != record.measurement:
-            result.fail(obj_name, "admission-record",
+            result.fail(obj_name, AuditCheck.ADMISSION_RECORD,
                         f"the record's code measurement 0x{code.hex()} is not its {evidence.provider} measurement "
                         f"0x{record.measurement.hex()}")
     if code_measurements is not None and code not in {bytes(c) for c in code_measurements}:
-        result.fail(obj_name, "admission-record",
+        result.fail(obj_name, AuditCheck.ADMISSION_RECORD,
                     f"the record's code measurement 0x{code.hex()} is not one the auditor expects "
                     f"({', '.join('0x' + bytes(c).hex()[:16] + '…' for c in code_measurements) or 'none'})")
     return code
@@ -226,13 +228,13 @@ def _verify(evidence: Evidence, record: _Record, code: bytes, worker: str, measu
         verified = verify_evidence(evidence, expected_report_data=expected, policy=policy, log_acceptance=False)
     except PolicyViolation as exc:
         hint = " (pass --allow-dev to accept dev evidence, which proves nothing)" if exc.check == "provider" else ""
-        result.fail(evidence_name, "evidence", f"evidence of {worker} refused by the policy: {exc}{hint}")
+        result.fail(evidence_name, AuditCheck.EVIDENCE, f"evidence of {worker} refused by the policy: {exc}{hint}")
         return
     except (ValueError, EvidenceError) as exc:
-        result.fail(evidence_name, "evidence", f"evidence of {worker} cannot be verified: {exc}")
+        result.fail(evidence_name, AuditCheck.EVIDENCE, f"evidence of {worker} cannot be verified: {exc}")
         return
     if verified.measurement != measurement:
-        result.fail(evidence_name, "evidence",
+        result.fail(evidence_name, AuditCheck.EVIDENCE,
                     f"the evidence measures 0x{verified.measurement.hex()}, but {worker} was admitted with "
                     f"0x{measurement.hex()}")
     result.proves_nothing = verified.proves_nothing  # said once for the run by the audit (audit.core)

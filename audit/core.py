@@ -5,79 +5,7 @@ point is on chain, and every object is re-hashed from the store. Each failed che
 ``Failure(round, object, check, message)``; the audit goes on after a failure, so one run shows
 every problem at once.
 
-Checks, by name:
-
-  run                   the ledger knows the run (found by id, or the one run whose genesis is here)
-  registry              the ledger consults the registry being audited
-  run-id                runId is the digest of the genesis manifest (docs/trust.md)
-  object                a named object is in the store and re-hashes to its CID (a round's params and
-                        outer state only where it keeps a full checkpoint: genesis, every
-                        rounds.checkpoint_every rounds and the last; trainer.checkpoints)
-  update-record         each participant's update record and the pushed payloads and codec headers it
-                        names fit the model, stage by stage (trainer.update_record)
-  manifest              a manifest parses (schema, fields, sorted participants and traffic,
-                        traffic sums equal to bytes_up / bytes_down, no downlink at genesis)
-  genesis               the genesis manifest is round 0 without a parent
-  genesis-checkpoint    the chain's genesis checkpoint is the sha256 of θ⁽⁰⁾'s bytes; θ⁽⁰⁾ is the config's
-                        model.init_params when it pins existing weights (trainer.init_weights)
-  config                the chain's configDigest is the config's CID; every round names that config
-                        and the genesis run id; the config parses
-  rounds                the ledger's rounds are 1..lastRound, each once, in order
-  ledger                the ledger's roundCommitment of each round equals its RoundRecorded event's and
-                        the hash of the facts recorded (block, workers, tokens, checkpoint, manifest),
-                        and the recording transactions can be decoded
-  manifest-round        manifest.round is the round it was recorded as
-  parent                manifest.parent is the CID of the previous round's (recorded) manifest
-  inner-steps           every participant's inner_steps and tokens are the round's H_r and H_r·batch·block,
-                        H_r re-derived from round r−2's stored downlink header (trainer.schedule)
-  checkpoint            the round's on-chain checkpoint is the sha256 of the manifest's params
-  parent-checkpoint     the round's on-chain parent is the previous round's params digest
-  rederive              Δ = the stored updates (decoded from the pushed bytes), clipped (threshold over their norms and the previous K
-                        rounds' ρ̃) and averaged by the config's rule (trainer.aggregation.aggregate),
-                        outer_step from the parent's params and momentum (stored, or re-derived
-                        and checked in the parent's own round when it keeps none), and with a
-                        compressed downlink θ = θ_parent − decompress(C) with the carried error
-                        (audit.rederive): the bytes hash to the manifest's params and outer_state
-                        (genesis momentum is zero); a downlink object is present exactly when the
-                        config compresses
-  report-count          the workers the event credits are the signers of the call's reports, and the
-                        call carried as many unreported updates as the event says
-  report-signature      the EIP-712 signature recovers to report.worker (this chain, this ledger)
-  report-binding        report runId / round / parentCheckpoint / checkpoint / manifestDigest are the
-                        round's
-  report-participant    report.updateDigest is the update CID of one manifest participant
-  report-duplicate      one report per worker, one per participant
-  report-fields         trainLossE6, tokens, innerSteps, bytesSent, bytesReceived equal the
-                        participant entry (attestation.report.manifest_claims)
-  report-eval-loss      evalLossE6 equals the manifest's eval_loss_e6 (likewise)
-  data-digest           dataDigest is the digest of the shard the participant trained on, from the
-                        run's config and corpus, or its pinned token index (trainer.dataset)
-  admitted              the signer has a WorkerAdmitted event at or before the recording block
-  revoked               ... and no WorkerRevoked event at or before it
-  measurement-allowed   its admitted measurement was allowlisted as of the recording block
-  admission-record      the admission record (CID(JSON, evidenceDigest)) exists, re-hashes and
-                        names the worker and the measurement
-  evidence              the evidence exists, re-hashes and passes attestation.verify_evidence with
-                        the REPORTDATA the record implies, under the auditor's policy
-  unreported            each update the coordinator recorded without a report is one participant's,
-                        and no participant's update is both reported and unreported
-  ghost                 every participant is accounted for on the ledger: by a worker's signed report,
-                        or by the coordinator's unreported list (an update in the average that nobody
-                        answers for is a ghost)
-  tally                 ledger.contribution_of(run, worker) equals the reports' tokens and rounds
-  total-contribution    ledger.total_contribution_of(worker) equals the worker's credits over every run
-                        the ledger created (their RoundRecorded events)
-  payout                (with the deployment's reward pool) every RewardPaid out of the run is what a
-                        recorded round entitles its worker to, once, and the run is not paid past its
-                        funding
-  recorder              each round's recording transaction was sent by the run's coordinator
-  unrecorded            the store's lineage goes at most ``max_unrecorded`` rounds past the ledger's
-                        last round (manifests of the run whose parent chain leads to it)
-  replay                (``replay`` > 0) each sampled contribution, and each one replayed on the way to
-                        rebuild a worker's AdamW state, is within REPLAY_TOLERANCE of what H inner
-                        steps on its shard from its parent checkpoint give (audit.replay)
-  rescore               (``replay`` > 0) the held-out loss of each sampled round's checkpoint,
-                        recomputed, is within EVAL_TOLERANCE of the manifest's
+The checks, each with what it checks and the module that makes it, are audit.checks.AuditCheck.
 
 "As of the recording block" is the state after that whole block, rebuilt from the registry's
 events (WorkerAdmitted, WorkerRevoked, MeasurementSet), never from the registry's current views: a
@@ -91,19 +19,8 @@ worker ids the run's reports bind to addresses, and each unreported update with 
 and said loudly, because they count in the round on the coordinator's word alone and earn their
 workers nothing (docs/trust.md).
 
-Where each check lives:
-
-  audit.lineage     run, run-id, object, manifest, genesis, genesis-checkpoint, config, manifest-round,
-                    parent, checkpoint, parent-checkpoint (against the parent's params), unrecorded
-  audit.tallies     rounds, parent-checkpoint (on chain), report-count, ledger, recorder, tally,
-                    total-contribution, payout
-  audit.reports     report-signature, report-binding, report-participant, report-duplicate,
-                    report-fields, report-eval-loss, data-digest, unreported, ghost
-  audit.signers     registry, admitted, revoked, measurement-allowed, and through audit.admission
-                    admission-record and evidence
-  audit.recompute   rederive, replay, rescore
-
-This module walks the run and hands each part to them; they record into one audit.findings.Findings.
+This module walks the run and hands each part to the modules that check it (audit.lineage, tallies,
+reports, signers, recompute); they record into one audit.findings.Findings.
 """
 
 from __future__ import annotations
@@ -118,6 +35,7 @@ from settlement.roster import roster_of
 from storage_client import CID, Codec, ObjectStore, from_e6, hex_or_none
 from trainer.progress import Progress
 
+from .checks import AuditCheck
 from .findings import Findings
 from .lineage import Lineage, Loaded, check_unrecorded
 from .recompute import Recomputation
@@ -170,7 +88,7 @@ class _Audit:
         try:
             rounds = self.ledger.recorded_rounds(run_id)
         except ChainError as exc:
-            self.findings.fail(None, self.ledger.address, "ledger", f"the recorded rounds cannot be read: {exc}")
+            self.findings.fail(None, self.ledger.address, AuditCheck.LEDGER, f"the recorded rounds cannot be read: {exc}")
             return self.finish()
         self.tallies.check_rounds(run.last_round, rounds)
 

@@ -19,6 +19,7 @@ from storage_client import (
     StoreError,
 )
 
+from .checks import AuditCheck
 from .result import AuditResult, Failure
 
 
@@ -35,7 +36,7 @@ class Findings:
         self.store = store
         self._warned: set[str] = set()
 
-    def fail(self, round_: int | None, obj: str, check: str, message: str) -> None:
+    def fail(self, round_: int | None, obj: str, check: AuditCheck, message: str) -> None:
         self.result.failures.append(Failure(round_, obj, check, message))
 
     def warn(self, message: str) -> None:
@@ -49,12 +50,12 @@ class Findings:
         try:
             return self.store.get(cid)
         except MissingObjectError:
-            self.fail(round_, str(cid), "object", f"{what} is missing from the store")
+            self.fail(round_, str(cid), AuditCheck.OBJECT, f"{what} is missing from the store")
         except CorruptObjectError as exc:
-            self.fail(round_, str(cid), "object",
+            self.fail(round_, str(cid), AuditCheck.OBJECT,
                       f"{what} does not re-hash to its CID: expected sha256 {exc.expected}, got {exc.actual}")
         except (StoreError, InvalidCIDError, ValueError) as exc:
-            self.fail(round_, str(cid), "object", f"{what} cannot be read: {exc}")
+            self.fail(round_, str(cid), AuditCheck.OBJECT, f"{what} cannot be read: {exc}")
         return None
 
     def read_manifest(self, round_: int, cid: CID) -> Manifest | None:
@@ -62,10 +63,10 @@ class Findings:
         try:
             return Manifest.from_json(self.store.get_json(cid))
         except MissingObjectError:
-            self.fail(round_, str(cid), "object", f"the manifest of round {round_} is missing from the store")
+            self.fail(round_, str(cid), AuditCheck.OBJECT, f"the manifest of round {round_} is missing from the store")
         except CorruptObjectError as exc:
-            self.fail(round_, str(cid), "object", f"the manifest of round {round_} does not re-hash to its CID: "
+            self.fail(round_, str(cid), AuditCheck.OBJECT, f"the manifest of round {round_} does not re-hash to its CID: "
                                                   f"expected sha256 {exc.expected}, got {exc.actual}")
         except (StoreError, ManifestError) as exc:
-            self.fail(round_, str(cid), "manifest", f"the manifest of round {round_} is not a valid manifest: {exc}")
+            self.fail(round_, str(cid), AuditCheck.MANIFEST, f"the manifest of round {round_} is not a valid manifest: {exc}")
         return None

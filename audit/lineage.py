@@ -35,6 +35,7 @@ from trainer.update_record import RecordError, open_update
 from trainer.update_source import UpdateSource
 from trainer.wire import Layout, WireError, decode_params, layout_of
 
+from .checks import AuditCheck
 from .findings import Findings, cid_digest
 
 
@@ -66,25 +67,25 @@ class Lineage:
         if run_id is not None:
             run = self.ledger.run_of(run_id)
             if run is None:
-                fail(None, "0x" + run_id.hex(), "run", f"the ledger {self.ledger.address} has no run 0x{run_id.hex()}")
+                fail(None, "0x" + run_id.hex(), AuditCheck.RUN, f"the ledger {self.ledger.address} has no run 0x{run_id.hex()}")
                 return None
             return run_id, run
         created = self.ledger.runs_created()
         if not created:
-            fail(None, self.ledger.address, "run", "the ledger holds no run")
+            fail(None, self.ledger.address, AuditCheck.RUN, "the ledger holds no run")
             return None
         here = [e for e in created if self.findings.store.has(CID(Codec.JSON, e.genesis_manifest))]
         candidates = here if here else created
         ids = sorted({e.run_id for e in candidates})
         if len(ids) != 1:
             listing = ", ".join("0x" + i.hex() for i in ids)
-            fail(None, self.ledger.address, "run",
+            fail(None, self.ledger.address, AuditCheck.RUN,
                  f"the ledger holds {len(ids)} runs whose genesis is {'in this store' if here else 'anywhere'} "
                  f"({listing}); name the one to audit")
             return None
         run = self.ledger.run_of(ids[0])
         if run is None:
-            fail(None, "0x" + ids[0].hex(), "run", "RunCreated was emitted but runOf does not know the run")
+            fail(None, "0x" + ids[0].hex(), AuditCheck.RUN, "RunCreated was emitted but runOf does not know the run")
             return None
         return ids[0], run
 
@@ -93,40 +94,40 @@ class Lineage:
         fail = self.findings.fail
         genesis_cid = CID(Codec.JSON, run.genesis_manifest)
         if run_id != run.genesis_manifest:
-            fail(0, str(genesis_cid), "run-id",
+            fail(0, str(genesis_cid), AuditCheck.RUN_ID,
                  f"runId 0x{run_id.hex()} is not the genesis manifest's digest 0x{run.genesis_manifest.hex()}")
         manifest = self.findings.read_manifest(0, genesis_cid)
         if manifest is None:
             return None
         if manifest.round != 0 or manifest.parent is not None or manifest.participants:
-            fail(0, str(genesis_cid), "genesis",
+            fail(0, str(genesis_cid), AuditCheck.GENESIS,
                  f"the genesis manifest must be round 0 with no parent and no participants; it is round "
                  f"{manifest.round}, parent {manifest.parent}, {len(manifest.participants)} participant(s)")
         params = self.findings.read(0, manifest.params, "θ⁽⁰⁾ (genesis params)")
         outer = self.findings.read(0, manifest.outer_state, "the genesis outer state")
         config_bytes = self.findings.read(0, manifest.config, "the run config")
         if cid_digest(manifest.params) != run.genesis_checkpoint:
-            fail(0, manifest.params, "genesis-checkpoint",
+            fail(0, manifest.params, AuditCheck.GENESIS_CHECKPOINT,
                  f"the chain's genesis checkpoint 0x{run.genesis_checkpoint.hex()} is not the digest of "
                  f"the genesis params {manifest.params}")
         if cid_digest(manifest.config) != run.config_digest:
-            fail(0, manifest.config, "config",
+            fail(0, manifest.config, AuditCheck.CONFIG,
                  f"the chain's configDigest 0x{run.config_digest.hex()} is not the genesis config {manifest.config}")
         if config_bytes is not None:
             try:
                 self.config = RunConfig.from_json(self.findings.store.get_json(manifest.config))
             except (StoreError, ConfigError, ValueError) as exc:
-                fail(0, manifest.config, "config", f"the run config does not parse: {exc}")
+                fail(0, manifest.config, AuditCheck.CONFIG, f"the run config does not parse: {exc}")
         pinned = self.config.model.init_params if self.config is not None else ""
         if pinned and manifest.params != pinned:
-            fail(0, manifest.params, "genesis-checkpoint",
+            fail(0, manifest.params, AuditCheck.GENESIS_CHECKPOINT,
                  f"the genesis params {manifest.params} are not the weights the config pins (model.init_params "
                  f"{pinned})")
         if params is not None:
             try:
                 self.layout = layout_of(decode_params(params))
             except WireError as exc:
-                fail(0, manifest.params, "genesis", f"the genesis params do not decode: {exc}")
+                fail(0, manifest.params, AuditCheck.GENESIS, f"the genesis params do not decode: {exc}")
         self.manifests[0] = manifest
         return Loaded(genesis_cid, manifest, params, outer)
 
@@ -159,11 +160,11 @@ class Lineage:
             if update is not None:
                 updates[p.worker] = update
         if cid_digest(manifest.params) != record.checkpoint:
-            self.findings.fail(r, manifest.params, "checkpoint",
+            self.findings.fail(r, manifest.params, AuditCheck.CHECKPOINT,
                                f"the chain's checkpoint 0x{record.checkpoint.hex()} is not the digest of the "
                                f"manifest's params {manifest.params}")
         if parent is not None and cid_digest(parent.manifest.params) != record.parent_checkpoint:
-            self.findings.fail(r, parent.manifest.params, "parent-checkpoint",
+            self.findings.fail(r, parent.manifest.params, AuditCheck.PARENT_CHECKPOINT,
                                f"the chain's parent checkpoint {hex_or_none(record.parent_checkpoint)} is not "
                                f"the digest of round {r - 1}'s params {parent.manifest.params}")
         return Loaded(cid, manifest, params, outer), updates
@@ -179,14 +180,14 @@ class Lineage:
             return
         except (StoreError, WireError, CompressionError) as exc:
             header = self.manifests[r - 2].downlink
-            self.findings.fail(r, header.header if header is not None else str(cid), "inner-steps",
+            self.findings.fail(r, header.header if header is not None else str(cid), AuditCheck.INNER_STEPS,
                                f"round {r - 2}'s downlink codec header, which fixes round {r}'s inner steps: "
                                f"{str(exc)[:300]}")
             return
         tokens = round_tokens(self.config, steps)
         for p in manifest.participants:
             if p.inner_steps != steps or p.tokens != tokens:
-                self.findings.fail(r, str(cid), "inner-steps",
+                self.findings.fail(r, str(cid), AuditCheck.INNER_STEPS,
                                    f"participant {p.worker} is recorded with {p.inner_steps} inner steps and "
                                    f"{p.tokens} tokens; round {r} trains {steps} steps, {tokens} tokens")
 
@@ -200,9 +201,9 @@ class Lineage:
         try:
             return open_update(self.findings.store, cid, self.layout, self.config.model)
         except StoreError as exc:
-            self.findings.fail(r, cid, "object", f"an object the update record of {worker} names: {exc}")
+            self.findings.fail(r, cid, AuditCheck.OBJECT, f"an object the update record of {worker} names: {exc}")
         except RecordError as exc:
-            self.findings.fail(r, cid, "update-record", f"the update record of {worker}: {exc}")
+            self.findings.fail(r, cid, AuditCheck.UPDATE_RECORD, f"the update record of {worker}: {exc}")
         return None
 
     def _check_links(self, r: int, cid: CID, manifest: Manifest, parent: Loaded | None,
@@ -211,19 +212,19 @@ class Lineage:
         and names the run's config and run."""
         fail = self.findings.fail
         if manifest.round != r:
-            fail(r, str(cid), "manifest-round", f"the manifest recorded as round {r} says round {manifest.round}")
+            fail(r, str(cid), AuditCheck.MANIFEST_ROUND, f"the manifest recorded as round {r} says round {manifest.round}")
         if parent is not None and manifest.parent != str(parent.cid):
-            fail(r, str(cid), "parent",
+            fail(r, str(cid), AuditCheck.PARENT,
                  f"the manifest names parent {manifest.parent}, but round {r - 1}'s manifest on chain is {parent.cid}")
         elif parent is None:
-            fail(r, str(cid), "parent",
+            fail(r, str(cid), AuditCheck.PARENT,
                  f"round {r - 1}'s manifest cannot be read, so this round's parent link cannot be followed")
         if genesis is not None:
             if manifest.config != genesis.manifest.config:
-                fail(r, str(cid), "config",
+                fail(r, str(cid), AuditCheck.CONFIG,
                      f"the manifest names config {manifest.config}, the run's is {genesis.manifest.config}")
             if manifest.run_id != genesis.manifest.run_id:
-                fail(r, str(cid), "config",
+                fail(r, str(cid), AuditCheck.CONFIG,
                      f"the manifest names run {manifest.run_id!r}, the genesis {genesis.manifest.run_id!r}")
 
 
@@ -244,7 +245,7 @@ def check_unrecorded(findings: Findings, run_name: str, last: CID, last_round: i
     message = (f"the store holds {rounds} of this run past the ledger's last round {last_round} (up to manifest "
                f"{tip}), which the ledger does not record")
     if depth > max_unrecorded:
-        findings.fail(None, str(tip), "unrecorded", f"{message}; at most {max_unrecorded} allowed")
+        findings.fail(None, str(tip), AuditCheck.UNRECORDED, f"{message}; at most {max_unrecorded} allowed")
     else:
         findings.warn(message)
 

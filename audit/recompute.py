@@ -16,6 +16,7 @@ from storage_client import Manifest
 from trainer.config import RunConfig
 from trainer.update_source import UpdateSource
 
+from .checks import AuditCheck
 from .findings import Findings, cid_digest
 from .lineage import Loaded
 from .rederive import (
@@ -45,10 +46,10 @@ class Recomputation:
         try:
             expected = genesis_outer_state(genesis.params)
         except RederiveError as exc:
-            self.findings.fail(0, manifest.params, "rederive", str(exc))
+            self.findings.fail(0, manifest.params, AuditCheck.REDERIVE, str(exc))
             return
         if hashlib.sha256(expected).digest() != cid_digest(manifest.outer_state):
-            self.findings.fail(0, manifest.outer_state, "rederive",
+            self.findings.fail(0, manifest.outer_state, AuditCheck.REDERIVE,
                                "the genesis outer state is not zero momentum for every parameter")
 
     def check_round(self, r: int, loaded: Loaded, parent: Loaded | None, updates: dict[str, UpdateSource]) -> None:
@@ -82,13 +83,13 @@ class Recomputation:
                         updates: dict[str, UpdateSource]) -> Derived | None:
         fail = self.findings.fail
         if self.config is not None and self.config.rounds.clip_multiple > 0 and self._history(r) is None:
-            fail(r, str(manifest.params), "rederive",
+            fail(r, str(manifest.params), AuditCheck.REDERIVE,
                  f"cannot re-derive the round: the clip threshold takes the norms of the previous "
                  f"{self.config.rounds.clip_history_rounds} round(s)' updates, and one of them is unavailable")
             return None
         if self.config is None or parent is None or parent.params is None or parent.outer_state is None \
                 or len(updates) != len(manifest.participants):
-            fail(r, str(manifest.params), "rederive",
+            fail(r, str(manifest.params), AuditCheck.REDERIVE,
                  "cannot re-derive the round: the config, the parent's params or outer state, or an update "
                  "is unavailable (see the failures above)")
             return None
@@ -99,14 +100,14 @@ class Recomputation:
             derived = rederive(self.config.outer, parent.params, parent.outer_state, updates, downlink,
                                rounds=self.config.rounds, history=self._history(r) or ())
         except RederiveError as exc:
-            fail(r, str(manifest.params), "rederive", str(exc))
+            fail(r, str(manifest.params), AuditCheck.REDERIVE, str(exc))
             return None
         if derived.params_digest != cid_digest(manifest.params):
-            fail(r, manifest.params, "rederive",
+            fail(r, manifest.params, AuditCheck.REDERIVE,
                  f"aggregate of the {len(updates)} stored update(s) + outer step from round {r - 1} gives params "
                  f"sha256 {derived.params_digest.hex()}, the manifest names {manifest.params}")
         if derived.outer_state_digest != cid_digest(manifest.outer_state):
-            fail(r, manifest.outer_state, "rederive",
+            fail(r, manifest.outer_state, AuditCheck.REDERIVE,
                  f"the re-derived outer state hashes to {derived.outer_state_digest.hex()}, the manifest "
                  f"names {manifest.outer_state}")
         return derived
@@ -117,7 +118,7 @@ class Recomputation:
         assert self.config is not None
         fail = self.findings.fail
         if (manifest.downlink is not None) != self.config.compression.enabled:
-            fail(r, str(manifest.params), "rederive",
+            fail(r, str(manifest.params), AuditCheck.REDERIVE,
                  f"the config {'compresses' if self.config.compression.enabled else 'does not compress'} "
                  f"the global update, but the manifest {'names a' if manifest.downlink else 'has no'} "
                  "compressed downlink object")
@@ -127,13 +128,13 @@ class Recomputation:
         sent = self.findings.read(r, manifest.downlink.payload, f"the compressed global update of round {r}")
         header = self.findings.read(r, manifest.downlink.header, f"the codec header of round {r}'s global update")
         if sent is None or header is None:
-            fail(r, str(manifest.params), "rederive", "cannot re-derive the round: its compressed global update is "
+            fail(r, str(manifest.params), AuditCheck.REDERIVE, "cannot re-derive the round: its compressed global update is "
                                                       "unavailable")
             return False, None
         try:
             return True, (sent, json.loads(header))
         except ValueError as exc:
-            fail(r, manifest.downlink.header, "rederive", f"the codec header is not JSON: {exc}")
+            fail(r, manifest.downlink.header, AuditCheck.REDERIVE, f"the codec header is not JSON: {exc}")
             return False, None
 
     def check_replay(self, manifests: dict[int, Manifest], k: int, seed: int) -> None:
@@ -141,25 +142,25 @@ class Recomputation:
         committed state, and their rounds re-scored (audit.replay)."""
         fail = self.findings.fail
         if self.config is None:
-            fail(None, "replay", "replay", "the run config could not be read, so nothing can be replayed")
+            fail(None, "replay", AuditCheck.REPLAY, "the run config could not be read, so nothing can be replayed")
             return
         outcome = replay_run(self.findings.store, self.config, manifests, k, seed)
         self.findings.result.replay = outcome
         for round_, obj, message in outcome.problems:
-            fail(round_, obj, "replay", message)
+            fail(round_, obj, AuditCheck.REPLAY, message)
         for row in outcome.rows:
             if row.status != "MISMATCH":
                 continue
             participant = {p.worker: p for p in manifests[row.round].participants}[row.worker]
             if row.distance is None:
-                fail(row.round, participant.update, "replay", f"{row.worker}'s update cannot be replayed: {row.note}")
+                fail(row.round, participant.update, AuditCheck.REPLAY, f"{row.worker}'s update cannot be replayed: {row.note}")
             else:
-                fail(row.round, participant.update, "replay",
+                fail(row.round, participant.update, AuditCheck.REPLAY,
                      f"{row.worker}'s update is {row.distance:.3g} away (relative L2) from what "
                      f"{participant.inner_steps} inner steps on shard {participant.shard} from round "
                      f"{row.round - 1}'s checkpoint give; an honest replay is within {REPLAY_TOLERANCE:g}")
         for score in outcome.rescored:
             if not score.ok:
-                fail(score.round, manifests[score.round].params, "rescore",
+                fail(score.round, manifests[score.round].params, AuditCheck.RESCORE,
                      f"the held-out loss of round {score.round}'s checkpoint is {score.recomputed:.6f}, the "
                      f"manifest and its reports say {score.reported:.6f} (tolerance {EVAL_TOLERANCE:g})")

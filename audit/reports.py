@@ -20,6 +20,7 @@ from trainer.config import RunConfig
 from trainer.data import CorpusError
 from trainer.dataset import run_dataset
 
+from .checks import AuditCheck
 from .findings import Findings, cid_digest
 from .lineage import Loaded
 from .signers import Signers
@@ -58,7 +59,7 @@ class ReportChecks:
             signature_ok = self._check_signature(r, label, signed)
             self._check_binding(run_id, r, label, rep, record, parent)
             if rep.worker in signers:
-                self.findings.fail(r, label, "report-duplicate",
+                self.findings.fail(r, label, AuditCheck.REPORT_DUPLICATE,
                                    f"{rep.worker} already reported this round ({signers[rep.worker]})")
             signers.setdefault(rep.worker, label)
             if manifest is not None:
@@ -73,7 +74,7 @@ class ReportChecks:
         try:
             signed.verify(self.domain)
         except ReportError as exc:
-            self.findings.fail(r, label, "report-signature", str(exc))
+            self.findings.fail(r, label, AuditCheck.REPORT_SIGNATURE, str(exc))
             return False
         return True
 
@@ -94,7 +95,7 @@ class ReportChecks:
         if rep.manifest_digest != record.manifest_digest:
             wrong.append(f"manifestDigest 0x{rep.manifest_digest.hex()}")
         if wrong:
-            self.findings.fail(r, label, "report-binding", "the report is not about this round: " + ", ".join(wrong))
+            self.findings.fail(r, label, AuditCheck.REPORT_BINDING, "the report is not about this round: " + ", ".join(wrong))
 
     def _match_participant(self, r: int, label: str, rep: RoundReport, by_update: dict[bytes, Participant],
                            matched: dict[str, str]) -> Participant | None:
@@ -102,12 +103,12 @@ class ReportChecks:
         report only (``report-duplicate``); the first claim is the one kept in ``matched``."""
         participant = by_update.get(rep.update_digest)
         if participant is None:
-            self.findings.fail(r, label, "report-participant",
+            self.findings.fail(r, label, AuditCheck.REPORT_PARTICIPANT,
                                f"updateDigest 0x{rep.update_digest.hex()} is not the update of any participant of "
                                f"the manifest")
             return None
         if participant.worker in matched:
-            self.findings.fail(r, label, "report-duplicate", f"participant {participant.worker}'s update is already "
+            self.findings.fail(r, label, AuditCheck.REPORT_DUPLICATE, f"participant {participant.worker}'s update is already "
                                                              f"claimed by {matched[participant.worker]}")
         matched.setdefault(participant.worker, label)
         return participant
@@ -129,12 +130,12 @@ class ReportChecks:
         fields = [str(d) for d in differences if _CHECK_OF_CLAIM[d.field.name] == "report-fields"]
         if participant is not None:
             if fields:
-                self.findings.fail(r, label, "report-fields", f"the report for participant {participant.worker} "
+                self.findings.fail(r, label, AuditCheck.REPORT_FIELDS, f"the report for participant {participant.worker} "
                                                               f"differs from the manifest: " + ", ".join(fields))
             self._check_data_digest(r, label, participant, rep.data_digest)
         for d in differences:
             if _CHECK_OF_CLAIM[d.field.name] == "report-eval-loss":
-                self.findings.fail(r, label, "report-eval-loss", str(d))
+                self.findings.fail(r, label, AuditCheck.REPORT_EVAL_LOSS, str(d))
 
     def _check_data_digest(self, r: int, label: str, p: Participant, signed: bytes) -> None:
         """A report's dataDigest is the digest of the shard its participant trained on, as the
@@ -144,10 +145,10 @@ class ReportChecks:
         if digests is None:
             return
         if p.shard >= len(digests):
-            self.findings.fail(r, label, "data-digest", f"participant {p.worker} names shard {p.shard}, but the "
+            self.findings.fail(r, label, AuditCheck.DATA_DIGEST, f"participant {p.worker} names shard {p.shard}, but the "
                                                         f"config splits the corpus into {len(digests)}")
         elif signed != digests[p.shard]:
-            self.findings.fail(r, label, "data-digest",
+            self.findings.fail(r, label, AuditCheck.DATA_DIGEST,
                                f"dataDigest 0x{signed.hex()} is not the digest of shard {p.shard} of {len(digests)} "
                                f"of the run's corpus (0x{digests[p.shard].hex()}), which participant {p.worker} "
                                f"trained on")
@@ -160,7 +161,7 @@ class ReportChecks:
             try:  # a prepared run's digests come from its pinned index in the store, not its token files
                 self._shard_digests = list(run_dataset(cfg, self.store).shard_digests)
             except CorpusError as exc:
-                self.findings.fail(None, cfg.data.tokens_cid or cfg.data.corpus, "data-digest",
+                self.findings.fail(None, cfg.data.tokens_cid or cfg.data.corpus, AuditCheck.DATA_DIGEST,
                                    f"the run's {'token index' if cfg.data.tokens else 'corpus'} cannot be read here, "
                                    f"so no report's dataDigest can be checked: {exc}")
                 self._shard_digests = []
@@ -175,10 +176,10 @@ class ReportChecks:
             p = by_update.get(digest)
             label = f"unreported[{j}] 0x{digest.hex()}"
             if p is None:
-                self.findings.fail(r, label, "unreported", "the coordinator recorded an unreported update that is "
+                self.findings.fail(r, label, AuditCheck.UNREPORTED, "the coordinator recorded an unreported update that is "
                                                            "no participant's update in the manifest")
             elif p.worker in matched:
-                self.findings.fail(r, label, "unreported", f"participant {p.worker}'s update is recorded both as "
+                self.findings.fail(r, label, AuditCheck.UNREPORTED, f"participant {p.worker}'s update is recorded both as "
                                                            f"reported ({matched[p.worker]}) and as unreported")
             else:
                 vouched.add(p.worker)
@@ -186,6 +187,6 @@ class ReportChecks:
         # address (AuditResult.roster: settlement.roster.unreported_lines).
         for p in manifest.participants:
             if p.worker not in vouched and p.worker not in matched:
-                self.findings.fail(r, p.update, "ghost",
+                self.findings.fail(r, p.update, AuditCheck.GHOST,
                                    f"participant {p.worker}'s update is in the round, but no worker signed a report "
                                    f"for it and the coordinator did not record it as unreported")

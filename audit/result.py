@@ -20,6 +20,8 @@ from __future__ import annotations
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
+from .checks import AuditCheck
+
 
 @dataclass(frozen=True)
 class Failure:
@@ -27,13 +29,13 @@ class Failure:
 
     round    the round it concerns (0 is genesis); None for run-wide checks (tallies, the run itself)
     object   what was checked: a CID, ``report[i] 0xWorker``, a worker address, a contract
-    check    the name of the check (see ``audit.core`` for the list)
+    check    the check (audit.checks.AuditCheck; its value is the name printed and in the JSON)
     message  what was expected and what was found
     """
 
     round: int | None
     object: str
-    check: str
+    check: AuditCheck
     message: str
 
     def to_json(self) -> dict[str, Any]:

@@ -18,6 +18,7 @@ from settlement import Ledger, Registry
 from settlement.records import Admission, MeasurementChange, Revocation
 
 from .admission import AdmissionCheck, check_admission
+from .checks import AuditCheck
 from .findings import Findings
 
 
@@ -38,7 +39,7 @@ class Signers:
         """The ledger consults the registry being audited (``registry``)."""
         consulted = checksum_address(ledger.registry_address())
         if consulted != checksum_address(self.registry.address):
-            self.findings.fail(None, ledger.address, "registry",
+            self.findings.fail(None, ledger.address, AuditCheck.REGISTRY,
                                f"the ledger consults registry {consulted}, not the audited {self.registry.address}")
 
     def read_history(self) -> None:
@@ -64,17 +65,17 @@ class Signers:
         if not admitted:
             later = self.admissions.get(worker, [])
             when = f" (only later, at block {later[0].block})" if later else ""
-            fail(r, label, "admitted", f"{worker} was never admitted to registry {self.registry.address} before the "
+            fail(r, label, AuditCheck.ADMITTED, f"{worker} was never admitted to registry {self.registry.address} before the "
                                        f"round was recorded at block {block}{when}")
             return
         admission = admitted[-1]
         revoked = [v for v in self.revocations.get(worker, []) if v.block <= block]
         if revoked:
-            fail(r, label, "revoked",
+            fail(r, label, AuditCheck.REVOKED,
                  f"{worker} was revoked at block {revoked[0].block}, and the round was recorded at block {block}")
         measurement = admission.measurement
         if not self._measurement_allowed(measurement, block):
-            fail(r, label, "measurement-allowed",
+            fail(r, label, AuditCheck.MEASUREMENT_ALLOWED,
                  f"{worker}'s measurement 0x{measurement.hex()} was not allowlisted at block {block}")
         self._check_admission(run_id, r, label, worker, measurement, admission.evidence_digest)
 
@@ -86,7 +87,7 @@ class Signers:
         if key in self._admission_checks:
             first, checked = self._admission_checks[key]
             if not checked.ok:
-                self.findings.fail(r, label, "admission",
+                self.findings.fail(r, label, AuditCheck.ADMISSION,
                                    f"{worker}'s admission record or evidence did not verify (see round {first})")
             return
         checked = check_admission(self.findings.store, worker=worker, measurement=measurement,

@@ -17,6 +17,7 @@ from settlement.records import Contribution, RoundRecord
 from settlement.rewards import RewardPool
 from storage_client import hex_or_none
 
+from .checks import AuditCheck
 from .findings import Findings
 
 
@@ -32,7 +33,7 @@ class Tallies:
         """The ledger's RoundRecorded events are for rounds 1..``last`` (its lastRound), in order."""
         numbers = [rec.round for rec in rounds]
         if numbers != list(range(1, last + 1)):
-            self.findings.fail(None, self.ledger.address, "rounds",
+            self.findings.fail(None, self.ledger.address, AuditCheck.ROUNDS,
                                f"the ledger's lastRound is {last}, but its RoundRecorded events are for rounds "
                                f"{numbers}")
 
@@ -44,13 +45,13 @@ class Tallies:
         r = record.round
         where = f"round {r} on chain"
         if record.parent_checkpoint != parent_checkpoint:
-            fail(r, where, "parent-checkpoint",
+            fail(r, where, AuditCheck.PARENT_CHECKPOINT,
                  f"the ledger recorded parent {hex_or_none(record.parent_checkpoint)}, but the previous "
                  f"round's checkpoint on chain is 0x{parent_checkpoint.hex()}")
         credited = list(record.workers)
         signers = [signed.report.worker for signed in record.reports]
         if credited != signers or record.unreported_count != len(record.unreported):
-            fail(r, where, "report-count",
+            fail(r, where, AuditCheck.REPORT_COUNT,
                  f"RoundRecorded credits {len(credited)} worker(s) and says {record.unreported_count} "
                  f"unreported update(s); the recording call carried reports of {len(signers)} and "
                  f"{len(record.unreported)} unreported" + ("" if len(credited) != len(signers) else
@@ -58,12 +59,12 @@ class Tallies:
         stored = self.ledger.round_commitment(run_id, r)
         derived = record.facts_commitment()
         if stored != record.commitment or stored != derived:
-            fail(r, where, "ledger",
+            fail(r, where, AuditCheck.LEDGER,
                  f"the ledger keeps commitment 0x{stored.hex()} for the round, its RoundRecorded event says "
                  f"0x{record.commitment.hex()}, and the recorded facts hash to "
                  f"0x{derived.hex()} (the round was overwritten, or the ledger is not what it claims)")
         if record.sender != coordinator:
-            fail(r, where, "recorder",
+            fail(r, where, AuditCheck.RECORDER,
                  f"round {r} was recorded by {record.sender} (tx {record.tx_hash}), not by the run's "
                  f"coordinator {coordinator}")
 
@@ -84,7 +85,7 @@ class Tallies:
             want = Contribution(tokens=tokens.get(worker, 0), rounds=counted.get(worker, 0))
             tallies[worker] = {"tokens": want.tokens, "rounds": want.rounds}
             if got != want:
-                self.findings.fail(None, worker, "tally",
+                self.findings.fail(None, worker, AuditCheck.TALLY,
                                    f"the ledger credits {worker} with {got.tokens} tokens over {got.rounds} "
                                    f"round(s); its recorded reports sum to {want.tokens} tokens over "
                                    f"{want.rounds} round(s)")
@@ -93,7 +94,7 @@ class Tallies:
         try:
             totals = self._totals_over_runs()
         except ChainError as exc:
-            self.findings.fail(None, self.ledger.address, "total-contribution",
+            self.findings.fail(None, self.ledger.address, AuditCheck.TOTAL_CONTRIBUTION,
                                f"the ledger's runs cannot be read: {exc}")
             return
         for worker in sorted(workers):
@@ -101,7 +102,7 @@ class Tallies:
             want = totals.get(worker, Contribution(tokens=0, rounds=0))
             tallies[worker]["total_tokens"] = want.tokens
             if got != want:
-                self.findings.fail(None, worker, "total-contribution",
+                self.findings.fail(None, worker, AuditCheck.TOTAL_CONTRIBUTION,
                                    f"the ledger's totalContributionOf({worker}) is {got.tokens} tokens over "
                                    f"{got.rounds} round(s); its rounds over all {len(self.ledger.runs_created())} "
                                    f"run(s) credit {want.tokens} tokens over {want.rounds} round(s)")
@@ -125,15 +126,15 @@ class Tallies:
         try:
             statement = self.rewards.statement(run_id)
         except ChainError as exc:
-            self.findings.fail(None, self.rewards.address, "payout", f"the reward pool cannot be read: {exc}")
+            self.findings.fail(None, self.rewards.address, AuditCheck.PAYOUT, f"the reward pool cannot be read: {exc}")
             return
         if statement is None:
             return
         self.findings.result.rewards = statement
         for worker, account in sorted(statement.workers.items()):
             for problem in account.overpaid:
-                self.findings.fail(None, worker, "payout", f"the reward pool paid {worker} for a round no record "
+                self.findings.fail(None, worker, AuditCheck.PAYOUT, f"the reward pool paid {worker} for a round no record "
                                                            f"entitles it to: {problem}")
         if statement.paid > statement.funded:
-            self.findings.fail(None, self.rewards.address, "payout",
+            self.findings.fail(None, self.rewards.address, AuditCheck.PAYOUT,
                                f"the pool paid {statement.paid} out of this run, funded with {statement.funded}")

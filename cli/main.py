@@ -25,7 +25,7 @@
     dilocox plot --run DIR [--out FILE.png]        loss, bytes and round time per round, as a PNG
 
 Every run setting can be given as ``--set section.field=value`` (repeatable; ``dilocox config``
-lists the sections and fields). Each subcommand imports what it needs only when it runs.
+prints the sections and fields, ``dilocox config --help`` lists each with its accepted values). Each subcommand imports what it needs only when it runs.
 """
 
 from __future__ import annotations
@@ -40,6 +40,7 @@ from typing import Callable, Sequence
 
 from rich.logging import RichHandler
 
+from storage_client import DilocoxError
 from trainer.progress import PLAIN_LOG_FORMAT, use_console
 
 # gRPC's C core writes connection-level lines (a GOAWAY when an idle connection is closed, say) to
@@ -71,7 +72,11 @@ def _logging(verbose: bool) -> None:
 class HelpFormatter(argparse.RawDescriptionHelpFormatter):
     """``--help`` as people expect it: each option's default after its help (unless the help says
     it already), the descriptions as written. Flags (default False) and options with no default
-    (None: "not given") show none."""
+    (None: "not given") show none. An epilog may be a function returning the text, called only
+    when the help is shown (so that parsing a command line imports nothing heavy)."""
+
+    def _format_text(self, text: str) -> str:
+        return super()._format_text(text() if callable(text) else text)
 
     def _get_help_string(self, action: argparse.Action) -> str:
         text = action.help or ""
@@ -424,7 +429,7 @@ def cmd_bench(args: argparse.Namespace) -> int:
 def _set_argument(p: argparse.ArgumentParser) -> None:
     p.add_argument("--set", action="append", default=[], metavar="SECTION.FIELD=VALUE",
                    help="a run setting (repeatable), e.g. --set rounds.overlap=true --set inner.lr=3e-4; "
-                        "`dilocox config` shows every section and field")
+                        "`dilocox config --help` lists every field with its default and accepted values")
 
 
 def _demo_arguments(p: argparse.ArgumentParser) -> None:
@@ -528,7 +533,15 @@ def _diloco_argument(p: argparse.ArgumentParser) -> None:
                         "step (RunConfig.plain_diloco); --set applies after it")
 
 
+def _config_fields_help() -> str:
+    """The epilog of ``dilocox config --help``: every field, from its declaration (trainer.config)."""
+    from trainer.config import fields_help
+
+    return "settings (--set section.field=value), with RunConfig()'s defaults:\n" + fields_help()
+
+
 def _config_arguments(p: argparse.ArgumentParser) -> None:
+    p.epilog = _config_fields_help  # type: ignore[assignment]  # a function: HelpFormatter calls it
     p.add_argument("--demo", action="store_true", help="the demo's configuration")
     _diloco_argument(p)
     p.add_argument("--model-config", metavar="PATH",
@@ -639,7 +652,7 @@ def parser(argv: Sequence[str] = ()) -> argparse.ArgumentParser:
 LOGGED_PROGRESS = ("worker", "coordinator")
 
 
-class UsageError(ValueError):
+class UsageError(DilocoxError, ValueError):
     """Command-line arguments that cannot work together or are out of range (exit status 2)."""
 
 
@@ -761,23 +774,11 @@ def main(argv: list[str] | None = None) -> int:
         logging.getLogger("dilocox").error("interrupted (SIGINT): stopped, cleaned up, exiting")
         return 130
     except Exception as exc:  # one clear line for expected failures; the traceback with -v
-        from attestation import AttestationError, PolicyViolation
-        from settlement.anvil import AnvilError
-        from settlement.chain import ChainError
-        from storage_client import StoreError
-        from trainer.config import ConfigError, SettingError
-        from trainer.data import CorpusError
-        from trainer.tls import TlsError
-        from trainer.wire import WireError
+        from trainer.config import SettingError
 
-        known = (ConfigError, CorpusError, StoreError, OSError, AttestationError, PolicyViolation, TlsError,
-                 WireError, ValueError, ChainError, AnvilError)
-        try:
-            from trainer.worker import WorkerError
-            known += (WorkerError,)
-        except ImportError:
-            pass
-        if isinstance(exc, known) and not args.verbose:
+        # DilocoxError is every error of the product's own; OSError and ValueError are the standard
+        # library's refusals of what the user gave (a missing file, a port in use, a bad number).
+        if isinstance(exc, (DilocoxError, OSError, ValueError)) and not args.verbose:
             text = " ".join(str(exc).split()) or type(exc).__name__  # one line, whatever the message holds
             logging.getLogger("dilocox").error("%s: %s", type(exc).__name__, text)
             return 2 if isinstance(exc, (UsageError, SettingError)) else 1

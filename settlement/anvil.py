@@ -41,6 +41,8 @@ from pathlib import Path
 from types import TracebackType
 from typing import Self
 
+from storage_client import DilocoxError
+
 __all__ = ["DEV_ACCOUNTS", "Anvil", "AnvilError", "Terminated", "anvil_binary"]
 
 #: The private keys of anvil's first four default accounts (each funded with 10,000 ETH).
@@ -67,7 +69,7 @@ def _stop_all() -> None:
         anvil.stop()
 
 
-class AnvilError(RuntimeError):
+class AnvilError(DilocoxError, RuntimeError):
     """The anvil binary is missing, or the chain did not start."""
 
 

@@ -30,6 +30,8 @@ from eth_utils import keccak, to_checksum_address
 from web3 import HTTPProvider, Web3
 from web3.exceptions import ContractLogicError, TransactionNotFound, Web3RPCError
 
+from storage_client import DilocoxError
+
 from .artifacts import ArtifactError, ledger_artifact, registry_artifact
 
 __all__ = ["Chain", "ChainError", "ChainUnavailable", "RevertDecoder", "TxReverted"]
@@ -56,7 +58,7 @@ class Deployed(NamedTuple):
     gas_used: int
 
 
-class ChainError(Exception):
+class ChainError(DilocoxError):
     """Something on the chain side failed: a revert, an unreachable node, a conflicting record."""
 
 

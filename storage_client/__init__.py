@@ -7,6 +7,7 @@ round to its parent, giving a hash chain from any checkpoint back to genesis.
 
     cid      CID / Codec: content identifiers and their text form
     canonical  canonical JSON (one byte form per value, floats refused)
+    errors   DilocoxError: the root of every error reported to the user in one line
     store    ObjectStore: hash-verified objects on local disk, atomic writes
     manifest Manifest / Participant / Downlink / Traffic / lineage: the per-round record and its chain
 """
@@ -15,6 +16,7 @@ from .canonical import (
     JSONBoundsError, bytes32, canonical_json, digest_json, hex32, hex_or_none, loads_bounded, strict_json, unhex32,
 )
 from .cid import CID, Codec, InvalidCIDError, decode_varint, encode_varint
+from .errors import DilocoxError
 from .manifest import (
     SCHEMA,
     Downlink,
@@ -35,6 +37,7 @@ from .store import (
 )
 
 __all__ = [
+    "DilocoxError",
     "bytes32",
     "hex32",
     "hex_or_none",

@@ -25,12 +25,13 @@ from typing import Any
 
 from .canonical import canonical_json
 from .cid import CID, Codec
+from .errors import DilocoxError
 
 _TMP_PREFIX = ".tmp-"
 _CHUNK = 1 << 20  # hash large checkpoints in 1 MiB pieces instead of loading them whole
 
 
-class StoreError(Exception):
+class StoreError(DilocoxError):
     """Base class for object store failures."""
 
 

@@ -125,6 +125,7 @@ from typing import Any, Mapping, MutableMapping, Sequence
 import torch
 
 from trainer import topk
+from trainer.config_fields import Range, setting
 from trainer.topk import KIND_TOPK
 from trainer.wire import Layout, Params, WireError, decode_params, dtype_name, encode_params
 
@@ -221,17 +222,21 @@ class CompressionConfig:
     (docs/measurements.md has the figures).
     """
 
-    enabled: bool = False  # off: updates travel dense fp32 (the DiLoCo baseline)
-    target_energy: float = 0.9
-    min_rank: int = 8
-    max_rank: int = 64
-    window: int = 4
-    max_rank_factor: float = 2.0
-    int4_group_size: int = 64
-    int8_group_size: int = 64
-    codec: str = CODEC_LOWRANK  # one of CODECS
-    topk_density: float = 1 / 32  # (0, 1]: the fraction of each matrix's entries the top-k codec sends
-    topk_chunk: int = 4096  # [1, 65536]: values per chunk, each chunk keeping its own top k
+    # The ranges are checked with the rest of the run configuration (trainer.config), which gives
+    # its refusals; __post_init__ below keeps the codec's own (narrower) preconditions.
+    enabled: bool = setting(False, "compress updates; off: they travel dense fp32 (the DiLoCo baseline)")
+    target_energy: float = setting(0.9, "τ: the energy of each update the chosen rank keeps",
+                                   Range(0.0, 1.0, low_open=True))
+    min_rank: int = setting(8, "the rank floor, <= max_rank", Range(1, 4096))
+    max_rank: int = setting(64, "the rank ceiling", Range(1, 4096))
+    window: int = setting(4, "W: rounds whose energy spectra are averaged", Range(1, 1000))
+    max_rank_factor: float = setting(2.0, "f: the most the rank may grow in one round", Range(1.0, 1000.0))
+    int4_group_size: int = setting(64, "values sharing one int4 scale", Range(1, 1 << 20))
+    int8_group_size: int = setting(64, "values sharing one int8 scale", Range(1, 1 << 20))
+    codec: str = setting(CODEC_LOWRANK, "the codec of matrices: one of CODECS")
+    topk_density: float = setting(1 / 32, "the fraction of each matrix's entries the top-k codec sends",
+                                  Range(0.0, 1.0, low_open=True))
+    topk_chunk: int = setting(4096, "values per chunk, each chunk keeping its own top k", Range(1, topk.MAX_CHUNK))
 
     def __post_init__(self) -> None:
         if not 0.0 < self.target_energy <= 1.0:

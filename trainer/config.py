@@ -7,6 +7,11 @@ because they do not change the numbers a run produces.
 
 Canonical JSON refuses floats (their text forms differ across languages), so float fields travel
 as their shortest round-trip decimal strings (``repr``): ``0.0004`` becomes ``"0.0004"``.
+
+Each field is described once, where it is declared (trainer.config_fields): its choices by a
+``Literal`` type, its help and accepted range in its metadata. The checks of each field on its own,
+the reading of ``--set`` values and the field list of ``dilocox config --help`` are derived from the
+declarations; ``_validate`` adds the relations between fields.
 """
 
 from __future__ import annotations
@@ -18,45 +23,42 @@ import math
 import re
 from dataclasses import dataclass, field, fields
 from pathlib import Path
-from typing import Any, Sequence, TypeVar, get_type_hints
+from typing import Any, Literal, Sequence, TypeVar, get_args, get_type_hints
 
-from storage_client import CID, Codec, InvalidCIDError, canonical_json, digest_json, strict_json
+from storage_client import CID, Codec, DilocoxError, InvalidCIDError, canonical_json, digest_json, strict_json
 from trainer.compression import CODEC_LOWRANK, CompressionConfig
+from trainer.config_fields import Range, choice_refusal, choices_of, setting
 
 SCHEMA = "dilocox.config/v1"
-# The values of rounds.aggregator (trainer.aggregation.aggregate states each rule).
-AGGREGATORS = ("mean", "trimmed_mean", "median")
-# The values of rounds.overlap_start: where an overlapped worker starts its next round
-# (trainer.worker.loops states both rules).
-OVERLAP_STARTS = ("delayed", "eager")
 _RUN_ID = re.compile(r"^[A-Za-z0-9._-]{1,64}$")
-
 
 # The values of model.family: the built-in GPT (trainer.model) and the decoder families built from
 # Hugging Face ``transformers`` classes (trainer.hf_model), from the configuration alone.
-MODEL_FAMILIES = ("gpt", "llama", "qwen2")
-# The families whose attention uses rotary position embeddings (head_dim must be even).
-ROPE_FAMILIES = ("llama", "qwen2")
-# The values of model.rope_type: transformers' RoPE variants whose frequencies depend on the
-# configuration alone, and that transformers 4.4x and 5.x compute alike from the exported config.json
+ModelFamily = Literal["gpt", "llama", "qwen2"]
+# transformers' RoPE variants whose frequencies depend on the configuration alone, and that
+# transformers 4.4x and 5.x compute alike from the exported config.json
 # (trainer.hf_model.rope_parameters). Not here: "dynamic" and "longrope", whose frequencies change with
 # the length of the sequence at inference (a model trained on block_size tokens would be evaluated
 # with other frequencies past its original context).
-ROPE_TYPES = ("default", "linear", "llama3", "yarn")
-# The model fields that only some RoPE types read, with their defaults: each must keep its default
-# under the other types (a setting that would be ignored is a mistake, not a no-op).
-ROPE_TYPE_FIELDS = {
-    "rope_factor": (1.0, ("linear", "llama3", "yarn")),
-    "rope_original_max_position_embeddings": (0, ("llama3", "yarn")),
-    "rope_low_freq_factor": (1.0, ("llama3",)),
-    "rope_high_freq_factor": (4.0, ("llama3",)),
-    "rope_beta_fast": (32.0, ("yarn",)),
-    "rope_beta_slow": (1.0, ("yarn",)),
-    "rope_attention_factor": (0.0, ("yarn",)),
-}
-# Fields left out of the configuration's JSON while they hold their default (dataclass field
-# metadata): added after runs existed, they keep the CIDs of configurations that do not use them.
-OMITTED_AT_DEFAULT = {"omitted_at_default": True}
+RopeType = Literal["default", "linear", "llama3", "yarn"]
+# Where an overlapped worker starts its next round (trainer.worker.loops states both rules).
+OverlapStart = Literal["delayed", "eager"]
+# The robust means of rounds.aggregator (trainer.aggregation.aggregate states each rule).
+Aggregator = Literal["mean", "trimmed_mean", "median"]
+MODEL_FAMILIES: tuple[str, ...] = get_args(ModelFamily)
+ROPE_TYPES: tuple[str, ...] = get_args(RopeType)
+OVERLAP_STARTS: tuple[str, ...] = get_args(OverlapStart)
+AGGREGATORS: tuple[str, ...] = get_args(Aggregator)
+# The families whose attention uses rotary position embeddings (head_dim must be even).
+ROPE_FAMILIES = ("llama", "qwen2")
+
+
+def _hf_option(default: Any, help: str, accepted: Range | None = None, rope_types: tuple[str, ...] = ()) -> Any:
+    """A model field added with the HF families, left out of the JSON at its default: the GPT needs
+    the default; a RoPE field (``rope_types``: the RoPE types that read it) keeps its default under
+    the other types (a setting that would be ignored is a mistake, not a no-op)."""
+    extra = {"rope_types": rope_types} if rope_types else {}
+    return setting(default, help, accepted, omitted_at_default=True, **extra)
 
 
 @dataclass(frozen=True)
@@ -68,58 +70,57 @@ class ModelConfig:
     n_layer -> num_hidden_layers, n_head -> num_attention_heads, n_kv_head -> num_key_value_heads,
     block_size -> max_position_embeddings, rope_theta, rms_norm_eps, tie_word_embeddings,
     attention_bias, head_size -> head_dim, rope_type and rope_<field> -> rope_parameters[<field>]
-    (trainer.hf_model.hf_config).
+    (trainer.hf_model.hf_config). The model has at most MAX_PARAMETERS (1e10) parameters in all
+    (estimated_parameters).
     """
 
-    family: str = "gpt"  # one of MODEL_FAMILIES
-    vocab_size: int = 256  # [256, 262144]; byte-level tokenizer (256 tokens): no vocabulary file, no download
-    block_size: int = 64  # [2, 16384] tokens of context
-    n_layer: int = 2  # [1, 256]
-    n_head: int = 4  # [1, 256]
-    n_embd: int = 128  # [1, 16384], a multiple of n_head; n_embd / n_head even for the RoPE families
-    # [0, 256]: key/value heads (grouped-query attention) of the HF families, dividing n_head;
-    # 0 = n_head (plain multi-head attention). The GPT has no such choice: 0 there.
-    n_kv_head: int = 0
-    # [0, 1048576]: MLP width of the HF families; 0 = derived from n_embd (ModelConfig.mlp_width).
-    # The GPT's MLP is 4 x n_embd: 0 there.
-    intermediate_size: int = 0
-    # [1, 1e9]: base of the rotary position embeddings of the HF families; 10000 (the default) for the GPT.
-    rope_theta: float = 10000.0
-    # [1e-12, 0.01]: epsilon of the HF families' RMSNorm (Llama 2 and 3 use 1e-5); the GPT's
-    # LayerNorm has its own (1e-5): the default (1e-6) there.
-    rms_norm_eps: float = 1e-6
-    # and at most MAX_PARAMETERS (1e10) parameters in all (estimated_parameters)
-
-    # The fields below are left out of the JSON while at their defaults (OMITTED_AT_DEFAULT). Up to
-    # init_from, the HF families' options, which map onto the transformers configuration under their
-    # own names (trainer.hf_model.hf_config); the GPT needs each at its default.
-    # The output head is the input embedding (one tensor, model.embed_tokens.weight), as in Qwen2-0.5B.
-    tie_word_embeddings: bool = field(default=False, metadata=OMITTED_AT_DEFAULT)
-    # Llama: biases on the q, k, v and o projections. Qwen2's q, k, v biases are fixed by its class
-    # (and it has none on o): false there.
-    attention_bias: bool = field(default=False, metadata=OMITTED_AT_DEFAULT)
-    # [0, 1024], even: the attention head dimension (transformers' head_dim); 0 = n_embd / n_head.
-    # Llama only: transformers' Qwen2Config has no head_dim (its attention uses n_embd / n_head).
-    head_size: int = field(default=0, metadata=OMITTED_AT_DEFAULT)
-    # RoPE scaling, as transformers defines it (modeling_rope_utils): one of ROPE_TYPES, and the
-    # fields its type reads (ROPE_TYPE_FIELDS; the others keep their defaults).
-    rope_type: str = field(default="default", metadata=OMITTED_AT_DEFAULT)
-    rope_factor: float = field(default=1.0, metadata=OMITTED_AT_DEFAULT)  # [1, 1e4]: linear, llama3, yarn
-    # [0, 16777216]: the pretraining context, > 0 for llama3 and yarn
-    rope_original_max_position_embeddings: int = field(default=0, metadata=OMITTED_AT_DEFAULT)
-    rope_low_freq_factor: float = field(default=1.0, metadata=OMITTED_AT_DEFAULT)  # (0, 1e4]: llama3
-    rope_high_freq_factor: float = field(default=4.0, metadata=OMITTED_AT_DEFAULT)  # (0, 1e4], > low: llama3
-    rope_beta_fast: float = field(default=32.0, metadata=OMITTED_AT_DEFAULT)  # (0, 1e4], > beta_slow: yarn
-    rope_beta_slow: float = field(default=1.0, metadata=OMITTED_AT_DEFAULT)  # (0, 1e4]: yarn
-    # [0, 100]: yarn's scale of cos and sin; 0 = transformers' default, 0.1 ln(rope_factor) + 1
-    rope_attention_factor: float = field(default=0.0, metadata=OMITTED_AT_DEFAULT)
-    # θ⁽⁰⁾ from existing weights (trainer.init_weights; `dilocox config --init-from DIR`): a folder
-    # holding config.json and model.safetensors, read by the coordinator at genesis only, and the CID
-    # of those weights as the run encodes θ⁽⁰⁾ (trainer.wire), which every party checks: the
-    # coordinator before genesis, each worker on the θ⁽⁰⁾ it is sent, the audit on the genesis
-    # checkpoint. "" and "": θ⁽⁰⁾ is built from the seed.
-    init_from: str = field(default="", metadata=OMITTED_AT_DEFAULT)
-    init_params: str = field(default="", metadata=OMITTED_AT_DEFAULT)
+    family: ModelFamily = setting("gpt", "the architecture: the built-in GPT, or a transformers family",
+                                  unsupported="")
+    vocab_size: int = setting(256, "tokens in the vocabulary; 256 is the byte-level tokenizer (no vocabulary "
+                                   "file, no download)", Range(256, 262_144))
+    block_size: int = setting(64, "tokens of context", Range(2, 16_384))
+    n_layer: int = setting(2, "transformer blocks", Range(1, 256))
+    n_head: int = setting(4, "attention heads", Range(1, 256))
+    n_embd: int = setting(128, "width, a multiple of n_head (n_embd / n_head even for the RoPE families)",
+                          Range(1, 16_384))
+    n_kv_head: int = setting(0, "key/value heads of the HF families (grouped-query attention), dividing n_head; "
+                                "0 = n_head (the GPT: 0)", Range(0, 256))
+    intermediate_size: int = setting(0, "MLP width of the HF families; 0 = derived from n_embd "
+                                        "(ModelConfig.mlp_width; the GPT's is 4 n_embd: 0)", Range(0, 1 << 20))
+    rope_theta: float = setting(10000.0, "base of the HF families' rotary position embeddings (the GPT: 10000)",
+                                Range(1.0, 1e9))
+    rms_norm_eps: float = setting(1e-6, "epsilon of the HF families' RMSNorm (Llama 2 and 3: 1e-5; the GPT's "
+                                        "LayerNorm has its own: 1e-6 there)", Range(1e-12, 0.01))
+    # The fields below are left out of the JSON while at their defaults. Up to init_from, the HF
+    # families' options, which map onto the transformers configuration under their own names
+    # (trainer.hf_model.hf_config); the GPT needs each at its default.
+    tie_word_embeddings: bool = _hf_option(False, "the output head is the input embedding (one tensor, "
+                                                  "model.embed_tokens.weight), as in Qwen2-0.5B")
+    attention_bias: bool = _hf_option(False, "Llama: biases on the q, k, v and o projections (Qwen2's q, k, v "
+                                             "biases are fixed by its class, and it has none on o: false there)")
+    head_size: int = _hf_option(0, "Llama: the attention head dimension (head_dim), even; 0 = n_embd / n_head "
+                                   "(transformers' Qwen2Config has no head_dim)", Range(0, 1024))
+    # RoPE scaling, as transformers defines it (modeling_rope_utils): the type, and the fields it reads.
+    rope_type: RopeType = setting("default", "RoPE scaling, as transformers' rope_type", omitted_at_default=True,
+                                  unsupported="dynamic and longrope change the frequencies with the sequence's length")
+    rope_factor: float = _hf_option(1.0, "RoPE scaling factor", Range(1.0, 1e4), ("linear", "llama3", "yarn"))
+    rope_original_max_position_embeddings: int = _hf_option(
+        0, "the pretraining context, > 0 for llama3 and yarn", Range(0, 1 << 24), ("llama3", "yarn"))
+    rope_low_freq_factor: float = _hf_option(1.0, "llama3's low-frequency factor", Range(0.0, 1e4, low_open=True),
+                                             ("llama3",))
+    rope_high_freq_factor: float = _hf_option(4.0, "llama3's high-frequency factor, > rope_low_freq_factor",
+                                              Range(0.0, 1e4, low_open=True), ("llama3",))
+    rope_beta_fast: float = _hf_option(32.0, "yarn's beta_fast, > rope_beta_slow", Range(0.0, 1e4, low_open=True),
+                                       ("yarn",))
+    rope_beta_slow: float = _hf_option(1.0, "yarn's beta_slow", Range(0.0, 1e4, low_open=True), ("yarn",))
+    rope_attention_factor: float = _hf_option(0.0, "yarn's scale of cos and sin; 0 = transformers' default, "
+                                                   "0.1 ln(rope_factor) + 1", Range(0.0, 100.0), ("yarn",))
+    # θ⁽⁰⁾ from existing weights (trainer.init_weights; `dilocox config --init-from DIR`): the folder
+    # is read by the coordinator at genesis only; the CID of those weights as the run encodes θ⁽⁰⁾
+    # (trainer.wire) is checked by every party: the coordinator before genesis, each worker on the
+    # θ⁽⁰⁾ it is sent, the audit on the genesis checkpoint. "" and "": θ⁽⁰⁾ is built from the seed.
+    init_from: str = _hf_option("", "a folder holding config.json and model.safetensors: θ(0)'s weights")
+    init_params: str = _hf_option("", "the CID of those weights as the run encodes θ(0)")
 
     @property
     def kv_heads(self) -> int:
@@ -141,6 +142,12 @@ class ModelConfig:
         return self.intermediate_size or 32 * math.ceil(8 * self.n_embd / (3 * 32))
 
 
+# The model fields that only some RoPE types read, with their defaults and those types (from the
+# fields' declarations): each must keep its default under the other types.
+ROPE_TYPE_FIELDS: dict[str, tuple[Any, tuple[str, ...]]] = {
+    f.name: (f.default, f.metadata["rope_types"]) for f in fields(ModelConfig) if "rope_types" in f.metadata}
+
+
 @dataclass(frozen=True)
 class InnerConfig:
     """Inner optimiser (AdamW), run by every worker for ``steps`` (H) steps a round.
@@ -148,17 +155,17 @@ class InnerConfig:
     Defaults follow the DiLoCo lineage: lr 4e-4, weight decay 0.1, betas (0.9, 0.95).
     """
 
-    steps: int = 50  # [1, 1_000_000] inner steps (H) a round
-    batch_size: int = 16  # [1, 4096] sequences a step
-    lr: float = 4e-4  # (0, 10]
-    weight_decay: float = 0.1  # [0, 10]
-    beta1: float = 0.9  # [0, 1)
-    beta2: float = 0.95  # [0, 1)
-    grad_clip: float = 1.0  # [0, 1e6]: max global grad norm; 0 disables clipping
-    # DiLoCoX's adaptive H: round r trains H_r steps, H_r falling with the downlink's rank
-    # (trainer.schedule.inner_steps_for_round has the rule); needs compression with the low-rank codec.
-    adaptive_steps: bool = False
-    min_steps: int = 1  # [1, 1_000_000], <= steps: the floor of H_r when adaptive_steps is on
+    steps: int = setting(50, "inner steps (H) a round", Range(1, 1_000_000))
+    batch_size: int = setting(16, "sequences a step", Range(1, 4096))
+    lr: float = setting(4e-4, "AdamW learning rate", Range(0.0, 10.0, low_open=True))
+    weight_decay: float = setting(0.1, "AdamW weight decay", Range(0.0, 10.0))
+    beta1: float = setting(0.9, "AdamW beta1", Range(0.0, 1.0, high_open=True))
+    beta2: float = setting(0.95, "AdamW beta2", Range(0.0, 1.0, high_open=True))
+    grad_clip: float = setting(1.0, "max global gradient norm; 0 disables clipping", Range(0.0, 1e6))
+    # DiLoCoX's adaptive H: H_r falls with the downlink's rank (trainer.schedule.inner_steps_for_round
+    # has the rule); it needs compression with the low-rank codec.
+    adaptive_steps: bool = setting(False, "round r trains H_r steps, falling with the downlink's rank")
+    min_steps: int = setting(1, "the floor of H_r when adaptive_steps is on, <= steps", Range(1, 1_000_000))
 
 
 @dataclass(frozen=True)
@@ -168,9 +175,9 @@ class OuterConfig:
     Defaults follow DiLoCo: lr 0.7, momentum 0.9, Nesterov.
     """
 
-    lr: float = 0.7  # (0, 10]
-    momentum: float = 0.9  # [0, 1)
-    nesterov: bool = True
+    lr: float = setting(0.7, "outer SGD learning rate", Range(0.0, 10.0, low_open=True))
+    momentum: float = setting(0.9, "outer SGD momentum", Range(0.0, 1.0, high_open=True))
+    nesterov: bool = setting(True, "Nesterov momentum")
 
 
 @dataclass(frozen=True)
@@ -187,14 +194,15 @@ class DataConfig:
     one, so ``eval_fraction`` does not apply.
     """
 
-    corpus: str = "embedded"
-    corpus_sha256: str = ""
-    tokens: str = ""  # a directory written by `dilocox data prepare`; "" = `corpus` text as byte tokens
-    tokens_cid: str = ""  # CID of that directory's index.json (pinned when the run is created)
-    eval_fraction: float = 0.1  # (0, 0.5]: the tail of the corpus held out for evaluation
-    # [1, 10_000] batches of inner.batch_size, and eval_batches x batch_size x block_size at most
-    # MAX_EVAL_TOKENS (2^24): the held-out batches are kept in memory by every process
-    eval_batches: int = 8
+    corpus: str = setting("embedded", "\"embedded\" (generated from the seed) or a UTF-8 text file")
+    corpus_sha256: str = setting("", "the corpus's sha256 (pinned when the run is created)")
+    tokens: str = setting("", "a directory written by `dilocox data prepare`; \"\" = `corpus` as byte tokens")
+    tokens_cid: str = setting("", "CID of that directory's index.json (pinned when the run is created)")
+    eval_fraction: float = setting(0.1, "the tail of the corpus held out for evaluation",
+                                   Range(0.0, 0.5, low_open=True))
+    # eval_batches x batch_size x block_size is at most MAX_EVAL_TOKENS (2^24): the held-out
+    # batches are kept in memory by every process.
+    eval_batches: int = setting(8, "held-out batches of inner.batch_size", Range(1, 10_000))
 
 
 @dataclass(frozen=True)
@@ -206,45 +214,47 @@ class RoundConfig:
     A worker silent for ``liveness_timeout_s`` is no longer waited for.
     """
 
-    rounds: int = 5  # [1, 1_000_000]
-    expected_workers: int = 2  # [1, 1024]; also the number of data shards
-    quorum: int = 2  # [1, expected_workers]
-    straggler_timeout_s: float = 60.0  # [0.1, 86400] seconds
-    heartbeat_interval_s: float = 1.0  # [0.05, 60] seconds
-    liveness_timeout_s: float = 6.0  # [0.1, 3600] seconds, and > heartbeat_interval_s
-    # L2 bound on a pseudo-gradient; 0 derives it (see trainer.aggregation.norm_bound). An explicit
-    # bound must be in [inner.lr x sqrt(parameters), 1e12]: the floor is the norm of a single AdamW
-    # step (every coordinate moves by about lr), so a smaller bound would refuse every honest update
-    # and no round would ever close.
-    max_update_norm: float = 0.0
-    # DiLoCoX's one-step-delay overlap of the exchange with the next round's compute (see
-    # trainer.worker.loops). Staleness and outer momentum compound, so lower outer.momentum when
-    # turning this on (docs/measurements.md has the figures; `dilocox bench overlap` measures them).
-    overlap: bool = False
-    # Where an overlapped round starts (trainer.worker.loops): "delayed", the newest global state
-    # plus the worker's own last Δ; or "eager" (Kale et al. 2025), the newest global state moved by
-    # a proxy of the outer step still in flight: the step before it, corrected by the worker's own
-    # change of Δ.
-    overlap_start: str = "delayed"
-    # Robust aggregation (trainer.aggregation.aggregate): each update is clipped to clip_multiple
-    # (c) x the lower median of the round's update norms and the previous clip_history_rounds (K)
-    # rounds' norms. c: 0 (off: the plain mean) or [1, 100]; K: [0, 64].
-    clip_multiple: float = 2.0
-    clip_history_rounds: int = 2
-    # Robust mean of the clipped updates, coordinate by coordinate (trainer.aggregation.aggregate):
-    # one of AGGREGATORS: "mean" (the plain mean), "trimmed_mean" (drop the floor(trim_fraction x n)
-    # lowest and as many highest of the n values, average the rest) or "median" (the lower median).
-    # trim_fraction: [0, 0.5); it matters only to "trimmed_mean", and trims nothing below n = 1/trim_fraction.
-    aggregator: str = "mean"
-    trim_fraction: float = 0.2
-    # Screening by effect (trainer.coordinator.screening): refuse an update that raises the loss of the round's
-    # start checkpoint by more than screen_margin nats on held-out batches the coordinator draws
-    # privately each round. 0: off (the default); otherwise (0, 100].
-    screen_margin: float = 0.0
-    # K: full parameters and outer state are stored for genesis, every round r with r % K == 0, and
-    # the last round; a round in between is rebuilt from the newest full one before it by re-running
-    # the later rounds' transitions from their manifests (trainer.checkpoints). [1, 1_000_000].
-    checkpoint_every: int = 1
+    rounds: int = setting(5, "outer rounds", Range(1, 1_000_000))
+    expected_workers: int = setting(2, "workers, and data shards", Range(1, 1024))
+    quorum: int = setting(2, "accepted updates that close a round, <= expected_workers", Range(1, 1024))
+    straggler_timeout_s: float = setting(60.0, "seconds a round waits after its first accepted update",
+                                         Range(0.1, 86_400.0))
+    heartbeat_interval_s: float = setting(1.0, "seconds between a worker's heartbeats", Range(0.05, 60.0))
+    liveness_timeout_s: float = setting(6.0, "seconds of silence after which a worker is not waited for, "
+                                             "> heartbeat_interval_s", Range(0.1, 3600.0))
+    # An explicit bound must be at least inner.lr x sqrt(parameters): the norm of a single AdamW step
+    # (every coordinate moves by about lr), so a smaller bound would refuse every honest update and no
+    # round would ever close.
+    max_update_norm: float = setting(0.0, "L2 bound on a pseudo-gradient; 0 derives it "
+                                          "(trainer.aggregation.norm_bound)", Range(0.0, 1e12))
+    # Staleness and outer momentum compound, so lower outer.momentum when turning this on
+    # (docs/measurements.md has the figures; `dilocox bench overlap` measures them).
+    overlap: bool = setting(False, "DiLoCoX's one-step-delay overlap of the exchange with the next round's "
+                                   "compute (trainer.worker.loops)")
+    # "delayed": the newest global state plus the worker's own last Δ; "eager" (Kale et al. 2025):
+    # the newest global state moved by a proxy of the outer step still in flight (the step before it,
+    # corrected by the worker's own change of Δ).
+    overlap_start: OverlapStart = setting("delayed", "where an overlapped round starts")
+    # Robust aggregation (trainer.aggregation.aggregate): each update is clipped to clip_multiple (c)
+    # x the lower median of the round's update norms and the previous clip_history_rounds (K) rounds'.
+    clip_multiple: float = setting(2.0, "c: updates are clipped to c x the median norm",
+                                   Range(1.0, 100.0, off=0.0, off_means="no clipping", with_relations=True))
+    clip_history_rounds: int = setting(2, "K: earlier rounds whose norms join the median",
+                                       Range(0, 64, with_relations=True))
+    # "trimmed_mean" drops the floor(trim_fraction x n) lowest and as many highest of the n values
+    # and averages the rest; "median" is the lower median.
+    aggregator: Aggregator = setting("mean", "robust mean of the clipped updates, coordinate by coordinate")
+    trim_fraction: float = setting(0.2, "trimmed_mean's fraction trimmed at each end (none below n = "
+                                        "1/trim_fraction)", Range(0, 0.5, high_open=True, with_relations=True))
+    # trainer.coordinator.screening: the held-out batches are drawn privately each round.
+    screen_margin: float = setting(0.0, "refuse an update that raises the loss of the round's start checkpoint "
+                                        "by more than this many nats on held-out batches",
+                                   Range(0, 100, low_open=True, off=0.0, off_means="no screening",
+                                         with_relations=True))
+    # Full parameters and outer state are stored for genesis, every round r with r % K == 0, and the
+    # last round; a round in between is rebuilt from the newest full one before it by re-running the
+    # later rounds' transitions from their manifests (trainer.checkpoints).
+    checkpoint_every: int = setting(1, "K: rounds between stored full checkpoints", Range(1, 1_000_000))
 
 
 # What the product runs: DiLoCoX. Each section's own defaults above are the plain building block
@@ -262,16 +272,14 @@ DILOCOX_ROUNDS = RoundConfig(overlap=True, overlap_start="delayed")
 
 @dataclass(frozen=True)
 class RunConfig:
-    run_id: str = "dilocox"
-    seed: int = 1337  # [0, 2^63 - 1]
+    run_id: str = setting("dilocox", "the run's name, [A-Za-z0-9._-]{1,64}")
+    seed: int = setting(1337, "seeds θ(0), the embedded corpus and every draw of the run", Range(0, 2**63 - 1))
     model: ModelConfig = field(default_factory=ModelConfig)
     inner: InnerConfig = field(default_factory=InnerConfig)
     outer: OuterConfig = field(default_factory=lambda: DILOCOX_OUTER)
     data: DataConfig = field(default_factory=DataConfig)
     rounds: RoundConfig = field(default_factory=lambda: DILOCOX_ROUNDS)
-    # Ranges checked here (trainer.compression checks less): target_energy (0, 1], min_rank and
-    # max_rank [1, 4096] with min <= max, window [1, 1000], max_rank_factor [1, 1000], group sizes
-    # [1, 2^20].
+    # Its fields declare their ranges (trainer.compression.CompressionConfig), checked here.
     compression: CompressionConfig = field(default_factory=lambda: DILOCOX_COMPRESSION)
 
     def __post_init__(self) -> None:
@@ -357,7 +365,7 @@ class RunConfig:
         Path(path).write_text(strict_json(self.to_json(), indent=2, sort_keys=True) + "\n")
 
 
-class ConfigError(ValueError):
+class ConfigError(DilocoxError, ValueError):
     """A configuration that cannot be used, with the field that is wrong."""
 
 
@@ -404,6 +412,8 @@ def _decode(cls: type[T], obj: Any, path: str, base: T | None = None) -> T:
             kwargs[name] = _number(value, where)
         elif kind is bool:
             kwargs[name] = _exact(value, bool, where)
+        elif choices_of(kind) is not None:  # one of the choices, checked with the other fields
+            kwargs[name] = _exact(value, str, where)
         else:
             kwargs[name] = _exact(value, kind, where)
     return dataclasses.replace(base, **kwargs) if base is not None else cls(**kwargs)
@@ -450,75 +460,11 @@ def _exact(value: Any, kind: type, where: str) -> Any:
     return value
 
 
-# The accepted range of every numeric field, by "section.field": (low, high, low_open, high_open).
-# Each field's comment repeats its range; _validate refuses a value outside it (and any NaN or
-# infinity) with a message naming the field, the value and the range.
-_RANGES: dict[str, tuple[float, float, bool, bool]] = {
-    "seed": (0, 2**63 - 1, False, False),
-    "model.vocab_size": (256, 262_144, False, False),
-    "model.block_size": (2, 16_384, False, False),
-    "model.n_layer": (1, 256, False, False),
-    "model.n_head": (1, 256, False, False),
-    "model.n_embd": (1, 16_384, False, False),
-    "model.n_kv_head": (0, 256, False, False),
-    "model.intermediate_size": (0, 1 << 20, False, False),
-    "model.rope_theta": (1.0, 1e9, False, False),
-    "model.rms_norm_eps": (1e-12, 0.01, False, False),
-    "model.head_size": (0, 1024, False, False),
-    "model.rope_factor": (1.0, 1e4, False, False),
-    "model.rope_original_max_position_embeddings": (0, 1 << 24, False, False),
-    "model.rope_low_freq_factor": (0.0, 1e4, True, False),
-    "model.rope_high_freq_factor": (0.0, 1e4, True, False),
-    "model.rope_beta_fast": (0.0, 1e4, True, False),
-    "model.rope_beta_slow": (0.0, 1e4, True, False),
-    "model.rope_attention_factor": (0.0, 100.0, False, False),
-    "inner.steps": (1, 1_000_000, False, False),
-    "inner.batch_size": (1, 4096, False, False),
-    "inner.lr": (0.0, 10.0, True, False),
-    "inner.weight_decay": (0.0, 10.0, False, False),
-    "inner.beta1": (0.0, 1.0, False, True),
-    "inner.beta2": (0.0, 1.0, False, True),
-    "inner.grad_clip": (0.0, 1e6, False, False),
-    "inner.min_steps": (1, 1_000_000, False, False),
-    "outer.lr": (0.0, 10.0, True, False),
-    "outer.momentum": (0.0, 1.0, False, True),
-    "data.eval_fraction": (0.0, 0.5, True, False),
-    "data.eval_batches": (1, 10_000, False, False),
-    "rounds.rounds": (1, 1_000_000, False, False),
-    "rounds.expected_workers": (1, 1024, False, False),
-    "rounds.quorum": (1, 1024, False, False),
-    "rounds.straggler_timeout_s": (0.1, 86_400.0, False, False),
-    "rounds.heartbeat_interval_s": (0.05, 60.0, False, False),
-    "rounds.liveness_timeout_s": (0.1, 3600.0, False, False),
-    "rounds.max_update_norm": (0.0, 1e12, False, False),
-    "rounds.checkpoint_every": (1, 1_000_000, False, False),
-    "compression.target_energy": (0.0, 1.0, True, False),
-    "compression.min_rank": (1, 4096, False, False),
-    "compression.max_rank": (1, 4096, False, False),
-    "compression.window": (1, 1000, False, False),
-    "compression.max_rank_factor": (1.0, 1000.0, False, False),
-    "compression.int4_group_size": (1, 1 << 20, False, False),
-    "compression.int8_group_size": (1, 1 << 20, False, False),
-    "compression.topk_density": (0.0, 1.0, True, False),
-    "compression.topk_chunk": (1, 65_536, False, False),
-}
 # Held-out tokens (eval_batches x batch_size x block_size) the coordinator and every worker keep in
 # memory, as int64 inputs and targets: 2^24 tokens is 256 MiB. The default is 8 x 16 x 64 = 8192.
 MAX_EVAL_TOKENS = 1 << 24
 # Parameters of the model (estimated_parameters; the default GPT has about 0.47M).
 MAX_PARAMETERS = 10_000_000_000
-
-
-def _interval(spec: tuple[float, float, bool, bool]) -> str:
-    lo, hi, lo_open, hi_open = spec
-    return f"{'(' if lo_open else '['}{lo:g}, {hi:g}{')' if hi_open else ']'}"
-
-
-def _in_range(value: float, spec: tuple[float, float, bool, bool]) -> bool:
-    lo, hi, lo_open, hi_open = spec
-    if not math.isfinite(value):
-        return False
-    return (lo < value if lo_open else lo <= value) and (value < hi if hi_open else value <= hi)
 
 
 def _numeric_fields(cfg: RunConfig) -> list[tuple[str, Any]]:
@@ -531,6 +477,71 @@ def _numeric_fields(cfg: RunConfig) -> list[tuple[str, Any]]:
         else:
             out.append((f.name, value))
     return [(name, v) for name, v in out if isinstance(v, (int, float)) and not isinstance(v, bool)]
+
+
+def _declarations(kind: type, prefix: str = "") -> list[tuple[str, dataclasses.Field[Any], Any]]:
+    """Every field of a configuration section, nested sections walked, as ("section.field" or
+    "field", its declaration, its type), in declaration order."""
+    hints = get_type_hints(kind)
+    out: list[tuple[str, dataclasses.Field[Any], Any]] = []
+    for f in fields(kind):
+        if dataclasses.is_dataclass(hints[f.name]):
+            out += _declarations(hints[f.name], f"{prefix}{f.name}.")
+        else:
+            out.append((prefix + f.name, f, hints[f.name]))
+    return out
+
+
+_DECLARED = _declarations(RunConfig)
+# The range of every numeric field checked on its own, by "section.field" (the ranges declared
+# with_relations are checked with the relations between fields).
+_RANGES: dict[str, Range] = {name: f.metadata["range"] for name, f, _ in _DECLARED
+                             if "range" in f.metadata and not f.metadata["range"].with_relations}
+
+
+def _value_at(cfg: RunConfig, name: str) -> Any:
+    """The value of "section.field" (or "field") in ``cfg``."""
+    value: Any = cfg
+    for part in name.split("."):
+        value = getattr(value, part)
+    return value
+
+
+def _declared_problems(cfg: RunConfig) -> list[str]:
+    """Each field against its own declaration: a choice field holds one of its choices, a numeric
+    field is in its range; a NaN or infinity is refused in every float field."""
+    problems: list[str] = []
+    for name, f, kind in _DECLARED:
+        value = _value_at(cfg, name)
+        choices = choices_of(kind)
+        if choices is not None:
+            if value not in choices:
+                problems.append(choice_refusal(name, value, choices, f.metadata.get("unsupported")))
+            continue
+        if not isinstance(value, (int, float)) or isinstance(value, bool):
+            continue
+        accepted = f.metadata.get("range")
+        if accepted is None or accepted.with_relations:
+            if isinstance(value, float) and not math.isfinite(value):
+                problems.append(f"{name} = {value!r} must be a finite number")
+        elif not accepted.admits(value):
+            problems.append(accepted.refusal(name, value))
+    return problems
+
+
+def fields_help() -> str:
+    """Every setting of ``--set``, one a line: its name, type, the default of RunConfig(), the values
+    it accepts and its help (the field list of ``dilocox config --help``)."""
+    defaults = RunConfig()
+    lines = []
+    for name, f, kind in _DECLARED:
+        choices = choices_of(kind)
+        accepted = " | ".join(choices) if choices else f.metadata["range"].describe() if "range" in f.metadata else ""
+        type_name = "choice" if choices else getattr(kind, "__name__", str(kind))
+        default = _value_at(defaults, name)
+        lines.append(f"  {name} ({type_name} = {default!r}{'; ' + accepted if accepted else ''}): "
+                     f"{f.metadata.get('help', '')}")
+    return "\n".join(lines)
 
 
 def estimated_parameters(m: ModelConfig) -> int:
@@ -548,17 +559,12 @@ def estimated_parameters(m: ModelConfig) -> int:
     if m.family == "gpt":
         return 2 * vocab * d + m.block_size * d + m.n_layer * (12 * d * d + 13 * d) + 2 * d
     if m.family not in ROPE_FAMILIES:
-        raise ConfigError(_unknown_family(m.family))
+        raise ConfigError(choice_refusal("model.family", m.family, MODEL_FAMILIES, unsupported=""))
     q, kv = m.n_head * m.head_dim, m.kv_heads * m.head_dim
     layer = 2 * d * q + 2 * d * kv + 3 * d * m.mlp_width + 2 * d
     if m.family == "qwen2" or m.attention_bias:
         layer += q + 2 * kv + (d if m.attention_bias else 0)
     return (1 if m.tie_word_embeddings else 2) * vocab * d + m.n_layer * layer + d
-
-
-def _unknown_family(family: object) -> str:
-    return (f"model.family = {str(family)[:40]!r} is not supported: must be one of "
-            f"{', '.join(MODEL_FAMILIES)}")
 
 
 # The model fields only the HF families read, with the value the GPT needs (its default).
@@ -598,10 +604,7 @@ def _model_problems(m: ModelConfig) -> list[str]:
 
 
 def _rope_problems(m: ModelConfig, defaults: dict[str, Any]) -> list[str]:
-    """The RoPE type and the fields it reads (ROPE_TYPE_FIELDS)."""
-    if m.rope_type not in ROPE_TYPES:
-        return [f"model.rope_type = {str(m.rope_type)[:40]!r} is not supported: must be one of "
-                f"{', '.join(ROPE_TYPES)} (dynamic and longrope change the frequencies with the sequence's length)"]
+    """The fields the RoPE type reads (ROPE_TYPE_FIELDS), and the others at their defaults."""
     problems = []
     for name, (default, types) in ROPE_TYPE_FIELDS.items():
         if m.rope_type not in types and getattr(m, name) != default:
@@ -656,21 +659,7 @@ def _validate(cfg: RunConfig) -> list[str]:
     problems: list[str] = []
     if not (isinstance(cfg.run_id, str) and _RUN_ID.match(cfg.run_id)):
         problems.append(f"run_id {cfg.run_id!r} must match [A-Za-z0-9._-]{{1,64}}")
-    if cfg.model.family not in MODEL_FAMILIES:
-        problems.append(_unknown_family(cfg.model.family))
-    if cfg.rounds.overlap_start not in OVERLAP_STARTS:
-        problems.append(f"rounds.overlap_start = {cfg.rounds.overlap_start[:40]!r} must be one of "
-                        f"{', '.join(OVERLAP_STARTS)}")
-    if cfg.rounds.aggregator not in AGGREGATORS:
-        problems.append(f"rounds.aggregator = {cfg.rounds.aggregator!r} must be one of {', '.join(AGGREGATORS)}")
-    for name, value in _numeric_fields(cfg):
-        spec = _RANGES.get(name)
-        if spec is None:  # a field without a listed range: at least refuse NaN and infinities
-            if isinstance(value, float) and not math.isfinite(value):
-                problems.append(f"{name} = {value!r} must be a finite number")
-            continue
-        if not _in_range(value, spec):
-            problems.append(f"{name} = {value!r} is out of range: must be in {_interval(spec)}")
+    problems += _declared_problems(cfg)
     if problems:  # the relations below assume every field is a finite number in its range
         return problems
     m, i, r, c = cfg.model, cfg.inner, cfg.rounds, cfg.compression
@@ -707,14 +696,10 @@ def _validate(cfg: RunConfig) -> list[str]:
                             f"use 0 to derive the bound")
     if not c.min_rank <= c.max_rank:
         problems.append(f"compression.min_rank = {c.min_rank} must not exceed compression.max_rank = {c.max_rank}")
-    if not (r.clip_multiple == 0 or 1 <= r.clip_multiple <= 100):
-        problems.append(f"rounds.clip_multiple = {r.clip_multiple!r} must be 0 (no clipping) or in [1, 100]")
-    if not 0 <= r.clip_history_rounds <= 64:
-        problems.append(f"rounds.clip_history_rounds = {r.clip_history_rounds} must be in [0, 64]")
-    if not 0 <= r.trim_fraction < 0.5:
-        problems.append(f"rounds.trim_fraction = {r.trim_fraction!r} must be in [0, 0.5)")
-    if not 0 <= r.screen_margin <= 100:
-        problems.append(f"rounds.screen_margin = {r.screen_margin!r} must be 0 (no screening) or in (0, 100]")
+    for name, f, _ in _DECLARED:  # the ranges declared with_relations, each field finite by now
+        accepted, value = f.metadata.get("range"), _value_at(cfg, name)
+        if accepted is not None and accepted.with_relations and not accepted.admits(value):
+            problems.append(accepted.refusal(name, value))
     return problems
 
 

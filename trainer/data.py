@@ -25,6 +25,7 @@ from typing import Iterator, Protocol
 import numpy as np
 import torch
 
+from storage_client import DilocoxError
 from trainer.config import DataConfig
 
 EMBEDDED_CORPUS_BYTES = 400_000
@@ -97,7 +98,7 @@ def embedded_corpus(seed: int, n_bytes: int = EMBEDDED_CORPUS_BYTES) -> str:
     return "\n\n".join(paragraphs) + "\n"
 
 
-class CorpusError(ValueError):
+class CorpusError(DilocoxError, ValueError):
     """The corpus cannot be read, or is not the one the run was configured with."""
 
 

@@ -44,7 +44,7 @@ from cryptography.hazmat.primitives.asymmetric import ec
 from cryptography.hazmat.primitives.asymmetric.types import PrivateKeyTypes, PublicKeyTypes
 from cryptography.x509.oid import ExtendedKeyUsageOID, NameOID
 
-from storage_client import write_atomic
+from storage_client import DilocoxError, write_atomic
 
 log = logging.getLogger("dilocox.tls")
 
@@ -63,7 +63,7 @@ _PAIRS = re.compile(r"[0-9a-f]{2}(?::[0-9a-f]{2}){31}", re.ASCII)
 _LABEL = re.compile(r"(?!-)[a-z0-9-]{1,63}(?<!-)", re.ASCII)
 
 
-class TlsError(ValueError):
+class TlsError(DilocoxError, ValueError):
     """A TLS setting, file, certificate or handshake that cannot be used; the message is one line."""
 
 

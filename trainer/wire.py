@@ -16,14 +16,14 @@ from safetensors.torch import load as st_load
 from safetensors.torch import save as st_save
 
 from proto import CHUNK_BYTES
-from storage_client import JSONBoundsError, loads_bounded
+from storage_client import DilocoxError, JSONBoundsError, loads_bounded
 
 Params = dict[str, torch.Tensor]
 # name -> (dtype, shape): what a payload must contain, checked before its bytes are trusted.
 Layout = dict[str, tuple[str, tuple[int, ...]]]
 
 
-class WireError(ValueError):
+class WireError(DilocoxError, ValueError):
     """Bytes that do not decode into what their header promised."""
 
 

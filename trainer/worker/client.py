@@ -39,7 +39,7 @@ from attestation import (
 )
 from attestation.signing import global_digest, update_digest
 from proto import CHANNEL_OPTIONS, PROTOCOL_VERSION, Encoding, WorkerPhase, pb, pb_grpc, session_metadata
-from storage_client import CID, Codec, canonical_json, loads_bounded
+from storage_client import CID, Codec, DilocoxError, canonical_json, loads_bounded
 from trainer.compression import CodecHeader, CompressionError
 from trainer.config import RunConfig, estimated_parameters
 from trainer.downlink import apply_update, decode_update
@@ -69,7 +69,7 @@ MAX_CONFIG_JSON = 1 << 20  # bytes of the run configuration a coordinator may se
 MAX_EARLY_EMPTY = 20
 
 
-class WorkerError(RuntimeError):
+class WorkerError(DilocoxError, RuntimeError):
     """The worker cannot go on; the message says why."""
 
 
