@@ -162,7 +162,7 @@ def audit_run_dir(run_dir: Path, *, rpc_url: str | None = None, allow_dev: bool 
     from rich.markup import escape
 
     from settlement import Anvil, AnvilError, ChainError, Deployment, DeploymentError
-    from storage_client import open_store, strict_json, write_atomic
+    from storage_client import RUN_STORE_DIR, open_store, strict_json, write_atomic
 
     to_stdout = json_path is not None and str(json_path) == JSON_STDOUT
     console = console or Console(stderr=to_stdout)
@@ -172,8 +172,8 @@ def audit_run_dir(run_dir: Path, *, rpc_url: str | None = None, allow_dev: bool 
     except DeploymentError as exc:
         console.print(f"[bold red]cannot audit[/]: {escape(str(exc))}")
         return EXIT_ERROR
-    if not (run_dir / "store").is_dir():
-        console.print(f"[bold red]cannot audit[/]: {run_dir / 'store'} is not a directory")
+    if not (run_dir / RUN_STORE_DIR).is_dir():
+        console.print(f"[bold red]cannot audit[/]: {run_dir / RUN_STORE_DIR} is not a directory")
         return EXIT_ERROR
     try:
         policy, notes = policy_for(run_dir, allow_dev, dev_roots, dcap)

@@ -39,7 +39,7 @@ from attestation import DEV_WARNING, DevRoot
 from settlement import DEV_ACCOUNTS, Anvil, Chain, Deployment, Ledger
 from settlement.provision import TOKEN_UNIT, allow_run, await_run, deploy_to, fund_pool, mine, write_dev_keys
 from settlement.roster import roster_of, unreported_lines
-from storage_client import open_store
+from storage_client import RUN_STORE_DIR, open_store
 from trainer.config import RunConfig, demo_config, estimated_parameters
 from trainer.procgroup import available_cpus
 from trainer.dataset import pin_dataset
@@ -129,7 +129,7 @@ def run_demo(run_dir: Path, workers: int = 2, settings: Sequence[str] = (), inse
     config = config.with_settings(settings)
     # Pin the corpus (or prepared tokens) now: the allowlisted measurement covers the configuration's CID.
     config, _ = pin_dataset(config)
-    if (run_dir / "HEAD").exists() or (run_dir / "store").exists():
+    if (run_dir / "HEAD").exists() or (run_dir / RUN_STORE_DIR).exists():
         console.print(f"[yellow]replacing the previous demo run in {run_dir}[/]")
         shutil.rmtree(run_dir)
     run_dir.mkdir(parents=True, exist_ok=True)
