@@ -123,7 +123,7 @@ class Store(Protocol):
         except ValueError as e:  # covers UnicodeDecodeError and JSONDecodeError
             raise StoreError(f"object {cid} in {self.location} is not valid JSON: {e}") from None
 
-    def __contains__(self, cid: CID | str) -> bool:  # type: ignore[override]
+    def __contains__(self, cid: CID | str) -> bool:
         return self.has(cid)
 
 
