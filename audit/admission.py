@@ -51,7 +51,7 @@ from storage_client import (
     CorruptObjectError,
     InvalidCIDError,
     MissingObjectError,
-    ObjectStore,
+    Store,
     StoreError,
 )
 
@@ -91,7 +91,7 @@ class _Record:
     evidence: CID
 
 
-def check_admission(store: ObjectStore, *, worker: str, measurement: bytes, evidence_digest: bytes,
+def check_admission(store: Store, *, worker: str, measurement: bytes, evidence_digest: bytes,
                     run_id: bytes, policy: Policy,
                     code_measurements: Collection[bytes] | None = None) -> AdmissionCheck:
     """Check one ``WorkerAdmitted`` event's record and evidence; never raises for bad data.
@@ -113,7 +113,7 @@ def check_admission(store: ObjectStore, *, worker: str, measurement: bytes, evid
     return result
 
 
-def _read_record(store: ObjectStore, record_cid: CID, worker: str, evidence_digest: bytes,
+def _read_record(store: Store, record_cid: CID, worker: str, evidence_digest: bytes,
                  result: AdmissionCheck) -> _Record | None:
     """The admission record, read and parsed; None after an ``admission-record`` failure."""
     obj_name = str(record_cid)
@@ -173,7 +173,7 @@ def _matches_chain(obj_name: str, record: _Record, worker: str, measurement: byt
     return True
 
 
-def _read_evidence(store: ObjectStore, evidence_cid: CID, worker: str, result: AdmissionCheck) -> Evidence | None:
+def _read_evidence(store: Store, evidence_cid: CID, worker: str, result: AdmissionCheck) -> Evidence | None:
     """The evidence the record names, parsed; None after an ``evidence`` failure."""
     try:
         evidence_bytes = store.get(evidence_cid)

@@ -37,7 +37,7 @@ if TYPE_CHECKING:  # the heavy imports (torch, web3) wait until an audit actuall
 
     from attestation import DcapSettings, Policy
     from settlement import Deployment
-    from storage_client import ObjectStore
+    from storage_client import Store
 
 EXIT_OK, EXIT_FAILED, EXIT_ERROR = 0, 1, 2
 JSON_STDOUT = "-"  # ``--json`` without a FILE: the result goes to stdout, alone
@@ -162,7 +162,7 @@ def audit_run_dir(run_dir: Path, *, rpc_url: str | None = None, allow_dev: bool 
     from rich.markup import escape
 
     from settlement import Anvil, AnvilError, ChainError, Deployment, DeploymentError
-    from storage_client import ObjectStore, strict_json, write_atomic
+    from storage_client import RUN_STORE_DIR, open_store, strict_json, write_atomic
 
     to_stdout = json_path is not None and str(json_path) == JSON_STDOUT
     console = console or Console(stderr=to_stdout)
@@ -172,8 +172,8 @@ def audit_run_dir(run_dir: Path, *, rpc_url: str | None = None, allow_dev: bool 
     except DeploymentError as exc:
         console.print(f"[bold red]cannot audit[/]: {escape(str(exc))}")
         return EXIT_ERROR
-    if not (run_dir / "store").is_dir():
-        console.print(f"[bold red]cannot audit[/]: {run_dir / 'store'} is not a directory")
+    if not (run_dir / RUN_STORE_DIR).is_dir():
+        console.print(f"[bold red]cannot audit[/]: {run_dir / RUN_STORE_DIR} is not a directory")
         return EXIT_ERROR
     try:
         policy, notes = policy_for(run_dir, allow_dev, dev_roots, dcap)
@@ -185,7 +185,7 @@ def audit_run_dir(run_dir: Path, *, rpc_url: str | None = None, allow_dev: bool 
     if policy.dcap.source is None:
         console.print("[yellow]no --dcap-collateral or --pccs-url: TDX evidence cannot be verified and is refused[/]")
 
-    store = ObjectStore(run_dir / "store")
+    store = open_store(run_dir)
     try:
         if rpc_url is not None:
             result = _audit_on(rpc_url, store, deployment, run_id, policy, rederive, max_unrecorded, replay)
@@ -217,7 +217,7 @@ def audit_run_dir(run_dir: Path, *, rpc_url: str | None = None, allow_dev: bool 
     return EXIT_OK if result.ok else EXIT_FAILED
 
 
-def _audit_on(rpc_url: str, store: ObjectStore, deployment: Deployment, run_id: bytes | None, policy: Policy,
+def _audit_on(rpc_url: str, store: Store, deployment: Deployment, run_id: bytes | None, policy: Policy,
               rederive: bool, max_unrecorded: int = 0, replay: tuple[int, int | None] = (0, None)) -> AuditResult:
     from settlement import Chain, ChainError, Ledger, Registry
     from settlement.rewards import RewardPool

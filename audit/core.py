@@ -32,7 +32,7 @@ from settlement import ChainError, Ledger, Registry
 from settlement.records import RoundRecord, RunRecord
 from settlement.rewards import RewardPool
 from settlement.roster import roster_of
-from storage_client import CID, Codec, ObjectStore, from_e6, hex_or_none
+from storage_client import CID, Codec, Store, from_e6, hex_or_none
 from trainer.progress import Progress
 
 from .checks import AuditCheck
@@ -57,7 +57,7 @@ class _Audit:
     recompute: Recomputation
     reports: ReportChecks
 
-    def __init__(self, store: ObjectStore, ledger: Ledger, registry: Registry, policy: Policy,
+    def __init__(self, store: Store, ledger: Ledger, registry: Registry, policy: Policy,
                  rederive: bool, max_unrecorded: int = 0, replay: int = 0, replay_seed: int = 0,
                  rewards: RewardPool | None = None) -> None:
         self.findings = Findings(AuditResult(rederived=rederive), store)
@@ -162,7 +162,7 @@ class _Audit:
         return result
 
 
-def run_audit(store: ObjectStore, ledger: Ledger, registry: Registry, *, run_id: bytes | None = None,
+def run_audit(store: Store, ledger: Ledger, registry: Registry, *, run_id: bytes | None = None,
               policy: Policy, rederive: bool = True, max_unrecorded: int = 0, replay: int = 0,
               replay_seed: int | None = None, rewards: RewardPool | None = None) -> AuditResult:
     """Verify a run from the ledger (its views and events) and the store alone.

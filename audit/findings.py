@@ -15,7 +15,7 @@ from storage_client import (
     Manifest,
     ManifestError,
     MissingObjectError,
-    ObjectStore,
+    Store,
     StoreError,
 )
 
@@ -31,7 +31,7 @@ def cid_digest(cid_text: str) -> bytes:
 class Findings:
     """The audit's result as it is being built, and the store it reads."""
 
-    def __init__(self, result: AuditResult, store: ObjectStore) -> None:
+    def __init__(self, result: AuditResult, store: Store) -> None:
         self.result = result
         self.store = store
         self._warned: set[str] = set()

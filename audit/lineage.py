@@ -21,10 +21,9 @@ from storage_client import (
     Codec,
     Manifest,
     ManifestError,
-    ObjectStore,
+    Store,
     StoreError,
     hex_or_none,
-    loads_bounded,
 )
 from storage_client.manifest import SCHEMA as MANIFEST_SCHEMA
 from trainer.checkpoints import is_full_checkpoint
@@ -253,20 +252,14 @@ def check_unrecorded(findings: Findings, run_name: str, last: CID, last_round: i
 _MAX_MANIFEST_BYTES = 4 << 20  # larger objects in a store are tensors, not manifests
 
 
-def _manifests_by_parent(store: ObjectStore, run_name: str) -> dict[str, list[CID]]:
+def _manifests_by_parent(store: Store, run_name: str) -> dict[str, list[CID]]:
     """The run's manifests in the store, by their parent's CID (sorted, so the result is the same
     on every machine). Objects that are not small JSON manifests of this run are skipped."""
     children: dict[str, list[CID]] = defaultdict(list)
     for hex_digest in store:
         cid = CID(Codec.JSON, bytes.fromhex(hex_digest))
-        path = store.path_of(cid)
         try:
-            if path.stat().st_size > _MAX_MANIFEST_BYTES:
-                continue
-            with path.open("rb") as f:
-                if f.read(1) != b"{":
-                    continue
-            data = loads_bounded(store.get(cid), max_bytes=_MAX_MANIFEST_BYTES, what="manifest")
+            data = store.read_small_json(cid, _MAX_MANIFEST_BYTES)
             if not isinstance(data, dict) or data.get("schema") != MANIFEST_SCHEMA:
                 continue
             manifest = Manifest.from_json(data)

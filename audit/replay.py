@@ -66,7 +66,7 @@ from typing import Iterable, Mapping
 
 import torch
 
-from storage_client import Manifest, ObjectStore, Participant, from_e6
+from storage_client import Manifest, Participant, Store, from_e6
 from trainer import topk
 from trainer.compression import CODEC_TOPK, CompressionError, PinnedRankPolicy, compress, decompress, rank_of
 from trainer.topk import KIND_TOPK
@@ -167,7 +167,7 @@ def unreplayable_reason(config: RunConfig, manifests: Mapping[int, Manifest], ro
 class Replayer:
     """Replays contributions of one run from its verified manifests (round → manifest)."""
 
-    def __init__(self, store: ObjectStore, config: RunConfig, manifests: Mapping[int, Manifest]) -> None:
+    def __init__(self, store: Store, config: RunConfig, manifests: Mapping[int, Manifest]) -> None:
         self.store = store
         self.config = config
         self.manifests = dict(manifests)
@@ -462,7 +462,7 @@ def relative_distance(replayed: Params, stored: Params) -> float:
     return math.sqrt(diff) / math.sqrt(norm) if norm > 0 else math.inf
 
 
-def replay_run(store: ObjectStore, config: RunConfig, manifests: Mapping[int, Manifest], k: int,
+def replay_run(store: Store, config: RunConfig, manifests: Mapping[int, Manifest], k: int,
                seed: int) -> ReplayOutcome:
     """Sample ``k`` contributions with ``seed``, replay them (and their chains), re-score their rounds."""
     started = time.perf_counter()

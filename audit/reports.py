@@ -15,7 +15,7 @@ from typing import Any
 from attestation import ReportError, SignedReport
 from attestation.report import Domain, RoundReport, manifest_claims, report_differences
 from settlement.records import RoundRecord
-from storage_client import Manifest, ObjectStore, Participant
+from storage_client import Manifest, Participant, Store
 from trainer.config import RunConfig
 from trainer.data import CorpusError
 from trainer.dataset import run_dataset
@@ -38,7 +38,7 @@ class ReportChecks:
     """Checks each recorded round's reports; ``config`` (None when unreadable) gives the shards."""
 
     def __init__(self, findings: Findings, domain: Domain, signers: Signers, config: RunConfig | None,
-                 store: ObjectStore | None = None) -> None:
+                 store: Store | None = None) -> None:
         self.findings = findings
         self.store = store  # holds a prepared run's token index (data.tokens_cid)
         self.domain = domain

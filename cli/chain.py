@@ -359,7 +359,7 @@ def cmd_fund(args: argparse.Namespace) -> int:
     from settlement import Ledger
     from settlement.provision import await_run, format_tokens, fund_pool
     from settlement.rewards import RewardPool
-    from storage_client import CID, Codec, Manifest, ObjectStore
+    from storage_client import CID, Codec, Manifest, open_store
     from trainer.config import RunConfig
 
     amount = _token_amount(args.amount)
@@ -371,7 +371,7 @@ def cmd_fund(args: argparse.Namespace) -> int:
     funder = _account(args.rpc, args.key_file)
     deployment = _deployment(run_dir / "chain" / "deployment.json", funder)
     minter = _account(args.rpc, args.mint_key_file, "--mint-key-file") if args.mint_key_file else None
-    store = ObjectStore(run_dir / "store")
+    store = open_store(run_dir)
     ledger = Ledger(funder, deployment.ledger, from_block=deployment.deployed_block)
     run_id = await_run(store, ledger, args.wait)
     run = ledger.run_of(run_id)

@@ -39,7 +39,7 @@ from attestation import DEV_WARNING, DevRoot
 from settlement import DEV_ACCOUNTS, Anvil, Chain, Deployment, Ledger
 from settlement.provision import TOKEN_UNIT, allow_run, await_run, deploy_to, fund_pool, mine, write_dev_keys
 from settlement.roster import roster_of, unreported_lines
-from storage_client import ObjectStore
+from storage_client import RUN_STORE_DIR, open_store
 from trainer.config import RunConfig, demo_config, estimated_parameters
 from trainer.procgroup import available_cpus
 from trainer.dataset import pin_dataset
@@ -96,7 +96,7 @@ def fund_and_mature(run_dir: Path, rpc_url: str, rounds: int) -> None:
     deployment = Deployment.load(run_dir / "chain" / "deployment.json")
     owner, coordinator = Chain(rpc_url, DEV_ACCOUNTS[0]), Chain(rpc_url, DEV_ACCOUNTS[1])
     ledger = Ledger(coordinator, deployment.ledger, from_block=deployment.deployed_block)
-    run_id = await_run(ObjectStore(run_dir / "store"), ledger, timeout_s=0)
+    run_id = await_run(open_store(run_dir), ledger, timeout_s=0)
     fund_pool(coordinator, deployment, run_id, DEMO_POOL, rounds, minter=owner)
     mine(coordinator, DEMO_CHALLENGE_WINDOW)
 
@@ -106,7 +106,7 @@ def unreported_summary(run_dir: Path, rpc_url: str, console: Console) -> None:
     each update a round counted without its worker's report (settlement.roster)."""
     deployment = Deployment.load(run_dir / "chain" / "deployment.json")
     ledger = Ledger(Chain(rpc_url, DEV_ACCOUNTS[3]), deployment.ledger, from_block=deployment.deployed_block)
-    store = ObjectStore(run_dir / "store")
+    store = open_store(run_dir)
     run_id = await_run(store, ledger, timeout_s=0)
     lines = unreported_lines(roster_of(store, ledger.recorded_rounds(run_id)))
     for line in lines:
@@ -129,7 +129,7 @@ def run_demo(run_dir: Path, workers: int = 2, settings: Sequence[str] = (), inse
     config = config.with_settings(settings)
     # Pin the corpus (or prepared tokens) now: the allowlisted measurement covers the configuration's CID.
     config, _ = pin_dataset(config)
-    if (run_dir / "HEAD").exists() or (run_dir / "store").exists():
+    if (run_dir / "HEAD").exists() or (run_dir / RUN_STORE_DIR).exists():
         console.print(f"[yellow]replacing the previous demo run in {run_dir}[/]")
         shutil.rmtree(run_dir)
     run_dir.mkdir(parents=True, exist_ok=True)

@@ -25,9 +25,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 def run(args: argparse.Namespace) -> int:
     from trainer.coordinator.server import RunDirBusy, lock_run_dir
     from trainer.run_dir import RunDir, RunDirError
+    from storage_client import RUN_STORE_DIR
     from trainer.store_gc import collect
 
-    if not (Path(args.run) / "store").is_dir():
+    if not (Path(args.run) / RUN_STORE_DIR).is_dir():
         print(f"gc: {args.run} is not a run directory (no store/)")
         return EXIT_ERROR
     run_dir = RunDir(args.run)

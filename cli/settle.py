@@ -93,12 +93,12 @@ def _settle_on(rpc_url: str, run_dir: Path, deployment, claim: bool, key: str, c
     from settlement.provision import format_tokens, run_of
     from settlement.rewards import RewardPool
     from settlement.roster import roster_of
-    from storage_client import ObjectStore, strict_json, write_atomic
+    from storage_client import open_store, strict_json, write_atomic
 
     chain = Chain(rpc_url, key)
     ledger = Ledger(chain, deployment.ledger, from_block=deployment.deployed_block)
     pool = RewardPool(chain, deployment.rewards, ledger, from_block=deployment.deployed_block)
-    store = ObjectStore(run_dir / "store")
+    store = open_store(run_dir)
     run_id = run_of(store, ledger)
     if run_id is None:
         console.print("[bold red]cannot settle[/]: no run on the ledger has its genesis manifest in this store")

@@ -37,7 +37,7 @@ from attestation.report import Domain, manifest_claims, report_differences
 from attestation.signing import update_digest
 from settlement.chain import ChainError
 from settlement.ledger import Deployment, Registry
-from storage_client import CID, Manifest, ObjectStore
+from storage_client import CID, Manifest, Store
 from trainer.refusal import Reason, Refusal
 
 log = logging.getLogger("dilocox.trust")
@@ -93,7 +93,7 @@ class JoinNonces:
 class TrustGate:
     """Admission, update signatures and report checks for one run (thread-safe)."""
 
-    store: ObjectStore
+    store: Store
     registry: Registry
     policy: Policy
     run_id: bytes

@@ -26,7 +26,7 @@ import time
 from pathlib import Path
 
 from attestation import code_measurement
-from storage_client import CID, Codec, ObjectStore, write_atomic
+from storage_client import CID, Codec, Store, write_atomic
 
 from .anvil import DEV_ACCOUNTS
 from .chain import Chain, ChainError
@@ -99,7 +99,7 @@ def allow_run(owner: Chain, deployment: Deployment, config_cid: str, coordinator
     return measurement
 
 
-def run_of(store: ObjectStore, ledger: Ledger) -> bytes | None:
+def run_of(store: Store, ledger: Ledger) -> bytes | None:
     """The ledger's run whose genesis manifest is in ``store`` (the newest, should there be several)."""
     found = None
     for created in ledger.runs_created():
@@ -108,7 +108,7 @@ def run_of(store: ObjectStore, ledger: Ledger) -> bytes | None:
     return found
 
 
-def await_run(store: ObjectStore, ledger: Ledger, timeout_s: float, poll_s: float = 0.5) -> bytes:
+def await_run(store: Store, ledger: Ledger, timeout_s: float, poll_s: float = 0.5) -> bytes:
     """The run of ``store`` on the ledger, waiting up to ``timeout_s`` for its coordinator to create it.
 
     @raise ChainError when no run whose genesis is in the store appears in time
@@ -119,7 +119,7 @@ def await_run(store: ObjectStore, ledger: Ledger, timeout_s: float, poll_s: floa
         if run_id is not None:
             return run_id
         if time.monotonic() >= deadline:
-            raise ChainError(f"no run on the ledger {ledger.address} has its genesis manifest in {store.root} "
+            raise ChainError(f"no run on the ledger {ledger.address} has its genesis manifest in {store.location} "
                              f"after {timeout_s:g}s: is its coordinator started with --ledger on this chain?")
         time.sleep(poll_s)
 

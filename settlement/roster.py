@@ -25,7 +25,7 @@ from collections import defaultdict
 from dataclasses import dataclass, field
 from typing import Any, Sequence
 
-from storage_client import CID, Codec, Manifest, ObjectStore, StoreError
+from storage_client import CID, Codec, Manifest, Store, StoreError
 from storage_client.manifest import ManifestError
 
 from .records import RoundRecord
@@ -76,14 +76,14 @@ class Roster:
                 "unreported": [u.to_json() for u in self.unreported]}
 
 
-def _manifest(store: ObjectStore, record: RoundRecord) -> Manifest | None:
+def _manifest(store: Store, record: RoundRecord) -> Manifest | None:
     try:
         return Manifest.load(store, CID(Codec.JSON, record.manifest_digest))
     except (StoreError, ManifestError, ValueError):
         return None
 
 
-def roster_of(store: ObjectStore, rounds: Sequence[RoundRecord]) -> Roster:
+def roster_of(store: Store, rounds: Sequence[RoundRecord]) -> Roster:
     """The roster of a run from its recorded rounds (with their calls: ``Ledger.recorded_rounds``)
     and the manifests they name in ``store``."""
     ids: dict[str, set[str]] = defaultdict(set)

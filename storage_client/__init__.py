@@ -8,10 +8,19 @@ round to its parent, giving a hash chain from any checkpoint back to genesis.
     cid      CID / Codec: content identifiers and their text form
     canonical  canonical JSON (one byte form per value, floats refused)
     errors   DilocoxError: the root of every error reported to the user in one line
-    store    ObjectStore: hash-verified objects on local disk, atomic writes
+    backend  Store: the interface every reader and writer uses; open_store: a run's store
+    store    ObjectStore: Store's local implementation, hash-verified files, atomic writes
     manifest Manifest / Participant / Downlink / Traffic / lineage: the per-round record and its chain
 """
 
+from .backend import (
+    RUN_STORE_DIR,
+    CorruptObjectError,
+    MissingObjectError,
+    Store,
+    StoreError,
+    open_store,
+)
 from .canonical import (
     JSONBoundsError, bytes32, canonical_json, digest_json, hex32, hex_or_none, loads_bounded, strict_json, unhex32,
 )
@@ -28,13 +37,7 @@ from .manifest import (
     lineage,
     to_e6,
 )
-from .store import (
-    CorruptObjectError,
-    MissingObjectError,
-    ObjectStore,
-    StoreError,
-    write_atomic,
-)
+from .store import ObjectStore, write_atomic
 
 __all__ = [
     "DilocoxError",
@@ -52,6 +55,9 @@ __all__ = [
     "JSONBoundsError",
     "loads_bounded",
     "digest_json",
+    "Store",
+    "open_store",
+    "RUN_STORE_DIR",
     "ObjectStore",
     "StoreError",
     "MissingObjectError",

@@ -49,7 +49,7 @@ from typing import Any
 
 from .canonical import digest_json
 from .cid import CID, Codec, InvalidCIDError
-from .store import ObjectStore
+from .backend import Store
 
 SCHEMA = "dilocox.manifest/v4"
 E6 = 1_000_000
@@ -462,17 +462,17 @@ class Manifest:
         """The CID this manifest has (or would have) in any store."""
         return digest_json(self.to_json())
 
-    def store(self, store: ObjectStore) -> CID:
+    def store(self, store: Store) -> CID:
         """Write the manifest to `store`; its CID identifies the round."""
         return store.put_json(self.to_json())
 
     @classmethod
-    def load(cls, store: ObjectStore, cid: CID | str) -> Manifest:
+    def load(cls, store: Store, cid: CID | str) -> Manifest:
         """Read and validate a manifest; store errors (missing, corrupt) propagate."""
         return cls.from_json(store.get_json(cid))
 
 
-def lineage(store: ObjectStore, head: CID | str) -> list[tuple[CID, Manifest]]:
+def lineage(store: Store, head: CID | str) -> list[tuple[CID, Manifest]]:
     """Walk parent links from `head` to genesis; return [(cid, manifest)] genesis first.
 
     Every link is checked: the parent must be exactly one round earlier and belong

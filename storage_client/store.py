@@ -1,4 +1,4 @@
-"""A content-addressed object store on local disk.
+"""The local implementation of the Store door (storage_client.backend): objects on local disk.
 
 Objects are immutable byte strings filed under the sha256 of their contents:
 root/objects/<hex[:2]>/<hex[2:]>. Because the name is the hash, every read is
@@ -16,45 +16,18 @@ the final path, never a partial file.
 from __future__ import annotations
 
 import hashlib
-import json
 import os
 import tempfile
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
-from .canonical import canonical_json
+from .backend import CorruptObjectError, MissingObjectError, Store, StoreError, as_cid
+from .canonical import loads_bounded
 from .cid import CID, Codec
-from .errors import DilocoxError
 
 _TMP_PREFIX = ".tmp-"
 _CHUNK = 1 << 20  # hash large checkpoints in 1 MiB pieces instead of loading them whole
-
-
-class StoreError(DilocoxError):
-    """Base class for object store failures."""
-
-
-class MissingObjectError(StoreError):
-    """The requested object is not in the store."""
-
-    def __init__(self, cid: CID, path: Path) -> None:
-        super().__init__(f"object {cid} not found at {path}")
-        self.cid = cid
-        self.path = path
-
-
-class CorruptObjectError(StoreError):
-    """The stored bytes do not hash to the requested CID."""
-
-    def __init__(self, cid: CID, path: Path, expected: str, actual: str) -> None:
-        super().__init__(
-            f"object {cid} at {path} is corrupt: expected sha256 {expected}, got {actual}"
-        )
-        self.cid = cid
-        self.path = path
-        self.expected = expected
-        self.actual = actual
 
 
 def _fsync_dir(path: Path) -> None:
@@ -111,25 +84,23 @@ def _sha256_file(path: Path) -> bytes:
     return h.digest()
 
 
-def _as_cid(cid: CID | str) -> CID:
-    if isinstance(cid, CID):
-        return cid
-    if isinstance(cid, str):
-        return CID.parse(cid)
-    raise TypeError(f"expected CID or str, got {type(cid).__name__}")
-
-
-class ObjectStore:
-    """Immutable, hash-verified objects under `root/objects/`."""
+class ObjectStore(Store):
+    """Immutable, hash-verified objects under `root/objects/`; opened for a run by
+    storage_client.backend.open_store."""
 
     def __init__(self, root: str | os.PathLike[str]) -> None:
         self.root = Path(root)
         self.objects = self.root / "objects"
         _ensure_dir(self.objects)
 
+    @property
+    def location(self) -> str:
+        return str(self.root)
+
     def path_of(self, cid: CID | str) -> Path:
-        """Where the object's bytes live (whether or not they are there yet)."""
-        h = _as_cid(cid).hex
+        """Where the object's bytes live (whether or not they are there yet); for this store and
+        tests that tamper with files, not for callers of the Store door."""
+        h = as_cid(cid).hex
         return self.objects / h[:2] / h[2:]
 
     def put(self, data: bytes, codec: Codec = Codec.RAW) -> CID:
@@ -145,13 +116,9 @@ class ObjectStore:
         write_atomic(path, data)
         return cid
 
-    def put_json(self, obj: Any) -> CID:
-        """Store `obj` as canonical JSON under a JSON-codec CID."""
-        return self.put(canonical_json(obj), Codec.JSON)
-
     def get(self, cid: CID | str) -> bytes:
         """Return the object's bytes, verified against the CID."""
-        cid = _as_cid(cid)
+        cid = as_cid(cid)
         path = self.path_of(cid)
         try:
             data = path.read_bytes()
@@ -162,25 +129,13 @@ class ObjectStore:
             raise CorruptObjectError(cid, path, cid.hex, actual.hex())
         return data
 
-    def get_json(self, cid: CID | str) -> Any:
-        """Return the decoded JSON object stored under a JSON-codec CID."""
-        cid = _as_cid(cid)
-        if cid.codec != Codec.JSON:
-            raise StoreError(f"object {cid} has codec {cid.codec.name}, not JSON; use get()")
-        data = self.get(cid)
-        try:
-            return json.loads(data.decode("utf-8"))
-        except ValueError as e:  # covers UnicodeDecodeError and JSONDecodeError
-            path = self.path_of(cid)
-            raise StoreError(f"object {cid} at {path} is not valid JSON: {e}") from None
-
     def has(self, cid: CID | str) -> bool:
         """Whether a file exists for the object (its contents are not checked)."""
         return self.path_of(cid).is_file()
 
     def verify(self, cid: CID | str) -> None:
         """Re-hash the stored object; raise MissingObjectError or CorruptObjectError if bad."""
-        cid = _as_cid(cid)
+        cid = as_cid(cid)
         path = self.path_of(cid)
         try:
             actual = _sha256_file(path)
@@ -202,5 +157,32 @@ class ObjectStore:
                     continue  # leftovers of interrupted writes are not objects
                 yield fanout.name + entry.name
 
-    def __contains__(self, cid: CID | str) -> bool:
-        return self.has(cid)
+    def size(self, cid: CID | str) -> int:
+        cid = as_cid(cid)
+        path = self.path_of(cid)
+        try:
+            return path.stat().st_size
+        except FileNotFoundError:
+            raise MissingObjectError(cid, path) from None
+
+    def read_small_json(self, cid: CID | str, max_bytes: int) -> Any | None:
+        # Size and first byte first: a walk over every object must not read and hash each tensor.
+        cid = as_cid(cid)
+        if self.size(cid) > max_bytes:
+            return None
+        try:
+            with self.path_of(cid).open("rb") as f:
+                if f.read(1) != b"{":
+                    return None
+        except FileNotFoundError:
+            raise MissingObjectError(cid, self.path_of(cid)) from None
+        return loads_bounded(self.get(cid), max_bytes=max_bytes, what=f"object {cid}")
+
+    def remove(self, cid: CID | str) -> None:
+        """Delete the object (MissingObjectError if absent). Local only: see trainer.store_gc."""
+        cid = as_cid(cid)
+        path = self.path_of(cid)
+        try:
+            path.unlink()
+        except FileNotFoundError:
+            raise MissingObjectError(cid, path) from None

@@ -22,7 +22,7 @@ from __future__ import annotations
 
 from typing import Sequence
 
-from storage_client import CID, Manifest, ObjectStore, StoreError
+from storage_client import CID, Manifest, Store, StoreError
 from trainer.aggregation import exact_norm, round_norm
 from trainer.config import ModelConfig, RoundConfig, RunConfig
 from trainer.progress import Progress
@@ -43,7 +43,7 @@ def is_full_checkpoint(rounds: RoundConfig, round_: int) -> bool:
     return round_ == 0 or round_ % rounds.checkpoint_every == 0 or round_ >= rounds.rounds
 
 
-def round_updates(store: ObjectStore, manifest: Manifest, layout: Layout, model: ModelConfig) -> dict[str, UpdateSource]:
+def round_updates(store: Store, manifest: Manifest, layout: Layout, model: ModelConfig) -> dict[str, UpdateSource]:
     """Round's accepted updates by worker, opened from their records (trainer.update_record)."""
     return {p.worker: open_update(store, p.update, layout, model) for p in manifest.participants}
 
@@ -53,7 +53,7 @@ def updates_round_norm(updates: dict[str, UpdateSource]) -> float:
     return round_norm([exact_norm(updates[w]) for w in sorted(updates)])
 
 
-def _stored_state(store: ObjectStore, manifest: Manifest) -> OuterState | None:
+def _stored_state(store: Store, manifest: Manifest) -> OuterState | None:
     if not (store.has(manifest.params) and store.has(manifest.outer_state)):
         return None
     try:
@@ -62,7 +62,7 @@ def _stored_state(store: ObjectStore, manifest: Manifest) -> OuterState | None:
         raise CheckpointError(f"round {manifest.round}: the stored checkpoint cannot be read: {exc}") from None
 
 
-def checkpoint_at(store: ObjectStore, chain: Chain, round_: int, config: RunConfig | None = None,
+def checkpoint_at(store: Store, chain: Chain, round_: int, config: RunConfig | None = None,
                   progress: Progress | None = None) -> OuterState:
     """Round ``round_``'s θ, m and e: stored, or rebuilt from the newest stored checkpoint before it
     (module docstring). ``chain`` is the run's lineage up to at least ``round_``; ``config`` the run's
@@ -85,7 +85,7 @@ def checkpoint_at(store: ObjectStore, chain: Chain, round_: int, config: RunConf
     return rebuild_from(store, chain, base, state, round_, config, progress)
 
 
-def rebuild_from(store: ObjectStore, chain: Chain, base: int, state: OuterState, round_: int,
+def rebuild_from(store: Store, chain: Chain, base: int, state: OuterState, round_: int,
                  config: RunConfig, progress: Progress | None = None) -> OuterState:
     """``state`` (round ``base``'s) carried forward through rounds base+1..``round_`` (module
     docstring); ``progress`` counts the rounds rebuilt."""
@@ -117,7 +117,7 @@ def rebuild_from(store: ObjectStore, chain: Chain, base: int, state: OuterState,
     return state
 
 
-def _round_norm(store: ObjectStore, chain: Chain, q: int, layout: Layout, model: ModelConfig,
+def _round_norm(store: Store, chain: Chain, q: int, layout: Layout, model: ModelConfig,
                 norms: dict[int, float]) -> float:
     if q not in norms:
         norms[q] = updates_round_norm(round_updates(store, chain[q][1], layout, model))

@@ -49,7 +49,7 @@ import numpy as np
 import torch
 
 from storage_client import (
-    CID, Codec, InvalidCIDError, JSONBoundsError, ObjectStore, canonical_json, loads_bounded,
+    CID, Codec, InvalidCIDError, JSONBoundsError, Store, canonical_json, loads_bounded,
 )
 from trainer.config import RunConfig
 from trainer.data import Corpus, CorpusError, load_corpus, shard_digest
@@ -373,7 +373,7 @@ def open_dataset(config: RunConfig, index_bytes: bytes | None = None) -> Dataset
     return CorpusDataset(config)
 
 
-def run_dataset(config: RunConfig, store: ObjectStore | None) -> Dataset:
+def run_dataset(config: RunConfig, store: Store | None) -> Dataset:
     """The tokens of a created run as a holder of its store opens them (the coordinator resuming,
     the audit): a prepared run's index is the pinned one from the store, never the directory's."""
     if not config.data.tokens:
@@ -390,7 +390,7 @@ def run_dataset(config: RunConfig, store: ObjectStore | None) -> Dataset:
     return PreparedDataset(config, index_bytes)
 
 
-def pin_dataset(config: RunConfig, store: ObjectStore | None = None) -> tuple[RunConfig, Dataset]:
+def pin_dataset(config: RunConfig, store: Store | None = None) -> tuple[RunConfig, Dataset]:
     """At run creation: open the tokens, pin their identity in the config (``data.corpus_sha256``,
     or ``data.tokens_cid`` with the index and tokenizer.json put into the run's store, when given,
     so the audit reads them from the store alone), and return both."""

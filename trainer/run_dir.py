@@ -26,7 +26,7 @@ from pathlib import Path
 from typing import Any
 
 from attestation import WorkerKey
-from storage_client import CID, ObjectStore, strict_json, write_atomic
+from storage_client import CID, ObjectStore, open_store, strict_json, write_atomic
 
 
 class RunDirError(ValueError):
@@ -45,7 +45,7 @@ class RunDir:
     def __init__(self, path: str | Path) -> None:
         self.path = Path(path)
         self.path.mkdir(parents=True, exist_ok=True)
-        self.store = ObjectStore(self.path / "store")
+        self.store: ObjectStore = open_store(self.path)
 
     @property
     def address_file(self) -> Path:

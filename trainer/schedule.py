@@ -26,7 +26,7 @@ from dataclasses import dataclass
 from fractions import Fraction
 from typing import Mapping
 
-from storage_client import Manifest, ObjectStore
+from storage_client import Manifest, Store
 from trainer.compression import KIND_INT8, KIND_LOWRANK, CodecHeader
 from trainer.config import RunConfig
 from trainer.wire import Layout, json_object
@@ -58,7 +58,7 @@ def round_tokens(config: RunConfig, steps: int) -> int:
     return steps * config.inner.batch_size * config.model.block_size
 
 
-def stored_downlink_header(store: ObjectStore, manifest: Manifest, layout: Layout) -> CodecHeader | None:
+def stored_downlink_header(store: Store, manifest: Manifest, layout: Layout) -> CodecHeader | None:
     """The codec header of ``manifest``'s compressed global update, read from ``store`` (bounded
     JSON) and checked against ``layout``; None when that round's update travelled dense. Raises
     ``trainer.wire.WireError`` or ``trainer.compression.CompressionError`` naming what is wrong."""
@@ -68,7 +68,7 @@ def stored_downlink_header(store: ObjectStore, manifest: Manifest, layout: Layou
     return CodecHeader.parse(raw, layout)
 
 
-def stored_inner_steps(config: RunConfig, round_: int, manifests: Mapping[int, Manifest], store: ObjectStore,
+def stored_inner_steps(config: RunConfig, round_: int, manifests: Mapping[int, Manifest], store: Store,
                        layout: Layout) -> int:
     """H_r re-derived from the store: round r−2's manifest (from ``manifests``, by round) names the
     codec header. KeyError when that manifest is not at hand; the errors of

@@ -13,6 +13,10 @@ Reachability is a walk over CIDs from the run's roots:
 RAW objects (tensors, payloads, evidence) name nothing. What no walk reaches (a refused or abandoned
 push, a manifest HEAD never moved to) is unreferenced, and only that is removed; a coordinator
 holding the run refuses gc, and gc holds the run's lock while it works, so none starts meanwhile.
+
+Objects are read through the Store door (storage_client.backend), so only intact bytes are walked,
+and an object the walk reaches whose bytes are corrupt refuses gc. Removing is the local store's
+(``ObjectStore.remove``): gc works on a run directory on this machine.
 """
 
 from __future__ import annotations
@@ -21,7 +25,7 @@ import json
 from dataclasses import dataclass
 from typing import Any, Iterator
 
-from storage_client import CID, Codec, loads_bounded
+from storage_client import CID, Codec, CorruptObjectError, MissingObjectError, StoreError
 from storage_client.cid import InvalidCIDError
 from trainer.run_dir import RunDir
 
@@ -52,17 +56,19 @@ def _cids_in(value: Any) -> Iterator[CID]:
                 pass
 
 
-def _json_of(run_dir: RunDir, hex_digest: str) -> Any:
-    """A stored object parsed as JSON, or None when it is not a (small enough) JSON object."""
-    path = run_dir.store.path_of(CID(Codec.JSON, bytes.fromhex(hex_digest)))
+def _json_of(run_dir: RunDir, hex_digest: str, needed: bool) -> Any:
+    """A stored object parsed as JSON, or None when it is not a (small enough) JSON object.
+
+    A ``needed`` object (one the walk reached) whose bytes do not hash to its name refuses gc: what
+    it references cannot be known, so nothing may be removed on its account."""
+    cid = CID(Codec.JSON, bytes.fromhex(hex_digest))
     try:
-        if path.stat().st_size > MAX_WALKED_JSON:
-            return None
-        with path.open("rb") as f:
-            if f.read(1) != b"{":
-                return None
-        return loads_bounded(path.read_bytes(), max_bytes=MAX_WALKED_JSON, what="stored object")
-    except (OSError, ValueError):
+        return run_dir.store.read_small_json(cid, MAX_WALKED_JSON)
+    except CorruptObjectError:
+        if needed:
+            raise ValueError(f"object {cid} is corrupt, so what it keeps is unknown: gc refused") from None
+        return None
+    except (OSError, ValueError, StoreError):
         return None
 
 
@@ -78,7 +84,7 @@ def _roots(run_dir: RunDir, present: set[str]) -> list[str]:
         except (OSError, ValueError):
             raise ValueError(f"journal {journal} cannot be read, so what it keeps is unknown: gc refused") from None
     for hex_digest in sorted(present):
-        obj = _json_of(run_dir, hex_digest)
+        obj = _json_of(run_dir, hex_digest, needed=False)
         if isinstance(obj, dict) and str(obj.get("schema", "")).startswith(ADMISSION_PREFIX):
             roots.append(hex_digest)
     return roots
@@ -94,7 +100,7 @@ def reachable(run_dir: RunDir) -> set[str]:
         if hex_digest in seen:
             continue
         seen.add(hex_digest)
-        obj = _json_of(run_dir, hex_digest)
+        obj = _json_of(run_dir, hex_digest, needed=True)
         if obj is not None:
             stack.extend(c.hex for c in _cids_in(obj) if c.hex in present and c.hex not in seen)
     return seen
@@ -110,12 +116,12 @@ def collect(run_dir: RunDir, dry_run: bool = False) -> Collected:
     for hex_digest in list(run_dir.store):
         if hex_digest in keep:
             continue
-        path = run_dir.store.path_of(CID(Codec.RAW, bytes.fromhex(hex_digest)))
+        cid = CID(Codec.RAW, bytes.fromhex(hex_digest))
         try:
-            size = path.stat().st_size
+            size = run_dir.store.size(cid)
             if not dry_run:
-                path.unlink()
-        except FileNotFoundError:
+                run_dir.store.remove(cid)  # removing is the local store's, not the Store door's
+        except MissingObjectError:
             continue
         removed, freed = removed + 1, freed + size
     return Collected(len(keep), removed, freed)

@@ -27,7 +27,7 @@ from dataclasses import dataclass
 from typing import Any, Sequence
 
 from proto import Encoding
-from storage_client import CID, Codec, ObjectStore, canonical_json, loads_bounded
+from storage_client import CID, Codec, Store, canonical_json, loads_bounded
 from storage_client.cid import InvalidCIDError
 from trainer.aggregation import InvalidUpdate, decode_update
 from trainer.compression import CompressedPayload, CompressionError
@@ -87,7 +87,7 @@ def record_of_slices(slices: Sequence[Slice]) -> bytes:
                          for s in slices])
 
 
-def store_slice(store: ObjectStore, ref: SliceRef, payload: bytes, header: bytes | None) -> None:
+def store_slice(store: Store, ref: SliceRef, payload: bytes, header: bytes | None) -> None:
     """Keep a slice's pushed bytes (the payload, and its codec header when compressed)."""
     store.put(payload)
     if ref.header is not None and header is not None:
@@ -165,7 +165,7 @@ def open_slice(payload: bytes, encoding: Encoding, header: bytes | None, layout:
         raise RecordError(str(exc)) from None
 
 
-def open_update(store: ObjectStore, cid: CID | str, layout: Layout, model: ModelConfig,
+def open_update(store: Store, cid: CID | str, layout: Layout, model: ModelConfig,
                 whole: bool = True) -> UpdateSource:
     """The update (or, with ``whole=False``, the stage slice) a stored record names, as an
     UpdateSource decoded exactly as on arrival; ``layout`` is the model's. Raises RecordError naming
@@ -188,7 +188,7 @@ def open_update(store: ObjectStore, cid: CID | str, layout: Layout, model: Model
     return sources[0] if len(sources) == 1 else MergedUpdate(sources)
 
 
-def referenced_objects(store: ObjectStore, cid: CID | str) -> list[str]:
+def referenced_objects(store: Store, cid: CID | str) -> list[str]:
     """The CIDs a record names (payloads and headers), for reachability (``dilocox gc``)."""
     out = []
     for ref in parse_record(store.get(cid)):
