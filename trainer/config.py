@@ -21,7 +21,7 @@ from pathlib import Path
 from typing import Any, Sequence, TypeVar, get_type_hints
 
 from storage_client import CID, Codec, InvalidCIDError, canonical_json, digest_json, strict_json
-from trainer.compression import CODEC_LOWRANK, CompressionConfig
+from trainer.codec import CODEC_LOWRANK, CompressionConfig
 
 SCHEMA = "dilocox.config/v1"
 # The values of rounds.aggregator (trainer.aggregation.aggregate states each rule).
@@ -269,7 +269,7 @@ class RunConfig:
     outer: OuterConfig = field(default_factory=lambda: DILOCOX_OUTER)
     data: DataConfig = field(default_factory=DataConfig)
     rounds: RoundConfig = field(default_factory=lambda: DILOCOX_ROUNDS)
-    # Ranges checked here (trainer.compression checks less): target_energy (0, 1], min_rank and
+    # Ranges checked here (trainer.codec checks less): target_energy (0, 1], min_rank and
     # max_rank [1, 4096] with min <= max, window [1, 1000], max_rank_factor [1, 1000], group sizes
     # [1, 2^20].
     compression: CompressionConfig = field(default_factory=lambda: DILOCOX_COMPRESSION)
