@@ -21,7 +21,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
-from typing import Any, Mapping, Sequence
+from typing import Any, Sequence
 
 import torch
 
@@ -115,7 +115,3 @@ class PartSpec:
 
     def to_json(self) -> dict[str, Any]:
         return {"shape": list(self.shape), "packed_len": self.packed_len, "num_scales": self.num_scales}
-
-
-def parts_bytes(parts: Mapping[str, PartSpec]) -> int:
-    return sum(spec.nbytes for spec in parts.values())
