@@ -27,7 +27,7 @@ from storage_client import (
 )
 from storage_client.manifest import SCHEMA as MANIFEST_SCHEMA
 from trainer.checkpoints import is_full_checkpoint
-from trainer.compression import CompressionError
+from trainer.codec import CompressionError
 from trainer.config import ConfigError, RunConfig
 from trainer.schedule import round_tokens, stored_inner_steps
 from trainer.update_record import RecordError, open_update

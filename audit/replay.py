@@ -19,7 +19,7 @@ With a compressed uplink the stored update is Â = decompress(C(Δ + e)), e the 
 feedback (part of its committed state, fresh = 0). The replay rebuilds e along the chain too:
 
     A'       = Δ' + e'
-    U        = best rank-k approximation of A'       k: the ranks Â has (trainer.compression.rank_of;
+    U        = best rank-k approximation of A'       k: the ranks Â has (trainer.codec.lowrank.rank_of;
                                                      the worker's policy chose them); U = A' for
                                                      tensors sent dense
     q        = ‖decompress(C(A')) − U‖₂ / ‖U‖₂        the codec's own error at this point
@@ -67,9 +67,7 @@ from typing import Iterable, Mapping
 import torch
 
 from storage_client import Manifest, Participant, Store, from_e6
-from trainer import topk
-from trainer.compression import CODEC_TOPK, CompressionError, PinnedRankPolicy, compress, decompress, rank_of
-from trainer.topk import KIND_TOPK
+from trainer.codec import CodecHeader, CompressionError, PinnedRankPolicy, codec_of, compress, decompress, matrix_codec
 from trainer.config import RunConfig
 from trainer.data import CorpusError, eval_batches, round_batches
 from trainer.dataset import Dataset, run_dataset
@@ -384,8 +382,9 @@ class Replayer:
 
     def _recompressed(self, delta: Params, errors: Params, stored: Params) -> tuple[Params, Params, float]:
         """With a compressed uplink the stored update is Â = decompress(C(Δ + e)). The replay forms
-        A' = Δ' + e' and, at the ranks Â has (``rank_of``: the worker's policy chose them), its
-        best low-rank approximation U (float64 SVD, no quantisation; U = A' for the dense kinds),
+        A' = Δ' + e' and, at the ranks Â has (the codec's ``replay_ranks``: the worker's policy chose
+        them), each kind's ``replay_target`` U (trainer.codec.base: the best low-rank approximation
+        for lowrank-int4, float64 SVD, no quantisation; U = A' for the dense kinds),
         and puts A' through the same codec, Â' = decompress(C(A')). Comparing Â with Â' directly
         would measure the quantiser, not the worker: a replay a thousandth off flips int4 levels
         and lands several percent away. So the replay asks how far Â is from U beyond the codec's
@@ -394,28 +393,20 @@ class Replayer:
             d = ‖Â − U‖ / ‖U‖ − q
 
         and carries e' ← fl32(A' − Â) on, as the worker carried its own e ← A − Â. With the top-k
-        codec (trainer.topk) U is A' on its own top-k positions, unquantised."""
+        codec (trainer.codec.topk) U is A' on its own top-k positions, unquantised."""
         cfg = self.config.compression
-        ranks = ({} if cfg.codec == CODEC_TOPK else
-                 {name: rank_of(t.reshape(t.shape[0], -1)) for name, t in stored.items() if t.dim() >= 2 and t.numel()})
+        ranks = matrix_codec(cfg.codec).replay_ranks(stored)
         try:
             payload, header = compress(delta, dict(errors), PinnedRankPolicy(cfg, ranks))
             recompressed = decompress(payload, header, layout_of(stored))
+            parsed = CodecHeader.parse(header, layout_of(stored))
         except CompressionError as exc:
             raise ReplayError(f"the replayed update cannot be re-compressed: {exc}") from None
         best: Params = {}
         for name, d in delta.items():
             a = d.double() + (errors[name].double() if name in errors else 0.0)
-            entry = next(e for e in header["tensors"] if e["name"] == name)
-            if entry["kind"] == KIND_TOPK:
-                flat = a.reshape(-1)
-                _, kept = topk.select(flat, int(entry["chunk"]), int(entry["k"]))
-                a = topk.scatter(flat.numel(), kept, flat[kept]).reshape(a.shape)
-            elif entry["rank"]:
-                u, sigma, vh = torch.linalg.svd(a.reshape(a.shape[0], -1), full_matrices=False)
-                k = int(entry["rank"])
-                a = ((u[:, :k] * sigma[:k]) @ vh[:k]).reshape(a.shape)
-            best[name] = a
+            entry = parsed.entry(name)
+            best[name] = codec_of(entry.kind).replay_target(a, entry)
         scale = _norm({n: t for n, t in best.items()})
         codec_error = _norm({n: recompressed[n].double() - best[n] for n in best}) / scale if scale else math.inf
         off = _norm({n: stored[n].double() - best[n] for n in best}) / scale if scale else math.inf

@@ -117,7 +117,7 @@ class PhaseLog:
 
 
 def bench_config(layers: int, width: int, workers: int, rounds: int, steps: int, batch: int) -> Any:
-    from trainer.compression import CompressionConfig
+    from trainer.codec import CompressionConfig
     from trainer.config import DataConfig, InnerConfig, ModelConfig, RoundConfig, RunConfig
 
     return RunConfig(
@@ -146,7 +146,7 @@ def make_updates(config_path: str, workers: int, out: str) -> None:
     feedback buffer), written as <out>/<worker>.payload and .header.json."""
     import torch
 
-    from trainer.compression import AdaptiveRankPolicy, ErrorFeedbackCompressor
+    from trainer.codec import AdaptiveRankPolicy, ErrorFeedbackCompressor
     from trainer.config import RunConfig
     from trainer.model import build_model
     from trainer.diloco import params_of

@@ -29,7 +29,7 @@ import torch
 from proto import PROTOCOL_VERSION, Encoding, WorkerPhase, pb
 from storage_client import canonical_json
 from benchmarks.cluster import LocalCluster
-from trainer.compression import AdaptiveRankPolicy, ErrorFeedbackCompressor
+from trainer.codec import AdaptiveRankPolicy, ErrorFeedbackCompressor
 from trainer.config import RunConfig
 from trainer.data import load_corpus, round_batches
 from trainer.diloco import FRESH_STATE, InnerLoop, inner_state_digest

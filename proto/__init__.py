@@ -27,7 +27,7 @@ class Encoding(enum.IntEnum):
 
     UNSPECIFIED = 0
     DENSE_F32 = 1
-    LOWRANK_INT4 = 2  # trainer.compression: low-rank + int4 factors, int8 vectors
+    LOWRANK_INT4 = 2  # compressed by trainer.codec, any kind (the codec header names each tensor's)
     HELD = 3  # a global state the fetching worker already holds: the header alone
 
 

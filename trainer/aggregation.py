@@ -100,7 +100,7 @@ from typing import Any, Mapping, Sequence
 import torch
 
 from trainer.config import AGGREGATORS, RoundConfig, RunConfig
-from trainer.compression import CompressedPayload, CompressionError
+from trainer.codec import CompressedPayload, CompressionError
 from proto import Encoding
 from trainer.update_source import DenseUpdate, UpdateSource, dense, source_of
 from trainer.wire import Layout, Params, WireError, decode_params, layout_of

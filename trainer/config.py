@@ -26,7 +26,7 @@ from pathlib import Path
 from typing import Any, Literal, Sequence, TypeVar, get_args, get_type_hints
 
 from storage_client import CID, Codec, DilocoxError, InvalidCIDError, canonical_json, digest_json, strict_json
-from trainer.compression import CODEC_LOWRANK, CompressionConfig
+from trainer.codec import CODEC_LOWRANK, CompressionConfig
 from trainer.config_fields import Range, choice_refusal, choices_of, setting
 
 SCHEMA = "dilocox.config/v1"
@@ -279,7 +279,7 @@ class RunConfig:
     outer: OuterConfig = field(default_factory=lambda: DILOCOX_OUTER)
     data: DataConfig = field(default_factory=DataConfig)
     rounds: RoundConfig = field(default_factory=lambda: DILOCOX_ROUNDS)
-    # Its fields declare their ranges (trainer.compression.CompressionConfig), checked here.
+    # Its fields declare their ranges (trainer.codec.CompressionConfig), checked here.
     compression: CompressionConfig = field(default_factory=lambda: DILOCOX_COMPRESSION)
 
     def __post_init__(self) -> None:

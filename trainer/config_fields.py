@@ -1,6 +1,6 @@
 """How a run-configuration field declares itself, so that it is described in one place.
 
-A field of a configuration section (trainer.config, trainer.compression.CompressionConfig) says
+A field of a configuration section (trainer.config, trainer.codec.CompressionConfig) says
 what it is with its type and :func:`setting`: a ``Literal[...]`` type lists its choices, and the
 field's metadata holds its one-line help and its accepted :class:`Range`. The validation of a
 configuration, the reading of ``--set section.field=value`` and the field list of ``dilocox config

@@ -2,13 +2,13 @@
 every replica turns into the same parameters, bit for bit.
 
 DiLoCoX (arXiv:2506.21263) compresses what crosses the network in both directions. The uplink is
-each worker's pseudo-gradient (``trainer.compression`` with the worker's own error feedback); this
+each worker's pseudo-gradient (``trainer.codec`` with the worker's own error feedback); this
 module is the way back. With θ⁽ʳ⁻¹⁾ the published parameters of round r−1 (what every worker
 holds), θ̃⁽ʳ⁾ the outer optimiser's result (``trainer.diloco.outer_step``) and e⁽ʳ⁻¹⁾ the
 coordinator's downlink error buffer (e⁽⁰⁾ = 0):
 
     u⁽ʳ⁾   = θ⁽ʳ⁻¹⁾ − θ̃⁽ʳ⁾                           the global update, float32
-    A⁽ʳ⁾   = u⁽ʳ⁾ + e⁽ʳ⁻¹⁾                            float64, as trainer.compression forms it
+    A⁽ʳ⁾   = u⁽ʳ⁾ + e⁽ʳ⁻¹⁾                            float64, as trainer.codec forms it
     C⁽ʳ⁾   = compress(A⁽ʳ⁾)                          the bytes sent (adaptive rank, int4 factors)
     û⁽ʳ⁾   = decompress(C⁽ʳ⁾)                        float32, bit-identical on every machine
     θ⁽ʳ⁾   = θ⁽ʳ⁻¹⁾ − û⁽ʳ⁾                            the published checkpoint
@@ -35,7 +35,7 @@ from typing import Any, Mapping, Protocol
 
 import torch
 
-from trainer.compression import (
+from trainer.codec import (
     AdaptiveRankPolicy, CompressedPayload, CompressionStream, RoundDecision, compress, decompress,
 )
 from trainer.wire import Layout, Params
@@ -52,7 +52,7 @@ def apply_update(previous: Params, received: Params) -> Params:
 
 
 def carried_error(update: Params, error: Mapping[str, torch.Tensor], received: Params) -> Params:
-    """e⁽ʳ⁾ = fl32(u⁽ʳ⁾ + e⁽ʳ⁻¹⁾ − û⁽ʳ⁾), computed exactly as ``trainer.compression.compress`` does
+    """e⁽ʳ⁾ = fl32(u⁽ʳ⁾ + e⁽ʳ⁻¹⁾ − û⁽ʳ⁾), computed exactly as ``trainer.codec.compress`` does
     (float64 sum, one rounding); a missing e⁽ʳ⁻¹⁾ entry is zero."""
     return {name: carried_error_tensor(u, error.get(name), received[name]) for name, u in update.items()}
 
@@ -63,14 +63,14 @@ def carried_error_tensor(u: torch.Tensor, error: torch.Tensor | None, received: 
 
 
 def carried_sum(u: torch.Tensor, error: torch.Tensor | None) -> torch.Tensor:
-    """A⁽ʳ⁾ = u⁽ʳ⁾ + e⁽ʳ⁻¹⁾ in float64, as ``trainer.compression.compress`` forms it."""
+    """A⁽ʳ⁾ = u⁽ʳ⁾ + e⁽ʳ⁻¹⁾ in float64, as ``trainer.codec.compress`` forms it."""
     a = u.to(torch.float64)
     return a + error.to(torch.float64) if error is not None else a
 
 
 def decode_update(payload: bytes, header: Mapping[str, Any], layout: Layout) -> Params:
     """û⁽ʳ⁾ from the bytes: validated tensor by tensor against ``layout`` before any is rebuilt
-    (raises ``trainer.compression.CompressionError`` naming the tensor and field)."""
+    (raises ``trainer.codec.CompressionError`` naming the tensor and field)."""
     return decompress(payload, header, layout)
 
 

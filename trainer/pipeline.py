@@ -124,7 +124,7 @@ import torch.multiprocessing as mp
 import torch.nn as nn
 import torch.nn.functional as F
 
-from trainer.compression import CompressionConfig
+from trainer.codec import CompressionConfig
 from trainer.config import MODEL_FAMILIES, InnerConfig, ModelConfig
 from trainer.device import backend_for, stage_device
 from trainer.diloco import load_params

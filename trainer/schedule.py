@@ -27,7 +27,7 @@ from fractions import Fraction
 from typing import Mapping
 
 from storage_client import Manifest, Store
-from trainer.compression import KIND_INT8, KIND_LOWRANK, CodecHeader
+from trainer.codec import CodecHeader, CodecKind
 from trainer.config import RunConfig
 from trainer.wire import Layout, json_object
 
@@ -37,8 +37,8 @@ def rank_fraction(config: RunConfig, header: CodecHeader | None) -> Fraction:
     if header is None:
         return Fraction(1)
     r_max = config.compression.max_rank
-    shares = [Fraction(min(entry.rank, r_max), r_max) if entry.kind == KIND_LOWRANK else Fraction(1)
-              for entry in header.tensors if entry.kind != KIND_INT8]
+    shares = [Fraction(min(entry.rank, r_max), r_max) if entry.kind == CodecKind.LOWRANK_INT4 else Fraction(1)
+              for entry in header.tensors if entry.kind != CodecKind.INT8]
     return sum(shares, Fraction(0)) / len(shares) if shares else Fraction(1)
 
 
@@ -61,7 +61,7 @@ def round_tokens(config: RunConfig, steps: int) -> int:
 def stored_downlink_header(store: Store, manifest: Manifest, layout: Layout) -> CodecHeader | None:
     """The codec header of ``manifest``'s compressed global update, read from ``store`` (bounded
     JSON) and checked against ``layout``; None when that round's update travelled dense. Raises
-    ``trainer.wire.WireError`` or ``trainer.compression.CompressionError`` naming what is wrong."""
+    ``trainer.wire.WireError`` or ``trainer.codec.CompressionError`` naming what is wrong."""
     if manifest.downlink is None:
         return None
     raw = json_object(store.get(manifest.downlink.header), f"round {manifest.round}'s downlink codec header")

@@ -46,7 +46,7 @@ from typing import Any, Mapping, Protocol, Sequence
 import torch
 
 from trainer.aggregation import Aggregation, norms_of, plan
-from trainer.compression import CompressionError
+from trainer.codec import CompressionError
 from trainer.config import OuterConfig, RoundConfig
 from trainer.diloco import downlink_error_of, momentum_of, outer_state_of, outer_step_tensor
 from trainer.downlink import DownlinkSession, EncodedDownlink, StoredDownlink, carried_error_tensor

@@ -30,7 +30,7 @@ from proto import Encoding
 from storage_client import CID, Codec, Store, canonical_json, loads_bounded
 from storage_client.cid import InvalidCIDError
 from trainer.aggregation import InvalidUpdate, decode_update
-from trainer.compression import CompressedPayload, CompressionError
+from trainer.codec import CompressedPayload, CompressionError
 from trainer.config import ModelConfig
 from trainer.pipeline import stage_param_names
 from trainer.uplink import Slice

@@ -11,7 +11,7 @@ few dense tensors exist at once beyond θ, m and e. What it reads the updates th
     tensor(name)  the dense tensor, a fresh tensor the caller may keep or modify
 
 Three kinds:
-  ``trainer.compression.CompressedPayload``  a compressed push, checked whole and kept as its
+  ``trainer.codec.CompressedPayload``  a compressed push, checked whole and kept as its
                                              packed tensors (about the wire bytes); ``tensor``
                                              rebuilds Δ̂ᵢ's tensor bit for bit as ``decompress`` does
   ``DenseUpdate``                            a dict of dense tensors (a dense push, a stored dense

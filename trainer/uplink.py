@@ -9,7 +9,7 @@ slices Δᵢ,ₛ⁽ʳ⁾ named by ``stage_param_names(model, P)[s]``, and stage 
     dense        payload = safetensors(Δᵢ,ₛ)                       Δ̂ᵢ,ₛ = Δᵢ,ₛ
     compressed   Aᵢ,ₛ = Δᵢ,ₛ + eᵢ,ₛ
                  payload = C(Aᵢ,ₛ)                                  adaptive rank, int4 factors
-                 Δ̂ᵢ,ₛ = decompress(payload),   eᵢ,ₛ ← Aᵢ,ₛ − Δ̂ᵢ,ₛ     (trainer.compression)
+                 Δ̂ᵢ,ₛ = decompress(payload),   eᵢ,ₛ ← Aᵢ,ₛ − Δ̂ᵢ,ₛ     (trainer.codec)
 
 Each slice travels as its own PushUpdate stream with header (stage s, P). The coordinator checks
 and decompresses every slice against stage s's layout as it arrives, and counts the worker when
@@ -36,7 +36,7 @@ import threading
 from dataclasses import dataclass
 from typing import Any, Sequence
 
-from trainer.compression import (
+from trainer.codec import (
     AdaptiveRankPolicy, CompressionConfig, ErrorFeedbackCompressor, RoundDecision, decompress,
 )
 from proto import Encoding

@@ -18,7 +18,7 @@ Modes (benchmarks.ablation.modes; one row each, ``--modes`` takes the keys):
     adaptive-steps DiLoCoX with adaptive H (inner.adaptive_steps: H_r in [H/2, H] follows the rank of
                    round r−2's global update, trainer.schedule); it trains until its tokens reach
                    the budget and is read at the first checkpoint that does
-    topk           DiLoCoX with the top-k + low-bit codec (SparseLoCo style, trainer.topk) at the
+    topk           DiLoCoX with the top-k + low-bit codec (SparseLoCo style, trainer.codec.topk) at the
                    payload of rank 24: the two codecs at equal bytes
     pipeline       DiLoCoX with 2 stages forced (Part 2 only: stages change which process computes
                    a layer, not the arithmetic)
@@ -133,7 +133,7 @@ def topk_density(s: Settings) -> float:
     """The top-k density whose payload equals the low-rank codec's at rank FIXED_RANK, for this model."""
     from dataclasses import replace
 
-    from trainer.compression import density_matching_bytes, predicted_size
+    from trainer.codec import density_matching_bytes, predicted_size
     from trainer.config import DILOCOX_COMPRESSION
     from trainer.model import build_model
     from trainer.wire import layout_of

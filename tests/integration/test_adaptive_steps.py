@@ -11,7 +11,7 @@ from audit.replay import replay_run
 from benchmarks.cluster import LocalCluster
 from storage_client import lineage
 from tests.integration.test_cluster import assert_rederivable
-from trainer.compression import CompressionConfig
+from trainer.codec import CompressionConfig
 from trainer.config import InnerConfig, ModelConfig, RoundConfig, RunConfig
 from trainer.schedule import round_tokens, stored_inner_steps
 from trainer.wire import decode_params, layout_of

@@ -15,7 +15,7 @@ from benchmarks.hostile import Mallory
 from storage_client import CID, Codec, Manifest, canonical_json, lineage
 from benchmarks.cluster import LocalCluster
 from trainer.config import InnerConfig, RoundConfig
-from trainer.compression import AdaptiveRankPolicy, compress
+from trainer.codec import AdaptiveRankPolicy, compress
 from proto import Encoding, WorkerPhase
 from trainer.wire import encode_params, layout_of
 

@@ -23,7 +23,7 @@ from tests.integration.test_ledger_catch_up import audit
 from tests.integration.test_trust import pinned, start
 from benchmarks.cluster import LocalCluster
 from trainer.checkpoints import is_full_checkpoint
-from trainer.compression import CompressionConfig
+from trainer.codec import CompressionConfig
 from trainer.config import RoundConfig
 from trainer.update_record import record_bytes, slice_ref
 

@@ -8,7 +8,7 @@ from trainer.checkpoints import is_full_checkpoint, round_updates
 from trainer.wire import decode_params, layout_of
 from storage_client import CID, lineage
 from benchmarks.cluster import LocalCluster
-from trainer.compression import CompressionConfig
+from trainer.codec import CompressionConfig
 from trainer.config import ModelConfig, RoundConfig, RunConfig
 from trainer.model import build_model
 from trainer.run_dir import RunDir
@@ -75,7 +75,7 @@ def test_two_workers_two_rounds_store_a_rederivable_lineage(cluster: LocalCluste
 
 @pytest.mark.parametrize("codec", ["lowrank-int4", "topk"])
 def test_compressed_updates_travel_small_and_still_rederive(cluster: LocalCluster, make_config, codec: str) -> None:
-    """Both codecs (trainer.compression): the same framing, validation and exact re-derivation."""
+    """Both codecs (trainer.codec): the same framing, validation and exact re-derivation."""
     config = make_config(model=ModelConfig(block_size=32, n_layer=2, n_head=4, n_embd=128),
                          compression=CompressionConfig(enabled=True, min_rank=1, max_rank=8, codec=codec))
     cluster.start_coordinator(config)

@@ -10,7 +10,7 @@ from proto import WorkerPhase
 from storage_client import CID, lineage
 from benchmarks.cluster import ClusterError, LocalCluster
 from tests.integration.test_cluster import assert_rederivable
-from trainer.compression import CompressionConfig
+from trainer.codec import CompressionConfig
 from trainer.config import InnerConfig, RoundConfig
 
 pytestmark = pytest.mark.integration

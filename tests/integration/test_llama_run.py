@@ -16,7 +16,7 @@ from cli.main import main
 from settlement import Anvil
 from storage_client import lineage
 from tests.conftest import small_config
-from trainer.compression import CompressionConfig
+from trainer.codec import CompressionConfig
 from trainer.config import ModelConfig, RunConfig
 from trainer.data import load_corpus
 

@@ -10,7 +10,7 @@ import pytest
 from audit.replay import REPLAY_TOLERANCE, replay_run
 from benchmarks.cluster import LocalCluster
 from tests.integration.test_cluster import assert_rederivable
-from trainer.compression import CompressionConfig
+from trainer.codec import CompressionConfig
 from trainer.config import InnerConfig, RoundConfig, RunConfig
 
 pytestmark = pytest.mark.integration

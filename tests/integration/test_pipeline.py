@@ -15,7 +15,7 @@ import pytest
 import torch
 
 from trainer import pipeline as pp
-from trainer.compression import CompressionConfig, decompress
+from trainer.codec import CompressionConfig, decompress
 from trainer.config import InnerConfig, ModelConfig
 from trainer.diloco import InnerLoop, params_of
 from trainer.model import build_model

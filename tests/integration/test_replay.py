@@ -25,7 +25,7 @@ from audit.replay import REPLAY_TOLERANCE, replay_run
 from benchmarks.hostile import Heartbeats, Mallory, Trainer
 from storage_client import lineage
 from benchmarks.cluster import LocalCluster
-from trainer.compression import CompressionConfig
+from trainer.codec import CompressionConfig
 from trainer.config import InnerConfig, RoundConfig, RunConfig
 
 pytestmark = pytest.mark.integration

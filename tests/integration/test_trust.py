@@ -25,7 +25,7 @@ from tests.conftest import small_config
 from tests.integration.test_bad_input import Mallory
 from benchmarks.cluster import LocalCluster
 from proto import session_metadata
-from trainer.compression import CompressionConfig
+from trainer.codec import CompressionConfig
 from trainer.config import InnerConfig, RoundConfig, RunConfig
 from trainer.data import load_corpus, shard_digest
 from attestation.signing import update_digest

@@ -10,7 +10,7 @@ from proto import Encoding
 from storage_client import CID, Codec, Manifest, ObjectStore, canonical_json, to_e6
 from storage_client.manifest import Downlink, Participant
 from trainer.checkpoints import CheckpointError, checkpoint_at, is_full_checkpoint
-from trainer.compression import AdaptiveRankPolicy, CompressionConfig
+from trainer.codec import AdaptiveRankPolicy, CompressionConfig
 from trainer.config import ModelConfig, RoundConfig, RunConfig
 from trainer.diloco import zero_momentum
 from trainer.downlink import DownlinkCompressor

@@ -11,8 +11,8 @@ import torch
 from safetensors.torch import load as st_load
 from safetensors.torch import save as st_save
 
-from trainer import compression as C
-from trainer.compression import (
+from trainer.codec import frame, lowrank, quant
+from trainer.codec import (
     AdaptiveRankPolicy, CompressionConfig, CompressionError, ErrorFeedbackCompressor, compress,
     compressed_size, decompress, pack_int4, unpack_int4,
 )
@@ -273,7 +273,7 @@ def test_the_rank_follows_the_update_not_the_residual_error_feedback_adds() -> N
     d = policy.last_decision.tensors["w"]
     assert d.target_rank == 3 and d.rank == 3 and d.energy >= 0.9
     a = update.double() + residual.double()  # what the rule before read: σ of A
-    curve = torch.cumsum(C.singular_values(a) ** 2, 0) / (a.norm() ** 2)
+    curve = torch.cumsum(lowrank.singular_values(a) ** 2, 0) / (a.norm() ** 2)
     assert int(torch.nonzero(curve >= 0.9)[0]) + 1 > 20
     sent = decompress(payload, header, {"w": ("float32", (64, 48))})["w"]
     torch.testing.assert_close(errors["w"].double(), a - sent.double(), rtol=0, atol=1e-5)  # e ← A − Â
@@ -281,8 +281,8 @@ def test_the_rank_follows_the_update_not_the_residual_error_feedback_adds() -> N
 
 def test_singular_values_match_lapack() -> None:
     a = low_rank_plus_noise(40, 70, 5, 0.1, seed=3).double()
-    torch.testing.assert_close(C.singular_values(a), torch.linalg.svdvals(a), rtol=1e-9, atol=1e-9)
-    torch.testing.assert_close(C.singular_values(a.T), torch.linalg.svdvals(a), rtol=1e-9, atol=1e-9)
+    torch.testing.assert_close(lowrank.singular_values(a), torch.linalg.svdvals(a), rtol=1e-9, atol=1e-9)
+    torch.testing.assert_close(lowrank.singular_values(a.T), torch.linalg.svdvals(a), rtol=1e-9, atol=1e-9)
 
 
 def test_rank_changes_by_at_most_the_factor_per_round() -> None:
@@ -373,22 +373,22 @@ def test_reconstruction_adds_the_rank_one_terms_in_order(m: int, n: int, r: int,
     reference = torch.zeros(m, n, dtype=torch.float64)
     for i in range(r):
         reference = reference + p[i].unsqueeze(1) * q[i].unsqueeze(0)
-    for block_bytes in (8, 8 * n * 3, C._BLOCK_BYTES):
-        monkeypatch.setattr(C, "_BLOCK_BYTES", block_bytes)
-        assert torch.equal(C._sum_of_outer_products(p, q), reference)
+    for block_bytes in (8, 8 * n * 3, lowrank._BLOCK_BYTES):
+        monkeypatch.setattr(lowrank, "_BLOCK_BYTES", block_bytes)
+        assert torch.equal(lowrank._sum_of_outer_products(p, q), reference)
 
 
 @pytest.mark.parametrize("m, n", [(40, 90), (90, 40), (64, 64)])
 def test_thin_svd_matches_lapack_on_what_int4_keeps(m: int, n: int) -> None:
     a = low_rank_plus_noise(m, n, 6, 0.01, seed=42).double()
-    u, sigma, vh = C.thin_svd(a)
+    u, sigma, vh = lowrank.thin_svd(a)
     reference = torch.linalg.svdvals(a)
     assert torch.allclose(sigma, reference, rtol=1e-9, atol=1e-12 * float(reference[0]))
     for r in (1, 6):  # the rank-r truncation is LAPACK's, to far below an int4 step
         truncated = (u[:, :r] * sigma[:r]) @ vh[:r]
         lu, ls, lvh = torch.linalg.svd(a, full_matrices=False)
         assert torch.allclose(truncated, (lu[:, :r] * ls[:r]) @ lvh[:r], atol=1e-9 * float(reference[0]))
-    zero_u, zero_sigma, zero_vh = C.thin_svd(torch.zeros(m, n, dtype=torch.float64))
+    zero_u, zero_sigma, zero_vh = lowrank.thin_svd(torch.zeros(m, n, dtype=torch.float64))
     assert not zero_sigma.any() and not zero_u.isnan().any() and not zero_vh.isnan().any()
 
 
@@ -398,8 +398,8 @@ def test_singular_vector_signs_are_fixed() -> None:
     p_neg, _ = compress({"w": -a}, None, AdaptiveRankPolicy.fixed(3))
     pos, neg = st_load(p_pos), st_load(p_neg)
     # P's pivot entries are positive either way; negating A flips Q instead
-    p = C.dequantize_groups(unpack_int4(pos["w.P.q"], 120), pos["w.P.scale"], 64).view(3, 40)
-    p_of_neg = C.dequantize_groups(unpack_int4(neg["w.P.q"], 120), neg["w.P.scale"], 64).view(3, 40)
+    p = quant.dequantize_groups(unpack_int4(pos["w.P.q"], 120), pos["w.P.scale"], 64).view(3, 40)
+    p_of_neg = quant.dequantize_groups(unpack_int4(neg["w.P.q"], 120), neg["w.P.scale"], 64).view(3, 40)
     assert torch.equal(p, p_of_neg)
     assert all(float(row[row.abs().argmax()]) > 0 for row in p)
 
@@ -423,7 +423,7 @@ def forbid_reconstruction(monkeypatch: pytest.MonkeyPatch) -> None:
     def forbidden(*args, **kwargs):
         raise AssertionError("a tensor was decompressed before the update was validated")
 
-    monkeypatch.setattr(C, "_reconstruct", forbidden)
+    monkeypatch.setattr(frame, "_reconstruct", forbidden)
 
 
 @pytest.fixture

@@ -16,7 +16,7 @@ from proto import PROTOCOL_VERSION, Encoding, WorkerPhase
 from storage_client import lineage
 from tests.conftest import small_config
 from trainer.aggregation import CheckedUpdate, exact_norm
-from trainer.compression import CompressionConfig
+from trainer.codec import CompressionConfig
 from trainer.config import InnerConfig, ModelConfig, RoundConfig
 from trainer.coordinator import Coordinator, UpdateHeader, open_run
 from trainer.pipeline import stage_param_names

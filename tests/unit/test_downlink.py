@@ -5,7 +5,7 @@ import pytest
 import torch
 
 from audit.rederive import RederiveError, rederive
-from trainer.compression import AdaptiveRankPolicy, CompressionConfig, ErrorFeedbackCompressor, decompress
+from trainer.codec import AdaptiveRankPolicy, CompressionConfig, ErrorFeedbackCompressor, decompress
 from trainer.aggregation import PLAIN_MEAN, aggregate
 from trainer.config import OuterConfig
 from trainer.diloco import downlink_error_of, momentum_of, outer_state_of, outer_step, zero_momentum

@@ -7,8 +7,8 @@ from fractions import Fraction
 import pytest
 import torch
 
-from trainer.compression import (
-    KIND_INT4, KIND_INT8, KIND_LOWRANK, AdaptiveRankPolicy, CodecHeader, TensorEntry, compress,
+from trainer.codec import (
+    AdaptiveRankPolicy, CodecHeader, CodecKind, TensorEntry, compress,
 )
 from trainer.config import InnerConfig, RunConfig
 from trainer.schedule import (
@@ -27,12 +27,12 @@ def _config(steps: int = 40, min_steps: int = 1, adaptive: bool = True, max_rank
 def _header(*entries: tuple[str, int]) -> CodecHeader:
     """A header of the given (kind, rank) matrices plus one int8 vector (which ρ ignores)."""
     tensors = [TensorEntry(f"w{i}", (32, 32), "float32", kind, rank, 64, {}) for i, (kind, rank) in enumerate(entries)]
-    tensors.append(TensorEntry("bias", (32,), "float32", KIND_INT8, 0, 64, {}))
+    tensors.append(TensorEntry("bias", (32,), "float32", CodecKind.INT8, 0, 64, {}))
     return CodecHeader(tuple(tensors))
 
 
 def test_the_first_two_rounds_and_the_fixed_schedule_train_h() -> None:
-    low = _header((KIND_LOWRANK, 1), (KIND_LOWRANK, 1))
+    low = _header((CodecKind.LOWRANK_INT4, 1), (CodecKind.LOWRANK_INT4, 1))
     config = _config()
     assert [inner_steps_for_round(config, r, low) for r in (1, 2)] == [40, 40]
     assert inner_steps_for_round(config, 3, low) < 40
@@ -43,18 +43,18 @@ def test_the_first_two_rounds_and_the_fixed_schedule_train_h() -> None:
 def test_h_follows_the_mean_rank_fraction() -> None:
     config = _config(steps=40, max_rank=16)
     # ρ = (4/16 + 8/16) / 2 = 3/8: H_r = 40 · 3/8 = 15
-    header = _header((KIND_LOWRANK, 4), (KIND_LOWRANK, 8))
+    header = _header((CodecKind.LOWRANK_INT4, 4), (CodecKind.LOWRANK_INT4, 8))
     assert rank_fraction(config, header) == Fraction(3, 8)
     assert inner_steps_for_round(config, 3, header) == 15
     # a rank above r_max counts as r_max; a dense int4 matrix counts as 1
-    assert rank_fraction(config, _header((KIND_LOWRANK, 30), (KIND_INT4, 0))) == 1
-    assert rank_fraction(config, _header((KIND_LOWRANK, 2), (KIND_INT4, 0))) == Fraction(9, 16)
-    assert inner_steps_for_round(config, 7, _header((KIND_LOWRANK, 2), (KIND_INT4, 0))) == 23  # 22.5 rounds up
+    assert rank_fraction(config, _header((CodecKind.LOWRANK_INT4, 30), (CodecKind.INT4, 0))) == 1
+    assert rank_fraction(config, _header((CodecKind.LOWRANK_INT4, 2), (CodecKind.INT4, 0))) == Fraction(9, 16)
+    assert inner_steps_for_round(config, 7, _header((CodecKind.LOWRANK_INT4, 2), (CodecKind.INT4, 0))) == 23  # 22.5 rounds up
     assert round_tokens(config, 15) == 15 * config.inner.batch_size * config.model.block_size
 
 
 def test_h_is_clamped_to_min_steps() -> None:
-    header = _header((KIND_LOWRANK, 1), (KIND_LOWRANK, 1))  # ρ = 1/16: 40/16 = 2.5 -> 3
+    header = _header((CodecKind.LOWRANK_INT4, 1), (CodecKind.LOWRANK_INT4, 1))  # ρ = 1/16: 40/16 = 2.5 -> 3
     assert inner_steps_for_round(_config(min_steps=1), 3, header) == 3
     assert inner_steps_for_round(_config(min_steps=10), 3, header) == 10
     assert inner_steps_for_round(_config(steps=4, min_steps=1), 3, header) == 1  # 0.25 rounds to 0: floor 1
@@ -71,7 +71,7 @@ def test_a_real_downlink_header() -> None:
 
 def test_a_worker_derives_h_when_it_holds_the_header_and_checks_the_declaration() -> None:
     config = _config(steps=40, max_rank=16)
-    header = _header((KIND_LOWRANK, 4), (KIND_LOWRANK, 8))  # H_r = 15
+    header = _header((CodecKind.LOWRANK_INT4, 4), (CodecKind.LOWRANK_INT4, 8))  # H_r = 15
     schedule = WorkerSchedule(config)
     schedule.learn(1, 40, 15, header)  # θ⁽¹⁾ came compressed: round 3 is derivable
     assert schedule.decide(2) == StepsDecision(40, None, "derived")

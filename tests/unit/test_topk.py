@@ -1,4 +1,4 @@
-"""The top-k + int4 codec (trainer.topk, framed by trainer.compression): what it keeps, that it
+"""The top-k + int4 codec (trainer.codec.topk, framed by trainer.codec): what it keeps, that it
 decodes to the same bits, that error feedback loses nothing, and that a hostile header or payload
 is refused naming the tensor and field."""
 
@@ -9,8 +9,8 @@ import copy
 import pytest
 import torch
 
-from trainer import topk
-from trainer.compression import (
+from trainer.codec import topk
+from trainer.codec import (
     AdaptiveRankPolicy, CompressionConfig, CompressionError, ErrorFeedbackCompressor, compressed_size,
     decompress, density_matching_bytes, predicted_size,
 )

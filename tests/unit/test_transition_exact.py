@@ -22,7 +22,7 @@ import pytest
 import torch
 
 from trainer.aggregation import exact_norm, lower_median
-from trainer.compression import AdaptiveRankPolicy, CompressionConfig
+from trainer.codec import AdaptiveRankPolicy, CompressionConfig
 from trainer.config import OuterConfig, RoundConfig
 from trainer.diloco import zero_momentum
 from trainer.downlink import DownlinkCompressor

@@ -17,7 +17,7 @@ import torch
 
 from proto import Encoding
 from trainer.aggregation import checked_update, exact_norm, lower_median, trimmed_count, validate_payload
-from trainer.compression import (
+from trainer.codec import (
     AdaptiveRankPolicy, CompressedPayload, CompressionConfig, ErrorFeedbackCompressor, compress, decompress,
 )
 from trainer.config import OuterConfig, RoundConfig

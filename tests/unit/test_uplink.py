@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import torch
 
-from trainer.compression import CompressionConfig, decompress
+from trainer.codec import CompressionConfig, decompress
 from trainer.uplink import Uplink, encode_slice, merged, new_compressor
 from proto import Encoding
 from trainer.wire import encode_params, layout_of

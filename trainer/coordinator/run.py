@@ -19,7 +19,7 @@ import torch
 
 from storage_client import CID, Manifest, canonical_json, lineage, to_e6
 from trainer.checkpoints import checkpoint_at
-from trainer.compression import AdaptiveRankPolicy, CodecHeader
+from trainer.codec import AdaptiveRankPolicy, CodecHeader
 from trainer.config import ConfigError, RunConfig
 from trainer.coordinator.state import CompressedGlobal, GlobalState, RoundSummary
 from trainer.data import eval_batches

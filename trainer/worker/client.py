@@ -40,7 +40,7 @@ from attestation import (
 from attestation.signing import global_digest, update_digest
 from proto import CHANNEL_OPTIONS, PROTOCOL_VERSION, Encoding, WorkerPhase, pb, pb_grpc, session_metadata
 from storage_client import CID, Codec, DilocoxError, canonical_json, loads_bounded
-from trainer.compression import CodecHeader, CompressionError
+from trainer.codec import CodecHeader, CompressionError
 from trainer.config import RunConfig, estimated_parameters
 from trainer.downlink import apply_update, decode_update
 from trainer.limits import (

@@ -1,14 +1,15 @@
-"""Top-k sparsification with int4 values: the second codec of trainer.compression.
+"""Top-k sparsification with int4 values (kind ``"topk-int4"``): the second matrix codec.
 
 SparseLoCo (Sarfi, Thérien, Lidin, Belilovsky, "Communication Efficient LLM Pre-training with
 SparseLoCo", arXiv:2508.15706) sends each pseudo-gradient as its largest entries, chunk by chunk,
 with low-bit values, and error feedback carries what was not sent into the next round. This module
-is that codec's layout, in our own implementation; trainer.compression frames it (header, payload,
+is that codec, in our own implementation; trainer.codec.frame frames it (header, payload,
 validation, error feedback) exactly as it frames the low-rank kind, so the coordinator, the
-workers and the audit decode both through one path.
+workers and the audit decode both through one path. Chosen by ``CompressionConfig.codec = "topk"``;
+no rank is chosen, so the rank policy is not consulted.
 
-Per matrix (kind ``"topk-int4"``; vectors stay int8, as in trainer.compression)
-------------------------------------------------------------------------------
+Per matrix (vectors stay int8, trainer.codec.dense)
+---------------------------------------------------
 A = Δ + e (float64) is flattened row-major into N values and cut into chunks of C values (the
 last one L = N − C·⌊(N−1)/C⌋ long). With k the count kept in a full chunk:
 
@@ -16,7 +17,7 @@ last one L = N − C·⌊(N−1)/C⌋ long). With k the count kept in a full chu
     S_j   = the k_j positions of largest |A| in chunk j           (ties: the lower position first)
     I     = the positions of S_j, in-chunk, ascending, each a little-endian uint16 (C ≤ 65536)
     V     = deq(int4(A[S]))                                       groups of g kept values, chunk after
-                                                                  chunk (trainer.compression's rule)
+                                                                  chunk (trainer.codec.quant)
     Â     = 0 everywhere but Â[S] = V
     e     ← A − Â
 
@@ -25,16 +26,26 @@ about 2.5 + 4/g bytes per kept value, against 4 for a dense fp32 value.
 
 Decoding is a scatter of dequantised values into zeros (no sums), the same bits on every machine;
 a payload is refused unless each chunk's positions are strictly increasing and inside the chunk
-(one canonical encoding: no repeated position, none out of range).
+(one canonical encoding: no repeated position, none out of range). The header entry carries
+``chunk`` (C) and ``k`` besides the common fields, rank 0; parts ``I`` (the positions, uint8
+pairs, no scales) and ``V`` (the int4 values).
 """
 
 from __future__ import annotations
 
 import math
+from typing import TYPE_CHECKING, Any, Mapping
 
 import torch
 
-KIND_TOPK = "topk-int4"
+from trainer.codec.base import CodecKind, TensorCodec, TensorEntry, fail, is_int, matrix_dims
+from trainer.codec.quant import PartSpec, encode_part
+from trainer.wire import dtype_name
+
+if TYPE_CHECKING:
+    from trainer.codec.policy import AdaptiveRankPolicy, CompressionConfig
+    from trainer.wire import Params
+
 MAX_CHUNK = 65_536  # in-chunk positions are uint16
 
 
@@ -132,3 +143,63 @@ def payload_bytes(numel: int, chunk: int, k: int, group: int) -> int:
     """Bytes of tensor data a matrix of ``numel`` values takes: positions, int4 values, scales."""
     kept = kept_total(numel, chunk, k)
     return 2 * kept + (kept + 1) // 2 + 4 * math.ceil(kept / group)
+
+
+class TopKCodec(TensorCodec):
+    kind = CodecKind.TOPK_INT4
+    bits = 4
+    choice = "topk"
+
+    def header_fields(self, name: str, obj: Mapping[str, Any]) -> dict[str, int]:
+        chunk, k = obj.get("chunk"), obj.get("k")
+        if not is_int(chunk) or not 1 <= chunk <= MAX_CHUNK:
+            raise fail(name, "chunk", f"{chunk!r} is not an integer in [1, {MAX_CHUNK}]")
+        if not is_int(k) or not 1 <= k <= chunk:
+            raise fail(name, "k", f"{k!r} is not an integer in [1, chunk = {chunk}]")
+        return {"chunk": chunk, "k": k}
+
+    def parts(self, name: str, shape: tuple[int, ...], rank: Any, group: int,
+              fields: Mapping[str, int]) -> dict[str, PartSpec]:
+        if rank != 0:
+            raise fail(name, "rank", f"{rank} for a top-k tensor, expected 0")
+        kept = kept_total(math.prod(shape), fields["chunk"], fields["k"])
+        # I: the in-chunk positions, two bytes each, no scales; V: the kept values, int4.
+        return {"I": PartSpec((kept,), 2 * kept, 0), "V": PartSpec.of([kept], self.bits, group)}
+
+    def encode(self, name: str, t: torch.Tensor, a: torch.Tensor, policy: AdaptiveRankPolicy,
+               out: Params) -> TensorEntry:
+        cfg, shape = policy.config, tuple(t.shape)
+        m, n = matrix_dims(shape)
+        flat_a = a.reshape(m, n).reshape(-1)
+        g = cfg.int4_group_size
+        k = keep_per_chunk(cfg.topk_density, cfg.topk_chunk)
+        local, flat = select(flat_a, cfg.topk_chunk, k)
+        out[f"{name}.I.q"] = encode_positions(local)
+        out[f"{name}.V.q"], out[f"{name}.V.scale"] = encode_part(flat_a[flat], self.bits, g)
+        parts = {"I": PartSpec((local.numel(),), 2 * local.numel(), 0), "V": PartSpec.of([local.numel()], self.bits, g)}
+        return TensorEntry(name, shape, dtype_name(t.dtype), self.kind, 0, g, parts, {"chunk": cfg.topk_chunk, "k": k})
+
+    def decode(self, entry: TensorEntry, packed: Mapping[str, torch.Tensor]) -> torch.Tensor:
+        numel = math.prod(entry.shape)
+        chunk, k = entry.fields["chunk"], entry.fields["k"]
+        local = decode_positions(packed[f"{entry.name}.I.q"])
+        return scatter(numel, flat_positions(local, numel, chunk, k), self.values(entry, packed, "V", self.bits))
+
+    def validate(self, entry: TensorEntry, packed: Mapping[str, torch.Tensor]) -> None:
+        """Canonical positions (strictly increasing within each chunk, inside it), then the values'
+        padding nibble."""
+        problem = position_problem(decode_positions(packed[f"{entry.name}.I.q"]), math.prod(entry.shape),
+                                   entry.fields["chunk"], entry.fields["k"])
+        if problem:
+            raise fail(entry.name, "I.q", problem)
+        self.check_padding(entry, packed, {"V": entry.parts["V"]})
+
+    def size(self, shape: tuple[int, ...], config: CompressionConfig, rank: int | None) -> int:
+        k = keep_per_chunk(config.topk_density, config.topk_chunk)
+        return payload_bytes(math.prod(shape), config.topk_chunk, k, config.int4_group_size)
+
+    def replay_target(self, a: torch.Tensor, entry: TensorEntry) -> torch.Tensor:
+        """A' on its own top-k positions (at the entry's chunk and k), unquantised."""
+        flat = a.reshape(-1)
+        _, kept = select(flat, entry.fields["chunk"], entry.fields["k"])
+        return scatter(flat.numel(), kept, flat[kept]).reshape(a.shape)

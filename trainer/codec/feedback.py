@@ -1,0 +1,126 @@
+"""Error feedback: what compression drops is carried into the next round.
+
+Per tensor, per round (Δ the pseudo-gradient, e the worker's error buffer, e⁽⁰⁾ = 0), whatever the
+codec kind (Karimireddy et al., "Error Feedback Fixes SignSGD and other Gradient Compression
+Schemes", ICML 2019):
+
+    A  = Δ + e                                            (float64)
+    Â  = decode(encode(A))                                (the tensor every replica receives)
+    e  ← A − Â                                            (float32; float64 for float64 tensors)
+
+``compress`` is one round of it over a whole update; ``ErrorFeedbackCompressor`` is a worker's
+compressor (its buffer e and its rank policy), with ``carry_back`` for a payload that never
+counted. Compression is a deterministic function of (Δ, e, policy state) on a given machine, and
+the worker's e is computed from the very reconstruction every replica rebuilds (trainer.codec.frame).
+
+Aggregation: an average of low-rank factors is not low-rank, so the coordinator decompresses each
+validated payload and averages the dense tensors (trainer.aggregation); a compressed broadcast of
+the global update keeps its own error buffer (trainer.downlink).
+"""
+
+from __future__ import annotations
+
+from typing import Any, Mapping, MutableMapping
+
+import torch
+
+from trainer.codec.base import CompressionError
+from trainer.codec.frame import CompressionStream
+from trainer.codec.policy import AdaptiveRankPolicy, RoundDecision
+from trainer.wire import Params, dtype_name
+
+
+def error_dtype(dtype: torch.dtype) -> torch.dtype:
+    """e is kept in float32 (float64 for float64 tensors): a 16-bit buffer would lose the residual."""
+    return torch.float64 if dtype == torch.float64 else torch.float32
+
+
+def compress(
+    tensors: Mapping[str, torch.Tensor],
+    errors: MutableMapping[str, torch.Tensor] | None,
+    policy: AdaptiveRankPolicy,
+) -> tuple[bytes, dict[str, Any]]:
+    """(payload, header) for ``tensors``; see the module docstring.
+
+    ``errors`` is the error-feedback buffer, updated in place with e ← A − Â (entries created on
+    first use, float32, or float64 for float64 tensors); pass None to compress without feedback.
+    The buffer and the policy are left as they were if any input is refused. The round's decisions
+    are in ``policy.last_decision``.
+    """
+    for name in sorted(tensors):
+        t = tensors[name]
+        if not t.is_floating_point():
+            raise CompressionError(f"tensor {name}: dtype {dtype_name(t.dtype)} is not floating point")
+        if not bool(torch.isfinite(t).all()):
+            raise CompressionError(f"tensor {name}: values are not all finite")
+        if errors is not None and name in errors and tuple(errors[name].shape) != tuple(t.shape):
+            raise CompressionError(
+                f"tensor {name}: error buffer shape {list(errors[name].shape)} != {list(t.shape)}"
+            )
+    stream = CompressionStream(policy)
+    residuals: Params = {}
+    try:
+        for name in sorted(tensors):
+            t = tensors[name]
+            a = t.detach().to(torch.float64)
+            if errors is not None and name in errors:
+                a = a + errors[name].detach().to(torch.float64)
+            received = stream.add(name, t, a)
+            residuals[name] = (a - received.to(torch.float64)).to(error_dtype(t.dtype))
+        payload, header = stream.finish()
+    except BaseException:
+        stream.abort()
+        raise
+    if errors is not None:
+        errors.update(residuals)
+    return payload, header
+
+
+class ErrorFeedbackCompressor:
+    """A worker's compressor: the error buffer e per tensor plus its rank policy."""
+
+    ERROR_PREFIX = "error/"
+    POLICY_PREFIX = "policy/"
+
+    def __init__(self, policy: AdaptiveRankPolicy | None = None) -> None:
+        self.policy = policy or AdaptiveRankPolicy()
+        self.errors: Params = {}
+
+    def compress(
+        self, tensors: Mapping[str, torch.Tensor]
+    ) -> tuple[bytes, dict[str, Any], RoundDecision]:
+        """(payload, header, decisions) for this round's pseudo-gradient; e is updated."""
+        payload, header = compress(tensors, self.errors, self.policy)
+        assert self.policy.last_decision is not None
+        return payload, header, self.policy.last_decision
+
+    def carry_back(self, transmitted: Mapping[str, torch.Tensor]) -> None:
+        """The last payload never counted (its round was refused or closed without it): e ← e + Â,
+        so the buffer again holds all of A = Δ + e and nothing is lost."""
+        for name, sent in transmitted.items():
+            e = self.errors.get(name)
+            if e is None:
+                e = torch.zeros(sent.shape, dtype=error_dtype(sent.dtype))
+            self.errors[name] = (e.to(torch.float64) + sent.to(torch.float64)).to(e.dtype)
+
+    def state_dict(self) -> Params:
+        state = {self.ERROR_PREFIX + name: e.clone() for name, e in sorted(self.errors.items())}
+        state.update({self.POLICY_PREFIX + k: v for k, v in self.policy.state_dict().items()})
+        return state
+
+    def load_state_dict(self, state: Mapping[str, torch.Tensor]) -> None:
+        errors: Params = {}
+        policy_state: Params = {}
+        for key, value in state.items():
+            if key.startswith(self.ERROR_PREFIX):
+                name = key[len(self.ERROR_PREFIX):]
+                if not value.is_floating_point() or not bool(torch.isfinite(value).all()):
+                    raise CompressionError(
+                        f"compressor state: tensor {name}: field error is not finite floating point")
+                errors[name] = value.clone()
+            elif key.startswith(self.POLICY_PREFIX):
+                policy_state[key[len(self.POLICY_PREFIX):]] = value
+            else:
+                raise CompressionError(f"compressor state: unexpected entry {key}")
+        self.policy.load_state_dict(policy_state)
+        self.errors = errors

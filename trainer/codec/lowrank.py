@@ -1,0 +1,179 @@
+"""The low-rank + int4 kind (``"lowrank-int4"``): DiLoCoX's adaptive low-rank factors, quantised.
+
+DiLoCoX (Qi et al., "DiLoCoX: A Low-Communication Large-Scale Training Framework for Decentralized
+Cluster", arXiv:2506.21263) sends each pseudo-gradient as a low-rank decomposition quantised to
+int4, with a rank that adapts as training goes on (trainer.codec.policy). The factorisation follows
+PowerSGD (Vogels et al., NeurIPS 2019). Our own implementation; the paper publishes no code.
+
+Per matrix (a tensor of shape (m, k₁, k₂, …) viewed as m × n, n = k₁·k₂·…), A = Δ + e float64:
+
+    A  = U Σ Vᵀ,  σ₁ ≥ σ₂ ≥ …  (``thin_svd``: float64, from the smaller Gram matrix)
+    sign fix: for each i ≤ r, flip (uᵢ, vᵢ) together so that the largest-|·| entry of uᵢ is
+              positive (the first such entry on a tie)
+    P  = U_r Σ_r^{1/2}   (m × r),    Q = V_r Σ_r^{1/2}   (n × r),    so A_r = P Qᵀ
+    P̃  = deq(int4(P)),   Q̃ = deq(int4(Q))
+    Â  = P̃ Q̃ᵀ = Σ_{i=1..r} p̃ᵢ q̃ᵢᵀ                          (the tensor every replica receives)
+
+Parts ``P`` [m, r] and ``Q`` [n, r], each flattened column by column (Pᵀ row-major), so that when g
+divides m a group never mixes two singular directions, whose magnitudes differ by √(σᵢ/σⱼ).
+
+Rank fallback to kind ``"int4"`` (trainer.codec.dense): if r ≥ min(m, n)/2 the factors would not
+save bytes over the dense matrix (r(m+n) < mn already holds for every r < min(m,n)/2, since
+(m+n)/2 ≤ max(m,n)), so the dense matrix is quantised instead. When even the policy's smallest
+rank is ≥ min(m, n)/2 the SVD is skipped altogether and the policy is not consulted.
+
+Determinism: how the factors were chosen need not be reproducible, only Â from the bytes: the
+rank-1 terms of Σᵢ p̃ᵢ q̃ᵢᵀ are added one by one in increasing i with elementwise float64
+operations (no BLAS matmul whose blocking depends on the CPU or the thread count).
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Any, Mapping
+
+import torch
+
+from trainer.codec.base import CodecKind, TensorCodec, TensorEntry, fail, matrix_dims
+from trainer.codec.dense import Int4Codec
+from trainer.codec.quant import PartSpec, encode_part
+from trainer.wire import dtype_name
+
+if TYPE_CHECKING:
+    from trainer.codec.policy import AdaptiveRankPolicy, CompressionConfig
+    from trainer.wire import Params
+
+_BLOCK_BYTES = 256 << 10  # a block of rows of the result and its product term stay in a core's L2
+
+
+def thin_svd(a: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """U, σ (descending), Vᵀ of a float64 m × n matrix, k = min(m, n), from the eigendecomposition of
+    the smaller Gram matrix: for m ≤ n, A Aᵀ = U diag(σ²) Uᵀ and V = Aᵀ U diag(σ)⁻¹ (else the
+    transpose). A Gram product and a k × k ``eigh`` cost a few times less than LAPACK's SVD of A
+    and lose precision only in σᵢ below ~1e-8·σ₁, far under what int4 keeps; directions with
+    σᵢ ≤ 1e-12·σ₁ get a zero vector. How a payload was chosen need not be reproducible (see
+    Determinism), only its decompression."""
+    m, n = a.shape
+    wide = m <= n
+    gram = a @ a.T if wide else a.T @ a
+    eigenvalues, vectors = torch.linalg.eigh(gram)  # ascending
+    eigenvalues, vectors = eigenvalues.flip(0), vectors.flip(1)
+    sigma = eigenvalues.clamp_min(0.0).sqrt()
+    floor = float(sigma[0]) * 1e-12 if sigma.numel() else 0.0
+    inverse = torch.where(sigma > floor, 1.0 / sigma.clamp_min(floor if floor > 0 else 1.0), 0.0)
+    other = (a.T @ vectors if wide else a @ vectors) * inverse
+    if wide:
+        return vectors, sigma, other.T
+    return other, sigma, vectors.T
+
+
+def singular_values(a: torch.Tensor) -> torch.Tensor:
+    """σ (descending) of a float64 m × n matrix, from the eigenvalues of its smaller Gram matrix
+    (as in :func:`thin_svd`, without the vectors)."""
+    m, n = a.shape
+    eigenvalues = torch.linalg.eigvalsh(a @ a.T if m <= n else a.T @ a)  # ascending
+    return eigenvalues.flip(0).clamp_min(0.0).sqrt()
+
+
+def rank_of(matrix: torch.Tensor, relative: float = 1e-5) -> int:
+    """The numerical rank of a dense reconstruction: singular values above ``relative`` × the
+    largest (a rank-r product rounded to float32 leaves the others near 1e-7 of it)."""
+    sigma = torch.linalg.svdvals(matrix.to(torch.float64))
+    if sigma.numel() == 0 or float(sigma[0]) == 0.0:
+        return 0
+    return int((sigma > relative * sigma[0]).sum())
+
+
+def _lowrank_factors(
+    u: torch.Tensor, s: torch.Tensor, vh: torch.Tensor, rank: int
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """P = U_r Σ_r^{1/2}, Q = V_r Σ_r^{1/2}, each uᵢ's largest-|·| entry made positive."""
+    u, s, v = u[:, :rank], s[:rank], vh[:rank].T
+    pivot = u.abs().argmax(dim=0)  # the first maximal entry on a tie
+    signs = torch.where(u[pivot, torch.arange(rank)] < 0, -1.0, 1.0).to(torch.float64)
+    root = s.clamp_min(0.0).sqrt() * signs
+    return u * root, v * root
+
+
+def _factor_order(factor: torch.Tensor) -> torch.Tensor:
+    """A factor m × r flattened column by column (Pᵀ row-major)."""
+    return factor.T.contiguous().reshape(-1)
+
+
+def _sum_of_outer_products(p: torch.Tensor, q: torch.Tensor) -> torch.Tensor:
+    """Σᵢ pᵢ qᵢᵀ for the rows pᵢ of p (r × m) and qᵢ of q (r × n), float64: each entry is
+    ((p₀q₀ + p₁q₁) + p₂q₂) + …, one rounded product and one rounded sum a term in increasing i, the
+    same on every machine. The m rows are done a block at a time so the running sum stays in cache
+    (the order of operations on each entry is the same as over the whole matrix at once)."""
+    r, m = p.shape
+    n = q.shape[1]
+    out = torch.zeros(m, n, dtype=torch.float64)
+    rows = max(1, min(m, _BLOCK_BYTES // (8 * max(1, n))))
+    term = torch.empty(rows, n, dtype=torch.float64)
+    for start in range(0, m, rows):
+        block = out[start:start + rows]
+        product = term[:block.shape[0]]
+        for i in range(r):
+            torch.mul(p[i, start:start + rows].unsqueeze(1), q[i].unsqueeze(0), out=product)
+            block.add_(product)
+    return out
+
+
+class LowRankCodec(TensorCodec):
+    kind = CodecKind.LOWRANK_INT4
+    bits = 4
+    choice = "lowrank-int4"
+
+    def parts(self, name: str, shape: tuple[int, ...], rank: Any, group: int,
+              fields: Mapping[str, int]) -> dict[str, PartSpec]:
+        m, n = matrix_dims(shape)
+        if not 1 <= rank <= min(m, n):
+            raise fail(name, "rank", f"{rank} outside [1, min(m, n) = {min(m, n)}]")
+        return {"P": PartSpec.of([m, rank], self.bits, group), "Q": PartSpec.of([n, rank], self.bits, group)}
+
+    def encode(self, name: str, t: torch.Tensor, a: torch.Tensor, policy: AdaptiveRankPolicy,
+               out: Params) -> TensorEntry:
+        """The policy's rank, or the whole matrix as int4 when that rank would not save bytes."""
+        shape = tuple(t.shape)
+        m, n = matrix_dims(shape)
+        mat = a.reshape(m, n)
+        g = policy.config.int4_group_size
+        if not policy.always_dense(m, n):
+            u, sigma, vh = thin_svd(mat)
+            signal = t.detach().to(torch.float64).reshape(m, n)
+            # The rank follows Δ's own spectrum, not that of Δ + e (trainer.codec.policy).
+            decision = policy.decide(name, sigma if torch.equal(signal, mat) else singular_values(signal), (m, n))
+            if decision.kind == self.kind:
+                rank = decision.rank
+                p, qf = _lowrank_factors(u, sigma, vh, rank)
+                parts = {}
+                for part, (factor, fshape) in {"P": (p, [m, rank]), "Q": (qf, [n, rank])}.items():
+                    out[f"{name}.{part}.q"], out[f"{name}.{part}.scale"] = encode_part(_factor_order(factor), self.bits, g)
+                    parts[part] = PartSpec.of(fshape, self.bits, g)
+                return TensorEntry(name, shape, dtype_name(t.dtype), self.kind, rank, g, parts)
+        return _DENSE.encode(name, t, a, policy, out)
+
+    def decode(self, entry: TensorEntry, packed: Mapping[str, torch.Tensor]) -> torch.Tensor:
+        m, n = matrix_dims(entry.shape)
+        r = entry.rank
+        p, q = self.values(entry, packed, "P", self.bits), self.values(entry, packed, "Q", self.bits)
+        return _sum_of_outer_products(p.view(r, m), q.view(r, n))  # row i is p̃ᵢ, q̃ᵢ
+
+    def size(self, shape: tuple[int, ...], config: CompressionConfig, rank: int | None) -> int:
+        """At ``rank`` (default ``config.max_rank``), or dense int4 where that rank saves nothing."""
+        m, n = matrix_dims(shape)
+        r = min(rank or config.max_rank, min(m, n))
+        counts = [m * r, n * r] if 2 * r < min(m, n) else [m * n]
+        return sum(PartSpec.of([count], self.bits, config.int4_group_size).nbytes for count in counts)
+
+    def replay_target(self, a: torch.Tensor, entry: TensorEntry) -> torch.Tensor:
+        """The best rank-r approximation of A' (float64 LAPACK SVD), r the entry's rank."""
+        u, sigma, vh = torch.linalg.svd(a.reshape(a.shape[0], -1), full_matrices=False)
+        k = entry.rank
+        return ((u[:, :k] * sigma[:k]) @ vh[:k]).reshape(a.shape)
+
+    def replay_ranks(self, stored: Params) -> dict[str, int]:
+        """The ranks the worker's policy chose, read off the stored reconstructions Â."""
+        return {name: rank_of(t.reshape(t.shape[0], -1)) for name, t in stored.items() if t.dim() >= 2 and t.numel()}
+
+
+_DENSE = Int4Codec()
