@@ -22,7 +22,7 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
-from .backend import CorruptObjectError, MissingObjectError, Store, StoreError, as_cid
+from .backend import CorruptObjectError, MissingObjectError, Store, as_cid
 from .canonical import loads_bounded
 from .cid import CID, Codec
 

@@ -19,7 +19,6 @@ from storage_client import (
     CID,
     Codec,
     CorruptObjectError,
-    Manifest,
     MissingObjectError,
     ObjectStore,
     Store,
