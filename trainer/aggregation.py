@@ -232,24 +232,6 @@ def validate_payload(payload: bytes, declared: Layout, bound: float, *, encoding
     return dense(checked_update(payload, declared, bound, encoding=encoding, codec_header=codec_header).source)
 
 
-def check_nonzero(update: Params) -> None:
-    """An all-zero update trains nothing: a worker sending it would be credited for no work."""
-    if all(not bool(t.any()) for t in update.values()):
-        raise InvalidUpdate("the update is all zeros: it carries no training")
-
-
-def mean_pseudo_gradient(updates: Mapping[str, Params]) -> Params:
-    """Δ⁽ʳ⁾: the mean of the accepted pseudo-gradients, summed in sorted worker order."""
-    if not updates:
-        raise ValueError("cannot aggregate a round with no accepted updates")
-    workers = sorted(updates)
-    total = {name: t.clone() for name, t in updates[workers[0]].items()}
-    for worker in workers[1:]:
-        for name, t in updates[worker].items():
-            total[name].add_(t)
-    return {name: t.div_(len(workers)) for name, t in total.items()}
-
-
 # --------------------------------------------------------------------------------- robust mean
 
 
@@ -312,15 +294,6 @@ def trimmed_count(n: int, trim_fraction: float) -> int:
     """b = ⌊β·n⌋ values dropped from each end of every coordinate, β taken as the decimal the
     configuration states (its repr: 0.29 × 100 is 29, not the 28.99… of binary floating point)."""
     return min(math.floor(Fraction(repr(trim_fraction)) * n), (n - 1) // 2)
-
-
-def coordinate_wise(updates: Mapping[str, Params], aggregator: str, trim_fraction: float) -> Params:
-    """Δ⁽ʳ⁾ by ``aggregator`` (the module docstring's rules) of updates already clipped."""
-    if not updates:
-        raise ValueError("cannot aggregate a round with no accepted updates")
-    workers = sorted(updates)
-    return {name: combine([updates[w][name] for w in workers], aggregator, trim_fraction)
-            for name in updates[workers[0]]}
 
 
 def combine(values: Sequence[torch.Tensor], aggregator: str, trim_fraction: float) -> torch.Tensor:

@@ -186,13 +186,3 @@ def open_update(store: Store, cid: CID | str, layout: Layout, model: ModelConfig
                                   stage_layout(layout, model, ref.stage, ref.num_stages)))
         del payload
     return sources[0] if len(sources) == 1 else MergedUpdate(sources)
-
-
-def referenced_objects(store: Store, cid: CID | str) -> list[str]:
-    """The CIDs a record names (payloads and headers), for reachability (``dilocox gc``)."""
-    out = []
-    for ref in parse_record(store.get(cid)):
-        out.append(ref.payload)
-        if ref.header is not None:
-            out.append(ref.header)
-    return out

@@ -43,7 +43,7 @@ from settlement.rewards import RewardPool, RewardToken
 from settlement.roster import short_address, unreported_lines
 from storage_client import CID, Codec, Manifest, ObjectStore, Participant, Traffic, to_e6
 from proto import Encoding
-from trainer.aggregation import mean_pseudo_gradient
+from tests.oracles import mean_pseudo_gradient
 from trainer.config import InnerConfig, ModelConfig, RoundConfig, RunConfig
 from trainer.diloco import (
     InnerLoop,

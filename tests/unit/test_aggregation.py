@@ -6,8 +6,9 @@ import pytest
 import torch
 
 from tests.conftest import small_config
+from tests.oracles import mean_pseudo_gradient
 from trainer.aggregation import (
-    InvalidUpdate, check_finite, check_layout, check_norm, mean_pseudo_gradient, norm_bound,
+    InvalidUpdate, check_finite, check_layout, check_norm, norm_bound,
     validate_payload,
 )
 from trainer.wire import encode_params, layout_of

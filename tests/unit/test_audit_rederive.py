@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from audit.rederive import RederiveError, genesis_outer_state, rederive
-from trainer.aggregation import mean_pseudo_gradient
+from tests.oracles import mean_pseudo_gradient
 from trainer.config import OuterConfig
 from trainer.diloco import momentum_of, outer_state_of, outer_step, zero_momentum
 from trainer.wire import encode_params

@@ -9,8 +9,9 @@ import pytest
 import torch
 
 from audit.rederive import rederive, update_norms
+from tests.oracles import mean_pseudo_gradient
 from trainer.aggregation import (
-    PLAIN_MEAN, aggregate, exact_norm, lower_median, mean_pseudo_gradient, trimmed_count,
+    PLAIN_MEAN, aggregate, exact_norm, lower_median, trimmed_count,
 )
 from trainer.config import OuterConfig, RoundConfig, RunConfig
 from trainer.config import ConfigError
