@@ -13,6 +13,7 @@ import json
 from typing import Any
 
 from storage_client import Manifest
+from trainer.aggregation import updates_round_norm
 from trainer.config import RunConfig
 from trainer.update_source import UpdateSource
 
@@ -25,7 +26,6 @@ from .rederive import (
     clip_history,
     genesis_outer_state,
     rederive,
-    stored_round_norm,
 )
 from .replay import EVAL_TOLERANCE, REPLAY_TOLERANCE, replay_run
 
@@ -69,10 +69,7 @@ class Recomputation:
         threshold of the next K rounds; None when an update is unavailable or unreadable."""
         self.norms[r] = None
         if len(updates) == len(manifest.participants):
-            try:
-                self.norms[r] = [stored_round_norm(updates)]
-            except RederiveError:
-                pass
+            self.norms[r] = [updates_round_norm(updates)]
 
     def _history(self, r: int) -> list[float] | None:
         """ρ̃ of rounds max(1, r-K)..r-1, or None when one of them is unknown."""

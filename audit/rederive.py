@@ -19,7 +19,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any, Sequence
 
-from trainer.aggregation import PLAIN_MEAN, exact_norm, round_norm
+from trainer.aggregation import PLAIN_MEAN, exact_norm
 from trainer.config import OuterConfig, RoundConfig
 from trainer.diloco import outer_state_of, zero_momentum
 from trainer.transition import OuterState, TransitionError, round_transition, stored_downlink
@@ -70,15 +70,9 @@ def update_norms(updates: Mapping[str, bytes | UpdateSource]) -> dict[str, float
     return {w: exact_norm(_source(w, data)) for w, data in sorted(updates.items())}
 
 
-def stored_round_norm(updates: Mapping[str, bytes | UpdateSource]) -> float:
-    """ρ̃ of a closed round from its stored updates (trainer.aggregation.round_norm of their
-    ``exact_norm``s): what the round adds to the clip history of the next K rounds."""
-    return round_norm(list(update_norms(updates).values()))
-
-
 def clip_history(round_norms: Mapping[int, Sequence[float] | None], round_: int, k: int) -> list[float] | None:
     """The ``history`` round r's ``aggregate`` takes: the ρ̃ of rounds max(1, r−K)..r−1, from
-    ``round_norms`` (round → [ρ̃], as ``stored_round_norm`` gives); None when one is unknown."""
+    ``round_norms`` (round → [ρ̃], as trainer.aggregation.updates_round_norm gives); None when one is unknown."""
     out: list[float] = []
     for earlier in range(max(1, round_ - k), round_):
         norms = round_norms.get(earlier)

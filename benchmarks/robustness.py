@@ -248,7 +248,8 @@ def held_out_curve(run_dir: Path, evaluate: Any) -> list[tuple[int, float]]:
 def rederives(run_dir: Path) -> bool:
     """Every round's params and outer state re-derive bit for bit from the stored updates (the
     audit's arithmetic, audit.rederive, under the run's own ``rounds`` section)."""
-    from audit.rederive import clip_history, rederive, stored_round_norm
+    from audit.rederive import clip_history, rederive
+    from trainer.aggregation import updates_round_norm
     from trainer.checkpoints import round_updates
     from trainer.wire import decode_params, layout_of
     from storage_client import CID, lineage
@@ -265,7 +266,7 @@ def rederives(run_dir: Path) -> bool:
         updates = round_updates(run.store, m, layout, config.model)
         history = clip_history(norms, m.round, config.rounds.clip_history_rounds)
         derived = rederive(config.outer, *state, updates, rounds=config.rounds, history=history)
-        norms[m.round] = [stored_round_norm(updates)]
+        norms[m.round] = [updates_round_norm(updates)]
         state = (derived.params, derived.outer_state)
         if (derived.params_digest != CID.parse(m.params).digest
                 or derived.outer_state_digest != CID.parse(m.outer_state).digest):

@@ -279,6 +279,13 @@ def round_norm(norms: Sequence[float]) -> float:
     return lower_median(norms)
 
 
+def updates_round_norm(updates: Mapping[str, Params | UpdateSource]) -> float:
+    """ρ̃ of a closed round from its updates: ``round_norm`` of their ``exact_norm``s (worker
+    order), what the round adds to the clip history of the next K rounds. The coordinator's resume,
+    checkpoint rebuilding and the audit all take it from here."""
+    return round_norm([exact_norm(updates[w]) for w in sorted(updates)])
+
+
 def lower_median(values: Sequence[float]) -> float:
     if not values:
         raise ValueError("no norms to take a median of")

@@ -23,7 +23,7 @@ from __future__ import annotations
 from typing import Sequence
 
 from storage_client import CID, Manifest, Store, StoreError
-from trainer.aggregation import exact_norm, round_norm
+from trainer.aggregation import round_norm, updates_round_norm
 from trainer.config import ModelConfig, RoundConfig, RunConfig
 from trainer.progress import Progress
 from trainer.transition import OuterState, TransitionError, round_transition, stored_downlink
@@ -46,11 +46,6 @@ def is_full_checkpoint(rounds: RoundConfig, round_: int) -> bool:
 def round_updates(store: Store, manifest: Manifest, layout: Layout, model: ModelConfig) -> dict[str, UpdateSource]:
     """Round's accepted updates by worker, opened from their records (trainer.update_record)."""
     return {p.worker: open_update(store, p.update, layout, model) for p in manifest.participants}
-
-
-def updates_round_norm(updates: dict[str, UpdateSource]) -> float:
-    """ρ̃ of a round from its updates (round_norm of their exact norms), as the coordinator kept it."""
-    return round_norm([exact_norm(updates[w]) for w in sorted(updates)])
 
 
 def _stored_state(store: Store, manifest: Manifest) -> OuterState | None:

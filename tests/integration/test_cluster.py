@@ -3,7 +3,8 @@
 import pytest
 
 from proto import MAX_MESSAGE_BYTES
-from audit.rederive import clip_history, rederive, stored_round_norm
+from audit.rederive import clip_history, rederive
+from trainer.aggregation import updates_round_norm
 from trainer.checkpoints import is_full_checkpoint, round_updates
 from trainer.wire import decode_params, layout_of
 from storage_client import CID, lineage
@@ -35,7 +36,7 @@ def assert_rederivable(run: RunDir) -> list:
         updates = round_updates(run.store, m, layout, config.model)  # from the pushed bytes
         history = clip_history(norms, m.round, config.rounds.clip_history_rounds)
         derived = rederive(config.outer, *state, updates, downlink, rounds=config.rounds, history=history)
-        norms[m.round] = [stored_round_norm(updates)]
+        norms[m.round] = [updates_round_norm(updates)]
         state = (derived.params, derived.outer_state)
         assert derived.params_digest == CID.parse(m.params).digest, f"round {m.round} params do not re-derive"
         assert derived.outer_state_digest == CID.parse(m.outer_state).digest, f"round {m.round} outer state"

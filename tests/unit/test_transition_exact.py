@@ -83,7 +83,8 @@ _REDERIVE = """
 import hashlib, json, sys
 from pathlib import Path
 import torch
-from audit.rederive import rederive, stored_round_norm
+from audit.rederive import rederive, update_norms
+from trainer.aggregation import round_norm
 from trainer.config import OuterConfig, RoundConfig
 d, threads = Path(sys.argv[1]), int(sys.argv[2])
 torch.set_num_threads(threads)
@@ -97,7 +98,7 @@ for r, how in enumerate(rules, start=1):
         downlink = ((d / f"r{r}.downlink").read_bytes(), json.loads((d / f"r{r}.header").read_text()))
     got = rederive(OuterConfig(), (d / f"{parent}.params").read_bytes(), (d / f"{parent}.outer").read_bytes(),
                    updates, downlink, rounds=how, history=history)
-    history = [stored_round_norm(updates)]
+    history = [round_norm(list(update_norms(updates).values()))]
     out.append({"params": got.params_digest.hex(), "outer": got.outer_state_digest.hex()})
     parent = f"r{r}"
 print(json.dumps({"capability": torch.backends.cpu.get_cpu_capability(), "threads": torch.get_num_threads(),

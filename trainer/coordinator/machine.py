@@ -18,8 +18,8 @@ from attestation import SignedReport
 from attestation.signing import global_digest
 from storage_client import CID, Manifest, loads_bounded
 from storage_client.manifest import Traffic
-from trainer.checkpoints import round_updates, updates_round_norm
-from trainer.aggregation import CheckedUpdate, InvalidUpdate, check_norm, norm_bound, round_norm
+from trainer.aggregation import CheckedUpdate, InvalidUpdate, check_norm, norm_bound, round_norm, updates_round_norm
+from trainer.checkpoints import round_updates
 from trainer.coordinator import checks
 from trainer.coordinator.intake import Intake
 from trainer.coordinator.publish import derive_round, record_round
