@@ -1,6 +1,6 @@
-# Two commands: `make demo` and `make test` (`make test-fast`: the unit tests alone). Each does all set-up first (a .venv, the package
-# installed editable, the gRPC stubs generated from proto/, the Foundry toolchain from the npm
-# lockfile and the compiled contracts) and re-runs only what changed.
+# Two commands: `make demo` and `make test` (`make test-fast`: the unit tests alone). Each does all
+# set-up first (a .venv, the package installed editable, the gRPC stubs generated from proto/, the
+# Foundry toolchain from the npm lockfile and the compiled contracts) and re-runs only what changed.
 
 PYTHON ?= python3
 VENV   := .venv
@@ -63,7 +63,7 @@ test: setup
 	cd contracts && $(FORGE) test
 	$(PY) -m pytest -q
 
-# The unit tests alone (pure logic, no processes, no chain): the loop to run while editing.
+# The unit tests alone (pure logic: no cluster, no chain): the loop to run while editing.
 test-fast: setup
 	$(PY) -m pytest -q tests/unit
 
