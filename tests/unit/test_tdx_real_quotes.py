@@ -30,14 +30,14 @@ from attestation import (
     parse_quote,
     verify_evidence,
 )
-from tests.conftest import shared_path
-from tests.conftest import SHARED as SHARED_ROOT
+from tests.conftest import SHARED as SHARED_ROOT, shared_path
 
 SHARED = SHARED_ROOT / "attestation"
 
 
 @pytest.fixture(autouse=True)
 def _sample_quotes_present() -> None:
+    """Every test here reads the sample quotes: without them it fails, naming the folder."""
     shared_path("attestation")
 
 
