@@ -1,6 +1,6 @@
-# Two commands: `make demo` and `make test`. Each does all set-up first (a .venv, the package
-# installed editable, the gRPC stubs generated from proto/, the Foundry toolchain from the npm
-# lockfile and the compiled contracts) and re-runs only what changed.
+# Two commands: `make demo` and `make test` (`make test-fast`: the unit tests alone). Each does all
+# set-up first (a .venv, the package installed editable, the gRPC stubs generated from proto/, the
+# Foundry toolchain from the npm lockfile and the compiled contracts) and re-runs only what changed.
 
 PYTHON ?= python3
 VENV   := .venv
@@ -17,7 +17,7 @@ export PIP_DISABLE_PIP_VERSION_CHECK := 1
 # The Foundry binaries in contracts/package-lock.json are the linux-amd64 builds (anvil, forge, cast).
 PLATFORM := $(shell uname -s)-$(shell uname -m)
 
-.PHONY: all platform setup stubs demo test clean
+.PHONY: all platform setup stubs demo test test-fast clean
 
 all: setup
 
@@ -62,6 +62,10 @@ demo: setup
 test: setup
 	cd contracts && $(FORGE) test
 	$(PY) -m pytest -q
+
+# The unit tests alone (pure logic: no cluster, no chain): the loop to run while editing.
+test-fast: setup
+	$(PY) -m pytest -q tests/unit
 
 clean:
 	rm -rf $(VENV) $(STUBS) proto/dilocox_pb2.pyi runs .pytest_cache contracts/node_modules contracts/out contracts/cache

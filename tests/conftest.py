@@ -1,4 +1,6 @@
-"""Shared fixtures: small run configurations and a local cluster of real processes."""
+"""Shared fixtures: small run configurations, a local cluster of real processes, a local chain, and
+the public sample files in ../shared that some tests read (a test that needs one fails, naming it,
+when it is absent: a missing input must not pass as a skip)."""
 
 from __future__ import annotations
 
@@ -9,9 +11,23 @@ from typing import Callable, Iterator
 import pytest
 
 from benchmarks.cluster import LocalCluster
+from settlement import Anvil
 from trainer.config import DataConfig, InnerConfig, ModelConfig, RoundConfig, RunConfig
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
+
+# Public sample data (TDX quotes and their collateral, tiny Shakespeare) kept beside the repository
+# and read in place, never copied into it.
+SHARED = Path(__file__).resolve().parents[1].parent / "shared"
+
+
+def shared_path(relative: str) -> Path:
+    """``../shared/<relative>``, or the test fails with one line saying what is missing and where."""
+    path = SHARED / relative
+    if not path.exists():
+        pytest.fail(f"{path} is absent: this test reads the public sample data in ../shared/{relative}; "
+                    f"put the shared folder beside the repository ({SHARED})", pytrace=False)
+    return path
 
 
 def small_config(**sections: object) -> RunConfig:
@@ -44,3 +60,11 @@ def make_config(tmp_path: Path) -> Callable[..., Path]:
 def cluster(tmp_path: Path) -> Iterator[LocalCluster]:
     with LocalCluster(tmp_path / "run") as local:
         yield local
+
+
+@pytest.fixture
+def chain(tmp_path: Path) -> Iterator[Anvil]:
+    """A fresh anvil for one test (the tests that use it deploy, mine and stop it), its state dumped
+    into the ``cluster`` fixture's run directory (``<run>/chain/state.json``) like a demo's."""
+    with Anvil(state_file=tmp_path / "run" / "chain" / "state.json") as anvil:
+        yield anvil

@@ -30,12 +30,6 @@ from trainer.update_record import record_bytes, slice_ref
 pytestmark = pytest.mark.integration
 
 
-@pytest.fixture
-def chain(tmp_path: Path):
-    with Anvil(state_file=tmp_path / "run" / "chain" / "state.json") as anvil:
-        yield anvil
-
-
 def wait_for_pending(path: Path, timeout_s: float) -> None:
     """Until the coordinator's journal of an open round names an accepted update."""
     deadline = time.monotonic() + timeout_s

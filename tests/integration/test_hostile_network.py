@@ -22,8 +22,9 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 from attestation import DevProvider, DevRoot, WorkerKey, attest, code_measurement
 from proto import CHANNEL_OPTIONS, PROTOCOL_VERSION, SERVICE_NAME, Encoding, WorkerPhase, pb, pb_grpc
 from storage_client import lineage
-from tests.conftest import small_config
-from tests.integration.test_trust import chain, ledger_of, pinned, start  # noqa: F401 (chain is a fixture)
+from settlement import Anvil
+from tests.conftest import shared_path, small_config
+from tests.integration.test_trust import ledger_of, pinned, start
 from benchmarks.cluster import LocalCluster
 from trainer.config import InnerConfig, RoundConfig
 from proto import session_metadata
@@ -101,7 +102,7 @@ class Hostile:
 
 
 def test_spoofed_calls_change_nothing_and_the_ledger_records_every_round(
-        cluster: LocalCluster, chain, tmp_path: Path) -> None:  # noqa: F811 (fixture)
+        cluster: LocalCluster, chain: Anvil, tmp_path: Path) -> None:
     """Fetch, push, heartbeat, report and challenge in an honest worker's name, all while it trains."""
     config = pinned(small_config(
         inner=InnerConfig(steps=300, batch_size=4, lr=1e-3),
@@ -361,18 +362,16 @@ def test_one_coordinator_per_run_directory_and_port(cluster: LocalCluster, make_
     assert status.run_id == "test"
 
 
-SHARED_QUOTES = Path(__file__).resolve().parents[2].parent / "shared" / "attestation" / "dcap-qvl"
 INSIDE_COLLATERAL_WINDOW = 1750809600  # 2025-06-25: the sample collateral was issued 06-19, next update 07-19
 
 
-@pytest.mark.skipif(not (SHARED_QUOTES / "tdx_quote").exists(),
-                    reason="../shared/attestation is absent: the real-TDX-quote Join test needs its quotes")
-def test_tdx_join_forged_quote_refused_genuine_quote_verified(cluster: LocalCluster, chain, tmp_path: Path) -> None:  # noqa: F811
+def test_tdx_join_forged_quote_refused_genuine_quote_verified(cluster: LocalCluster, chain: Anvil, tmp_path: Path) -> None:
     from attestation import Evidence, measurement_of, parse_quote, report_data
     from cli.demo import provision
     from settlement import DEV_ACCOUNTS, Chain, Deployment, Registry
 
-    genuine = (SHARED_QUOTES / "tdx_quote").read_bytes()
+    genuine = shared_path("attestation/dcap-qvl/tdx_quote").read_bytes()
+    collateral = shared_path("attestation/dcap-qvl/tdx_quote_collateral.json")
     config = pinned(small_config())
     path = tmp_path / "config.json"
     config.save(path)
@@ -381,7 +380,7 @@ def test_tdx_join_forged_quote_refused_genuine_quote_verified(cluster: LocalClus
     deployment = Deployment.load(cluster.run_dir.path / "chain" / "deployment.json")
     Registry(Chain(chain.rpc_url, DEV_ACCOUNTS[0]), deployment.registry).set_measurement(
         measurement_of(parse_quote(genuine)))
-    cluster.start_coordinator(path, extra=[*co_args, "--dcap-collateral", str(SHARED_QUOTES / "tdx_quote_collateral.json"),
+    cluster.start_coordinator(path, extra=[*co_args, "--dcap-collateral", str(collateral),
                                            "--attestation-time", str(INSIDE_COLLATERAL_WINDOW)])
     eve = Hostile(cluster)
     key = WorkerKey.generate()

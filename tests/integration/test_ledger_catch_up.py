@@ -33,12 +33,6 @@ from trainer.wire import encode_params, sha256_hex
 pytestmark = pytest.mark.integration
 
 
-@pytest.fixture
-def chain(tmp_path: Path):
-    with Anvil(state_file=tmp_path / "run" / "chain" / "state.json") as anvil:
-        yield anvil
-
-
 def attested_mallory(cluster: LocalCluster, worker_id: str = "m") -> tuple[Mallory, WorkerKey, bytes]:
     stub = cluster.stub()
     challenge = stub.Challenge(pb.ChallengeRequest(protocol_version=PROTOCOL_VERSION, worker_id=worker_id), timeout=10)

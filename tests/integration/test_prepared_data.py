@@ -18,14 +18,14 @@ import pytest
 
 from benchmarks.cluster import LocalCluster
 from storage_client import CID, Codec, lineage
-from tests.conftest import small_config
+from tests.conftest import shared_path, small_config
 from trainer.config import DataConfig, InnerConfig, ModelConfig, RoundConfig, RunConfig
 from trainer.run_dir import RunDir
 
 pytestmark = pytest.mark.integration
 
 REPO = Path(__file__).resolve().parents[2]
-SHAKESPEARE = REPO.parent / "shared" / "data" / "tinyshakespeare" / "input.txt"
+SHAKESPEARE = "data/tinyshakespeare/input.txt"  # under ../shared
 VOCAB = 512
 
 
@@ -36,14 +36,13 @@ def dilocox(*args: str, timeout: float = 240) -> subprocess.CompletedProcess[str
 
 @pytest.fixture(scope="module")
 def tokens(tmp_path_factory) -> Path:
-    if not SHAKESPEARE.is_file():
-        pytest.skip(f"{SHAKESPEARE} is absent (../shared/data)")
+    shakespeare = shared_path(SHAKESPEARE)
     from cli.main import main  # `dilocox data prepare`, in this process (torch is already imported)
 
     out = tmp_path_factory.mktemp("prepared") / "shakespeare"
     printed = io.StringIO()
     with contextlib.redirect_stdout(printed):
-        code = main(["data", "prepare", str(SHAKESPEARE), "--out", str(out), "--tokenizer", "bpe",
+        code = main(["data", "prepare", str(shakespeare), "--out", str(out), "--tokenizer", "bpe",
                      "--vocab-size", str(VOCAB), "--shards", "2", "--eval-fraction", "0.05"])
     assert code == 0 and "dtype uint16" in printed.getvalue() and "2 shards" in printed.getvalue()
     return out
@@ -86,7 +85,7 @@ def test_a_llama_demo_run_on_prepared_bpe_tokens_trains_audits_and_exports_with_
 
     hf_tokenizer = AutoTokenizer.from_pretrained(out, local_files_only=True)
     ours = BpeTokenizer.load(tokens / "tokenizer.json")
-    text = SHAKESPEARE.read_text(encoding="utf-8")[:2000]
+    text = shared_path(SHAKESPEARE).read_text(encoding="utf-8")[:2000]
     assert hf_tokenizer(text)["input_ids"] == ours.encode_batch([text])[0]
     assert hf_tokenizer.eos_token == EOS_TOKEN
     assert AutoConfig.from_pretrained(out, local_files_only=True).eos_token_id == ours.eos_id == 0

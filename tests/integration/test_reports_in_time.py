@@ -22,7 +22,7 @@ from cli.demo import provision
 from settlement import Anvil
 from storage_client import lineage
 from tests.conftest import small_config
-from tests.integration.test_trust import chain, ledger_of, pinned  # noqa: F401 (chain is a fixture)
+from tests.integration.test_trust import ledger_of, pinned
 from trainer.config import InnerConfig, RoundConfig
 
 pytestmark = pytest.mark.integration

@@ -39,12 +39,6 @@ def pinned(config: RunConfig) -> RunConfig:
     return config.replace(data=dataclasses.replace(config.data, corpus_sha256=corpus.sha256))
 
 
-@pytest.fixture
-def chain(tmp_path: Path):
-    with Anvil(state_file=tmp_path / "run" / "chain" / "state.json") as anvil:
-        yield anvil
-
-
 def start(cluster: LocalCluster, anvil: Anvil, config: RunConfig, tmp_path: Path) -> tuple[list[str], list[str]]:
     path = tmp_path / "config.json"
     config.save(path)

@@ -3,7 +3,7 @@ verify_evidence (genuine, forged, expired, outdated, unconfigured).
 
 The quotes and their collateral are public test data in ../shared/attestation (see its README),
 read in place and never copied into this repository. Where that folder is absent every test here
-is skipped, with the reason in pytest's summary.
+fails, naming it (tests.conftest.shared_path): a missing input must not pass as a skip.
 """
 
 from __future__ import annotations
@@ -30,12 +30,16 @@ from attestation import (
     parse_quote,
     verify_evidence,
 )
+from tests.conftest import SHARED as SHARED_ROOT, shared_path
 
-SHARED = Path(__file__).resolve().parents[2].parent / "shared" / "attestation"
-pytestmark = pytest.mark.skipif(
-    not SHARED.is_dir(),
-    reason=f"REAL TDX QUOTE TESTS SKIPPED: {SHARED} (public sample quotes and collateral) is absent",
-)
+SHARED = SHARED_ROOT / "attestation"
+
+
+@pytest.fixture(autouse=True)
+def _sample_quotes_present() -> None:
+    """Every test here reads the sample quotes: without them it fails, naming the folder."""
+    shared_path("attestation")
+
 
 DCAP_QUOTE = SHARED / "dcap-qvl" / "tdx_quote"
 DCAP_COLLATERAL = SHARED / "dcap-qvl" / "tdx_quote_collateral.json"
