@@ -29,7 +29,7 @@ from benchmarks.attacks import (
 )
 from benchmarks.cluster import LocalCluster
 from tests.conftest import small_config
-from tests.integration.test_trust import chain, ledger_of, pinned, start  # noqa: F401 (chain is a fixture)
+from tests.integration.test_trust import ledger_of, pinned, start
 from trainer.config import InnerConfig, RoundConfig, RunConfig
 
 pytestmark = pytest.mark.integration
@@ -131,7 +131,7 @@ def test_honest_rounds_keep_their_rate_under_each_attack(cluster: LocalCluster, 
 
 
 def test_insiders_with_several_ids_cannot_keep_a_round_off_the_ledger(
-        cluster: LocalCluster, chain, tmp_path: Path) -> None:  # noqa: F811 (fixture)
+        cluster: LocalCluster, chain, tmp_path: Path) -> None:
     rounds = 6
     _, wo_args = start(cluster, chain, pinned(fast_run(rounds)), tmp_path)
     cluster.start_worker("w0", extra=wo_args)
