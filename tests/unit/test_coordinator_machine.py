@@ -389,3 +389,27 @@ def test_a_live_id_that_never_pushes_holds_back_one_round_once_not_every_round(t
     c.close_round()
     push(c, header(c, "w0", u), u)
     assert not c.close_due()
+
+
+def test_a_refused_push_does_not_make_a_laggard_awaited_again(tmp_path) -> None:
+    """Only an accepted update earns being waited for: an insider whose pushes are refused (or cut
+    before they finish) stays a laggard, so it cannot hold back every other round."""
+    clock = Clock()
+    c = coordinator(tmp_path, clock, rounds=RoundConfig(rounds=5, expected_workers=2, quorum=1,
+                                                         straggler_timeout_s=10.0, liveness_timeout_s=30.0))
+    joined(c, "w0", "mallory")
+    u = update_of(c, 1.0)
+    push(c, header(c, "w0", u), u)
+    clock.now += 10.0
+    c.heartbeat("mallory", 1, WorkerPhase.TRAINING)
+    assert c.close_due()
+    c.close_round()
+    for i in range(3):
+        c.heartbeat("mallory", c.round.number, WorkerPhase.TRAINING)
+        if i == 0:  # refused in round 2, then silent (a push that never finishes) in round 3 and 4
+            bad = update_of(c, 3.0 + c.round.number)
+            assert refused(c, header(c, "mallory", bad, tokens=1), bad) is Reason.BAD_CLAIM
+        u = update_of(c, 5.0 + c.round.number)
+        push(c, header(c, "w0", u), u)
+        assert c.close_due()  # no straggler wait for mallory in any of these rounds
+        c.close_round()

@@ -43,16 +43,16 @@ class WorkerRegistry:
         return {w for w, s in self.workers.items() if now - s.last_seen <= self.liveness_s}
 
     def awaited(self, now: float) -> set[str]:
-        """The live workers a round waits for: all but the laggards, registered ids that delivered
-        nothing to the last round (no push accepted or refused, no word that they abandoned it),
-        until they deliver again. So an id kept live that never pushes holds back one round by
-        the straggler timeout, once, not every round; the price, that a worker which missed a
-        round is not waited for in the next, is that of a straggler."""
+        """The live workers a round waits for: all but the laggards, registered ids without an
+        accepted update in the last round, until one of theirs is accepted again. So an id kept
+        live that never pushes (or pushes only what is refused, or never finishes a push) holds
+        back one round by the straggler timeout, once, not every round; the price, that a worker
+        which missed a round is not waited for in the next, is that of a straggler."""
         return self.alive(now) - self.laggards
 
-    def closed(self, delivered: set[str]) -> None:
-        """A round closed with pushes from ``delivered``: who are the laggards now (``awaited``)."""
-        self.laggards = set(self.workers) - delivered
+    def closed(self, accepted: set[str]) -> None:
+        """A round closed with updates of ``accepted``: who are the laggards now (``awaited``)."""
+        self.laggards = set(self.workers) - accepted
 
     def known(self, worker_id: str) -> WorkerState:
         state = self.workers.get(worker_id)
