@@ -79,6 +79,16 @@ class PeerGone(Exception):
     """The caller went away mid-call (it cancelled, or its connection closed): nothing to answer."""
 
 
+# What the caller did wrong, by exception: (log budget kind, verb of its line, status code).
+_CALLER_FAULT: dict[type[Exception], tuple[str, str, grpc.StatusCode]] = {
+    FieldError: ("field", "refused", grpc.StatusCode.INVALID_ARGUMENT),
+    Exhausted: ("exhausted", "refused", grpc.StatusCode.RESOURCE_EXHAUSTED),
+    Stalled: ("stalled", "ended", grpc.StatusCode.DEADLINE_EXCEEDED),
+    PeerGone: ("gone", "ended", grpc.StatusCode.CANCELLED),
+}
+_CALLER_FAULTS = tuple(_CALLER_FAULT)
+
+
 class _Malformed:
     """What a request that does not decode arrives as (module docstring, step 3)."""
 
@@ -158,18 +168,10 @@ class CallGate:
             code, message = STATUS_OF[r.reason], r.message
             if code == grpc.StatusCode.UNAUTHENTICATED:  # someone acting for a worker it is not
                 self.budget.warning("unauthenticated", "%s from %s refused: %s", rpc, party, message, party=party)
-        except FieldError as exc:
-            self.budget.warning("field", "%s from %s refused: %s", rpc, party, exc, party=party)
-            code, message = grpc.StatusCode.INVALID_ARGUMENT, str(exc)
-        except Exhausted as exc:
-            self.budget.warning("exhausted", "%s from %s refused: %s", rpc, party, exc, party=party)
-            code, message = grpc.StatusCode.RESOURCE_EXHAUSTED, str(exc)
-        except Stalled as exc:
-            self.budget.warning("stalled", "%s from %s ended: %s", rpc, party, exc, party=party)
-            code, message = grpc.StatusCode.DEADLINE_EXCEEDED, str(exc)
-        except PeerGone as exc:
-            self.budget.warning("gone", "%s from %s ended: %s", rpc, party, exc, party=party)
-            code, message = grpc.StatusCode.CANCELLED, str(exc)
+        except _CALLER_FAULTS as exc:
+            kind, verb, code = next(v for k, v in _CALLER_FAULT.items() if isinstance(exc, k))
+            self.budget.warning(kind, "%s from %s %s: %s", rpc, party, verb, exc, party=party)
+            message = str(exc)
         except OSError as exc:  # the store's disk is full or failing: the caller may retry later
             self.budget.warning("storage", "%s failed to store: %s", rpc, clip(exc, 200))
             code, message = grpc.StatusCode.UNAVAILABLE, "the coordinator cannot store data right now; retry later"
