@@ -413,3 +413,29 @@ def test_a_refused_push_does_not_make_a_laggard_awaited_again(tmp_path) -> None:
         push(c, header(c, "w0", u), u)
         assert c.close_due()  # no straggler wait for mallory in any of these rounds
         c.close_round()
+
+
+def test_an_honest_worker_that_lost_one_round_is_waited_for_in_the_next(tmp_path) -> None:
+    """A worker accepted in round 1 whose push of round 2 was refused (late, or a failure it said it
+    abandoned) is waited for in round 3, so it is not dropped from every round after one mishap."""
+    clock = Clock()
+    c = coordinator(tmp_path, clock, rounds=RoundConfig(rounds=5, expected_workers=2, quorum=1,
+                                                         straggler_timeout_s=10.0, liveness_timeout_s=30.0))
+    joined(c, "w0", "w1")
+    for w in ("w0", "w1"):
+        u = update_of(c, 1.0 if w == "w0" else 2.0)
+        push(c, header(c, w, u), u)
+    assert c.close_due()
+    c.close_round()
+    bad, u = update_of(c, 3.0), update_of(c, 4.0)
+    assert refused(c, header(c, "w1", bad, tokens=1), bad) is Reason.BAD_CLAIM
+    push(c, header(c, "w0", u), u)
+    assert c.close_due()
+    c.close_round()
+    c.heartbeat("w1", 3, WorkerPhase.TRAINING)
+    u = update_of(c, 5.0)
+    push(c, header(c, "w0", u), u)
+    assert not c.close_due()  # round 3 waits for w1 ...
+    v = update_of(c, 6.0)
+    push(c, header(c, "w1", v), v)
+    assert c.close_due()      # ... which delivers

@@ -296,7 +296,7 @@ class Coordinator:
             # Registered workers heard from in this round's liveness window that did not contribute.
             recent = self.registry.heard_since(r.opened_at - cfg.rounds.liveness_timeout_s)
             dropped = tuple(sorted(recent - set(r.accepted)))
-            self.registry.closed(set(r.accepted))
+            self.registry.closed(set(r.accepted), self.intake.delivered() - set(r.accepted))
             incomplete = {w: (len(p.slices), p.num_stages) for w, p in r.partial.items()}
         recording = time.perf_counter()
         manifest_cid, manifest = record_round(self.run, r, g, derived, traffic, dropped)

@@ -32,6 +32,7 @@ class WorkerRegistry:
         self.clock = clock
         self.started_at = clock()
         self.laggards: set[str] = set()
+        self.accepted_before: set[str] = set()  # ids with an update accepted in the last closed round
         self.workers: dict[str, WorkerState] = {
             w: WorkerState(shard=s, last_seen=float("-inf")) for w, s in run_dir.workers().items()
         }
@@ -43,16 +44,20 @@ class WorkerRegistry:
         return {w for w, s in self.workers.items() if now - s.last_seen <= self.liveness_s}
 
     def awaited(self, now: float) -> set[str]:
-        """The live workers a round waits for: all but the laggards, registered ids without an
-        accepted update in the last round, until one of theirs is accepted again. So an id kept
-        live that never pushes (or pushes only what is refused, or never finishes a push) holds
-        back one round by the straggler timeout, once, not every round; the price, that a worker
-        which missed a round is not waited for in the next, is that of a straggler."""
+        """The live workers a round waits for: all but the laggards. A round waits for an id whose
+        update was accepted in the round before, or that tried in the round before (a push refused,
+        a late one included, or word that it abandoned the round) after an update of its own was
+        accepted in the round before that. Every other id is a laggard until an update of its own
+        is accepted. So an id kept live that never gets an update accepted holds back one round by
+        the straggler timeout, once; one that withholds after an accepted update costs one timeout
+        per accepted update at most; and an honest worker that lost one round to a failure, or
+        pushed it late, is waited for in the next."""
         return self.alive(now) - self.laggards
 
-    def closed(self, accepted: set[str]) -> None:
-        """A round closed with updates of ``accepted``: who are the laggards now (``awaited``)."""
-        self.laggards = set(self.workers) - accepted
+    def closed(self, accepted: set[str], tried: set[str]) -> None:
+        """A round closed with updates of ``accepted``, and ``tried`` refused or abandoned (``awaited``)."""
+        self.laggards = set(self.workers) - (accepted | (tried & self.accepted_before))
+        self.accepted_before = accepted
 
     def known(self, worker_id: str) -> WorkerState:
         state = self.workers.get(worker_id)
