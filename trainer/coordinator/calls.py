@@ -232,7 +232,7 @@ class CallGate:
             raise PeerGone(f"the caller went away mid-stream ({type(exc).__name__})") from None
         pace.moved(message.ByteSize(), loop.time())
 
-    def worker(self, context: grpc.aio.ServicerContext, claimed: str | None = None) -> str:
+    def worker(self, context: grpc.aio.ServicerContext) -> str:
         """The worker a call acts for, proved by its session token (step 4)."""
         metadata = dict(context.invocation_metadata() or ())
         worker = metadata.get(METADATA_WORKER, "")
@@ -244,10 +244,14 @@ class CallGate:
         check_worker_id(worker)
         if not self.sessions.valid(worker, token):
             raise Refusal(Reason.NO_SESSION, f"no session of worker {worker!r} has this token: Join again")
-        if claimed is not None and claimed != worker:
+        return worker
+
+    @staticmethod
+    def same_worker(worker: str, claimed: str) -> None:
+        """The worker a request names must be the one its session proved (``worker``)."""
+        if claimed != worker:
             raise Refusal(Reason.NO_SESSION,
                           f"the request names worker {clip(claimed)}, but the session is {worker!r}'s")
-        return worker
 
     def session_token(self, context: grpc.aio.ServicerContext) -> bytes:
         token = dict(context.invocation_metadata() or ()).get(METADATA_SESSION, b"")

@@ -140,7 +140,7 @@ class CoordinatorService:
             worker = self.gate.worker(context)
             request = await self.gate.arrival(context, "SubmitReportRequest")
             check_fields(request)
-            self.gate.worker(context, request.worker_id)
+            self.gate.same_worker(worker, request.worker_id)
             round_ = await self.gate.run(WORKERS, self.c.submit_report, worker, request.signed_report)
             return pb.SubmitReportResponse(accepted=True, round=round_)
         return await self.gate.call(context, "SubmitReport", body)
@@ -150,7 +150,7 @@ class CoordinatorService:
             worker = self.gate.worker(context)
             request = await self.gate.arrival(context, "HeartbeatRequest")
             check_fields(request)
-            self.gate.worker(context, request.worker_id)
+            self.gate.same_worker(worker, request.worker_id)
             check_phase(request.phase)
             open_round, finished = await self.gate.run(WORKERS, self.c.heartbeat, worker, request.round,
                                                        WorkerPhase(request.phase))
@@ -222,7 +222,7 @@ class CoordinatorService:
             worker = self.gate.worker(context)
             request = await self.gate.arrival(context, "FetchGlobalRequest")
             check_fields(request)
-            self.gate.worker(context, request.worker_id)
+            self.gate.same_worker(worker, request.worker_id)
             with self.streams.hold("fetch", worker):
                 wait_s = min(max(request.wait_s, 0.0), LONG_POLL_MAX_S) if request.wait_s == request.wait_s else 0.0
                 state, open_round, finished = await self._wait_for_global(worker, request.min_round, wait_s)
