@@ -205,8 +205,15 @@ def _train(console: Console, run_dir: Path, config: RunConfig, config_path: Path
         else:
             console.print(f"coordinator {cluster.address} over TLS; workers pin its certificate, "
                           f"sha256 {cluster.client_tls.fingerprint}")
-        for i in range(workers):
-            cluster.start_worker(f"worker-{i}", extra=[*worker_args, *cores])
+        # One at a time, each after the last has joined: the coordinator deals shards in order of
+        # admission, so a fixed order makes the run's manifests (and their CIDs) the same every time.
+        try:
+            for i in range(workers):
+                cluster.start_worker(f"worker-{i}", extra=[*worker_args, *cores])
+                cluster.wait_for(lambda status, n=i + 1: len(status.workers) >= n, 120, f"worker-{i} to join")
+        except ClusterError as exc:
+            console.print(f"[red]demo failed:[/] {exc}; see {run_dir}/logs/")
+            return 1
         coordinator = cluster.processes["coordinator"]
         rounds_done: list[dict] = []
         columns = (TextColumn("[progress.description]{task.description}"), BarColumn(),
