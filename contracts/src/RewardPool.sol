@@ -62,11 +62,7 @@ contract RewardPool is IRewardPool {
         if (run.coordinator != msg.sender) revert RewardPoolNotCoordinator(msg.sender);
         if (amount == 0 || totalRounds == 0) revert RewardPoolEmpty();
         _pools[runId] = PoolRecord({
-            funder: msg.sender,
-            totalRounds: totalRounds,
-            challengeWindow: run.challengeWindow,
-            funded: amount,
-            paid: 0
+            funder: msg.sender, totalRounds: totalRounds, challengeWindow: run.challengeWindow, funded: amount, paid: 0
         });
         emit PoolOpened(runId, msg.sender, amount, totalRounds);
         emit ChallengeWindowSnapshotted(runId, run.challengeWindow);
