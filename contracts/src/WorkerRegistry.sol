@@ -70,7 +70,7 @@ contract WorkerRegistry is IWorkerRegistry, Ownable2Step {
         uint64 id = _measurementIds[measurement];
         if (!_allowed[id]) revert RegistryMeasurementNotAllowed(measurement);
         if (worker == address(0)) revert RegistryZeroAddress();
-        if (_isAdmitted(_status[worker])) revert RegistryAlreadyAdmitted(worker);
+        if (_isAdmitted(_status[worker].measurementId)) revert RegistryAlreadyAdmitted(worker);
 
         _status[worker] = Status({admittedAt: uint64(block.number), revokedAt: 0, measurementId: id});
         _evidence[worker] = evidenceDigest;
@@ -82,7 +82,7 @@ contract WorkerRegistry is IWorkerRegistry, Ownable2Step {
     function revokeWorker(address worker) external {
         if (msg.sender != owner() && !_verifiers[msg.sender]) revert RegistryNotVerifier(msg.sender);
         Status storage status = _status[worker];
-        if (!_isAdmitted(status)) revert RegistryNotAdmitted(worker);
+        if (!_isAdmitted(status.measurementId)) revert RegistryNotAdmitted(worker);
         if (status.revokedAt != 0) revert RegistryAlreadyRevoked(worker);
 
         status.revokedAt = uint64(block.number);
@@ -92,13 +92,13 @@ contract WorkerRegistry is IWorkerRegistry, Ownable2Step {
     /// @inheritdoc IWorkerRegistry
     function isActive(address worker) external view returns (bool) {
         Status memory status = _status[worker];
-        return _isAdmitted(status) && status.revokedAt == 0 && _allowed[status.measurementId];
+        return _isAdmitted(status.measurementId) && status.revokedAt == 0 && _allowed[status.measurementId];
     }
 
     /// @inheritdoc IWorkerRegistry
     function workerOf(address worker) external view returns (Worker memory) {
         Status memory status = _status[worker];
-        if (!_isAdmitted(status)) return Worker(bytes32(0), bytes32(0), address(0), 0, 0);
+        if (!_isAdmitted(status.measurementId)) return Worker(bytes32(0), bytes32(0), address(0), 0, 0);
         return Worker({
             measurement: _measurements[status.measurementId - 1],
             evidenceDigest: _evidence[worker],
@@ -118,8 +118,8 @@ contract WorkerRegistry is IWorkerRegistry, Ownable2Step {
         return _verifiers[account];
     }
 
-    /// @dev Whether the key with this status was ever admitted (revoked or not): see {Status}.
-    function _isAdmitted(Status memory status) private pure returns (bool) {
-        return status.measurementId != 0;
+    /// @dev Whether a key whose {Status} holds `measurementId` was ever admitted (revoked or not).
+    function _isAdmitted(uint64 measurementId) private pure returns (bool) {
+        return measurementId != 0;
     }
 }
