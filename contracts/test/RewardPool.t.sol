@@ -237,16 +237,7 @@ contract RewardPoolTest is LedgerBase {
         for (uint64 round = 1; round <= n; ++round) {
             uint256 mask = (masks >> (5 * (round - 1))) & 0x1f;
             if (mask == 0) mask = 1;
-            IContributionLedger.WorkerReport[] memory s = new IContributionLedger.WorkerReport[](_bits(mask));
-            address[] memory w = new address[](s.length);
-            uint256 k;
-            for (uint256 j = 0; j < WORKERS; ++j) {
-                // forge-lint: disable-next-line(incorrect-shift) -- bit byAddress[j] of the mask
-                if (mask & (1 << byAddress[j]) != 0) {
-                    s[k] = signed(byAddress[j], round);
-                    w[k++] = worker(byAddress[j]);
-                }
-            }
+            (IContributionLedger.WorkerReport[] memory s, address[] memory w) = subset(mask, round);
             vm.roll(round);
             record(round, s);
             all[round - 1] = facts(round, round, w, 0);
@@ -288,11 +279,5 @@ contract RewardPoolTest is LedgerBase {
         vm.expectRevert(abi.encodeWithSelector(IRewardPool.RewardPoolExhausted.selector, RUN));
         exposed.claim(RUN, worker(1), c);
         assertEq(token.balanceOf(address(exposed)), 0, "paid exactly the funding");
-    }
-
-    function _bits(uint256 x) internal pure returns (uint256 n) {
-        for (; x != 0; x >>= 1) {
-            n += x & 1;
-        }
     }
 }

@@ -80,18 +80,16 @@ contract PoolHandler is LedgerBase {
     function recordRound(uint256 mask, bool duplicate, uint256 which) external {
         uint64 round = ledger.runOf(RUN).lastRound + 1;
         if (round > MAX_ROUNDS) return;
-        mask = bound(mask, 1, 2 ** WORKERS - 1);
-        address[] memory workers = new address[](_bits(mask));
-        IContributionLedger.WorkerReport[] memory reports =
-            new IContributionLedger.WorkerReport[](workers.length + (duplicate ? 1 : 0));
-        uint256 twice = bound(which, 0, workers.length - 1);
-        uint256 k;
-        for (uint256 j = 0; j < WORKERS; ++j) {
-            // forge-lint: disable-next-line(incorrect-shift) -- bit byAddress[j] of the mask
-            if (mask & (1 << byAddress[j]) == 0) continue;
-            reports[k + (duplicate && k > twice ? 1 : 0)] = signed(byAddress[j], round);
-            if (duplicate && k == twice) reports[k + 1] = reports[k];
-            workers[k++] = worker(byAddress[j]);
+        (IContributionLedger.WorkerReport[] memory reports, address[] memory workers) =
+            subset(bound(mask, 1, 2 ** WORKERS - 1), round);
+        if (duplicate) {
+            uint256 twice = bound(which, 0, reports.length - 1);
+            IContributionLedger.WorkerReport[] memory listed =
+                new IContributionLedger.WorkerReport[](reports.length + 1);
+            for (uint256 k = 0; k < listed.length; ++k) {
+                listed[k] = reports[k <= twice ? k : k - 1]; // reports[twice] at twice and twice + 1
+            }
+            reports = listed;
         }
         vm.prank(COORDINATOR);
         try ledger.recordRound(header(round), reports, NONE) {
@@ -206,12 +204,6 @@ contract PoolHandler is LedgerBase {
         assertTrue(state.paid <= state.funded, what);
         assertEq(state.paid, claimed[p][runId], what);
         return state.funded - state.paid;
-    }
-
-    function _bits(uint256 x) private pure returns (uint256 n) {
-        for (; x != 0; x >>= 1) {
-            n += x & 1;
-        }
     }
 }
 
