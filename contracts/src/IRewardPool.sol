@@ -17,9 +17,14 @@ import {IContributionLedger} from "./IContributionLedger.sol";
  *
  * A claim names rounds and proves, for each, the round's facts against the ledger's commitment
  * ({IContributionLedger-roundCommitment}); the worker must be among the round's credited workers, the
- * round at least `challengeWindow` blocks old, and not claimed before for that worker. The tokens go
- * to the worker's address, whoever sends the claim. However the ledger answers, the pool never pays
+ * round at least the pool's challenge window old, and not claimed before for that worker. The tokens
+ * go to the worker's address, whoever sends the claim. However the ledger answers, the pool never pays
  * out of a run more than that run was funded with.
+ *
+ * The challenge window is the run's `challengeWindow` on the ledger ({IContributionLedger-Run}) as it
+ * was when the pool was opened: the pool keeps that snapshot ({challengeWindowOf},
+ * {ChallengeWindowSnapshotted}) and decides maturity by it alone, so nothing the ledger answers later
+ * can make a round payable sooner (or later) than when the pool was funded.
  */
 interface IRewardPool {
     /**
@@ -78,7 +83,7 @@ interface IRewardPool {
     error RewardPoolBadProof(uint64 round);
 
     /**
-     * @dev The round is younger than the run's challenge window.
+     * @dev The round is younger than the pool's challenge window.
      * @param round The round claimed.
      * @param matureAt The first block in which it can be claimed.
      */
@@ -115,6 +120,14 @@ interface IRewardPool {
     event PoolOpened(bytes32 indexed runId, address indexed funder, uint256 funded, uint64 totalRounds);
 
     /**
+     * @notice The pool of a run, as it was opened, fixed the challenge window its claims wait for.
+     * @param runId The run's id.
+     * @param challengeWindow Blocks a recorded round waits before it can be claimed: the run's
+     * `challengeWindow` on the ledger when the pool was opened.
+     */
+    event ChallengeWindowSnapshotted(bytes32 indexed runId, uint32 challengeWindow);
+
+    /**
      * @notice A worker was paid for one round (and the round is marked claimed for it).
      * @param runId The run's id.
      * @param worker The worker paid; the tokens went to this address.
@@ -125,8 +138,9 @@ interface IRewardPool {
 
     /**
      * @notice Opens and funds the pool of `runId`, pulling `amount` tokens from the caller (approve
-     * first). Only the run's coordinator on the ledger ({RewardPoolNotCoordinator}), once
-     * ({RewardPoolExists}). Emits {PoolOpened}.
+     * first), and snapshots the run's challenge window from the ledger. Only the run's coordinator on
+     * the ledger ({RewardPoolNotCoordinator}), once ({RewardPoolExists}). Emits {PoolOpened} and
+     * {ChallengeWindowSnapshotted}.
      * @param runId The run's id.
      * @param amount The tokens to fund the pool with; positive ({RewardPoolEmpty}).
      * @param totalRounds The rounds the funding is for; positive ({RewardPoolEmpty}).
@@ -172,4 +186,12 @@ interface IRewardPool {
      * @return The pool; funder zero if none.
      */
     function poolOf(bytes32 runId) external view returns (Pool memory);
+
+    /**
+     * @notice The challenge window the pool of a run decides maturity by.
+     * @param runId The run's id.
+     * @return Blocks a recorded round waits before it can be claimed, snapshotted when the pool was
+     * opened; 0 without a pool.
+     */
+    function challengeWindowOf(bytes32 runId) external view returns (uint32);
 }

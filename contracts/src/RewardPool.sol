@@ -3,6 +3,7 @@ pragma solidity ^0.8.24;
 
 import {IERC20} from "@openzeppelin/contracts/token/ERC20/IERC20.sol";
 import {SafeERC20} from "@openzeppelin/contracts/token/ERC20/utils/SafeERC20.sol";
+import {BitMaps} from "@openzeppelin/contracts/utils/structs/BitMaps.sol";
 import {IContributionLedger} from "./IContributionLedger.sol";
 import {IRewardPool} from "./IRewardPool.sol";
 
@@ -13,18 +14,33 @@ import {IRewardPool} from "./IRewardPool.sol";
  * Arithmetic: per round p = ⌊funded / totalRounds⌋, per worker ⌊p / n⌋. Rounds 1..totalRounds each
  * pay at most n·⌊p / n⌋ ≤ p, so a run pays at most totalRounds·p ≤ funded; the pool also checks
  * `paid ≤ funded` on every claim, so a ledger that lies about its rounds cannot make it pay more.
+ *
+ * Maturity: round r recorded in block b is payable from block b + w, where w is the run's
+ * `challengeWindow` as the ledger gave it when the pool was opened, kept in the pool's own slot
+ * ({challengeWindowOf}); nothing the ledger answers later moves it.
  */
 contract RewardPool is IRewardPool {
     using SafeERC20 for IERC20;
+    using BitMaps for BitMaps.BitMap;
+
+    /// @dev A run's pool as stored: {IRewardPool-Pool} with the snapshotted challenge window packed
+    /// into the funder's slot (20 + 8 + 4 bytes), so {claim} reads it with the pool at no extra slot.
+    struct PoolRecord {
+        address funder;
+        uint64 totalRounds;
+        uint32 challengeWindow;
+        uint128 funded;
+        uint128 paid;
+    }
 
     /// @notice The ledger whose round commitments claims are proven against.
     IContributionLedger public immutable ledger;
     /// @notice The ERC-20 token pools are funded and paid in.
     IERC20 public immutable token;
 
-    mapping(bytes32 runId => Pool) private _pools;
-    /// @dev One bit per (run, worker, round): word round / 256, bit round % 256.
-    mapping(bytes32 runId => mapping(address worker => mapping(uint256 word => uint256))) private _claimed;
+    mapping(bytes32 runId => PoolRecord) private _pools;
+    /// @dev Set bit `round` of a (run, worker) map: the worker was paid for that round.
+    mapping(bytes32 runId => mapping(address worker => BitMaps.BitMap)) private _claimed;
 
     /**
      * @param ledger_ The ledger whose rounds the pool pays for (any {IContributionLedger}).
@@ -35,13 +51,21 @@ contract RewardPool is IRewardPool {
         token = token_;
     }
 
-    /// @inheritdoc IRewardPool
+    /**
+     * @inheritdoc IRewardPool
+     * @dev Checks (one view of the ledger's run, which gives both the coordinator and the window), the
+     * pool's record with the window snapshotted, the events, then the one token transfer.
+     */
     function openPool(bytes32 runId, uint128 amount, uint64 totalRounds) external {
         if (_pools[runId].funder != address(0)) revert RewardPoolExists(runId);
-        if (ledger.runOf(runId).coordinator != msg.sender) revert RewardPoolNotCoordinator(msg.sender);
+        IContributionLedger.Run memory run = ledger.runOf(runId);
+        if (run.coordinator != msg.sender) revert RewardPoolNotCoordinator(msg.sender);
         if (amount == 0 || totalRounds == 0) revert RewardPoolEmpty();
-        _pools[runId] = Pool({funder: msg.sender, totalRounds: totalRounds, funded: amount, paid: 0});
+        _pools[runId] = PoolRecord({
+            funder: msg.sender, totalRounds: totalRounds, challengeWindow: run.challengeWindow, funded: amount, paid: 0
+        });
         emit PoolOpened(runId, msg.sender, amount, totalRounds);
+        emit ChallengeWindowSnapshotted(runId, run.challengeWindow);
         token.safeTransferFrom(msg.sender, address(this), amount);
     }
 
@@ -50,9 +74,9 @@ contract RewardPool is IRewardPool {
      * @dev Checks and effects for every round first, then the one token transfer.
      */
     function claim(bytes32 runId, address worker, RoundClaim[] calldata rounds) external returns (uint256 total) {
-        Pool storage pool = _pools[runId];
+        PoolRecord storage pool = _pools[runId];
         if (pool.funder == address(0)) revert RewardPoolNotOpened(runId);
-        uint256 window = ledger.runOf(runId).challengeWindow;
+        uint256 window = pool.challengeWindow;
         for (uint256 k = 0; k < rounds.length; ++k) {
             total += _claimRound(runId, worker, rounds[k], window, pool.totalRounds, pool.funded);
         }
@@ -65,18 +89,24 @@ contract RewardPool is IRewardPool {
 
     /// @inheritdoc IRewardPool
     function rewardPerWorker(bytes32 runId, uint64 round, uint256 workers) public view returns (uint256) {
-        Pool storage pool = _pools[runId];
+        PoolRecord storage pool = _pools[runId];
         return _share(round, workers, pool.totalRounds, pool.funded);
     }
 
     /// @inheritdoc IRewardPool
     function isClaimed(bytes32 runId, address worker, uint64 round) external view returns (bool) {
-        return _claimed[runId][worker][round >> 8] & (uint256(1) << (round & 0xff)) != 0;
+        return _claimed[runId][worker].get(round);
     }
 
     /// @inheritdoc IRewardPool
     function poolOf(bytes32 runId) external view returns (Pool memory) {
-        return _pools[runId];
+        PoolRecord storage pool = _pools[runId];
+        return Pool({funder: pool.funder, totalRounds: pool.totalRounds, funded: pool.funded, paid: pool.paid});
+    }
+
+    /// @inheritdoc IRewardPool
+    function challengeWindowOf(bytes32 runId) external view returns (uint32) {
+        return _pools[runId].challengeWindow;
     }
 
     function _claimRound(
@@ -94,10 +124,9 @@ contract RewardPool is IRewardPool {
         if (c.index >= c.facts.workers.length || c.facts.workers[c.index] != worker) {
             revert RewardPoolNotContributor(c.round, worker);
         }
-        uint256 bit = uint256(1) << (c.round & 0xff);
-        mapping(uint256 => uint256) storage words = _claimed[runId][worker];
-        if (words[c.round >> 8] & bit != 0) revert RewardPoolAlreadyClaimed(c.round, worker);
-        words[c.round >> 8] |= bit;
+        BitMaps.BitMap storage claimed = _claimed[runId][worker];
+        if (claimed.get(c.round)) revert RewardPoolAlreadyClaimed(c.round, worker);
+        claimed.set(c.round);
         amount = _share(c.round, c.facts.workers.length, totalRounds, funded);
         emit RewardPaid(runId, worker, c.round, amount);
     }

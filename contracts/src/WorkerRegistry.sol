@@ -2,6 +2,7 @@
 pragma solidity ^0.8.24;
 
 import {Ownable} from "@openzeppelin/contracts/access/Ownable.sol";
+import {Ownable2Step} from "@openzeppelin/contracts/access/Ownable2Step.sol";
 import {IWorkerRegistry} from "./IWorkerRegistry.sol";
 
 /**
@@ -12,13 +13,21 @@ import {IWorkerRegistry} from "./IWorkerRegistry.sol";
  * worker's attestation evidence off chain and admits the worker's key with the evidence digest.
  * A worker is active while it is admitted, not revoked, and its measurement is still allowed.
  *
+ * The owner is {Ownable2Step}: a transfer takes effect only when the new owner accepts it
+ * ({Ownable2Step-acceptOwnership}), so a mistyped address cannot take the allowlist out of reach.
+ *
  * Storage is laid out for {isActive}, which the ledger asks once per report: a worker's admission
  * and revocation blocks and its measurement's number share one slot, and a measurement's allowance
  * is kept by number (warm after the first report of a round, since workers share measurements). So
  * {isActive} reads one cold slot per worker; the evidence digest and verifier live apart.
  */
-contract WorkerRegistry is IWorkerRegistry, Ownable {
-    /// @dev What {isActive} reads, in one slot. `measurementId` numbers measurements from 1.
+contract WorkerRegistry is IWorkerRegistry, Ownable2Step {
+    /**
+     * @dev What {isActive} reads, in one slot. `measurementId` numbers measurements from 1, and
+     * admission is the only write that sets it, so `measurementId != 0` is what "admitted" means
+     * ({_isAdmitted}): the one test every function uses. `admittedAt` is a record, never a test;
+     * `revokedAt != 0` is "revoked" (a transaction's block number is at least 1).
+     */
     struct Status {
         uint64 admittedAt;
         uint64 revokedAt;
@@ -31,7 +40,7 @@ contract WorkerRegistry is IWorkerRegistry, Ownable {
     mapping(address verifier => bool) private _verifiers;
     mapping(address worker => Status) private _status;
     mapping(address worker => bytes32) private _evidence;
-    mapping(address worker => address) private _admittedBy;
+    mapping(address worker => address) private _admittedBy; // a record, read by {workerOf} only
 
     /// @param initialOwner The account that manages measurements and verifiers.
     constructor(address initialOwner) Ownable(initialOwner) {}
@@ -61,7 +70,7 @@ contract WorkerRegistry is IWorkerRegistry, Ownable {
         uint64 id = _measurementIds[measurement];
         if (!_allowed[id]) revert RegistryMeasurementNotAllowed(measurement);
         if (worker == address(0)) revert RegistryZeroAddress();
-        if (_admittedBy[worker] != address(0)) revert RegistryAlreadyAdmitted(worker);
+        if (_isAdmitted(_status[worker].measurementId)) revert RegistryAlreadyAdmitted(worker);
 
         _status[worker] = Status({admittedAt: uint64(block.number), revokedAt: 0, measurementId: id});
         _evidence[worker] = evidenceDigest;
@@ -73,7 +82,7 @@ contract WorkerRegistry is IWorkerRegistry, Ownable {
     function revokeWorker(address worker) external {
         if (msg.sender != owner() && !_verifiers[msg.sender]) revert RegistryNotVerifier(msg.sender);
         Status storage status = _status[worker];
-        if (_admittedBy[worker] == address(0)) revert RegistryNotAdmitted(worker);
+        if (!_isAdmitted(status.measurementId)) revert RegistryNotAdmitted(worker);
         if (status.revokedAt != 0) revert RegistryAlreadyRevoked(worker);
 
         status.revokedAt = uint64(block.number);
@@ -83,14 +92,13 @@ contract WorkerRegistry is IWorkerRegistry, Ownable {
     /// @inheritdoc IWorkerRegistry
     function isActive(address worker) external view returns (bool) {
         Status memory status = _status[worker];
-        // admittedAt is the admission's block number, never 0 on a real chain once admitted
-        return status.measurementId != 0 && status.revokedAt == 0 && _allowed[status.measurementId];
+        return _isAdmitted(status.measurementId) && status.revokedAt == 0 && _allowed[status.measurementId];
     }
 
     /// @inheritdoc IWorkerRegistry
     function workerOf(address worker) external view returns (Worker memory) {
         Status memory status = _status[worker];
-        if (status.measurementId == 0) return Worker(bytes32(0), bytes32(0), address(0), 0, 0);
+        if (!_isAdmitted(status.measurementId)) return Worker(bytes32(0), bytes32(0), address(0), 0, 0);
         return Worker({
             measurement: _measurements[status.measurementId - 1],
             evidenceDigest: _evidence[worker],
@@ -108,5 +116,10 @@ contract WorkerRegistry is IWorkerRegistry, Ownable {
     /// @inheritdoc IWorkerRegistry
     function isVerifier(address account) external view returns (bool) {
         return _verifiers[account];
+    }
+
+    /// @dev Whether a key whose {Status} holds `measurementId` was ever admitted (revoked or not).
+    function _isAdmitted(uint64 measurementId) private pure returns (bool) {
+        return measurementId != 0;
     }
 }

@@ -80,3 +80,36 @@ abstract contract BaseTest {
         return min + (x % (size + 1));
     }
 }
+
+/**
+ * @dev The targeting hooks of forge-std's `StdInvariant`, which forge reads from an invariant test:
+ * `targetContracts()` (the contracts whose functions a run calls at random) and `targetSelectors()`
+ * (which of their functions). Without them forge would call every contract the test deployed,
+ * setUp and views included; with them, a run only drives a handler's actions.
+ */
+abstract contract InvariantBase is BaseTest {
+    /// @dev Functions of one contract that invariant runs may call (forge-std's `FuzzSelector`).
+    struct FuzzSelector {
+        address addr;
+        bytes4[] selectors;
+    }
+
+    address[] private _targetedContracts;
+    FuzzSelector[] private _targetedSelectors;
+
+    /// @dev Lets invariant runs call `selectors` of `target`, and nothing else of it.
+    function targetSelector(address target, bytes4[] memory selectors) internal {
+        _targetedContracts.push(target);
+        _targetedSelectors.push(FuzzSelector({addr: target, selectors: selectors}));
+    }
+
+    /// @dev Read by forge: the contracts invariant runs call.
+    function targetContracts() public view returns (address[] memory) {
+        return _targetedContracts;
+    }
+
+    /// @dev Read by forge: the functions invariant runs call.
+    function targetSelectors() public view returns (FuzzSelector[] memory) {
+        return _targetedSelectors;
+    }
+}

@@ -154,6 +154,31 @@ abstract contract LedgerBase is BaseTest {
         }
     }
 
+    /**
+     * @dev Signed reports for `round` of the workers whose bit is set in `mask` (bit i: worker i), in
+     * the order a recording call lists them, and those workers in the same order.
+     */
+    function subset(uint256 mask, uint64 round)
+        internal
+        view
+        returns (IContributionLedger.WorkerReport[] memory reports, address[] memory workers)
+    {
+        uint256 n;
+        for (uint256 x = mask; x != 0; x >>= 1) {
+            n += x & 1;
+        }
+        reports = new IContributionLedger.WorkerReport[](n);
+        workers = new address[](n);
+        uint256 k;
+        for (uint256 j = 0; j < WORKERS; ++j) {
+            // forge-lint: disable-next-line(incorrect-shift) -- bit byAddress[j] of the mask
+            if (mask & (1 << byAddress[j]) != 0) {
+                reports[k] = signed(byAddress[j], round);
+                workers[k++] = worker(byAddress[j]);
+            }
+        }
+    }
+
     /// @dev The workers of `batch(n, ...)`, in the same order.
     function batchWorkers(uint256 n) internal pure returns (address[] memory w) {
         uint256[] memory order = sortedIndices(n);

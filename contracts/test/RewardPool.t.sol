@@ -60,6 +60,38 @@ contract RewardPoolTest is LedgerBase {
         assertEq(p.paid, 0, "paid");
     }
 
+    function testOpenSnapshotsTheChallengeWindow() public {
+        assertEq(pool.challengeWindowOf(RUN), 0, "no pool, no window");
+        vm.expectEmit(true, false, false, true, address(pool));
+        emit IRewardPool.ChallengeWindowSnapshotted(RUN, WINDOW);
+        _open();
+        assertEq(pool.challengeWindowOf(RUN), WINDOW, "the run's window when opened");
+    }
+
+    /// @dev A ledger that shortens the run's window after the pool was opened cannot make a round
+    /// payable sooner: maturity is decided by the snapshot.
+    function testLaterWindowOfTheLedgerIgnored() public {
+        LyingLedger liar = new LyingLedger(registry);
+        RewardPool exposed = new RewardPool(liar, IERC20(address(token)));
+        vm.startPrank(COORDINATOR);
+        liar.createRun(RUN, GENESIS, CONFIG, GENESIS_MANIFEST, WINDOW);
+        token.approve(address(exposed), type(uint256).max);
+        exposed.openPool(RUN, FUNDED, ROUNDS);
+        liar.createRun(RUN, GENESIS, CONFIG, GENESIS_MANIFEST, 0); // the ledger now says: no window
+        vm.stopPrank();
+        assertEq(liar.runOf(RUN).challengeWindow, 0, "the ledger's answer changed");
+        assertEq(exposed.challengeWindowOf(RUN), WINDOW, "the snapshot did not");
+
+        IContributionLedger.RoundFacts memory f = facts(1, 100, addresses(worker(0)), 0);
+        liar.forgeCommitment(RUN, 1, liar.commitmentOf(f));
+        vm.roll(100 + WINDOW - 1);
+        IRewardPool.RoundClaim[] memory c = _claimOf(1, 0, f);
+        vm.expectRevert(abi.encodeWithSelector(IRewardPool.RewardPoolNotMatured.selector, 1, 100 + WINDOW));
+        exposed.claim(RUN, worker(0), c);
+        vm.roll(100 + WINDOW);
+        assertEq(exposed.claim(RUN, worker(0), c), uint256(FUNDED) / ROUNDS, "payable at the snapshot's block");
+    }
+
     function testOnlyTheCoordinatorOpens() public {
         vm.expectRevert(abi.encodeWithSelector(IRewardPool.RewardPoolNotCoordinator.selector, worker(0)));
         vm.prank(worker(0));
@@ -205,16 +237,7 @@ contract RewardPoolTest is LedgerBase {
         for (uint64 round = 1; round <= n; ++round) {
             uint256 mask = (masks >> (5 * (round - 1))) & 0x1f;
             if (mask == 0) mask = 1;
-            IContributionLedger.WorkerReport[] memory s = new IContributionLedger.WorkerReport[](_bits(mask));
-            address[] memory w = new address[](s.length);
-            uint256 k;
-            for (uint256 j = 0; j < WORKERS; ++j) {
-                // forge-lint: disable-next-line(incorrect-shift) -- bit byAddress[j] of the mask
-                if (mask & (1 << byAddress[j]) != 0) {
-                    s[k] = signed(byAddress[j], round);
-                    w[k++] = worker(byAddress[j]);
-                }
-            }
+            (IContributionLedger.WorkerReport[] memory s, address[] memory w) = subset(mask, round);
             vm.roll(round);
             record(round, s);
             all[round - 1] = facts(round, round, w, 0);
@@ -256,11 +279,5 @@ contract RewardPoolTest is LedgerBase {
         vm.expectRevert(abi.encodeWithSelector(IRewardPool.RewardPoolExhausted.selector, RUN));
         exposed.claim(RUN, worker(1), c);
         assertEq(token.balanceOf(address(exposed)), 0, "paid exactly the funding");
-    }
-
-    function _bits(uint256 x) internal pure returns (uint256 n) {
-        for (; x != 0; x >>= 1) {
-            n += x & 1;
-        }
     }
 }

@@ -2,6 +2,7 @@
 pragma solidity ^0.8.24;
 
 import {Ownable} from "@openzeppelin/contracts/access/Ownable.sol";
+import {Ownable2Step} from "@openzeppelin/contracts/access/Ownable2Step.sol";
 import {IWorkerRegistry} from "../src/IWorkerRegistry.sol";
 import {WorkerRegistry} from "../src/WorkerRegistry.sol";
 import {BaseTest} from "./Base.sol";
@@ -33,6 +34,44 @@ contract WorkerRegistryTest is BaseTest {
 
     function testOwner() public view {
         assertEq(registry.owner(), OWNER, "owner");
+    }
+
+    /// @dev Ownable2Step: the owner only names a successor; ownership moves when the successor accepts.
+    function testOwnershipMovesOnlyWhenAccepted() public {
+        vm.expectEmit(true, true, false, true, address(registry));
+        emit Ownable2Step.OwnershipTransferStarted(OWNER, STRANGER);
+        vm.prank(OWNER);
+        registry.transferOwnership(STRANGER);
+        assertEq(registry.owner(), OWNER, "still the owner until accepted");
+        assertEq(registry.pendingOwner(), STRANGER, "pending");
+        vm.expectRevert(abi.encodeWithSelector(Ownable.OwnableUnauthorizedAccount.selector, STRANGER));
+        vm.prank(STRANGER);
+        registry.setVerifier(STRANGER, true);
+
+        vm.expectRevert(abi.encodeWithSelector(Ownable.OwnableUnauthorizedAccount.selector, VERIFIER));
+        vm.prank(VERIFIER);
+        registry.acceptOwnership();
+
+        vm.expectEmit(true, true, false, true, address(registry));
+        emit Ownable.OwnershipTransferred(OWNER, STRANGER);
+        vm.prank(STRANGER);
+        registry.acceptOwnership();
+        assertEq(registry.owner(), STRANGER, "new owner");
+        assertEq(registry.pendingOwner(), address(0), "nothing pending");
+        vm.expectRevert(abi.encodeWithSelector(Ownable.OwnableUnauthorizedAccount.selector, OWNER));
+        vm.prank(OWNER);
+        registry.setMeasurement(MEASUREMENT, false);
+        vm.prank(STRANGER);
+        registry.setMeasurement(MEASUREMENT, false);
+        assertEq(registry.isMeasurementAllowed(MEASUREMENT), false, "the new owner manages the allowlist");
+    }
+
+    function testFuzzOnlyTheOwnerNamesASuccessor(address caller) public {
+        vm.assume(caller != OWNER);
+        vm.expectRevert(abi.encodeWithSelector(Ownable.OwnableUnauthorizedAccount.selector, caller));
+        vm.prank(caller);
+        registry.transferOwnership(caller);
+        assertEq(registry.pendingOwner(), address(0), "nothing pending");
     }
 
     function testSetMeasurementEmitsAndToggles() public {
@@ -108,6 +147,23 @@ contract WorkerRegistryTest is BaseTest {
         assertEq(w.admittedAt, 42, "admittedAt");
         assertEq(w.revokedAt, 0, "revokedAt");
         assertEq(registry.isActive(WORKER), true, "active");
+    }
+
+    /// @dev Admission is the measurement number in the worker's slot, not its block: a key admitted in
+    /// block 0 (only a test can send from there) is admitted for every function.
+    function testAdmittedInBlockZero() public {
+        vm.roll(0);
+        _admit(WORKER);
+        assertEq(registry.workerOf(WORKER).admittedAt, 0, "admittedAt");
+        assertEq(registry.workerOf(WORKER).verifier, VERIFIER, "record");
+        assertEq(registry.isActive(WORKER), true, "active");
+        vm.expectRevert(abi.encodeWithSelector(IWorkerRegistry.RegistryAlreadyAdmitted.selector, WORKER));
+        vm.prank(VERIFIER);
+        registry.admitWorker(WORKER, MEASUREMENT, EVIDENCE);
+        vm.roll(1); // revokedAt == 0 means "never": a revocation is in a block of a transaction, >= 1
+        vm.prank(OWNER);
+        registry.revokeWorker(WORKER);
+        assertEq(registry.isActive(WORKER), false, "revoked");
     }
 
     function testUnknownWorkerInactive() public view {
