@@ -112,8 +112,8 @@ class RewardPool(_Contract):
         pool = self.pool_of(run_id)
         if pool is None:
             return None
-        run = self.ledger.run_of(run_id)
-        window = 0 if run is None else run.challenge_window
+        # The window the pool itself applies: the one it snapshotted when it was opened.
+        window = self.chain.call(self._contract.functions.challengeWindowOf(bytes32(run_id, "run_id")))
         head = self.ledger.head_block()
         funded, total = pool.funded, pool.total_rounds
         per_round = funded // total if total else 0
