@@ -64,7 +64,7 @@ A worker's P stages are P long-lived local processes, rank s = stage s, held by 
 metrics report that start-up apart. How many stages and threads a worker runs on the cores it is
 given is :func:`plan_stages`'s rule (``dilocox worker --stages auto|P --cores C``). They are
 forked by a ``forkserver`` that imports torch once, so only the first group of a worker pays for
-that import (seconds); a replacement group starts in a fraction of a second. The start is shown as
+that import and a replacement group starts without it. The start is shown as
 progress in the worker's log (stages ready of P, trainer.progress), and the last stage logs each
 round's inner steps (step i/H, tokens/s, ETA) into the same log, on the stderr it inherits.
 Every round the worker puts one job on each stage's own queue (its slice of θ⁽ʳ⁻¹⁾, the batches,
@@ -469,9 +469,9 @@ _START_ALLOWANCE_S = 120.0
 
 
 def _context() -> Any:
-    """``forkserver``: one clean server process imports torch and the pipelining package once
-    (seconds), then forks every stage, so a group (re)starts in a fraction of a second instead of
-    each stage importing them again as under ``spawn``. The server is single-threaded (it only
+    """``forkserver``: one clean server process imports torch and the pipelining package once,
+    then forks every stage, so a group (re)starts without each stage importing them again as
+    under ``spawn``. The server is single-threaded (it only
     imports), so forking it is safe, unlike forking the worker with its gRPC threads."""
     ctx = mp.get_context("forkserver")
     ctx.set_forkserver_preload([__name__, "torch.distributed.pipelining"])

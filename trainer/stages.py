@@ -91,8 +91,8 @@ def stage_param_names(cfg: ModelConfig, num_stages: int) -> list[list[str]]:
 
 @functools.lru_cache(maxsize=16)
 def _stage_names(cfg: ModelConfig, num_stages: int) -> tuple[tuple[str, ...], ...]:
-    # Cached: the coordinator asks for every stage slice pushed, and building even a meta model
-    # of a transformers family takes a fraction of a second.
+    # Cached: a pipelined worker asks once per stage group, tests once per stage, and building even
+    # a meta model of a transformers family means importing and running its constructors.
     check_split(cfg, num_stages)  # refuse an impossible split before building anything
     import torch
 
