@@ -13,17 +13,16 @@ import json
 from typing import Any
 
 from storage_client import Manifest
-from trainer.aggregation import updates_round_norm
 from trainer.config import RunConfig
+from trainer.round_inputs import ClipHistory
 from trainer.update_source import UpdateSource
 
 from .checks import AuditCheck
 from .findings import Findings, cid_digest
 from .lineage import Loaded
 from .rederive import (
-    Derived,
+    RederivedCheckpoint,
     RederiveError,
-    clip_history,
     genesis_outer_state,
     rederive,
 )
@@ -36,7 +35,8 @@ class Recomputation:
     def __init__(self, findings: Findings, config: RunConfig | None) -> None:
         self.findings = findings
         self.config = config
-        self.norms: dict[int, list[float] | None] = {}  # round -> ρ̃ of its stored updates (keep_norms)
+        # ρ̃ of each round's stored updates (trainer.round_inputs), the clip history of the next K rounds.
+        self.clip_history = ClipHistory(config.rounds) if config is not None else None
 
     def check_genesis(self, genesis: Loaded) -> None:
         """The genesis outer state is zero momentum for every parameter of θ⁽⁰⁾."""
@@ -65,19 +65,18 @@ class Recomputation:
         self._keep_norms(r, loaded.manifest, updates)
 
     def _keep_norms(self, r: int, manifest: Manifest, updates: dict[str, UpdateSource]) -> None:
-        """Round r's ρ̃ (trainer.aggregation.round_norm of its stored updates' norms), part of the clip
-        threshold of the next K rounds; None when an update is unavailable or unreadable."""
-        self.norms[r] = None
-        if len(updates) == len(manifest.participants):
-            self.norms[r] = [updates_round_norm(updates)]
+        """Round r's ρ̃ (trainer.aggregation.updates_round_norm of its stored updates), part of the clip
+        threshold of the next K rounds; unknown when an update is unavailable or unreadable."""
+        if self.clip_history is not None:
+            self.clip_history.keep_updates(r, updates if len(updates) == len(manifest.participants) else None)
 
     def _history(self, r: int) -> list[float] | None:
         """ρ̃ of rounds max(1, r-K)..r-1, or None when one of them is unknown."""
-        assert self.config is not None
-        return clip_history(self.norms, r, self.config.rounds.clip_history_rounds)
+        assert self.clip_history is not None
+        return self.clip_history.history(r)
 
     def _check_rederive(self, r: int, manifest: Manifest, parent: Loaded | None,
-                        updates: dict[str, UpdateSource]) -> Derived | None:
+                        updates: dict[str, UpdateSource]) -> RederivedCheckpoint | None:
         fail = self.findings.fail
         if self.config is not None and self.config.rounds.clip_multiple > 0 and self._history(r) is None:
             fail(r, str(manifest.params), AuditCheck.REDERIVE,

@@ -31,7 +31,9 @@ class RederiveError(ValueError):
 
 
 @dataclass(frozen=True)
-class Derived:
+class RederivedCheckpoint:
+    """A round's params and outer state as re-derived from stored bytes (``rederive``)."""
+
     params: bytes
     outer_state: bytes
     norms: dict[str, float] = field(default_factory=dict, compare=False)  # ‖Δᵢ‖ of each stored update
@@ -70,27 +72,15 @@ def update_norms(updates: Mapping[str, bytes | UpdateSource]) -> dict[str, float
     return {w: exact_norm(_source(w, data)) for w, data in sorted(updates.items())}
 
 
-def clip_history(round_norms: Mapping[int, Sequence[float] | None], round_: int, k: int) -> list[float] | None:
-    """The ``history`` round r's ``aggregate`` takes: the ρ̃ of rounds max(1, r−K)..r−1, from
-    ``round_norms`` (round → [ρ̃], as trainer.aggregation.updates_round_norm gives); None when one is unknown."""
-    out: list[float] = []
-    for earlier in range(max(1, round_ - k), round_):
-        norms = round_norms.get(earlier)
-        if norms is None:
-            return None
-        out.extend(norms)
-    return out
-
-
 def rederive(outer: OuterConfig, parent_params: bytes, parent_outer_state: bytes,
              updates: Mapping[str, bytes | UpdateSource], downlink: tuple[bytes, Mapping[str, Any]] | None = None, *,
-             rounds: RoundConfig = PLAIN_MEAN, history: Sequence[float] = ()) -> Derived:
+             rounds: RoundConfig = PLAIN_MEAN, history: Sequence[float] = ()) -> RederivedCheckpoint:
     """θ⁽ʳ⁾ and the outer state as bytes from round r-1's stored state, the round's stored updates
     (keyed by worker id, as in the manifest: opened update records, or dense safetensors bytes) and, when the global update travelled compressed, its
     stored bytes and codec header: ``trainer.transition.round_transition``, the coordinator's own
     function, with the stored C⁽ʳ⁾ as the downlink. ``rounds`` is the run's ``rounds`` section, whose
     clip_multiple, aggregator and trim_fraction fix the rule (default: no clip, the plain mean), and
-    ``history`` ρ̃ of the previous ``rounds.clip_history_rounds`` rounds (``clip_history``)."""
+    ``history`` ρ̃ of the previous ``rounds.clip_history_rounds`` rounds (trainer.round_inputs.ClipHistory)."""
     if not updates:
         raise RederiveError("the round has no participants, so nothing to average")
     try:
@@ -103,4 +93,4 @@ def rederive(outer: OuterConfig, parent_params: bytes, parent_outer_state: bytes
         result = round_transition(parent, decoded, outer=outer, rounds=rounds, history=history, downlink=encoder)
     except TransitionError as exc:
         raise RederiveError(str(exc)) from None
-    return Derived(result.state.params_bytes(), result.state.outer_state_bytes(), result.aggregated.norms)
+    return RederivedCheckpoint(result.state.params_bytes(), result.state.outer_state_bytes(), result.aggregated.norms)

@@ -248,9 +248,8 @@ def held_out_curve(run_dir: Path, evaluate: Any) -> list[tuple[int, float]]:
 def rederives(run_dir: Path) -> bool:
     """Every round's params and outer state re-derive bit for bit from the stored updates (the
     audit's arithmetic, audit.rederive, under the run's own ``rounds`` section)."""
-    from audit.rederive import clip_history, rederive
-    from trainer.aggregation import updates_round_norm
-    from trainer.checkpoints import round_updates
+    from audit.rederive import rederive
+    from trainer.round_inputs import ClipHistory, round_updates
     from trainer.wire import decode_params, layout_of
     from storage_client import CID, lineage
     from trainer.config import RunConfig
@@ -259,14 +258,14 @@ def rederives(run_dir: Path) -> bool:
     run = RunDir(run_dir)
     chain = lineage(run.store, run.head())
     config = RunConfig.from_json(run.store.get_json(chain[0][1].config))
-    norms: dict[int, list[float]] = {}
+    clip = ClipHistory(config.rounds)
     state = (run.store.get(chain[0][1].params), run.store.get(chain[0][1].outer_state))
     layout = layout_of(decode_params(state[0]))
     for _, m in chain[1:]:
         updates = round_updates(run.store, m, layout, config.model)
-        history = clip_history(norms, m.round, config.rounds.clip_history_rounds)
+        history = clip.history(m.round)
         derived = rederive(config.outer, *state, updates, rounds=config.rounds, history=history)
-        norms[m.round] = [updates_round_norm(updates)]
+        clip.keep_updates(m.round, updates)
         state = (derived.params, derived.outer_state)
         if (derived.params_digest != CID.parse(m.params).digest
                 or derived.outer_state_digest != CID.parse(m.outer_state).digest):

@@ -7,9 +7,8 @@ re-running the round transition (trainer.transition.round_transition) on each la
 manifest, exactly as the coordinator ran it:
 
     for q = c+1 .. r:
-        {Δ̂ᵢ⁽q⁾}   the participants' update records, decoded from the pushed bytes (trainer.update_record)
-        ρ̃         the clip history: round_norm of the exact update norms of rounds max(1, q−Kc)..q−1
-        C⁽q⁾       the stored compressed global update, when the manifest names one
+        {Δ̂ᵢ⁽q⁾}, ρ̃, C⁽q⁾ = round q's inputs from the store (trainer.round_inputs: the decoded update
+                           records, the clip history, the stored compressed global update)
         θ⁽q⁾, m⁽q⁾, e⁽q⁾ = round_transition(θ⁽q⁻¹⁾, m⁽q⁻¹⁾, e⁽q⁻¹⁾, {Δ̂ᵢ⁽q⁾}; ρ̃, C⁽q⁾)
         sha256 of their bytes must be the CIDs the manifest names (CheckpointError names q if not)
 
@@ -23,13 +22,12 @@ from __future__ import annotations
 from typing import Sequence
 
 from storage_client import CID, Manifest, Store, StoreError
-from trainer.aggregation import round_norm, updates_round_norm
-from trainer.config import ModelConfig, RoundConfig, RunConfig
+from trainer.config import RoundConfig, RunConfig
 from trainer.progress import Progress
-from trainer.transition import OuterState, TransitionError, round_transition, stored_downlink
-from trainer.update_record import RecordError, open_update
-from trainer.update_source import UpdateSource
-from trainer.wire import Layout, json_object, layout_of
+from trainer.round_inputs import ClipHistory, manifest_updates, round_inputs, stored_state
+from trainer.transition import OuterState, TransitionError, round_transition
+from trainer.update_record import RecordError
+from trainer.wire import layout_of
 
 Chain = Sequence[tuple[CID, Manifest]]  # storage_client.lineage: genesis first, index = round
 
@@ -43,16 +41,9 @@ def is_full_checkpoint(rounds: RoundConfig, round_: int) -> bool:
     return round_ == 0 or round_ % rounds.checkpoint_every == 0 or round_ >= rounds.rounds
 
 
-def round_updates(store: Store, manifest: Manifest, layout: Layout, model: ModelConfig) -> dict[str, UpdateSource]:
-    """Round's accepted updates by worker, opened from their records (trainer.update_record)."""
-    return {p.worker: open_update(store, p.update, layout, model) for p in manifest.participants}
-
-
 def _stored_state(store: Store, manifest: Manifest) -> OuterState | None:
-    if not (store.has(manifest.params) and store.has(manifest.outer_state)):
-        return None
     try:
-        return OuterState.decode(store.get(manifest.params), store.get(manifest.outer_state))
+        return stored_state(store, manifest)
     except (StoreError, TransitionError) as exc:
         raise CheckpointError(f"round {manifest.round}: the stored checkpoint cannot be read: {exc}") from None
 
@@ -85,23 +76,16 @@ def rebuild_from(store: Store, chain: Chain, base: int, state: OuterState, round
     """``state`` (round ``base``'s) carried forward through rounds base+1..``round_`` (module
     docstring); ``progress`` counts the rounds rebuilt."""
     layout = layout_of(state.params)
-    k = config.rounds.clip_history_rounds
-    norms: dict[int, float] = {}
+    clip = ClipHistory(config.rounds, manifest_updates(store, lambda e: chain[e][1], layout, config.model))
     for q in range(base + 1, round_ + 1):
         manifest = chain[q][1]
         try:
-            history = [_round_norm(store, chain, e, layout, config.model, norms)
-                       for e in range(max(1, q - k), q)] if config.rounds.clip_multiple > 0 else []
-            updates = round_updates(store, manifest, layout, config.model)
-            downlink = None
-            if manifest.downlink is not None:
-                header = json_object(store.get(manifest.downlink.header), "downlink codec header")
-                downlink = stored_downlink(store.get(manifest.downlink.payload), header)
-            result = round_transition(state, updates, outer=config.outer, rounds=config.rounds,
-                                      history=history, downlink=downlink)
+            inputs = round_inputs(store, manifest, layout, config.model, clip)
+            result = round_transition(state, inputs.updates, outer=config.outer, rounds=config.rounds,
+                                      history=inputs.history, downlink=inputs.downlink)
         except (StoreError, RecordError, TransitionError, ValueError) as exc:
             raise CheckpointError(f"round {q}: cannot be rebuilt: {exc}") from None
-        norms[q] = round_norm([result.aggregated.norms[w] for w in sorted(result.aggregated.norms)])
+        clip.keep(q, result.aggregated.norms)
         state = result.state
         if str(CID.of(state.params_bytes())) != manifest.params:
             raise CheckpointError(f"round {q}: the rebuilt params are not the manifest's {manifest.params}")
@@ -110,10 +94,3 @@ def rebuild_from(store: Store, chain: Chain, base: int, state: OuterState, round
         if progress is not None:
             progress.advance()
     return state
-
-
-def _round_norm(store: Store, chain: Chain, q: int, layout: Layout, model: ModelConfig,
-                norms: dict[int, float]) -> float:
-    if q not in norms:
-        norms[q] = updates_round_norm(round_updates(store, chain[q][1], layout, model))
-    return norms[q]

@@ -37,7 +37,7 @@ built-in GPT is, ``model(idx, targets) -> (logits, loss)`` with ``targets`` the 
 (already shifted, unlike ``transformers``' ``labels``) and the loss the mean cross-entropy over
 every token.
 
-:class:`HFStage` is one pipeline stage of an :class:`HFDecoder` (trainer.pipeline states the
+:class:`HFStage` is one pipeline stage of an :class:`HFDecoder` (trainer.stages states the
 split): stage 0 holds ``model.embed_tokens``, every stage its contiguous ``model.layers.<i>`` and
 its own reference to the rotary module (buffers only, no parameters: each stage computes the
 (cos, sin) of positions 0..T-1 itself rather than receiving them), the last stage ``model.norm``

@@ -8,17 +8,15 @@ of the worker's full pseudo-gradient.
 
 Stages
 ------
-With L = ``n_layer`` blocks and P stages, ``q, r = divmod(L, P)``; stage s holds blocks
-``[s·q + min(s, r), (s+1)·q + min(s+1, r))`` (the first r stages hold one block more). Stage 0
-also holds ``wte`` and ``wpe``; stage P−1 also holds ``ln_f`` and ``lm_head``. A stage's
-``named_parameters`` carry the full model's names (``blocks.3.attn.qkv.weight``, not
-``blocks.0...``): blocks sit in an ``nn.ModuleDict`` keyed by their global index. The stages of a
-model partition its parameter names exactly, and :func:`build_stage` gives exactly the slice of
-``build_model(cfg, seed)``. 1 ≤ P ≤ L, so that no stage is empty.
+Which parameters stage s of P holds is trainer.stages' rule (contiguous blocks, balanced by count;
+the input embeddings on stage 0, the final norm and the head on stage P−1). Here each stage is a
+module holding (not copying) those modules of the model: a stage's ``named_parameters`` carry the
+full model's names (``blocks.3.attn.qkv.weight``, not ``blocks.0...``), blocks sitting in an
+``nn.ModuleDict`` keyed by their global index, so they are exactly
+``trainer.stages.stage_param_names``, and :func:`build_stage` gives exactly the slice of
+``build_model(cfg, seed)``.
 
-The Llama and Qwen2 families (trainer.hf_model) split the same way over their L decoder layers:
-stage 0 also holds ``model.embed_tokens``, stage P−1 also ``model.norm`` and ``lm_head``, and stage
-s the layers ``model.layers.<i>`` of the same rule, keyed by their global index
+The Llama and Qwen2 families (trainer.hf_model) split the same way over their L decoder layers
 (``model.layers.3.self_attn.q_proj.weight``). Rotary position embeddings have no parameters, so
 each stage holds the rotary module itself and computes (cos, sin) for positions 0..T−1, instead of
 receiving them with the activations; each decoder layer then runs causal attention with no mask,
@@ -66,7 +64,7 @@ A worker's P stages are P long-lived local processes, rank s = stage s, held by 
 metrics report that start-up apart. How many stages and threads a worker runs on the cores it is
 given is :func:`plan_stages`'s rule (``dilocox worker --stages auto|P --cores C``). They are
 forked by a ``forkserver`` that imports torch once, so only the first group of a worker pays for
-that import (seconds); a replacement group starts in a fraction of a second. The start is shown as
+that import and a replacement group starts without it. The start is shown as
 progress in the worker's log (stages ready of P, trainer.progress), and the last stage logs each
 round's inner steps (step i/H, tokens/s, ETA) into the same log, on the stderr it inherits.
 Every round the worker puts one job on each stage's own queue (its slice of θ⁽ʳ⁻¹⁾, the batches,
@@ -106,7 +104,6 @@ process with :func:`leave` once its results are written.
 
 from __future__ import annotations
 
-import functools
 import logging
 import os
 import queue as queue_mod
@@ -129,9 +126,10 @@ from trainer.config import MODEL_FAMILIES, InnerConfig, ModelConfig
 from trainer.device import backend_for, stage_device
 from trainer.diloco import load_params
 from trainer.hf_model import HFDecoder, HFStage
-from trainer.model import GPT, build_model, new_model
+from trainer.model import GPT, build_model
 from trainer.procgroup import LocalGroup, Member, answer, available_cpus, join_group, leave_child, report_error
 from trainer.progress import PLAIN_LOG_FORMAT, Progress
+from trainer.stages import check_split, stage_blocks, stage_param_names
 from trainer.uplink import Slice, encode_slice, new_compressor
 from trainer.wire import Params
 
@@ -186,14 +184,6 @@ class PipelineError(RuntimeError):
 # ----------------------------------------------------------------------------------- stages
 
 
-def stage_blocks(n_layer: int, num_stages: int) -> list[range]:
-    """The block indices of each stage: contiguous, balanced by count, the first ones larger."""
-    if not 1 <= num_stages <= n_layer:
-        raise ValueError(f"{num_stages} pipeline stages cannot split {n_layer} blocks (1 <= P <= n_layer)")
-    q, r = divmod(n_layer, num_stages)
-    return [range(s * q + min(s, r), (s + 1) * q + min(s + 1, r)) for s in range(num_stages)]
-
-
 class GPTStage(nn.Module):
     """Stage ``index`` of ``num_stages`` of a :class:`GPT`, holding (not copying) its modules."""
 
@@ -237,12 +227,7 @@ def _stage_of(model: nn.Module, index: int, num_stages: int) -> GPTStage | HFSta
     if isinstance(model, GPT):
         return GPTStage(model, index, num_stages)
     if isinstance(model, HFDecoder):
-        if model.cfg.tie_word_embeddings and num_stages > 1:
-            # Stage 0 would train the embedding and the last stage the head as two copies: the
-            # sum of their gradients, which tying needs, is never formed across stage processes.
-            raise ValueError("model.tie_word_embeddings: the embedding and the output head are one tensor, which "
-                             "pipeline stages cannot split: run this model as one stage (--stages 1)")
-        return HFStage(model, index, num_stages, stage_blocks(model.cfg.n_layer, num_stages)[index])
+        return HFStage(model, index, num_stages, check_split(model.cfg, num_stages)[index])
     raise ValueError(f"a {type(model).__name__[:60]} cannot be split into pipeline stages: only the "
                      f"{', '.join(MODEL_FAMILIES)} families' models (trainer.model.build_model) can")
 
@@ -255,21 +240,6 @@ def split_model(model: nn.Module, num_stages: int) -> list[GPTStage | HFStage]:
 def build_stage(cfg: ModelConfig, seed: int, index: int, num_stages: int) -> GPTStage | HFStage:
     """Stage ``index``: exactly that slice (names and values) of ``build_model(cfg, seed)``."""
     return _stage_of(build_model(cfg, seed), index, num_stages)
-
-
-def stage_param_names(cfg: ModelConfig, num_stages: int) -> list[list[str]]:
-    """The parameter names of each stage, in ``named_parameters`` order."""
-    return [list(names) for names in _stage_names(cfg, num_stages)]
-
-
-@functools.lru_cache(maxsize=16)
-def _stage_names(cfg: ModelConfig, num_stages: int) -> tuple[tuple[str, ...], ...]:
-    # Cached: the coordinator asks for every stage slice pushed, and building even a meta model
-    # of a transformers family takes a fraction of a second.
-    stage_blocks(cfg.n_layer, num_stages)  # refuse an impossible split before building anything
-    with torch.device("meta"):
-        model = new_model(cfg)
-    return tuple(tuple(n for n, _ in stage.named_parameters()) for stage in split_model(model, num_stages))
 
 
 def lm_loss(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
@@ -499,9 +469,9 @@ _START_ALLOWANCE_S = 120.0
 
 
 def _context() -> Any:
-    """``forkserver``: one clean server process imports torch and the pipelining package once
-    (seconds), then forks every stage, so a group (re)starts in a fraction of a second instead of
-    each stage importing them again as under ``spawn``. The server is single-threaded (it only
+    """``forkserver``: one clean server process imports torch and the pipelining package once,
+    then forks every stage, so a group (re)starts without each stage importing them again as
+    under ``spawn``. The server is single-threaded (it only
     imports), so forking it is safe, unlike forking the worker with its gRPC threads."""
     ctx = mp.get_context("forkserver")
     ctx.set_forkserver_preload([__name__, "torch.distributed.pipelining"])

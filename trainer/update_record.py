@@ -32,7 +32,7 @@ from storage_client.cid import InvalidCIDError
 from trainer.aggregation import InvalidUpdate, decode_update
 from trainer.codec import CompressedPayload, CompressionError
 from trainer.config import ModelConfig
-from trainer.pipeline import stage_param_names
+from trainer import stages
 from trainer.uplink import Slice
 from trainer.update_source import DenseUpdate, MergedUpdate, UpdateSource
 from trainer.wire import MAX_HEADER_JSON, Layout, WireError, json_object
@@ -141,13 +141,11 @@ def _raw_cid(i: int, field: str, value: Any) -> str:
 
 
 def stage_layout(layout: Layout, model: ModelConfig, stage: int, num_stages: int) -> Layout:
-    """The tensors of stage ``stage`` of ``num_stages`` (trainer.pipeline's split of the model)."""
+    """The tensors of stage ``stage`` of ``num_stages`` (trainer.stages' split of the model)."""
     if not 1 <= num_stages <= model.n_layer or not 0 <= stage < num_stages:
         raise RecordError(f"stage {stage} of {num_stages}: this run's model of {model.n_layer} layer(s) splits "
                           f"into 1 to {model.n_layer} pipeline stages")
-    if num_stages == 1:
-        return layout
-    return {name: layout[name] for name in stage_param_names(model, num_stages)[stage]}
+    return stages.stage_layout(layout, model, stage, num_stages)
 
 
 def open_slice(payload: bytes, encoding: Encoding, header: bytes | None, layout: Layout) -> UpdateSource:

@@ -3,9 +3,9 @@
 import pytest
 
 from proto import MAX_MESSAGE_BYTES
-from audit.rederive import clip_history, rederive
-from trainer.aggregation import updates_round_norm
-from trainer.checkpoints import is_full_checkpoint, round_updates
+from audit.rederive import rederive
+from trainer.checkpoints import is_full_checkpoint
+from trainer.round_inputs import ClipHistory, round_updates
 from trainer.wire import decode_params, layout_of
 from storage_client import CID, lineage
 from benchmarks.cluster import LocalCluster
@@ -24,7 +24,7 @@ def assert_rederivable(run: RunDir) -> list:
     assert [m.round for _, m in chain] == list(range(len(chain)))
     config = RunConfig.from_json(run.store.get_json(chain[0][1].config))
     assert config.data.corpus_sha256  # pinned at genesis
-    norms: dict[int, list[float]] = {}  # each round's ρ̃ (round_norm): the next rounds' clip history
+    clip = ClipHistory(config.rounds)  # each round's ρ̃ (round_norm): the next rounds' clip history
     layout = layout_of(decode_params(run.store.get(chain[0][1].params)))
     state = (run.store.get(chain[0][1].params), run.store.get(chain[0][1].outer_state))
     for (parent_cid, parent), (_, m) in zip(chain, chain[1:], strict=False):
@@ -34,9 +34,9 @@ def assert_rederivable(run: RunDir) -> list:
         assert run.store.has(m.params) == is_full_checkpoint(config.rounds, m.round), f"round {m.round}"
         downlink = m.downlink and (run.store.get(m.downlink.payload), run.store.get_json(m.downlink.header))
         updates = round_updates(run.store, m, layout, config.model)  # from the pushed bytes
-        history = clip_history(norms, m.round, config.rounds.clip_history_rounds)
+        history = clip.history(m.round)
         derived = rederive(config.outer, *state, updates, downlink, rounds=config.rounds, history=history)
-        norms[m.round] = [updates_round_norm(updates)]
+        clip.keep_updates(m.round, updates)
         state = (derived.params, derived.outer_state)
         assert derived.params_digest == CID.parse(m.params).digest, f"round {m.round} params do not re-derive"
         assert derived.outer_state_digest == CID.parse(m.outer_state).digest, f"round {m.round} outer state"

@@ -17,7 +17,7 @@ from tests.integration.test_bad_input import Mallory
 from tests.integration.test_cluster import assert_rederivable
 from benchmarks.cluster import LocalCluster
 from trainer.config import InnerConfig, ModelConfig, RoundConfig
-from trainer.pipeline import stage_param_names
+from trainer.stages import stage_param_names
 from trainer.update_record import record_bytes, slice_ref
 from trainer.wire import encode_params
 from proto import Encoding

@@ -19,7 +19,7 @@ from trainer.aggregation import CheckedUpdate, exact_norm
 from trainer.codec import CompressionConfig
 from trainer.config import InnerConfig, ModelConfig, RoundConfig
 from trainer.coordinator import Coordinator, UpdateHeader, open_run
-from trainer.pipeline import stage_param_names
+from trainer.stages import stage_param_names
 from trainer.refusal import Reason, Refusal
 from trainer.run_dir import RunDir
 from trainer.update_source import DenseUpdate, dense

@@ -12,11 +12,11 @@ import math
 import re
 
 from proto import PROTOCOL_VERSION, PUSH_ENCODINGS
+from trainer import stages
 from trainer.aggregation import InvalidUpdate, check_layout
 from trainer.config import ModelConfig, RunConfig
 from trainer.coordinator.state import JournalEntry, OpenRound, StageSlices, UpdateHeader
 from trainer.limits import clip, dense_payload_limit
-from trainer.pipeline import stage_param_names
 from trainer.refusal import Reason, Refusal
 from trainer.schedule import round_tokens
 from trainer.wire import Layout
@@ -80,15 +80,13 @@ def check_digest_form(h: UpdateHeader) -> None:
 
 
 def stage_layout(layout: Layout, model: ModelConfig, stage: int, num_stages: int) -> Layout:
-    """The tensors of stage ``stage`` of ``num_stages`` (trainer.pipeline's split of the model)."""
+    """The tensors of stage ``stage`` of ``num_stages`` (trainer.stages' split of the model)."""
     if not 1 <= num_stages <= model.n_layer:
         raise Refusal(Reason.MALFORMED, f"num_stages {num_stages}: this run's model of {model.n_layer} layer(s) "
                                         f"splits into 1 to {model.n_layer} pipeline stages")
     if not stage < num_stages:
         raise Refusal(Reason.MALFORMED, f"stage {stage} out of range for {num_stages} stages")
-    if num_stages == 1:
-        return layout
-    return {name: layout[name] for name in stage_param_names(model, num_stages)[stage]}
+    return stages.stage_layout(layout, model, stage, num_stages)
 
 
 def check_form(h: UpdateHeader, expected: Layout, config: RunConfig, inner_steps: int) -> Layout:

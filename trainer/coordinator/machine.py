@@ -18,8 +18,7 @@ from attestation import SignedReport
 from attestation.signing import global_digest
 from storage_client import CID, Manifest, loads_bounded
 from storage_client.manifest import Traffic
-from trainer.aggregation import CheckedUpdate, InvalidUpdate, check_norm, norm_bound, round_norm, updates_round_norm
-from trainer.checkpoints import round_updates
+from trainer.aggregation import CheckedUpdate, InvalidUpdate, check_norm, norm_bound
 from trainer.coordinator import checks
 from trainer.coordinator.intake import Intake
 from trainer.coordinator.publish import derive_round, record_round
@@ -35,6 +34,7 @@ from trainer.limits import clip
 from trainer.memory import release_free_memory
 from trainer.model import param_count
 from trainer.refusal import Reason, Refusal
+from trainer.round_inputs import ClipHistory, manifest_updates
 from trainer.update_source import UpdateSource
 from trainer.wire import Layout, layout_of
 
@@ -59,7 +59,10 @@ class Coordinator:
                                        liveness_s=rounds.liveness_timeout_s, clock=clock)
         self.screen = Screen(self.config, run.eval_tokens)
         self.intake = Intake(run, self.registry, self._lock, clock)
-        self.norm_history: dict[int, list[float]] = {}  # round -> [its ρ̃] (see _history)
+        # ρ̃ of the rounds closed (trainer.round_inputs): kept at their closing, or after a restart read
+        # back from the stored updates their manifests name, as checkpoint rebuilding and the audit do.
+        self.clip_history = ClipHistory(rounds, manifest_updates(run.run_dir.store, lambda e: run.manifests[e][1],
+                                                                 self.layout, self.config.model))
         # Seconds on each round's pushes by phase ("decode", "intake"), for rounds.jsonl (bench scale).
         self.push_seconds: dict[int, dict[str, float]] = {}
         # Report deadlines of rounds published before a restart count from the restart.
@@ -288,7 +291,9 @@ class Coordinator:
         r, g, cfg = self.round, self.run.global_state, self.config
         started = self.clock()
         release_free_memory()
-        derived = derive_round(self.run, r, g, self._history(r.number))
+        history = self.clip_history.history(r.number)
+        assert history is not None  # a closed round's ρ̃ is kept, or read back from the store
+        derived = derive_round(self.run, r, g, history)
         with self._lock:
             traffic = tuple(Traffic(worker=w, up=r.up.get(w, 0), down=r.down.get(w, 0))
                             for w in sorted(set(r.up) | set(r.down)))
@@ -309,7 +314,7 @@ class Coordinator:
         summary = RoundSummary.of(manifest_cid, manifest, refused, seconds=self.clock() - r.opened_at)
         self.run.run_dir.log_round({**dataclasses.asdict(summary), "phases": phases})
         with self._lock:
-            self.norm_history[r.number] = [round_norm(list(derived.aggregated.norms.values()))]
+            self.clip_history.keep(r.number, derived.aggregated.norms)
             self.run.global_state = dataclasses.replace(derived.state, manifest_cid=manifest_cid)
             self.run.manifests[r.number] = (manifest_cid, manifest)
             self.run.summaries.append(summary)
@@ -325,21 +330,3 @@ class Coordinator:
             ", ".join(f"{t.worker} ↑{t.up} ↓{t.down}" for t in traffic) or "no traffic", manifest_cid,
         )
         return summary
-
-    def _history(self, round_: int) -> list[float]:
-        """ρ̃ of rounds max(1, r-K)..r-1, K = rounds.clip_history_rounds (trainer.aggregation.round_norm):
-        kept from their closing, or after a restart recomputed from the stored updates the manifests
-        name (as the audit does)."""
-        k, out = self.config.rounds.clip_history_rounds, []
-        for earlier in range(max(1, round_ - k), round_):
-            norms = self.norm_history.get(earlier)
-            if norms is None:
-                _, manifest = self.run.manifests[earlier]
-                updates = round_updates(self.run.run_dir.store, manifest, layout_of(self.run.global_state.params),
-                                        self.config.model)
-                norms = [updates_round_norm(updates)]
-                self.norm_history[earlier] = norms
-            out.extend(norms)
-        for old in [r for r in self.norm_history if r < round_ - k]:
-            del self.norm_history[old]
-        return out

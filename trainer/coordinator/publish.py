@@ -29,7 +29,7 @@ log = logging.getLogger("dilocox.coordinator")
 
 
 @dataclass(frozen=True)
-class Derived:
+class RoundOutcome:
     """A closing round's new global state, stored, before its manifest is written."""
 
     state: GlobalState  # manifest_cid still the parent's until the manifest is stored
@@ -42,7 +42,7 @@ class Derived:
     phases: dict[str, float] = field(default_factory=dict)
 
 
-def derive_round(run: Run, r: OpenRound, g: GlobalState, history: list[float]) -> Derived:
+def derive_round(run: Run, r: OpenRound, g: GlobalState, history: list[float]) -> RoundOutcome:
     """Aggregate the closing round's accepted updates onto ``g`` and store the result."""
     cfg, store = run.config, run.run_dir.store
     started = time.perf_counter()
@@ -78,10 +78,10 @@ def derive_round(run: Run, r: OpenRound, g: GlobalState, history: list[float]) -
               "evaluate": time.perf_counter() - stored_at}
     state = GlobalState(r.number, child.params, child.momentum, payload, params_cid, g.manifest_cid,
                         to_e6(eval_loss), compressed, child.downlink_error, eval_losses_e6)
-    return Derived(state, aggregated, record, outer_cid, eval_loss, phases)
+    return RoundOutcome(state, aggregated, record, outer_cid, eval_loss, phases)
 
 
-def record_round(run: Run, r: OpenRound, parent: GlobalState, derived: Derived, traffic: tuple[Traffic, ...],
+def record_round(run: Run, r: OpenRound, parent: GlobalState, derived: RoundOutcome, traffic: tuple[Traffic, ...],
                  dropped: tuple[str, ...]) -> tuple[CID, Manifest]:
     """Store the round's manifest and move HEAD to it: from here on the round is durable."""
     cfg, state = run.config, derived.state
