@@ -9,7 +9,7 @@ Where each check lives:
                     parent's params), UNRECORDED
   audit.tallies     ROUNDS, PARENT_CHECKPOINT (on chain), REPORT_COUNT, LEDGER, RECORDER, TALLY,
                     TOTAL_CONTRIBUTION, PAYOUT
-  audit.reports     REPORT_SIGNATURE, REPORT_BINDING, REPORT_PARTICIPANT, REPORT_DUPLICATE, REPORT_FIELDS,
+  audit.report_checks     REPORT_SIGNATURE, REPORT_BINDING, REPORT_PARTICIPANT, REPORT_DUPLICATE, REPORT_FIELDS,
                     REPORT_EVAL_LOSS, DATA_DIGEST, UNREPORTED, GHOST
   audit.signers     REGISTRY, ADMITTED, REVOKED, MEASUREMENT_ALLOWED, ADMISSION, and through
                     audit.admission ADMISSION_RECORD and EVIDENCE
@@ -38,7 +38,7 @@ class AuditCheck(StrEnum):
     OBJECT = ("object", "a named object is in the store and re-hashes to its CID (params and outer state only "
                         "where the round keeps a full checkpoint: genesis, every rounds.checkpoint_every, the last)")
     UPDATE_RECORD = ("update-record", "each participant's update record, and the payloads and codec headers it "
-                                      "names, fit the model, stage by stage (trainer.update_record)")
+                                      "names, fit the model, stage by stage (trainer.runstore.update_record)")
     MANIFEST = ("manifest", "a manifest parses (schema, fields, sorted participants and traffic, traffic sums "
                             "equal to bytes_up / bytes_down, no downlink at genesis)")
     GENESIS = ("genesis", "the genesis manifest is round 0 without a parent, and its params decode")
@@ -69,7 +69,7 @@ class AuditCheck(StrEnum):
                                       "participant entry (attestation.report.manifest_claims)")
     REPORT_EVAL_LOSS = ("report-eval-loss", "evalLossE6 equals the manifest's eval_loss_e6")
     DATA_DIGEST = ("data-digest", "dataDigest is the digest of the participant's shard, from the run's config and "
-                                  "corpus or its pinned token index (trainer.dataset)")
+                                  "corpus or its pinned token index (trainer.data.dataset)")
     ADMITTED = ("admitted", "the signer has a WorkerAdmitted event at or before the recording block")
     REVOKED = ("revoked", "the signer has no WorkerRevoked event at or before the recording block")
     MEASUREMENT_ALLOWED = ("measurement-allowed", "the signer's admitted measurement was allowlisted as of the "

@@ -39,11 +39,10 @@ from .checks import AuditCheck
 from .findings import Findings
 from .lineage import Lineage, Loaded, check_unrecorded
 from .recompute import Recomputation
-from .reports import ReportChecks
+from .report_checks import ReportChecks
 from .result import AuditResult, RoundRow
 from .signers import Signers
 from .tallies import Tallies
-
 
 # Why dev evidence proves nothing, in one sentence (the provider's own WARNING says it again at length).
 DEV_NOTE = ("it is made and signed in software by a local development key; no hardware measured or isolated "

@@ -3,7 +3,7 @@
 Checks ``run`` (which run is audited), ``run-id``, ``object``, ``manifest``, ``genesis``,
 ``genesis-checkpoint``, ``config``, ``manifest-round``, ``parent``, ``checkpoint``,
 ``parent-checkpoint`` (the chain's parent against the previous round's stored params),
-``inner-steps`` (each participant's inner steps and tokens are the round's H_r, trainer.schedule),
+``inner-steps`` (each participant's inner steps and tokens are the round's H_r, trainer.rounds.schedule),
 ``update-record`` (each participant's record, and the pushed bytes it names, fit the model) and
 ``unrecorded``; audit.core describes each. Whether the stored bytes are what the updates give is
 audit.recompute's; the ledger's own records are audit.tallies'.
@@ -26,13 +26,13 @@ from storage_client import (
     hex_or_none,
 )
 from storage_client.manifest import SCHEMA as MANIFEST_SCHEMA
-from trainer.checkpoints import is_full_checkpoint
 from trainer.codec import CompressionError
+from trainer.codec.wire import Layout, WireError, decode_params, layout_of
 from trainer.config import ConfigError, RunConfig
-from trainer.schedule import round_tokens, stored_inner_steps
-from trainer.update_record import RecordError, open_update
-from trainer.update_source import UpdateSource
-from trainer.wire import Layout, WireError, decode_params, layout_of
+from trainer.rounds.schedule import round_tokens, stored_inner_steps
+from trainer.rounds.update_source import UpdateSource
+from trainer.runstore.checkpoints import is_full_checkpoint
+from trainer.runstore.update_record import RecordError, open_update
 
 from .checks import AuditCheck
 from .findings import Findings, cid_digest
@@ -135,7 +135,7 @@ class Lineage:
         """A recorded round's manifest and the objects it names; the round and its stored updates (by
         worker, opened from their records: those that could be read), or None when the manifest
         cannot be read. The updates are not kept in ``Loaded``: the next round needs only the params
-        and outer state. A round that keeps no full checkpoint (trainer.checkpoints) has its params
+        and outer state. A round that keeps no full checkpoint (trainer.runstore.checkpoints) has its params
         and outer state read only when present: the re-derivation fills them in."""
         r = record.round
         cid = CID(Codec.JSON, record.manifest_digest)
@@ -170,7 +170,7 @@ class Lineage:
 
     def _check_inner_steps(self, r: int, cid: CID, manifest: Manifest) -> None:
         """Every participant trained H_r steps and H_r·batch·block tokens, H_r re-derived from round
-        r−2's stored downlink header (trainer.schedule) as the coordinator derived it."""
+        r−2's stored downlink header (trainer.rounds.schedule) as the coordinator derived it."""
         if self.config is None or self.layout is None:
             return
         try:
@@ -192,7 +192,7 @@ class Lineage:
 
     def _open_update(self, r: int, worker: str, cid: str) -> UpdateSource | None:
         """A participant's update record and the pushed bytes it names, opened as on arrival
-        (trainer.update_record); None after an ``object`` or ``update-record`` failure."""
+        (trainer.runstore.update_record); None after an ``object`` or ``update-record`` failure."""
         if self.findings.read(r, cid, f"the update record of participant {worker}") is None:
             return None
         if self.config is None or self.layout is None:

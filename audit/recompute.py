@@ -14,8 +14,8 @@ from typing import Any
 
 from storage_client import Manifest
 from trainer.config import RunConfig
-from trainer.round_inputs import ClipHistory
-from trainer.update_source import UpdateSource
+from trainer.rounds.update_source import UpdateSource
+from trainer.runstore.round_inputs import ClipHistory
 
 from .checks import AuditCheck
 from .findings import Findings, cid_digest
@@ -35,7 +35,7 @@ class Recomputation:
     def __init__(self, findings: Findings, config: RunConfig | None) -> None:
         self.findings = findings
         self.config = config
-        # ρ̃ of each round's stored updates (trainer.round_inputs), the clip history of the next K rounds.
+        # ρ̃ of each round's stored updates (trainer.runstore.round_inputs), the clip history of the next K rounds.
         self.clip_history = ClipHistory(config.rounds) if config is not None else None
 
     def check_genesis(self, genesis: Loaded) -> None:
@@ -65,7 +65,7 @@ class Recomputation:
         self._keep_norms(r, loaded.manifest, updates)
 
     def _keep_norms(self, r: int, manifest: Manifest, updates: dict[str, UpdateSource]) -> None:
-        """Round r's ρ̃ (trainer.aggregation.updates_round_norm of its stored updates), part of the clip
+        """Round r's ρ̃ (trainer.rounds.aggregation.updates_round_norm of its stored updates), part of the clip
         threshold of the next K rounds; unknown when an update is unavailable or unreadable."""
         if self.clip_history is not None:
             self.clip_history.keep_updates(r, updates if len(updates) == len(manifest.participants) else None)

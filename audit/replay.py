@@ -6,13 +6,13 @@ module checks that an update is what its worker's declared work gives. For a con
 worker w to round r (a manifest participant: its update Δ, data shard s, committed inner state σ):
 
     θ_start  = θ⁽ʳ⁻¹⁾                               round r-1's stored parameters
-    AdamW    = fresh                                 when σ = FRESH_STATE (trainer.diloco)
+    AdamW    = fresh                                 when σ = FRESH_STATE (trainer.rounds.outer)
              = the state after w's previous counted   otherwise: replayed first, back to w's last
                contribution                            fresh start (the worker's "chain")
-    batches  = round_batches(shard s, seed, s, r, H_r) trainer.data: fixed by the config and, with
+    batches  = round_batches(shard s, seed, s, r, H_r) trainer.data.corpus: fixed by the config and, with
                                                       inner.adaptive_steps, round r−2's stored
-                                                      downlink header (trainer.schedule)
-    Δ'       = θ_start − θ_H_r                       H_r AdamW steps, trainer.diloco.InnerLoop
+                                                      downlink header (trainer.rounds.schedule)
+    Δ'       = θ_start − θ_H_r                       H_r AdamW steps, trainer.runtime.inner.InnerLoop
     d        = ‖Δ' − Δ‖₂ / ‖Δ‖₂                      refused when d > REPLAY_TOLERANCE
 
 With a compressed uplink the stored update is Â = decompress(C(Δ + e)), e the worker's error
@@ -30,7 +30,7 @@ feedback (part of its committed state, fresh = 0). The replay rebuilds e along t
 thousandth off flips quantisation levels and lands several percent away).
 
 Re-score: the held-out loss of θ⁽ʳ⁾ of each sampled round is recomputed on the run's evaluation
-batches (trainer.data.eval_batches) and must lie within EVAL_TOLERANCE of the manifest's
+batches (trainer.data.corpus.eval_batches) and must lie within EVAL_TOLERANCE of the manifest's
 ``eval_loss_e6`` (which every report restates).
 
 Tolerance. An honest worker's Δ and the replay's differ only by floating-point rounding: torch's
@@ -43,7 +43,7 @@ measurements for noise, fewer steps and a stale start are in the same document).
 
 Overlapped rounds (rounds.overlap): round r of a worker whose round r−1 counted starts from stored
 objects, computed as the worker computes it (``Replayer._start``, with the worker's own
-trainer.diloco.delayed_start / eager_start):
+trainer.rounds.outer.delayed_start / eager_start):
 
     delayed  s⁽ʳ⁾ = θ⁽ʳ⁻²⁾ − Δ̂ᵢ⁽ʳ⁻¹⁾
     eager    s⁽ʳ⁾ = θ⁽ʳ⁻²⁾ − ((θ⁽ʳ⁻³⁾ − θ⁽ʳ⁻²⁾) + c (Δ̂ᵢ⁽ʳ⁻¹⁾ − Δ̂ᵢ⁽ʳ⁻²⁾)),  c = eager_weight
@@ -68,17 +68,19 @@ import torch
 
 from storage_client import Manifest, Participant, Store, from_e6
 from trainer.codec import CodecHeader, CompressionError, PinnedRankPolicy, codec_of, compress, decompress, matrix_codec
+from trainer.codec.wire import Layout, Params, WireError, decode_params, layout_of
 from trainer.config import RunConfig
-from trainer.data import CorpusError, eval_batches, round_batches
-from trainer.dataset import Dataset, run_dataset
-from trainer.diloco import FRESH_STATE, InnerLoop, delayed_start, eager_start, eager_weight, evaluate, load_params
-from trainer.checkpoints import checkpoint_at
-from trainer.model import build_model
+from trainer.data.corpus import CorpusError, eval_batches, round_batches
+from trainer.data.dataset import Dataset, run_dataset
+from trainer.model.gpt import build_model
+from trainer.model.params import load_params
 from trainer.progress import Progress
-from trainer.schedule import stored_inner_steps
-from trainer.update_record import open_update
-from trainer.update_source import dense
-from trainer.wire import Layout, Params, WireError, decode_params, layout_of
+from trainer.rounds.outer import delayed_start, eager_start, eager_weight
+from trainer.rounds.schedule import stored_inner_steps
+from trainer.rounds.update_source import dense
+from trainer.runstore.checkpoints import checkpoint_at
+from trainer.runstore.update_record import open_update
+from trainer.runtime.inner import FRESH_STATE, InnerLoop, evaluate
 
 # ‖Δ' − Δ‖ / ‖Δ‖ an honest contribution stays within (see the module docstring).
 REPLAY_TOLERANCE = 0.05
@@ -213,7 +215,7 @@ class Replayer:
         return self._corpus is not None
 
     def _load_corpus(self) -> Dataset:
-        """The run's tokens (trainer.dataset: the corpus, or the prepared files checked against the
+        """The run's tokens (trainer.data.dataset: the corpus, or the prepared files checked against the
         pinned index in the store)."""
         if self._corpus is None:
             dataset = run_dataset(self.config, self.store)
@@ -238,7 +240,7 @@ class Replayer:
 
     def _start(self, round_: int, worker: str) -> Params | None:
         """Where ``worker`` started ``round_``: θ⁽ʳ⁻¹⁾, or for an overlapped round after a counted one
-        the worker's own start rule on stored objects (trainer.diloco): delayed, θ⁽ʳ⁻²⁾ − Δ̂ᵢ⁽ʳ⁻¹⁾;
+        the worker's own start rule on stored objects (trainer.rounds.outer): delayed, θ⁽ʳ⁻²⁾ − Δ̂ᵢ⁽ʳ⁻¹⁾;
         eager, θ⁽ʳ⁻²⁾ − Ũᵢ⁽ʳ⁻¹⁾ with the history (θ⁽ʳ⁻³⁾, Δ̂ᵢ⁽ʳ⁻²⁾) unless round r−1 started fresh
         (``unreplayable_reason`` has already refused the cases where the history is not stored)."""
         previous = _counted(self.manifests.get(round_ - 1), worker)
@@ -272,7 +274,7 @@ class Replayer:
             return None
 
     def inner_steps(self, round_: int, layout: Layout) -> int | None:
-        """H_r re-derived from round r−2's stored downlink header (trainer.schedule), as the workers
+        """H_r re-derived from round r−2's stored downlink header (trainer.rounds.schedule), as the workers
         trained and the coordinator checked; None (and a problem) when it cannot be read."""
         if round_ not in self.steps:
             try:

@@ -4,7 +4,7 @@ DiLoCoX (Qi et al., arXiv:2506.21263) measures itself against "AllReduce": plain
 parallelism, where every worker exchanges its full gradient after every step. This module is that
 baseline, built so that it differs from this project's DiLoCo in the synchronisation alone: the
 same model and initialisation, the same AdamW (one parameter group, weight decay on every
-parameter, as :class:`trainer.diloco.InnerLoop`), the same global-norm clipping, and the same
+parameter, as :class:`trainer.runtime.inner.InnerLoop`), the same global-norm clipping, and the same
 batches, so that a comparison at equal tokens is a comparison on the very same tokens.
 
 The algorithm
@@ -37,7 +37,7 @@ all-gather, each W−1 messages of n/W bytes): every rank sends, and receives,
 whatever algorithm gloo actually picks on the loopback; the ring is the bandwidth-optimal
 algorithm a real deployment would use, so b is what the network would carry.
 
-Each rank owns a :class:`trainer.link.Link` and, around every all-reduce, waits for what that link
+Each rank owns a :class:`trainer.net.link.Link` and, around every all-reduce, waits for what that link
 would allow: the latency once (``Link.call``, one round trip, as a DiLoCo worker's RPC pays it;
 a real ring pays it 2·(W−1) times, so this errs in the baseline's favour), then the b bytes up
 and the b bytes down paced *concurrently*, in two helper threads, while the real all-reduce runs
@@ -52,7 +52,7 @@ which includes waiting inside the collective for a slower peer, as synchronous t
 
 Processes
 ---------
-:func:`run_allreduce` spawns W processes (``spawn`` start method), one trainer.procgroup.LocalGroup
+:func:`run_allreduce` spawns W processes (``spawn`` start method), one trainer.runtime.procgroup.LocalGroup
 as the pipeline stages are: they meet through a ``TCPStore`` on 127.0.0.1 with an OS-chosen port
 and run gloo bound to the loopback interface. The process group's timeout bounds the rendezvous (so it must cover
 the spread of the ranks' start-up) and every collective, so a rank whose peer stops responding
@@ -79,11 +79,11 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 
 from trainer.config import RunConfig
-from trainer.data import load_corpus, round_batches
-from trainer.link import Link
-from trainer.device import autocast, backend_for, parse_device, stage_device
-from trainer.model import build_model
-from trainer.procgroup import LocalGroup, Member, answer, join_group, leave_child, report_error
+from trainer.data.corpus import load_corpus, round_batches
+from trainer.model.gpt import build_model
+from trainer.net.link import Link
+from trainer.runtime.device import autocast, backend_for, parse_device, stage_device
+from trainer.runtime.procgroup import LocalGroup, Member, answer, join_group, leave_child, report_error
 
 
 class AllReduceError(RuntimeError):
@@ -124,7 +124,7 @@ class _Job:
     threads: int
     timeout_s: float
     fault: tuple[int, int, str] | None  # tests only: (rank, step, "exit"|"raise"|"hang"|"nan")
-    device: str = "cpu"  # trainer.device: rank k on cuda:(k mod GPUs) over NCCL, bf16 autocast; or the CPU
+    device: str = "cpu"  # trainer.runtime.device: rank k on cuda:(k mod GPUs) over NCCL, bf16 autocast; or the CPU
 
 
 def _paced_all_reduce(buf: torch.Tensor, link: Link, pacer: ThreadPoolExecutor | None,
@@ -312,7 +312,7 @@ def run_allreduce(
     ``link_*`` emulate each rank's network link (0: unlimited). With ``snapshot_every`` > 0, rank
     0 keeps a copy of the parameters after every ``snapshot_every`` steps and after the last one.
     ``timeout_s`` bounds the rendezvous and every collective. ``_fault`` is for tests only.
-    ``device`` (trainer.device: cpu, cuda, cuda:N; refused here if absent): on CUDA rank k trains on
+    ``device`` (trainer.runtime.device: cpu, cuda, cuda:N; refused here if absent): on CUDA rank k trains on
     cuda:(k mod GPUs) under bf16 autocast and the ranks all-reduce over NCCL.
     """
     if workers < 1 or steps < 1:

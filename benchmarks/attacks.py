@@ -47,12 +47,12 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from attestation import DevProvider, WorkerKey, attest, code_measurement
 from attestation.signing import update_digest
-from benchmarks.cluster import LocalCluster
 from benchmarks.hostile import Mallory
+from cli.cluster import LocalCluster
 from proto import CHANNEL_OPTIONS, PROTOCOL_VERSION, SERVICE_NAME, pb, pb_grpc, session_metadata
+from trainer.codec.wire import encode_params, sha256_hex
 from trainer.config import RunConfig
-from trainer.tls import open_channel
-from trainer.wire import encode_params, sha256_hex
+from trainer.net.tls import open_channel
 
 # A connection of its own for each attacker channel (module docstring).
 ATTACKER_OPTIONS = (*CHANNEL_OPTIONS, ("grpc.use_local_subchannel_pool", 1))

@@ -3,7 +3,7 @@
 Two measurements, both at the built-in GPT of ``--layers`` × ``--width`` (6 × 512, vocab 256,
 context 64: 19M parameters, 77 MB of float32, by default) with compression on:
 
-``cluster``     a real coordinator and N real workers (benchmarks.cluster.LocalCluster: separate
+``cluster``     a real coordinator and N real workers (cli.cluster.LocalCluster: separate
                 processes over gRPC on 127.0.0.1) for a few rounds of a few inner steps; the
                 coordinator's peak RSS is its ``ru_maxrss`` as its parent reaps it (``os.wait4``),
                 the workers' likewise.
@@ -132,7 +132,7 @@ def bench_config(layers: int, width: int, workers: int, rounds: int, steps: int,
 
 
 def model_mib(config: Any) -> float:
-    from trainer.model import build_model, param_count
+    from trainer.model.gpt import build_model, param_count
 
     return param_count(build_model(config.model, config.seed)) * 4 / MIB
 
@@ -148,8 +148,8 @@ def make_updates(config_path: str, workers: int, out: str) -> None:
 
     from trainer.codec import AdaptiveRankPolicy, ErrorFeedbackCompressor
     from trainer.config import RunConfig
-    from trainer.model import build_model
-    from trainer.diloco import params_of
+    from trainer.model.gpt import build_model
+    from trainer.model.params import params_of
 
     config = RunConfig.load(config_path)
     params = params_of(build_model(config.model, config.seed))
@@ -166,9 +166,9 @@ def _push(c: Any, worker: str, payload: bytes, header: dict) -> None:
     """What trainer.coordinator.service does with a push whose bytes arrived whole."""
     from proto import PROTOCOL_VERSION, Encoding
     from storage_client import canonical_json
-    from trainer.aggregation import checked_update
+    from trainer.codec.wire import sha256_hex
     from trainer.coordinator import UpdateHeader
-    from trainer.wire import sha256_hex
+    from trainer.rounds.aggregation import checked_update
 
     g = c.global_state
     h = UpdateHeader(
@@ -184,12 +184,12 @@ def _push(c: Any, worker: str, payload: bytes, header: dict) -> None:
 
 
 def phases(args: argparse.Namespace) -> dict[str, Any]:
+    import trainer.rounds.transition as transition
     from proto import PROTOCOL_VERSION
+    from trainer.codec.downlink import DownlinkCompressor
     from trainer.coordinator import Coordinator, open_run, publish
     from trainer.coordinator import run as run_module
-    from trainer.run_dir import RunDir
-    import trainer.transition as transition
-    from trainer.downlink import DownlinkCompressor
+    from trainer.runstore.run_dir import RunDir
 
     config = bench_config(args.layers, args.width, args.workers, 1, args.steps, args.batch)
     log = PhaseLog()
@@ -238,7 +238,7 @@ def _reap(process: subprocess.Popen[bytes], timeout_s: float) -> tuple[int, floa
 
 
 def cluster(args: argparse.Namespace) -> dict[str, Any]:
-    from benchmarks.cluster import LocalCluster
+    from cli.cluster import LocalCluster
 
     config = bench_config(args.layers, args.width, args.workers, args.rounds, args.steps, args.batch)
     with tempfile.TemporaryDirectory(prefix="coordinator-memory-") as tmp:

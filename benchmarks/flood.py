@@ -38,7 +38,7 @@ from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:  # torch and the attack clients load only when the bench runs
     from benchmarks.attacks import Attack, Window
-    from benchmarks.cluster import LocalCluster
+    from cli.cluster import LocalCluster
     from trainer.config import RunConfig
 
 BIG_WORKER_ID = "x" * 100_000
@@ -92,7 +92,7 @@ def run(window_s: float = 15.0, calls: int = 64, ids: int = 4, streams: int = 40
         idle_timeout_s: float = 3.0) -> list[Window]:
     """The no-attack window first, then one window per attack (module docstring)."""
     from benchmarks.attacks import Dripping, Hoarding, UnfinishedUnary, join_insiders, observe, under_attack
-    from benchmarks.cluster import LocalCluster
+    from cli.cluster import LocalCluster
 
     with tempfile.TemporaryDirectory(prefix="dilocox-flood-") as tmp, LocalCluster(Path(tmp) / "run") as cluster:
         fast_config(rounds=100_000).save(Path(tmp) / "config.json")

@@ -9,7 +9,7 @@
 ``Mallory`` speaks the protocol directly (trainer.coordinator.service's RPCs), so every header field of a push
 is its to choose; by default a push claims exactly what an honest worker's would (tokens and steps
 from the config, the base it fetched). ``Trainer`` computes the update an honest worker on
-mallory's shard would push (trainer.diloco.InnerLoop on trainer.data.round_batches), so the only
+mallory's shard would push (trainer.runtime.inner.InnerLoop on trainer.data.corpus.round_batches), so the only
 dishonest thing about mallory is what it does with it. ``Heartbeats`` keeps mallory live while it
 trains, as a worker's heartbeat thread does, so a round waits for its push.
 
@@ -26,16 +26,15 @@ from typing import Any
 import grpc
 import torch
 
-from proto import PROTOCOL_VERSION, Encoding, WorkerPhase, pb
+from cli.cluster import LocalCluster
+from proto import PROTOCOL_VERSION, Encoding, WorkerPhase, pb, session_metadata
 from storage_client import canonical_json
-from benchmarks.cluster import LocalCluster
 from trainer.codec import AdaptiveRankPolicy, ErrorFeedbackCompressor
+from trainer.codec.wire import chunked, decode_params, encode_params, layout_of, sha256_hex
 from trainer.config import RunConfig
-from trainer.data import load_corpus, round_batches
-from trainer.diloco import FRESH_STATE, InnerLoop, inner_state_digest
-from trainer.model import build_model
-from proto import session_metadata
-from trainer.wire import chunked, decode_params, encode_params, layout_of, sha256_hex
+from trainer.data.corpus import load_corpus, round_batches
+from trainer.model.gpt import build_model
+from trainer.runtime.inner import FRESH_STATE, InnerLoop, inner_state_digest
 
 Params = dict[str, torch.Tensor]
 

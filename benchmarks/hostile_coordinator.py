@@ -44,7 +44,7 @@ from benchmarks.flood import fast_config, machine_line
 from proto import CHANNEL_OPTIONS, Encoding, pb, pb_grpc
 from storage_client import CID, Codec
 from trainer.config import RunConfig, estimated_parameters
-from trainer.tls import ensure_self_signed, server_credentials
+from trainer.net.tls import ensure_self_signed, server_credentials
 
 RUN_DIGEST = bytes(range(32))
 PARAMS_CID = str(CID.of(b"params"))

@@ -9,15 +9,14 @@ markdown table. About 2 minutes on a 2-core CPU machine.
 
 from __future__ import annotations
 
-import dataclasses
-
 import argparse
+import dataclasses
 import os
 import platform
 import tempfile
 from pathlib import Path
 
-from benchmarks.cluster import LocalCluster
+from cli.cluster import LocalCluster
 from trainer.config import DataConfig, InnerConfig, ModelConfig, OuterConfig, RoundConfig, RunConfig
 
 MODES = [

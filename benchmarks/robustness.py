@@ -4,7 +4,7 @@
                          [--aggregations a1,a2,...] [--honest-workers K] [--trim-fraction β]
                          [--screen-margin M] [--scale X] [--data DIR] [--keep-runs]
 
-Every run is real processes on 127.0.0.1 (benchmarks.cluster.LocalCluster): a coordinator and K
+Every run is real processes on 127.0.0.1 (cli.cluster.LocalCluster): a coordinator and K
 honest ``dilocox worker`` processes (w0, w1, …; K = 1 by default), one torch thread each, plus
 "mallory", an admitted client driven from this process (benchmarks.hostile): it joins as a worker,
 keeps itself live with heartbeats, and each round fetches θ⁽ʳ⁻¹⁾, trains the update an honest
@@ -17,7 +17,7 @@ Scenarios, one row each (``--scenarios`` takes the keys):
     honest        mallory pushes its honest update (the row every other one is compared with)
     scaled        its honest update × 86 (--scale)
     noise         Gaussian noise with the L2 norm of its honest update
-    noise-bound   Gaussian noise at 0.99 × the coarse bound (trainer.aggregation.norm_bound)
+    noise-bound   Gaussian noise at 0.99 × the coarse bound (trainer.rounds.aggregation.norm_bound)
     replay        round 1: its honest update; later rounds: round 1's update again, byte for byte
     zero          an all-zero update
     stale         trains from, and names, the state one round older than the round's (round 1:
@@ -177,7 +177,7 @@ def noise_like(update: dict[str, torch.Tensor], norm: float, seed: int) -> dict[
     """Gaussian noise in ``update``'s layout, scaled to L2 norm ``norm``."""
     import torch
 
-    from trainer.aggregation import exact_norm
+    from trainer.rounds.aggregation import exact_norm
 
     generator = torch.Generator().manual_seed(seed)
     noise = {k: torch.randn(v.shape, generator=generator) for k, v in sorted(update.items())}
@@ -196,7 +196,7 @@ class Play:
     def round(self, r: int) -> dict[str, Any]:
         import grpc
 
-        from trainer.aggregation import exact_norm
+        from trainer.rounds.aggregation import exact_norm
 
         self.beats.round, self.beats.phase = r, WorkerPhase.TRAINING
         base, params = self.trainer.fetch(r - 1)
@@ -235,8 +235,8 @@ class Play:
 
 def held_out_curve(run_dir: Path, evaluate: Any) -> list[tuple[int, float]]:
     from storage_client import lineage
-    from trainer.run_dir import RunDir
-    from trainer.wire import decode_params
+    from trainer.codec.wire import decode_params
+    from trainer.runstore.run_dir import RunDir
 
     rd = RunDir(run_dir)
     head = rd.head()
@@ -249,11 +249,11 @@ def rederives(run_dir: Path) -> bool:
     """Every round's params and outer state re-derive bit for bit from the stored updates (the
     audit's arithmetic, audit.rederive, under the run's own ``rounds`` section)."""
     from audit.rederive import rederive
-    from trainer.round_inputs import ClipHistory, round_updates
-    from trainer.wire import decode_params, layout_of
     from storage_client import CID, lineage
+    from trainer.codec.wire import decode_params, layout_of
     from trainer.config import RunConfig
-    from trainer.run_dir import RunDir
+    from trainer.runstore.round_inputs import ClipHistory, round_updates
+    from trainer.runstore.run_dir import RunDir
 
     run = RunDir(run_dir)
     chain = lineage(run.store, run.head())
@@ -293,9 +293,9 @@ def one_run(s: Settings, data: Data, agg: Aggregation, scenario: str | None, eva
     import torch
 
     from benchmarks.hostile import Heartbeats, Mallory, Trainer
-    from trainer.aggregation import norm_bound
-    from benchmarks.cluster import LocalCluster
-    from trainer.model import build_model
+    from cli.cluster import LocalCluster
+    from trainer.model.gpt import build_model
+    from trainer.rounds.aggregation import norm_bound
 
     shutil.rmtree(where, ignore_errors=True)
     where.mkdir(parents=True)
@@ -417,7 +417,7 @@ def report(result: dict[str, Any]) -> str:
         f"held-out windows seed {result['heldout_seed']} ({s['eval_batches']} batches of {s['batch_size']} × "
         f"{s['model']['block_size']} tokens)",
         f"workers: {s['honest_workers']} honest process(es) + mallory (n = {n} updates a round when mallory's "
-        f"is accepted), one torch thread each; coarse bound {result['bound']:.4g} (trainer.aggregation.norm_bound)",
+        f"is accepted), one torch thread each; coarse bound {result['bound']:.4g} (trainer.rounds.aggregation.norm_bound)",
         "settings: " + "; ".join(f"**{a.key}** = {describe(a, s)}" for a in aggs),
         f"reference: the honest-only run under {REFERENCE} (plain mean), held-out loss "
         f"{reference:.4f}; every ratio below is a loss over it",
@@ -442,7 +442,7 @@ def report(result: dict[str, Any]) -> str:
             ("Held-out loss after R rounds (× the honest-only plain mean)", "loss",
              "A cell marked NOT re-derived did not re-derive bit for bit from its stored updates."),
             ("What happened to mallory's pushes", "what",
-             "clipped: accepted, then scaled down to c × the lower median norm (trainer.aggregation); a refused "
+             "clipped: accepted, then scaled down to c × the lower median norm (trainer.rounds.aggregation); a refused "
              "push is in no manifest, so that run's rounds hold the honest update(s) alone."),
             ("Mean round time, rounds 2..R (s)", "time",
              "From each round's opening to its publication (the coordinator's rounds.jsonl): training, "
@@ -487,9 +487,10 @@ def run(s: Settings, command: str = "dilocox bench robust") -> dict[str, Any]:
 
     from benchmarks.ablation import machine
     from benchmarks.ablation.measure import HELDOUT_SEED, heldout_batches, load_data
-    from trainer.aggregation import norm_bound
-    from trainer.diloco import evaluate as evaluate_model, load_params
-    from trainer.model import build_model
+    from trainer.model.gpt import build_model
+    from trainer.model.params import load_params
+    from trainer.rounds.aggregation import norm_bound
+    from trainer.runtime.inner import evaluate as evaluate_model
 
     started = time.monotonic()
     host = machine()

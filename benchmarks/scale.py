@@ -1,7 +1,7 @@
 """``dilocox bench scale``: what a round costs at three model sizes, with 2 and 8 workers.
 
 Each cell is a real run: a local chain (anvil) with the registry and ledger deployed as by ``dilocox
-demo``, a coordinator and W workers as separate processes over TLS (benchmarks.cluster.LocalCluster),
+demo``, a coordinator and W workers as separate processes over TLS (cli.cluster.LocalCluster),
 dev attestation, signed reports, compression on, then ``dilocox audit`` on the finished run. Sizes
 (a Llama-family decoder by default, ``--family``; exact parameter counts are printed per cell):
 
@@ -246,16 +246,16 @@ def cell_config(s: Settings, size: Size, workers: int):  # -> RunConfig
 
 
 def parameters_of(config) -> int:  # config: RunConfig
-    from trainer.model import build_model, param_count
+    from trainer.model.gpt import build_model, param_count
 
     return param_count(build_model(config.model, config.seed))
 
 
 def run_cell(s: Settings, size: Size, workers: int, run_dir: Path) -> dict[str, Any]:
     """One cell, end to end; the row's figures (raises on a failed run)."""
-    from cli.demo import provision
+    from cli.cluster import provision
     from settlement import Anvil
-    from trainer.dataset import pin_dataset
+    from trainer.data.dataset import pin_dataset
 
     # Pinned before the chain allowlists the configuration's measurement, as the demo does.
     config, _ = pin_dataset(cell_config(s, size, workers))
@@ -278,7 +278,7 @@ def run_cell(s: Settings, size: Size, workers: int, run_dir: Path) -> dict[str, 
 def _train(s: Settings, config, run_dir: Path, workers: int, coordinator_args: list[str],
            worker_args: list[str]) -> tuple[dict[str, int], int, float]:
     """Run the cell's processes to the end; (peak RSS by process, store bytes at genesis, wall s)."""
-    from benchmarks.cluster import ClusterError, LocalCluster
+    from cli.cluster import ClusterError, LocalCluster
 
     threads = s.threads or max(1, (os.cpu_count() or 1) // workers)
     started = time.monotonic()
@@ -314,7 +314,7 @@ def _mean(values: Sequence[float]) -> float:
 def _row(s: Settings, config, run_dir: Path, workers: int, peaks: dict[str, int], store_growth: int,
          audit_s: float, wall_s: float) -> dict[str, Any]:
     from storage_client import lineage
-    from trainer.run_dir import RunDir
+    from trainer.runstore.run_dir import RunDir
 
     rounds = s.rounds
     steady = range(2, rounds + 1) if rounds >= 2 else range(1, 2)

@@ -325,7 +325,7 @@ def cmd_create(args: argparse.Namespace) -> int:
     from settlement import Registry
     from settlement.provision import allow_run
     from trainer.config import RunConfig
-    from trainer.dataset import pin_dataset
+    from trainer.data.dataset import pin_dataset
 
     try:
         coordinator = checksum_address(args.coordinator)

@@ -1,5 +1,5 @@
 """``dilocox data prepare``: tokenize text, directories of text and JSON-lines files once into flat
-token shards and an index (trainer.prepare; the format is in trainer.dataset).
+token shards and an index (trainer.data.prepare; the format is in trainer.data.dataset).
 
     dilocox data prepare INPUT... --out DIR [--tokenizer byte|bpe|PATH/tokenizer.json]
                          [--vocab-size N] [--shards N] [--eval-fraction F] [--eval-input FILE...]
@@ -35,8 +35,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    from trainer.dataset import DataError
-    from trainer.prepare import prepare
+    from trainer.data.dataset import DataError
+    from trainer.data.prepare import prepare
 
     if args.eval_input and args.eval_fraction is not None:
         raise DataError("--eval-fraction and --eval-input do not go together: the held-out documents are "

@@ -35,17 +35,17 @@ from rich.markup import escape
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 from rich.table import Table
 
-from attestation import DEV_WARNING, DevRoot
+from attestation import DEV_WARNING
+from cli.cluster import LOCAL_CHALLENGE_WINDOW, ClusterError, LocalCluster, provision
 from settlement import DEV_ACCOUNTS, Anvil, Chain, Deployment, Ledger
-from settlement.provision import TOKEN_UNIT, allow_run, await_run, deploy_to, fund_pool, mine, write_dev_keys
+from settlement.provision import TOKEN_UNIT, await_run, fund_pool, mine
 from settlement.roster import roster_of, unreported_lines
 from storage_client import RUN_STORE_DIR, open_store
 from trainer.config import RunConfig, demo_config, estimated_parameters
-from trainer.procgroup import available_cpus
-from trainer.dataset import pin_dataset
+from trainer.data.dataset import pin_dataset
+from trainer.runtime.procgroup import available_cpus
 
 DEMO_REPLAYS = 2  # contributions the demo's audit re-runs (audit.replay)
-DEMO_CHALLENGE_WINDOW = 4  # blocks; the demo mines past it before it settles
 DEMO_POOL = 1_000 * TOKEN_UNIT  # reward tokens the demo's run is funded with
 
 
@@ -72,24 +72,6 @@ def _row(s: dict, dense: int) -> list[str]:
             _kb(s["bytes_up"]), _kb(s["bytes_down"]), fewer, f"{s['seconds']:.1f}s"]
 
 
-def provision(run_dir: Path, rpc_url: str, config: RunConfig) -> tuple[list[str], list[str]]:
-    """What ``dilocox chain deploy`` and ``dilocox run create`` do (settlement.provision), with the
-    dev accounts' keys in <run>/chain: deploy, allowlist the measurement, make the coordinator a
-    verifier, create the dev root; returns the extra command-line arguments of the coordinator and
-    of each worker."""
-    chain_dir = run_dir / "chain"
-    keys = write_dev_keys(chain_dir)
-    owner, coordinator = Chain(rpc_url, DEV_ACCOUNTS[0]), Chain(rpc_url, DEV_ACCOUNTS[1])
-    deployment = deploy_to(owner, chain_dir / "deployment.json")
-    allow_run(owner, deployment, str(config.cid), coordinator.address)
-    dev_root = DevRoot.load_or_create(run_dir / "dev-root")
-    coordinator_args = ["--ledger", str(chain_dir / "deployment.json"), "--chain-rpc", rpc_url,
-                        "--chain-key-file", str(keys[1]), "--allow-dev", "--dev-root", dev_root.address,
-                        "--challenge-window", str(DEMO_CHALLENGE_WINDOW)]
-    worker_args = ["--attestation", "dev", "--dev-root-dir", str(run_dir / "dev-root")]
-    return coordinator_args, worker_args
-
-
 def fund_and_mature(run_dir: Path, rpc_url: str, rounds: int) -> None:
     """What ``dilocox pool fund`` and ``dilocox chain mine`` do: the demo's coordinator opens its
     run's reward pool (the owner mints the tokens), then the chain mines past the challenge window."""
@@ -98,7 +80,7 @@ def fund_and_mature(run_dir: Path, rpc_url: str, rounds: int) -> None:
     ledger = Ledger(coordinator, deployment.ledger, from_block=deployment.deployed_block)
     run_id = await_run(open_store(run_dir), ledger, timeout_s=0)
     fund_pool(coordinator, deployment, run_id, DEMO_POOL, rounds, minter=owner)
-    mine(coordinator, DEMO_CHALLENGE_WINDOW)
+    mine(coordinator, LOCAL_CHALLENGE_WINDOW)
 
 
 def unreported_summary(run_dir: Path, rpc_url: str, console: Console) -> None:
@@ -146,7 +128,7 @@ def run_demo(run_dir: Path, workers: int = 2, settings: Sequence[str] = (), inse
         if code != 0:
             return code
         console.print("\n[bold]rewards[/]: the coordinator funds the run's pool; once the rounds are "
-                      f"{DEMO_CHALLENGE_WINDOW} blocks old, every worker's share is claimed")
+                      f"{LOCAL_CHALLENGE_WINDOW} blocks old, every worker's share is claimed")
         fund_and_mature(run_dir, anvil.rpc_url, config.rounds.rounds)
         from cli.settle import settle_run_dir
 
@@ -193,9 +175,8 @@ def _train(console: Console, run_dir: Path, config: RunConfig, config_path: Path
     table = Table(title="rounds")
     for column in ("round", "eval loss", "train loss", "workers", "bytes up", "bytes down", "vs dense", "time"):
         table.add_column(column, justify="left" if column == "workers" else "right")
-    from benchmarks.cluster import ClusterError, LocalCluster
 
-    # Each worker plans its stages and threads on its share of the cores (trainer.pipeline.plan_stages):
+    # Each worker plans its stages and threads on its share of the cores (trainer.runtime.pipeline.plan_stages):
     # pipeline stages where the machine has a core for each.
     cores = ["--cores", str(max(1, available_cpus() // workers))]
     with LocalCluster(run_dir, insecure=insecure, threads_per_worker=0) as cluster:

@@ -5,11 +5,11 @@ Writes ``OUT/config.json`` and ``OUT/model.safetensors``, the round's parameters
 transformers 4.4x and 5 alike:
 
 * llama and qwen2 runs: the family's configuration with every field both versions read
-  (trainer.hf_model.hf_config_json: ``rope_theta`` and ``rope_scaling`` beside ``rope_parameters``,
+  (trainer.model.hf.hf_config_json: ``rope_theta`` and ``rope_scaling`` beside ``rope_parameters``,
   ``torch_dtype`` beside ``dtype``, ``tie_word_embeddings``, ``head_dim``, ``attention_bias``), the
   parameters under their own names, which are the Hugging Face ones (a tied head is not stored: it
   is the embedding);
-* gpt runs: ``GPT2LMHeadModel`` (trainer.hf_model.gpt2_config_json: exact GELU, untied head), the
+* gpt runs: ``GPT2LMHeadModel`` (trainer.model.hf.gpt2_config_json: exact GELU, untied head), the
   parameters under GPT-2's names, linear weights transposed to GPT-2's Conv1D layout.
 
 A run on prepared tokens with a BPE tokenizer also gets ``OUT/tokenizer.json`` (the pinned one,
@@ -44,12 +44,12 @@ import shutil
 from pathlib import Path
 
 from storage_client import CID, Manifest, lineage, strict_json
-from trainer.checkpoints import checkpoint_at
+from trainer.codec.wire import Params
 from trainer.config import RunConfig
+from trainer.data.tokenizer import BpeTokenizer
 from trainer.progress import Progress
-from trainer.run_dir import RunDir
-from trainer.tokenizer import BpeTokenizer
-from trainer.wire import Params
+from trainer.runstore.checkpoints import checkpoint_at
+from trainer.runstore.run_dir import RunDir
 
 SAFETENSORS_NAME = "model.safetensors"
 
@@ -66,7 +66,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 def checkpoint_params(run_dir: RunDir, round_: int, progress: Progress | None = None) -> tuple[CID, Params]:
     """Round ``round_``'s manifest CID and its full parameters θ⁽ʳᵒᵘⁿᵈ⁾, after re-hashing the
-    lineage from HEAD to genesis (``progress``: trainer.checkpoints.checkpoint_at's)."""
+    lineage from HEAD to genesis (``progress``: trainer.runstore.checkpoints.checkpoint_at's)."""
     head = run_dir.head()
     if head is None:
         raise ExportError(f"--run {run_dir.path}: holds no run (no HEAD)")
@@ -108,8 +108,8 @@ def export_checkpoint(run_dir: RunDir, manifest: Manifest, manifest_cid: CID, pa
     import torch
     from safetensors.torch import save_file
 
-    from trainer.hf_model import export_state, exported_config_json
-    from trainer.model import new_model
+    from trainer.model.gpt import new_model
+    from trainer.model.hf import export_state, exported_config_json
 
     config = RunConfig.from_json(run_dir.store.get_json(manifest.config))
     with torch.device("meta"):
@@ -192,8 +192,8 @@ def check_export(folder: Path, config: RunConfig, params: Params, tokenizer: Bpe
     import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    from trainer.diloco import load_params
-    from trainer.model import build_model
+    from trainer.model.gpt import build_model
+    from trainer.model.params import load_params
 
     if tokenizer is not None:
         loaded_tokenizer = AutoTokenizer.from_pretrained(folder, local_files_only=True)
@@ -230,7 +230,7 @@ def check_export(folder: Path, config: RunConfig, params: Params, tokenizer: Bpe
 def run_tokenizer(run_dir: RunDir, config: RunConfig) -> BpeTokenizer | None:
     """The BPE tokenizer the run pinned (its token index, then tokenizer.json, both read from the
     run's store by CID, so verified), or None for byte tokens."""
-    from trainer.dataset import TokenIndex
+    from trainer.data.dataset import TokenIndex
 
     if not config.data.tokens_cid:
         return None

@@ -1,6 +1,6 @@
 """``dilocox gc --run DIR [--dry-run]``: remove the store objects the run no longer references.
 
-What the run needs is what trainer.store_gc reaches from HEAD's manifest chain, the open round's
+What the run needs is what trainer.runstore.gc reaches from HEAD's manifest chain, the open round's
 journal and the admission records; everything else (refused or abandoned pushes, a manifest HEAD
 never moved to) is removed. Refused while a coordinator serves the run (it holds
 ``coordinator.lock``); gc holds that lock while it works, so no coordinator starts meanwhile.
@@ -23,10 +23,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    from trainer.coordinator.server import RunDirBusy, lock_run_dir
-    from trainer.run_dir import RunDir, RunDirError
     from storage_client import RUN_STORE_DIR
-    from trainer.store_gc import collect
+    from trainer.coordinator.server import RunDirBusy, lock_run_dir
+    from trainer.runstore.gc import collect
+    from trainer.runstore.run_dir import RunDir, RunDirError
 
     if not (Path(args.run) / RUN_STORE_DIR).is_dir():
         print(f"gc: {args.run} is not a run directory (no store/)")

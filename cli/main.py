@@ -105,8 +105,8 @@ def _threads(n: int) -> None:
 
 def cmd_coordinator(args: argparse.Namespace) -> int:
     from trainer.config import RunConfig
-    from trainer.run_dir import RunDir
     from trainer.coordinator.server import serve
+    from trainer.runstore.run_dir import RunDir
 
     _threads(args.threads)
     config = RunConfig.load(args.config) if args.config else None
@@ -133,15 +133,15 @@ def _server_credentials(args: argparse.Namespace, run_dir):  # -> grpc.ServerCre
             "INSECURE: serving plaintext gRPC (--insecure): anyone on the path can read and change "
             "every message; use it on a trusted loopback only")
         return None
-    from trainer.tls import server_credentials, server_identity
+    from trainer.net.tls import server_credentials, server_identity
 
     hosts = [args.host] if args.host not in ("0.0.0.0", "::", "") else []
     identity = server_identity(run_dir.path / "tls", args.tls_cert, args.tls_key, hosts=hosts)
     return server_credentials(identity, args.tls_client_ca)
 
 
-def _client_tls(args: argparse.Namespace):  # -> trainer.tls.ClientTls
-    from trainer.tls import client_tls_from_flags
+def _client_tls(args: argparse.Namespace):  # -> trainer.net.tls.ClientTls
+    from trainer.net.tls import client_tls_from_flags
 
     return client_tls_from_flags(args.tls_ca, args.tls_fingerprint, args.insecure,
                                  args.tls_client_cert, args.tls_client_key)
@@ -170,7 +170,6 @@ def _trust_settings(args: argparse.Namespace):  # -> TrustSettings | None
     from audit.cli import dcap_settings
     from settlement import Deployment
     from settlement.gate import TrustSettings
-
     from settlement.provision import KeyFileError, read_key_file
 
     try:
@@ -191,13 +190,13 @@ def _trust_settings(args: argparse.Namespace):  # -> TrustSettings | None
 def cmd_worker(args: argparse.Namespace) -> int:
     from trainer.worker import Worker
 
-    # Threads are planned with the stages, at the first join (trainer.pipeline.plan_stages).
+    # Threads are planned with the stages, at the first join (trainer.runtime.pipeline.plan_stages).
     provider = None
     if args.attestation != "none":
         from attestation import open_provider
 
         provider = open_provider(args.attestation, dev_root_dir=args.dev_root_dir)
-    from trainer.link import Link
+    from trainer.net.link import Link
 
     link = Link(bandwidth_bps=args.link_bandwidth * 1e6, latency_s=args.link_latency / 1e3)
     worker = Worker(args.coordinator, args.worker_id, tls=_client_tls(args), attestation=provider,
@@ -208,9 +207,9 @@ def cmd_worker(args: argparse.Namespace) -> int:
 
 
 def _exit_now(code: int) -> int:
-    """A finished worker leaves with its own code (trainer.pipeline.leave says why): its threads are
+    """A finished worker leaves with its own code (trainer.runtime.pipeline.leave says why): its threads are
     joined, its channel and stage processes closed and its files written by now."""
-    from trainer.pipeline import leave
+    from trainer.runtime.pipeline import leave
 
     leave(code)
 
@@ -228,10 +227,10 @@ def cmd_status(args: argparse.Namespace) -> int:
 
 def _fetch_status(args: argparse.Namespace):  # -> pb.StatusResponse
     """The coordinator's Status; ConnectionError naming it when it does not answer."""
-    from proto import CHANNEL_OPTIONS, pb, pb_grpc
-    from trainer.tls import open_channel
-
     import grpc
+
+    from proto import CHANNEL_OPTIONS, pb, pb_grpc
+    from trainer.net.tls import open_channel
 
     with open_channel(args.coordinator, _client_tls(args), CHANNEL_OPTIONS) as channel:
         try:
@@ -362,12 +361,12 @@ def cmd_config(args: argparse.Namespace) -> int:
     if args.model_config and args.init_from:
         raise UsageError("--init-from DIR takes the model section from DIR/config.json: give it or --model-config")
     if args.model_config or args.init_from:
-        from trainer.hf_model import read_hf_config
-        from trainer.init_weights import pin_init
+        from trainer.model.hf import read_hf_config
+        from trainer.model.init_weights import pin_init
 
         body = base.to_json()
         body["model"] = read_hf_config(args.model_config or args.init_from)
-        if args.init_from:  # the weights beside it are θ⁽⁰⁾, pinned by their CID (trainer.init_weights)
+        if args.init_from:  # the weights beside it are θ⁽⁰⁾, pinned by their CID (trainer.model.init_weights)
             body["model"]["init_from"] = str(Path(args.init_from).resolve())
         config, _ = pin_init(RunConfig.from_json_with_settings(body, args.set))
     else:
@@ -402,14 +401,16 @@ def cmd_bench(args: argparse.Namespace) -> int:
     if args.what == "scale":
         import shlex
 
-        from benchmarks.scale import run as scale, settings_of as scale_settings
+        from benchmarks.scale import run as scale
+        from benchmarks.scale import settings_of as scale_settings
 
         scale(scale_settings(args), shlex.join(["dilocox", *sys.argv[1:]]))
         return 0
     if args.what == "robust":
         import shlex
 
-        from benchmarks.robustness import run as robust, settings_of as robust_settings
+        from benchmarks.robustness import run as robust
+        from benchmarks.robustness import settings_of as robust_settings
 
         robust(robust_settings(args), shlex.join(["dilocox", *sys.argv[1:]]))
         return 0
@@ -490,7 +491,7 @@ def _worker_arguments(p: argparse.ArgumentParser) -> None:
     _client_tls_arguments(p)
     p.add_argument("--cores", type=int, default=None,
                    help="cores this worker may use (default: the cores this process may run on); the stages and "
-                        "torch threads are planned on them (trainer.pipeline.plan_stages)")
+                        "torch threads are planned on them (trainer.runtime.pipeline.plan_stages)")
     p.add_argument("--threads", type=int, default=None,
                    help="torch threads to share among the stages instead of --cores (default: the cores)")
     p.add_argument("--attestation", choices=("none", "tdx", "dev"), default="none",
@@ -668,7 +669,7 @@ def _coordinator_address(address: str) -> None:
     """--coordinator must be host:port with a port in [1, 65535] and a host that resolves."""
     import socket
 
-    from trainer.tls import TlsError, split_address
+    from trainer.net.tls import TlsError, split_address
 
     try:
         host, port = split_address(address)
@@ -685,7 +686,7 @@ def _coordinator_address(address: str) -> None:
 def _warn_oversubscribed(cores: int | None, threads: int | None) -> None:
     """More cores or threads than this process may run on is allowed (a benchmark may want it) but
     never silent: every stage and thread then shares a core with another."""
-    from trainer.procgroup import available_cpus  # the worker loads torch next anyway
+    from trainer.runtime.procgroup import available_cpus  # the worker loads torch next anyway
 
     have = available_cpus()
     for flag, value in (("--cores", cores), ("--threads", threads)):
@@ -725,7 +726,7 @@ def check_args(args: argparse.Namespace) -> None:
             if not 0 <= value <= 86_400:  # also refuses NaN
                 raise UsageError(f"{flag} {value} is out of range: must be in [0, 86400] seconds")
     if command == "worker":
-        from trainer.limits import WORKER_ID
+        from trainer.net.limits import WORKER_ID
 
         if not WORKER_ID.fullmatch(args.worker_id):
             raise UsageError(f"--worker-id {args.worker_id[:80]!r} must match [A-Za-z0-9._-]{{1,64}}")
@@ -735,7 +736,7 @@ def check_args(args: argparse.Namespace) -> None:
             if value is not None and not 1 <= value <= 4096:
                 raise UsageError(f"{flag} {value} must be in [1, 4096]")
         _warn_oversubscribed(args.cores, args.threads)
-        from trainer.device import DeviceError, parse_device
+        from trainer.runtime.device import DeviceError, parse_device
 
         try:
             parse_device(args.device)

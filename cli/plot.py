@@ -1,7 +1,7 @@
 """``dilocox plot --run DIR [--out FILE.png]``: a run's rounds as one PNG, from ``DIR/rounds.jsonl``.
 
 Three panels against the round number, from the coordinator's summary line of each published round
-(trainer.run_dir.RunDir.log_round):
+(trainer.runstore.run_dir.RunDir.log_round):
 
     loss        the held-out loss of each checkpoint (``eval_loss``, genesis included) and the mean
                 train loss its participants reported (``mean_train_loss``)
@@ -25,7 +25,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from storage_client import JSONBoundsError, loads_bounded
-from trainer.run_dir import ROUNDS_LOG
+from trainer.runstore.run_dir import ROUNDS_LOG
 
 MAX_FILE_BYTES = 64 << 20
 MAX_LINE_BYTES = 1 << 20

@@ -1,7 +1,7 @@
 """The coordinator-worker wire contract, generated from ``proto/dilocox.proto``.
 
 The generated modules are build outputs (``make stubs``), not sources. The protocol's size limits
-below are plain constants, importable without them (the pure codec, ``trainer.wire``, needs only
+below are plain constants, importable without them (the pure codec, ``trainer.codec.wire``, needs only
 those); ``pb``, ``pb_grpc``, ``PROTOCOL_VERSION`` and ``SERVICE_NAME`` load the stubs on first use,
 and without them fail with a message that says how to make them.
 """

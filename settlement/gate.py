@@ -14,7 +14,7 @@ docs/trust.md has the whole design. In short:
   PushUpdate  the header is signed by the admitted key (attestation.signing.update_digest).
   Report      a participant's EIP-712 RoundReport must be signed by its key and say what the round's
               manifest says, field by field (attestation.report.manifest_claims, the rule the audit
-              re-checks); settlement.reports keeps it until its round goes to the ledger.
+              re-checks); settlement.report_book keeps it until its round goes to the ledger.
 """
 
 from __future__ import annotations
@@ -29,8 +29,17 @@ from dataclasses import dataclass, field
 from typing import Callable
 
 from attestation import (
-    Evidence, EvidenceError, Policy, PolicyViolation, ReportError, SignatureError, SignedReport,
-    checksum_address, recover_address, report_data, verify_evidence,
+    Evidence,
+    EvidenceError,
+    Policy,
+    PolicyViolation,
+    ReportError,
+    SignatureError,
+    SignedReport,
+    checksum_address,
+    recover_address,
+    report_data,
+    verify_evidence,
 )
 from attestation.admission import admission_record
 from attestation.report import Domain, manifest_claims, report_differences
@@ -38,7 +47,7 @@ from attestation.signing import update_digest
 from settlement.chain import ChainError
 from settlement.ledger import Deployment, Registry
 from storage_client import CID, Manifest, Store
-from trainer.refusal import Reason, Refusal
+from trainer.net.refusal import Reason, Refusal
 
 log = logging.getLogger("dilocox.trust")
 

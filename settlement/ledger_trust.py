@@ -1,7 +1,7 @@
 """The coordinator's trust layer over a chain: trainer.coordinator.trust.RunTrust implemented.
 
 It ties the gate (settlement.gate: attestation and admission, push signatures, report checks), the
-report book (settlement.reports) and the ledger outbox (settlement.outbox), and runs the settlement
+report book (settlement.report_book) and the ledger outbox (settlement.outbox), and runs the settlement
 loop: every ``interval_s``, queue each round whose reports are in (or whose report timeout passed),
 in order, and flush the outbox to the ledger. A chain that holds another record than ours, or an
 outbox item that cannot be read, cannot be fixed by retrying: the loop says so and stops the
@@ -19,11 +19,11 @@ from settlement.chain import Chain
 from settlement.gate import TrustGate, TrustSettings
 from settlement.ledger import Ledger, Registry
 from settlement.outbox import Outbox, OutboxError, RecordConflict
-from settlement.reports import ReportBook
+from settlement.report_book import ReportBook
 from storage_client import CID, Manifest
 from trainer.coordinator.run import Run
 from trainer.coordinator.trust import PublishedRounds
-from trainer.limits import clip
+from trainer.net.limits import clip
 
 log = logging.getLogger("dilocox.settlement")
 

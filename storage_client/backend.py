@@ -9,7 +9,7 @@ becomes a store. A new backend (an IPFS gateway, S3) is one module that subclass
 implements its primitives, plus the line in ``open_store`` that chooses it.
 
 Removing objects is not part of the door: garbage collection works on a local run directory (its
-lock, HEAD and pending journals; trainer.store_gc) and removes through ``ObjectStore.remove``.
+lock, HEAD and pending journals; trainer.runstore.gc) and removes through ``ObjectStore.remove``.
 """
 
 from __future__ import annotations

@@ -24,7 +24,7 @@ round, or null where it is not committed: what `dilocox audit --replay` needs to
 re-run the contribution.
 
 Participants' `update` (schema v4) is the JSON CID of the worker's update
-record, which names the bytes of its pushed payloads (trainer.update_record),
+record, which names the bytes of its pushed payloads (trainer.runstore.update_record),
 no longer a RAW dense reconstruction.
 
 Traffic (schema v2). `bytes_up` / `bytes_down` are the round's total wire bytes
@@ -47,9 +47,9 @@ from collections.abc import Iterable
 from dataclasses import dataclass
 from typing import Any
 
+from .backend import Store
 from .canonical import digest_json
 from .cid import CID, Codec, InvalidCIDError
-from .backend import Store
 
 SCHEMA = "dilocox.manifest/v4"
 E6 = 1_000_000
@@ -172,7 +172,7 @@ class Participant:
     """One worker's contribution to a round."""
 
     worker: str
-    update: str  # CID text of the worker's update record (JSON, trainer.update_record; schema v4)
+    update: str  # CID text of the worker's update record (JSON, trainer.runstore.update_record; schema v4)
     train_loss_e6: int  # mean inner-loop loss x 1e6, rounded
     tokens: int
     inner_steps: int
@@ -180,7 +180,7 @@ class Participant:
     # wire bytes of the FetchGlobal stream that delivered the global state this worker's update was
     # computed from (0 when not counted)
     bytes_received: int = 0
-    shard: int = 0  # the data shard the update was trained on (trainer.data.Corpus.shard)
+    shard: int = 0  # the data shard the update was trained on (trainer.data.corpus.Corpus.shard)
     # sha256 (hex) of the worker's inner state at the start of the round (trainer.inner_state), or
     # None where it is not committed (a worker of several pipeline stages)
     state: str | None = None

@@ -179,7 +179,7 @@ class ObjectStore(Store):
         return loads_bounded(self.get(cid), max_bytes=max_bytes, what=f"object {cid}")
 
     def remove(self, cid: CID | str) -> None:
-        """Delete the object (MissingObjectError if absent). Local only: see trainer.store_gc."""
+        """Delete the object (MissingObjectError if absent). Local only: see trainer.runstore.gc."""
         cid = as_cid(cid)
         path = self.path_of(cid)
         try:

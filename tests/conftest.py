@@ -10,7 +10,7 @@ from typing import Callable, Iterator
 
 import pytest
 
-from benchmarks.cluster import LocalCluster
+from cli.cluster import LocalCluster
 from settlement import Anvil
 from trainer.config import DataConfig, InnerConfig, ModelConfig, RoundConfig, RunConfig
 

@@ -4,12 +4,12 @@ from __future__ import annotations
 
 from typing import Mapping
 
-from trainer.wire import Params
+from trainer.codec.wire import Params
 
 
 def mean_pseudo_gradient(updates: Mapping[str, Params]) -> Params:
     """Δ⁽ʳ⁾: the mean of the accepted pseudo-gradients, summed in sorted worker order (the plain
-    DiLoCo mean, which trainer.aggregation.aggregate must equal with clipping off)."""
+    DiLoCo mean, which trainer.rounds.aggregation.aggregate must equal with clipping off)."""
     if not updates:
         raise ValueError("cannot aggregate a round with no accepted updates")
     workers = sorted(updates)

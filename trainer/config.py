@@ -32,18 +32,18 @@ from trainer.config_fields import Range, choice_refusal, choices_of, setting
 SCHEMA = "dilocox.config/v1"
 _RUN_ID = re.compile(r"^[A-Za-z0-9._-]{1,64}$")
 
-# The values of model.family: the built-in GPT (trainer.model) and the decoder families built from
-# Hugging Face ``transformers`` classes (trainer.hf_model), from the configuration alone.
+# The values of model.family: the built-in GPT (trainer.model.gpt) and the decoder families built from
+# Hugging Face ``transformers`` classes (trainer.model.hf), from the configuration alone.
 ModelFamily = Literal["gpt", "llama", "qwen2"]
 # transformers' RoPE variants whose frequencies depend on the configuration alone, and that
 # transformers 4.4x and 5.x compute alike from the exported config.json
-# (trainer.hf_model.rope_parameters). Not here: "dynamic" and "longrope", whose frequencies change with
+# (trainer.model.hf.rope_parameters). Not here: "dynamic" and "longrope", whose frequencies change with
 # the length of the sequence at inference (a model trained on block_size tokens would be evaluated
 # with other frequencies past its original context).
 RopeType = Literal["default", "linear", "llama3", "yarn"]
 # Where an overlapped worker starts its next round (trainer.worker.loops states both rules).
 OverlapStart = Literal["delayed", "eager"]
-# The robust means of rounds.aggregator (trainer.aggregation.aggregate states each rule).
+# The robust means of rounds.aggregator (trainer.rounds.aggregation.aggregate states each rule).
 Aggregator = Literal["mean", "trimmed_mean", "median"]
 MODEL_FAMILIES: tuple[str, ...] = get_args(ModelFamily)
 ROPE_TYPES: tuple[str, ...] = get_args(RopeType)
@@ -70,7 +70,7 @@ class ModelConfig:
     n_layer -> num_hidden_layers, n_head -> num_attention_heads, n_kv_head -> num_key_value_heads,
     block_size -> max_position_embeddings, rope_theta, rms_norm_eps, tie_word_embeddings,
     attention_bias, head_size -> head_dim, rope_type and rope_<field> -> rope_parameters[<field>]
-    (trainer.hf_model.hf_config). The model has at most MAX_PARAMETERS (1e10) parameters in all
+    (trainer.model.hf.hf_config). The model has at most MAX_PARAMETERS (1e10) parameters in all
     (estimated_parameters).
     """
 
@@ -93,7 +93,7 @@ class ModelConfig:
                                         "LayerNorm has its own: 1e-6 there)", Range(1e-12, 0.01))
     # The fields below are left out of the JSON while at their defaults. Up to init_from, the HF
     # families' options, which map onto the transformers configuration under their own names
-    # (trainer.hf_model.hf_config); the GPT needs each at its default.
+    # (trainer.model.hf.hf_config); the GPT needs each at its default.
     tie_word_embeddings: bool = _hf_option(False, "the output head is the input embedding (one tensor, "
                                                   "model.embed_tokens.weight), as in Qwen2-0.5B")
     attention_bias: bool = _hf_option(False, "Llama: biases on the q, k, v and o projections (Qwen2's q, k, v "
@@ -115,9 +115,9 @@ class ModelConfig:
     rope_beta_slow: float = _hf_option(1.0, "yarn's beta_slow", Range(0.0, 1e4, low_open=True), ("yarn",))
     rope_attention_factor: float = _hf_option(0.0, "yarn's scale of cos and sin; 0 = transformers' default, "
                                                    "0.1 ln(rope_factor) + 1", Range(0.0, 100.0), ("yarn",))
-    # θ⁽⁰⁾ from existing weights (trainer.init_weights; `dilocox config --init-from DIR`): the folder
+    # θ⁽⁰⁾ from existing weights (trainer.model.init_weights; `dilocox config --init-from DIR`): the folder
     # is read by the coordinator at genesis only; the CID of those weights as the run encodes θ⁽⁰⁾
-    # (trainer.wire) is checked by every party: the coordinator before genesis, each worker on the
+    # (trainer.codec.wire) is checked by every party: the coordinator before genesis, each worker on the
     # θ⁽⁰⁾ it is sent, the audit on the genesis checkpoint. "" and "": θ⁽⁰⁾ is built from the seed.
     init_from: str = _hf_option("", "a folder holding config.json and model.safetensors: θ(0)'s weights")
     init_params: str = _hf_option("", "the CID of those weights as the run encodes θ(0)")
@@ -162,7 +162,7 @@ class InnerConfig:
     beta1: float = setting(0.9, "AdamW beta1", Range(0.0, 1.0, high_open=True))
     beta2: float = setting(0.95, "AdamW beta2", Range(0.0, 1.0, high_open=True))
     grad_clip: float = setting(1.0, "max global gradient norm; 0 disables clipping", Range(0.0, 1e6))
-    # DiLoCoX's adaptive H: H_r falls with the downlink's rank (trainer.schedule.inner_steps_for_round
+    # DiLoCoX's adaptive H: H_r falls with the downlink's rank (trainer.rounds.schedule.inner_steps_for_round
     # has the rule); it needs compression with the low-rank codec.
     adaptive_steps: bool = setting(False, "round r trains H_r steps, falling with the downlink's rank")
     min_steps: int = setting(1, "the floor of H_r when adaptive_steps is on, <= steps", Range(1, 1_000_000))
@@ -186,10 +186,10 @@ class DataConfig:
 
     ``corpus`` is ``"embedded"`` (a corpus the project generates from the run seed) or a path to a
     UTF-8 text file readable by every process. ``corpus_sha256`` pins the bytes; it is filled in by
-    :func:`trainer.data.load_corpus` when a run is created, and checked by every worker.
+    :func:`trainer.data.corpus.load_corpus` when a run is created, and checked by every worker.
 
     ``tokens``, when set, replaces ``corpus``: a directory written by ``dilocox data prepare``
-    (flat token files and their index, :mod:`trainer.dataset`), the same path on every process.
+    (flat token files and their index, :mod:`trainer.data.dataset`), the same path on every process.
     ``tokens_cid`` pins its index (filled in when the run is created); its split is the prepared
     one, so ``eval_fraction`` does not apply.
     """
@@ -226,7 +226,7 @@ class RoundConfig:
     # (every coordinate moves by about lr), so a smaller bound would refuse every honest update and no
     # round would ever close.
     max_update_norm: float = setting(0.0, "L2 bound on a pseudo-gradient; 0 derives it "
-                                          "(trainer.aggregation.norm_bound)", Range(0.0, 1e12))
+                                          "(trainer.rounds.aggregation.norm_bound)", Range(0.0, 1e12))
     # Staleness and outer momentum compound, so lower outer.momentum when turning this on
     # (docs/measurements.md has the figures; `dilocox bench overlap` measures them).
     overlap: bool = setting(False, "DiLoCoX's one-step-delay overlap of the exchange with the next round's "
@@ -235,7 +235,7 @@ class RoundConfig:
     # the newest global state moved by a proxy of the outer step still in flight (the step before it,
     # corrected by the worker's own change of Δ).
     overlap_start: OverlapStart = setting("delayed", "where an overlapped round starts")
-    # Robust aggregation (trainer.aggregation.aggregate): each update is clipped to clip_multiple (c)
+    # Robust aggregation (trainer.rounds.aggregation.aggregate): each update is clipped to clip_multiple (c)
     # x the lower median of the round's update norms and the previous clip_history_rounds (K) rounds'.
     clip_multiple: float = setting(2.0, "c: updates are clipped to c x the median norm",
                                    Range(1.0, 100.0, off=0.0, off_means="no clipping", with_relations=True))
@@ -253,7 +253,7 @@ class RoundConfig:
                                          with_relations=True))
     # Full parameters and outer state are stored for genesis, every round r with r % K == 0, and the
     # last round; a round in between is rebuilt from the newest full one before it by re-running the
-    # later rounds' transitions from their manifests (trainer.checkpoints).
+    # later rounds' transitions from their manifests (trainer.runstore.checkpoints).
     checkpoint_every: int = setting(1, "K: rounds between stored full checkpoints", Range(1, 1_000_000))
 
 

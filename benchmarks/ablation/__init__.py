@@ -16,16 +16,16 @@ Modes (benchmarks.ablation.modes; one row each, ``--modes`` takes the keys):
     fixed-rank     DiLoCoX at a fixed rank 24 (about the adaptive policy's bytes)
     other-start    DiLoCoX with the other overlapped start (eager ↔ delayed, trainer.worker.loops)
     adaptive-steps DiLoCoX with adaptive H (inner.adaptive_steps: H_r in [H/2, H] follows the rank of
-                   round r−2's global update, trainer.schedule); it trains until its tokens reach
+                   round r−2's global update, trainer.rounds.schedule); it trains until its tokens reach
                    the budget and is read at the first checkpoint that does
     topk           DiLoCoX with the top-k + low-bit codec (SparseLoCo style, trainer.codec.topk) at the
                    payload of rank 24: the two codecs at equal bytes
     pipeline       DiLoCoX with 2 stages forced (Part 2 only: stages change which process computes
                    a layer, not the arithmetic)
 
-Every DiLoCo mode is real processes (benchmarks.cluster.LocalCluster): a coordinator and W workers
+Every DiLoCo mode is real processes (cli.cluster.LocalCluster): a coordinator and W workers
 over gRPC + TLS on 127.0.0.1, each worker given ⌊cores / W⌋ cores (``--cores``) and choosing its
-stages and threads on them (trainer.pipeline), so the machine is never oversubscribed.
+stages and threads on them (trainer.runtime.pipeline), so the machine is never oversubscribed.
 
 Outer step: every mode at its own best (η, μ) of the grid in benchmarks.ablation.modes, found by
 ``--sweep`` (benchmarks.ablation.sweep) on the first seed; AllReduce has no outer step.
@@ -42,7 +42,7 @@ loss of the last checkpoint, its ratio to AllReduce's on the same seed, and the 
 byte of every RPC, both directions, from the workers' metrics; AllReduce: ring all-reduce bytes
 2(W−1)/W·n per rank and direction) are reported as mean ± sample standard deviation over seeds.
 
-Part 2, throughput under an emulated link (trainer.link, bandwidth paced on the bytes actually
+Part 2, throughput under an emulated link (trainer.net.link, bandwidth paced on the bytes actually
 sent and received, plus a latency per call, the same for every worker of every mode), first seed:
 
     t_step     = compute_s / steps of Part 1's unthrottled AllReduce run (W processes on the cores)
@@ -134,9 +134,9 @@ def topk_density(s: Settings) -> float:
     from dataclasses import replace
 
     from trainer.codec import density_matching_bytes, predicted_size
+    from trainer.codec.wire import layout_of
     from trainer.config import DILOCOX_COMPRESSION
-    from trainer.model import build_model
-    from trainer.wire import layout_of
+    from trainer.model.gpt import build_model
 
     layout = layout_of({k: v.detach() for k, v in build_model(s.model, s.seeds[0]).state_dict().items()})
     lowrank = replace(DILOCOX_COMPRESSION, min_rank=FIXED_RANK, max_rank=FIXED_RANK)

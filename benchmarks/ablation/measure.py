@@ -73,7 +73,7 @@ class Data:
 
 def load_data(folder: Path, seed: int, block_size: int) -> Data:
     from trainer.config import DataConfig
-    from trainer.data import encode, load_corpus
+    from trainer.data.corpus import encode, load_corpus
 
     if not (folder / "valid.txt").is_file() and (folder / "wikitext-2" / "valid.txt").is_file():
         folder = folder / "wikitext-2"  # --data named the shared data folder itself
@@ -94,7 +94,7 @@ def heldout_batches(tokens: torch.Tensor, count: int, batch_size: int,
                     block_size: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
     import torch
 
-    from trainer.data import sample_batch
+    from trainer.data.corpus import sample_batch
 
     generator = torch.Generator().manual_seed(HELDOUT_SEED)
     return [sample_batch(tokens, batch_size, block_size, generator) for _ in range(count)]
@@ -104,7 +104,7 @@ class Evaluator:
     """Held-out loss of a parameter set, on the same fixed batches for every mode and seed."""
 
     def __init__(self, s: Settings, data: Data) -> None:
-        from trainer.model import build_model
+        from trainer.model.gpt import build_model
 
         self.model = build_model(s.model, s.seeds[0])
         self.batches = heldout_batches(data.heldout, s.eval_batches, s.batch_size, s.model.block_size)
@@ -112,7 +112,8 @@ class Evaluator:
     def __call__(self, params: dict[str, torch.Tensor]) -> float:
         import torch
 
-        from trainer.diloco import evaluate, load_params
+        from trainer.model.params import load_params
+        from trainer.runtime.inner import evaluate
 
         torch.set_num_threads(os.cpu_count() or 1)
         load_params(self.model, params)
@@ -120,7 +121,7 @@ class Evaluator:
 
 
 def parameter_count(model: ModelConfig, seed: int) -> int:
-    from trainer.model import build_model
+    from trainer.model.gpt import build_model
 
     return sum(p.numel() for p in build_model(model, seed).parameters())
 
@@ -157,7 +158,7 @@ def worker_args(mode: Mode, s: Settings) -> list[str]:
 def run_diloco(mode: Mode, s: Settings, config: RunConfig, where: Path, *, link_bps: float = 0.0,
                latency_s: float = 0.0) -> DilocoRun:
     """One coordinator and W workers as OS processes; each worker writes its metrics."""
-    from benchmarks.cluster import LocalCluster
+    from cli.cluster import LocalCluster
 
     shutil.rmtree(where, ignore_errors=True)
     where.mkdir(parents=True)
@@ -193,9 +194,9 @@ def diloco_curve(run_dir: Path, evaluate: Evaluator, workers: int) -> tuple[list
 
     Also warnings for rounds that had fewer than W participants.
     """
-    from trainer.checkpoints import checkpoint_at
     from storage_client import lineage
-    from trainer.run_dir import RunDir
+    from trainer.runstore.checkpoints import checkpoint_at
+    from trainer.runstore.run_dir import RunDir
 
     rd = RunDir(run_dir)
     head = rd.head()
@@ -230,8 +231,8 @@ def convergence_run(mode: Mode, s: Settings, data: Data, evaluate: Evaluator, ro
     started = time.monotonic()
     if mode.allreduce:
         from benchmarks.allreduce import run_allreduce
-        from trainer.diloco import params_of
-        from trainer.model import build_model
+        from trainer.model.gpt import build_model
+        from trainer.model.params import params_of
 
         result = run_allreduce(config, workers=s.workers, steps=s.rounds * s.inner_steps,
                                snapshot_every=s.inner_steps, threads_per_worker=1, timeout_s=s.timeout_s)

@@ -49,7 +49,7 @@ class Mode:
     overlap_start: str = DILOCOX_START
     stages: int = 0  # 0: the worker's own choice (`--stages auto`, by the cores it is given)
     fixed_rank: int = 0  # 0: the adaptive policy
-    adaptive_steps: bool = False  # inner.adaptive_steps, H_r in [H/2, H] (trainer.schedule)
+    adaptive_steps: bool = False  # inner.adaptive_steps, H_r in [H/2, H] (trainer.rounds.schedule)
     allreduce: bool = False
     convergence: bool = True  # a row of Part 1 (loss, bytes)
     throughput: bool = True  # a row of Part 2 (tokens/s)

@@ -8,13 +8,13 @@ import json
 import pytest
 
 from audit.replay import replay_run
-from benchmarks.cluster import LocalCluster
+from cli.cluster import LocalCluster
 from storage_client import lineage
 from tests.integration.test_cluster import assert_rederivable
 from trainer.codec import CompressionConfig
+from trainer.codec.wire import decode_params, layout_of
 from trainer.config import InnerConfig, ModelConfig, RoundConfig, RunConfig
-from trainer.schedule import round_tokens, stored_inner_steps
-from trainer.wire import decode_params, layout_of
+from trainer.rounds.schedule import round_tokens, stored_inner_steps
 
 pytestmark = pytest.mark.integration
 

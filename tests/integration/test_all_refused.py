@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import pytest
 
-from benchmarks.cluster import LocalCluster
+from cli.cluster import LocalCluster
 from trainer.config import InnerConfig, RoundConfig
 
 pytestmark = pytest.mark.integration

@@ -11,12 +11,13 @@ import time
 import pytest
 import torch
 
-from tests.conftest import small_config
 from benchmarks.allreduce import AllReduceError, AllReduceResult, ring_allreduce_bytes, run_allreduce
+from tests.conftest import small_config
 from trainer.config import InnerConfig, RunConfig
-from trainer.data import load_corpus, round_batches
-from trainer.diloco import InnerLoop, params_of
-from trainer.model import build_model, param_count
+from trainer.data.corpus import load_corpus, round_batches
+from trainer.model.gpt import build_model, param_count
+from trainer.model.params import params_of
+from trainer.runtime.inner import InnerLoop
 
 pytestmark = pytest.mark.integration
 

@@ -10,9 +10,8 @@ storage, no checks. The audit must catch what the ledger let through.
 
 from __future__ import annotations
 
-import hashlib
-
 import dataclasses
+import hashlib
 import json
 import os
 import shutil
@@ -36,28 +35,22 @@ from attestation import (
 )
 from audit import run_audit
 from audit.cli import main as audit_main
+from proto import Encoding
 from settlement import DEV_ACCOUNTS, Anvil, Chain, Ledger, Registry, deploy
 from settlement.artifacts import CONTRACTS_DIR
 from settlement.ledger import RoundHeader, _worker_tuple
 from settlement.rewards import RewardPool, RewardToken
 from settlement.roster import short_address, unreported_lines
 from storage_client import CID, Codec, Manifest, ObjectStore, Participant, Traffic, to_e6
-from proto import Encoding
 from tests.oracles import mean_pseudo_gradient
+from trainer.codec.wire import encode_params
 from trainer.config import InnerConfig, ModelConfig, RoundConfig, RunConfig
-from trainer.diloco import (
-    InnerLoop,
-    evaluate,
-    inner_state_digest,
-    load_params,
-    outer_step,
-    params_of,
-    zero_momentum,
-)
-from trainer.data import load_corpus, shard_digest
-from trainer.model import build_model
-from trainer.update_record import record_bytes, slice_ref, store_slice
-from trainer.wire import encode_params
+from trainer.data.corpus import load_corpus, shard_digest
+from trainer.model.gpt import build_model
+from trainer.model.params import load_params, params_of
+from trainer.rounds.outer import outer_step, zero_momentum
+from trainer.runstore.update_record import record_bytes, slice_ref, store_slice
+from trainer.runtime.inner import InnerLoop, evaluate, inner_state_digest
 
 pytestmark = pytest.mark.integration
 
@@ -336,7 +329,7 @@ def test_missing_update(honest: RunBuilder, tmp_path: Path) -> None:
     assert missing and missing[0].round == 1 and missing[0].check == "object" and "missing" in missing[0].message
     assert result.rounds[1].status == "FAIL"
     # Rounds 2 and 3 take round 1's update norms into their clip threshold (rounds.clip_history_rounds
-    # = 2, trainer.aggregation): they cannot be re-derived either, and nothing else about them fails.
+    # = 2, trainer.rounds.aggregation): they cannot be re-derived either, and nothing else about them fails.
     later = {(f.round, f.check) for f in result.failures if f.round != 1}
     assert later == {(2, "rederive"), (3, "rederive")}
     assert all("previous 2 round(s)' updates" in f.message for f in result.failures if f.round != 1)
@@ -471,7 +464,7 @@ def test_a_manifest_changed_after_the_workers_signed(anvil: Anvil, tmp_path: Pat
 def test_a_manifest_claiming_other_inner_steps_is_named(anvil: Anvil, tmp_path: Path) -> None:
     """A coordinator credits its workers with more inner steps and tokens than the round trains, and
     they sign it: ledger and reports agree, but H_r is not the coordinator's or a worker's to claim.
-    The audit re-derives it (trainer.schedule: here the fixed H = 2) and names the round."""
+    The audit re-derives it (trainer.rounds.schedule: here the fixed H = 2) and names the round."""
     builder = RunBuilder(tmp_path, anvil.rpc_url, run_name="steps")
     builder.round()
 

@@ -24,10 +24,17 @@ import pytest
 
 from attestation import DevProvider, DevRoot
 from benchmarks.attacks import (
-    HEALTH_DEADLINE_S, Dripping, Hoarding, UnfinishedUnary, Window, join_insiders, observe, rounds_closed,
+    HEALTH_DEADLINE_S,
+    Dripping,
+    Hoarding,
+    UnfinishedUnary,
+    Window,
+    join_insiders,
+    observe,
+    rounds_closed,
     under_attack,
 )
-from benchmarks.cluster import LocalCluster
+from cli.cluster import LocalCluster
 from tests.conftest import small_config
 from tests.integration.test_trust import ledger_of, pinned, start
 from trainer.config import InnerConfig, RoundConfig, RunConfig

@@ -12,12 +12,12 @@ import pytest
 import torch
 
 from benchmarks.hostile import Mallory
-from storage_client import CID, Codec, Manifest, canonical_json, lineage
-from benchmarks.cluster import LocalCluster
-from trainer.config import InnerConfig, RoundConfig
-from trainer.codec import AdaptiveRankPolicy, compress
+from cli.cluster import LocalCluster
 from proto import Encoding, WorkerPhase
-from trainer.wire import encode_params, layout_of
+from storage_client import CID, Codec, Manifest, canonical_json, lineage
+from trainer.codec import AdaptiveRankPolicy, compress
+from trainer.codec.wire import encode_params, layout_of
+from trainer.config import InnerConfig, RoundConfig
 
 pytestmark = pytest.mark.integration
 

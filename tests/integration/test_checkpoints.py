@@ -14,18 +14,18 @@ from pathlib import Path
 
 import pytest
 
-from settlement import Anvil
+from cli.cluster import LocalCluster
 from proto import Encoding
+from settlement import Anvil
 from storage_client import Codec, lineage
 from tests.conftest import small_config
 from tests.integration.test_cluster import assert_rederivable
 from tests.integration.test_ledger_catch_up import audit
 from tests.integration.test_trust import pinned, start
-from benchmarks.cluster import LocalCluster
-from trainer.checkpoints import is_full_checkpoint
 from trainer.codec import CompressionConfig
 from trainer.config import RoundConfig
-from trainer.update_record import record_bytes, slice_ref
+from trainer.runstore.checkpoints import is_full_checkpoint
+from trainer.runstore.update_record import record_bytes, slice_ref
 
 pytestmark = pytest.mark.integration
 

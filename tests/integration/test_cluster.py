@@ -2,17 +2,17 @@
 
 import pytest
 
-from proto import MAX_MESSAGE_BYTES
 from audit.rederive import rederive
-from trainer.checkpoints import is_full_checkpoint
-from trainer.round_inputs import ClipHistory, round_updates
-from trainer.wire import decode_params, layout_of
+from cli.cluster import LocalCluster
+from proto import MAX_MESSAGE_BYTES
 from storage_client import CID, lineage
-from benchmarks.cluster import LocalCluster
 from trainer.codec import CompressionConfig
+from trainer.codec.wire import decode_params, layout_of
 from trainer.config import ModelConfig, RoundConfig, RunConfig
-from trainer.model import build_model
-from trainer.run_dir import RunDir
+from trainer.model.gpt import build_model
+from trainer.runstore.checkpoints import is_full_checkpoint
+from trainer.runstore.round_inputs import ClipHistory, round_updates
+from trainer.runstore.run_dir import RunDir
 
 pytestmark = pytest.mark.integration
 

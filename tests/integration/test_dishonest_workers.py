@@ -1,7 +1,7 @@
 """Admitted but dishonest workers against a real coordinator and an honest worker process.
 
 "mallory" is the hand-driven client of benchmarks.hostile; where it needs an honest update it trains
-one in this process exactly as a worker would (benchmarks.hostile.Trainer: trainer.diloco.InnerLoop
+one in this process exactly as a worker would (benchmarks.hostile.Trainer: trainer.runtime.inner.InnerLoop
 on its shard's batches), so the only thing dishonest about it is what it does with the result.
 "w0" is an honest worker. benchmarks/robustness.py runs the same attacks at benchmark size.
 """
@@ -16,14 +16,14 @@ import pytest
 import torch
 
 from benchmarks.hostile import Mallory, Trainer
+from cli.cluster import LocalCluster
 from storage_client import from_e6
 from tests.conftest import small_config
 from tests.integration.test_cluster import assert_rederivable
-from benchmarks.cluster import LocalCluster
 from trainer.config import InnerConfig, RoundConfig
-from trainer.data import load_corpus, round_batches
-from trainer.diloco import InnerLoop
-from trainer.model import build_model
+from trainer.data.corpus import load_corpus, round_batches
+from trainer.model.gpt import build_model
+from trainer.runtime.inner import InnerLoop
 
 pytestmark = pytest.mark.integration
 
@@ -145,8 +145,8 @@ def test_screening_by_effect_refuses_what_raises_the_held_out_loss(tmp_path: Pat
     import time
 
     from trainer.coordinator import Coordinator, open_run
-    from trainer.refusal import Refusal
-    from trainer.run_dir import RunDir
+    from trainer.net.refusal import Refusal
+    from trainer.runstore.run_dir import RunDir
 
     config = small_config(inner=InnerConfig(steps=20, batch_size=4, lr=1e-3),
                           rounds=RoundConfig(rounds=2, expected_workers=2, quorum=2, clip_multiple=0.0,

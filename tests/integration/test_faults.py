@@ -6,9 +6,9 @@ import signal
 
 import pytest
 
+from cli.cluster import ClusterError, LocalCluster
 from proto import WorkerPhase
 from storage_client import CID, lineage
-from benchmarks.cluster import ClusterError, LocalCluster
 from tests.integration.test_cluster import assert_rederivable
 from trainer.codec import CompressionConfig
 from trainer.config import InnerConfig, RoundConfig

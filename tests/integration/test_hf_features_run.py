@@ -16,16 +16,15 @@ from typing import Sequence
 import pytest
 import torch
 
-from benchmarks.cluster import LocalCluster
-from cli.demo import provision
+from cli.cluster import LocalCluster, provision
 from cli.main import main
 from settlement import Anvil
 from storage_client import CID, Codec, lineage
 from tests.conftest import small_config
+from trainer.codec.wire import decode_params
 from trainer.config import DataConfig, InnerConfig, ModelConfig, RunConfig
-from trainer.diloco import load_params
-from trainer.model import build_model
-from trainer.wire import decode_params
+from trainer.model.gpt import build_model
+from trainer.model.params import load_params
 
 pytestmark = pytest.mark.integration
 
@@ -42,7 +41,7 @@ TEXT = "\n\n".join(f"{i} the miller carried 1234 broken lanterns by the mill, sa
 @pytest.fixture(scope="module")
 def tokens(tmp_path_factory) -> Path:
     """BPE tokens (vocabulary 300) of a small text with digits and accents, in two shards."""
-    from trainer.prepare import prepare
+    from trainer.data.prepare import prepare
 
     source = tmp_path_factory.mktemp("text") / "corpus.txt"
     source.write_text(TEXT)
@@ -55,7 +54,7 @@ def assert_the_runs_tokenizer(out: Path, tokens: Path):
     """The export's AutoTokenizer gives the run's ids, pads with a token of the vocabulary."""
     from transformers import AutoTokenizer
 
-    from trainer.tokenizer import BpeTokenizer
+    from trainer.data.tokenizer import BpeTokenizer
 
     tokenizer = AutoTokenizer.from_pretrained(out, local_files_only=True)
     ours = BpeTokenizer.load(tokens / "tokenizer.json")
@@ -119,7 +118,7 @@ def test_a_llama3_rope_run_from_given_weights_trains_exports_and_loads_with_its_
     from transformers import AutoConfig
 
     from trainer.coordinator.run import open_run
-    from trainer.run_dir import RunDir
+    from trainer.runstore.run_dir import RunDir
 
     # The given weights: round 0 of another run of the same model, from another seed, exported.
     data = DataConfig(tokens=str(tokens), eval_batches=2)

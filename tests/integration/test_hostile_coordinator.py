@@ -19,7 +19,7 @@ from benchmarks.hostile_coordinator import NESTED_CONFIG, PAYLOAD_CHUNKS, Hostil
 from proto import pb
 from tests.unit.test_hostile_coordinator import CONFIG
 from trainer.config import estimated_parameters
-from trainer.limits import HEARTBEAT_FLOOR_S
+from trainer.net.limits import HEARTBEAT_FLOOR_S
 
 pytestmark = pytest.mark.integration
 

@@ -20,15 +20,14 @@ import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from attestation import DevProvider, DevRoot, WorkerKey, attest, code_measurement
-from proto import CHANNEL_OPTIONS, PROTOCOL_VERSION, SERVICE_NAME, Encoding, WorkerPhase, pb, pb_grpc
-from storage_client import lineage
+from cli.cluster import LocalCluster
+from proto import CHANNEL_OPTIONS, PROTOCOL_VERSION, SERVICE_NAME, Encoding, WorkerPhase, pb, pb_grpc, session_metadata
 from settlement import Anvil
+from storage_client import lineage
 from tests.conftest import shared_path, small_config
 from tests.integration.test_trust import ledger_of, pinned, start
-from benchmarks.cluster import LocalCluster
 from trainer.config import InnerConfig, RoundConfig
-from proto import session_metadata
-from trainer.tls import ClientTls, open_channel
+from trainer.net.tls import ClientTls, open_channel
 
 pytestmark = pytest.mark.integration
 
@@ -279,7 +278,7 @@ def test_undecodable_messages_cost_a_log_line_each_at_most(cluster: LocalCluster
 def test_a_malformed_health_check_and_a_flood_of_refused_pushes_cost_a_budgeted_few_lines(
         cluster: LocalCluster, make_config) -> None:
     """A Health/Check whose service name is not UTF-8 is INVALID_ARGUMENT, never INTERNAL with a
-    traceback; 1,000 refused pushes from a joined worker cost its log budget (trainer.limits.LogBudget),
+    traceback; 1,000 refused pushes from a joined worker cost its log budget (trainer.net.limits.LogBudget),
     not a line each, and health still answers."""
     cluster.start_coordinator(make_config())
     log_file = cluster.run_dir.logs / "coordinator.log"
@@ -318,7 +317,7 @@ def test_plaintext_and_wrong_pins_are_refused(cluster: LocalCluster, make_config
     code, _ = code_of(lambda: pb_grpc.CoordinatorStub(plain).Status(pb.StatusRequest(), timeout=5))
     assert code == grpc.StatusCode.UNAVAILABLE
     plain.close()
-    from trainer.tls import TlsError
+    from trainer.net.tls import TlsError
 
     with pytest.raises(TlsError, match="but the pin is"):
         open_channel(cluster.address, ClientTls(fingerprint="ab" * 32), CHANNEL_OPTIONS)
@@ -367,7 +366,7 @@ INSIDE_COLLATERAL_WINDOW = 1750809600  # 2025-06-25: the sample collateral was i
 
 def test_tdx_join_forged_quote_refused_genuine_quote_verified(cluster: LocalCluster, chain: Anvil, tmp_path: Path) -> None:
     from attestation import Evidence, measurement_of, parse_quote, report_data
-    from cli.demo import provision
+    from cli.cluster import provision
     from settlement import DEV_ACCOUNTS, Chain, Deployment, Registry
 
     genuine = shared_path("attestation/dcap-qvl/tdx_quote").read_bytes()
@@ -410,7 +409,7 @@ def test_tdx_join_forged_quote_refused_genuine_quote_verified(cluster: LocalClus
 
 def test_mutual_tls_refuses_workers_without_a_client_certificate(cluster: LocalCluster, make_config,
                                                                 tmp_path: Path) -> None:
-    from trainer.tls import generate_self_signed
+    from trainer.net.tls import generate_self_signed
 
     cert, key = generate_self_signed(common_name="site-a worker")
     (tmp_path / "worker.pem").write_bytes(cert)

@@ -16,19 +16,18 @@ import pytest
 from rich.console import Console
 
 from attestation import DevProvider, DevRoot, WorkerKey, attest, code_measurement
+from attestation.signing import update_digest
 from audit.cli import audit_run_dir
-from proto import PROTOCOL_VERSION, pb
+from cli.cluster import LocalCluster
+from proto import PROTOCOL_VERSION, pb, session_metadata
 from settlement import Anvil
 from settlement.records import Contribution
 from storage_client import CID, lineage
 from tests.conftest import small_config
 from tests.integration.test_bad_input import Mallory
 from tests.integration.test_trust import ledger_of, pinned, start
-from benchmarks.cluster import LocalCluster
+from trainer.codec.wire import encode_params, sha256_hex
 from trainer.config import InnerConfig, RoundConfig, RunConfig
-from proto import session_metadata
-from attestation.signing import update_digest
-from trainer.wire import encode_params, sha256_hex
 
 pytestmark = pytest.mark.integration
 

@@ -10,15 +10,14 @@ from pathlib import Path
 import pytest
 import torch
 
-from benchmarks.cluster import LocalCluster
-from cli.demo import provision
+from cli.cluster import LocalCluster, provision
 from cli.main import main
 from settlement import Anvil
 from storage_client import lineage
 from tests.conftest import small_config
 from trainer.codec import CompressionConfig
 from trainer.config import ModelConfig, RunConfig
-from trainer.data import load_corpus
+from trainer.data.corpus import load_corpus
 
 pytestmark = pytest.mark.integration
 
@@ -59,9 +58,9 @@ def test_a_llama_run_trains_audits_and_exports(cluster: LocalCluster, tmp_path: 
 
     from transformers import AutoModelForCausalLM
 
-    from trainer.diloco import load_params
-    from trainer.model import build_model
-    from trainer.wire import decode_params
+    from trainer.codec.wire import decode_params
+    from trainer.model.gpt import build_model
+    from trainer.model.params import load_params
 
     loaded = AutoModelForCausalLM.from_pretrained(out, local_files_only=True)
     ours = build_model(LLAMA, config.seed)

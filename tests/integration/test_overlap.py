@@ -8,7 +8,7 @@ import statistics
 import pytest
 
 from audit.replay import REPLAY_TOLERANCE, replay_run
-from benchmarks.cluster import LocalCluster
+from cli.cluster import LocalCluster
 from tests.integration.test_cluster import assert_rederivable
 from trainer.codec import CompressionConfig
 from trainer.config import InnerConfig, RoundConfig, RunConfig

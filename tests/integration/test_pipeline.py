@@ -14,14 +14,15 @@ import time
 import pytest
 import torch
 
-from trainer import pipeline as pp
-from trainer.codec import CompressionConfig, decompress
-from trainer.config import InnerConfig, ModelConfig
-from trainer.diloco import InnerLoop, params_of
-from trainer.model import build_model
-from trainer.uplink import Uplink
 from proto import Encoding
-from trainer.wire import layout_of
+from trainer.codec import CompressionConfig, decompress
+from trainer.codec.uplink import Uplink
+from trainer.codec.wire import layout_of
+from trainer.config import InnerConfig, ModelConfig
+from trainer.model.gpt import build_model
+from trainer.model.params import params_of
+from trainer.runtime import pipeline as pp
+from trainer.runtime.inner import InnerLoop
 
 SEED = 1234
 MODEL = ModelConfig(block_size=16, n_layer=2, n_head=2, n_embd=32)
@@ -311,7 +312,7 @@ def test_stages_launched_by_torchrun_train_like_one_process(tmp_path) -> None:
     import sys
     from pathlib import Path
 
-    from trainer.wire import decode_params
+    from trainer.codec.wire import decode_params
 
     script = Path(__file__).with_name("torchrun_stages.py")
     repo = Path(__file__).resolve().parents[2]

@@ -16,11 +16,11 @@ from pathlib import Path
 
 import pytest
 
-from benchmarks.cluster import LocalCluster
+from cli.cluster import LocalCluster
 from storage_client import CID, Codec, lineage
 from tests.conftest import shared_path, small_config
 from trainer.config import DataConfig, InnerConfig, ModelConfig, RoundConfig, RunConfig
-from trainer.run_dir import RunDir
+from trainer.runstore.run_dir import RunDir
 
 pytestmark = pytest.mark.integration
 
@@ -81,7 +81,7 @@ def test_a_llama_demo_run_on_prepared_bpe_tokens_trains_audits_and_exports_with_
     assert (out / "tokenizer.json").read_bytes() == (tokens / "tokenizer.json").read_bytes()
     from transformers import AutoConfig, AutoTokenizer
 
-    from trainer.tokenizer import EOS_TOKEN, BpeTokenizer
+    from trainer.data.tokenizer import EOS_TOKEN, BpeTokenizer
 
     hf_tokenizer = AutoTokenizer.from_pretrained(out, local_files_only=True)
     ours = BpeTokenizer.load(tokens / "tokenizer.json")

@@ -21,7 +21,7 @@ from pathlib import Path
 
 import pytest
 
-from benchmarks.cluster import LocalCluster
+from cli.cluster import LocalCluster
 from proto import WorkerPhase
 from tests.conftest import small_config
 from trainer.config import ModelConfig, RoundConfig

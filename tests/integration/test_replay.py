@@ -23,8 +23,8 @@ import torch
 
 from audit.replay import REPLAY_TOLERANCE, replay_run
 from benchmarks.hostile import Heartbeats, Mallory, Trainer
+from cli.cluster import LocalCluster
 from storage_client import lineage
-from benchmarks.cluster import LocalCluster
 from trainer.codec import CompressionConfig
 from trainer.config import InnerConfig, RoundConfig, RunConfig
 

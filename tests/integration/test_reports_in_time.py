@@ -5,7 +5,7 @@ rate over 1,000 steps), so their mean train loss falls far below the held-out lo
 start, which is honest (trainer.coordinator.checks.check_form).
 
 The coordinator records round r ``--report-timeout`` after publishing θ⁽ʳ⁾, with the reports it
-holds by then (settlement.reports); an overlapped worker reports round r from its exchange thread
+holds by then (settlement.report_book); an overlapped worker reports round r from its exchange thread
 as soon as it holds and has checked θ⁽ʳ⁾, while round r+1 trains (trainer.worker.loops). Real
 anvil, contracts, coordinator and worker processes, as tests/integration/test_trust.py.
 """
@@ -17,8 +17,7 @@ from pathlib import Path
 
 import pytest
 
-from benchmarks.cluster import LocalCluster
-from cli.demo import provision
+from cli.cluster import LocalCluster, provision
 from settlement import Anvil
 from storage_client import lineage
 from tests.conftest import small_config

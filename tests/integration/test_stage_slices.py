@@ -12,15 +12,15 @@ import grpc
 import pytest
 import torch
 
+from cli.cluster import LocalCluster
+from proto import Encoding
 from storage_client import CID, Codec, lineage
 from tests.integration.test_bad_input import Mallory
 from tests.integration.test_cluster import assert_rederivable
-from benchmarks.cluster import LocalCluster
+from trainer.codec.wire import encode_params
 from trainer.config import InnerConfig, ModelConfig, RoundConfig
-from trainer.stages import stage_param_names
-from trainer.update_record import record_bytes, slice_ref
-from trainer.wire import encode_params
-from proto import Encoding
+from trainer.model.stages import stage_param_names
+from trainer.runstore.update_record import record_bytes, slice_ref
 
 pytestmark = pytest.mark.integration
 
@@ -34,7 +34,7 @@ def cut(m: Mallory, tensors: dict[str, torch.Tensor]) -> list[dict[str, torch.Te
 
 
 def stage_record(*slices: dict[str, torch.Tensor]) -> bytes:
-    """The update record (trainer.update_record) of dense stage slices pushed as Mallory pushes them."""
+    """The update record (trainer.runstore.update_record) of dense stage slices pushed as Mallory pushes them."""
     return record_bytes([slice_ref(s, len(slices), Encoding.DENSE_F32, encode_params(piece), None)
                          for s, piece in enumerate(slices)])
 

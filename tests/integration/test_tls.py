@@ -23,9 +23,21 @@ from cryptography.hazmat.primitives.asymmetric import ec
 from cryptography.x509.oid import ExtendedKeyUsageOID, NameOID
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 
-from trainer.tls import (ClientTls, ServerIdentity, TlsError, TlsUnreachable, client_tls_from_flags, ensure_self_signed,
-                         fetch_server_certificate, fingerprint, load_identity, open_channel, parse_fingerprint,
-                         server_credentials, server_identity)
+from trainer.net.tls import (
+    ClientTls,
+    ServerIdentity,
+    TlsError,
+    TlsUnreachable,
+    client_tls_from_flags,
+    ensure_self_signed,
+    fetch_server_certificate,
+    fingerprint,
+    load_identity,
+    open_channel,
+    parse_fingerprint,
+    server_credentials,
+    server_identity,
+)
 
 pytestmark = [pytest.mark.integration, pytest.mark.timeout(60)]
 

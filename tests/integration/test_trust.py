@@ -17,19 +17,17 @@ import grpc
 import pytest
 
 from attestation import DevProvider, DevRoot, Domain, RoundReport, SignedReport, WorkerKey, attest, code_measurement
-from cli.demo import provision
-from proto import PROTOCOL_VERSION, pb
+from attestation.signing import update_digest
+from cli.cluster import LocalCluster, provision
+from proto import PROTOCOL_VERSION, pb, session_metadata
 from settlement import DEV_ACCOUNTS, Anvil, Chain, Deployment, Ledger
 from storage_client import CID, canonical_json, lineage
 from tests.conftest import small_config
 from tests.integration.test_bad_input import Mallory
-from benchmarks.cluster import LocalCluster
-from proto import session_metadata
 from trainer.codec import CompressionConfig
+from trainer.codec.wire import encode_params, sha256_hex
 from trainer.config import InnerConfig, RoundConfig, RunConfig
-from trainer.data import load_corpus, shard_digest
-from attestation.signing import update_digest
-from trainer.wire import encode_params, sha256_hex
+from trainer.data.corpus import load_corpus, shard_digest
 
 pytestmark = pytest.mark.integration
 

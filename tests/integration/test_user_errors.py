@@ -18,7 +18,7 @@ import pytest
 from settlement.outbox import Outbox, OutboxError
 from tests.conftest import small_config
 from trainer.config import ConfigError, DataConfig, RunConfig
-from trainer.run_dir import RunDir, RunDirError
+from trainer.runstore.run_dir import RunDir, RunDirError
 
 REPO = Path(__file__).resolve().parents[2]
 BAD_PIN = "ab" * 32  # a well-formed SHA-256 fingerprint no server has
@@ -179,7 +179,7 @@ def test_corrupt_head(tmp_path: Path) -> None:
     assert code == 1 and f"state file {run / 'HEAD'} does not hold a manifest CID" in line
 
 
-SETTLEMENT_DEFAULT = {"run_created": False, "queued_through": 0}  # as settlement.reports reads it
+SETTLEMENT_DEFAULT = {"run_created": False, "queued_through": 0}  # as settlement.report_book reads it
 
 
 @pytest.mark.parametrize("text, shown", [('{"run_created": true, "queued_th', "is damaged or unreadable"),

@@ -14,12 +14,12 @@ import time
 
 import pytest
 
+from cli.cluster import LocalCluster
 from proto import WorkerPhase, pb
 from tests.conftest import small_config
 from tests.integration.test_cluster import assert_rederivable
-from benchmarks.cluster import LocalCluster
 from trainer.config import InnerConfig, ModelConfig, RoundConfig
-from trainer.tls import ClientTls
+from trainer.net.tls import ClientTls
 
 pytestmark = pytest.mark.integration
 
@@ -134,7 +134,7 @@ def test_a_dead_stage_drops_its_worker_from_one_round_only(cluster: LocalCluster
 
 
 def test_stages_must_split_the_model() -> None:
-    from trainer.pipeline import PipelinedInnerLoop
+    from trainer.runtime.pipeline import PipelinedInnerLoop
     from trainer.worker import Worker, WorkerError
 
     config = small_config(model=TINY)
@@ -176,7 +176,7 @@ class _Coordinator:
     (dict(alive=False, round=2, phase=WorkerPhase.TRAINING), 1),
 ])
 def test_an_abandoned_round_is_trained_again_when_no_one_else_is_on_it(w0: dict, go_on_from: int) -> None:
-    from trainer.pipeline import PipelineError
+    from trainer.runtime.pipeline import PipelineError
     from trainer.worker import Worker
 
     worker = Worker("127.0.0.1:1", "w1", stages=2, tls=ClientTls(insecure=True))

@@ -1,4 +1,4 @@
-"""One round of P pipeline stages under ``torchrun``, the way trainer.pipeline documents it:
+"""One round of P pipeline stages under ``torchrun``, the way trainer.runtime.pipeline documents it:
 ``init_from_env`` in each process, one ``StageRunner`` per process, ``run`` per round.
 
 Run by tests/integration/test_pipeline.py as
@@ -15,10 +15,10 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
-from trainer import pipeline as pp
-from trainer.diloco import params_of
-from trainer.model import build_model
-from trainer.wire import encode_params
+from trainer.codec.wire import encode_params
+from trainer.model.gpt import build_model
+from trainer.model.params import params_of
+from trainer.runtime import pipeline as pp
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from test_pipeline import INNER, MODEL, SEED, make_batches  # noqa: E402  (one definition of the setup)

@@ -12,10 +12,15 @@ from typing import Any
 import torch
 
 from trainer.codec import (
-    AdaptiveRankPolicy, CompressionConfig, ErrorFeedbackCompressor, compressed_size, decompress,
-    density_matching_bytes, predicted_size,
+    AdaptiveRankPolicy,
+    CompressionConfig,
+    ErrorFeedbackCompressor,
+    compressed_size,
+    decompress,
+    density_matching_bytes,
+    predicted_size,
 )
-from trainer.wire import encode_params, layout_of
+from trainer.codec.wire import encode_params, layout_of
 
 
 def update(seed: int) -> dict[str, torch.Tensor]:

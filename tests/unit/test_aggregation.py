@@ -7,11 +7,15 @@ import torch
 
 from tests.conftest import small_config
 from tests.oracles import mean_pseudo_gradient
-from trainer.aggregation import (
-    InvalidUpdate, check_finite, check_layout, check_norm, norm_bound,
+from trainer.codec.wire import encode_params, layout_of
+from trainer.rounds.aggregation import (
+    InvalidUpdate,
+    check_finite,
+    check_layout,
+    check_norm,
+    norm_bound,
     validate_payload,
 )
-from trainer.wire import encode_params, layout_of
 
 EXPECTED = {"w": ("float32", (2, 3)), "b": ("float32", (3,))}
 

@@ -9,9 +9,9 @@ import torch
 
 from audit.rederive import RederiveError, genesis_outer_state, rederive
 from tests.oracles import mean_pseudo_gradient
+from trainer.codec.wire import encode_params
 from trainer.config import OuterConfig
-from trainer.diloco import momentum_of, outer_state_of, outer_step, zero_momentum
-from trainer.wire import encode_params
+from trainer.rounds.outer import momentum_of, outer_state_of, outer_step, zero_momentum
 
 
 def tensors(seed: int, scale: float = 1.0) -> dict[str, torch.Tensor]:

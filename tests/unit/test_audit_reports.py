@@ -1,4 +1,4 @@
-"""audit.reports without a chain: a round's signed reports against its record and its manifest."""
+"""audit.report_checks without a chain: a round's signed reports against its record and its manifest."""
 
 from __future__ import annotations
 
@@ -13,7 +13,7 @@ from attestation.keys import WorkerKey
 from attestation.report import Domain, RoundReport, SignedReport
 from audit.findings import Findings
 from audit.lineage import Loaded
-from audit.reports import ReportChecks
+from audit.report_checks import ReportChecks
 from audit.result import AuditResult
 from audit.signers import Signers
 from settlement.records import RoundRecord

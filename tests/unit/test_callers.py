@@ -13,14 +13,24 @@ import logging
 import pytest
 
 from proto import PROTOCOL_VERSION, WorkerPhase, pb
+from settlement.gate import JoinNonces
 from tests.conftest import small_config
 from trainer.coordinator import Coordinator, open_run
-from trainer.limits import (
-    ConnectionCap, Exhausted, FieldError, LogBudget, Progress, StreamBudget, TokenBucket, check_fields, check_phase, check_worker_id, clip,
+from trainer.net.limits import (
+    ConnectionCap,
+    Exhausted,
+    FieldError,
+    LogBudget,
+    Progress,
+    StreamBudget,
+    TokenBucket,
+    check_fields,
+    check_phase,
+    check_worker_id,
+    clip,
 )
-from trainer.refusal import Reason, Refusal
-from trainer.run_dir import RunDir
-from settlement.gate import JoinNonces
+from trainer.net.refusal import Reason, Refusal
+from trainer.runstore.run_dir import RunDir
 
 
 class Clock:
@@ -219,10 +229,10 @@ def test_after_a_restart_registered_workers_get_one_liveness_window_to_come_back
 
 def test_a_worker_trains_only_from_a_global_state_its_coordinator_signed() -> None:
     from attestation import WorkerKey
-    from storage_client import CID
-    from trainer.tls import ClientTls
     from attestation.signing import global_digest
-    from trainer.wire import WireError
+    from storage_client import CID
+    from trainer.codec.wire import WireError
+    from trainer.net.tls import ClientTls
     from trainer.worker import Worker
 
     worker = Worker("127.0.0.1:1", "w0", tls=ClientTls(insecure=True))  # no connection is made

@@ -1,4 +1,4 @@
-"""trainer.checkpoints and trainer.update_record: rounds kept as the bytes that were pushed, full
+"""trainer.runstore.checkpoints and trainer.runstore.update_record: rounds kept as the bytes that were pushed, full
 checkpoints every K rounds, and every other round rebuilt bit for bit from its manifest."""
 
 from __future__ import annotations
@@ -9,16 +9,16 @@ import torch
 from proto import Encoding
 from storage_client import CID, Codec, Manifest, ObjectStore, canonical_json, to_e6
 from storage_client.manifest import Downlink, Participant
-from trainer.checkpoints import CheckpointError, checkpoint_at, is_full_checkpoint
 from trainer.codec import AdaptiveRankPolicy, CompressionConfig
+from trainer.codec.downlink import DownlinkCompressor
+from trainer.codec.uplink import new_compressor
+from trainer.codec.wire import encode_params, layout_of
 from trainer.config import ModelConfig, RoundConfig, RunConfig
-from trainer.diloco import zero_momentum
-from trainer.downlink import DownlinkCompressor
-from trainer.transition import OuterState, round_transition
-from trainer.update_record import RecordError, open_update, record_bytes, slice_ref, store_slice
-from trainer.update_source import dense
-from trainer.uplink import new_compressor
-from trainer.wire import encode_params, layout_of
+from trainer.rounds.outer import zero_momentum
+from trainer.rounds.transition import OuterState, round_transition
+from trainer.rounds.update_source import dense
+from trainer.runstore.checkpoints import CheckpointError, checkpoint_at, is_full_checkpoint
+from trainer.runstore.update_record import RecordError, open_update, record_bytes, slice_ref, store_slice
 
 COMPRESSION = CompressionConfig(enabled=True, min_rank=1, max_rank=2)
 MODEL = ModelConfig(n_layer=1)
@@ -135,8 +135,8 @@ def test_gc_removes_only_what_nothing_the_run_needs_references(tmp_path, capsys)
 
     from cli.gc import run as gc
     from trainer.coordinator.server import lock_run_dir
-    from trainer.run_dir import RunDir
-    from trainer.store_gc import reachable
+    from trainer.runstore.gc import reachable
+    from trainer.runstore.run_dir import RunDir
 
     rd = RunDir(tmp_path / "run")
     config = RunConfig(compression=COMPRESSION, rounds=RoundConfig(rounds=4, checkpoint_every=2))

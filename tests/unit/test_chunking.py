@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from proto import CHUNK_BYTES, MAX_MESSAGE_BYTES, pb
-from trainer.wire import WireError, chunked, decode_params, encode_params, reassemble, sha256_hex
+from trainer.codec.wire import WireError, chunked, decode_params, encode_params, reassemble, sha256_hex
 
 
 def test_tensor_over_4mib_round_trips_in_1mib_chunks() -> None:
@@ -55,7 +55,7 @@ def test_encoding_is_byte_identical_across_processes() -> None:
     import sys
 
     script = (
-        "import torch; from trainer.wire import encode_params, sha256_hex;"
+        "import torch; from trainer.codec.wire import encode_params, sha256_hex;"
         "g = torch.Generator().manual_seed(7);"
         "print(sha256_hex(encode_params({n: torch.randn(4, 5, generator=g) for n in 'zyxabc'})))"
     )

@@ -9,9 +9,16 @@ import pytest
 import torch
 
 from trainer.codec import (
-    CODECS, AdaptiveRankPolicy, CodecHeader, CodecKind, CompressionConfig, CompressionError, codec_of, validate,
+    CODECS,
+    AdaptiveRankPolicy,
+    CodecHeader,
+    CodecKind,
+    CompressionConfig,
+    CompressionError,
+    codec_of,
+    validate,
 )
-from trainer.wire import encode_params
+from trainer.codec.wire import encode_params
 
 # kind -> (shape of the tensor it is tried on, the config it is encoded under, the rank to size it at)
 CASES: dict[CodecKind, tuple[tuple[int, ...], CompressionConfig, int | None]] = {

@@ -11,12 +11,21 @@ import torch
 from safetensors.torch import load as st_load
 from safetensors.torch import save as st_save
 
-from trainer.codec import frame, lowrank, quant
 from trainer.codec import (
-    AdaptiveRankPolicy, CompressionConfig, CompressionError, ErrorFeedbackCompressor, compress,
-    compressed_size, decompress, pack_int4, unpack_int4,
+    AdaptiveRankPolicy,
+    CompressionConfig,
+    CompressionError,
+    ErrorFeedbackCompressor,
+    compress,
+    compressed_size,
+    decompress,
+    frame,
+    lowrank,
+    pack_int4,
+    quant,
+    unpack_int4,
 )
-from trainer.wire import layout_of
+from trainer.codec.wire import layout_of
 
 
 def gen(seed: int) -> torch.Generator:

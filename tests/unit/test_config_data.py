@@ -8,8 +8,12 @@ import torch
 from storage_client import canonical_json
 from tests.conftest import small_config
 from trainer.config import ConfigError, DataConfig, RunConfig
-from trainer.data import (
-    CorpusError, embedded_corpus, eval_batches, load_corpus, round_batches,
+from trainer.data.corpus import (
+    CorpusError,
+    embedded_corpus,
+    eval_batches,
+    load_corpus,
+    round_batches,
 )
 
 
@@ -253,7 +257,7 @@ def test_explicit_update_norm_below_one_inner_step_is_refused() -> None:
 
 
 def test_estimated_parameters_match_the_model() -> None:
-    from trainer.model import GPT
+    from trainer.model.gpt import GPT
 
     for cfg in (ModelConfig(), ModelConfig(block_size=32, n_layer=1, n_head=2, n_embd=32)):
         assert config_module.estimated_parameters(cfg) == sum(p.numel() for p in GPT(cfg).parameters())

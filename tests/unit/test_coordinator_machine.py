@@ -15,15 +15,15 @@ import torch
 from proto import PROTOCOL_VERSION, Encoding, WorkerPhase
 from storage_client import lineage
 from tests.conftest import small_config
-from trainer.aggregation import CheckedUpdate, exact_norm
 from trainer.codec import CompressionConfig
+from trainer.codec.wire import Params, encode_params, layout_of
 from trainer.config import InnerConfig, ModelConfig, RoundConfig
 from trainer.coordinator import Coordinator, UpdateHeader, open_run
-from trainer.stages import stage_param_names
-from trainer.refusal import Reason, Refusal
-from trainer.run_dir import RunDir
-from trainer.update_source import DenseUpdate, dense
-from trainer.wire import Params, encode_params, layout_of
+from trainer.model.stages import stage_param_names
+from trainer.net.refusal import Reason, Refusal
+from trainer.rounds.aggregation import CheckedUpdate, exact_norm
+from trainer.rounds.update_source import DenseUpdate, dense
+from trainer.runstore.run_dir import RunDir
 
 STATE = "ab" * 32
 
@@ -132,7 +132,7 @@ def test_a_stale_push_is_refused_as_stale_whatever_else_is_wrong(tmp_path) -> No
 
 
 def test_a_push_must_claim_the_rounds_adaptive_inner_steps(tmp_path) -> None:
-    # H = 8 falls with the rank of round r-2's downlink (trainer.schedule); a push claiming the
+    # H = 8 falls with the rank of round r-2's downlink (trainer.rounds.schedule); a push claiming the
     # fixed H is refused, and a restarted coordinator derives the same H_r from the store.
     clock = Clock()
     compression = CompressionConfig(enabled=True, min_rank=1, max_rank=4, target_energy=0.05)

@@ -1,4 +1,4 @@
-"""--device (trainer.device): parsing, refusal of a device this machine lacks, and the CPU path
+"""--device (trainer.runtime.device): parsing, refusal of a device this machine lacks, and the CPU path
 unchanged (no autocast, float32, the worker's own model trained in place). CUDA itself is exercised
 only where a GPU is present."""
 
@@ -11,9 +11,10 @@ import torch
 
 from cli.main import main
 from trainer.config import InnerConfig, ModelConfig
-from trainer.device import DeviceError, autocast, backend_for, parse_device, stage_device
-from trainer.diloco import InnerLoop, params_of
-from trainer.model import build_model
+from trainer.model.gpt import build_model
+from trainer.model.params import params_of
+from trainer.runtime.device import DeviceError, autocast, backend_for, parse_device, stage_device
+from trainer.runtime.inner import InnerLoop
 
 HAS_CUDA = torch.cuda.is_available()
 

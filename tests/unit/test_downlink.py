@@ -6,12 +6,12 @@ import torch
 
 from audit.rederive import RederiveError, rederive
 from trainer.codec import AdaptiveRankPolicy, CompressionConfig, ErrorFeedbackCompressor, decompress
-from trainer.aggregation import PLAIN_MEAN, aggregate
+from trainer.codec.downlink import DownlinkCompressor, apply_update, decode_update, global_update
+from trainer.codec.wire import decode_params, encode_params, layout_of
 from trainer.config import OuterConfig
-from trainer.diloco import downlink_error_of, momentum_of, outer_state_of, outer_step, zero_momentum
-from trainer.downlink import DownlinkCompressor, apply_update, decode_update, global_update
-from trainer.transition import OuterState, Transition, round_transition
-from trainer.wire import decode_params, encode_params, layout_of
+from trainer.rounds.aggregation import PLAIN_MEAN, aggregate
+from trainer.rounds.outer import downlink_error_of, momentum_of, outer_state_of, outer_step, zero_momentum
+from trainer.rounds.transition import OuterState, Transition, round_transition
 
 
 def _params(seed: int) -> dict[str, torch.Tensor]:

@@ -10,10 +10,10 @@ from cli.main import UsageError
 from settlement.anvil import AnvilError
 from settlement.chain import ChainError
 from storage_client import CorruptObjectError, DilocoxError, MissingObjectError, StoreError
+from trainer.codec.wire import WireError
 from trainer.config import ConfigError, SettingError
-from trainer.data import CorpusError
-from trainer.tls import TlsError
-from trainer.wire import WireError
+from trainer.data.corpus import CorpusError
+from trainer.net.tls import TlsError
 from trainer.worker import WorkerError
 
 # (the class, the standard base it must keep)

@@ -19,13 +19,17 @@ from benchmarks.hostile_coordinator import NESTED_CONFIG, Hostile, served, signe
 from proto import pb
 from storage_client import CID
 from tests.conftest import small_config
+from trainer.codec.wire import WireError
 from trainer.config import estimated_parameters
-from trainer.limits import (
-    HEARTBEAT_FLOOR_S, RETRY_CEILING_S, RETRY_FLOOR_S, Backoff, dense_payload_limit,
+from trainer.net.limits import (
+    HEARTBEAT_FLOOR_S,
+    RETRY_CEILING_S,
+    RETRY_FLOOR_S,
+    Backoff,
+    dense_payload_limit,
 )
-from trainer.link import Link
-from trainer.tls import ClientTls
-from trainer.wire import WireError
+from trainer.net.link import Link
+from trainer.net.tls import ClientTls
 from trainer.worker.client import MAX_EARLY_EMPTY, CoordinatorClient, WorkerError, heartbeats, wait_after_empty
 
 CONFIG = small_config()
@@ -184,7 +188,7 @@ def test_a_deeply_nested_config_is_one_line_not_a_recursion_error(hostile) -> No
 def test_the_heartbeat_bounds_are_the_run_configs_own() -> None:
     # The worker never heartbeats slower than an honest run's config asks, so never looks dead to it.
     from trainer.config import _RANGES
-    from trainer.limits import HEARTBEAT_CEILING_S
+    from trainer.net.limits import HEARTBEAT_CEILING_S
 
     low, high, *_ = _RANGES["rounds.heartbeat_interval_s"]
     assert (low, high) == (HEARTBEAT_FLOOR_S, HEARTBEAT_CEILING_S)

@@ -13,7 +13,7 @@ _PROBE = """
 import sys
 sys.modules["proto.dilocox_pb2"] = None  # as if `make stubs` had never run
 sys.modules["proto.dilocox_pb2_grpc"] = None
-import trainer.wire, trainer.config, trainer.transition, audit, audit.rederive, audit.replay, audit.core
+import trainer.codec.wire, trainer.config, trainer.rounds.transition, audit, audit.rederive, audit.replay, audit.core
 from proto import CHUNK_BYTES
 assert CHUNK_BYTES == 1 << 20
 try:

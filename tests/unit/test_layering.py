@@ -2,6 +2,10 @@
 
     storage_client ← attestation ← trainer ← settlement ← audit ← cli ;  proto under trainer
 
+Inside ``trainer/`` the wings import in one direction too (TRAINER_WINGS below): the codec and the
+network edge at the bottom, the model, data and round maths above them, a run's storage above the
+round maths, and the coordinator and the worker on top, neither importing the other.
+
 ``trainer/`` (the code a worker runs and attests to, with the coordinator's state machine) imports
 nothing from ``settlement/``, ``audit/``, ``cli/`` or ``benchmarks/``; nothing outside ``cli/`` and
 the tests imports ``benchmarks/``, and ``cli/`` only inside the subcommand that runs it. No class is
@@ -94,3 +98,37 @@ def test_no_class_over_300_lines_and_no_function_over_80() -> None:
                 if lines > limit:
                     long.append(f"{path.relative_to(REPO)}:{node.lineno} {node.name}: {lines} lines (limit {limit})")
     assert not long, "\n".join(long)
+
+
+# What each part of trainer/ may import from the others (besides itself), eagerly or lazily. The
+# shared modules at trainer/'s top: config and config_fields (the run's configuration), progress.
+SHARED = {"config", "config_fields", "progress"}
+TRAINER_WINGS: dict[str, set[str]] = {
+    "net": set(),
+    "codec": {"config_fields"},
+    "config": {"codec", "config_fields"},
+    "config_fields": set(),
+    "progress": set(),
+    "model": {"codec"} | SHARED,
+    "data": SHARED,
+    "rounds": {"codec"} | SHARED,
+    "runstore": {"codec", "model", "rounds"} | SHARED,
+    "runtime": {"codec", "model", "data", "rounds"} | SHARED,
+    "coordinator": {"net", "codec", "model", "data", "rounds", "runstore", "runtime"} | SHARED,
+    "worker": {"net", "codec", "model", "data", "rounds", "runstore", "runtime"} | SHARED,
+}
+
+
+def test_trainer_wings_import_in_one_direction() -> None:
+    wrong = []
+    for package, path, tree in modules():
+        if package != "trainer" or path.parent == REPO / "trainer" and path.name == "__init__.py":
+            continue
+        part = path.relative_to(REPO / "trainer").parts[0].removesuffix(".py")
+        assert part in TRAINER_WINGS, f"{path.relative_to(REPO)}: a part of trainer/ that TRAINER_WINGS does not place"
+        for node in ast.walk(tree):
+            if isinstance(node, ast.ImportFrom) and node.level == 0 and node.module and node.module.startswith("trainer."):
+                other = node.module.split(".")[1]
+                if other != part and other not in TRAINER_WINGS[part]:
+                    wrong.append(f"{path.relative_to(REPO)}:{node.lineno} ({part}) imports trainer.{other}")
+    assert not wrong, "\n".join(wrong)

@@ -15,16 +15,21 @@ import torch
 
 from cli.main import main
 from storage_client import CID
+from trainer.codec.wire import encode_params
 from trainer.config import (
-    ConfigError, DataConfig, InnerConfig, ModelConfig, RunConfig, estimated_parameters,
+    ConfigError,
+    DataConfig,
+    InnerConfig,
+    ModelConfig,
+    RunConfig,
+    estimated_parameters,
 )
-from trainer.diloco import params_of
-from trainer.hf_model import hf_config_json, model_section_from_hf
-from trainer.init_weights import InitWeightsError, init_params_cid
-from trainer.model import build_model
-from trainer.pipeline import split_model
-from trainer.run_dir import RunDir
-from trainer.wire import encode_params
+from trainer.model.gpt import build_model
+from trainer.model.hf import hf_config_json, model_section_from_hf
+from trainer.model.init_weights import InitWeightsError, init_params_cid
+from trainer.model.params import params_of
+from trainer.runstore.run_dir import RunDir
+from trainer.runtime.pipeline import split_model
 
 LLAMA = ModelConfig(family="llama", vocab_size=300, block_size=16, n_layer=2, n_head=4, n_kv_head=2, n_embd=32,
                     intermediate_size=96)
@@ -190,17 +195,17 @@ def test_a_tied_qwen2_exports_its_embedding_once_and_loads_tied(tmp_path: Path) 
 
 def test_an_export_that_fails_its_own_check_is_refused_and_leaves_nothing(tmp_path: Path, monkeypatch,
                                                                         capsys) -> None:
-    import trainer.hf_model
+    import trainer.model.hf
 
     open_genesis(tmp_path / "run", run_config(LLAMA3))
-    export_state = trainer.hf_model.export_state
+    export_state = trainer.model.hf.export_state
 
     def perturbed(cfg, params):  # a wrong tensor written: what the check must catch
         state = export_state(cfg, params)
         state["model.norm.weight"] = state["model.norm.weight"] * 1.5
         return state
 
-    monkeypatch.setattr(trainer.hf_model, "export_state", perturbed)
+    monkeypatch.setattr(trainer.model.hf, "export_state", perturbed)
     assert main(["export", "--run", str(tmp_path / "run"), "--round", "0", str(tmp_path / "hf")]) == 1
     err = capsys.readouterr().err
     assert "does not compute the run's logits" in err and "Traceback" not in err
@@ -212,8 +217,8 @@ def test_a_bpe_qwen2_export_gives_the_runs_ids_pads_and_generates_in_batches(tmp
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     import cli.export
-    from trainer.prepare import prepare
-    from trainer.tokenizer import BpeTokenizer
+    from trainer.data.prepare import prepare
+    from trainer.data.tokenizer import BpeTokenizer
 
     text = "\n\n".join(f"{i} the miller carried 1234 broken lanterns, said the queen. Café\n" for i in range(40))
     (tmp_path / "corpus.txt").write_text(text)
@@ -373,11 +378,11 @@ def test_pipeline_stages_compute_the_features_as_the_whole_model(cfg: ModelConfi
 
 
 def test_an_export_transformers_cannot_load_is_refused_in_one_line(tmp_path: Path, monkeypatch, capsys) -> None:
-    import trainer.hf_model
+    import trainer.model.hf
 
     open_genesis(tmp_path / "run", run_config(LLAMA))
-    config_json = trainer.hf_model.exported_config_json
-    monkeypatch.setattr(trainer.hf_model, "exported_config_json",
+    config_json = trainer.model.hf.exported_config_json
+    monkeypatch.setattr(trainer.model.hf, "exported_config_json",
                         lambda cfg: {**config_json(cfg), "model_type": "no-such-model"})
     assert main(["export", "--run", str(tmp_path / "run"), "--round", "0", str(tmp_path / "hf")]) == 1
     err = capsys.readouterr().err

@@ -13,12 +13,12 @@ import torch
 
 from cli.main import main
 from storage_client import CID, lineage
+from trainer.codec.wire import encode_params
 from trainer.config import ConfigError, DataConfig, InnerConfig, ModelConfig, RunConfig, estimated_parameters
-from trainer.diloco import params_of
-from trainer.hf_model import model_section_from_hf, read_hf_config
-from trainer.model import build_model
-from trainer.run_dir import RunDir
-from trainer.wire import encode_params
+from trainer.model.gpt import build_model
+from trainer.model.hf import model_section_from_hf, read_hf_config
+from trainer.model.params import params_of
+from trainer.runstore.run_dir import RunDir
 
 LLAMA = ModelConfig(family="llama", block_size=16, n_layer=2, n_head=4, n_kv_head=2, n_embd=32)
 QWEN2 = dataclasses.replace(LLAMA, family="qwen2", n_kv_head=1, n_embd=64, intermediate_size=80)

@@ -3,7 +3,7 @@
 import torch
 
 from trainer.config import OuterConfig
-from trainer.diloco import outer_step, zero_momentum
+from trainer.rounds.outer import outer_step, zero_momentum
 
 
 def test_hand_computed_two_steps() -> None:
@@ -30,7 +30,7 @@ def test_plain_momentum_hand_computed() -> None:
 
 def test_matches_torch_sgd_nesterov_up_to_fused_rounding() -> None:
     """torch's SGD fuses multiply-add on vectorised CPUs (one rounding where outer_step has two, so
-    that every CPU agrees: trainer.transition); the two differ by float32 rounding only."""
+    that every CPU agrees: trainer.rounds.transition); the two differ by float32 rounding only."""
     torch.manual_seed(0)
     cfg = OuterConfig()
     start = {"a": torch.randn(5, 3), "b": torch.randn(7)}

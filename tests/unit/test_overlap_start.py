@@ -8,9 +8,9 @@ import torch
 
 from proto import Encoding
 from tests.conftest import small_config
+from trainer.codec.uplink import Slice
 from trainer.config import ConfigError, OuterConfig, RoundConfig
-from trainer.diloco import InnerResult
-from trainer.uplink import Slice
+from trainer.runtime.inner import InnerResult
 from trainer.worker.loops import OverlapStart
 from trainer.worker.role import RoundWork
 

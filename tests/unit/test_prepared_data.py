@@ -15,12 +15,22 @@ import torch
 from storage_client import CID, Codec, ObjectStore
 from tests.conftest import small_config
 from trainer.config import DataConfig, ModelConfig, RoundConfig, RunConfig
-from trainer.data import _generator, eval_batches, load_corpus, round_batches, sample_batch, shard_digest
-from trainer.dataset import (
-    CorpusDataset, DataError, PreparedDataset, TokenFile, TokenIndex, TokenSpan, dtype_for, open_dataset,
-    pin_dataset, run_dataset, slot_digest, verify_token_file,
+from trainer.data.corpus import _generator, eval_batches, load_corpus, round_batches, sample_batch, shard_digest
+from trainer.data.dataset import (
+    CorpusDataset,
+    DataError,
+    PreparedDataset,
+    TokenFile,
+    TokenIndex,
+    TokenSpan,
+    dtype_for,
+    open_dataset,
+    pin_dataset,
+    run_dataset,
+    slot_digest,
+    verify_token_file,
 )
-from trainer.prepare import TokenWriter, find_sources, held_out, prepare
+from trainer.data.prepare import TokenWriter, find_sources, held_out, prepare
 
 PARAGRAPH = "the miller carried the broken lantern by the mill.\nit is done, said the queen.\n"
 

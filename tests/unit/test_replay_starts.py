@@ -11,7 +11,7 @@ import pytest
 from audit.replay import unreplayable_reason
 from tests.conftest import small_config
 from trainer.config import RoundConfig
-from trainer.diloco import FRESH_STATE
+from trainer.runtime.inner import FRESH_STATE
 
 STEPPED = "0" * 64  # an inner state that is not fresh
 

@@ -1,4 +1,4 @@
-"""settlement.reports.ReportBook: when a round goes to the ledger outbox, and with which reports.
+"""settlement.report_book.ReportBook: when a round goes to the ledger outbox, and with which reports.
 
 The book runs on a real run directory; the outbox is a recorder of what was queued, and time is
 passed in (``queue_due(..., now)``), so the report timeout is a number here, not a wait.
@@ -11,10 +11,10 @@ from typing import Any
 
 import pytest
 
-from settlement.reports import ReportBook
+from settlement.report_book import ReportBook
 from storage_client import CID, Codec
-from trainer.refusal import Reason, Refusal
-from trainer.run_dir import RunDir
+from trainer.net.refusal import Reason, Refusal
+from trainer.runstore.run_dir import RunDir
 
 TIMEOUT_S = 60.0
 

@@ -1,4 +1,4 @@
-"""trainer.aggregation.aggregate: clipping to c × the lower median norm, the robust means after it
+"""trainer.rounds.aggregation.aggregate: clipping to c × the lower median norm, the robust means after it
 (trimmed mean, coordinate-wise lower median), and their re-derivation."""
 
 from __future__ import annotations
@@ -10,13 +10,16 @@ import torch
 
 from audit.rederive import rederive, update_norms
 from tests.oracles import mean_pseudo_gradient
-from trainer.aggregation import (
-    PLAIN_MEAN, aggregate, exact_norm, lower_median, trimmed_count,
+from trainer.codec.wire import encode_params
+from trainer.config import ConfigError, OuterConfig, RoundConfig, RunConfig
+from trainer.rounds.aggregation import (
+    PLAIN_MEAN,
+    aggregate,
+    exact_norm,
+    lower_median,
+    trimmed_count,
 )
-from trainer.config import OuterConfig, RoundConfig, RunConfig
-from trainer.config import ConfigError
-from trainer.diloco import outer_state_of, outer_step
-from trainer.wire import encode_params
+from trainer.rounds.outer import outer_state_of, outer_step
 
 
 def update(seed: int, scale: float = 1e-3) -> dict[str, torch.Tensor]:
@@ -268,7 +271,7 @@ def test_an_attackers_raw_norms_never_reach_the_clip_history() -> None:
     """Each earlier round enters the history as its own lower median ρ̃, so one attacker among two
     cannot raise the threshold of later rounds (raw norms in the history let a ×86 update set half
     of its own threshold and enter at 4.3× the honest norm)."""
-    from trainer.aggregation import round_norm
+    from trainer.rounds.aggregation import round_norm
 
     honest, attacker = [11.9, 5.5, 5.6], [1023.0, 473.0, 481.6]
     history = [round_norm([h, a]) for h, a in zip(honest[:2], attacker[:2])]

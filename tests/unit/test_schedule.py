@@ -1,4 +1,4 @@
-"""DiLoCoX's adaptive number of inner steps (trainer.schedule.inner_steps_for_round)."""
+"""DiLoCoX's adaptive number of inner steps (trainer.rounds.schedule.inner_steps_for_round)."""
 
 from __future__ import annotations
 
@@ -8,13 +8,22 @@ import pytest
 import torch
 
 from trainer.codec import (
-    AdaptiveRankPolicy, CodecHeader, CodecKind, TensorEntry, compress,
+    AdaptiveRankPolicy,
+    CodecHeader,
+    CodecKind,
+    TensorEntry,
+    compress,
 )
+from trainer.codec.wire import layout_of
 from trainer.config import InnerConfig, RunConfig
-from trainer.schedule import (
-    ScheduleError, StepsDecision, WorkerSchedule, inner_steps_for_round, rank_fraction, round_tokens,
+from trainer.rounds.schedule import (
+    ScheduleError,
+    StepsDecision,
+    WorkerSchedule,
+    inner_steps_for_round,
+    rank_fraction,
+    round_tokens,
 )
-from trainer.wire import layout_of
 
 
 def _config(steps: int = 40, min_steps: int = 1, adaptive: bool = True, max_rank: int = 16) -> RunConfig:

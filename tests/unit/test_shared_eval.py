@@ -1,4 +1,4 @@
-"""The shared evaluation (trainer.shared_eval): the coordinator's per-batch held-out losses are
+"""The shared evaluation (trainer.data.shared_eval): the coordinator's per-batch held-out losses are
 checked whole by every worker, and each worker re-evaluates only its share, refusing to sign when a
 claim in its share is wrong. Real models and batches; no network."""
 
@@ -10,10 +10,11 @@ import pytest
 
 from storage_client import to_e6
 from trainer.config import DataConfig, InnerConfig, ModelConfig, RoundConfig, RunConfig
-from trainer.data import eval_batches, load_corpus
-from trainer.diloco import evaluate, evaluate_batches, params_of
-from trainer.model import build_model
-from trainer.shared_eval import EVAL_TOLERANCE_E6, MAX_EVAL_LOSS_E6, eval_share, shared_evaluation_problem
+from trainer.data.corpus import eval_batches, load_corpus
+from trainer.data.shared_eval import EVAL_TOLERANCE_E6, MAX_EVAL_LOSS_E6, eval_share, shared_evaluation_problem
+from trainer.model.gpt import build_model
+from trainer.model.params import params_of
+from trainer.runtime.inner import evaluate, evaluate_batches
 from trainer.worker.client import Checkpoint
 from trainer.worker.reporter import Reporter
 
@@ -90,7 +91,7 @@ def test_claims_are_checked_whole(evaluated) -> None:
 def test_the_coordinator_claims_its_own_evaluation(tmp_path) -> None:
     """Genesis: the state served carries one claim per batch, averaging to the manifest's loss."""
     from trainer.coordinator.run import open_run
-    from trainer.run_dir import RunDir
+    from trainer.runstore.run_dir import RunDir
 
     run = open_run(RunDir(tmp_path / "run"), dataclasses.replace(CONFIG))
     claims = run.global_state.eval_losses_e6

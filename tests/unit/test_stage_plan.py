@@ -1,10 +1,10 @@
-"""trainer.pipeline.plan_stages: how many stages and threads a worker runs on the cores it is given."""
+"""trainer.runtime.pipeline.plan_stages: how many stages and threads a worker runs on the cores it is given."""
 
 from __future__ import annotations
 
 import pytest
 
-from trainer.pipeline import StagePlan, plan_stages
+from trainer.runtime.pipeline import StagePlan, plan_stages
 
 
 @pytest.mark.parametrize("cores, n_layer, plan", [

@@ -1,4 +1,4 @@
-"""trainer.stages: the stage partition as a rule on names, and a rebuild that needs no model code."""
+"""trainer.model.stages: the stage partition as a rule on names, and a rebuild that needs no model code."""
 
 from __future__ import annotations
 
@@ -10,10 +10,10 @@ from pathlib import Path
 import pytest
 import torch
 
+from trainer.codec.wire import layout_of
 from trainer.config import ModelConfig
-from trainer.model import new_model
-from trainer.stages import stage_layout, stage_param_names
-from trainer.wire import layout_of
+from trainer.model.gpt import new_model
+from trainer.model.stages import stage_layout, stage_param_names
 
 REPO = Path(__file__).resolve().parents[2]
 HF = dict(vocab_size=256, block_size=16, n_head=2, n_embd=32, n_kv_head=1, intermediate_size=64)
@@ -42,12 +42,17 @@ def test_a_tied_embedding_is_one_stage() -> None:
         stage_layout({}, cfg, 0, 2)
 
 
-def test_rebuilding_a_checkpoint_imports_no_model_or_process_runtime() -> None:
-    """The walk from a stored update record to a rebuilt checkpoint (trainer.checkpoints) loads the
-    storage, codec and round-maths modules, not the pipeline runtime or the model families."""
-    probe = "import sys, trainer.checkpoints; print(' '.join(sorted(sys.modules)))"
+def test_rebuilding_a_checkpoint_walks_only_storage_codec_and_round_maths() -> None:
+    """The walk from a stored update record to a rebuilt checkpoint (trainer.runstore.checkpoints)
+    loads the storage, codec and round-maths wings, the shared configuration and progress modules,
+    and the stage rule on names: no model code, no process runtime, no transformers."""
+    probe = "import sys, trainer.runstore.checkpoints; print(' '.join(sorted(sys.modules)))"
     loaded = set(subprocess.run([sys.executable, "-c", probe], cwd=REPO, capture_output=True, text=True,
                                 check=True).stdout.split())
-    assert "trainer.round_inputs" in loaded and "trainer.stages" in loaded
-    assert not loaded & {"trainer.pipeline", "trainer.procgroup", "trainer.model", "trainer.hf_model",
-                         "transformers"}
+    wings = ("trainer.runstore.", "trainer.codec.", "trainer.rounds.")
+    shared = {"trainer", "trainer.runstore", "trainer.codec", "trainer.rounds", "trainer.config",
+              "trainer.config_fields", "trainer.progress", "trainer.model", "trainer.model.stages"}
+    walked = {m for m in loaded if m.split(".")[0] == "trainer"}
+    assert "trainer.runstore.round_inputs" in walked and "trainer.rounds.transition" in walked
+    assert not {m for m in walked if not m.startswith(wings) and m not in shared}
+    assert "transformers" not in loaded

@@ -29,12 +29,12 @@ from storage_client import (
 )
 from storage_client.backend import as_cid
 from tests.unit.test_checkpoints import COMPRESSION, MODEL, push, run, theta0
-from trainer.checkpoints import checkpoint_at
+from trainer.codec.wire import layout_of
 from trainer.config import RoundConfig, RunConfig
-from trainer.run_dir import RunDir
-from trainer.update_source import dense
-from trainer.update_record import open_update
-from trainer.wire import layout_of
+from trainer.rounds.update_source import dense
+from trainer.runstore.checkpoints import checkpoint_at
+from trainer.runstore.run_dir import RunDir
+from trainer.runstore.update_record import open_update
 
 CONFIG = RunConfig(compression=COMPRESSION, rounds=RoundConfig(rounds=5, checkpoint_every=2, clip_multiple=2.0))
 

@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 
 from storage_client import strict_json
-from trainer.run_dir import RunDir
+from trainer.runstore.run_dir import RunDir
 
 REPO = Path(__file__).resolve().parents[2]
 PACKAGES = ("attestation", "audit", "benchmarks", "cli", "settlement", "storage_client", "trainer")

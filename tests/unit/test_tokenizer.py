@@ -8,9 +8,9 @@ from pathlib import Path
 import pytest
 
 from storage_client import CID
-from trainer import tokenizer as tokenizer_module
-from trainer.data import CorpusError
-from trainer.tokenizer import EOS_TOKEN, BpeTokenizer, ByteTokenizer, TokenizerError, tokenizer_for
+from trainer.data import tokenizer as tokenizer_module
+from trainer.data.corpus import CorpusError
+from trainer.data.tokenizer import EOS_TOKEN, BpeTokenizer, ByteTokenizer, TokenizerError, tokenizer_for
 
 DOCS = ["The miller carried the broken lantern by the mill.", "Ünïcödé — 雪 and emoji 🙂 survive.",
         "\"Count them again,\" said the queen."] * 20

@@ -9,12 +9,18 @@ import copy
 import pytest
 import torch
 
-from trainer.codec import topk
 from trainer.codec import (
-    AdaptiveRankPolicy, CompressionConfig, CompressionError, ErrorFeedbackCompressor, compressed_size,
-    decompress, density_matching_bytes, predicted_size,
+    AdaptiveRankPolicy,
+    CompressionConfig,
+    CompressionError,
+    ErrorFeedbackCompressor,
+    compressed_size,
+    decompress,
+    density_matching_bytes,
+    predicted_size,
+    topk,
 )
-from trainer.wire import decode_params, encode_params, layout_of
+from trainer.codec.wire import decode_params, encode_params, layout_of
 
 CONFIG = CompressionConfig(enabled=True, codec="topk", topk_density=0.05, topk_chunk=1000, int4_group_size=64)
 

@@ -1,4 +1,4 @@
-"""The round transition gives the same bytes on every CPU (trainer.transition's four rules).
+"""The round transition gives the same bytes on every CPU (trainer.rounds.transition's four rules).
 
 A stored run of three rounds (clipping, a trimmed mean, and a compressed downlink with its carried
 error) is re-derived in fresh processes under torch's generic kernels (ATEN_CPU_CAPABILITY=default,
@@ -21,13 +21,13 @@ import numpy as np
 import pytest
 import torch
 
-from trainer.aggregation import exact_norm, lower_median
 from trainer.codec import AdaptiveRankPolicy, CompressionConfig
+from trainer.codec.downlink import DownlinkCompressor
+from trainer.codec.wire import encode_params
 from trainer.config import OuterConfig, RoundConfig
-from trainer.diloco import zero_momentum
-from trainer.downlink import DownlinkCompressor
-from trainer.transition import OuterState, round_transition
-from trainer.wire import encode_params
+from trainer.rounds.aggregation import exact_norm, lower_median
+from trainer.rounds.outer import zero_momentum
+from trainer.rounds.transition import OuterState, round_transition
 
 REPO = Path(__file__).resolve().parents[2]
 OUTER = OuterConfig()
@@ -84,7 +84,7 @@ import hashlib, json, sys
 from pathlib import Path
 import torch
 from audit.rederive import rederive, update_norms
-from trainer.aggregation import round_norm
+from trainer.rounds.aggregation import round_norm
 from trainer.config import OuterConfig, RoundConfig
 d, threads = Path(sys.argv[1]), int(sys.argv[2])
 torch.set_num_threads(threads)

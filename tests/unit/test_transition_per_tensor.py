@@ -2,9 +2,9 @@
 
 ``reference_round`` below is the transition as it was written before it went tensor by tensor:
 every update clipped whole, Δ⁽ʳ⁾ whole, the outer step on whole dicts, the global update compressed
-whole and decoded back from its bytes. ``trainer.transition.round_transition`` must give the same
+whole and decoded back from its bytes. ``trainer.rounds.transition.round_transition`` must give the same
 parameter, outer-state and downlink bytes, for the three aggregation rules, with clipping, with
-updates held as compressed payloads (trainer.update_source) or as dense dicts, with stage slices,
+updates held as compressed payloads (trainer.rounds.update_source) or as dense dicts, with stage slices,
 and with a compressed downlink carrying its error from round to round.
 """
 
@@ -16,16 +16,21 @@ import pytest
 import torch
 
 from proto import Encoding
-from trainer.aggregation import checked_update, exact_norm, lower_median, trimmed_count, validate_payload
 from trainer.codec import (
-    AdaptiveRankPolicy, CompressedPayload, CompressionConfig, ErrorFeedbackCompressor, compress, decompress,
+    AdaptiveRankPolicy,
+    CompressedPayload,
+    CompressionConfig,
+    ErrorFeedbackCompressor,
+    compress,
+    decompress,
 )
+from trainer.codec.downlink import DownlinkCompressor, apply_update, carried_error, global_update
+from trainer.codec.wire import Params, encode_params, layout_of
 from trainer.config import OuterConfig, RoundConfig
-from trainer.diloco import outer_step, zero_momentum
-from trainer.downlink import DownlinkCompressor, apply_update, carried_error, global_update
-from trainer.transition import OuterState, TransitionError, round_transition, stored_downlink
-from trainer.update_source import DenseUpdate, MergedUpdate, dense
-from trainer.wire import Params, encode_params, layout_of
+from trainer.rounds.aggregation import checked_update, exact_norm, lower_median, trimmed_count, validate_payload
+from trainer.rounds.outer import outer_step, zero_momentum
+from trainer.rounds.transition import OuterState, TransitionError, round_transition, stored_downlink
+from trainer.rounds.update_source import DenseUpdate, MergedUpdate, dense
 
 OUTER = OuterConfig()
 RULES = [

@@ -1,13 +1,13 @@
-"""trainer.uplink: a worker's slices and its error feedback, which nothing refused may lose."""
+"""trainer.codec.uplink: a worker's slices and its error feedback, which nothing refused may lose."""
 
 from __future__ import annotations
 
 import torch
 
-from trainer.codec import CompressionConfig, decompress
-from trainer.uplink import Uplink, encode_slice, merged, new_compressor
 from proto import Encoding
-from trainer.wire import encode_params, layout_of
+from trainer.codec import CompressionConfig, decompress
+from trainer.codec.uplink import Uplink, encode_slice, merged, new_compressor
+from trainer.codec.wire import encode_params, layout_of
 
 CONFIG = CompressionConfig(enabled=True, min_rank=1, max_rank=2)
 

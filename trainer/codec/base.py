@@ -36,7 +36,7 @@ from trainer.codec.quant import PartSpec, decode_part, padding_nibble_set
 
 if TYPE_CHECKING:
     from trainer.codec.policy import AdaptiveRankPolicy, CompressionConfig
-    from trainer.wire import Params
+    from trainer.codec.wire import Params
 
 
 class CompressionError(ValueError):

@@ -16,11 +16,11 @@ import torch
 
 from trainer.codec.base import CodecKind, TensorCodec, TensorEntry, fail, matrix_dims
 from trainer.codec.quant import PartSpec, encode_part
-from trainer.wire import dtype_name
+from trainer.codec.wire import dtype_name
 
 if TYPE_CHECKING:
     from trainer.codec.policy import AdaptiveRankPolicy, CompressionConfig
-    from trainer.wire import Params
+    from trainer.codec.wire import Params
 
 
 def _dense_rank(name: str, rank: Any) -> None:

@@ -14,8 +14,8 @@ counted. Compression is a deterministic function of (Δ, e, policy state) on a g
 the worker's e is computed from the very reconstruction every replica rebuilds (trainer.codec.frame).
 
 Aggregation: an average of low-rank factors is not low-rank, so the coordinator decompresses each
-validated payload and averages the dense tensors (trainer.aggregation); a compressed broadcast of
-the global update keeps its own error buffer (trainer.downlink).
+validated payload and averages the dense tensors (trainer.rounds.aggregation); a compressed broadcast of
+the global update keeps its own error buffer (trainer.codec.downlink).
 """
 
 from __future__ import annotations
@@ -27,7 +27,7 @@ import torch
 from trainer.codec.base import CompressionError
 from trainer.codec.frame import CompressionStream
 from trainer.codec.policy import AdaptiveRankPolicy, RoundDecision
-from trainer.wire import Params, dtype_name
+from trainer.codec.wire import Params, dtype_name
 
 
 def error_dtype(dtype: torch.dtype) -> torch.dtype:

@@ -3,7 +3,7 @@ any tensor is rebuilt, one tensor at a time.
 
 Wire format
 -----------
-An update travels as a safetensors payload (``trainer.wire.encode_params``: byte-deterministic)
+An update travels as a safetensors payload (``trainer.codec.wire.encode_params``: byte-deterministic)
 and a JSON-able header. For each tensor ``name`` and each part of its kind (trainer.codec.registry:
 ``P`` and ``Q`` for ``lowrank-int4``, ``W`` for ``int4`` and ``int8``, ``I`` and ``V`` for
 ``topk-int4``) the payload holds ``<name>.<part>.q`` (uint8 packed nibbles for int4, int8 for
@@ -40,10 +40,10 @@ from typing import Any, Mapping, Sequence
 import torch
 
 from trainer.codec.base import CompressionError, TensorEntry, fail, is_int
-from trainer.codec.quant import SCALE_BYTES
 from trainer.codec.policy import AdaptiveRankPolicy, CompressionConfig
+from trainer.codec.quant import SCALE_BYTES
 from trainer.codec.registry import CODEC_TOPK, CODECS, VECTOR_CODEC, codec_of, matrix_codec
-from trainer.wire import Layout, Params, WireError, decode_params, dtype_name, encode_params
+from trainer.codec.wire import Layout, Params, WireError, decode_params, dtype_name, encode_params
 
 FORMAT = "dilocox-lowrank-int4/1"
 
@@ -196,7 +196,7 @@ class CompressedPayload:
     """A compressed update checked whole (header and payload, as ``decompress`` checks them) and
     kept compact: its packed tensors, about the payload's size. ``tensor`` rebuilds one dense tensor
     at a time, bit for bit what ``decompress`` gives, so a holder of many updates never needs more
-    than one dense tensor of each (trainer.aggregation's update sources)."""
+    than one dense tensor of each (trainer.rounds.aggregation's update sources)."""
 
     def __init__(self, header: CodecHeader, tensors: Params) -> None:
         self.header = header
@@ -225,7 +225,7 @@ class CompressedPayload:
 
 class CompressionStream:
     """Encode one tensor at a time, for a caller that holds only one tensor's A at once (the
-    coordinator's downlink: trainer.downlink). ``add`` each tensor in sorted name order, then
+    coordinator's downlink: trainer.codec.downlink). ``add`` each tensor in sorted name order, then
     ``finish``; ``abort`` leaves the policy as it was. The payload and header are byte for byte those
     ``compress`` (trainer.codec.feedback) gives for the same tensors, and each ``add`` returns the Â
     every replica rebuilds from them (the same ``_reconstruct`` on the same quantised tensors)."""

@@ -36,11 +36,11 @@ import torch
 from trainer.codec.base import CodecKind, TensorCodec, TensorEntry, fail, matrix_dims
 from trainer.codec.dense import Int4Codec
 from trainer.codec.quant import PartSpec, encode_part
-from trainer.wire import dtype_name
+from trainer.codec.wire import dtype_name
 
 if TYPE_CHECKING:
     from trainer.codec.policy import AdaptiveRankPolicy, CompressionConfig
-    from trainer.wire import Params
+    from trainer.codec.wire import Params
 
 _BLOCK_BYTES = 256 << 10  # a block of rows of the result and its product term stay in a core's L2
 

@@ -34,8 +34,8 @@ import torch
 from trainer.codec.base import CodecKind, CompressionError
 from trainer.codec.registry import CHOICES, CODEC_LOWRANK
 from trainer.codec.topk import MAX_CHUNK
+from trainer.codec.wire import Params
 from trainer.config_fields import Range, setting
-from trainer.wire import Params
 
 _LOWRANK, _INT4 = CodecKind.LOWRANK_INT4.value, CodecKind.INT4.value
 

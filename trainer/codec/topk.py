@@ -40,11 +40,11 @@ import torch
 
 from trainer.codec.base import CodecKind, TensorCodec, TensorEntry, fail, is_int, matrix_dims
 from trainer.codec.quant import PartSpec, encode_part
-from trainer.wire import dtype_name
+from trainer.codec.wire import dtype_name
 
 if TYPE_CHECKING:
     from trainer.codec.policy import AdaptiveRankPolicy, CompressionConfig
-    from trainer.wire import Params
+    from trainer.codec.wire import Params
 
 MAX_CHUNK = 65_536  # in-chunk positions are uint16
 

@@ -7,7 +7,7 @@ request message is awaited here with a deadline rather than by gRPC for as long 
 likes. A call passes, in order:
 
   1. connections  calls in flight on at most ``CONNECTIONS_PER_HOST`` connections of one host
-                  (trainer.limits.ConnectionCap); refused at once beyond.
+                  (trainer.net.limits.ConnectionCap); refused at once beyond.
   2. arrival      its first message within ``ARRIVAL_S`` (``CallGate.arrival``), or it is ended
                   (DEADLINE_EXCEEDED) with at most one budgeted line.
   3. decoding     a message that does not decode is refused (INVALID_ARGUMENT): the deserializer
@@ -15,17 +15,17 @@ likes. A call passes, in order:
   4. identity     a call acting for a worker carries its id and the session token of its latest
                   Join in its metadata (``CallGate.worker``); anything else is UNAUTHENTICATED
                   and changes nothing.
-  5. budgets      per worker id (trainer.limits.StreamBudget) for streams, per connection and in
+  5. budgets      per worker id (trainer.net.limits.StreamBudget) for streams, per connection and in
                   all (TokenBucket) for Challenge, Join and Status, and a pace for every stream
-                  that moves data (trainer.limits.Progress).
+                  that moves data (trainer.net.limits.Progress).
 
 Only then does a call take a thread, from one of three pools so that no kind of caller waits on
 another's: ``WORKERS`` (calls of authenticated workers: heartbeats, reports, the checks of a fetch
 or a push), ``HEAVY`` (verifying a Join's evidence, decoding and storing a push) and ``PUBLIC``
 (Status and Challenge, which anyone may call). ``CallGate.call`` turns what went wrong into a
-status code (a trainer.refusal.Refusal by ``STATUS_OF``; a caller gone mid-call, ``PeerGone``,
+status code (a trainer.net.refusal.Refusal by ``STATUS_OF``; a caller gone mid-call, ``PeerGone``,
 is CANCELLED) and at most one line of the one
-per-party log budget (trainer.limits.LogBudget); a bug is INTERNAL, its traceback only at debug.
+per-party log budget (trainer.net.limits.LogBudget); a bug is INTERNAL, its traceback only at debug.
 """
 
 from __future__ import annotations
@@ -42,10 +42,18 @@ from typing import Awaitable, Callable, TypeVar
 import grpc
 
 from proto import METADATA_SESSION, METADATA_WORKER
-from trainer.limits import (
-    ConnectionCap, Exhausted, FieldError, LogBudget, Progress, Stalled, TokenBucket, check_worker_id, clip,
+from trainer.net.limits import (
+    ConnectionCap,
+    Exhausted,
+    FieldError,
+    LogBudget,
+    Progress,
+    Stalled,
+    TokenBucket,
+    check_worker_id,
+    clip,
 )
-from trainer.refusal import Reason, Refusal
+from trainer.net.refusal import Reason, Refusal
 
 log = logging.getLogger("dilocox.service")
 T = TypeVar("T")
@@ -199,7 +207,7 @@ class CallGate:
         return message
 
     def pace(self) -> Progress:
-        """The pace of a stream that starts moving data now (trainer.limits.Progress)."""
+        """The pace of a stream that starts moving data now (trainer.net.limits.Progress)."""
         return Progress(asyncio.get_running_loop().time(), grace_s=self.idle_s, min_rate=MIN_PACE, idle_s=self.idle_s)
 
     async def read(self, context: grpc.aio.ServicerContext, pace: Progress) -> object:

@@ -2,7 +2,7 @@
 
 Refusal order matters, and is the order of :func:`check_round`, :func:`check_base` and
 :func:`check_form` as trainer.coordinator.machine calls them: a stale or duplicate push is reported
-as such even if its contents are also wrong. Each check raises a :class:`trainer.refusal.Refusal`
+as such even if its contents are also wrong. Each check raises a :class:`trainer.net.refusal.Refusal`
 with its typed reason; none of them knows the transport.
 """
 
@@ -12,14 +12,14 @@ import math
 import re
 
 from proto import PROTOCOL_VERSION, PUSH_ENCODINGS
-from trainer import stages
-from trainer.aggregation import InvalidUpdate, check_layout
+from trainer.codec.wire import Layout
 from trainer.config import ModelConfig, RunConfig
 from trainer.coordinator.state import JournalEntry, OpenRound, StageSlices, UpdateHeader
-from trainer.limits import clip, dense_payload_limit
-from trainer.refusal import Reason, Refusal
-from trainer.schedule import round_tokens
-from trainer.wire import Layout
+from trainer.model import stages
+from trainer.net.limits import clip, dense_payload_limit
+from trainer.net.refusal import Reason, Refusal
+from trainer.rounds.aggregation import InvalidUpdate, check_layout
+from trainer.rounds.schedule import round_tokens
 
 # The declared train loss is a mean cross-entropy (≥ 0); this bounds it only to what the ledger's
 # fixed-point fields can hold (storage_client.to_e6), as any honest value is.
@@ -80,7 +80,7 @@ def check_digest_form(h: UpdateHeader) -> None:
 
 
 def stage_layout(layout: Layout, model: ModelConfig, stage: int, num_stages: int) -> Layout:
-    """The tensors of stage ``stage`` of ``num_stages`` (trainer.stages' split of the model)."""
+    """The tensors of stage ``stage`` of ``num_stages`` (trainer.model.stages' split of the model)."""
     if not 1 <= num_stages <= model.n_layer:
         raise Refusal(Reason.MALFORMED, f"num_stages {num_stages}: this run's model of {model.n_layer} layer(s) "
                                         f"splits into 1 to {model.n_layer} pipeline stages")
@@ -91,7 +91,7 @@ def stage_layout(layout: Layout, model: ModelConfig, stage: int, num_stages: int
 
 def check_form(h: UpdateHeader, expected: Layout, config: RunConfig, inner_steps: int) -> Layout:
     """Size, metrics, claims and declared layout of a push whose round, base and signature passed;
-    ``inner_steps`` is the round's H_r (trainer.schedule); returns the declared layout the payload
+    ``inner_steps`` is the round's H_r (trainer.rounds.schedule); returns the declared layout the payload
     must then match.
 
     The declared train loss (the mean cross-entropy of the H inner steps from the round's start) is

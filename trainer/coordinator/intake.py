@@ -1,7 +1,7 @@
 """The open round's intake: accepted updates, stage slices, refusals and traffic, journalled.
 
 An accepted push is stored at once, as the bytes that crossed the wire and the record naming them
-(trainer.update_record), and journalled in <run>/pending, so a coordinator restart keeps it (the
+(trainer.runstore.update_record), and journalled in <run>/pending, so a coordinator restart keeps it (the
 record re-opened exactly as on arrival). A stage slice's journal entry names a record of that one
 slice; the completed update's record names all of them. A worker of P pipeline stages pushes P slices; its update counts once all P are in (Δ̂ᵢ = their
 union, checked whole), and one refused slice drops the worker's others for the round. An update
@@ -9,7 +9,7 @@ byte-identical to one already accepted in the run (``accepted_cids``, rebuilt on
 manifests and the journal) is refused as a replay.
 
 Refusals: each is filed in the round's record (the first ``MAX_REFUSALS_KEPT`` per worker) and
-logged within a per-worker budget (trainer.limits.LogBudget), so a flood of refused pushes from a
+logged within a per-worker budget (trainer.net.limits.LogBudget), so a flood of refused pushes from a
 joined worker costs a few log lines a minute.
 
 Traffic: every byte of every RPC stream is counted per worker and direction into the round open at
@@ -25,16 +25,16 @@ from typing import Callable
 
 from proto import Encoding
 from storage_client import CID, Codec, to_e6
-from trainer.aggregation import CheckedUpdate, exact_norm
+from trainer.codec.wire import layout_of
 from trainer.coordinator import checks
 from trainer.coordinator.registry import WorkerRegistry
 from trainer.coordinator.run import Run
 from trainer.coordinator.state import Accepted, JournalEntry, OpenRound, StageSlices, UpdateHeader
-from trainer.limits import LogBudget
-from trainer.refusal import Reason, Refusal
-from trainer.update_record import open_update, parse_record, record_bytes, slice_ref, store_slice
-from trainer.update_source import UpdateSource
-from trainer.wire import layout_of
+from trainer.net.limits import LogBudget
+from trainer.net.refusal import Reason, Refusal
+from trainer.rounds.aggregation import CheckedUpdate, exact_norm
+from trainer.rounds.update_source import UpdateSource
+from trainer.runstore.update_record import open_update, parse_record, record_bytes, slice_ref, store_slice
 
 log = logging.getLogger("dilocox.coordinator")
 

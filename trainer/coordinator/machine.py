@@ -1,6 +1,6 @@
 """The coordinator's state machine: one run's rounds, driven by calls from the service.
 
-Thread-safe (one lock); plain domain types in and out; refusals are trainer.refusal.Refusal with a
+Thread-safe (one lock); plain domain types in and out; refusals are trainer.net.refusal.Refusal with a
 typed reason. The pieces it ties: the run (trainer.coordinator.run), the worker registry
 (.registry), the push checks (.checks), screening (.screening), aggregation and publication
 (.publish), and, when the run has a ledger, its trust layer (.trust).
@@ -16,9 +16,10 @@ from typing import Callable
 
 from attestation import SignedReport
 from attestation.signing import global_digest
+from proto import WorkerPhase
 from storage_client import CID, Manifest, loads_bounded
 from storage_client.manifest import Traffic
-from trainer.aggregation import CheckedUpdate, InvalidUpdate, check_norm, norm_bound
+from trainer.codec.wire import Layout, layout_of
 from trainer.coordinator import checks
 from trainer.coordinator.intake import Intake
 from trainer.coordinator.publish import derive_round, record_round
@@ -26,17 +27,22 @@ from trainer.coordinator.registry import WorkerRegistry
 from trainer.coordinator.run import Run
 from trainer.coordinator.screening import Screen
 from trainer.coordinator.state import (
-    GlobalState, OpenRound, RoundSummary, StallWatch, StatusView, UpdateHeader, WorkerView,
+    GlobalState,
+    OpenRound,
+    RoundSummary,
+    StallWatch,
+    StatusView,
+    UpdateHeader,
+    WorkerView,
 )
 from trainer.coordinator.trust import RunTrust
-from proto import WorkerPhase
-from trainer.limits import clip
-from trainer.memory import release_free_memory
-from trainer.model import param_count
-from trainer.refusal import Reason, Refusal
-from trainer.round_inputs import ClipHistory, manifest_updates
-from trainer.update_source import UpdateSource
-from trainer.wire import Layout, layout_of
+from trainer.model.gpt import param_count
+from trainer.net.limits import clip
+from trainer.net.refusal import Reason, Refusal
+from trainer.rounds.aggregation import CheckedUpdate, InvalidUpdate, check_norm, norm_bound
+from trainer.rounds.update_source import UpdateSource
+from trainer.runstore.round_inputs import ClipHistory, manifest_updates
+from trainer.runtime.memory import release_free_memory
 
 log = logging.getLogger("dilocox.coordinator")
 
@@ -59,7 +65,7 @@ class Coordinator:
                                        liveness_s=rounds.liveness_timeout_s, clock=clock)
         self.screen = Screen(self.config, run.eval_tokens)
         self.intake = Intake(run, self.registry, self._lock, clock)
-        # ρ̃ of the rounds closed (trainer.round_inputs): kept at their closing, or after a restart read
+        # ρ̃ of the rounds closed (trainer.runstore.round_inputs): kept at their closing, or after a restart read
         # back from the stored updates their manifests name, as checkpoint rebuilding and the audit do.
         self.clip_history = ClipHistory(rounds, manifest_updates(run.run_dir.store, lambda e: run.manifests[e][1],
                                                                  self.layout, self.config.model))
@@ -202,7 +208,7 @@ class Coordinator:
 
     def accept(self, h: UpdateHeader, update: CheckedUpdate, wire_bytes: int, payload: bytes) -> tuple[CID, int]:
         """Store and journal an update, or a stage slice, that passed every check
-        (trainer.aggregation.checked_update), ``payload`` its bytes as pushed; returns its record's
+        (trainer.rounds.aggregation.checked_update), ``payload`` its bytes as pushed; returns its record's
         CID and the open round. The last slice of a worker completes its update."""
         def screen(candidate: UpdateSource) -> float:
             return self.screen.check(self.run.global_state, h.round, candidate)

@@ -1,12 +1,12 @@
 """Where a round is published: the round transition run on the closing round, then stored.
 
-    Δ⁽ʳ⁾, (θ⁽ʳ⁾, m⁽ʳ⁾, e⁽ʳ⁾) = trainer.transition.round_transition(θ⁽ʳ⁻¹⁾, m⁽ʳ⁻¹⁾, e⁽ʳ⁻¹⁾, {Δ̂ᵢ})
+    Δ⁽ʳ⁾, (θ⁽ʳ⁾, m⁽ʳ⁾, e⁽ʳ⁾) = trainer.rounds.transition.round_transition(θ⁽ʳ⁻¹⁾, m⁽ʳ⁻¹⁾, e⁽ʳ⁻¹⁾, {Δ̂ᵢ})
 
 the function the audit re-runs: each update clipped to c × the lower median of the round's norms
 and the previous K rounds' ρ̃, averaged by the config's rule, the outer Nesterov step, and with
 compression on, the global update compressed with error feedback (θ⁽ʳ⁾ is what the replicas rebuild
 from those bytes). Then the downlink bytes, and θ⁽ʳ⁾ and m⁽ʳ⁾ when the round keeps a full
-checkpoint (every ``rounds.checkpoint_every`` rounds and the last: trainer.checkpoints), go to the
+checkpoint (every ``rounds.checkpoint_every`` rounds and the last: trainer.runstore.checkpoints), go to the
 store, then the round's manifest, then HEAD moves to it: a crash at any instant leaves either the old tip or the new.
 """
 
@@ -18,12 +18,12 @@ from dataclasses import dataclass, field
 
 from storage_client import CID, Manifest, canonical_json, to_e6
 from storage_client.manifest import Downlink, Traffic
-from trainer.aggregation import Aggregation
-from trainer.checkpoints import is_full_checkpoint
 from trainer.coordinator.run import Run
 from trainer.coordinator.state import CompressedGlobal, GlobalState, OpenRound
-from trainer.memory import release_free_memory
-from trainer.transition import round_transition
+from trainer.rounds.aggregation import Aggregation
+from trainer.rounds.transition import round_transition
+from trainer.runstore.checkpoints import is_full_checkpoint
+from trainer.runtime.memory import release_free_memory
 
 log = logging.getLogger("dilocox.coordinator")
 
@@ -64,7 +64,7 @@ def derive_round(run: Run, r: OpenRound, g: GlobalState, history: list[float]) -
         log.info("round %d: global update compressed to %d bytes (%s)", r.number, len(sent), decision.describe())
     release_free_memory()  # the transition's temporaries: before the checkpoint's bytes are made
     # The outer state's bytes (m and e, twice θ's size) are made and dropped before θ's, which are kept.
-    # Both are stored only every K rounds (trainer.checkpoints); the manifest names them every round.
+    # Both are stored only every K rounds (trainer.runstore.checkpoints); the manifest names them every round.
     full = is_full_checkpoint(cfg.rounds, r.number)
     outer_bytes = child.outer_state_bytes()
     outer_cid = store.put(outer_bytes) if full else CID.of(outer_bytes)

@@ -15,8 +15,8 @@ from typing import Callable
 
 from proto import WorkerPhase
 from trainer.coordinator.state import WorkerState
-from trainer.refusal import Reason, Refusal
-from trainer.run_dir import RunDir
+from trainer.net.refusal import Reason, Refusal
+from trainer.runstore.run_dir import RunDir
 
 log = logging.getLogger("dilocox.coordinator")
 

@@ -1,11 +1,11 @@
 """The run a coordinator serves: created at genesis, or resumed from the store's lineage.
 
 Genesis pins the corpus digest into the config, builds θ⁽⁰⁾ from the seed (or reads it from the
-weights ``model.init_from`` names, checked against ``model.init_params``: trainer.init_weights),
+weights ``model.init_from`` names, checked against ``model.init_params``: trainer.model.init_weights),
 stores config, θ⁽⁰⁾ and the zero outer state, and publishes manifest 0 (HEAD). Resume re-hashes every manifest from HEAD
 back to genesis (storage_client.lineage), refuses a given config that is not the run's own, and
 rebuilds the published state (θ, m, e and the last compressed global update) from the store: HEAD's
-own checkpoint when stored, else rebuilt from the newest full one (trainer.checkpoints).
+own checkpoint when stored, else rebuilt from the newest full one (trainer.runstore.checkpoints).
 """
 
 from __future__ import annotations
@@ -18,22 +18,22 @@ from dataclasses import dataclass
 import torch
 
 from storage_client import CID, Manifest, canonical_json, lineage, to_e6
-from trainer.checkpoints import checkpoint_at
 from trainer.codec import AdaptiveRankPolicy, CodecHeader
+from trainer.codec.downlink import DownlinkCompressor
+from trainer.codec.wire import Params, encode_params, layout_of
 from trainer.config import ConfigError, RunConfig
 from trainer.coordinator.state import CompressedGlobal, GlobalState, RoundSummary
-from trainer.data import eval_batches
-from trainer.dataset import Dataset, TokenSpan, pin_dataset, run_dataset
-from trainer.diloco import (
-    bind_params, evaluate_batches, load_params, outer_state_of, params_of, zero_momentum,
-)
-from trainer.downlink import DownlinkCompressor
-from trainer.init_weights import pin_init
-from trainer.model import build_model
+from trainer.data.corpus import eval_batches
+from trainer.data.dataset import Dataset, TokenSpan, pin_dataset, run_dataset
+from trainer.model.gpt import build_model
+from trainer.model.init_weights import pin_init
+from trainer.model.params import bind_params, load_params, params_of
 from trainer.progress import Progress
-from trainer.run_dir import RunDir
-from trainer.schedule import inner_steps_for_round, round_tokens, stored_downlink_header
-from trainer.wire import Params, encode_params, layout_of
+from trainer.rounds.outer import outer_state_of, zero_momentum
+from trainer.rounds.schedule import inner_steps_for_round, round_tokens, stored_downlink_header
+from trainer.runstore.checkpoints import checkpoint_at
+from trainer.runstore.run_dir import RunDir
+from trainer.runtime.inner import evaluate_batches
 
 log = logging.getLogger("dilocox.coordinator")
 
@@ -76,7 +76,7 @@ class Run:
         return self.genesis_cid.digest
 
     def inner_steps(self, round_: int) -> int:
-        """H_r (trainer.schedule), from the stored downlink header of round r−2 that its manifest
+        """H_r (trainer.rounds.schedule), from the stored downlink header of round r−2 that its manifest
         names: the same bytes after a restart, and the same rule the audit re-derives."""
         return inner_steps_for_round(self.config, round_, self._downlink_header(round_ - 2))
 
@@ -93,7 +93,7 @@ class Run:
         return self._headers[round_]
 
     def evaluate(self, params: Params) -> tuple[float, tuple[int, ...]]:
-        """The mean held-out loss of ``params``, and each batch's as to_e6 (trainer.shared_eval)."""
+        """The mean held-out loss of ``params``, and each batch's as to_e6 (trainer.data.shared_eval)."""
         bind_params(self.model, params)  # θ's own tensors, which the global state keeps: no copy
         losses = evaluate_batches(self.model, self.eval_batches)
         return sum(losses) / len(losses), tuple(to_e6(x) for x in losses)
@@ -172,7 +172,7 @@ def _resume(run_dir: RunDir, head: CID, config: RunConfig | None) -> Run:
             f"configuration differs ({pinned.cid}). Resume without --config, or use a new run directory"
         )
     parts = _prepared(run_dir, stored)
-    # HEAD's checkpoint: stored, or rebuilt from the newest full one (trainer.checkpoints).
+    # HEAD's checkpoint: stored, or rebuilt from the newest full one (trainer.runstore.checkpoints).
     with Progress(f"resuming at round {tip.round}: its checkpoint", unit="rounds", final_if_shown=True) as progress:
         outer = checkpoint_at(store, chain, tip.round, stored, progress)
     payload = outer.params_bytes()
@@ -183,7 +183,7 @@ def _resume(run_dir: RunDir, head: CID, config: RunConfig | None) -> Run:
         downlink = CompressedGlobal(store.get(tip.downlink.payload), header, chain[-2][1].params)
     load_params(parts["model"], params)
     # The tip's per-batch losses are not stored: evaluated once more here, for the workers' shared
-    # check (trainer.shared_eval). e carries on from the stored outer state; the rank policy's
+    # check (trainer.data.shared_eval). e carries on from the stored outer state; the rank policy's
     # window starts afresh.
     losses = tuple(to_e6(x) for x in evaluate_batches(parts["model"], parts["eval_batches"]))
     state = GlobalState(tip.round, params, outer.momentum, payload, CID.parse(tip.params), tip_cid,

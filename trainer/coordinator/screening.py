@@ -17,14 +17,15 @@ from dataclasses import dataclass
 
 import torch
 
+from trainer.codec.wire import Params
 from trainer.config import RunConfig
 from trainer.coordinator.state import GlobalState
-from trainer.data import sample_batch
-from trainer.diloco import evaluate, load_params
-from trainer.model import build_model
-from trainer.refusal import Reason, Refusal
-from trainer.update_source import UpdateSource, source_of
-from trainer.wire import Params
+from trainer.data.corpus import sample_batch
+from trainer.model.gpt import build_model
+from trainer.model.params import load_params
+from trainer.net.refusal import Reason, Refusal
+from trainer.rounds.update_source import UpdateSource, source_of
+from trainer.runtime.inner import evaluate
 
 log = logging.getLogger("dilocox.coordinator")
 

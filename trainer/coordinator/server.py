@@ -30,11 +30,16 @@ from trainer.config import RunConfig
 from trainer.coordinator.machine import Coordinator
 from trainer.coordinator.run import Run, open_run
 from trainer.coordinator.service import (
-    MAX_RPCS, MAX_STREAMS_PER_CONNECTION, CoordinatorService, Health, handler, health_handler,
+    MAX_RPCS,
+    MAX_STREAMS_PER_CONNECTION,
+    CoordinatorService,
+    Health,
+    handler,
+    health_handler,
 )
 from trainer.coordinator.trust import RunTrust
-from trainer.limits import clip
-from trainer.run_dir import RunDir
+from trainer.net.limits import clip
+from trainer.runstore.run_dir import RunDir
 
 log = logging.getLogger("dilocox.service")
 

@@ -1,7 +1,7 @@
 """The coordinator's gRPC service: its handlers, and the translation between protobuf and the state machine.
 
 Every call first passes trainer.coordinator.calls (connections, arrival, decoding, identity,
-budgets, pace); then a handler bounds the request's fields (trainer.limits.check_fields), runs the
+budgets, pace); then a handler bounds the request's fields (trainer.net.limits.check_fields), runs the
 state machine (trainer.coordinator.machine) on a thread of the right pool, and translates
 protobuf messages into the machine's plain types and back. Who acts for a worker: FetchGlobal,
 PushUpdate, SubmitReport and Heartbeat carry its id and the session token of its latest Join; a
@@ -14,7 +14,7 @@ What a call holds, and for how long:
                    Status under rate limits per connection and in all.
   FetchGlobal      one of its worker's ``STREAMS_PER_WORKER["fetch"]``; its wait for a round
                    (a long-poll, ``LONG_POLL_MAX_S`` at most) costs a coroutine woken when a
-                   round is published; sending keeps the pace (trainer.limits.Progress).
+                   round is published; sending keeps the pace (trainer.net.limits.Progress).
   PushUpdate       one of its worker's ``STREAMS_PER_WORKER["push"]``; the header within
                    ARRIVAL_S and checked before a payload byte is read, then the payload at the
                    pace, hashed as it arrives; decoding and storing take a HEAVY thread.
@@ -31,13 +31,22 @@ import grpc
 from grpc_health.v1 import health_pb2
 
 from proto import CHUNK_BYTES, PROTOCOL_VERSION, SERVICE_NAME, Encoding, WorkerPhase, pb
-from trainer.aggregation import InvalidUpdate, checked_update
+from trainer.codec.wire import Reassembly, WireError, chunked, json_object, sha256_hex
 from trainer.coordinator.calls import HEAVY, MALFORMED, PUBLIC, WORKERS, CallGate, parser
 from trainer.coordinator.machine import Coordinator
 from trainer.coordinator.state import GlobalState, StatusView, UpdateHeader
-from trainer.limits import Exhausted, FieldError, StreamBudget, TokenBucket, check_fields, check_phase, check_worker_id, clip
-from trainer.refusal import Reason, Refusal
-from trainer.wire import Reassembly, WireError, chunked, json_object, sha256_hex
+from trainer.net.limits import (
+    Exhausted,
+    FieldError,
+    StreamBudget,
+    TokenBucket,
+    check_fields,
+    check_phase,
+    check_worker_id,
+    clip,
+)
+from trainer.net.refusal import Reason, Refusal
+from trainer.rounds.aggregation import InvalidUpdate, checked_update
 
 log = logging.getLogger("dilocox.service")
 

@@ -15,9 +15,9 @@ from typing import Any
 
 from proto import Encoding, WorkerPhase
 from storage_client import CID, Manifest, Participant, from_e6
-from trainer.transition import OuterState
-from trainer.update_source import MergedUpdate, UpdateSource
-from trainer.wire import Params
+from trainer.codec.wire import Params
+from trainer.rounds.transition import OuterState
+from trainer.rounds.update_source import MergedUpdate, UpdateSource
 
 
 @dataclass(frozen=True)
@@ -91,11 +91,11 @@ class JournalEntry:
 @dataclass
 class Accepted:
     """An accepted update (or stage slice) as held until the round closes: compact (a compressed
-    push is kept as its packed tensors, trainer.update_source), decoded tensor by tensor at close."""
+    push is kept as its packed tensors, trainer.rounds.update_source), decoded tensor by tensor at close."""
 
     source: UpdateSource
     entry: JournalEntry
-    norm: float | None = None  # exact_norm of a whole update, computed once (trainer.aggregation)
+    norm: float | None = None  # exact_norm of a whole update, computed once (trainer.rounds.aggregation)
 
 
 @dataclass
@@ -209,7 +209,7 @@ class GlobalState:
     downlink: CompressedGlobal | None = None  # None when the round's update travels dense
     downlink_error: Params = field(default_factory=dict)  # e⁽ʳ⁾, part of the outer state
     # to_e6 of each held-out batch's loss, whose mean is eval_loss_e6: sent with the state, so
-    # that each worker re-evaluates only its share of the batches (trainer.shared_eval).
+    # that each worker re-evaluates only its share of the batches (trainer.data.shared_eval).
     eval_losses_e6: tuple[int, ...] = ()
 
     @property

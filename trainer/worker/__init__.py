@@ -6,10 +6,10 @@
              round), signing reports, progress records
     loops    the synchronous and the overlapped (one-step-delay) round loops
 
-A worker of P pipeline stages (``--stages P``, trainer.pipeline) pushes Δᵢ⁽ʳ⁾ as P slices, one
-stream each, every slice encoded by the stage that computed it (trainer.uplink); a one-process
+A worker of P pipeline stages (``--stages P``, trainer.runtime.pipeline) pushes Δᵢ⁽ʳ⁾ as P slices, one
+stream each, every slice encoded by the stage that computed it (trainer.codec.uplink); a one-process
 worker pushes its whole Δᵢ⁽ʳ⁾ as stage 0 of 1. With compression on, both directions travel as
-adaptive low-rank + int4 (trainer.uplink, trainer.downlink).
+adaptive low-rank + int4 (trainer.codec.uplink, trainer.codec.downlink).
 """
 
 from trainer.worker.client import WorkerError

@@ -1,16 +1,16 @@
 """The worker's side of the wire: one channel to the coordinator, retried calls, verified states.
 
 Nothing received is used unchecked: the channel is TLS to the coordinator's pinned certificate or a
-CA (trainer.tls; plaintext only with --insecure), the run configuration must hash to the CID the
+CA (trainer.net.tls; plaintext only with --insecure), the run configuration must hash to the CID the
 coordinator names, and every global state must carry the coordinator's signature
 (attestation.signing.global_digest, by the key named at the first Join, which may not change) and
 hash to its CID. Every call made for this worker after Join carries its session token
 (proto.session_metadata). Every byte is counted per direction.
 
-Nor is the coordinator trusted to be well-behaved (bounds in trainer.limits): a global state's header
+Nor is the coordinator trusted to be well-behaved (bounds in trainer.net.limits): a global state's header
 must carry the coordinator's signature and declare at most ``dense_payload_limit`` of the model's
 parameter count before a payload byte is read, and the stream is cut at the first byte past what it
-declared (the payload is hashed as it arrives, trainer.wire.reassemble); the run configuration is
+declared (the payload is hashed as it arrives, trainer.codec.wire.reassemble); the run configuration is
 parsed with bounded size and nesting; the heartbeat interval it dictates is held to
 [HEARTBEAT_FLOOR_S, HEARTBEAT_CEILING_S]; every retry waits a growing, jittered ``Backoff``; and
 more than ``MAX_EARLY_EMPTY`` answers in a row of "no new global state yet" that did not wait the
@@ -34,27 +34,48 @@ from typing import Callable, Iterator, TypeVar
 import grpc
 
 from attestation import (
-    Domain, EvidenceProvider, SignatureError, SignedReport, WorkerKey, attest, checksum_address, code_measurement,
+    Domain,
+    EvidenceProvider,
+    SignatureError,
+    SignedReport,
+    WorkerKey,
+    attest,
+    checksum_address,
+    code_measurement,
     recover_address,
 )
 from attestation.signing import global_digest, update_digest
 from proto import CHANNEL_OPTIONS, PROTOCOL_VERSION, Encoding, WorkerPhase, pb, pb_grpc, session_metadata
 from storage_client import CID, Codec, DilocoxError, canonical_json, loads_bounded
 from trainer.codec import CodecHeader, CompressionError
+from trainer.codec.downlink import apply_update, decode_update
+from trainer.codec.uplink import Slice
+from trainer.codec.wire import (
+    Params,
+    WireError,
+    chunked,
+    decode_params,
+    encode_params,
+    json_object,
+    layout_of,
+    reassemble,
+    sha256_hex,
+)
 from trainer.config import RunConfig, estimated_parameters
-from trainer.downlink import apply_update, decode_update
-from trainer.limits import (
-    FETCH_WAIT_CEILING_S, FETCH_WAIT_FLOOR_S, HEARTBEAT_CEILING_S, HEARTBEAT_FLOOR_S, Backoff, bounded, clip,
+from trainer.data.shared_eval import MAX_EVAL_BATCHES
+from trainer.net.limits import (
+    FETCH_WAIT_CEILING_S,
+    FETCH_WAIT_FLOOR_S,
+    HEARTBEAT_CEILING_S,
+    HEARTBEAT_FLOOR_S,
+    Backoff,
+    bounded,
+    clip,
     dense_payload_limit,
 )
-from trainer.link import Link
-from trainer.schedule import ScheduleError, WorkerSchedule
-from trainer.shared_eval import MAX_EVAL_BATCHES
-from trainer.tls import ClientTls, TlsUnreachable, open_channel
-from trainer.uplink import Slice
-from trainer.wire import (
-    Params, WireError, chunked, decode_params, encode_params, json_object, layout_of, reassemble, sha256_hex,
-)
+from trainer.net.link import Link
+from trainer.net.tls import ClientTls, TlsUnreachable, open_channel
+from trainer.rounds.schedule import ScheduleError, WorkerSchedule
 
 log = logging.getLogger("dilocox.worker")
 T = TypeVar("T")
@@ -83,7 +104,7 @@ class Checkpoint:
     eval_loss_e6: int
     finished: bool
     params: Params
-    eval_losses_e6: tuple[int, ...] = ()  # the coordinator's per-batch claims (trainer.shared_eval)
+    eval_losses_e6: tuple[int, ...] = ()  # the coordinator's per-batch claims (trainer.data.shared_eval)
 
 
 @dataclass(frozen=True)
@@ -284,7 +305,7 @@ class CoordinatorClient:
         """The global parameters of round >= ``min_round`` (waits for them), verified by their CID.
 
         When this worker holds the round before, the coordinator may send the compressed global
-        update instead (trainer.downlink): θ⁽ʳ⁾ = θ⁽ʳ⁻¹⁾ − decompress(C⁽ʳ⁾), which must hash to the
+        update instead (trainer.codec.downlink): θ⁽ʳ⁾ = θ⁽ʳ⁻¹⁾ − decompress(C⁽ʳ⁾), which must hash to the
         CID the header names; if it does not, the worker says so and fetches θ⁽ʳ⁾ dense.
         """
         self.phase = WorkerPhase.WAITING
@@ -420,7 +441,7 @@ class CoordinatorClient:
 
 
 def learn_schedule(schedule: WorkerSchedule | None, header: pb.GlobalHeader, params: Params) -> None:
-    """What θ⁽ᵍ⁾'s header says of the inner steps ahead (trainer.schedule.WorkerSchedule.learn)."""
+    """What θ⁽ᵍ⁾'s header says of the inner steps ahead (trainer.rounds.schedule.WorkerSchedule.learn)."""
     assert schedule is not None  # set at the first Join, before any fetch
     codec = None
     if header.encoding == Encoding.LOWRANK_INT4:  # already checked whole by the decode
@@ -479,7 +500,7 @@ def wait_after_empty(backoff: Backoff, took_s: float, fetch_wait_s: float) -> No
 
 
 def check_size(config: RunConfig | None, header: pb.GlobalHeader) -> None:
-    """A global state is no larger than the run's model, dense (trainer.limits.dense_payload_limit)."""
+    """A global state is no larger than the run's model, dense (trainer.net.limits.dense_payload_limit)."""
     assert config is not None  # set at the first Join, before any fetch
     limit = dense_payload_limit(estimated_parameters(config.model))
     if not 0 <= header.payload_size <= limit:
@@ -488,7 +509,7 @@ def check_size(config: RunConfig | None, header: pb.GlobalHeader) -> None:
 
 
 def check_pinned_genesis(config: RunConfig | None, header: pb.GlobalHeader) -> None:
-    """θ⁽⁰⁾ from existing weights (trainer.init_weights) is the one the run's config pins by its CID,
+    """θ⁽⁰⁾ from existing weights (trainer.model.init_weights) is the one the run's config pins by its CID,
     whatever the coordinator sends."""
     pinned = config.model.init_params if config is not None else ""
     if header.round == 0 and pinned and header.params_cid != pinned:

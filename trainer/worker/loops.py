@@ -12,7 +12,7 @@ outer step θ⁽ʳ⁻²⁾ → θ⁽ʳ⁻¹⁾, still in flight. ``rounds.overla
 * **delayed**: the worker's own last pseudo-gradient, applied whole, as it was transmitted (Δ̂ᵢ,
   the coordinator's reconstruction of its push; Δ̂ = Δ when updates travel dense), so that the
   start is a function of stored objects: the auditor's replay rebuilds it from θ⁽ʳ⁻²⁾ and the
-  worker's update record of round r−1 (trainer.diloco.delayed_start, audit.replay).
+  worker's update record of round r−1 (trainer.rounds.outer.delayed_start, audit.replay).
 * **eager** (Kale, Douillard, Donchev, "Eager Updates For Overlapped Communication and Computation
   in DiLoCo", arXiv:2502.12996): a proxy of the outer step in flight. The paper mixes the worker's
   current outer gradient with the other workers' delayed ones, ḡ ≈ Δ̄⁽ʳ⁻²⁾ + (Δᵢ⁽ʳ⁻¹⁾ − Δᵢ⁽ʳ⁻²⁾)/W.
@@ -41,11 +41,11 @@ import time
 from concurrent.futures import Future, ThreadPoolExecutor
 from typing import TYPE_CHECKING
 
+from trainer.codec.uplink import merged
+from trainer.codec.wire import Params
 from trainer.config import RunConfig
-from trainer.diloco import delayed_start, eager_start, eager_weight
-from trainer.pipeline import PipelineError
-from trainer.uplink import merged
-from trainer.wire import Params
+from trainer.rounds.outer import delayed_start, eager_start, eager_weight
+from trainer.runtime.pipeline import PipelineError
 from trainer.worker.client import Checkpoint
 
 if TYPE_CHECKING:  # the role drives these loops; they only call back into it

@@ -1,14 +1,14 @@
 """What a worker signs: the RoundReport of each round it contributed to, once it holds the round's
 checkpoint θ⁽ʳ⁾ and has checked its held-out claims.
 
-The check (trainer.shared_eval): the coordinator's per-batch held-out losses are checked whole, and
+The check (trainer.data.shared_eval): the coordinator's per-batch held-out losses are checked whole, and
 this worker's share of the batches re-evaluated on θ⁽ʳ⁾; a wrong claim in the share and the worker
 refuses to sign. The report restates what the worker pushed (the update's digest, its train loss,
 tokens, steps and bytes) and what it was sent (θ⁽ʳ⁾, the manifest, the round's parent θ⁽ʳ⁻¹⁾), and is
 signed with the worker's attested key over the run's EIP-712 domain.
 
 Reports never wait on training: the coordinator records round r ``--report-timeout`` after
-publishing θ⁽ʳ⁾ with the reports it holds by then (settlement.reports), so the overlapped loop
+publishing θ⁽ʳ⁾ with the reports it holds by then (settlement.report_book), so the overlapped loop
 reports from its exchange thread while the next round trains (trainer.worker.loops). The check then
 runs on a model of its own, touching nothing the training thread uses.
 """
@@ -24,8 +24,9 @@ import torch
 from attestation import RoundReport, SignedReport
 from storage_client import CID, to_e6
 from trainer.config import RunConfig
-from trainer.diloco import evaluate_batches, load_params
-from trainer.shared_eval import eval_share, shared_evaluation_problem
+from trainer.data.shared_eval import eval_share, shared_evaluation_problem
+from trainer.model.params import load_params
+from trainer.runtime.inner import evaluate_batches
 from trainer.worker.client import Checkpoint, CoordinatorClient, PhaseSeconds
 
 if TYPE_CHECKING:
@@ -67,7 +68,7 @@ class Reporter:
 
     def evaluation_problem(self, checkpoint: Checkpoint) -> str | None:
         """What is wrong with the checkpoint's claimed held-out losses, or None: the claims are
-        checked whole and this worker's share of the batches re-evaluated (trainer.shared_eval), with
+        checked whole and this worker's share of the batches re-evaluated (trainer.data.shared_eval), with
         the process's torch threads (a few batches, beside the training's)."""
         cfg = self.config
         share = eval_share(cfg.data.eval_batches, cfg.rounds.expected_workers, self.shard_index)

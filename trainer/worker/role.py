@@ -1,9 +1,9 @@
 """The worker's role: what it trains, what it pushes and signs, and how a refused round is undone.
 
-It ties the transport (trainer.worker.client) to the inner loop (trainer.diloco, or
-trainer.pipeline for several stages) and the uplink codec (trainer.uplink); the round loops
+It ties the transport (trainer.worker.client) to the inner loop (trainer.rounds.outer, or
+trainer.runtime.pipeline for several stages) and the uplink codec (trainer.codec.uplink); the round loops
 (trainer.worker.loops) drive it. The inner state a round starts from (AdamW, and the error feedback
-when compressed) is committed in each push (``inner_state_sha256``, trainer.diloco.inner_state_digest)
+when compressed) is committed in each push (``inner_state_sha256``, trainer.runtime.inner.inner_state_digest)
 and moves only through counted rounds: when a one-process worker's push is refused, the round is
 undone (AdamW and error feedback restored), so an auditor rebuilds the state from the manifests
 alone (``dilocox audit --replay``). A worker of several stages, and an overlapped one (whose next
@@ -27,23 +27,31 @@ import torch
 from attestation import EvidenceProvider
 from proto import WorkerPhase
 from storage_client import CID, strict_json, to_e6
+from trainer.codec.uplink import Slice, Uplink, merged, merged_decision
+from trainer.codec.wire import Params, encode_params
 from trainer.config import RunConfig
-from trainer.data import eval_batches, round_batches
-from trainer.dataset import PreparedDataset, open_dataset
-from trainer.device import parse_device
-from trainer.diloco import InnerLoop, InnerResult, inner_state_digest, params_of
-from trainer.link import Link
-from trainer.model import build_model
-from trainer.pipeline import PipelinedInnerLoop, PipelineError, plan_stages
-from trainer.procgroup import available_cpus
+from trainer.data.corpus import eval_batches, round_batches
+from trainer.data.dataset import PreparedDataset, open_dataset
+from trainer.model.gpt import build_model
+from trainer.model.params import params_of
+from trainer.net.link import Link
+from trainer.net.tls import ClientTls
 from trainer.progress import Progress
-from trainer.schedule import ScheduleError, StepsDecision
-from trainer.tls import ClientTls
-from trainer.update_record import record_of_slices
-from trainer.uplink import Slice, Uplink, merged, merged_decision
-from trainer.wire import Params, encode_params
+from trainer.rounds.schedule import ScheduleError, StepsDecision
+from trainer.runstore.update_record import record_of_slices
+from trainer.runtime.device import parse_device
+from trainer.runtime.inner import InnerLoop, InnerResult, inner_state_digest
+from trainer.runtime.pipeline import PipelinedInnerLoop, PipelineError, plan_stages
+from trainer.runtime.procgroup import available_cpus
 from trainer.worker.client import (
-    REFUSED, Checkpoint, CoordinatorClient, PhaseSeconds, PushHeader, WorkerError, heartbeats, slice_name,
+    REFUSED,
+    Checkpoint,
+    CoordinatorClient,
+    PhaseSeconds,
+    PushHeader,
+    WorkerError,
+    heartbeats,
+    slice_name,
 )
 from trainer.worker.loops import overlapped, synchronous
 from trainer.worker.reporter import Reporter
@@ -62,7 +70,7 @@ class RoundWork:
     snapshot: tuple[dict, list | None] | None = None
     inner_s: float = 0.0  # seconds in the inner loop (the whole pipeline, with several stages)
     compress_s: float = 0.0  # seconds encoding Δ for the push (one-process worker)
-    steps: StepsDecision | None = None  # the round's H_r and how it was decided (trainer.schedule)
+    steps: StepsDecision | None = None  # the round's H_r and how it was decided (trainer.rounds.schedule)
 
 
 @dataclass(frozen=True)
@@ -84,9 +92,9 @@ class Worker:
                  reconnect_timeout_s: float = 120.0, fetch_wait_s: float = 5.0, link: Link | None = None,
                  metrics: Path | None = None, stages: int | None = 1, cores: int | None = None,
                  threads: int | None = None, device: str = "cpu") -> None:
-        self.created_at = time.monotonic()  # start-up is measured from here (trainer.pipeline.plan_stages)
+        self.created_at = time.monotonic()  # start-up is measured from here (trainer.runtime.pipeline.plan_stages)
         self.worker_id = worker_id
-        self.device = parse_device(device)  # where the inner loop runs (trainer.device); refused now if absent
+        self.device = parse_device(device)  # where the inner loop runs (trainer.runtime.device); refused now if absent
         # Pipeline stages (None: auto) on the cores given, and the torch threads of each: planned at
         # the first join, when the model's depth is known.
         self.requested_stages, self.cores, self.threads = stages, cores or available_cpus(), threads
@@ -112,7 +120,7 @@ class Worker:
         # On a GPU, auto is one stage: GPU stages need a device each, and the worker was given one.
         requested = self.requested_stages if self.requested_stages is not None or self.device.type == "cpu" else 1
         if requested is None and config.model.tie_word_embeddings:
-            requested = 1  # auto: a tied embedding and head cannot be split across stages (trainer.pipeline)
+            requested = 1  # auto: a tied embedding and head cannot be split across stages (trainer.runtime.pipeline)
         try:
             plan = plan_stages(requested, config.model.n_layer, self.cores, self.threads)
         except ValueError as exc:
@@ -179,7 +187,7 @@ class Worker:
         self.client.round, self.client.phase = round_, WorkerPhase.TRAINING
         cfg = self.config
         assert self.client.schedule is not None
-        try:  # H_r: fixed, or adaptive (trainer.schedule)
+        try:  # H_r: fixed, or adaptive (trainer.rounds.schedule)
             steps = self.client.schedule.decide(round_)
         except ScheduleError as exc:
             raise WorkerError(str(exc)) from None
@@ -214,7 +222,7 @@ class Worker:
         result = work.result
         received = self.client.received_for.get(base_cid, 0)
         # The round's record names the bytes of the slices as pushed, which the coordinator stores
-        # (trainer.update_record); the report restates its digest.
+        # (trainer.runstore.update_record); the report restates its digest.
         record = record_of_slices(work.slices)
         decision = merged_decision(round_, work.slices)
         if decision is not None:
@@ -240,7 +248,7 @@ class Worker:
 
     def _undo(self, work: RoundWork) -> None:
         if work.snapshot is not None and isinstance(self.inner, InnerLoop):
-            # The inner state moves only through counted rounds (trainer.diloco.InnerLoop), so that
+            # The inner state moves only through counted rounds (trainer.runtime.inner.InnerLoop), so that
             # an auditor can rebuild it from the manifests: undo this round.
             self.inner.restore(work.snapshot[0])
             self.uplink.restore(work.snapshot[1])

@@ -1,0 +1,134 @@
+"""DiLoCo's inner loop: a worker's H AdamW steps on its shard, and held-out evaluation.
+
+Douillard et al., "DiLoCo" (arXiv:2311.08105); DiLoCoX (Qi et al., arXiv:2506.21263). Round r
+starts from θ_start (θ⁽ʳ⁻¹⁾, or with the one-step-delay overlap the start of
+trainer.rounds.outer.delayed_start / eager_start). Worker i runs H steps of AdamW on its own
+batches; its AdamW state persists across the rounds that count:
+
+    θᵢ ← θ_start
+    for h = 1..H:   θᵢ ← AdamW(θᵢ, ∇ℓ(θᵢ; batch_{i,r,h}))        (InnerConfig: lr, wd, β₁, β₂)
+    Δᵢ⁽ʳ⁾ = θ_start − θᵢ                                          (the pseudo-gradient)
+
+What the coordinator does with Δᵢ⁽ʳ⁾ (the average and the outer Nesterov step) is
+trainer.rounds.outer; the audit's replay (audit.replay) re-runs this loop from the committed state.
+"""
+
+from __future__ import annotations
+
+import copy
+import hashlib
+from dataclasses import dataclass
+from typing import Iterable
+
+import torch
+import torch.nn as nn
+
+from trainer.codec.wire import Params, encode_params
+from trainer.config import InnerConfig
+from trainer.model.params import load_params, params_of
+from trainer.progress import Progress
+from trainer.runtime.device import autocast
+
+
+@dataclass(frozen=True)
+class InnerResult:
+    pseudo_gradient: Params
+    mean_loss: float
+    tokens: int
+    steps: int
+
+
+class InnerLoop:
+    """A worker's H local AdamW steps; the AdamW state lives as long as the worker process.
+
+    The state a round starts from is committed: ``state()`` names its tensors (``exp_avg.<p>``,
+    ``exp_avg_sq.<p>``, ``step.<p>``; empty before the first step) and ``inner_state_digest`` hashes
+    them, so a worker's push names the state its update grew from and ``dilocox audit --replay``
+    can re-run the round from the same place. A round whose update does not count is undone
+    (``snapshot`` / ``restore``): the AdamW state moves only through counted rounds, so an auditor
+    rebuilds it from the run's manifests alone, round after counted round, from a fresh start.
+
+    On a CUDA ``device`` (trainer.runtime.device) the loop trains its own copy of ``model`` there, under
+    bf16 autocast, and hands Δ back on the CPU; on the CPU it trains ``model`` itself, in float32.
+    """
+
+    def __init__(self, model: nn.Module, cfg: InnerConfig, device: torch.device | None = None) -> None:
+        self.device = device or torch.device("cpu")
+        # ``model`` stays on the CPU (the worker evaluates checkpoints with it); an accelerator gets a copy.
+        self.model = model if self.device.type == "cpu" else copy.deepcopy(model).to(self.device)
+        self.cfg = cfg
+        self.optimizer = torch.optim.AdamW(
+            self.model.parameters(), lr=cfg.lr, betas=(cfg.beta1, cfg.beta2),
+            weight_decay=cfg.weight_decay,
+        )
+
+    def run(self, start: Params, batches: Iterable[tuple[torch.Tensor, torch.Tensor]],
+            progress: Progress | None = None) -> InnerResult:
+        """H AdamW steps from ``start``, one a batch; ``progress`` counts the steps and their tokens."""
+        load_params(self.model, start)
+        self.model.train()
+        losses: list[float] = []
+        tokens = 0
+        for x, y in batches:
+            x, y = x.to(self.device), y.to(self.device)  # the same tensors on the CPU
+            with autocast(self.device):
+                _, loss = self.model(x, y)
+            assert loss is not None
+            if not torch.isfinite(loss):
+                raise FloatingPointError(f"inner step {len(losses) + 1}: loss is {loss.item()}")
+            self.optimizer.zero_grad(set_to_none=True)
+            loss.backward()
+            if self.cfg.grad_clip > 0:
+                torch.nn.utils.clip_grad_norm_(self.model.parameters(), self.cfg.grad_clip)
+            self.optimizer.step()
+            losses.append(loss.item())
+            tokens += x.numel()
+            if progress is not None:
+                progress.advance(1, amount=x.numel())
+        if not losses:
+            raise ValueError("an inner loop needs at least one batch")
+        end = params_of(self.model)
+        delta = {name: start[name] - end[name].cpu() for name in start}
+        return InnerResult(delta, sum(losses) / len(losses), tokens, len(losses))
+
+    def state(self) -> Params:
+        """The AdamW state by parameter name (empty while no step has been taken)."""
+        out: Params = {}
+        for name, p in self.model.named_parameters():
+            for key, value in sorted(self.optimizer.state.get(p, {}).items()):
+                out[f"{key}.{name}"] = value.detach().cpu().reshape(value.shape)
+        return out
+
+    def snapshot(self) -> dict:
+        """A copy of the AdamW state, to ``restore`` if the round about to run does not count."""
+        return copy.deepcopy(self.optimizer.state_dict())
+
+    def restore(self, snapshot: dict) -> None:
+        self.optimizer.load_state_dict(snapshot)
+
+
+def inner_state_digest(*states: Params) -> str:
+    """sha256 (hex) of a worker's inner state: its AdamW state and, when the uplink is compressed,
+    its error-feedback buffers, in one byte-deterministic safetensors file
+    (``trainer.codec.wire.encode_params``). ``FRESH_STATE`` is the digest of a worker that has taken no step."""
+    merged: Params = {}
+    for state in states:
+        merged.update(state)
+    return hashlib.sha256(encode_params(merged)).hexdigest()
+
+
+@torch.no_grad()
+def evaluate_batches(model: nn.Module, batches: list[tuple[torch.Tensor, torch.Tensor]]) -> list[float]:
+    """Cross-entropy (nats per token) of each of fixed held-out batches, in order."""
+    model.eval()
+    return [model(x, y)[1].item() for x, y in batches]  # type: ignore[union-attr]
+
+
+def evaluate(model: nn.Module, batches: list[tuple[torch.Tensor, torch.Tensor]]) -> float:
+    """Mean cross-entropy (nats per token) over fixed held-out batches."""
+    losses = evaluate_batches(model, batches)
+    return sum(losses) / len(losses)
+
+
+FRESH_STATE = inner_state_digest()  # no AdamW step taken, no error carried
+
