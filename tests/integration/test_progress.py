@@ -19,6 +19,7 @@ import sys
 import time
 from pathlib import Path
 
+import grpc
 import pytest
 
 from cli.cluster import LocalCluster
@@ -201,10 +202,18 @@ def test_status_watch_shows_a_worker_starting_its_stages_as_alive(cluster: Local
         # Liveness lapses 1 s after the last heartbeat; starting the stages takes longer than that.
         status = cluster.wait_for(lambda s: any(w.phase == WorkerPhase.STARTING for w in s.workers), 60,
                                   "w0 to say it is starting")
+        coordinator = cluster.processes["coordinator"]
         while status.workers[0].phase == WorkerPhase.STARTING:
             assert status.workers[0].alive, status
             time.sleep(0.2)
-            status = cluster.status()
+            try:
+                status = cluster.status()
+            except grpc.RpcError:
+                # The one-round run can finish (and its coordinator exit) between two looks on a busy
+                # machine; that the worker was alive through every look while starting is what counts.
+                if coordinator.poll() is None:
+                    raise
+                break
         assert cluster.wait_exit("w0", 120) == 0, cluster.log("w0")
         watch.send_signal(signal.SIGINT)
         out, err = watch.communicate(timeout=30)
