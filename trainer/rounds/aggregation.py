@@ -20,8 +20,8 @@ auditor holding the stored updates, re-derives it bit for bit.
 Robust aggregation: clipping to a multiple of the median honest norm
 --------------------------------------------------------------------
 
-The bound of check 5 is derived from the worst case an inner loop can reach and sits ~100× above
-what honest workers actually send, so it is only a coarse pre-check. What enters the mean is
+The bound of check 5 is derived from the worst case an inner loop can reach and sits far above what
+honest workers actually send (docs/measurements.md), so it is only a coarse pre-check. What enters the mean is
 bounded against the round's own updates (``aggregate``), with c = ``rounds.clip_multiple`` and
 K = ``rounds.clip_history_rounds``:
 
@@ -42,7 +42,7 @@ norm: a scaled-up update is clipped to c times an honest one. The K previous rou
 value each, their own lower median ρ̃ (recomputed by an auditor from the stored updates alone, no
 recursion through earlier thresholds): a dishonest minority of a round cannot raise its ρ̃, so a
 persistent attacker's raw norms never reach the history (taking every earlier norm in, as a first
-version did, let a ×86 update set half of its own threshold: it entered at 4.3× the honest norm).
+version did, let a scaled update raise its own later thresholds: docs/robustness.md).
 They guard rounds with one or two participants. Deflation is easier: norms at least ⌈|R|/2⌉ of R that are tiny drag ρ
 down and shrink honest updates, which slows training but never moves the model further than an
 honest update would. The direction of a clipped update is not judged: an update of norm ≤ c·ρ
@@ -50,8 +50,8 @@ pointing the wrong way still counts: screening by effect (``rounds.screen_margin
 default; trainer.coordinator.screening) refuses an update that raises the held-out loss
 of the round's start checkpoint by more than the margin on batches the coordinator draws.
 
-c = 0 turns clipping off (the plain mean); otherwise 1 ≤ c ≤ 100, 2 by default (honest updates of
-one round lie well within 2× of each other: docs/measurements.md).
+c = 0 turns clipping off (the plain mean); otherwise 1 ≤ c ≤ 100, 2 by default (the spread of one
+round's honest norms is measured in docs/measurements.md).
 
 Robust mean: trimmed mean or coordinate-wise median
 ---------------------------------------------------
