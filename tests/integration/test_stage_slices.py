@@ -16,7 +16,7 @@ from storage_client import CID, Codec, lineage
 from tests.integration.test_bad_input import Mallory
 from tests.integration.test_cluster import assert_rederivable
 from benchmarks.cluster import LocalCluster
-from trainer.config import InnerConfig, ModelConfig, RoundConfig
+from trainer.config import ModelConfig, RoundConfig
 from trainer.pipeline import stage_param_names
 from trainer.update_record import record_bytes, slice_ref
 from trainer.wire import encode_params
@@ -41,7 +41,7 @@ def stage_record(*slices: dict[str, torch.Tensor]) -> bytes:
 
 def test_slices_count_together_and_an_incomplete_worker_is_dropped(cluster: LocalCluster, make_config) -> None:
     cluster.start_coordinator(make_config(
-        model=TWO_LAYERS, inner=InnerConfig(steps=1000, batch_size=4, lr=1e-3),  # w0: seconds a round
+        model=TWO_LAYERS,
         rounds=RoundConfig(rounds=3, expected_workers=2, quorum=1, straggler_timeout_s=60.0,
                            heartbeat_interval_s=0.3, liveness_timeout_s=2.0)))
     m = Mallory.joined(cluster)

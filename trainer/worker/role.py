@@ -45,6 +45,7 @@ from trainer.wire import Params, encode_params
 from trainer.worker.client import (
     REFUSED, Checkpoint, CoordinatorClient, PhaseSeconds, PushHeader, WorkerError, heartbeats, slice_name,
 )
+from trainer.worker.hold import RoundHold
 from trainer.worker.loops import overlapped, synchronous
 from trainer.worker.reporter import Reporter
 
@@ -106,6 +107,7 @@ class Worker:
         self._counted = (0, 0)  # bytes sent/received up to the last progress record
         # Seconds by phase since the last progress record ("push", "evaluate"; see _phases).
         self.phase_seconds = PhaseSeconds()
+        self.hold = RoundHold.from_env()  # a test's pause before a round (trainer.worker.hold); none in a run
 
     def set_up(self, config: RunConfig, shard: int, num_shards: int) -> None:
         """At the first Join: the shard, the held-out batches, θ⁽⁰⁾ and the inner loop."""
@@ -177,6 +179,7 @@ class Worker:
 
     def _train(self, round_: int, params: Params) -> RoundWork:
         self.client.round, self.client.phase = round_, WorkerPhase.TRAINING
+        self.hold.wait(self.worker_id, round_)
         cfg = self.config
         assert self.client.schedule is not None
         try:  # H_r: fixed, or adaptive (trainer.schedule)
