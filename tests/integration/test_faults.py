@@ -168,13 +168,14 @@ def test_a_round_that_cannot_be_published_stops_the_coordinator_resumably(cluste
     assert [m.round for _, m in lineage(run.store, run.head())] == [0, 1, 2, 3]
 
 
-def test_sigterm_stops_the_coordinator_promptly_even_mid_round(cluster: LocalCluster, make_config) -> None:
+def test_sigterm_stops_the_coordinator_promptly_even_mid_round(cluster: LocalCluster, make_config,
+                                                               holds: Holds) -> None:
     import time
 
     cluster.start_coordinator(make_config(
-        inner=InnerConfig(steps=100_000, batch_size=4, lr=1e-3),
         rounds=RoundConfig(rounds=3, expected_workers=1, quorum=1, heartbeat_interval_s=0.3,
                            liveness_timeout_s=3.0)))
+    holds.hold("w0", 1)  # w0 stays in round 1 until the test ends: the round is open when SIGTERM comes
     cluster.start_worker("w0")
     cluster.wait_for(lambda s: phase_of(s, "w0")[1] == WorkerPhase.TRAINING, 60, "w0 to train")
     started = time.monotonic()
