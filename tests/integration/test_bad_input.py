@@ -81,6 +81,7 @@ def test_bad_updates_are_refused_and_the_round_completes(cluster: LocalCluster, 
 
     # While w0 trains round 1: a valid update is accepted; a second push for it is not.
     holds.hold("w0", 1)
+    holds.hold("w0", 2)  # and before round 2's, so the run is still open to hear mallory's stale push
     cluster.start_worker("w0")
     cluster.wait_for(lambda s: any(w.worker_id == "w0" and w.phase == WorkerPhase.TRAINING for w in s.workers),
                      60, "w0 to train round 1")
@@ -95,6 +96,7 @@ def test_bad_updates_are_refused_and_the_round_completes(cluster: LocalCluster, 
 
     # Round 1 has closed: a push for it is stale.
     assert "stale round 1" in m.refused(PRECONDITION)
+    holds.release("w0", 2)
 
     # Mallory falls silent in round 2: once its liveness lapses the round closes with w0 alone.
     assert cluster.wait_exit("w0", 120) == 0, cluster.log("w0")
