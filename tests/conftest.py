@@ -13,6 +13,7 @@ import pytest
 from cli.cluster import LocalCluster
 from settlement import Anvil
 from trainer.config import DataConfig, InnerConfig, ModelConfig, RoundConfig, RunConfig
+from trainer.worker.hold import HOLD_DIR_ENV, hold_file
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
@@ -60,6 +61,30 @@ def make_config(tmp_path: Path) -> Callable[..., Path]:
 def cluster(tmp_path: Path) -> Iterator[LocalCluster]:
     with LocalCluster(tmp_path / "run") as local:
         yield local
+
+
+class Holds:
+    """Test-controlled pauses of the cluster's workers (trainer.worker.hold): ``hold(w, r)`` before
+    starting worker ``w`` keeps it in phase TRAINING of round ``r``, before its inner steps, until
+    ``release(w, r)``; the test waits on that phase instead of on a long round."""
+
+    def __init__(self, directory: Path) -> None:
+        self.directory = directory
+        directory.mkdir(parents=True, exist_ok=True)
+
+    def hold(self, worker_id: str, round_: int) -> None:
+        hold_file(self.directory, worker_id, round_).touch()
+
+    def release(self, worker_id: str, round_: int) -> None:
+        hold_file(self.directory, worker_id, round_).unlink(missing_ok=True)
+
+
+@pytest.fixture
+def holds(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Holds:
+    """Workers started in this test honour holds in ``<tmp>/holds`` (they inherit the variable)."""
+    directory = tmp_path / "holds"
+    monkeypatch.setenv(HOLD_DIR_ENV, str(directory))
+    return Holds(directory)
 
 
 @pytest.fixture

@@ -15,18 +15,19 @@ from benchmarks.hostile import Mallory
 from cli.cluster import LocalCluster
 from proto import Encoding, WorkerPhase
 from storage_client import CID, Codec, Manifest, canonical_json, lineage
+from tests.conftest import Holds
 from trainer.codec import AdaptiveRankPolicy, compress
 from trainer.codec.wire import encode_params, layout_of
-from trainer.config import InnerConfig, RoundConfig
+from trainer.config import RoundConfig
 
 pytestmark = pytest.mark.integration
 
 
-def test_bad_updates_are_refused_and_the_round_completes(cluster: LocalCluster, make_config) -> None:
-    # quorum 1: a round closes once every live worker has delivered. w0 takes ~2.5 s a round, so
-    # mallory's pushes land while round 1 is still open.
+def test_bad_updates_are_refused_and_the_round_completes(cluster: LocalCluster, make_config,
+                                                         holds: Holds) -> None:
+    # quorum 1: a round closes once every live worker has delivered. w0 is held before round 1's
+    # inner steps until mallory's pushes have landed, so round 1 is still open for them.
     cluster.start_coordinator(make_config(
-        inner=InnerConfig(steps=1000, batch_size=4, lr=1e-3),
         rounds=RoundConfig(rounds=2, expected_workers=2, quorum=1, straggler_timeout_s=60.0,
                            heartbeat_interval_s=0.3, liveness_timeout_s=2.0)))
     m = Mallory.joined(cluster)
@@ -79,12 +80,15 @@ def test_bad_updates_are_refused_and_the_round_completes(cluster: LocalCluster, 
     assert "num_stages 2" in m.refused(INVALID, num_stages=2)
 
     # While w0 trains round 1: a valid update is accepted; a second push for it is not.
+    holds.hold("w0", 1)
+    holds.hold("w0", 2)  # and before round 2's, so the run is still open to hear mallory's stale push
     cluster.start_worker("w0")
     cluster.wait_for(lambda s: any(w.worker_id == "w0" and w.phase == WorkerPhase.TRAINING for w in s.workers),
                      60, "w0 to train round 1")
     accepted = m.push()
     assert accepted.accepted and CID.parse(accepted.update_cid).codec == Codec.JSON  # the update record
     assert f"already pushed an update for round 1 ({accepted.update_cid})" in m.refused(grpc.StatusCode.ALREADY_EXISTS)
+    holds.release("w0", 1)
 
     status = cluster.wait_for(lambda s: len(s.rounds) >= 2, 120, "round 1 to close")
     assert list(status.rounds[1].participants) == ["mallory", "w0"]
@@ -92,6 +96,7 @@ def test_bad_updates_are_refused_and_the_round_completes(cluster: LocalCluster, 
 
     # Round 1 has closed: a push for it is stale.
     assert "stale round 1" in m.refused(PRECONDITION)
+    holds.release("w0", 2)
 
     # Mallory falls silent in round 2: once its liveness lapses the round closes with w0 alone.
     assert cluster.wait_exit("w0", 120) == 0, cluster.log("w0")

@@ -9,6 +9,7 @@ import pytest
 from cli.cluster import ClusterError, LocalCluster
 from proto import WorkerPhase
 from storage_client import CID, lineage
+from tests.conftest import Holds
 from tests.integration.test_cluster import assert_rederivable
 from trainer.codec import CompressionConfig
 from trainer.config import InnerConfig, RoundConfig
@@ -23,12 +24,15 @@ def phase_of(status, worker: str) -> tuple[int, WorkerPhase | None]:
     return -1, None
 
 
-def test_sigkilled_worker_is_dropped_and_rejoins(cluster: LocalCluster, make_config) -> None:
-    # ~2.5 s of inner steps a round, so "mid-round" lasts several heartbeats and status polls.
+def test_sigkilled_worker_is_dropped_and_rejoins(cluster: LocalCluster, make_config, holds: Holds) -> None:
+    # w1 is held before round 1's inner steps, so it is mid-round until the test kills it; w0 is
+    # held before round 2's until the restarted w1 is back, so w1 catches round 3 whatever its
+    # start-up takes.
     cluster.start_coordinator(make_config(
-        inner=InnerConfig(steps=1000, batch_size=4, lr=1e-3),
         rounds=RoundConfig(rounds=3, expected_workers=2, quorum=2, straggler_timeout_s=4.0,
                            heartbeat_interval_s=0.3, liveness_timeout_s=2.0)))
+    holds.hold("w1", 1)
+    holds.hold("w0", 2)
     cluster.start_worker("w0")
     cluster.start_worker("w1")
     cluster.wait_for(lambda s: phase_of(s, "w1") == (1, WorkerPhase.TRAINING), 60, "w1 to train round 1")
@@ -40,7 +44,11 @@ def test_sigkilled_worker_is_dropped_and_rejoins(cluster: LocalCluster, make_con
     assert list(status.rounds[1].participants) == ["w0"]
     assert list(status.rounds[1].dropped) == ["w1"]
 
+    holds.release("w1", 1)
     cluster.start_worker("w1")  # same id: same shard, back in at the next round it catches
+    cluster.wait_for(lambda s: any(w.worker_id == "w1" and w.alive and w.round >= 2 for w in s.workers), 60,
+                     "the restarted w1 to take part in round 2")
+    holds.release("w0", 2)
     for name in ("w0", "w1", "coordinator"):
         assert cluster.wait_exit(name, 120) == 0, cluster.log(name)
     chain = [m for _, m in lineage(cluster.run_dir.store, cluster.run_dir.head())]
@@ -126,25 +134,27 @@ def test_update_accepted_before_a_coordinator_crash_is_kept(cluster: LocalCluste
     assert "kept w0's update" in cluster.log("coordinator", tail=400)
 
 
-def test_a_round_that_cannot_be_published_stops_the_coordinator_resumably(cluster: LocalCluster,
-                                                                          make_config) -> None:
+def test_a_round_that_cannot_be_published_stops_the_coordinator_resumably(cluster: LocalCluster, make_config,
+                                                                          holds: Holds) -> None:
     """HEAD cannot be written (here: a directory stands where the file goes, which refuses the write
     as a full or failing disk would): the coordinator exits 1 at once with one line, the worker
     waits it out, and a restarted coordinator finishes the run from the old HEAD and the journal."""
     import time
 
     cluster.start_coordinator(make_config(
-        inner=InnerConfig(steps=300, batch_size=4, lr=1e-3),
         rounds=RoundConfig(rounds=3, expected_workers=1, quorum=1, heartbeat_interval_s=0.3,
                            liveness_timeout_s=3.0)))
     port = int(cluster.address.rsplit(":", 1)[1])
+    holds.hold("w0", 2)  # round 2 cannot close before HEAD is blocked
     cluster.start_worker("w0")
     run = cluster.run_dir
-    cluster.wait_for(lambda s: len(s.rounds) >= 2, 60, "round 1 to close")
+    cluster.wait_for(lambda s: len(s.rounds) >= 2 and phase_of(s, "w0") == (2, WorkerPhase.TRAINING), 60,
+                     "round 1 to close and w0 to train round 2")
     head = run.path / "HEAD"
     saved = head.read_bytes()
     head.unlink()
     head.mkdir()  # round 2's publication cannot move HEAD
+    holds.release("w0", 2)
     started = time.monotonic()
     assert cluster.wait_exit("coordinator", 60) == 1
     assert time.monotonic() - started < 30
@@ -158,13 +168,14 @@ def test_a_round_that_cannot_be_published_stops_the_coordinator_resumably(cluste
     assert [m.round for _, m in lineage(run.store, run.head())] == [0, 1, 2, 3]
 
 
-def test_sigterm_stops_the_coordinator_promptly_even_mid_round(cluster: LocalCluster, make_config) -> None:
+def test_sigterm_stops_the_coordinator_promptly_even_mid_round(cluster: LocalCluster, make_config,
+                                                               holds: Holds) -> None:
     import time
 
     cluster.start_coordinator(make_config(
-        inner=InnerConfig(steps=100_000, batch_size=4, lr=1e-3),
         rounds=RoundConfig(rounds=3, expected_workers=1, quorum=1, heartbeat_interval_s=0.3,
                            liveness_timeout_s=3.0)))
+    holds.hold("w0", 1)  # w0 stays in round 1 until the test ends: the round is open when SIGTERM comes
     cluster.start_worker("w0")
     cluster.wait_for(lambda s: phase_of(s, "w0")[1] == WorkerPhase.TRAINING, 60, "w0 to train")
     started = time.monotonic()

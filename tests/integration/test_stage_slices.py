@@ -15,10 +15,11 @@ import torch
 from cli.cluster import LocalCluster
 from proto import Encoding
 from storage_client import CID, Codec, lineage
+from tests.conftest import Holds
 from tests.integration.test_bad_input import Mallory
 from tests.integration.test_cluster import assert_rederivable
 from trainer.codec.wire import encode_params
-from trainer.config import InnerConfig, ModelConfig, RoundConfig
+from trainer.config import ModelConfig, RoundConfig
 from trainer.model.stages import stage_param_names
 from trainer.runstore.update_record import record_bytes, slice_ref
 
@@ -39,9 +40,10 @@ def stage_record(*slices: dict[str, torch.Tensor]) -> bytes:
                          for s, piece in enumerate(slices)])
 
 
-def test_slices_count_together_and_an_incomplete_worker_is_dropped(cluster: LocalCluster, make_config) -> None:
+def test_slices_count_together_and_an_incomplete_worker_is_dropped(cluster: LocalCluster, make_config,
+                                                                   holds: Holds) -> None:
     cluster.start_coordinator(make_config(
-        model=TWO_LAYERS, inner=InnerConfig(steps=1000, batch_size=4, lr=1e-3),  # w0: seconds a round
+        model=TWO_LAYERS,
         rounds=RoundConfig(rounds=3, expected_workers=2, quorum=1, straggler_timeout_s=60.0,
                            heartbeat_interval_s=0.3, liveness_timeout_s=2.0)))
     m = Mallory.joined(cluster)
@@ -72,10 +74,13 @@ def test_slices_count_together_and_an_incomplete_worker_is_dropped(cluster: Loca
 
     # Round 2: mallory sends stage 0 only, then falls silent; w0 delivers, and once mallory's
     # liveness lapses the round closes without it.
+    # w0 is held before round 3's inner steps, so the run is still open to hear mallory's stale slice.
     m.push(first, round=2, stage=0, num_stages=2, **m.fetch(min_round=1))
+    holds.hold("w0", 3)
     cluster.start_worker("w0")
     cluster.wait_for(lambda s: len(s.rounds) >= 3, 120, "round 2 to close without mallory")
     assert "stale round 2" in m.refused(PRECONDITION, second, round=2, stage=1, num_stages=2)
+    holds.release("w0", 3)
     assert cluster.wait_exit("w0", 120) == 0, cluster.log("w0")
     assert cluster.wait_exit("coordinator", 60) == 0, cluster.log("coordinator")
     assert "mallory dropped with 1 of its 2 stage slices" in cluster.log("coordinator", tail=200)

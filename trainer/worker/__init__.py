@@ -5,6 +5,7 @@
     role     Worker: set-up at the first Join, training a round, pushing (and undoing a refused
              round), signing reports, progress records
     loops    the synchronous and the overlapped (one-step-delay) round loops
+    hold     a test-only pause before a round's inner steps (DILOCOX_TEST_HOLD_DIR; refused outside pytest)
 
 A worker of P pipeline stages (``--stages P``, trainer.runtime.pipeline) pushes Δᵢ⁽ʳ⁾ as P slices, one
 stream each, every slice encoded by the stage that computed it (trainer.codec.uplink); a one-process

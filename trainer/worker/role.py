@@ -53,6 +53,7 @@ from trainer.worker.client import (
     heartbeats,
     slice_name,
 )
+from trainer.worker.hold import RoundHold
 from trainer.worker.loops import overlapped, synchronous
 from trainer.worker.reporter import Reporter
 
@@ -114,6 +115,7 @@ class Worker:
         self._counted = (0, 0)  # bytes sent/received up to the last progress record
         # Seconds by phase since the last progress record ("push", "evaluate"; see _phases).
         self.phase_seconds = PhaseSeconds()
+        self.hold = RoundHold.from_env()  # a test's pause before a round (trainer.worker.hold); none in a run
 
     def set_up(self, config: RunConfig, shard: int, num_shards: int) -> None:
         """At the first Join: the shard, the held-out batches, θ⁽⁰⁾ and the inner loop."""
@@ -185,6 +187,7 @@ class Worker:
 
     def _train(self, round_: int, params: Params) -> RoundWork:
         self.client.round, self.client.phase = round_, WorkerPhase.TRAINING
+        self.hold.wait(self.worker_id, round_)
         cfg = self.config
         assert self.client.schedule is not None
         try:  # H_r: fixed, or adaptive (trainer.rounds.schedule)
