@@ -59,9 +59,10 @@ setup: platform $(STAMP) $(STUBS) $(ARTIFACTS)
 demo: setup
 	$(VENV)/bin/dilocox demo
 
+# --durations=10: every run ends with its ten slowest tests, so a slower suite shows where.
 test: setup
 	cd contracts && $(FORGE) test
-	$(PY) -m pytest -q
+	$(PY) -m pytest -q --durations=10
 
 # The unit tests alone (pure logic: no cluster, no chain): the loop to run while editing.
 test-fast: setup
