@@ -26,6 +26,7 @@ import asyncio
 import dataclasses
 import logging
 import time
+from collections.abc import Iterator
 
 import grpc
 from grpc_health.v1 import health_pb2
