@@ -6,7 +6,7 @@ module checks that an update is what its worker's declared work gives. For a con
 worker w to round r (a manifest participant: its update Δ, data shard s, committed inner state σ):
 
     θ_start  = θ⁽ʳ⁻¹⁾                               round r-1's stored parameters
-    AdamW    = fresh                                 when σ = FRESH_STATE (trainer.rounds.outer)
+    AdamW    = fresh                                 when σ = FRESH_STATE (trainer.runtime.inner)
              = the state after w's previous counted   otherwise: replayed first, back to w's last
                contribution                            fresh start (the worker's "chain")
     batches  = round_batches(shard s, seed, s, r, H_r) trainer.data.corpus: fixed by the config and, with

@@ -1,6 +1,6 @@
 """The worker's role: what it trains, what it pushes and signs, and how a refused round is undone.
 
-It ties the transport (trainer.worker.client) to the inner loop (trainer.rounds.outer, or
+It ties the transport (trainer.worker.client) to the inner loop (trainer.runtime.inner, or
 trainer.runtime.pipeline for several stages) and the uplink codec (trainer.codec.uplink); the round loops
 (trainer.worker.loops) drive it. The inner state a round starts from (AdamW, and the error feedback
 when compressed) is committed in each push (``inner_state_sha256``, trainer.runtime.inner.inner_state_digest)
