@@ -4,6 +4,7 @@ when it is absent: a missing input must not pass as a skip)."""
 
 from __future__ import annotations
 
+import logging
 import os
 from pathlib import Path
 from typing import Callable, Iterator
@@ -43,6 +44,18 @@ def small_config(**sections: object) -> RunConfig:
                            heartbeat_interval_s=0.5, liveness_timeout_s=3.0),
     ).plain_diloco()
     return base.replace(**sections)
+
+
+@pytest.fixture(autouse=True)
+def logging_as_before() -> Iterator[None]:
+    """A test that runs a CLI command in this process (``cli.main.main``) sets the root logger up
+    for it, writing to the stream pytest captured for that test: the handlers and level are put
+    back afterwards, so a later test's log lines never go to a stream that has since been closed."""
+    root = logging.getLogger()
+    handlers, level = root.handlers[:], root.level
+    yield
+    root.handlers[:] = handlers
+    root.setLevel(level)
 
 
 @pytest.fixture

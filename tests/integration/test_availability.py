@@ -101,6 +101,7 @@ def finished_while_progressing(cluster: LocalCluster) -> None:
         assert cluster.wait_exit(name, 30) == 0, cluster.log(name)
 
 
+@pytest.mark.alone  # a rate, measured against the machine's own load: no other test beside it
 def test_honest_rounds_keep_their_rate_under_each_attack(cluster: LocalCluster, tmp_path: Path) -> None:
     path = tmp_path / "config.json"
     fast_run(ROUNDS).save(path)

@@ -1,19 +1,16 @@
 """The README's "Running it by hand" section, run as written: no Python between the commands.
 
 The shell block is read out of README.md (so the README cannot drift from what works) and run by
-bash in a temporary directory, with three substitutions only: ``.venv/bin/dilocox`` is this
-interpreter's ``-m cli.main``, the coordinator's port 50051 a free one, and (for the second test)
-settings added to the run's configuration and the coordinator. It starts a local chain (``chain
+bash in a temporary directory, with two substitutions only: ``.venv/bin/dilocox`` is this
+interpreter's ``-m cli.main``, and the coordinator's port 50051 a free one. It starts a local chain (``chain
 up``), deploys the contracts, allows the run, starts a coordinator and two workers on 127.0.0.1
 over TLS, funds the pool, mines past the challenge window, settles (claiming), audits with
 ``--replay 2`` and stops the chain (``chain down``). Then, from the chain state that ``chain down``
 saved (a copy, restarted here), every worker must have been credited and paid for every round; while
 it ran, ``dilocox status`` must have shown both workers' addresses beside their ids.
 
-The second test makes each round's training outlast ``--report-timeout``. Today a worker in the
-overlapped loop reports round r−1 only after training round r (issue 25), so those rounds are
-recorded with unreported updates and the workers go unpaid for them: it is expected to fail until
-the worker sends its report as soon as it can (the ``reports`` branch).
+Rounds that train longer than ``--report-timeout`` are tests/integration/test_reports_in_time.py's:
+the same processes started by the cluster harness, every report of every round on the ledger.
 """
 
 from __future__ import annotations
@@ -58,13 +55,10 @@ def _replace_once(script: str, old: str, new: str) -> str:
     return script.replace(old, new)
 
 
-def by_hand_script(port: int, config_settings: tuple[str, ...] = (), coordinator_flags: tuple[str, ...] = ()) -> str:
+def by_hand_script(port: int) -> str:
     script = readme_block()
     script = _replace_once(script, "--port 50051", f"--port {port}")
     script = _replace_once(script, "--coordinator 127.0.0.1:50051", f"--coordinator 127.0.0.1:{port}")
-    script = _replace_once(script, f" > {RUN}/config.json", " ".join(["", *config_settings, f"> {RUN}/config.json"]))
-    script = _replace_once(script, ".venv/bin/dilocox coordinator",
-                           " ".join([".venv/bin/dilocox coordinator", *coordinator_flags]))
     return script.replace(".venv/bin/dilocox", f"{sys.executable} -m cli.main")
 
 
@@ -93,13 +87,13 @@ def _addresses_while_running(script: subprocess.Popen[str], port: int, cwd: Path
     return seen
 
 
-def run_by_hand(tmp_path: Path, **changes: tuple[str, ...]) -> tuple[str, dict[str, str]]:
+def run_by_hand(tmp_path: Path) -> tuple[str, dict[str, str]]:
     """Run the README's block in ``tmp_path``; returns its output and the addresses status showed.
     Whatever happens, the script's processes and its chain are stopped."""
     port = free_port()
     log = tmp_path / "by-hand.log"
     with open(log, "w") as out:
-        script = subprocess.Popen(["bash", "-e", "-c", by_hand_script(port, **changes)], cwd=tmp_path, env=_env(),
+        script = subprocess.Popen(["bash", "-e", "-c", by_hand_script(port)], cwd=tmp_path, env=_env(),
                                   stdout=out, stderr=subprocess.STDOUT, text=True, start_new_session=True)
     try:
         addresses = _addresses_while_running(script, port, tmp_path)
@@ -152,14 +146,3 @@ def test_the_readme_by_hand_section_runs_audits_and_settles(tmp_path: Path) -> N
     assert "chain stopped" in text
     check_everyone_paid(tmp_path, addresses)
 
-
-def test_by_hand_with_rounds_longer_than_the_report_timeout_pays_everyone(tmp_path: Path) -> None:
-    # 60 steps: about 1.8 s of training a round on an idle core (and longer on a busy one), more than
-    # the report timeout of 1 s, which is all the regime needs; each step more is paid again by the
-    # audit's replay. (At 200 steps the audit's replay of an overlapped round 2 is refused, 0.086 off,
-    # for honest workers: a separate problem, with or without the reports.)
-    text, addresses = run_by_hand(tmp_path, config_settings=("--set inner.steps=60", "--set rounds.rounds=2"),
-                                  coordinator_flags=("--report-timeout 1",))
-    assert "AUDIT PASSED" in text, text[-6000:]
-    assert "UNREPORTED" not in text, text[-6000:]
-    check_everyone_paid(tmp_path, addresses)

@@ -39,6 +39,13 @@ DEMO = ["model.family=llama", "model.n_layer=1", "model.n_embd=32", "model.n_hea
         "inner.steps=6", "inner.batch_size=4", "rounds.rounds=2", "data.eval_batches=2"]
 
 
+def sigint_as_default() -> None:
+    """In the child, before exec: SIGINT back to its default, so the test's Ctrl-C reaches the command
+    even when the suite itself runs as a background job (a shell starts those with SIGINT ignored,
+    and an ignored signal stays ignored across exec)."""
+    signal.signal(signal.SIGINT, signal.SIG_DFL)
+
+
 def dilocox(*args: str, timeout: float = 240, env: dict[str, str] | None = None) -> subprocess.CompletedProcess[str]:
     return subprocess.run([sys.executable, "-m", "cli.main", *args], cwd=REPO, stdin=subprocess.DEVNULL,
                           stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, timeout=timeout, env=env or ENV)
@@ -161,7 +168,8 @@ def test_a_signalled_audit_stops_its_anvil_and_removes_its_temp_dir(demo_run: Pa
     temp.mkdir()
     audit = subprocess.Popen([sys.executable, "-m", "cli.main", "audit", "--run", str(demo_run), "--allow-dev",
                               "--replay", "4"], cwd=REPO, stdin=subprocess.DEVNULL, stdout=subprocess.PIPE,
-                             stderr=subprocess.PIPE, text=True, env={**ENV, "TMPDIR": str(temp)})
+                             stderr=subprocess.PIPE, text=True, env={**ENV, "TMPDIR": str(temp)},
+                             preexec_fn=sigint_as_default)
     try:
         assert audit.stderr is not None
         for line in audit.stderr:  # wait for the replay to be under way: anvil runs, the temp dir exists
@@ -197,7 +205,8 @@ def test_status_watch_shows_a_worker_starting_its_stages_as_alive(cluster: Local
     cluster.start_worker("w0", extra=["--stages", "2", "--cores", "2"])
     watch = subprocess.Popen([sys.executable, "-m", "cli.main", "status", "--coordinator", str(cluster.address),
                               *cluster.tls_args(), "--watch", "0.2"], cwd=REPO, stdin=subprocess.DEVNULL,
-                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=ENV)
+                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=ENV,
+                             preexec_fn=sigint_as_default)
     try:
         # Liveness lapses 1 s after the last heartbeat; starting the stages takes longer than that.
         status = cluster.wait_for(lambda s: any(w.phase == WorkerPhase.STARTING for w in s.workers), 60,
