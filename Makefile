@@ -32,9 +32,11 @@ $(PY): | platform
 
 # Reinstall only when the dependency list changes. pip says each package it collects and installs
 # (a bar per download on a terminal): the first time takes minutes (torch alone is large).
+# --no-compile: Python compiles a module's bytecode when it is first imported and keeps it, so only
+# the modules the project imports are ever compiled, not every module of every package (torch's).
 $(STAMP): pyproject.toml | $(PY)
 	@echo "set-up 2/5: the Python packages (pip install -e '.[test]'; minutes on a fresh machine)"
-	$(PY) -m pip install -e '.[test]'
+	$(PY) -m pip install --no-compile -e '.[test]'
 	touch $@
 
 $(STUBS) &: proto/dilocox.proto $(STAMP)
