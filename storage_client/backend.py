@@ -31,8 +31,10 @@ if TYPE_CHECKING:
 RUN_STORE_DIR = "store"  # a run's objects live under <run>/store
 
 
-class StoreError(DilocoxError):
-    """Base class for object store failures."""
+class StoreError(DilocoxError, ValueError):
+    """Base class for object store failures: a ValueError, like every refusal of bytes read from
+    outside, so a reader that catches (OSError, ValueError) around a read names a missing or
+    corrupt object instead of crashing on it."""
 
 
 class MissingObjectError(StoreError):

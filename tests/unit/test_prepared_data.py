@@ -180,6 +180,22 @@ def test_a_prepared_run_pins_its_index_and_workers_read_only_their_shards(tmp_pa
     assert all(int(x.max()) < 300 for x, _ in batches)
 
 
+@pytest.mark.parametrize("damage", ["corrupt", "missing"])
+def test_a_damaged_pinned_index_is_a_data_error_naming_the_object(tmp_path: Path, bpe_dir: Path, damage: str) -> None:
+    """What the audit and a resuming coordinator read: a store object that no longer hashes to its
+    CID, or is gone, is refused as the run's token index (a DataError, which the audit turns into a
+    failed check), never an uncaught store error."""
+    store = ObjectStore(tmp_path / "store")
+    config, _ = pin_dataset(config_for(bpe_dir, vocab=300), store)
+    path = store.path_of(config.data.tokens_cid)
+    if damage == "corrupt":
+        path.write_bytes(path.read_bytes().replace(b'"bpe"', b'"BPE"'))
+    else:
+        path.unlink()
+    with pytest.raises(DataError, match=f"token index {config.data.tokens_cid} cannot be read from its store"):
+        run_dataset(config, store)
+
+
 def _copy(src: Path, dst: Path) -> Path:
     dst.mkdir()
     for f in src.iterdir():

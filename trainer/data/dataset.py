@@ -391,7 +391,7 @@ def run_dataset(config: RunConfig, store: Store | None) -> Dataset:
         if store is None:
             raise DataError("no store to read it from")
         index_bytes = store.get(cid)
-    except (OSError, ValueError) as exc:  # StoreError is one of these
+    except (OSError, ValueError) as exc:  # StoreError is a ValueError
         raise DataError(f"the run's token index {cid} cannot be read from its store: {exc}") from None
     return PreparedDataset(config, index_bytes)
 
