@@ -119,8 +119,10 @@ class Tallies:
         return {worker: Contribution(tokens=tokens[worker], rounds=rounds[worker]) for worker in tokens}
 
     def check_payouts(self, run_id: bytes) -> None:
-        """Every reward the pool paid out of this run is one a recorded round entitles (``payout``),
-        and each worker's earnings and payments go in the result (settlement.rewards.statement)."""
+        """Every reward the pool paid out of this run is one a recorded round entitles, the pool's own
+        count of what it paid equals its ``RewardPaid`` events, and it holds at least what it has yet
+        to pay out of this run (``payout``); each worker's earnings and payments go in the result
+        (settlement.rewards.statement)."""
         if self.rewards is None:
             return
         try:
@@ -138,3 +140,14 @@ class Tallies:
         if statement.paid > statement.funded:
             self.findings.fail(None, self.rewards.address, AuditCheck.PAYOUT,
                                f"the pool paid {statement.paid} out of this run, funded with {statement.funded}")
+        # The pool's own books against its events: a count that drifted from the payments (or a pool
+        # that no longer holds what it owes this run) cannot pay every worker what it is owed.
+        if statement.pool_paid != statement.paid:
+            self.findings.fail(None, self.rewards.address, AuditCheck.PAYOUT,
+                               f"the pool counts {statement.pool_paid} paid out of this run, but its RewardPaid "
+                               f"events add up to {statement.paid}")
+        owed = statement.funded - statement.pool_paid
+        if statement.pool_balance < owed:
+            self.findings.fail(None, self.rewards.address, AuditCheck.PAYOUT,
+                               f"the pool holds {statement.pool_balance} tokens, less than the {owed} it has yet to "
+                               f"pay out of this run")

@@ -38,6 +38,9 @@ class RewardToken(_Contract):
     def approve(self, spender: str, amount: int) -> Any:
         return self.chain.transact(self._contract.functions.approve(to_checksum_address(spender), amount))
 
+    def balance_of(self, holder: str) -> int:
+        return int(self.chain.call(self._contract.functions.balanceOf(to_checksum_address(holder))))
+
 
 @dataclass
 class WorkerStatement:
@@ -58,7 +61,9 @@ class WorkerStatement:
 
 @dataclass
 class Statement:
-    """A run's pool and every credited worker's account, as of block ``head``."""
+    """A run's pool and every credited worker's account, as of block ``head``: ``paid`` adds up the
+    run's ``RewardPaid`` events; ``pool_paid`` is what the pool itself counts as paid out of the run,
+    and ``pool_balance`` the tokens the pool holds (for every run it pays)."""
 
     run_id: bytes
     funded: int
@@ -66,6 +71,8 @@ class Statement:
     challenge_window: int
     head: int
     workers: dict[str, WorkerStatement]
+    pool_paid: int
+    pool_balance: int
 
     @property
     def paid(self) -> int:
@@ -74,6 +81,7 @@ class Statement:
     def to_json(self) -> dict[str, Any]:
         return {"run_id": "0x" + self.run_id.hex(), "funded": self.funded, "total_rounds": self.total_rounds,
                 "challenge_window": self.challenge_window, "head": self.head, "paid": self.paid,
+                "pool_paid": self.pool_paid, "pool_balance": self.pool_balance,
                 "workers": [w.to_json() for _, w in sorted(self.workers.items())]}
 
 
@@ -142,7 +150,8 @@ class RewardPool(_Contract):
                     accounts[w].claimable += share
                 else:
                     accounts[w].pending += share
-        return Statement(run_id, funded, total, window, head, accounts)
+        balance = RewardToken(self.chain, self.token_address()).balance_of(self.address)
+        return Statement(run_id, funded, total, window, head, accounts, pool.paid, balance)
 
     def claim(self, run_id: bytes, worker: str) -> tuple[int, Any | None]:
         """Claim every matured, unpaid round of ``worker`` in one call; returns (amount, receipt), or

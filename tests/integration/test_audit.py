@@ -22,6 +22,7 @@ from typing import Any
 
 import pytest
 import torch
+from web3 import Web3
 
 from attestation import (
     DevProvider,
@@ -668,6 +669,44 @@ def test_rewards_are_claimed_and_audited(anvil: Anvil, tmp_path: Path) -> None:
     assert {w: (a.earned, a.paid) for w, a in result.rewards.workers.items()} == {
         key.address: (500, 500) for key in builder.keys.values()}
     assert result.to_json()["rewards"]["paid"] == 1000
+
+
+def _set_storage_word(builder: RunBuilder, contract: str, slot: int, value: int) -> None:
+    builder.owner.w3.provider.make_request("anvil_setStorageAt", [contract, hex(slot), "0x" + value.to_bytes(32, "big").hex()])
+
+
+def _mapping_slot(key: bytes, slot: int) -> int:
+    """The storage slot of ``mapping[key]`` for a mapping declared at ``slot`` (Solidity's layout:
+    keccak256(key . slot), the key left-padded to 32 bytes)."""
+    return int.from_bytes(Web3.keccak(key.rjust(32, b"\0") + slot.to_bytes(32, "big")), "big")
+
+
+@pytest.mark.parametrize("tampered", ["paid", "balance"])
+def test_a_pool_whose_books_disagree_with_its_payments_is_named(anvil: Anvil, tmp_path: Path, tampered: str) -> None:
+    """The pool's own count of what it paid out of the run must equal its RewardPaid events, and it
+    must hold what it has yet to pay: a pool whose ``paid`` was changed, or whose tokens went, fails
+    the audit by name. (The chain is changed under the pool with anvil_setStorageAt; the slots are
+    ``forge inspect``'s: RewardPool._pools at 0 with {funded, paid} packed in the record's second
+    word, RewardToken._balances at 0.)"""
+    builder = RunBuilder(tmp_path, anvil.rpc_url, run_name=f"books-{tampered}")
+    pool = builder.fund(1000, rounds=2)
+    builder.round()
+    w0 = builder.keys["w0"].address
+    assert pool.claim(builder.run_id, w0)[0] == 250
+    assert builder.audit().ok
+    if tampered == "paid":  # the record's second word: paid (high 128 bits) | funded (low 128 bits)
+        _set_storage_word(builder, pool.address, _mapping_slot(builder.run_id, 0) + 1, (100 << 128) | 1000)
+        said = ["the pool counts 100 paid out of this run, but its RewardPaid events add up to 250",
+                # by its own count it owes 900 now, and holds the 750 it really had left
+                "the pool holds 750 tokens, less than the 900 it has yet to pay out of this run"]
+    else:
+        holder = bytes.fromhex(pool.address[2:])
+        _set_storage_word(builder, builder.deployment.token, _mapping_slot(holder, 0), 700)
+        said = ["the pool holds 700 tokens, less than the 750 it has yet to pay out of this run"]
+    result = builder.audit()
+    failures = [f for f in result.failures if f.check == "payout"]
+    assert [f.message for f in failures] == said and {f.object for f in failures} == {pool.address}
+    assert result.to_json()["rewards"]["pool_paid"] == (100 if tampered == "paid" else 250)
 
 
 def test_a_payout_no_record_entitles_is_named(anvil: Anvil, tmp_path: Path) -> None:
