@@ -86,9 +86,8 @@ class AuditCheck(StrEnum):
     TALLY = ("tally", "ledger.contribution_of(run, worker) equals the reports' tokens and rounds")
     TOTAL_CONTRIBUTION = ("total-contribution", "ledger.total_contribution_of(worker) equals the worker's credits "
                                                 "over every run the ledger created")
-    PAYOUT = ("payout", "every RewardPaid of the run is what a recorded round entitles its worker to, once; the "
-                        "run is not paid past its funding; the pool's own count of what it paid equals its "
-                        "RewardPaid events, and it holds at least what it has yet to pay out of the run")
+    PAYOUT = ("payout", "each RewardPaid of the run is what a recorded round entitles, once; the run is not paid "
+                        "past its funding; the pool's count of what it paid equals the events; it holds what it owes")
     RECORDER = ("recorder", "each round's recording transaction was sent by the run's coordinator")
     UNRECORDED = ("unrecorded", "the store's lineage goes at most max_unrecorded rounds past the ledger's last "
                                 "round")
