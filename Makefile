@@ -64,13 +64,16 @@ demo: setup
 # The suite runs on TEST_WORKERS pytest processes (pytest-xdist): one pytest keeps about one core
 # busy (most of its time goes to the processes a test starts, one after another), so two keep both
 # cores of a 2-core machine busy. --dist loadfile keeps each test module on one of them, so a
-# module's shared fixtures (a finished run, a chain) are built once. The tests marked `alone`
+# module's shared fixtures (a finished run, a chain) are built once. --no-loadscope-reorder hands the
+# modules out in collection order, the integration modules first and the many short unit modules
+# last, where they fill in: xdist's default (most tests first) left a one-test module of a minute
+# (the ablation smoke) for the end, with the other pytest idle behind it. The tests marked `alone`
 # measure a rate on this machine and run afterwards, by themselves. --durations: the slowest tests.
 TEST_WORKERS ?= 2
 
 test: setup
 	cd contracts && $(FORGE) test
-	$(PY) -m pytest -q -n $(TEST_WORKERS) --dist loadfile -m "not alone" --durations=10
+	$(PY) -m pytest -q -n $(TEST_WORKERS) --dist loadfile --no-loadscope-reorder -m "not alone" --durations=10
 	$(PY) -m pytest -q -m alone --durations=3
 
 # The unit tests alone (pure logic: no cluster, no chain): the loop to run while editing.

@@ -775,14 +775,16 @@ def main(argv: list[str] | None = None) -> int:
         logging.getLogger("dilocox").error("interrupted (SIGINT): stopped, cleaned up, exiting")
         return 130
     except Exception as exc:  # one clear line for expected failures; the traceback with -v
-        from trainer.config import SettingError
-
+        # A SettingError can only come from trainer.config once it is imported; importing it here
+        # just to compare would load torch (a second of CPU) into every command that fails.
+        config = sys.modules.get("trainer.config")
+        usage_errors = (UsageError, config.SettingError) if config is not None else (UsageError,)
         # DilocoxError is every error of the product's own; OSError and ValueError are the standard
         # library's refusals of what the user gave (a missing file, a port in use, a bad number).
         if isinstance(exc, (DilocoxError, OSError, ValueError)) and not args.verbose:
             text = " ".join(str(exc).split()) or type(exc).__name__  # one line, whatever the message holds
             logging.getLogger("dilocox").error("%s: %s", type(exc).__name__, text)
-            return 2 if isinstance(exc, (UsageError, SettingError)) else 1
+            return 2 if isinstance(exc, usage_errors) else 1
         raise
 
 
