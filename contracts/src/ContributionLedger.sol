@@ -18,9 +18,9 @@ import {IWorkerRegistry} from "./IWorkerRegistry.sol";
  * worker's total over runs is summed from its run tallies when asked ({totalContributionOf}), so a
  * report costs no second slot.
  *
- * Disputes: the ledger creates its {Disputes} contract in its constructor and takes credit off a
- * tally ({voidCredit}) only when that contract asks, so the set of contracts that can change a tally
- * is fixed at deployment (no owner, no setter).
+ * Disputes: the ledger creates its {Disputes} contract in its constructor (owned by the ledger's
+ * deployer, who admits auditors) and takes credit off a tally ({voidCredit}) only when that contract
+ * asks, so the set of contracts that can change a tally is fixed at deployment (no setter).
  */
 contract ContributionLedger is IContributionLedger, EIP712 {
     /// @dev A worker's tally in one run (one slot).
@@ -46,7 +46,7 @@ contract ContributionLedger is IContributionLedger, EIP712 {
     /// @param registry_ The registry that says which worker keys are active.
     constructor(IWorkerRegistry registry_) EIP712("DiLoCoX Contribution Ledger", "1") {
         _registry = registry_;
-        _disputes = address(new Disputes(this, registry_));
+        _disputes = address(new Disputes(this, msg.sender));
     }
 
     /// @inheritdoc IContributionLedger

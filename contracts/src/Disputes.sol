@@ -1,19 +1,21 @@
 // SPDX-License-Identifier: MIT
 pragma solidity ^0.8.24;
 
+import {Ownable} from "@openzeppelin/contracts/access/Ownable.sol";
+import {Ownable2Step} from "@openzeppelin/contracts/access/Ownable2Step.sol";
 import {EIP712} from "@openzeppelin/contracts/utils/cryptography/EIP712.sol";
 import {ECDSA} from "@openzeppelin/contracts/utils/cryptography/ECDSA.sol";
 import {BitMaps} from "@openzeppelin/contracts/utils/structs/BitMaps.sol";
 import {IContributionLedger} from "./IContributionLedger.sol";
 import {IDisputes} from "./IDisputes.sol";
-import {IWorkerRegistry} from "./IWorkerRegistry.sol";
 
 /**
  * @title Disputes
  * @notice {IDisputes}: verdicts of a run's admitted auditors that void credit on the ledger.
  *
  * The ledger creates its one Disputes in its constructor and accepts {IContributionLedger-voidCredit}
- * from it alone, so no other contract can take credit off a tally. A verdict's window is the run's
+ * from it alone, so no other contract can take credit off a tally. Its owner is the ledger's deployer
+ * ({Ownable2Step}: a transfer takes effect when the new owner accepts it). A verdict's window is the run's
  * `challengeWindow` on the ledger, from the block the round was recorded in: round r recorded in
  * block b is disputable in blocks [b, b + w), and the reward pool pays it from block b + w on, so no
  * payment can precede a void of the same credit.
@@ -22,7 +24,7 @@ import {IWorkerRegistry} from "./IWorkerRegistry.sol";
  * worker; a claim asks {isVoided}, which reads the summary and, only in a round with a voided worker,
  * the bit.
  */
-contract Disputes is IDisputes, EIP712 {
+contract Disputes is IDisputes, EIP712, Ownable2Step {
     using BitMaps for BitMaps.BitMap;
 
     /// @dev How a round stands (one slot).
@@ -42,7 +44,6 @@ contract Disputes is IDisputes, EIP712 {
         keccak256("Verdict(bytes32 runId,uint64 round,address party,bytes32 check,bytes32 evidence)");
 
     IContributionLedger private immutable _ledger;
-    IWorkerRegistry private immutable _registry;
 
     mapping(bytes32 runId => Panel) private _panels;
     mapping(bytes32 runId => mapping(address auditor => bool)) private _auditors;
@@ -53,36 +54,35 @@ contract Disputes is IDisputes, EIP712 {
     /**
      * @param ledger_ The ledger that created this contract (it does not answer calls yet: its
      * constructor is running).
-     * @param registry_ The ledger's registry.
+     * @param initialOwner The account that admits auditors and sets thresholds: the ledger's deployer.
      */
-    constructor(IContributionLedger ledger_, IWorkerRegistry registry_) EIP712("DiLoCoX Disputes", "1") {
+    constructor(IContributionLedger ledger_, address initialOwner) EIP712("DiLoCoX Disputes", "1") Ownable(initialOwner) {
         _ledger = ledger_;
-        _registry = registry_;
     }
 
     /// @inheritdoc IDisputes
-    function admitAuditor(bytes32 runId, address auditor, bytes32 measurement, bytes32 evidenceDigest) external {
-        if (!_registry.isVerifier(msg.sender)) revert DisputesNotVerifier(msg.sender);
+    function admitAuditor(bytes32 runId, address auditor, bytes32 measurement, bytes32 evidenceDigest)
+        external
+        onlyOwner
+    {
         address coordinator = _ledger.runOf(runId).coordinator;
         if (coordinator == address(0)) revert DisputesUnknownRun(runId);
-        if (!_registry.isMeasurementAllowed(measurement)) revert DisputesMeasurementNotAllowed(measurement);
         if (auditor == address(0)) revert DisputesZeroAddress();
         if (auditor == coordinator) revert DisputesCoordinatorAuditor(auditor);
         if (_auditors[runId][auditor]) revert DisputesAlreadyAdmitted(runId, auditor);
 
         _auditors[runId][auditor] = true;
         _panels[runId].auditors += 1;
-        emit AuditorAdmitted(runId, auditor, measurement, evidenceDigest, msg.sender);
+        emit AuditorAdmitted(runId, auditor, measurement, evidenceDigest);
     }
 
     /// @inheritdoc IDisputes
-    function setThreshold(bytes32 runId, uint256 threshold) external {
-        if (!_registry.isVerifier(msg.sender)) revert DisputesNotVerifier(msg.sender);
+    function setThreshold(bytes32 runId, uint256 threshold) external onlyOwner {
         Panel storage panel = _panels[runId];
         if (threshold == 0 || threshold > panel.auditors) revert DisputesBadThreshold(threshold, panel.auditors);
         // forge-lint: disable-next-line(unsafe-typecast) -- threshold <= panel.auditors, a uint64
         panel.threshold = uint64(threshold);
-        emit ThresholdSet(runId, threshold, msg.sender);
+        emit ThresholdSet(runId, threshold);
     }
 
     /**
@@ -152,11 +152,6 @@ contract Disputes is IDisputes, EIP712 {
     /// @inheritdoc IDisputes
     function ledger() external view returns (IContributionLedger) {
         return _ledger;
-    }
-
-    /// @inheritdoc IDisputes
-    function registry() external view returns (IWorkerRegistry) {
-        return _registry;
     }
 
     /// @dev The verdict's round is recorded, its facts prove, and its window is open.

@@ -2,7 +2,6 @@
 pragma solidity ^0.8.24;
 
 import {IContributionLedger} from "./IContributionLedger.sol";
-import {IWorkerRegistry} from "./IWorkerRegistry.sol";
 
 /**
  * @title IDisputes
@@ -17,13 +16,14 @@ import {IWorkerRegistry} from "./IWorkerRegistry.sol";
  *     no worker's report in it can be trusted to have been used as signed).
  * A voided share is never paid; the pool returns it to the run's funder ({IRewardPool-reclaim}).
  *
- * Auditors: a registry verifier ({IWorkerRegistry-isVerifier}) checks an auditor's attestation
- * evidence off chain — a key made inside its TEE (or the dev stand-in), bound by REPORTDATA to the
- * audit code's measurement, which the registry's owner allowlists ({IWorkerRegistry-isMeasurementAllowed})
- * — and admits its key to one run ({admitAuditor}); the verifier also sets the run's threshold k
- * ({setThreshold}). The run's coordinator has no call here: it can neither keep an auditor out nor
- * add one, and it can never be an auditor of its own run ({DisputesCoordinatorAuditor}). An admitted
- * auditor stays admitted for the run.
+ * Auditors: the owner of this contract — the account that deployed the ledger, the same party that
+ * owns the worker registry and decides which code may be a worker and who verifies — checks an
+ * auditor's attestation evidence off chain (a key made inside its TEE, or the dev stand-in, bound by
+ * REPORTDATA to the audit code's measurement) and admits its key to one run ({admitAuditor}); it
+ * also sets the run's threshold k ({setThreshold}). A run's coordinator is a registry verifier (it
+ * admits its workers) but has no call here: it can neither keep an auditor out nor add one, and it can
+ * never be an auditor of its own run ({DisputesCoordinatorAuditor}). An admitted auditor stays
+ * admitted for the run.
  *
  * One verdict per (run, round, party): a repeated one, or one for a round already voided whole, is
  * refused ({DisputesAlreadyVoided}).
@@ -51,18 +51,6 @@ interface IDisputes {
      * @param runId The id the call named.
      */
     error DisputesUnknownRun(bytes32 runId);
-
-    /**
-     * @dev The caller is not an enabled verifier of the ledger's registry.
-     * @param caller The account that sent the call.
-     */
-    error DisputesNotVerifier(address caller);
-
-    /**
-     * @dev An auditor's measurement is not on the registry's allowlist.
-     * @param measurement The measurement the admission named.
-     */
-    error DisputesMeasurementNotAllowed(bytes32 measurement);
 
     /// @dev The zero address cannot be an auditor.
     error DisputesZeroAddress();
@@ -159,19 +147,15 @@ interface IDisputes {
      * @param auditor The auditor's signing address, bound into its evidence's REPORTDATA.
      * @param measurement The audit code's measurement its evidence showed.
      * @param evidenceDigest sha256 of its evidence bytes.
-     * @param verifier The registry verifier that checked the evidence.
      */
-    event AuditorAdmitted(
-        bytes32 indexed runId, address indexed auditor, bytes32 measurement, bytes32 evidenceDigest, address verifier
-    );
+    event AuditorAdmitted(bytes32 indexed runId, address indexed auditor, bytes32 measurement, bytes32 evidenceDigest);
 
     /**
      * @notice A run's threshold was set.
      * @param runId The run.
      * @param threshold Distinct admitted auditors a verdict needs.
-     * @param verifier The registry verifier that set it.
      */
-    event ThresholdSet(bytes32 indexed runId, uint256 threshold, address verifier);
+    event ThresholdSet(bytes32 indexed runId, uint256 threshold);
 
     /**
      * @notice A verdict was upheld: `party`'s credit in the round (or, for the coordinator, the round)
@@ -189,9 +173,9 @@ interface IDisputes {
     );
 
     /**
-     * @notice Admits `auditor` to `runId`, after the caller checked its evidence off chain. Only an
-     * enabled registry verifier ({DisputesNotVerifier}); an existing run ({DisputesUnknownRun}); an
-     * allowlisted measurement ({DisputesMeasurementNotAllowed}); not zero ({DisputesZeroAddress}), not
+     * @notice Admits `auditor` to `runId`, after the caller checked its evidence off chain. Only the
+     * owner (OpenZeppelin's OwnableUnauthorizedAccount); an existing run ({DisputesUnknownRun}); not
+     * zero ({DisputesZeroAddress}), not
      * the run's coordinator ({DisputesCoordinatorAuditor}), once ({DisputesAlreadyAdmitted}). Emits
      * {AuditorAdmitted}.
      * @param runId The run.
@@ -202,8 +186,8 @@ interface IDisputes {
     function admitAuditor(bytes32 runId, address auditor, bytes32 measurement, bytes32 evidenceDigest) external;
 
     /**
-     * @notice Sets the run's threshold: how many distinct admitted auditors a verdict needs. Only an
-     * enabled registry verifier ({DisputesNotVerifier}); 1 ≤ threshold ≤ admitted auditors
+     * @notice Sets the run's threshold: how many distinct admitted auditors a verdict needs. Only the
+     * owner; 1 ≤ threshold ≤ admitted auditors
      * ({DisputesBadThreshold}). Emits {ThresholdSet}.
      * @param runId The run.
      * @param threshold k.
@@ -285,10 +269,4 @@ interface IDisputes {
      * @return The ledger.
      */
     function ledger() external view returns (IContributionLedger);
-
-    /**
-     * @notice The registry whose verifiers admit auditors and whose allowlist their measurement is on.
-     * @return The registry.
-     */
-    function registry() external view returns (IWorkerRegistry);
 }

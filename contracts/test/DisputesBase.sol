@@ -5,7 +5,7 @@ import {Disputes} from "../src/Disputes.sol";
 import {IDisputes} from "../src/IDisputes.sol";
 import {LedgerBase} from "./LedgerBase.sol";
 
-/// @dev {LedgerBase} with the ledger's disputes contract, an audit-code measurement allowlisted, and
+/// @dev {LedgerBase} with the ledger's disputes contract (owned by this test, the ledger's deployer) and
 /// verdict builders signed by auditor keys.
 abstract contract DisputesBase is LedgerBase {
     Disputes internal disputes;
@@ -18,7 +18,6 @@ abstract contract DisputesBase is LedgerBase {
     function setUp() public virtual override {
         super.setUp();
         disputes = Disputes(ledger.disputes());
-        registry.setMeasurement(AUDIT_MEASUREMENT, true);
     }
 
     function auditorKey(uint256 i) internal pure returns (uint256) {
@@ -29,14 +28,12 @@ abstract contract DisputesBase is LedgerBase {
         return vm.addr(auditorKey(i));
     }
 
-    /// @dev Admits auditors 0..n-1 to the test run and sets its threshold to k, as the verifier.
+    /// @dev Admits auditors 0..n-1 to the test run and sets its threshold to k, as the owner.
     function panel(uint256 n, uint256 k) internal {
-        vm.startPrank(VERIFIER);
         for (uint256 i = 0; i < n; ++i) {
             disputes.admitAuditor(RUN, auditor(i), AUDIT_MEASUREMENT, keccak256(abi.encode("audit evidence", i)));
         }
         disputes.setThreshold(RUN, k);
-        vm.stopPrank();
     }
 
     function verdict(uint64 round, address party) internal pure returns (IDisputes.Verdict memory) {
