@@ -106,10 +106,26 @@ class _Audit:
             self.recompute.check_replay(loaded, self.replay, self.replay_seed)
         self.tallies.check_tallies(run_id, rounds)
         self.tallies.check_payouts(run_id)
+        self.read_disputes(run_id, run.coordinator)
         if genesis is not None:
             last = CID(Codec.JSON, rounds[-1].manifest_digest) if rounds else genesis.cid
             check_unrecorded(self.findings, genesis.manifest.run_id, last, len(rounds), self.max_unrecorded)
         return self.finish()
+
+    def read_disputes(self, run_id: bytes, coordinator: str) -> None:
+        """Every verdict upheld on the run, for the result (audit.disputes); none where the ledger names
+        no disputes contract."""
+        from settlement.disputes import Disputes
+
+        from .disputes import read_disputes
+
+        try:
+            address = self.ledger.disputes_address()
+            if address is not None:
+                disputes = Disputes(self.ledger.chain, address, from_block=self.ledger.from_block)
+                self.findings.result.disputes = read_disputes(disputes, run_id, coordinator, self.findings.result.roster)
+        except (ChainError, ValueError) as exc:
+            self.findings.fail(None, self.ledger.address, AuditCheck.LEDGER, f"the run's disputes cannot be read: {exc}")
 
     def check_genesis(self, run_id: bytes, run: RunRecord) -> Loaded | None:
         """Genesis's row of the table, and its lineage checks."""
