@@ -240,12 +240,6 @@ def audit_run_dir(run_dir: Path, *, rpc_url: str | None = None, allow_dev: bool 
             if not state.is_file():
                 console.print(f"[bold red]cannot audit[/]: no --rpc given and no chain state at {state}")
                 return EXIT_ERROR
-            from cli.chain import running_chain
-
-            if dispute is not None and (up := running_chain(run_dir / "chain")) is not None:
-                console.print(f"[bold red]cannot dispute[/]: the chain of {run_dir / 'chain'} is up at {escape(up)} "
-                              f"(dilocox chain up): give --rpc {escape(up)}")
-                return EXIT_ERROR
             with tempfile.TemporaryDirectory(prefix="dilocox-audit-") as tmp:
                 # anvil re-dumps its state file: keep the run's own intact, unless verdicts must stay on it
                 copy = state if dispute is not None else Path(tmp) / "state.json"
