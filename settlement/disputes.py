@@ -45,6 +45,10 @@ class Disputes(_Contract):
         """The EIP-712 domain auditors sign verdicts in: this chain and this contract."""
         return disputes_domain(self.chain.chain_id, self.address)
 
+    def ledger_address(self) -> str:
+        """The ledger whose credit this contract voids."""
+        return to_checksum_address(self.chain.call(self._contract.functions.ledger()))
+
     def owner(self) -> str:
         return str(self.chain.call(self._contract.functions.owner()))
 
