@@ -13,10 +13,12 @@ twice is refused by name. ~3 s of CPU (one anvil, no training).
 from __future__ import annotations
 
 import dataclasses
+import io
 import json
 from pathlib import Path
 
 import pytest
+from rich.console import Console
 
 from attestation import DevProvider, DevRoot, Domain, Policy, RoundReport, SignedReport, WorkerKey, attest, \
     code_measurement, open_provider
@@ -28,6 +30,7 @@ from audit.cli import audit_run_dir
 from audit.disputes import DisputeOptions
 from benchmarks.hostile import Heartbeats, Mallory, Trainer
 from cli.cluster import LocalCluster, provision
+from cli.settle import settle_run_dir
 from proto import PROTOCOL_VERSION, pb, session_metadata
 from settlement import DEV_ACCOUNTS, Anvil, Chain, Deployment, Ledger, TxReverted
 from settlement.disputes import Disputes
@@ -227,6 +230,10 @@ def test_a_scaled_cheat_is_named_disputed_and_not_paid(cluster: LocalCluster, ch
     assert {f["check"] for f in result["failures"]} <= {"replay"}, result["failures"]  # books and payouts agree
     assert [(d["party_id"], d["outcome"]) for d in result["disputes"]] == [("m", "upheld")]
     assert result["rewards"]["reclaimed"] == FUNDED - FUNDED // 2
+    shown = Console(file=io.StringIO(), width=200)
+    assert settle_run_dir(run_dir, rpc_url=chain.rpc_url, console=shown) == 0
+    assert "round 1 is not payable: an upheld verdict against its contribution (check replay)" in \
+        shown.file.getvalue()
 
 
 def _auditor_signature(disputes: Disputes, run_dir: Path, run_id: bytes, owner: Chain, verdict: Verdict) -> bytes:
