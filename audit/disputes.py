@@ -20,8 +20,9 @@ verdict from the contract's ``VerdictUpheld`` events, with the party's worker id
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from attestation.verdict import Verdict, check_id
 from settlement import ChainError
@@ -32,6 +33,11 @@ from storage_client import hex32
 
 from .checks import AuditCheck
 from .result import AuditResult
+
+if TYPE_CHECKING:
+    from attestation import Policy
+    from settlement import Deployment
+    from storage_client import Store
 
 # Failures of a round that the run's coordinator alone can cause: a verdict against it voids the round.
 COORDINATOR_CHECKS = (AuditCheck.GHOST, AuditCheck.REDERIVE, AuditCheck.CHECKPOINT, AuditCheck.PARENT,
@@ -80,8 +86,8 @@ def verdicts_of(result: AuditResult, rounds: list[RoundRecord], coordinator: str
     return sorted(verdicts.values(), key=lambda v: (v.round, v.party != coordinator, v.party))
 
 
-def submit(disputes: Disputes, verdicts: list[Verdict], rounds: list[RoundRecord], sign: Any,
-           party_id: Any) -> list[DisputeRow]:
+def submit(disputes: Disputes, verdicts: list[Verdict], rounds: list[RoundRecord],
+           sign: Callable[[Verdict], bytes], party_id: Callable[[str], str]) -> list[DisputeRow]:
     """Sign (``sign(verdict) -> signature``) and send each verdict; its outcome as the contract says."""
     by_round = {record.round: record for record in rounds}
     rows = []
@@ -107,7 +113,7 @@ def read_disputes(disputes: Disputes, run_id: bytes, coordinator: str, roster: R
     return rows
 
 
-def _labeller(coordinator: str, roster: Roster | None) -> Any:
+def _labeller(coordinator: str, roster: Roster | None) -> Callable[[str], str]:
     roster = roster or Roster()
     return lambda address: "coordinator" if address == coordinator else roster.id_of(address)
 
@@ -126,7 +132,7 @@ class DisputeOptions:
         return f"DisputeOptions(provider={self.provider!r}, dev_root_dir={self.dev_root_dir!r}, owner_key=<hidden>)"
 
 
-def dispute_findings(result: AuditResult, rpc_url: str, deployment: Any, store: Any, policy: Any,
+def dispute_findings(result: AuditResult, rpc_url: str, deployment: Deployment, store: Store, policy: Policy,
                      options: DisputeOptions) -> list[DisputeRow]:
     """Turn ``result``'s failures into verdicts, attest a fresh auditor key, have it admitted, and
     submit each verdict signed with it; returns each one's outcome (none when nothing is disputable).
