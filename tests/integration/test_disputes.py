@@ -154,7 +154,8 @@ def test_a_scaled_cheat_is_named_disputed_and_not_paid(cluster: LocalCluster, ch
     replay names it; ``audit --dispute`` (a dev-attested auditor) voids its credit inside the window;
     its claim is refused while the honest worker is paid in full; the verdict again, from an unadmitted
     key, or after the window is refused by name; the audit of the disputed run shows the dispute and
-    its payout and tally checks pass. Costs ~15 s of CPU (one round of two tiny workers, two audits)."""
+    its payout and tally checks pass. Costs ~11 s of CPU with its processes (one round of two tiny workers, two
+    audits, a settle)."""
     config = small_config(rounds=RoundConfig(rounds=1, expected_workers=2, quorum=2, straggler_timeout_s=60.0,
                                              heartbeat_interval_s=0.5, liveness_timeout_s=10.0,
                                              max_update_norm=1000.0))
