@@ -15,7 +15,9 @@
 ``submit`` signs each with the auditor's attested key and sends it to the disputes contract; each
 one's outcome is ``upheld`` or the contract's named refusal (``DisputesWindowClosed``,
 ``DisputesAlreadyVoided``, …). ``read_disputes`` is what every audit shows of a run: each upheld
-verdict from the contract's ``VerdictUpheld`` events, with the party's worker id.
+verdict from the contract's ``VerdictUpheld`` events, with the party's worker id; ``unbacked_voids``
+is what the audit checks of them (``tally``): the ledger voided exactly the credits upheld verdicts of
+admitted auditors, inside their rounds' windows, void.
 """
 
 from __future__ import annotations
@@ -27,7 +29,7 @@ from typing import TYPE_CHECKING, Any
 from attestation.verdict import Verdict, check_id
 from settlement import ChainError
 from settlement.disputes import Disputes
-from settlement.records import RoundRecord
+from settlement.records import CreditVoided, RoundRecord, RunRecord
 from settlement.roster import Roster
 from storage_client import hex32
 
@@ -165,3 +167,33 @@ def dispute_findings(result: AuditResult, rpc_url: str, deployment: Deployment, 
     admit(disputes, store, auditor, config_cid, policy)
     return submit(disputes, verdicts, rounds, lambda verdict: auditor.sign(verdict, disputes),
                   _labeller(run.coordinator, result.roster))
+
+
+def unbacked_voids(disputes: Disputes, voided: list[CreditVoided], rounds: list[RoundRecord], run: RunRecord,
+                   run_id: bytes) -> list[tuple[int, str, str]]:
+    """(round, worker, why) for each credit the ledger's voids and the disputes contract's verdicts
+    disagree on: a ``CreditVoided`` that no upheld verdict backs (one against the worker or the run's
+    coordinator in that round, every signer admitted to the run by then, inside the round's window),
+    and a credit an upheld verdict voids that the ledger still counts. The audit trusts neither
+    contract's word alone: a ledger that voids an honest worker's credit, or keeps a cheat's, is named."""
+    admitted = {a.auditor: a.block for a in disputes.admissions(run_id)}
+    recorded_at = {record.round: record.block for record in rounds}
+    workers = {record.round: record.workers for record in rounds}
+    backed: set[tuple[int, str]] = set()
+    problems: list[tuple[int, str, str]] = []
+    for verdict in disputes.verdicts(run_id):
+        unadmitted = [s for s in verdict.signers if admitted.get(s, verdict.block + 1) > verdict.block]
+        late = verdict.round not in recorded_at or verdict.block >= recorded_at[verdict.round] + run.challenge_window
+        if unadmitted or late:
+            why = (f"signed by {', '.join(unadmitted)}, not admitted to the run by block {verdict.block}" if unadmitted
+                   else f"upheld in block {verdict.block}, outside the round's challenge window")
+            problems.append((verdict.round, verdict.party, f"the verdict against it ({verdict.tx_hash}) was {why}"))
+            continue
+        parties = workers.get(verdict.round, ()) if verdict.party == run.coordinator else (verdict.party,)
+        backed |= {(verdict.round, party) for party in parties}
+    voids = {(v.round, v.worker) for v in voided}
+    for round_, worker in sorted(voids - backed):
+        problems.append((round_, worker, "the ledger voided its credit, but no upheld verdict backs that"))
+    for round_, worker in sorted(backed - voids):
+        problems.append((round_, worker, "an upheld verdict voids its credit, but the ledger still counts it"))
+    return problems

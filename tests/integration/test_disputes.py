@@ -244,3 +244,19 @@ def _auditor_signature(disputes: Disputes, run_dir: Path, run_id: bytes, owner: 
     admit(disputes, open_store(run_dir), auditor, config_cid,
           Policy.development(DevRoot.load_or_create(run_dir / "dev-root").address))
     return auditor.sign(verdict, disputes)
+
+
+def test_a_ledger_that_voids_an_honest_credit_is_named(anvil: Anvil, tmp_path: Path) -> None:
+    """The audit takes no contract's word for a void: a ledger (LyingLedger's code at its address) that
+    takes an honest worker's credit off its tally without an upheld verdict fails ``tally`` by name,
+    though its tallies and events agree. ~3 s of CPU (one tiny round)."""
+    from .test_audit import RunBuilder
+
+    builder = RunBuilder(tmp_path, anvil.rpc_url)
+    builder.round()
+    honest = builder.reports[1][0].report
+    liar = builder.lie()
+    builder.coordinator.transact(liar.functions.voidCredit(builder.run_id, 1, honest.worker, honest.tokens))
+    failures = [f for f in builder.audit().failures if f.check == "tally"]
+    assert [(f.round, f.object) for f in failures] == [(1, honest.worker)], failures
+    assert "the ledger voided its credit, but" in failures[0].message
