@@ -22,6 +22,7 @@ admitted auditors, inside their rounds' windows, void.
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
@@ -40,6 +41,8 @@ if TYPE_CHECKING:
     from attestation import Policy
     from settlement import Deployment
     from storage_client import Store
+
+log = logging.getLogger("dilocox.audit")
 
 # Failures of a round that the run's coordinator alone can cause: a verdict against it voids the round.
 COORDINATOR_CHECKS = (AuditCheck.GHOST, AuditCheck.REDERIVE, AuditCheck.CHECKPOINT, AuditCheck.PARENT,
@@ -160,6 +163,7 @@ def dispute_findings(result: AuditResult, rpc_url: str, deployment: Deployment, 
     rounds = ledger.recorded_rounds(result.run_id)
     verdicts = verdicts_of(result, rounds, run.coordinator)
     if not verdicts:
+        log.info("dispute: no failure of this audit names one round and one party; no verdict submitted")
         return []
     config_cid = str(CID(Codec.JSON, run.config_digest))
     auditor = Auditor.attest(open_provider(options.provider, dev_root_dir=options.dev_root_dir), result.run_id,
