@@ -15,6 +15,10 @@ Decisions a second implementation must copy:
   (`make stubs`), so measuring them would add nothing but differences between generator runs.
 - `__pycache__` and directories whose names start with "." are skipped; files are read as bytes.
 
+An auditor's key is bound the same way to the *audit code's* measurement: the same function over
+``AUDIT_PACKAGES`` (the worker's packages and ``audit``, which holds the checks its verdicts name),
+``audit_code_measurement``.
+
 The measurement is a claim the worker makes in REPORTDATA[32:64]. For the dev provider it is the
 allowlisted measurement; under TDX the hardware measurement (MRTD, RTMRs) is what is allowlisted.
 """
@@ -37,6 +41,7 @@ DEFAULT_PACKAGES: tuple[str, ...] = (
     "settlement",
     "cli",
 )
+AUDIT_PACKAGES: tuple[str, ...] = (*DEFAULT_PACKAGES, "audit")
 SUFFIXES = (".py", ".proto")
 GENERATED_SUFFIXES = ("_pb2.py", "_pb2_grpc.py")
 
@@ -110,3 +115,8 @@ def code_measurement(
     to measure a package tree of their own.
     """
     return hashlib.sha256(canonical_json(code_manifest(config_cid, packages, roots=roots))).digest()
+
+
+def audit_code_measurement(config_cid: str) -> bytes:
+    """The measurement an auditor's key is bound to: ``code_measurement`` over ``AUDIT_PACKAGES``."""
+    return code_measurement(config_cid, AUDIT_PACKAGES)

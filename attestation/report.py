@@ -65,12 +65,33 @@ class ReportError(ValueError):
 
 @dataclass(frozen=True)
 class Domain:
+    """An EIP-712 domain of this repository's contracts: the ledger's (reports), by default, or another
+    contract's under its own ``name`` (the disputes contract's verdicts: attestation.verdict)."""
+
     chain_id: int
     ledger: str  # verifyingContract
+    name: str = DOMAIN_NAME
 
     def to_eip712(self) -> dict[str, Any]:
-        return {"name": DOMAIN_NAME, "version": DOMAIN_VERSION, "chainId": self.chain_id,
+        return {"name": self.name, "version": DOMAIN_VERSION, "chainId": self.chain_id,
                 "verifyingContract": to_checksum_address(self.ledger)}
+
+    def typed_digest(self, primary: str, fields: list[dict[str, str]], message: dict[str, Any]) -> bytes:
+        """The EIP-712 digest of ``message``, a ``primary`` struct of ``fields``, in this domain: what
+        is signed as is, and what the contract's _hashTypedDataV4 computes."""
+        typed = {
+            "types": {
+                "EIP712Domain": [
+                    {"name": "name", "type": "string"}, {"name": "version", "type": "string"},
+                    {"name": "chainId", "type": "uint256"}, {"name": "verifyingContract", "type": "address"},
+                ],
+                primary: fields,
+            },
+            "primaryType": primary,
+            "domain": self.to_eip712(),
+            "message": message,
+        }
+        return _hash_eip191_message(encode_typed_data(full_message=typed))
 
 
 @dataclass(frozen=True)
@@ -115,23 +136,9 @@ class RoundReport:
         """The struct as an ABI tuple, in the Solidity field order."""
         return tuple(getattr(self, f.name) for f in REPORT_FIELDS)
 
-    def typed_data(self, domain: Domain) -> dict[str, Any]:
-        return {
-            "types": {
-                "EIP712Domain": [
-                    {"name": "name", "type": "string"}, {"name": "version", "type": "string"},
-                    {"name": "chainId", "type": "uint256"}, {"name": "verifyingContract", "type": "address"},
-                ],
-                "RoundReport": ROUND_REPORT_TYPE,
-            },
-            "primaryType": "RoundReport",
-            "domain": domain.to_eip712(),
-            "message": self.message(),
-        }
-
     def digest(self, domain: Domain) -> bytes:
         """The 32 bytes that are signed (and that the ledger computes in ``reportDigest``)."""
-        return _hash_eip191_message(encode_typed_data(full_message=self.typed_data(domain)))
+        return domain.typed_digest("RoundReport", ROUND_REPORT_TYPE, self.message())
 
     def to_json(self) -> dict[str, Any]:
         """JSON form for the store: 32-byte fields as 0x-hex, ints as ints."""

@@ -10,7 +10,12 @@ directory is left untouched), audits, and stops it. With
 is trusted, and dev evidence is accepted, loudly, as proving nothing. TDX evidence is verified with
 dcap-qvl against the collateral named by ``--dcap-collateral FILE`` or fetched from ``--pccs-url
 URL``; without either it is refused. Only TCB status UpToDate is accepted unless
-``--allow-tcb-status`` names others. ``--json FILE`` also writes the result as JSON to FILE;
+``--allow-tcb-status`` names others. ``--dispute`` turns the failures that name one round and one
+party into EIP-712 verdicts (audit.disputes), attests a fresh auditor key (``--auditor-attestation``,
+dev by default with DIR/dev-root), has the disputes contract's owner (``--owner-key-file``; on the
+run's own local chain, the dev deployer account) verify and admit it, and submits them, printing each
+one's outcome; without ``--rpc`` it then runs on the run's chain state itself, not a copy, so the
+verdicts stay recorded. Every audit shows the run's upheld verdicts. ``--json FILE`` also writes the result as JSON to FILE;
 ``--json`` alone writes it to stdout, and the tables and messages go to stderr, so that stdout is
 one JSON document.
 
@@ -39,6 +44,8 @@ if TYPE_CHECKING:  # the heavy imports (torch, web3) wait until an audit actuall
     from settlement import Deployment
     from storage_client import Store
 
+    from .disputes import DisputeOptions
+
 EXIT_OK, EXIT_FAILED, EXIT_ERROR = 0, 1, 2
 JSON_STDOUT = "-"  # ``--json`` without a FILE: the result goes to stdout, alone
 
@@ -65,6 +72,16 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                              "and committed state, compare with the stored updates, and re-score their rounds")
     parser.add_argument("--replay-seed", type=int, default=None, metavar="N",
                         help="seed of the replay's sample (default: random; the audit prints the one it drew)")
+    parser.add_argument("--dispute", action="store_true",
+                        help="submit the failures that name a round and a party as verdicts signed by an attested "
+                             "auditor key, within each round's challenge window")
+    parser.add_argument("--owner-key-file", metavar="FILE",
+                        help="with --dispute: the chain key of the disputes contract's owner, which admits the "
+                             "auditor (default without --rpc: the local chain's dev deployer account)")
+    parser.add_argument("--auditor-attestation", choices=("dev", "tdx"), default="dev",
+                        help="with --dispute: the auditor key's attestation provider (default dev, PROVES NOTHING)")
+    parser.add_argument("--auditor-dev-root-dir", metavar="DIR",
+                        help="with --dispute and dev attestation: the dev root's directory (default DIR/dev-root)")
     parser.add_argument("--run-id", metavar="HEX",
                         help="the run to audit (0x + 64 hex); default: the ledger's run whose genesis is in the store")
 
@@ -96,10 +113,36 @@ def run(args: argparse.Namespace) -> int:
 
         Console(stderr=True).print(f"[red]bad DCAP options: {escape(str(exc))}[/]")
         return EXIT_ERROR
+    try:
+        dispute = dispute_options(args)
+    except ValueError as exc:
+        from rich.markup import escape
+
+        Console(stderr=True).print(f"[red]{escape(str(exc))}[/]")
+        return EXIT_ERROR
     return audit_run_dir(Path(args.run), rpc_url=args.rpc, allow_dev=args.allow_dev, rederive=not args.no_rederive,
                          json_path=Path(args.json) if args.json else None, run_id=run_id,
                          dev_roots=tuple(args.dev_root), dcap=dcap, max_unrecorded=args.max_unrecorded,
-                         replay=(args.replay, args.replay_seed))
+                         replay=(args.replay, args.replay_seed), dispute=dispute)
+
+
+def dispute_options(args: argparse.Namespace) -> DisputeOptions | None:
+    """``--dispute``'s options, or None without it (ValueError naming a bad key file)."""
+    if not args.dispute:
+        return None
+    from settlement import DEV_ACCOUNTS
+    from settlement.provision import read_key_file
+
+    from .disputes import DisputeOptions
+
+    if args.owner_key_file:
+        owner_key = read_key_file(Path(args.owner_key_file), "--owner-key-file")
+    elif args.rpc is None:
+        owner_key = bytes.fromhex(DEV_ACCOUNTS[0].removeprefix("0x"))
+    else:
+        raise ValueError("--dispute on --rpc needs --owner-key-file (the disputes contract owner's chain key)")
+    dev_root_dir = args.auditor_dev_root_dir or str(Path(args.run) / "dev-root")
+    return DisputeOptions(owner_key, args.auditor_attestation, dev_root_dir)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -153,11 +196,11 @@ def policy_for(run_dir: Path, allow_dev: bool, dev_roots: tuple[str, ...] = (),
 def audit_run_dir(run_dir: Path, *, rpc_url: str | None = None, allow_dev: bool = False, rederive: bool = True,
                   json_path: Path | None = None, run_id: bytes | None = None, dev_roots: tuple[str, ...] = (),
                   console: Console | None = None, dcap: DcapSettings | None = None, max_unrecorded: int = 0,
-                  replay: tuple[int, int | None] = (0, None)) -> int:
+                  replay: tuple[int, int | None] = (0, None), dispute: DisputeOptions | None = None) -> int:
     """Audit ``run_dir`` and print the table and verdict; returns the exit status. ``replay``: how
     many contributions to replay, and the sample's seed (None: random). ``json_path`` ``-`` writes
     the JSON result to stdout, and then everything else goes to stderr (unless ``console`` says
-    otherwise), so that stdout is one JSON document."""
+    otherwise), so that stdout is one JSON document. ``dispute``: submit verdicts (``--dispute``)."""
     from rich.console import Console
     from rich.markup import escape
 
@@ -185,24 +228,31 @@ def audit_run_dir(run_dir: Path, *, rpc_url: str | None = None, allow_dev: bool 
     if policy.dcap.source is None:
         console.print("[yellow]no --dcap-collateral or --pccs-url: TDX evidence cannot be verified and is refused[/]")
 
+    from attestation import AttestationError, PolicyViolation
+
     store = open_store(run_dir)
+    audit = (store, deployment, run_id, policy, rederive, max_unrecorded, replay, dispute)
     try:
         if rpc_url is not None:
-            result = _audit_on(rpc_url, store, deployment, run_id, policy, rederive, max_unrecorded, replay)
+            result = _audit_on(rpc_url, *audit)
         else:
             state = run_dir / "chain" / "state.json"
             if not state.is_file():
                 console.print(f"[bold red]cannot audit[/]: no --rpc given and no chain state at {state}")
                 return EXIT_ERROR
             with tempfile.TemporaryDirectory(prefix="dilocox-audit-") as tmp:
-                copy = Path(tmp) / "state.json"
-                shutil.copyfile(state, copy)  # anvil re-dumps its state file; keep the run's own intact
+                # anvil re-dumps its state file: keep the run's own intact, unless verdicts must stay on it
+                copy = state if dispute is not None else Path(tmp) / "state.json"
+                if dispute is None:
+                    shutil.copyfile(state, copy)
                 with Anvil(state_file=copy, chain_id=deployment.chain_id) as anvil:
                     console.print(f"local chain {anvil.rpc_url} restored from {state}")
-                    result = _audit_on(anvil.rpc_url, store, deployment, run_id, policy, rederive, max_unrecorded,
-                                       replay)
+                    result = _audit_on(anvil.rpc_url, *audit)
     except (ChainError, AnvilError) as exc:
         console.print(f"[bold red]cannot audit[/]: {escape(str(exc))}")
+        return EXIT_ERROR
+    except (AttestationError, PolicyViolation, ValueError) as exc:
+        console.print(f"[bold red]cannot dispute[/]: the auditor cannot attest or be admitted: {escape(str(exc))}")
         return EXIT_ERROR
 
     render(result, console)
@@ -218,7 +268,8 @@ def audit_run_dir(run_dir: Path, *, rpc_url: str | None = None, allow_dev: bool 
 
 
 def _audit_on(rpc_url: str, store: Store, deployment: Deployment, run_id: bytes | None, policy: Policy,
-              rederive: bool, max_unrecorded: int = 0, replay: tuple[int, int | None] = (0, None)) -> AuditResult:
+              rederive: bool, max_unrecorded: int = 0, replay: tuple[int, int | None] = (0, None),
+              dispute: DisputeOptions | None = None) -> AuditResult:
     from settlement import Chain, ChainError, Ledger, Registry
     from settlement.rewards import RewardPool
 
@@ -231,8 +282,13 @@ def _audit_on(rpc_url: str, store: Store, deployment: Deployment, run_id: bytes 
     ledger = Ledger(chain, deployment.ledger, from_block=deployment.deployed_block)
     registry = Registry(chain, deployment.registry, from_block=deployment.deployed_block)
     rewards = RewardPool(chain, deployment.rewards, ledger, from_block=deployment.deployed_block)
-    return run_audit(store, ledger, registry, run_id=run_id, policy=policy, rederive=rederive,
-                     max_unrecorded=max_unrecorded, replay=replay[0], replay_seed=replay[1], rewards=rewards)
+    result = run_audit(store, ledger, registry, run_id=run_id, policy=policy, rederive=rederive,
+                       max_unrecorded=max_unrecorded, replay=replay[0], replay_seed=replay[1], rewards=rewards)
+    if dispute is not None:
+        from .disputes import dispute_findings
+
+        result.disputes.extend(dispute_findings(result, rpc_url, deployment, store, policy, dispute))
+    return result
 
 
 def _short(text: str | None, head: int = 10, tail: int = 6) -> str:
@@ -270,6 +326,8 @@ def render(result: AuditResult, console: Console) -> None:
         render_replay(result.replay, console)
     if result.tallies:
         render_tallies(result, console)
+    if result.disputes:
+        render_disputes(result, console)
     if result.roster is not None:
         from settlement.roster import unreported_lines
 
@@ -307,6 +365,23 @@ def render_tallies(result: AuditResult, console: Console) -> None:
         money = (f"{account.earned / 1e18:,.2f}", f"{account.paid / 1e18:,.2f}") if account else ("—", "—")
         table.add_row(escape(roster.id_of(worker)), short_address(worker), str(tally["rounds"]),
                       f"{tally['tokens']:,}", f"{tally.get('total_tokens', 0):,}", *(money if result.rewards else ()))
+    console.print(table)
+
+
+def render_disputes(result: AuditResult, console: Console) -> None:
+    """Each verdict of the run, upheld on chain or submitted by this audit, and its outcome."""
+    from rich import box
+    from rich.markup import escape
+    from rich.table import Table
+
+    table = Table(title="disputes", box=box.SIMPLE_HEAD, pad_edge=False)
+    for column in ("round", "party", "check", "evidence", "outcome"):
+        table.add_column(column, no_wrap=column != "outcome")
+    for row in result.disputes:
+        verdict = row.verdict
+        outcome = "[bold green]upheld[/]" if row.outcome == "upheld" else f"[yellow]{escape(row.outcome)}[/]"
+        table.add_row(str(verdict.round), f"{escape(row.party_id)} ({_short(verdict.party)})",
+                      escape(verdict.check_name), _short("0x" + verdict.evidence.hex()), outcome)
     console.print(table)
 
 

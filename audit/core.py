@@ -106,10 +106,36 @@ class _Audit:
             self.recompute.check_replay(loaded, self.replay, self.replay_seed)
         self.tallies.check_tallies(run_id, rounds)
         self.tallies.check_payouts(run_id)
+        self.read_disputes(run_id, run, rounds)
         if genesis is not None:
             last = CID(Codec.JSON, rounds[-1].manifest_digest) if rounds else genesis.cid
             check_unrecorded(self.findings, genesis.manifest.run_id, last, len(rounds), self.max_unrecorded)
         return self.finish()
+
+    def read_disputes(self, run_id: bytes, run: RunRecord, rounds: list[RoundRecord]) -> None:
+        """Every verdict upheld on the run, for the result, and the ledger's voided credit against them
+        (``tally``: audit.disputes.unbacked_voids); a ledger that names no disputes contract may void
+        nothing."""
+        from settlement.disputes import Disputes
+
+        from .disputes import read_disputes, unbacked_voids
+
+        try:
+            voided = self.ledger.voided_credits(run_id)
+            address = self.ledger.disputes_address()
+            if address is None:
+                problems = [(v.round, v.worker, "the ledger voided its credit, but names no disputes contract")
+                            for v in voided]
+            else:
+                disputes = Disputes(self.ledger.chain, address, from_block=self.ledger.from_block)
+                self.findings.result.disputes = read_disputes(disputes, run_id, run.coordinator,
+                                                              self.findings.result.roster)
+                problems = unbacked_voids(disputes, voided, rounds, run, run_id)
+        except (ChainError, ValueError) as exc:
+            self.findings.fail(None, self.ledger.address, AuditCheck.LEDGER, f"the run's disputes cannot be read: {exc}")
+            return
+        for round_, worker, why in problems:
+            self.findings.fail(round_, worker, AuditCheck.TALLY, f"round {round_}, credit of {worker}: {why}")
 
     def check_genesis(self, run_id: bytes, run: RunRecord) -> Loaded | None:
         """Genesis's row of the table, and its lineage checks."""

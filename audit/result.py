@@ -12,7 +12,12 @@
                        "unreported": [{"round", "worker", "update", "address"}]},
      "replay": null | {"seed", "steps", "checked_steps", "seconds",
                        "contributions": [{"round", "worker", "sampled", "distance", "status", "note"}],
-                       "rescored": [{"round", "reported", "recomputed", "ok"}]}}
+                       "rescored": [{"round", "reported", "recomputed", "ok"}]},
+     "disputes": [{"run_id", "round", "party", "party_id", "check", "check_id", "evidence", "outcome",
+                   "tx_hash", "signers"}]}
+
+``disputes``: each verdict upheld on the run (the disputes contract's events), and with ``--dispute``
+each verdict this audit submitted, with its outcome (audit.disputes).
 """
 
 from __future__ import annotations
@@ -76,6 +81,7 @@ class AuditResult:
     tallies: dict[str, dict[str, int]] = field(default_factory=dict)  # worker -> tokens, rounds, total_tokens
     rewards: Any = None  # settlement.rewards.Statement of the run's pool; None without one
     roster: Any = None  # settlement.roster.Roster: worker ids by address, unreported updates; None before rounds
+    disputes: list[Any] = field(default_factory=list)  # audit.disputes.DisputeRow: upheld, and submitted
 
     @property
     def ok(self) -> bool:
@@ -96,4 +102,5 @@ class AuditResult:
             "tallies": {w: dict(t) for w, t in sorted(self.tallies.items())},
             "rewards": None if self.rewards is None else self.rewards.to_json(),
             "roster": None if self.roster is None else self.roster.to_json(),
+            "disputes": [d.to_json() for d in self.disputes],
         }

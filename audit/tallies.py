@@ -4,8 +4,10 @@ Checks ``rounds`` (1..lastRound, each once, in order), and for each recorded rou
 ``parent-checkpoint`` (its parent is the previous round's checkpoint on chain), ``report-count``
 (the credited workers are the call's report signers), ``ledger`` (the stored commitment is the
 event's and the hash of the recorded facts) and ``recorder`` (the run's coordinator sent it); then
-``tally`` and ``total-contribution`` (the ledger's views against its events) and, with the
-deployment's reward pool, ``payout`` (settlement.rewards.statement).
+``tally`` and ``total-contribution`` (the ledger's views against its events, less the credit upheld
+verdicts voided: its ``CreditVoided`` events) and, with the deployment's reward pool, ``payout``
+(settlement.rewards.statement: voided credit earns nothing, and what the funder reclaimed is neither
+paid nor owed).
 """
 
 from __future__ import annotations
@@ -78,6 +80,9 @@ class Tallies:
             for signed in record.reports:
                 tokens[signed.report.worker] += signed.report.tokens
                 counted[signed.report.worker] += 1
+        for voided in self.ledger.voided_credits(run_id):
+            tokens[voided.worker] -= voided.tokens
+            counted[voided.worker] -= 1
         workers = set(tokens) | {w for record in rounds for w in record.workers}
         tallies = self.findings.result.tallies
         for worker in sorted(workers):
@@ -87,8 +92,8 @@ class Tallies:
             if got != want:
                 self.findings.fail(None, worker, AuditCheck.TALLY,
                                    f"the ledger credits {worker} with {got.tokens} tokens over {got.rounds} "
-                                   f"round(s); its recorded reports sum to {want.tokens} tokens over "
-                                   f"{want.rounds} round(s)")
+                                   f"round(s); its recorded reports, less voided credit, sum to {want.tokens} "
+                                   f"tokens over {want.rounds} round(s)")
         if not workers:
             return
         try:
@@ -116,6 +121,9 @@ class Tallies:
                 for worker in event.workers:
                     tokens[worker] += event.tokens
                     rounds[worker] += 1
+        for voided in self.ledger.voided_credits():
+            tokens[voided.worker] -= voided.tokens
+            rounds[voided.worker] -= 1
         return {worker: Contribution(tokens=tokens[worker], rounds=rounds[worker]) for worker in tokens}
 
     def check_payouts(self, run_id: bytes) -> None:
@@ -137,16 +145,21 @@ class Tallies:
             for problem in account.overpaid:
                 self.findings.fail(None, worker, AuditCheck.PAYOUT, f"the reward pool paid {worker} for a round no record "
                                                            f"entitles it to: {problem}")
-        if statement.paid > statement.funded:
+        if statement.paid + statement.reclaimed > statement.funded:
             self.findings.fail(None, self.rewards.address, AuditCheck.PAYOUT,
-                               f"the pool paid {statement.paid} out of this run, funded with {statement.funded}")
+                               f"the pool paid {statement.paid} and returned {statement.reclaimed} to the funder out "
+                               f"of this run, funded with {statement.funded}")
+        if statement.pool_reclaimed != statement.reclaimed:
+            self.findings.fail(None, self.rewards.address, AuditCheck.PAYOUT,
+                               f"the pool counts {statement.pool_reclaimed} returned to the funder, but its "
+                               f"RoundReclaimed events add up to {statement.reclaimed}")
         # The pool's own books against its events: a count that drifted from the payments (or a pool
         # that no longer holds what it owes this run) cannot pay every worker what it is owed.
         if statement.pool_paid != statement.paid:
             self.findings.fail(None, self.rewards.address, AuditCheck.PAYOUT,
                                f"the pool counts {statement.pool_paid} paid out of this run, but its RewardPaid "
                                f"events add up to {statement.paid}")
-        owed = statement.funded - statement.pool_paid
+        owed = statement.funded - statement.pool_paid - statement.pool_reclaimed
         if statement.pool_balance < owed:
             self.findings.fail(None, self.rewards.address, AuditCheck.PAYOUT,
                                f"the pool holds {statement.pool_balance} tokens, less than the {owed} it has yet to "

@@ -24,6 +24,7 @@ from typing import TYPE_CHECKING
 if TYPE_CHECKING:
     from rich.console import Console
 
+    from settlement import Ledger
     from settlement.rewards import Statement
     from settlement.roster import Roster
 
@@ -108,6 +109,7 @@ def _settle_on(rpc_url: str, run_dir: Path, deployment, claim: bool, key: str, c
         console.print(f"[bold red]cannot settle[/]: run 0x{run_id.hex()[:12]}… has no reward pool")
         return EXIT_ERROR
     roster = roster_of(store, ledger.recorded_rounds(run_id))
+    voided_why = _voided_why(ledger, run_id)
     if claim:
         for worker, account in sorted(statement.workers.items()):
             if account.claimable > 0:
@@ -115,7 +117,7 @@ def _settle_on(rpc_url: str, run_dir: Path, deployment, claim: bool, key: str, c
                 console.print(f"claimed {format_tokens(amount)} for {roster.label(worker)}")
         statement = pool.statement(run_id)
         assert statement is not None
-    render_statement(statement, console, roster)
+    render_statement(statement, console, roster, voided_why)
     if json_path is not None:
         document = {**statement.to_json(), "roster": roster.to_json()}
         write_atomic(json_path, (strict_json(document, indent=2) + "\n").encode())
@@ -123,9 +125,31 @@ def _settle_on(rpc_url: str, run_dir: Path, deployment, claim: bool, key: str, c
     return EXIT_FAILED if overpaid else EXIT_OK
 
 
-def render_statement(statement: Statement, console: Console, roster: Roster) -> None:
+def _voided_why(ledger: Ledger, run_id: bytes) -> dict[tuple[str, int], str]:
+    """Why each voided (worker, round) of the run is not payable: the upheld verdict that voided it."""
+    from audit.disputes import CHECK_NAMES
+    from settlement.disputes import Disputes
+
+    address = ledger.disputes_address()
+    if address is None:
+        return {}
+    coordinator = ledger.run_of(run_id).coordinator
+    verdicts = Disputes(ledger.chain, address, from_block=ledger.from_block).verdicts(run_id)
+    by_round = {(v.round, v.party): CHECK_NAMES.get(v.check, "0x" + v.check.hex()) for v in verdicts}
+    why = {}
+    for voided in ledger.voided_credits(run_id):
+        check = by_round.get((voided.round, voided.worker))
+        against = "its contribution" if check else "the round's coordinator"
+        check = check or by_round.get((voided.round, coordinator), "?")
+        why[(voided.worker, voided.round)] = f"an upheld verdict against {against} (check {check})"
+    return why
+
+
+def render_statement(statement: Statement, console: Console, roster: Roster,
+                     voided_why: dict[tuple[str, int], str] | None = None) -> None:
     """Per worker (id and address): rounds credited, earned, paid, claimable now, still in the
-    challenge window; then, loudly, every update recorded without its worker's report."""
+    challenge window; then, loudly, every update recorded without its worker's report, and every
+    credit an upheld verdict voided (not payable), with the verdict's check."""
     from rich import box
     from rich.markup import escape
     from rich.table import Table
@@ -146,6 +170,11 @@ def render_statement(statement: Statement, console: Console, roster: Roster) -> 
     console.print(f"paid {format_tokens(statement.paid)} of {format_tokens(statement.funded)}")
     for line in unreported_lines(roster):
         console.print(f"[bold red]UNREPORTED[/] {escape(line)}")
+    for worker, account in sorted(statement.workers.items()):
+        for round_ in account.voided:
+            why = (voided_why or {}).get((worker, round_), "an upheld verdict")
+            console.print(f"[bold red]VOIDED[/] {escape(roster.label(worker))}: round {round_} is not payable: "
+                          f"{escape(why)}")
     for worker, account in sorted(statement.workers.items()):
         for problem in account.overpaid:
             console.print(f"[bold red]OVERPAID[/] {roster.label(worker)}: {problem}")

@@ -5,7 +5,10 @@ in-memory anvil, admits 16 workers, creates a run, records one round in which al
 first time in the run (each first credit opens the worker's tally slot and lists the run under
 it), then consecutive rounds with 1, 2, 4, 8 and 16 correctly signed reports of workers already
 credited in the run (the steady state), a round recorded with one unreported update only, and
-opens the run's reward pool and claims one and eight rounds. Digests, losses and counts are
+opens the run's reward pool and claims one and eight rounds; then, on a second run with a
+challenge window, a round of four workers disputed: an auditor admitted, a verdict against a worker
+upheld 1 of 1 and one 2 of 3, one against the coordinator (voiding the round's other credits), and
+the funder's reclaim of that round. Digests, losses and counts are
 realistic and non-zero, since zero bytes are cheaper in calldata. ``gasUsed`` comes from each
 receipt: what a coordinator pays per round, and how the cost grows with the number of workers.
 
@@ -21,10 +24,12 @@ from typing import Any
 
 from attestation.keys import WorkerKey
 from attestation.report import RoundReport, SignedReport
+from attestation.verdict import Verdict
 
 from .anvil import DEV_ACCOUNTS, Anvil
 from .artifacts import ledger_artifact, load_artifact, registry_artifact
 from .chain import Chain
+from .disputes import Disputes
 from .ledger import Ledger, Registry
 from storage_client import bytes32
 from .rewards import RewardPool, RewardToken
@@ -120,6 +125,45 @@ def gas_table(report_counts: Sequence[int] = (1, 2, 4, 8, 16)) -> list[dict[str,
         first = workers[0].address  # reported in every round
         rows.append(_row("claim, 1 round", int(_claim(pool, run_id, first, rounds=1)["gasUsed"])))
         rows.append(_row("claim, 8 rounds", int(_claim(pool, run_id, first, rounds=8)["gasUsed"])))
+        rows.extend(_dispute_rows(ledger, pool, workers[:4]))
+    return rows
+
+
+def _dispute_rows(ledger: Ledger, pool: RewardPool, workers: Sequence[WorkerKey]) -> list[dict[str, Any]]:
+    """A second run (window 1,000 blocks, its own pool) whose one round of ``workers`` is disputed: an
+    auditor's admission, verdicts 1 of 1 and 2 of 3 against workers, one against the coordinator, and
+    the funder's reclaim past the window. The ledger's sender is the disputes contract's owner."""
+    chain = ledger.chain
+    run_id, genesis = _digest("second run", os.urandom(8)), _digest("checkpoint", 0)
+    ledger.create_run(run_id, genesis, _digest("config"), run_id, 1_000)
+    checkpoint, manifest = _digest("checkpoint", 1), _digest("manifest", 1)
+    ledger.record_round(run_id, 1, genesis, checkpoint, manifest,
+                        _reports(workers, run_id, 1, genesis, checkpoint, manifest, ledger.domain()))
+    RewardToken(chain, pool.token_address()).mint(chain.address, 10**24)
+    RewardToken(chain, pool.token_address()).approve(pool.address, 10**24)
+    pool.open_pool(run_id, 10**24, 1)
+    (record,) = ledger.recorded_rounds(run_id)
+    disputes = Disputes(chain, str(ledger.disputes_address()))
+    auditors = [WorkerKey.generate() for _ in range(3)]
+    rows = [_row("admitAuditor", int(disputes.admit_auditor(run_id, auditors[0].address, _digest("audit code"),
+                                                            _digest("auditor evidence"))["gasUsed"]))]
+    disputes.set_threshold(run_id, 1)
+
+    def upheld(party: str, signers: Sequence[WorkerKey]) -> int:
+        verdict = Verdict(run_id, 1, party, "replay", _digest("update", 1, party))
+        signatures = [key.sign_digest(verdict.digest(disputes.domain())) for key in signers]
+        return int(disputes.dispute(verdict, record, signatures)["gasUsed"])
+
+    rows.append(_row("dispute, 1 of 1, against a worker", upheld(record.workers[0], auditors[:1])))
+    for key in auditors[1:]:
+        disputes.admit_auditor(run_id, key.address, _digest("audit code"), _digest("auditor evidence", key.address))
+    disputes.set_threshold(run_id, 2)
+    rows.append(_row("dispute, 2 of 3, against a worker", upheld(record.workers[1], auditors[:2])))
+    rows.append(_row("dispute, 2 of 3, against the coordinator (voids 2 more credits)",
+                     upheld(chain.address, auditors[1:])))
+    chain.read(lambda: chain.w3.provider.make_request("anvil_mine", [hex(1_000)]), "anvil_mine")
+    receipt = chain.transact(pool._contract.functions.reclaim(bytes32(run_id, "run_id"), [(1, record.facts())]))
+    rows.append(_row("reclaim, 1 round", int(receipt["gasUsed"])))
     return rows
 
 

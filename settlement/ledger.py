@@ -30,6 +30,7 @@ from .chain import Chain, ChainError, Deployed
 from .records import (
     Admission,
     Contribution,
+    CreditVoided,
     MeasurementChange,
     Revocation,
     RoundRecord,
@@ -291,6 +292,17 @@ class Ledger(_Contract):
 
     def registry_address(self) -> str:
         return str(self.chain.call(self._contract.functions.registry()))
+
+    def disputes_address(self) -> str | None:
+        """The disputes contract this ledger created and takes voided credit from; None if it names none."""
+        address = str(self.chain.call(self._contract.functions.disputes()))
+        return None if int(address, 16) == 0 else to_checksum_address(address)
+
+    def voided_credits(self, run_id: bytes | None = None) -> list[CreditVoided]:
+        """``CreditVoided`` events (of one run, or of every run), oldest first: credit an upheld verdict
+        took off the tallies."""
+        filters = {} if run_id is None else {"runId": bytes32(run_id, "run_id")}
+        return self._logs("CreditVoided", CreditVoided.from_event, **filters)
 
     def create_run(self, run_id: bytes, genesis_checkpoint: bytes, config_digest: bytes,
                    genesis_manifest: bytes, challenge_window: int = 0) -> Any:

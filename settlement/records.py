@@ -27,6 +27,11 @@ Events: the histories, from logs any node serves. Each also says where it was em
                        updates). ``facts`` and ``facts_commitment`` are what the ledger's
                        commitment of the round hashes, and what a reward claim proves
     Payment            ``RewardPaid``: the reward pool paid a worker for a round
+    Reclaim            ``RoundReclaimed``: the pool returned what a round left unpaid to its funder
+    CreditVoided       ``CreditVoided``: an upheld verdict took a worker's credit for a round off the
+                       ledger's tallies
+    AuditorAdmission   ``AuditorAdmitted``: the disputes contract's owner admitted an auditor key to a run
+    VerdictUpheld      ``VerdictUpheld``: k admitted auditors' verdict against a party of a round held
 """
 
 from __future__ import annotations
@@ -41,8 +46,8 @@ from eth_utils import is_address, keccak, to_checksum_address
 from attestation.report import SignedReport
 from storage_client import bytes32
 
-__all__ = ["Admission", "Contribution", "MeasurementChange", "Payment", "Pool", "Revocation", "RoundRecord",
-           "RunCreated", "RunRecord", "WorkerRecord"]
+__all__ = ["Admission", "AuditorAdmission", "Contribution", "CreditVoided", "MeasurementChange", "Payment", "Pool",
+           "Reclaim", "Revocation", "RoundRecord", "RunCreated", "RunRecord", "VerdictUpheld", "WorkerRecord"]
 
 # IContributionLedger.RoundFacts, as abi.encode sees it.
 _ROUND_FACTS_ABI = "(bytes32,bytes32,uint64,uint64,uint64,address[])"
@@ -324,3 +329,73 @@ class Payment(_Event):
         args = log["args"]
         return cls(run_id=bytes32(args["runId"], "runId"), worker=_address("worker", args["worker"]),
                    round=_uint("round", args["round"]), amount=_uint("amount", args["amount"]), **_where(log))
+
+
+@dataclass(frozen=True, kw_only=True)
+class Reclaim(_Event):
+    """A ``RoundReclaimed`` event: the pool returned ``amount`` of round ``round`` to the run's funder."""
+
+    run_id: bytes
+    round: int
+    amount: int
+
+    @classmethod
+    def from_event(cls, log: Mapping[str, Any]) -> Reclaim:
+        args = log["args"]
+        return cls(run_id=bytes32(args["runId"], "runId"), round=_uint("round", args["round"]),
+                   amount=_uint("amount", args["amount"]), **_where(log))
+
+
+@dataclass(frozen=True, kw_only=True)
+class CreditVoided(_Event):
+    """A ``CreditVoided`` event of the ledger: ``worker``'s ``tokens`` for ``round`` left its tallies."""
+
+    run_id: bytes
+    round: int
+    worker: str
+    tokens: int
+
+    @classmethod
+    def from_event(cls, log: Mapping[str, Any]) -> CreditVoided:
+        args = log["args"]
+        return cls(run_id=bytes32(args["runId"], "runId"), round=_uint("round", args["round"]),
+                   worker=_address("worker", args["worker"]), tokens=_uint("tokens", args["tokens"]), **_where(log))
+
+
+@dataclass(frozen=True, kw_only=True)
+class AuditorAdmission(_Event):
+    """An ``AuditorAdmitted`` event: ``auditor``'s key may sign verdicts on ``run_id``; its admission
+    record is ``CID(JSON, evidence_digest)``."""
+
+    run_id: bytes
+    auditor: str
+    measurement: bytes
+    evidence_digest: bytes
+
+    @classmethod
+    def from_event(cls, log: Mapping[str, Any]) -> AuditorAdmission:
+        args = log["args"]
+        return cls(run_id=bytes32(args["runId"], "runId"), auditor=_address("auditor", args["auditor"]),
+                   measurement=bytes32(args["measurement"], "measurement"),
+                   evidence_digest=bytes32(args["evidenceDigest"], "evidenceDigest"), **_where(log))
+
+
+@dataclass(frozen=True, kw_only=True)
+class VerdictUpheld(_Event):
+    """A ``VerdictUpheld`` event: ``signers`` (admitted auditors) found ``party`` failed the check whose
+    id is ``check`` in ``round``, having read ``evidence``."""
+
+    run_id: bytes
+    round: int
+    party: str
+    check: bytes
+    evidence: bytes
+    signers: tuple[str, ...]
+
+    @classmethod
+    def from_event(cls, log: Mapping[str, Any]) -> VerdictUpheld:
+        args = log["args"]
+        return cls(run_id=bytes32(args["runId"], "runId"), round=_uint("round", args["round"]),
+                   party=_address("party", args["party"]), check=bytes32(args["check"], "check"),
+                   evidence=bytes32(args["evidence"], "evidence"), signers=_addresses("signers", args["signers"]),
+                   **_where(log))

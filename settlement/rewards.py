@@ -6,6 +6,11 @@ round's reporting workers (they are all credited the same tokens), rounded down;
 or anyone claims for it, once the round is ``challengeWindow`` blocks old. ``statement`` works out,
 from the ledger's events alone, what each worker is owed, what it was paid, and what it can claim
 now; ``claim`` sends the claims, proving each round's facts against the ledger's commitment.
+
+A credit an upheld verdict voided (the ledger's ``CreditVoided``, settlement.disputes) earns nothing
+and is never claimed; ``reclaim`` returns to the funder what each matured round leaves unpaid
+(IRewardPool.reclaim: p − (n − v)·⌊p / n⌋, the whole p for a round credited to nobody or voided, and
+the funding's rounding remainder with the last round).
 """
 
 from __future__ import annotations
@@ -21,7 +26,7 @@ from .chain import Chain
 from .ledger import Ledger, _Contract
 from storage_client import bytes32
 
-from .records import Payment, Pool
+from .records import Payment, Pool, Reclaim
 
 __all__ = ["RewardPool", "RewardToken", "Statement", "WorkerStatement"]
 
@@ -53,17 +58,20 @@ class WorkerStatement:
     claimable: int = 0  # earned, unpaid, and past the challenge window now
     pending: int = 0  # earned, unpaid, still inside the window
     overpaid: list[str] = field(default_factory=list)  # payments no recorded round entitles
+    voided: list[int] = field(default_factory=list)  # credited rounds an upheld verdict voided: not payable
 
     def to_json(self) -> dict[str, Any]:
         return {"worker": self.worker, "rounds": list(self.rounds), "earned": self.earned, "paid": self.paid,
-                "claimable": self.claimable, "pending": self.pending, "overpaid": list(self.overpaid)}
+                "claimable": self.claimable, "pending": self.pending, "overpaid": list(self.overpaid),
+                "voided": list(self.voided)}
 
 
 @dataclass
 class Statement:
     """A run's pool and every credited worker's account, as of block ``head``: ``paid`` adds up the
     run's ``RewardPaid`` events; ``pool_paid`` is what the pool itself counts as paid out of the run,
-    and ``pool_balance`` the tokens the pool holds (for every run it pays)."""
+    and ``pool_balance`` the tokens the pool holds (for every run it pays); ``reclaimed`` adds up the
+    run's ``RoundReclaimed`` events (returned to the funder), ``pool_reclaimed`` is the pool's own count."""
 
     run_id: bytes
     funded: int
@@ -73,6 +81,8 @@ class Statement:
     workers: dict[str, WorkerStatement]
     pool_paid: int
     pool_balance: int
+    reclaimed: int = 0
+    pool_reclaimed: int = 0
 
     @property
     def paid(self) -> int:
@@ -81,8 +91,8 @@ class Statement:
     def to_json(self) -> dict[str, Any]:
         return {"run_id": "0x" + self.run_id.hex(), "funded": self.funded, "total_rounds": self.total_rounds,
                 "challenge_window": self.challenge_window, "head": self.head, "paid": self.paid,
-                "pool_paid": self.pool_paid, "pool_balance": self.pool_balance,
-                "workers": [w.to_json() for _, w in sorted(self.workers.items())]}
+                "pool_paid": self.pool_paid, "pool_balance": self.pool_balance, "reclaimed": self.reclaimed,
+                "pool_reclaimed": self.pool_reclaimed, "workers": [w.to_json() for _, w in sorted(self.workers.items())]}
 
 
 class RewardPool(_Contract):
@@ -127,12 +137,17 @@ class RewardPool(_Contract):
         per_round = funded // total if total else 0
         accounts: dict[str, WorkerStatement] = {}
         earned: dict[tuple[str, int], tuple[int, bool]] = {}
+        voided = {(v.worker, v.round) for v in self.ledger.voided_credits(run_id)}
         for event in self.ledger.recorded_round_events(run_id):
             share = per_round // len(event.workers) if event.workers and 1 <= event.round <= total else 0
             mature = event.block + window <= head
             for w in event.workers:
                 account = accounts.setdefault(w, WorkerStatement(w))
                 account.rounds.append(event.round)
+                if (w, event.round) in voided:  # earns nothing: the pool refuses it (RewardPoolVoided)
+                    account.voided.append(event.round)
+                    earned[(w, event.round)] = (0, mature)
+                    continue
                 account.earned += share
                 earned[(w, event.round)] = (share, mature)
         paid: dict[tuple[str, int], int] = defaultdict(int)
@@ -151,7 +166,33 @@ class RewardPool(_Contract):
                 else:
                     accounts[w].pending += share
         balance = RewardToken(self.chain, self.token_address()).balance_of(self.address)
-        return Statement(run_id, funded, total, window, head, accounts, pool.paid, balance)
+        reclaimed = sum(r.amount for r in self.reclaims(run_id))
+        return Statement(run_id, funded, total, window, head, accounts, pool.paid, balance, reclaimed,
+                         self.reclaimed_of(run_id))
+
+    def reclaims(self, run_id: bytes) -> list[Reclaim]:
+        """``RoundReclaimed`` events of the run, oldest first."""
+        return self._logs("RoundReclaimed", Reclaim.from_event, runId=bytes32(run_id, "run_id"))
+
+    def reclaimed_of(self, run_id: bytes) -> int:
+        """What the pool counts as returned to the run's funder."""
+        return int(self.chain.call(self._contract.functions.reclaimedOf(bytes32(run_id, "run_id"))))
+
+    def reclaim(self, run_id: bytes) -> tuple[int, Any | None]:
+        """Return to the funder (this account) what every matured round of the pool's rounds leaves
+        unpaid, in one call; returns (amount, receipt), or (0, None) when no round is left to reclaim."""
+        statement = self.statement(run_id)
+        if statement is None:
+            return 0, None
+        done = {r.round for r in self.reclaims(run_id)}
+        proofs = [(event.round, event.facts()) for event in self.ledger.recorded_round_events(run_id)
+                  if 1 <= event.round <= statement.total_rounds and event.round not in done
+                  and event.block + statement.challenge_window <= statement.head]
+        if not proofs:
+            return 0, None
+        receipt = self.chain.transact(self._contract.functions.reclaim(bytes32(run_id, "run_id"), proofs))
+        tx_hash = "0x" + bytes(receipt["transactionHash"]).hex()
+        return sum(r.amount for r in self.reclaims(run_id) if r.tx_hash == tx_hash), receipt
 
     def claim(self, run_id: bytes, worker: str) -> tuple[int, Any | None]:
         """Claim every matured, unpaid round of ``worker`` in one call; returns (amount, receipt), or
@@ -162,6 +203,7 @@ class RewardPool(_Contract):
             return 0, None
         account = statement.workers.get(worker)
         paid_rounds = {p.round for p in self.payments(run_id, worker)}
+        paid_rounds |= set(account.voided) if account is not None else set()  # refused: never claimed
         claims = []
         for event in self.ledger.recorded_round_events(run_id):
             if worker not in event.workers or event.round in paid_rounds or event.round > statement.total_rounds:

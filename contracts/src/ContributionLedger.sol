@@ -3,6 +3,7 @@ pragma solidity ^0.8.24;
 
 import {EIP712} from "@openzeppelin/contracts/utils/cryptography/EIP712.sol";
 import {ECDSA} from "@openzeppelin/contracts/utils/cryptography/ECDSA.sol";
+import {Disputes} from "./Disputes.sol";
 import {IContributionLedger} from "./IContributionLedger.sol";
 import {IWorkerRegistry} from "./IWorkerRegistry.sol";
 
@@ -16,6 +17,10 @@ import {IWorkerRegistry} from "./IWorkerRegistry.sol";
  * Storage per round: one commitment slot, and one tally slot per reporting worker (its run tally); a
  * worker's total over runs is summed from its run tallies when asked ({totalContributionOf}), so a
  * report costs no second slot.
+ *
+ * Disputes: the ledger creates its {Disputes} contract in its constructor (owned by the ledger's
+ * deployer, who admits auditors) and takes credit off a tally ({voidCredit}) only when that contract
+ * asks, so the set of contracts that can change a tally is fixed at deployment (no setter).
  */
 contract ContributionLedger is IContributionLedger, EIP712 {
     /// @dev A worker's tally in one run (one slot).
@@ -31,6 +36,7 @@ contract ContributionLedger is IContributionLedger, EIP712 {
     );
 
     IWorkerRegistry private immutable _registry;
+    address private immutable _disputes;
 
     mapping(bytes32 runId => Run) private _runs;
     mapping(bytes32 runId => mapping(uint64 round => bytes32 commitment)) private _rounds;
@@ -40,6 +46,7 @@ contract ContributionLedger is IContributionLedger, EIP712 {
     /// @param registry_ The registry that says which worker keys are active.
     constructor(IWorkerRegistry registry_) EIP712("DiLoCoX Contribution Ledger", "1") {
         _registry = registry_;
+        _disputes = address(new Disputes(this, msg.sender));
     }
 
     /// @inheritdoc IContributionLedger
@@ -113,6 +120,20 @@ contract ContributionLedger is IContributionLedger, EIP712 {
             unreported.length,
             commitment
         );
+    }
+
+    /// @inheritdoc IContributionLedger
+    function voidCredit(bytes32 runId, uint64 round, address worker, uint64 tokens) external {
+        if (msg.sender != _disputes) revert LedgerNotDisputes(msg.sender);
+        RunTally storage tally = _tallies[runId][worker];
+        tally.tokens -= tokens;
+        tally.rounds -= 1;
+        emit CreditVoided(runId, round, worker, tokens);
+    }
+
+    /// @inheritdoc IContributionLedger
+    function disputes() external view returns (address) {
+        return _disputes;
     }
 
     /// @inheritdoc IContributionLedger
@@ -207,7 +228,9 @@ contract ContributionLedger is IContributionLedger, EIP712 {
         if (!_registry.isActive(signer)) revert LedgerWorkerNotActive(signer);
 
         RunTally storage tally = _tallies[header.runId][signer];
-        if (tally.rounds == 0) _runsOf[signer].push(header.runId);
+        // lastRound, not rounds: a voided credit ({voidCredit}) can take rounds back to 0, and the run
+        // must not be listed twice.
+        if (tally.lastRound == 0) _runsOf[signer].push(header.runId);
         tally.tokens += header.tokens;
         tally.rounds += 1;
         tally.lastRound = header.round;

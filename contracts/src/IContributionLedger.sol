@@ -168,6 +168,12 @@ interface IContributionLedger {
     error LedgerBadUnreported(uint256 index);
 
     /**
+     * @dev Only the ledger's {disputes} contract may void credit.
+     * @param caller The account that sent the call.
+     */
+    error LedgerNotDisputes(address caller);
+
+    /**
      * @notice A run was created; `coordinator` may record its rounds.
      * @param runId The run's id: sha256 digest of its genesis manifest.
      * @param coordinator The account that created it and records its rounds.
@@ -217,6 +223,15 @@ interface IContributionLedger {
     );
 
     /**
+     * @notice An upheld verdict ({IDisputes}) took a worker's credit for one round off its tallies.
+     * @param runId The run.
+     * @param round The round whose credit was voided.
+     * @param worker The worker.
+     * @param tokens The tokens taken off its tallies (the round's `tokens`).
+     */
+    event CreditVoided(bytes32 indexed runId, uint64 indexed round, address indexed worker, uint64 tokens);
+
+    /**
      * @notice Creates a run; the caller becomes its coordinator. Each id once ({LedgerRunExists}).
      * Emits {RunCreated}.
      * @param runId sha256 digest of the run's genesis manifest.
@@ -250,6 +265,25 @@ interface IContributionLedger {
      */
     function recordRound(RoundHeader calldata header, WorkerReport[] calldata reports, bytes32[] calldata unreported)
         external;
+
+    /**
+     * @notice Takes one round's credit of `worker` off its run tally (and so off its total): `tokens`
+     * and one round. Only the ledger's {disputes} contract ({LedgerNotDisputes}), which calls it for an
+     * upheld verdict after proving the round's facts, so `worker` was credited `tokens` in `round`.
+     * Emits {CreditVoided}. The round's commitment is unchanged: claims still prove against it, and
+     * the pool asks the disputes contract whether a credit is voided.
+     * @param runId The run.
+     * @param round The round.
+     * @param worker The worker credited in it.
+     * @param tokens The round's `tokens`.
+     */
+    function voidCredit(bytes32 runId, uint64 round, address worker, uint64 tokens) external;
+
+    /**
+     * @notice The disputes contract ({IDisputes}) this ledger created and accepts {voidCredit} from.
+     * @return Its address; zero for a ledger without disputes.
+     */
+    function disputes() external view returns (address);
 
     /**
      * @notice The EIP-712 digest a worker signs for `report` (this ledger's domain and chain).

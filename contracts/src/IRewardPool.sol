@@ -25,6 +25,15 @@ import {IContributionLedger} from "./IContributionLedger.sol";
  * was when the pool was opened: the pool keeps that snapshot ({challengeWindowOf},
  * {ChallengeWindowSnapshotted}) and decides maturity by it alone, so nothing the ledger answers later
  * can make a round payable sooner (or later) than when the pool was funded.
+ *
+ * Disputes ({IDisputes}): a credit an upheld verdict voided is never paid ({RewardPoolVoided}); a
+ * verdict can only be upheld inside the round's window, before the credit is payable. What a round
+ * leaves unpaid goes back to the funder by one rule ({reclaim}): once round r ≤ totalRounds is past the
+ * window, the funder may take, once, p − (n − v)·⌊p / n⌋ of it, where p = ⌊funded / totalRounds⌋, n its
+ * credited workers and v those voided (p whole for a round credited to nobody or voided whole); the
+ * last round also returns funded − totalRounds·p. Per round, claims plus reclaim are at most p, so
+ * paid + reclaimed ≤ funded, which the pool also checks on every payment. Rounds never recorded stay in
+ * the pool.
  */
 interface IRewardPool {
     /**
@@ -51,6 +60,16 @@ interface IRewardPool {
     struct RoundClaim {
         uint64 round;
         uint256 index;
+        IContributionLedger.RoundFacts facts;
+    }
+
+    /**
+     * @notice A recorded round and its facts as the ledger committed to them (a {reclaim}).
+     * @param round The round.
+     * @param facts The round's facts, proven against {IContributionLedger-roundCommitment}.
+     */
+    struct RoundProof {
+        uint64 round;
         IContributionLedger.RoundFacts facts;
     }
 
@@ -111,6 +130,25 @@ interface IRewardPool {
     error RewardPoolExhausted(bytes32 runId);
 
     /**
+     * @dev An upheld verdict voided the worker's credit for the round ({IDisputes-isVoided}).
+     * @param round The round claimed.
+     * @param worker The worker claimed for.
+     */
+    error RewardPoolVoided(uint64 round, address worker);
+
+    /**
+     * @dev Only the pool's funder may reclaim.
+     * @param caller The account that sent the call.
+     */
+    error RewardPoolNotFunder(address caller);
+
+    /**
+     * @dev The round's unpaid share was reclaimed already.
+     * @param round The round.
+     */
+    error RewardPoolAlreadyReclaimed(uint64 round);
+
+    /**
      * @notice A run's pool was opened and funded.
      * @param runId The run's id.
      * @param funder The run's coordinator, whose tokens fund the pool.
@@ -137,6 +175,15 @@ interface IRewardPool {
     event RewardPaid(bytes32 indexed runId, address indexed worker, uint64 indexed round, uint256 amount);
 
     /**
+     * @notice The funder took back what a round leaves unpaid (and, for the last round, the rounding
+     * remainder of the funding).
+     * @param runId The run's id.
+     * @param round The round.
+     * @param amount The tokens returned to the funder.
+     */
+    event RoundReclaimed(bytes32 indexed runId, uint64 indexed round, uint256 amount);
+
+    /**
      * @notice Opens and funds the pool of `runId`, pulling `amount` tokens from the caller (approve
      * first), and snapshots the run's challenge window from the ledger. Only the run's coordinator on
      * the ledger ({RewardPoolNotCoordinator}), once ({RewardPoolExists}). Emits {PoolOpened} and
@@ -152,14 +199,42 @@ interface IRewardPool {
      * call. Emits {RewardPaid} per round. Refused, as a whole, for a run with no pool
      * ({RewardPoolNotOpened}), a round whose facts do not prove ({RewardPoolBadProof}), that is not yet mature
      * ({RewardPoolNotMatured}), that `worker` is not credited in at the given index
-     * ({RewardPoolNotContributor}) or was paid for already ({RewardPoolAlreadyClaimed}), or a payment past
-     * the run's funding ({RewardPoolExhausted}).
+     * ({RewardPoolNotContributor}), whose credit a verdict voided ({RewardPoolVoided}), or was paid for
+     * already ({RewardPoolAlreadyClaimed}), or a payment taking paid + reclaimed past the run's funding
+     * ({RewardPoolExhausted}).
      * @param runId The run's id.
      * @param worker The worker to pay.
      * @param rounds The rounds claimed, each with its proof.
      * @return The tokens paid.
      */
     function claim(bytes32 runId, address worker, RoundClaim[] calldata rounds) external returns (uint256);
+
+    /**
+     * @notice Returns to the funder what each of `rounds` leaves unpaid, by the rule above, in one
+     * transfer. Only the funder ({RewardPoolNotFunder}) of an opened pool ({RewardPoolNotOpened}); each
+     * round's facts must prove ({RewardPoolBadProof}), the round be past the window
+     * ({RewardPoolNotMatured}) and not reclaimed before ({RewardPoolAlreadyReclaimed}); paid + reclaimed
+     * never past the funding ({RewardPoolExhausted}). Emits {RoundReclaimed} per round.
+     * @param runId The run's id.
+     * @param rounds The rounds, each with its facts.
+     * @return The tokens returned.
+     */
+    function reclaim(bytes32 runId, RoundProof[] calldata rounds) external returns (uint256);
+
+    /**
+     * @notice What the funder of a run's pool took back so far ({reclaim}).
+     * @param runId The run's id.
+     * @return The tokens reclaimed.
+     */
+    function reclaimedOf(bytes32 runId) external view returns (uint256);
+
+    /**
+     * @notice Whether round `round` of `runId` was reclaimed.
+     * @param runId The run's id.
+     * @param round The round.
+     * @return Whether {reclaim} took its unpaid share.
+     */
+    function isReclaimed(bytes32 runId, uint64 round) external view returns (bool);
 
     /**
      * @notice What one of a round's credited workers is owed for it.

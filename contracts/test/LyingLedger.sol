@@ -121,6 +121,19 @@ contract LyingLedger is IContributionLedger, EIP712 {
         _rounds[runId][round] = commitment;
     }
 
+    /// @dev Takes credit off like the real ledger, from anyone.
+    function voidCredit(bytes32 runId, uint64 round, address worker, uint64 tokens) external {
+        ContributionLedger.RunTally storage tally = _tallies[runId][worker];
+        tally.tokens -= tokens;
+        tally.rounds -= 1;
+        emit CreditVoided(runId, round, worker, tokens);
+    }
+
+    /// @dev None: a pool over this ledger has no verdicts to ask about.
+    function disputes() external pure returns (address) {
+        return address(0);
+    }
+
     /// @inheritdoc IContributionLedger
     function reportDigest(RoundReport calldata report) public view returns (bytes32) {
         return _hashTypedDataV4(keccak256(abi.encode(ROUND_REPORT_TYPEHASH, report)));

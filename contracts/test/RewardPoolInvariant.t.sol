@@ -3,24 +3,27 @@ pragma solidity ^0.8.24;
 
 import {IERC20} from "@openzeppelin/contracts/token/ERC20/IERC20.sol";
 import {IContributionLedger} from "../src/IContributionLedger.sol";
+import {IDisputes} from "../src/IDisputes.sol";
 import {IRewardPool} from "../src/IRewardPool.sol";
 import {RewardPool} from "../src/RewardPool.sol";
 import {RewardToken} from "../src/RewardToken.sol";
 import {InvariantBase} from "./Base.sol";
-import {LedgerBase} from "./LedgerBase.sol";
+import {DisputesBase} from "./DisputesBase.sol";
 import {LyingLedger} from "./LyingLedger.sol";
 
 /**
  * @dev TEST ONLY. The actions of the invariant runs, over the test run of {LedgerBase}: record a round
  * of any subset of the workers (sometimes with one worker's report twice, which the ledger must
  * refuse), let blocks pass, claim any credited (worker, round) (sometimes again), and claim from a
- * second pool over a {LyingLedger} that forges each claimer a round of its own. It keeps ghost
- * records of what succeeded; {checkPaid} and {checkCredits} compare them with the contracts.
+ * second pool over a {LyingLedger} that forges each claimer a round of its own, uphold verdicts (1 of
+ * 1) against a credited worker or the coordinator of a round (refused once its window is over or
+ * repeated), and reclaim a round's unpaid share for the funder. It keeps ghost records of what
+ * succeeded; {checkPaid}, {checkCredits} and {checkVoided} compare them with the contracts.
  *
  * A call the contracts must accept reverts the action (the runs fail on revert); one they may refuse
  * is tried and, when refused, leaves the ghosts as they were.
  */
-contract PoolHandler is LedgerBase {
+contract PoolHandler is DisputesBase {
     uint128 internal constant FUNDED = 1_000_003; // not a multiple of anything: rounding matters
     uint64 internal constant POOL_ROUNDS = 4; // rounds 5.. are recorded and claimed but pay 0
     uint64 internal constant MAX_ROUNDS = 12;
@@ -42,10 +45,20 @@ contract PoolHandler is LedgerBase {
         internal claims;
     /// @dev Tokens the successful claims of each (pool contract, run) returned.
     mapping(RewardPool => mapping(bytes32 runId => uint256)) internal claimed;
+    /// @dev Rounds a verdict against the coordinator voided whole.
+    mapping(uint64 round => bool) internal roundVoided;
     /// @dev Rounds with a worker's report twice that the ledger accepted (must stay 0).
     uint256 internal duplicatesAccepted;
     /// @dev Successful claims of a (pool, worker, round) already paid (must stay 0).
     uint256 internal claimsRepeated;
+    /// @dev Credits (worker, round) an upheld verdict voided, and how many each worker lost.
+    mapping(address worker => mapping(uint64 round => bool)) internal voided;
+    mapping(address worker => uint256) internal voidedRounds;
+    /// @dev Successful claims of a voided credit (must stay 0).
+    uint256 internal voidedPaid;
+    /// @dev Verdicts upheld, and tokens the funder reclaimed from the real ledger's pool.
+    uint256 internal verdicts;
+    uint256 internal reclaimed;
 
     /**
      * @dev An action's call was refused although the contracts must accept it.
@@ -55,6 +68,7 @@ contract PoolHandler is LedgerBase {
 
     constructor() {
         setUp();
+        panel(1, 1);
         token = new RewardToken(address(this));
         pool = new RewardPool(ledger, IERC20(address(token)));
         liar = new LyingLedger(registry);
@@ -125,9 +139,59 @@ contract PoolHandler is LedgerBase {
         IRewardPool.RoundClaim[] memory c = new IRewardPool.RoundClaim[](1);
         c[0] = IRewardPool.RoundClaim({round: round, index: index, facts: f});
         try pool.claim(RUN, w, c) returns (uint256 amount) {
+            if (voided[w][round]) ++voidedPaid;
             _paid(pool, RUN, w, round, amount);
         } catch {
-            if (!paidBefore) revert HandlerUnexpectedRefusal("claim");
+            if (!paidBefore && !voided[w][round]) revert HandlerUnexpectedRefusal("claim");
+        }
+    }
+
+    /**
+     * @dev Upholds a verdict against a credited worker of a recorded round or, with `coordinator`,
+     * against the round's coordinator; refused once the round's window is over or the credit (or round)
+     * is voided already, and must be accepted otherwise.
+     */
+    function dispute(uint256 roundSeed, uint256 indexSeed, bool coordinator) external {
+        if (recorded.length == 0) return;
+        // forge-lint: disable-next-line(unsafe-typecast) -- at most MAX_ROUNDS
+        uint64 round = uint64(bound(roundSeed, 1, recorded.length));
+        IContributionLedger.RoundFacts memory f = recorded[round - 1];
+        uint256 index = bound(indexSeed, 0, f.workers.length - 1);
+        address party = coordinator ? COORDINATOR : f.workers[index];
+        IDisputes.Verdict memory v = verdict(round, party);
+        bytes[] memory sigs = signedBy(1, v);
+        bool open = block.number < f.recordedAt + WINDOW;
+        bool again = coordinator ? roundVoided[round] : (roundVoided[round] || voided[party][round]);
+        try disputes.dispute(v, f, index, sigs) {
+            ++verdicts;
+            if (coordinator) roundVoided[round] = true;
+            for (uint256 i = 0; i < f.workers.length; ++i) {
+                if ((coordinator || i == index) && !voided[f.workers[i]][round]) {
+                    voided[f.workers[i]][round] = true;
+                    ++voidedRounds[f.workers[i]];
+                }
+            }
+        } catch {
+            if (open && !again) revert HandlerUnexpectedRefusal("dispute");
+        }
+    }
+
+    /// @dev The funder reclaims a recorded round's unpaid share once it is mature (sometimes again,
+    /// which the pool must refuse).
+    function reclaimRound(uint256 roundSeed) external {
+        if (recorded.length == 0) return;
+        // forge-lint: disable-next-line(unsafe-typecast) -- at most MAX_ROUNDS
+        uint64 round = uint64(bound(roundSeed, 1, recorded.length));
+        IContributionLedger.RoundFacts memory f = recorded[round - 1];
+        if (block.number < f.recordedAt + WINDOW) vm.roll(f.recordedAt + WINDOW);
+        bool before = pool.isReclaimed(RUN, round);
+        IRewardPool.RoundProof[] memory p = new IRewardPool.RoundProof[](1);
+        p[0] = IRewardPool.RoundProof({round: round, facts: f});
+        vm.prank(COORDINATOR);
+        try pool.reclaim(RUN, p) returns (uint256 amount) {
+            reclaimed += amount;
+        } catch {
+            if (!before) revert HandlerUnexpectedRefusal("reclaim");
         }
     }
 
@@ -159,7 +223,9 @@ contract PoolHandler is LedgerBase {
      */
     function checkPaid() external view {
         uint256 owed = _checkRun(pool, RUN, "pool");
-        assertEq(token.balanceOf(address(pool)), owed, "pool: balance + paid == funded");
+        assertEq(pool.reclaimedOf(RUN), reclaimed, "pool: reclaimed");
+        assertTrue(pool.poolOf(RUN).paid + reclaimed <= FUNDED, "pool: paid + reclaimed <= funded");
+        assertEq(token.balanceOf(address(pool)) + reclaimed, owed, "pool: balance + paid + reclaimed == funded");
         owed = _checkRun(exposed, RUN, "lying ledger's pool") + _checkRun(exposed, OTHER_RUN, "other run's pool");
         assertEq(token.balanceOf(address(exposed)), owed, "lying ledger's pools: balance + paid == funded");
     }
@@ -175,7 +241,7 @@ contract PoolHandler is LedgerBase {
         assertEq(claimsRepeated, 0, "a worker was paid twice for a round");
         for (uint256 i = 0; i < WORKERS; ++i) {
             IContributionLedger.Contribution memory c = ledger.contributionOf(RUN, worker(i));
-            assertEq(c.rounds, creditedRounds[worker(i)], "rounds credited");
+            assertEq(c.rounds, creditedRounds[worker(i)] - voidedRounds[worker(i)], "rounds credited, less voided");
             assertEq(c.tokens, uint256(c.rounds) * TOKENS, "tokens credited");
         }
         for (uint64 r = 1; r <= recorded.length; ++r) {
@@ -187,9 +253,29 @@ contract PoolHandler is LedgerBase {
         }
     }
 
+    /**
+     * @dev (c) No payout ever for a voided credit, and the disputes contract says voided exactly for the
+     * credits the handler's upheld verdicts voided.
+     */
+    function checkVoided() external view {
+        assertEq(voidedPaid, 0, "a voided credit was paid");
+        for (uint64 r = 1; r <= recorded.length; ++r) {
+            address[] memory workers = recorded[r - 1].workers;
+            for (uint256 i = 0; i < workers.length; ++i) {
+                assertEq(disputes.isVoided(RUN, r, workers[i]), voided[workers[i]][r], "voided mark");
+                if (voided[workers[i]][r]) assertTrue(!pool.isClaimed(RUN, workers[i], r), "voided, not claimed");
+            }
+        }
+    }
+
     /// @dev How many rounds the runs recorded and claims paid, so a run that did nothing shows.
     function progress() external view returns (uint256 rounds, uint256 paid) {
         return (recorded.length, claimed[pool][RUN] + claimed[exposed][RUN] + claimed[exposed][OTHER_RUN]);
+    }
+
+    /// @dev How many verdicts were upheld and tokens reclaimed, so a run that disputed nothing shows.
+    function disputeProgress() external view returns (uint256 upheld, uint256 returned) {
+        return (verdicts, reclaimed);
     }
 
     function _paid(RewardPool p, bytes32 runId, address w, uint64 round, uint256 amount) private {
@@ -209,20 +295,23 @@ contract PoolHandler is LedgerBase {
 
 /**
  * @dev Invariants of the reward pool and the ledger under random sequences of {PoolHandler} actions:
- * (a) a pool never pays more than it was funded with, and its token balance plus what it paid is what
- * it was funded with, even over a lying ledger; (b) no worker is credited twice in a round, by the
- * ledger or by a pool's payments.
+ * (a) a pool never pays more than it was funded with, and its token balance plus what it paid (and
+ * returned to the funder) is what it was funded with, even over a lying ledger; (b) no worker is
+ * credited twice in a round, by the ledger or by a pool's payments, and a voided credit leaves the
+ * tallies; (c) no payout ever for a voided credit.
  */
 contract RewardPoolInvariantTest is InvariantBase {
     PoolHandler internal handler;
 
     function setUp() public {
         handler = new PoolHandler();
-        bytes4[] memory actions = new bytes4[](4);
+        bytes4[] memory actions = new bytes4[](6);
         actions[0] = PoolHandler.recordRound.selector;
         actions[1] = PoolHandler.advance.selector;
         actions[2] = PoolHandler.claim.selector;
         actions[3] = PoolHandler.claimFromLiar.selector;
+        actions[4] = PoolHandler.dispute.selector;
+        actions[5] = PoolHandler.reclaimRound.selector;
         targetSelector(address(handler), actions);
     }
 
@@ -232,6 +321,10 @@ contract RewardPoolInvariantTest is InvariantBase {
 
     function invariantNoWorkerCreditedTwiceInARound() public view {
         handler.checkCredits();
+    }
+
+    function invariantNoPayoutForAVoidedCredit() public view {
+        handler.checkVoided();
     }
 
     /// @dev The actions do what the runs rely on: record, pay, and refuse a duplicate and a second claim.
@@ -249,5 +342,25 @@ contract RewardPoolInvariantTest is InvariantBase {
         assertEq(paid, (uint256(1_000_003) / 4) / 5 + 1_000_003, "paid");
         handler.checkPaid();
         handler.checkCredits();
+    }
+
+    /// @dev The dispute actions do what the runs rely on: uphold inside the window, refuse a repeat and
+    /// a late verdict, refuse the voided credit's claim, and return the unpaid share to the funder.
+    function testHandlerDisputeActions() public {
+        handler.recordRound(2, false, 0); // mask 3: two workers, round 1
+        handler.dispute(0, 1, false); // the second worker of round 1, inside the window
+        handler.dispute(0, 1, false); // again: refused
+        handler.claim(0, 1, false); // its claim: refused
+        handler.claim(0, 0, false); // the other worker: paid (rolled to maturity)
+        handler.dispute(0, 0, true); // the window is over: refused
+        handler.reclaimRound(0); // the voided share and rounding back to the funder
+        handler.reclaimRound(0); // again: refused
+        (uint256 upheld, uint256 returned) = handler.disputeProgress();
+        uint256 p = uint256(1_000_003) / 4;
+        assertEq(upheld, 1, "verdicts upheld");
+        assertEq(returned, p - p / 2, "reclaimed");
+        handler.checkPaid();
+        handler.checkCredits();
+        handler.checkVoided();
     }
 }

@@ -1,0 +1,262 @@
+"""Verdicts with teeth (docs/trust.md "Disputes"), on a real anvil and real processes (nothing mocked).
+
+``test_a_verdict_voids_a_credit_and_its_pay`` drives the Python clients alone: an auditor key made
+under the dev attestation provider, bound to the audit code's measurement, admitted by the disputes
+contract's owner; its EIP-712 verdict (digest equal to the contract's) voids a worker's credit inside
+the window; the pool then refuses that credit while the honest worker is paid in full, and returns
+what the round leaves unpaid to the funder; a verdict from an unadmitted key, after the window, or
+twice is refused by name. ~3 s of CPU (one anvil, no training).
+
+``test_a_scaled_cheat_is_named_disputed_and_not_paid`` is the whole loop on real processes.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import io
+import json
+from pathlib import Path
+
+import pytest
+from rich.console import Console
+
+from attestation import DevProvider, DevRoot, Domain, Policy, RoundReport, SignedReport, WorkerKey, attest, \
+    code_measurement, open_provider
+from attestation.measurement import audit_code_measurement
+from attestation.signing import update_digest
+from attestation.verdict import Verdict
+from audit.auditor import Auditor, admit
+from audit.cli import audit_run_dir
+from audit.disputes import DisputeOptions
+from benchmarks.hostile import Heartbeats, Mallory, Trainer
+from cli.cluster import LocalCluster, provision
+from cli.settle import settle_run_dir
+from proto import PROTOCOL_VERSION, pb, session_metadata
+from settlement import DEV_ACCOUNTS, Anvil, Chain, Deployment, Ledger, TxReverted
+from settlement.disputes import Disputes
+from settlement.provision import fund_pool, mine
+from settlement.rewards import RewardPool, RewardToken
+from storage_client import CID, Codec, canonical_json, lineage, open_store
+from tests.conftest import small_config
+from trainer.codec.wire import encode_params, sha256_hex
+from trainer.config import RoundConfig, RunConfig
+from trainer.data.corpus import load_corpus, shard_digest
+
+from .test_settlement import Setup, anvil, h, make_setup, record  # noqa: F401  (anvil: the fixture)
+
+pytestmark = pytest.mark.integration
+
+WINDOW = 30
+FUNDED = 1_000_003
+ROUNDS = 2
+
+
+@pytest.fixture
+def disputed(anvil, tmp_path: Path) -> tuple[Setup, Disputes, Auditor]:
+    s = make_setup(anvil)
+    s.ledger.create_run(s.run_id, s.genesis, h("config"), s.run_id, challenge_window=WINDOW)
+    fund_pool(s.coordinator, s.deployment, s.run_id, FUNDED, ROUNDS, minter=s.owner)
+    root = DevRoot.load_or_create(tmp_path / "dev-root")
+    config_cid = str(CID(Codec.JSON, h("config")))
+    auditor = Auditor.attest(open_provider("dev", dev_root_dir=tmp_path / "dev-root"), s.run_id, config_cid)
+    owner = Disputes(s.owner, s.ledger.disputes_address(), from_block=s.deployment.deployed_block)
+    record_cid = admit(owner, open_store(tmp_path / "run"), auditor, config_cid,
+                       Policy.development(root.address))
+    assert owner.admissions(s.run_id)[0].evidence_digest == record_cid.digest
+    assert owner.admissions(s.run_id)[0].measurement == audit_code_measurement(config_cid)
+    return s, owner, auditor
+
+
+def test_a_verdict_voids_a_credit_and_its_pay(disputed: tuple[Setup, Disputes, Auditor]) -> None:
+    s, disputes, auditor = disputed
+    record(s, 1)
+    record(s, 2)
+    rounds = s.ledger.recorded_rounds(s.run_id)
+    cheat, honest = rounds[0].workers[1], rounds[0].workers[0]
+    verdict = Verdict(s.run_id, 1, cheat, "replay", h("update", 1, 1))
+    assert disputes.verdict_digest(verdict) == verdict.digest(disputes.domain())
+    assert disputes.panel_of(s.run_id) == (1, 1)
+
+    with pytest.raises(TxReverted) as refused:  # an unadmitted key: a worker's, or any other
+        disputes.dispute(verdict, rounds[0], [WorkerKey.generate().sign_digest(verdict.digest(disputes.domain()))])
+    assert refused.value.error == "DisputesNotAuditor"
+    disputes.dispute(verdict, rounds[0], [auditor.sign(verdict, disputes)])
+    assert disputes.is_voided(s.run_id, 1, cheat) and not disputes.is_voided(s.run_id, 1, honest)
+    with pytest.raises(TxReverted) as refused:
+        disputes.dispute(verdict, rounds[0], [auditor.sign(verdict, disputes)])
+    assert refused.value.error == "DisputesAlreadyVoided"
+    assert s.ledger.contribution_of(s.run_id, cheat).rounds == 1  # round 2 only
+    assert [(v.worker, v.round) for v in s.ledger.voided_credits(s.run_id)] == [(cheat, 1)]
+    upheld = disputes.verdicts(s.run_id)
+    assert [(v.round, v.party, v.signers) for v in upheld] == [(1, cheat, (auditor.address,))]
+
+    mine(s.owner, WINDOW)
+    late = Verdict(s.run_id, 2, cheat, "replay", h("update", 2, 1))
+    with pytest.raises(TxReverted) as refused:
+        disputes.dispute(late, rounds[1], [auditor.sign(late, disputes)])
+    assert refused.value.error == "DisputesWindowClosed"
+
+    pool = RewardPool(s.owner, s.deployment.rewards, s.ledger, from_block=s.deployment.deployed_block)
+    share = FUNDED // ROUNDS // 2
+    statement = pool.statement(s.run_id)
+    assert statement.workers[cheat].voided == [1] and statement.workers[cheat].claimable == share
+    assert pool.claim(s.run_id, cheat)[0] == share  # round 2 only: round 1 is not claimed
+    assert pool.claim(s.run_id, honest)[0] == 2 * share  # paid in full
+    funder = RewardPool(s.coordinator, s.deployment.rewards, s.ledger, from_block=s.deployment.deployed_block)
+    back, _ = funder.reclaim(s.run_id)
+    assert back == FUNDED - 3 * share  # the voided share and every rounding remainder
+    statement = pool.statement(s.run_id)
+    assert statement.paid + statement.reclaimed == FUNDED == statement.paid + statement.pool_reclaimed
+    token = RewardToken(s.owner, s.deployment.token)
+    assert token.balance_of(s.deployment.rewards) == 0
+
+
+# --- end to end, on real processes: coordinator, an honest worker, an attested cheat, anvil, an auditor ---
+
+E2E_WINDOW = 100  # blocks: wide enough for the pool's funding and the auditor's admission inside it
+
+
+def _attested_cheat(cluster: LocalCluster, run_dir: Path) -> tuple[Mallory, WorkerKey, bytes]:
+    """A client joined as "m" with a dev-attested key, as a worker joins (tests/integration/test_trust.py)."""
+
+    stub = cluster.stub()
+    challenge = stub.Challenge(pb.ChallengeRequest(protocol_version=PROTOCOL_VERSION, worker_id="m"), timeout=10)
+    key = WorkerKey.generate()
+    provider = DevProvider(DevRoot.load_or_create(run_dir / "dev-root"))
+    evidence = attest(provider, key, challenge.run_digest, challenge.nonce, code_measurement(challenge.config_cid))
+    joined = stub.Join(pb.JoinRequest(protocol_version=PROTOCOL_VERSION, worker_id="m", address=key.address,
+                                      evidence=evidence.to_bytes(), nonce=challenge.nonce), timeout=30)
+    m = Mallory(stub, "m", RunConfig.from_json(json.loads(challenge.config_json)),
+                session_metadata("m", joined.session_token))
+    return m, key, challenge.run_digest
+
+
+def _report(m: Mallory, key: WorkerKey, run_id: bytes, trainer: Trainer, cluster: LocalCluster,
+            deployment: Deployment) -> None:
+    """m's signed report of round 1, restating the manifest as the coordinator requires."""
+
+    chain_of = lineage(cluster.run_dir.store, cluster.run_dir.head())
+    (genesis_cid, genesis), (manifest_cid, manifest) = chain_of[0], chain_of[1]
+    entry = next(p for p in manifest.participants if p.worker == "m")
+    report = RoundReport(
+        run_id=run_id, round=1, worker=key.address, parent_checkpoint=CID.parse(genesis.params).digest,
+        checkpoint=CID.parse(manifest.params).digest, manifest_digest=manifest_cid.digest,
+        update_digest=CID.parse(entry.update).digest, data_digest=shard_digest(trainer.shard),
+        train_loss_e6=entry.train_loss_e6, eval_loss_e6=manifest.eval_loss_e6, tokens=entry.tokens,
+        inner_steps=entry.inner_steps, bytes_sent=entry.bytes_sent, bytes_received=entry.bytes_received)
+    signed = SignedReport(report, key.sign_digest(report.digest(Domain(deployment.chain_id, deployment.ledger))))
+    m.stub.SubmitReport(pb.SubmitReportRequest(worker_id="m", signed_report=canonical_json(signed.to_json())),
+                        metadata=m.session, timeout=30)
+
+
+def test_a_scaled_cheat_is_named_disputed_and_not_paid(cluster: LocalCluster, chain: Anvil, tmp_path: Path) -> None:
+    """A worker that pushes 1.5 × its update is accepted by the coordinator and credited on chain; the
+    replay names it; ``audit --dispute`` (a dev-attested auditor) voids its credit inside the window;
+    its claim is refused while the honest worker is paid in full; the verdict again, from an unadmitted
+    key, or after the window is refused by name; the audit of the disputed run shows the dispute and
+    its payout and tally checks pass. Costs ~11 s of CPU with its processes (one round of two tiny workers, two
+    audits, a settle)."""
+    config = small_config(rounds=RoundConfig(rounds=1, expected_workers=2, quorum=2, straggler_timeout_s=60.0,
+                                             heartbeat_interval_s=0.5, liveness_timeout_s=10.0,
+                                             max_update_norm=1000.0))
+    corpus = load_corpus(config.data, config.seed, config.model.block_size)
+    config = config.replace(data=dataclasses.replace(config.data, corpus_sha256=corpus.sha256))
+    path = tmp_path / "config.json"
+    config.save(path)
+    run_dir = cluster.run_dir.path
+    co_args, wo_args = provision(run_dir, chain.rpc_url, config)
+    cluster.start_coordinator(path, extra=[*co_args, "--report-timeout", "30", "--challenge-window", str(E2E_WINDOW)])
+    m, key, run_id = _attested_cheat(cluster, run_dir)
+    cluster.start_worker("w0", extra=wo_args)
+    trainer = Trainer(m, cluster)
+    deployment = Deployment.load(run_dir / "chain" / "deployment.json")
+    with Heartbeats(m, 0.5):
+        base, params = trainer.fetch(0)
+        delta = {k: 1.5 * v for k, v in trainer.train(params, 1).items()}
+        signature = key.sign_digest(update_digest(run_id, 1, 0, 1, sha256_hex(encode_params(delta))))
+        m.push(delta, round=1, base_params_cid=base, train_loss=trainer.loss, inner_state_sha256=trainer.state,
+               base_bytes_received=trainer.received[base], signature=signature)
+        cluster.wait_for(lambda s: len(s.rounds) > 1, 120, "round 1 to close")
+    _report(m, key, run_id, trainer, cluster, deployment)
+    assert cluster.wait_exit("w0", 120) == 0, cluster.log("w0")
+    assert cluster.wait_exit("coordinator", 120) == 0, cluster.log("coordinator", tail=60)
+
+    owner, coordinator = Chain(chain.rpc_url, DEV_ACCOUNTS[0]), Chain(chain.rpc_url, DEV_ACCOUNTS[1])
+    ledger = Ledger(owner, deployment.ledger, from_block=deployment.deployed_block)
+    (round1,) = ledger.recorded_rounds(run_id)
+    assert key.address in round1.workers and len(round1.workers) == 2  # accepted and credited
+    honest = next(w for w in round1.workers if w != key.address)
+    fund_pool(coordinator, deployment, run_id, FUNDED, 1, minter=owner)
+
+    options = DisputeOptions(bytes.fromhex(DEV_ACCOUNTS[0].removeprefix("0x")), "dev", str(run_dir / "dev-root"))
+    first = tmp_path / "disputed.json"
+    assert audit_run_dir(run_dir, rpc_url=chain.rpc_url, allow_dev=True, replay=(2, 1), dispute=options,
+                         json_path=first) == 1  # the replay's MISMATCH stays a failure
+    result = json.loads(first.read_text())
+    mismatched = [(row["round"], row["worker"]) for row in result["replay"]["contributions"]
+                  if row["status"] == "MISMATCH"]
+    assert mismatched == [(1, "m")], result["replay"]
+    assert [(d["round"], d["party"], d["party_id"], d["check"], d["outcome"]) for d in result["disputes"]] == \
+        [(1, key.address, "m", "replay", "upheld")]
+
+    disputes = Disputes(owner, ledger.disputes_address(), from_block=deployment.deployed_block)
+    verdict = Verdict(run_id, 1, key.address, "replay", round1.reports[0].report.update_digest)
+    for signer, refusal in ((WorkerKey.generate(), "DisputesNotAuditor"), (None, "DisputesAlreadyVoided")):
+        sig = (signer.sign_digest(verdict.digest(disputes.domain())) if signer else
+               _auditor_signature(disputes, run_dir, run_id, owner, verdict))
+        with pytest.raises(TxReverted) as refused:
+            disputes.dispute(verdict, round1, [sig])
+        assert refused.value.error == refusal
+
+    mine(owner, E2E_WINDOW)
+    against_honest = Verdict(run_id, 1, honest, "replay", round1.reports[0].report.update_digest)
+    with pytest.raises(TxReverted) as late:
+        disputes.dispute(against_honest, round1, [_auditor_signature(disputes, run_dir, run_id, owner,
+                                                                     against_honest)])
+    assert late.value.error == "DisputesWindowClosed"
+
+    pool = RewardPool(owner, deployment.rewards, ledger, from_block=deployment.deployed_block)
+    assert pool.claim(run_id, key.address) == (0, None)  # the voided round is not claimed
+    with pytest.raises(TxReverted) as voided:
+        owner.transact(pool._contract.functions.claim(run_id, key.address, [(1, round1.workers.index(key.address),
+                                                                               round1.facts())]))
+    assert voided.value.error == "RewardPoolVoided"
+    assert pool.claim(run_id, honest)[0] == FUNDED // 2  # paid in full
+    funder = RewardPool(coordinator, deployment.rewards, ledger, from_block=deployment.deployed_block)
+    assert funder.reclaim(run_id)[0] == FUNDED - FUNDED // 2
+
+    again = tmp_path / "after.json"
+    audit_run_dir(run_dir, rpc_url=chain.rpc_url, allow_dev=True, json_path=again)
+    result = json.loads(again.read_text())
+    assert {f["check"] for f in result["failures"]} <= {"replay"}, result["failures"]  # books and payouts agree
+    assert [(d["party_id"], d["outcome"]) for d in result["disputes"]] == [("m", "upheld")]
+    assert result["rewards"]["reclaimed"] == FUNDED - FUNDED // 2
+    shown = Console(file=io.StringIO(), width=200)
+    assert settle_run_dir(run_dir, rpc_url=chain.rpc_url, console=shown) == 0
+    assert "round 1 is not payable: an upheld verdict against its contribution (check replay)" in \
+        shown.file.getvalue()
+
+
+def _auditor_signature(disputes: Disputes, run_dir: Path, run_id: bytes, owner: Chain, verdict: Verdict) -> bytes:
+    """The signature of a second dev-attested auditor admitted to the run (so it counts)."""
+    config_cid = str(CID(Codec.JSON, Ledger(owner, disputes.ledger_address()).run_of(run_id).config_digest))
+    auditor = Auditor.attest(open_provider("dev", dev_root_dir=run_dir / "dev-root"), run_id, config_cid)
+    admit(disputes, open_store(run_dir), auditor, config_cid,
+          Policy.development(DevRoot.load_or_create(run_dir / "dev-root").address))
+    return auditor.sign(verdict, disputes)
+
+
+def test_a_ledger_that_voids_an_honest_credit_is_named(anvil: Anvil, tmp_path: Path) -> None:
+    """The audit takes no contract's word for a void: a ledger (LyingLedger's code at its address) that
+    takes an honest worker's credit off its tally without an upheld verdict fails ``tally`` by name,
+    though its tallies and events agree. ~3 s of CPU (one tiny round)."""
+    from .test_audit import RunBuilder
+
+    builder = RunBuilder(tmp_path, anvil.rpc_url)
+    builder.round()
+    honest = builder.reports[1][0].report
+    liar = builder.lie()
+    builder.coordinator.transact(liar.functions.voidCredit(builder.run_id, 1, honest.worker, honest.tokens))
+    failures = [f for f in builder.audit().failures if f.check == "tally"]
+    assert [(f.round, f.object) for f in failures] == [(1, honest.worker)], failures
+    assert "the ledger voided its credit, but" in failures[0].message
