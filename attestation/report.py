@@ -73,6 +73,28 @@ class Domain:
                 "verifyingContract": to_checksum_address(self.ledger)}
 
 
+def typed_data(domain: Domain, primary_type: str, fields_: list[dict[str, str]], message: dict[str, Any]) -> dict[str, Any]:
+    """EIP-712 typed data of one struct in ``domain``: what every message of the run is signed as
+    (the round report here; the coordinator's receipt, attestation.receipt)."""
+    return {
+        "types": {
+            "EIP712Domain": [
+                {"name": "name", "type": "string"}, {"name": "version", "type": "string"},
+                {"name": "chainId", "type": "uint256"}, {"name": "verifyingContract", "type": "address"},
+            ],
+            primary_type: fields_,
+        },
+        "primaryType": primary_type,
+        "domain": domain.to_eip712(),
+        "message": message,
+    }
+
+
+def typed_digest(data: dict[str, Any]) -> bytes:
+    """keccak256(0x1901 ‖ domainSeparator ‖ hashStruct(message)) of ``typed_data``'s output."""
+    return _hash_eip191_message(encode_typed_data(full_message=data))
+
+
 @dataclass(frozen=True)
 class RoundReport:
     """What a worker attests about one round; 32-byte fields are bytes, losses fixed-point ×1e6."""
@@ -116,22 +138,11 @@ class RoundReport:
         return tuple(getattr(self, f.name) for f in REPORT_FIELDS)
 
     def typed_data(self, domain: Domain) -> dict[str, Any]:
-        return {
-            "types": {
-                "EIP712Domain": [
-                    {"name": "name", "type": "string"}, {"name": "version", "type": "string"},
-                    {"name": "chainId", "type": "uint256"}, {"name": "verifyingContract", "type": "address"},
-                ],
-                "RoundReport": ROUND_REPORT_TYPE,
-            },
-            "primaryType": "RoundReport",
-            "domain": domain.to_eip712(),
-            "message": self.message(),
-        }
+        return typed_data(domain, "RoundReport", ROUND_REPORT_TYPE, self.message())
 
     def digest(self, domain: Domain) -> bytes:
         """The 32 bytes that are signed (and that the ledger computes in ``reportDigest``)."""
-        return _hash_eip191_message(encode_typed_data(full_message=self.typed_data(domain)))
+        return typed_digest(self.typed_data(domain))
 
     def to_json(self) -> dict[str, Any]:
         """JSON form for the store: 32-byte fields as 0x-hex, ints as ints."""

@@ -202,7 +202,7 @@ def cmd_worker(args: argparse.Namespace) -> int:
     worker = Worker(args.coordinator, args.worker_id, tls=_client_tls(args), attestation=provider,
                     reconnect_timeout_s=args.reconnect_timeout, link=link,
                     metrics=Path(args.metrics) if args.metrics else None, stages=args.stages, cores=args.cores,
-                    threads=args.threads, device=args.device)
+                    threads=args.threads, device=args.device, receipts=Path(args.receipts) if args.receipts else None)
     return _exit_now(worker.run())
 
 
@@ -504,6 +504,9 @@ def _worker_arguments(p: argparse.ArgumentParser) -> None:
                                      "and one at the end (wall and compute seconds) to this file")
     p.add_argument("--reconnect-timeout", type=float, default=120.0,
                    help="seconds to keep retrying an unreachable coordinator")
+    p.add_argument("--receipts", metavar="DIR",
+                   help="where the coordinator's signed receipts of this worker's counted updates and taken reports "
+                        "are kept, for `dilocox settle prove-receipt` (default: receipts/WORKER_ID)")
     p.add_argument("--stages", type=_stages_arg, default=None, metavar="auto|P",
                    help="pipeline stages: P local processes, each holding a contiguous slice of layers "
                         "(torch.distributed gloo on CPU), with max(1, cores // P) torch threads each; auto "
