@@ -32,7 +32,7 @@ from web3.exceptions import ContractLogicError, TransactionNotFound, Web3RPCErro
 
 from storage_client import DilocoxError
 
-from .artifacts import ArtifactError, ledger_artifact, registry_artifact
+from .artifacts import ArtifactError, ledger_artifact, load_artifact, registry_artifact
 
 __all__ = ["Chain", "ChainError", "ChainUnavailable", "RevertDecoder", "TxReverted"]
 
@@ -165,7 +165,7 @@ def _decoder() -> RevertDecoder:
     global _default_decoder
     if _default_decoder is None:
         try:
-            abis = [registry_artifact().abi, ledger_artifact().abi]
+            abis = [registry_artifact().abi, ledger_artifact().abi, load_artifact("ReceiptCourt").abi]
         except ArtifactError as exc:
             log.warning("revert reasons will not be decoded: %s", exc)
             abis = []
