@@ -154,19 +154,18 @@ def _prove_on(rpc_url: str, deployment, receipts: Path, key: str, console: Conso
     from settlement.receipt_court import ReceiptCourt, omissions
     from trainer.worker.receipts import ReceiptBook
 
+    if deployment.receipt_court is None:
+        console.print("[bold red]cannot prove[/]: this deployment has no receipt court (deployed before it existed)")
+        return EXIT_ERROR
     chain = Chain(rpc_url, key)
     ledger = Ledger(chain, deployment.ledger, from_block=deployment.deployed_block)
     court = ReceiptCourt(chain, deployment.receipt_court, from_block=deployment.deployed_block)
     book, status = ReceiptBook(receipts), EXIT_OK
-    runs = sorted(p.name for p in receipts.iterdir() if p.is_dir()) if receipts.is_dir() else []
-    if not runs:
+    if not book.runs():
         console.print(f"[bold red]cannot prove[/]: no receipts in {escape(str(receipts))}")
         return EXIT_ERROR
-    for run_hex in runs:
-        if len(run_hex) != 64 or any(c not in "0123456789abcdef" for c in run_hex):
-            console.print(f"[yellow]skipped[/] {escape(run_hex[:80])}: not a run id folder")
-            continue
-        run_id = bytes.fromhex(run_hex)
+    for run_id in book.runs():
+        run_hex = run_id.hex()
         kept, problems = book.receipts(run_id)
         found, skipped = omissions(ledger, run_id, kept)
         for line in problems + skipped:

@@ -60,6 +60,7 @@ class Deployment:
     @param token the ERC-20 rewards are paid in (a ``RewardToken`` the owner mints, locally)
     @param rewards the ``RewardPool`` paying each run's workers from the ledger's records
     @param receipt_court the ``ReceiptCourt`` where a worker proves its coordinator's receipted omission
+        (None in a deployment made before the court existed)
     """
 
     chain_id: int
@@ -69,7 +70,7 @@ class Deployment:
     deployed_block: int
     token: str
     rewards: str
-    receipt_court: str
+    receipt_court: str | None = None
 
     def save(self, path: Path) -> None:
         """Write the deployment as JSON, atomically."""
@@ -88,9 +89,9 @@ class Deployment:
             raise DeploymentError(f"deployment file {path} does not exist") from None
         except (OSError, ValueError) as exc:
             raise DeploymentError(f"deployment file {path} is not readable JSON: {exc}") from None
-        names = {"chain_id", "registry", "ledger", "owner", "deployed_block", "token", "rewards", "receipt_court"}
-        if not isinstance(data, dict) or set(data) != names:
-            raise DeploymentError(f"deployment file {path} must hold exactly {sorted(names)}")
+        names = {"chain_id", "registry", "ledger", "owner", "deployed_block", "token", "rewards"}
+        if not isinstance(data, dict) or not names <= set(data) <= names | {"receipt_court"}:
+            raise DeploymentError(f"deployment file {path} must hold exactly {sorted(names)} (and receipt_court)")
         try:
             if type(data["chain_id"]) is not int or type(data["deployed_block"]) is not int:
                 raise ValueError("chain_id and deployed_block must be integers")
@@ -98,7 +99,8 @@ class Deployment:
                        ledger=to_checksum_address(data["ledger"]), owner=to_checksum_address(data["owner"]),
                        deployed_block=data["deployed_block"], token=to_checksum_address(data["token"]),
                        rewards=to_checksum_address(data["rewards"]),
-                       receipt_court=to_checksum_address(data["receipt_court"]))
+                       receipt_court=None if data.get("receipt_court") is None
+                       else to_checksum_address(data["receipt_court"]))
         except (TypeError, ValueError) as exc:
             raise DeploymentError(f"deployment file {path} is malformed: {exc}") from None
 

@@ -65,6 +65,13 @@ class ReceiptBook:
                      canonical_json(signed.to_json()) + b"\n")
         return signed
 
+    def runs(self) -> list[bytes]:
+        """The runs this folder keeps receipts of (a sub-folder named by its 64 hex digits each)."""
+        if not self.directory.is_dir():
+            return []
+        names = sorted(p.name for p in self.directory.iterdir() if p.is_dir())
+        return [bytes.fromhex(n) for n in names if len(n) == 64 and all(c in "0123456789abcdef" for c in n)]
+
     def receipts(self, run_id: bytes) -> tuple[list[SignedReceipt], list[str]]:
         """Every receipt kept for ``run_id`` by round, and one line per file that is not one."""
         folder = self.directory / run_id.hex()
