@@ -102,6 +102,8 @@ def test_a_worker_proves_the_coordinator_left_it_unreported(cluster: LocalCluste
     assert out.count("proven") == ROUNDS, out
     deployment = Deployment.load(run_dir / "chain" / "deployment.json")
     court = ReceiptCourt(Chain(chain.rpc_url, DEV_ACCOUNTS[2]), deployment.receipt_court)
+    # The digest the coordinator signed in Python is the one the court computes on chain.
+    assert court.receipt_digest(held["w0"][1].receipt) == held["w0"][1].receipt.digest(ledger.domain())
     faults = court.faults(run_id)
     assert [(f.round, f.worker, f.coordinator) for f in faults] == [(r, w0, coordinator) for r in range(1, ROUNDS + 1)]
     assert settle_run_dir(run_dir, rpc_url=chain.rpc_url, receipts=cluster.receipts_dir("w0")) == EXIT_OK
