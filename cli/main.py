@@ -758,6 +758,8 @@ def check_args(args: argparse.Namespace) -> None:
             raise UsageError(f"--watch {args.watch} is out of range: must be in [0.1, 86400] seconds")
     if command in ("worker", "status"):
         _coordinator_address(args.coordinator)
+    if command == "settle" and (args.action == "prove-receipt") != (args.receipts is not None):
+        raise UsageError("--receipts RDIR goes with `settle prove-receipt`, and prove-receipt needs it")
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -58,10 +58,6 @@ def run(args: argparse.Namespace) -> int:
     key = None
     if args.chain_key_file:
         key = "0x" + read_key_file(Path(args.chain_key_file), "--chain-key-file").hex()
-    if (args.action == "prove-receipt") != (args.receipts is not None):
-        from cli.main import UsageError
-
-        raise UsageError("--receipts goes with `settle prove-receipt`, and prove-receipt needs it")
     return settle_run_dir(Path(args.run), rpc_url=args.rpc, claim=args.claim, key=key,
                           json_path=Path(args.json) if args.json else None,
                           receipts=Path(args.receipts) if args.receipts else None)
