@@ -68,7 +68,10 @@ contract ReceiptCourtTest is LedgerBase {
     function _receipt(uint256 i, uint64 round) internal view returns (IReceiptCourt.Receipt memory) {
         IContributionLedger.RoundReport memory r = report(i, _header(round));
         return IReceiptCourt.Receipt({
-            runId: SIGNED_RUN, round: round, worker: r.worker, updateDigest: r.updateDigest,
+            runId: SIGNED_RUN,
+            round: round,
+            worker: r.worker,
+            updateDigest: r.updateDigest,
             reportDigest: ledger.reportDigest(r)
         });
     }
@@ -192,9 +195,8 @@ contract ReceiptCourtTest is LedgerBase {
                 address(ledger)
             )
         );
-        bytes32 want = keccak256(
-            abi.encodePacked(hex"1901", domain, keccak256(abi.encode(court.RECEIPT_TYPEHASH(), receipt)))
-        );
+        bytes32 want =
+            keccak256(abi.encodePacked(hex"1901", domain, keccak256(abi.encode(court.RECEIPT_TYPEHASH(), receipt))));
         assertEq(court.receiptDigest(receipt), want, "EIP-712 digest");
         assertEq(address(court.ledger()), address(ledger), "ledger");
     }
