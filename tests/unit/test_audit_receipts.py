@@ -21,7 +21,7 @@ from storage_client import CID, Codec, Manifest, ObjectStore, Participant
 from tests.conftest import small_config
 
 DOMAIN = Domain(31337, "0x5FbDB2315678afecb367f032d93F642f64180aa3")
-COORDINATOR, VICTIM, OTHER = WorkerKey(bytes(range(1, 33))), WorkerKey(bytes(range(2, 34))), WorkerKey(bytes(range(3, 35)))
+COORDINATOR, VICTIM, OTHER = (WorkerKey(bytes(range(k, k + 32))) for k in (1, 2, 3))
 RUN = bytes(range(32))
 
 
