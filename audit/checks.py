@@ -14,6 +14,7 @@ Where each check lives:
   audit.signers     REGISTRY, ADMITTED, REVOKED, MEASUREMENT_ALLOWED, ADMISSION, and through
                     audit.admission ADMISSION_RECORD and EVIDENCE
   audit.recompute   REDERIVE, REPLAY, RESCORE
+  audit.receipts    RECEIPT_FAULT, RECEIPT_WITHHELD
 """
 
 from __future__ import annotations
@@ -93,5 +94,9 @@ class AuditCheck(StrEnum):
                                 "round")
     REPLAY = ("replay", "each sampled contribution is within REPLAY_TOLERANCE of what H inner steps on its shard "
                         "from its parent checkpoint give (audit.replay)")
+    RECEIPT_FAULT = ("receipt-fault", "no ReceiptFaultProven of the run: every worker whose update and report the "
+                                      "coordinator receipted is credited in the recorded round (audit.receipts)")
+    RECEIPT_WITHHELD = ("receipt-withheld", "every update the coordinator receipted (audit --receipts) is used by its "
+                                            "round's manifest; a replay mismatch that follows one is the coordinator's")
     RESCORE = ("rescore", "the recomputed held-out loss of each sampled round's checkpoint is within "
                           "EVAL_TOLERANCE of the manifest's")

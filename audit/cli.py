@@ -41,6 +41,7 @@ if TYPE_CHECKING:  # the heavy imports (torch, web3) wait until an audit actuall
     from rich.console import Console
 
     from attestation import DcapSettings, Policy
+    from attestation.receipt import SignedReceipt
     from settlement import Deployment
     from storage_client import Store
 
@@ -82,6 +83,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="with --dispute: the auditor key's attestation provider (default dev, PROVES NOTHING)")
     parser.add_argument("--auditor-dev-root-dir", metavar="DIR",
                         help="with --dispute and dev attestation: the dev root's directory (default DIR/dev-root)")
+    parser.add_argument("--receipts", action="append", default=[], metavar="RDIR",
+                        help="a worker's receipts folder (dilocox worker --receipts; repeatable): an update its "
+                             "coordinator receipted and did not use fails that round, and excuses the worker's "
+                             "later replay mismatches (audit.receipts)")
     parser.add_argument("--run-id", metavar="HEX",
                         help="the run to audit (0x + 64 hex); default: the ledger's run whose genesis is in the store")
 
@@ -123,7 +128,8 @@ def run(args: argparse.Namespace) -> int:
     return audit_run_dir(Path(args.run), rpc_url=args.rpc, allow_dev=args.allow_dev, rederive=not args.no_rederive,
                          json_path=Path(args.json) if args.json else None, run_id=run_id,
                          dev_roots=tuple(args.dev_root), dcap=dcap, max_unrecorded=args.max_unrecorded,
-                         replay=(args.replay, args.replay_seed), dispute=dispute)
+                         replay=(args.replay, args.replay_seed), dispute=dispute,
+                         receipts=tuple(Path(d) for d in args.receipts))
 
 
 def dispute_options(args: argparse.Namespace) -> DisputeOptions | None:
@@ -196,9 +202,11 @@ def policy_for(run_dir: Path, allow_dev: bool, dev_roots: tuple[str, ...] = (),
 def audit_run_dir(run_dir: Path, *, rpc_url: str | None = None, allow_dev: bool = False, rederive: bool = True,
                   json_path: Path | None = None, run_id: bytes | None = None, dev_roots: tuple[str, ...] = (),
                   console: Console | None = None, dcap: DcapSettings | None = None, max_unrecorded: int = 0,
-                  replay: tuple[int, int | None] = (0, None), dispute: DisputeOptions | None = None) -> int:
+                  replay: tuple[int, int | None] = (0, None), dispute: DisputeOptions | None = None,
+                  receipts: tuple[Path, ...] = ()) -> int:
     """Audit ``run_dir`` and print the table and verdict; returns the exit status. ``replay``: how
-    many contributions to replay, and the sample's seed (None: random). ``json_path`` ``-`` writes
+    many contributions to replay, and the sample's seed (None: random); ``receipts``: workers' receipt
+    folders (audit.receipts). ``json_path`` ``-`` writes
     the JSON result to stdout, and then everything else goes to stderr (unless ``console`` says
     otherwise), so that stdout is one JSON document. ``dispute``: submit verdicts (``--dispute``)."""
     from rich.console import Console
@@ -230,8 +238,9 @@ def audit_run_dir(run_dir: Path, *, rpc_url: str | None = None, allow_dev: bool 
 
     from attestation import AttestationError, PolicyViolation
 
+    held = _receipts(receipts, console)
     store = open_store(run_dir)
-    audit = (store, deployment, run_id, policy, rederive, max_unrecorded, replay, dispute)
+    audit = (store, deployment, run_id, policy, rederive, max_unrecorded, replay, dispute, held)
     try:
         if rpc_url is not None:
             result = _audit_on(rpc_url, *audit)
@@ -267,10 +276,30 @@ def audit_run_dir(run_dir: Path, *, rpc_url: str | None = None, allow_dev: bool 
     return EXIT_OK if result.ok else EXIT_FAILED
 
 
+def _receipts(folders: tuple[Path, ...], console: Console) -> tuple[SignedReceipt, ...]:
+    """Every receipt kept in ``folders`` (trainer.worker.receipts), each file that is not one said."""
+    from rich.markup import escape
+
+    from trainer.worker.receipts import ReceiptBook
+
+    held: list[SignedReceipt] = []
+    for folder in folders:
+        book = ReceiptBook(folder)
+        if not book.runs():
+            console.print(f"[yellow]--receipts {escape(str(folder))}: no receipts there[/]")
+        for run in book.runs():
+            kept, problems = book.receipts(run)
+            held.extend(kept)
+            for problem in problems:
+                console.print(f"[yellow]--receipts: {escape(problem)}[/]")
+    return tuple(held)
+
+
 def _audit_on(rpc_url: str, store: Store, deployment: Deployment, run_id: bytes | None, policy: Policy,
               rederive: bool, max_unrecorded: int = 0, replay: tuple[int, int | None] = (0, None),
-              dispute: DisputeOptions | None = None) -> AuditResult:
+              dispute: DisputeOptions | None = None, receipts: tuple[SignedReceipt, ...] = ()) -> AuditResult:
     from settlement import Chain, ChainError, Ledger, Registry
+    from settlement.receipt_court import ReceiptCourt
     from settlement.rewards import RewardPool
 
     from .core import run_audit
@@ -282,8 +311,11 @@ def _audit_on(rpc_url: str, store: Store, deployment: Deployment, run_id: bytes 
     ledger = Ledger(chain, deployment.ledger, from_block=deployment.deployed_block)
     registry = Registry(chain, deployment.registry, from_block=deployment.deployed_block)
     rewards = RewardPool(chain, deployment.rewards, ledger, from_block=deployment.deployed_block)
+    court = None if deployment.receipt_court is None else ReceiptCourt(chain, deployment.receipt_court,
+                                                                         from_block=deployment.deployed_block)
     result = run_audit(store, ledger, registry, run_id=run_id, policy=policy, rederive=rederive,
-                       max_unrecorded=max_unrecorded, replay=replay[0], replay_seed=replay[1], rewards=rewards)
+                       max_unrecorded=max_unrecorded, replay=replay[0], replay_seed=replay[1], rewards=rewards,
+                       court=court, receipts=receipts)
     if dispute is not None:
         from .disputes import dispute_findings
 

@@ -28,7 +28,9 @@ from __future__ import annotations
 import os
 
 from attestation import Policy
+from attestation.receipt import SignedReceipt
 from settlement import ChainError, Ledger, Registry
+from settlement.receipt_court import ReceiptCourt
 from settlement.records import RoundRecord, RunRecord
 from settlement.rewards import RewardPool
 from settlement.roster import roster_of
@@ -38,6 +40,7 @@ from trainer.progress import Progress
 from .checks import AuditCheck
 from .findings import Findings
 from .lineage import Lineage, Loaded, check_unrecorded
+from .receipts import check_receipt_faults, check_update_receipts
 from .recompute import Recomputation
 from .report_checks import ReportChecks
 from .result import AuditResult, RoundRow
@@ -58,8 +61,10 @@ class _Audit:
 
     def __init__(self, store: Store, ledger: Ledger, registry: Registry, policy: Policy,
                  rederive: bool, max_unrecorded: int = 0, replay: int = 0, replay_seed: int = 0,
-                 rewards: RewardPool | None = None) -> None:
+                 rewards: RewardPool | None = None, court: ReceiptCourt | None = None,
+                 receipts: tuple[SignedReceipt, ...] = ()) -> None:
         self.findings = Findings(AuditResult(rederived=rederive), store)
+        self.court, self.receipts = court, receipts
         self.ledger = ledger
         self.rederiving = rederive
         self.max_unrecorded = max_unrecorded
@@ -102,11 +107,14 @@ class _Audit:
                     loaded[parent.manifest.round] = parent.manifest
                 progress.advance()
         self.findings.result.roster = roster_of(self.findings.store, rounds)
+        excused = check_update_receipts(self.findings, run_id, self.receipts, domain, run.coordinator, loaded,
+                                        self.findings.result.roster)
         if self.replay > 0:
-            self.recompute.check_replay(loaded, self.replay, self.replay_seed)
+            self.recompute.check_replay(loaded, self.replay, self.replay_seed, excused)
         self.tallies.check_tallies(run_id, rounds)
         self.tallies.check_payouts(run_id)
         self.read_disputes(run_id, run, rounds)
+        check_receipt_faults(self.findings, self.court, run_id)
         if genesis is not None:
             last = CID(Codec.JSON, rounds[-1].manifest_digest) if rounds else genesis.cid
             check_unrecorded(self.findings, genesis.manifest.run_id, last, len(rounds), self.max_unrecorded)
@@ -189,7 +197,8 @@ class _Audit:
 
 def run_audit(store: Store, ledger: Ledger, registry: Registry, *, run_id: bytes | None = None,
               policy: Policy, rederive: bool = True, max_unrecorded: int = 0, replay: int = 0,
-              replay_seed: int | None = None, rewards: RewardPool | None = None) -> AuditResult:
+              replay_seed: int | None = None, rewards: RewardPool | None = None, court: ReceiptCourt | None = None,
+              receipts: tuple[SignedReceipt, ...] = ()) -> AuditResult:
     """Verify a run from the ledger (its views and events) and the store alone.
 
     @param store the run's object store
@@ -205,6 +214,9 @@ def run_audit(store: Store, ledger: Ledger, registry: Registry, *, run_id: bytes
     @param replay_seed the sample's seed; None draws one from os.urandom (reported in the result)
     @param rewards the deployment's reward pool: every payout out of the run is checked against the
         ledger's records, and each worker's earnings and payments reported
+    @param court the deployment's ReceiptCourt: each omission a worker proved there fails its round
+    @param receipts workers' receipts (audit.receipts): an update receipted and not used fails its round,
+        and excuses its worker's later replay mismatches
     @return every failure, one row per round, and warnings; ``ok`` only when every check passed
     @raise settlement.ChainUnavailable when the chain does not answer
     """
@@ -215,6 +227,7 @@ def run_audit(store: Store, ledger: Ledger, registry: Registry, *, run_id: bytes
     if type(replay) is not int or replay < 0:
         raise ValueError("replay must be an integer >= 0")
     seed = int.from_bytes(os.urandom(4), "big") if replay_seed is None else int(replay_seed)
-    return _Audit(store, ledger, registry, policy, rederive, max_unrecorded, replay, seed, rewards).run(
+    return _Audit(store, ledger, registry, policy, rederive, max_unrecorded, replay, seed, rewards, court,
+                  tuple(receipts)).run(
         None if run_id is None else bytes(run_id))
 

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+from collections.abc import Mapping
 from typing import Any
 
 from storage_client import Manifest
@@ -133,9 +134,12 @@ class Recomputation:
             fail(r, manifest.downlink.header, AuditCheck.REDERIVE, f"the codec header is not JSON: {exc}")
             return False, None
 
-    def check_replay(self, manifests: dict[int, Manifest], k: int, seed: int) -> None:
+    def check_replay(self, manifests: dict[int, Manifest], k: int, seed: int,
+                     excused: Mapping[str, int] | None = None) -> None:
         """``--replay K``: K sampled contributions re-run from their parent checkpoint, shard and
-        committed state, and their rounds re-scored (audit.replay)."""
+        committed state, and their rounds re-scored (audit.replay). ``excused``: per worker id, the first
+        round whose receipted update the coordinator did not use (audit.receipts); a later mismatch of
+        that worker is the coordinator's (RECEIPT_WITHHELD), not the worker's (REPLAY)."""
         fail = self.findings.fail
         if self.config is None:
             fail(None, "replay", AuditCheck.REPLAY, "the run config could not be read, so nothing can be replayed")
@@ -148,6 +152,13 @@ class Recomputation:
             if row.status != "MISMATCH":
                 continue
             participant = {p.worker: p for p in manifests[row.round].participants}[row.worker]
+            withheld = (excused or {}).get(row.worker)
+            if withheld is not None and withheld < row.round:
+                fail(row.round, participant.update, AuditCheck.RECEIPT_WITHHELD,
+                     f"{row.worker}'s update does not replay ({row.note or f'{row.distance:.3g} away'}), but the "
+                     f"coordinator did not use the update it receipted from {row.worker} in round {withheld}: the "
+                     f"worker's state went on from what it sent; not this worker's fault")
+                continue
             if row.distance is None:
                 fail(row.round, participant.update, AuditCheck.REPLAY, f"{row.worker}'s update cannot be replayed: {row.note}")
             else:

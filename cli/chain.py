@@ -294,7 +294,7 @@ def cmd_deploy(args: argparse.Namespace) -> int:
     deployment = deploy_to(owner, out)
     print(f"deployed on chain {deployment.chain_id} in block {deployment.deployed_block} by {deployment.owner}: "
           f"registry {deployment.registry}, ledger {deployment.ledger}, token {deployment.token}, "
-          f"reward pool {deployment.rewards}; written to {out}")
+          f"reward pool {deployment.rewards}, receipt court {deployment.receipt_court}; written to {out}")
     return 0
 
 

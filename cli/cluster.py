@@ -109,8 +109,13 @@ class LocalCluster:
         if self.address is None:
             raise ClusterError("start the coordinator first")
         threads = ["--threads", str(self.threads_per_worker)] if self.threads_per_worker else []
+        receipts = [] if "--receipts" in extra else ["--receipts", str(self.receipts_dir(worker_id))]
         return self._spawn(worker_id, ["worker", "--coordinator", self.address, "--worker-id", worker_id,
-                                       *threads, *self.tls_args(), *extra])
+                                       *threads, *receipts, *self.tls_args(), *extra])
+
+    def receipts_dir(self, worker_id: str) -> Path:
+        """Where a worker this cluster starts keeps the coordinator's receipts (trainer.worker.receipts)."""
+        return self.run_dir.path / "receipts" / worker_id
 
     def stub(self) -> pb_grpc.CoordinatorStub:
         if self._channel is None:

@@ -8,6 +8,8 @@
                                                    what a running coordinator reports
     dilocox audit --run runs/demo [--json [FILE]]  verify a run's lineage from ledger and store
     dilocox settle --run runs/demo [--claim]       what each worker is owed from the run's reward pool
+    dilocox settle prove-receipt --run runs/demo --receipts RDIR
+                                                   prove on chain a round that left a receipted worker out
     dilocox chain up|down|deploy|mine ...          a local chain kept in a directory, the contracts on it
     dilocox run create ...                         a run's code measurement allowlisted, its coordinator a verifier
     dilocox pool fund ...                          the run's reward pool opened and funded
@@ -202,7 +204,7 @@ def cmd_worker(args: argparse.Namespace) -> int:
     worker = Worker(args.coordinator, args.worker_id, tls=_client_tls(args), attestation=provider,
                     reconnect_timeout_s=args.reconnect_timeout, link=link,
                     metrics=Path(args.metrics) if args.metrics else None, stages=args.stages, cores=args.cores,
-                    threads=args.threads, device=args.device)
+                    threads=args.threads, device=args.device, receipts=Path(args.receipts) if args.receipts else None)
     return _exit_now(worker.run())
 
 
@@ -504,6 +506,9 @@ def _worker_arguments(p: argparse.ArgumentParser) -> None:
                                      "and one at the end (wall and compute seconds) to this file")
     p.add_argument("--reconnect-timeout", type=float, default=120.0,
                    help="seconds to keep retrying an unreachable coordinator")
+    p.add_argument("--receipts", metavar="DIR",
+                   help="where the coordinator's signed receipts of this worker's counted updates and taken reports "
+                        "are kept, for `dilocox settle prove-receipt` (default: receipts/WORKER_ID)")
     p.add_argument("--stages", type=_stages_arg, default=None, metavar="auto|P",
                    help="pipeline stages: P local processes, each holding a contiguous slice of layers "
                         "(torch.distributed gloo on CPU), with max(1, cores // P) torch threads each; auto "
@@ -755,6 +760,8 @@ def check_args(args: argparse.Namespace) -> None:
             raise UsageError(f"--watch {args.watch} is out of range: must be in [0.1, 86400] seconds")
     if command in ("worker", "status"):
         _coordinator_address(args.coordinator)
+    if command == "settle" and (args.action == "prove-receipt") != (args.receipts is not None):
+        raise UsageError("--receipts RDIR goes with `settle prove-receipt`, and prove-receipt needs it")
 
 
 def main(argv: list[str] | None = None) -> int:

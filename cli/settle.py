@@ -11,8 +11,16 @@ every update a round counted without its worker's report is said loudly, with th
 earns that worker nothing. ``--claim`` claims every worker's matured rounds; any account may send a
 claim, the tokens always go to the worker.
 
-Exit status: 0 when the statement (and any claim) went through, 1 when the pool paid more than the
-records entitle, 2 when it could not run (no deployment, no chain, no pool).
+``dilocox settle prove-receipt --run DIR --receipts RDIR`` is a worker's recourse against its
+coordinator (docs/trust.md, "Receipts"): of the receipts kept in RDIR (``dilocox worker --receipts``,
+trainer.worker.receipts), every report receipt of a round the ledger recorded without crediting its
+worker is proven on chain (``ReceiptCourt.proveOmission``, settlement.receipt_court); no auditor is
+needed, and the audit then fails the coordinator for that round by name. Receipts that prove nothing
+(the worker is credited, the round not recorded yet, not the run's coordinator's) are listed.
+
+Exit status: 0 when the statement (and any claim) went through, or every omission found was proven
+(or was already); 1 when the pool paid more than the records entitle, or a proof was refused; 2 when
+it could not run (no deployment, no chain, no pool).
 """
 
 from __future__ import annotations
@@ -32,7 +40,12 @@ EXIT_OK, EXIT_FAILED, EXIT_ERROR = 0, 1, 2
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("action", nargs="?", choices=("statement", "prove-receipt"), default="statement",
+                        help="statement (default): what each worker is owed; prove-receipt: prove on chain each "
+                             "round that left a worker of --receipts uncredited though the coordinator receipted it")
     parser.add_argument("--run", required=True, metavar="DIR", help="run directory (its store/ and chain/)")
+    parser.add_argument("--receipts", metavar="RDIR",
+                        help="prove-receipt: a worker's receipts folder (dilocox worker --receipts)")
     parser.add_argument("--rpc", metavar="URL", help="chain RPC; default: the local anvil of DIR/chain/state.json")
     parser.add_argument("--claim", action="store_true", help="claim every worker's matured rounds")
     parser.add_argument("--chain-key-file", metavar="FILE",
@@ -47,12 +60,14 @@ def run(args: argparse.Namespace) -> int:
     if args.chain_key_file:
         key = "0x" + read_key_file(Path(args.chain_key_file), "--chain-key-file").hex()
     return settle_run_dir(Path(args.run), rpc_url=args.rpc, claim=args.claim, key=key,
-                          json_path=Path(args.json) if args.json else None)
+                          json_path=Path(args.json) if args.json else None,
+                          receipts=Path(args.receipts) if args.receipts else None)
 
 
 def settle_run_dir(run_dir: Path, *, rpc_url: str | None = None, claim: bool = False, key: str | None = None,
-                   console: Console | None = None, json_path: Path | None = None) -> int:
-    """Print the run's reward statement and, with ``claim``, claim what is due; returns the exit status."""
+                   console: Console | None = None, json_path: Path | None = None, receipts: Path | None = None) -> int:
+    """Print the run's reward statement and, with ``claim``, claim what is due; with ``receipts``, prove
+    the omissions they show instead. Returns the exit status."""
     from rich.console import Console
     from rich.markup import escape
 
@@ -69,6 +84,8 @@ def settle_run_dir(run_dir: Path, *, rpc_url: str | None = None, claim: bool = F
             if claim and key is None:
                 console.print("[bold red]cannot settle[/]: --claim on --rpc needs --chain-key-file")
                 return EXIT_ERROR
+            if receipts is not None:
+                return _prove_on(rpc_url, deployment, receipts, key or DEV_ACCOUNTS[3], console)
             return _settle_on(rpc_url, run_dir, deployment, claim, key or DEV_ACCOUNTS[3], console, json_path)
         state = run_dir / "chain" / "state.json"
         if not state.is_file():
@@ -82,6 +99,8 @@ def settle_run_dir(run_dir: Path, *, rpc_url: str | None = None, claim: bool = F
             return EXIT_ERROR
         with Anvil(state_file=state, chain_id=deployment.chain_id) as anvil:
             console.print(f"local chain {anvil.rpc_url} restored from {state}")
+            if receipts is not None:
+                return _prove_on(anvil.rpc_url, deployment, receipts, key or DEV_ACCOUNTS[3], console)
             return _settle_on(anvil.rpc_url, run_dir, deployment, claim, key or DEV_ACCOUNTS[3], console, json_path)
     except (ChainError, AnvilError) as exc:
         console.print(f"[bold red]cannot settle[/]: {escape(str(exc))}")
@@ -123,6 +142,45 @@ def _settle_on(rpc_url: str, run_dir: Path, deployment, claim: bool, key: str, c
         write_atomic(json_path, (strict_json(document, indent=2) + "\n").encode())
     overpaid = [w for w, a in statement.workers.items() if a.overpaid] or statement.paid > statement.funded
     return EXIT_FAILED if overpaid else EXIT_OK
+
+
+def _prove_on(rpc_url: str, deployment, receipts: Path, key: str, console: Console) -> int:
+    """Prove on chain every omission the receipts in ``receipts`` show (one run folder each)."""
+    from rich.markup import escape
+
+    from settlement import Chain, Ledger, TxReverted
+    from settlement.receipt_court import ReceiptCourt, omissions
+    from trainer.worker.receipts import ReceiptBook
+
+    if deployment.receipt_court is None:
+        console.print("[bold red]cannot prove[/]: this deployment has no receipt court (deployed before it existed)")
+        return EXIT_ERROR
+    chain = Chain(rpc_url, key)
+    ledger = Ledger(chain, deployment.ledger, from_block=deployment.deployed_block)
+    court = ReceiptCourt(chain, deployment.receipt_court, from_block=deployment.deployed_block)
+    book, status = ReceiptBook(receipts), EXIT_OK
+    if not book.runs():
+        console.print(f"[bold red]cannot prove[/]: no receipts in {escape(str(receipts))}")
+        return EXIT_ERROR
+    for run_id in book.runs():
+        run_hex = run_id.hex()
+        kept, problems = book.receipts(run_id)
+        found, skipped = omissions(ledger, run_id, kept)
+        for line in problems + skipped:
+            console.print(f"[yellow]no proof[/]: run 0x{run_hex[:12]}…: {escape(line)}")
+        for omission in found:
+            r, worker = omission.signed.receipt.round, omission.signed.receipt.worker
+            if court.is_proven(run_id, r, worker):
+                console.print(f"run 0x{run_hex[:12]}… round {r}: the omission of {worker} is already proven")
+                continue
+            try:
+                court.prove(omission)
+                console.print(f"[bold]proven[/]: run 0x{run_hex[:12]}… round {r} was recorded without {worker}, "
+                              f"whose update and report its coordinator receipted")
+            except TxReverted as exc:
+                console.print(f"[bold red]refused[/]: round {r}: {escape(str(exc)[:300])}")
+                status = EXIT_FAILED
+    return status
 
 
 def _voided_why(ledger: Ledger, run_id: bytes) -> dict[tuple[str, int], str]:

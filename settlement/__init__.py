@@ -9,6 +9,7 @@
     rewards    RewardPool / RewardToken: a run's reward pool, its statement and claims
     outbox     Outbox: ledger writes kept on disk until the chain confirms them (idempotent flush)
     gas        gas_table / format_markdown: what each ledger write costs
+    receipt_court  ReceiptCourt: a worker proves its coordinator's receipted omission (omissions, faults)
 """
 
 from .anvil import DEV_ACCOUNTS, Anvil, AnvilError, anvil_binary

@@ -166,7 +166,7 @@ def _decoder() -> RevertDecoder:
     if _default_decoder is None:
         try:
             abis = [registry_artifact().abi, ledger_artifact().abi, load_artifact("RewardPool").abi,
-                    load_artifact("Disputes").abi]
+                    load_artifact("Disputes").abi, load_artifact("ReceiptCourt").abi]
         except ArtifactError as exc:
             log.warning("revert reasons will not be decoded: %s", exc)
             abis = []

@@ -23,6 +23,7 @@ from collections.abc import Sequence
 from typing import Any
 
 from attestation.keys import WorkerKey
+from attestation.receipt import Receipt, sign_receipt
 from attestation.report import RoundReport, SignedReport
 from attestation.verdict import Verdict
 
@@ -31,6 +32,7 @@ from .artifacts import ledger_artifact, load_artifact, registry_artifact
 from .chain import Chain
 from .disputes import Disputes
 from .ledger import Ledger, Registry
+from .receipt_court import Omission, ReceiptCourt
 from storage_client import bytes32
 from .rewards import RewardPool, RewardToken
 
@@ -117,6 +119,7 @@ def gas_table(report_counts: Sequence[int] = (1, 2, 4, 8, 16)) -> list[dict[str,
         receipt = ledger.record_round(run_id, round_, parent, _digest("checkpoint", round_), _digest("manifest", round_),
                                       [], [_digest("update", round_, 0)])
         rows.append(_row("recordRound, 1 unreported update", int(receipt["gasUsed"])))
+        rows.append(_receipt_proof(chain, ledger, run_id, round_, workers[0]))
 
         funded = 10**24
         token.mint(chain.address, funded)
@@ -165,6 +168,18 @@ def _dispute_rows(ledger: Ledger, pool: RewardPool, workers: Sequence[WorkerKey]
     receipt = chain.transact(pool._contract.functions.reclaim(bytes32(run_id, "run_id"), [(1, record.facts())]))
     rows.append(_row("reclaim, 1 round", int(receipt["gasUsed"])))
     return rows
+
+
+def _receipt_proof(chain: Chain, ledger: Ledger, run_id: bytes, round_: int, worker: WorkerKey) -> dict[str, Any]:
+    """Deploy a ReceiptCourt and prove, with the coordinator's report receipt, that ``round_`` (recorded
+    with its one update unreported) left ``worker`` uncredited: what a wronged worker pays."""
+    art = load_artifact("ReceiptCourt")
+    court = ReceiptCourt(chain, chain.deploy(art.abi, art.bytecode, ledger.address)[0])
+    receipt = Receipt(run_id, round_, worker.address, _digest("update", round_, 0), _digest("report", round_, 0))
+    signed = sign_receipt(WorkerKey(bytes.fromhex(DEV_ACCOUNTS[0][2:])), ledger.domain(), receipt)
+    record = ledger.recorded_round_events(run_id)[-1]
+    return _row("proveOmission (a receipted worker left uncredited)",
+                int(court.prove(Omission(signed, record))["gasUsed"]))
 
 
 def _claim(pool: RewardPool, run_id: bytes, worker: str, rounds: int) -> Any:

@@ -60,6 +60,8 @@ class Deployment:
     @param deployed_block the block of the registry's deployment: where log scans can start
     @param token the ERC-20 rewards are paid in (a ``RewardToken`` the owner mints, locally)
     @param rewards the ``RewardPool`` paying each run's workers from the ledger's records
+    @param receipt_court the ``ReceiptCourt`` where a worker proves its coordinator's receipted omission
+        (None in a deployment made before the court existed)
     """
 
     chain_id: int
@@ -69,6 +71,7 @@ class Deployment:
     deployed_block: int
     token: str
     rewards: str
+    receipt_court: str | None = None
 
     def save(self, path: Path) -> None:
         """Write the deployment as JSON, atomically."""
@@ -88,22 +91,25 @@ class Deployment:
         except (OSError, ValueError) as exc:
             raise DeploymentError(f"deployment file {path} is not readable JSON: {exc}") from None
         names = {"chain_id", "registry", "ledger", "owner", "deployed_block", "token", "rewards"}
-        if not isinstance(data, dict) or set(data) != names:
-            raise DeploymentError(f"deployment file {path} must hold exactly {sorted(names)}")
+        if not isinstance(data, dict) or not names <= set(data) <= names | {"receipt_court"}:
+            raise DeploymentError(f"deployment file {path} must hold exactly {sorted(names)} (and receipt_court)")
         try:
             if type(data["chain_id"]) is not int or type(data["deployed_block"]) is not int:
                 raise ValueError("chain_id and deployed_block must be integers")
             return cls(chain_id=data["chain_id"], registry=to_checksum_address(data["registry"]),
                        ledger=to_checksum_address(data["ledger"]), owner=to_checksum_address(data["owner"]),
                        deployed_block=data["deployed_block"], token=to_checksum_address(data["token"]),
-                       rewards=to_checksum_address(data["rewards"]))
+                       rewards=to_checksum_address(data["rewards"]),
+                       receipt_court=None if data.get("receipt_court") is None
+                       else to_checksum_address(data["receipt_court"]))
         except (TypeError, ValueError) as exc:
             raise DeploymentError(f"deployment file {path} is malformed: {exc}") from None
 
 
 def deploy(chain: Chain) -> Deployment:
     """Deploy a ``WorkerRegistry`` owned by ``chain.address``, a ``ContributionLedger`` bound to it, a
-    ``RewardToken`` it mints and a ``RewardPool`` paying in it from the ledger's records.
+    ``RewardToken`` it mints, a ``RewardPool`` paying in it from the ledger's records and a
+    ``ReceiptCourt`` judging the ledger's rounds against their coordinators' receipts.
 
     The owner still has to allowlist measurements and name verifiers (``Registry``).
     """
@@ -114,8 +120,9 @@ def deploy(chain: Chain) -> Deployment:
     ledger = deployed(ledger_artifact(), registry).address
     token = deployed(load_artifact("RewardToken"), chain.address).address
     rewards = deployed(load_artifact("RewardPool"), ledger, token).address
+    court = deployed(load_artifact("ReceiptCourt"), ledger).address
     return Deployment(chain_id=chain.chain_id, registry=registry, ledger=ledger, owner=chain.address,
-                      deployed_block=block, token=token, rewards=rewards)
+                      deployed_block=block, token=token, rewards=rewards, receipt_court=court)
 
 
 class _Contract:

@@ -14,6 +14,7 @@ import logging
 import threading
 
 from attestation import SignedReport, WorkerKey, code_measurement
+from attestation.receipt import NO_REPORT, Receipt, SignedReceipt, sign_receipt
 from attestation.report import Domain
 from settlement.chain import Chain
 from settlement.gate import TrustGate, TrustSettings
@@ -31,6 +32,7 @@ log = logging.getLogger("dilocox.settlement")
 class LedgerTrust:
     def __init__(self, gate: TrustGate, book: ReportBook, ledger: Ledger, outbox: Outbox, signer: WorkerKey) -> None:
         self.gate, self.book, self.ledger, self.outbox, self.signer = gate, book, ledger, outbox, signer
+        self.domain = gate.domain
         self.chain_id, self.ledger_address = gate.domain.chain_id, gate.domain.ledger
         self.lag = 0  # published rounds not yet confirmed on chain, kept by the settlement loop
 
@@ -50,6 +52,11 @@ class LedgerTrust:
                     manifest: Manifest, parent: Manifest, data_digest: bytes) -> None:
         self.gate.check_report(worker_id, address, signed, manifest_cid, manifest, parent, data_digest)
         self.book.add(worker_id, signed)
+
+    def receipt(self, worker: str, round_: int, update_digest: bytes,
+                report_digest: bytes = NO_REPORT) -> SignedReceipt:
+        return sign_receipt(self.signer, self.domain,
+                            Receipt(self.gate.run_id, round_, worker, update_digest, report_digest))
 
     def recorded_through(self) -> int:
         """The last round the ledger has confirmed: those queued, less those still in the outbox."""

@@ -76,7 +76,7 @@ def test_up_twice_is_refused_down_twice_is_fine_and_the_chain_comes_back(tmp_pat
         assert code == 1 and f"a chain is already up in {chain}: {url}" in line
         assert "head is block 5" in succeeds("chain", "mine", "--rpc", url, "5")
         succeeds("chain", "deploy", "--rpc", url, "--key-file", str(dev_key_file(chain, 0)),
-                 "--out", str(chain / "deployment.json"))  # blocks 6..9
+                 "--out", str(chain / "deployment.json"))  # blocks 6..10 (the receipt court last)
         settle = subprocess.run([sys.executable, "-m", "cli.main", "settle", "--run", str(tmp_path)], cwd=REPO,
                                 capture_output=True, text=True, timeout=60)  # would start a second anvil on its state
         assert settle.returncode == 2 and f"is up at {url}" in " ".join(settle.stdout.split()), settle.stdout
@@ -84,7 +84,7 @@ def test_up_twice_is_refused_down_twice_is_fine_and_the_chain_comes_back(tmp_pat
         assert "nothing to stop" in succeeds("chain", "down", "--dir", str(chain))
         succeeds("chain", "up", "--dir", str(chain))  # the same chain, restored from its state
         url = (chain / "rpc-url").read_text().strip()
-        assert "head is block 10" in succeeds("chain", "mine", "--rpc", url, "1")
+        assert "head is block 11" in succeeds("chain", "mine", "--rpc", url, "1")
     finally:
         succeeds("chain", "down", "--dir", str(chain))
     assert not (chain / "anvil.pid").exists() and not (chain / "rpc-url").exists()

@@ -18,6 +18,7 @@ NAMES = {
     "report-fields", "report-eval-loss", "data-digest", "admitted", "revoked", "measurement-allowed", "admission",
     "admission-record", "evidence", "unreported", "ghost", "tally", "total-contribution", "payout", "recorder",
     "unrecorded", "replay", "rescore",
+    "receipt-fault", "receipt-withheld",  # added with the coordinator's receipts (audit.receipts)
 }
 
 

@@ -181,8 +181,9 @@ class Intake:
                  h.worker_id)
         return cid, open_round, part if part.completing else None
 
-    def complete(self, h: UpdateHeader, part: StageSlices, update: UpdateSource, norm: float) -> None:
-        """Count the union of a worker's stage slices, checked whole by the caller."""
+    def complete(self, h: UpdateHeader, part: StageSlices, update: UpdateSource, norm: float) -> CID:
+        """Count the union of a worker's stage slices, checked whole by the caller; returns the CID
+        of the counted update's record."""
         store = self.run.run_dir.store
         refs = [parse_record(store.get(part.slices[stage].entry.cid))[0] for stage in range(part.num_stages)]
         cid = store.put(record_bytes(refs), Codec.JSON)
@@ -202,6 +203,7 @@ class Intake:
             self._journal_partial()
         log.info("round %d: accepted %s from %s, %d stage slices (loss %.4f, norm %.4g)", h.round, cid,
                  h.worker_id, part.num_stages, h.train_loss, norm)
+        return cid
 
     def refuse(self, h: UpdateHeader, refusal: Refusal) -> None:
         """File a refusal: the worker is out of the round, and its other stage slices of the round

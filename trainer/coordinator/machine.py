@@ -15,6 +15,7 @@ import time
 from typing import Callable
 
 from attestation import SignedReport
+from attestation.receipt import SignedReceipt
 from attestation.signing import global_digest
 from proto import WorkerPhase
 from storage_client import CID, Manifest, loads_bounded
@@ -206,10 +207,12 @@ class Coordinator:
     def refuse(self, h: UpdateHeader, refusal: Refusal) -> None:
         self.intake.refuse(h, refusal)
 
-    def accept(self, h: UpdateHeader, update: CheckedUpdate, wire_bytes: int, payload: bytes) -> tuple[CID, int]:
+    def accept(self, h: UpdateHeader, update: CheckedUpdate, wire_bytes: int,
+               payload: bytes) -> tuple[CID, int, SignedReceipt | None]:
         """Store and journal an update, or a stage slice, that passed every check
         (trainer.rounds.aggregation.checked_update), ``payload`` its bytes as pushed; returns its record's
-        CID and the open round. The last slice of a worker completes its update."""
+        CID, the open round, and the update receipt once the worker's whole update counts (a run with a
+        ledger; attestation.receipt). The last slice of a worker completes its update."""
         def screen(candidate: UpdateSource) -> float:
             return self.screen.check(self.run.global_state, h.round, candidate)
 
@@ -227,8 +230,9 @@ class Coordinator:
                 phases[phase] = phases.get(phase, 0.0) + seconds
 
     def _accept(self, h: UpdateHeader, update: CheckedUpdate, wire_bytes: int,
-                screen: Callable[[UpdateSource], float], payload: bytes) -> tuple[CID, int]:
+                screen: Callable[[UpdateSource], float], payload: bytes) -> tuple[CID, int, SignedReceipt | None]:
         cid, open_round, complete = self.intake.accept(h, update, wire_bytes, screen, payload)
+        counted = cid if h.num_stages == 1 else None  # accepted whole under the lock the close takes: it counts
         if complete is not None:
             merged = complete.merged()
             try:
@@ -236,14 +240,17 @@ class Coordinator:
             except InvalidUpdate as exc:
                 raise Refusal(Reason.MALFORMED, f"the update of all {complete.num_stages} stage slices: {exc}") from exc
             screen(merged)
-            self.intake.complete(h, complete, merged, norm)
+            counted = self.intake.complete(h, complete, merged, norm)
         release_free_memory()  # the dense tensors decoded to check and store it
-        return cid, open_round
+        with self._lock:
+            state = self.registry.workers.get(h.worker_id)
+        address = state.address if state is not None and self.trust is not None else None
+        return cid, open_round, self.trust.receipt(address, h.round, counted.digest) if address and counted else None
 
     # ----------------------------------------------------------------------------- reports
 
-    def submit_report(self, worker_id: str, raw: bytes) -> int:
-        """A participant's signed report of a published round; returns the round."""
+    def submit_report(self, worker_id: str, raw: bytes) -> tuple[int, SignedReceipt | None]:
+        """A participant's signed report of a published round; returns the round and the report receipt."""
         if self.trust is None:
             raise Refusal(Reason.NO_LEDGER, "this run has no ledger: reports are not collected")
         try:
@@ -259,7 +266,8 @@ class Coordinator:
         self.trust.take_report(worker_id, state.address, signed, published[0], published[1], parent[1],
                                self.run.shard_digests[state.shard])
         log.info("round %d: report from %s (%s) accepted", r, worker_id, state.address)
-        return r
+        report = signed.report  # filed before the round goes to the ledger: its recording must credit it
+        return r, self.trust.receipt(report.worker, r, report.update_digest, report.digest(self.trust.domain))
 
     def settled(self) -> bool:
         return self.trust is None or self.trust.settled(self.run.global_state.round)

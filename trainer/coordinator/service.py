@@ -31,6 +31,7 @@ from collections.abc import Iterator
 import grpc
 from grpc_health.v1 import health_pb2
 
+from attestation.receipt import SignedReceipt
 from proto import CHUNK_BYTES, PROTOCOL_VERSION, SERVICE_NAME, Encoding, WorkerPhase, pb
 from trainer.codec.wire import Reassembly, WireError, chunked, json_object, sha256_hex
 from trainer.coordinator.calls import HEAVY, MALFORMED, PUBLIC, WORKERS, CallGate, parser
@@ -151,8 +152,8 @@ class CoordinatorService:
             request = await self.gate.arrival(context, "SubmitReportRequest")
             check_fields(request)
             self.gate.same_worker(worker, request.worker_id)
-            round_ = await self.gate.run(WORKERS, self.c.submit_report, worker, request.signed_report)
-            return pb.SubmitReportResponse(accepted=True, round=round_)
+            round_, receipt = await self.gate.run(WORKERS, self.c.submit_report, worker, request.signed_report)
+            return pb.SubmitReportResponse(accepted=True, round=round_, receipt=receipt_message(receipt))
         return await self.gate.call(context, "SubmitReport", body)
 
     async def Heartbeat(self, context: grpc.aio.ServicerContext) -> pb.HeartbeatResponse:
@@ -214,11 +215,12 @@ class CoordinatorService:
                 raise Refusal(Reason.MALFORMED, str(exc)) from exc
             finally:  # refused or not, these bytes crossed the network
                 await self.gate.run(WORKERS, self.c.count_up, worker, wire_bytes)
-            cid, open_round = await self.gate.run(HEAVY, self.c.accept, header, update, wire_bytes, payload)
+            cid, open_round, receipt = await self.gate.run(HEAVY, self.c.accept, header, update, wire_bytes, payload)
         except Refusal as r:
             await self.gate.run(WORKERS, self.c.refuse, header, r)
             raise
-        return pb.PushUpdateResponse(accepted=True, update_cid=str(cid), open_round=open_round)
+        return pb.PushUpdateResponse(accepted=True, update_cid=str(cid), open_round=open_round,
+                                     receipt=receipt_message(receipt))
 
     def _decode(self, header: UpdateHeader, declared: object, payload: bytes) -> object:
         decoding = time.perf_counter()
@@ -289,6 +291,15 @@ class CoordinatorService:
         yield pb.GlobalChunk(header=header)
         for piece in chunked(payload, CHUNK_BYTES):
             yield pb.GlobalChunk(data=piece)
+
+
+def receipt_message(signed: SignedReceipt | None) -> pb.Receipt | None:
+    """The wire form of a coordinator's receipt (proto Receipt): what the worker cannot rebuild itself."""
+    if signed is None:
+        return None
+    r = signed.receipt
+    return pb.Receipt(round=r.round, update_digest=r.update_digest,
+                      report_digest=r.report_digest if r.reported else b"", signature=signed.signature)
 
 
 def update_header(h: pb.UpdateHeader) -> UpdateHeader:

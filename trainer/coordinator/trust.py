@@ -12,7 +12,8 @@ from __future__ import annotations
 import threading
 from typing import Protocol
 
-from attestation import SignedReport, WorkerKey
+from attestation import Domain, SignedReport, WorkerKey
+from attestation.receipt import NO_REPORT, SignedReceipt
 from storage_client import CID, Manifest
 
 
@@ -28,6 +29,7 @@ class RunTrust(Protocol):
     signer: WorkerKey  # the run's coordinator account: signs every global state served
     chain_id: int
     ledger_address: str  # the EIP-712 domain's verifying contract, which workers sign reports for
+    domain: Domain  # that domain: reports and receipts are signed in it
     lag: int  # published rounds the ledger has not confirmed yet
 
     def challenge(self, worker_id: str) -> bytes:
@@ -46,6 +48,12 @@ class RunTrust(Protocol):
     def take_report(self, worker_id: str, address: str | None, signed: SignedReport, manifest_cid: CID,
                     manifest: Manifest, parent: Manifest, data_digest: bytes) -> None:
         """Check a participant's signed report against its round's manifest, and keep it."""
+        ...
+
+    def receipt(self, worker: str, round_: int, update_digest: bytes,
+                report_digest: bytes = NO_REPORT) -> SignedReceipt:
+        """The coordinator's signed receipt (attestation.receipt): an update of ``round_`` counted, or,
+        with ``report_digest``, its worker's report of it filed for the ledger."""
         ...
 
     def settle(self, rounds: PublishedRounds, until: threading.Event, stop: threading.Event,

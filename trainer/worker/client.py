@@ -389,9 +389,9 @@ class CoordinatorClient:
 
     # ----------------------------------------------------------------------------- pushing
 
-    def push_slice(self, piece: Slice, what: PushHeader) -> int:
-        """One slice's PushUpdate stream; returns its wire bytes (what the coordinator counts).
-        Raises grpc.RpcError when the coordinator refuses it (a duplicate counts as sent)."""
+    def push_slice(self, piece: Slice, what: PushHeader) -> tuple[int, pb.Receipt | None]:
+        """One slice's PushUpdate stream: its wire bytes (what the coordinator counts), and the update receipt
+        if it completed the update. Raises grpc.RpcError when refused (a duplicate counts as sent)."""
         assert self.config is not None
         payload = piece.payload
         sha = sha256_hex(payload)
@@ -425,19 +425,22 @@ class CoordinatorClient:
             if exc.code() != grpc.StatusCode.ALREADY_EXISTS:
                 raise
             log.info("round %d: coordinator already holds this worker's %s", what.round, slice_name(piece))
-        return sum(m.ByteSize() for m in messages)
+            response = pb.PushUpdateResponse()  # no receipt: the first reply had it
+        return sum(m.ByteSize() for m in messages), response.receipt if response.HasField("receipt") else None
 
-    def submit_report(self, signed: SignedReport) -> None:
-        round_ = signed.report.round
-        raw = canonical_json(signed.to_json())
+    def submit_report(self, signed: SignedReport) -> pb.Receipt | None:
+        """Send a signed report; returns the coordinator's report receipt when it took it."""
+        round_, request = signed.report.round, pb.SubmitReportRequest(worker_id=self.worker_id,
+                                                                      signed_report=canonical_json(signed.to_json()))
         try:
-            self.call(f"report round {round_}", lambda: self.stub.SubmitReport(
-                pb.SubmitReportRequest(worker_id=self.worker_id, signed_report=raw), timeout=60, metadata=self.session))
+            response = self.call(f"report round {round_}", lambda: self.stub.SubmitReport(
+                request, timeout=60, metadata=self.session))
             log.info("round %d: signed report accepted", round_)
+            return response.receipt if response.HasField("receipt") else None
         except grpc.RpcError as exc:
-            if exc.code() == grpc.StatusCode.ALREADY_EXISTS:
-                return
-            log.warning("round %d: report refused (%s): %s", round_, exc.code().name, clip(exc.details(), 200))
+            if exc.code() != grpc.StatusCode.ALREADY_EXISTS:
+                log.warning("round %d: report refused (%s): %s", round_, exc.code().name, clip(exc.details(), 200))
+            return None
 
 
 def learn_schedule(schedule: WorkerSchedule | None, header: pb.GlobalHeader, params: Params) -> None:

@@ -17,11 +17,12 @@ from __future__ import annotations
 
 import logging
 import time
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Callable
 
 import torch
 
 from attestation import RoundReport, SignedReport
+from proto import pb
 from storage_client import CID, to_e6
 from trainer.config import RunConfig
 from trainer.data.shared_eval import eval_share, shared_evaluation_problem
@@ -39,9 +40,12 @@ class Reporter:
     """Checks θ⁽ʳ⁾ on ``eval_model`` and signs and submits the round's report."""
 
     def __init__(self, client: CoordinatorClient, config: RunConfig, shard_index: int, data_digest: bytes,
-                 eval_batches: list, eval_model: torch.nn.Module, phase_seconds: PhaseSeconds) -> None:
+                 eval_batches: list, eval_model: torch.nn.Module, phase_seconds: PhaseSeconds,
+                 keep_receipt: Callable[[pb.Receipt | None, int, bytes, bytes], None] | None = None) -> None:
         self.client, self.config, self.shard_index, self.data_digest = client, config, shard_index, data_digest
         self.eval_batches, self.eval_model, self.phase_seconds = eval_batches, eval_model, phase_seconds
+        # Checks and keeps the coordinator's report receipt (trainer.worker.role.Worker.keep_receipt).
+        self.keep_receipt = keep_receipt
 
     def report(self, pushed: Pushed | None, checkpoint: Checkpoint) -> None:
         """Sign and submit the RoundReport of a round this worker contributed to, as soon as the
@@ -64,7 +68,10 @@ class Reporter:
             eval_loss_e6=checkpoint.eval_loss_e6, tokens=pushed.tokens, inner_steps=pushed.inner_steps,
             bytes_sent=pushed.bytes_sent, bytes_received=pushed.bytes_received,
         )
-        client.submit_report(SignedReport(report, client.key.sign_digest(report.digest(client.domain))))
+        digest = report.digest(client.domain)
+        receipt = client.submit_report(SignedReport(report, client.key.sign_digest(digest)))
+        if self.keep_receipt is not None:
+            self.keep_receipt(receipt, pushed.round, pushed.update, digest)
 
     def evaluation_problem(self, checkpoint: Checkpoint) -> str | None:
         """What is wrong with the checkpoint's claimed held-out losses, or None: the claims are

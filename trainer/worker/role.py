@@ -25,7 +25,8 @@ import grpc
 import torch
 
 from attestation import EvidenceProvider
-from proto import WorkerPhase
+from attestation.receipt import NO_REPORT, Receipt
+from proto import WorkerPhase, pb
 from storage_client import CID, strict_json, to_e6
 from trainer.codec.uplink import Slice, Uplink, merged, merged_decision
 from trainer.codec.wire import Params, encode_params
@@ -55,6 +56,7 @@ from trainer.worker.client import (
 )
 from trainer.worker.hold import RoundHold
 from trainer.worker.loops import overlapped, synchronous
+from trainer.worker.receipts import ReceiptBook
 from trainer.worker.reporter import Reporter
 
 log = logging.getLogger("dilocox.worker")
@@ -92,7 +94,7 @@ class Worker:
     def __init__(self, address: str, worker_id: str, *, tls: ClientTls, attestation: EvidenceProvider | None = None,
                  reconnect_timeout_s: float = 120.0, fetch_wait_s: float = 5.0, link: Link | None = None,
                  metrics: Path | None = None, stages: int | None = 1, cores: int | None = None,
-                 threads: int | None = None, device: str = "cpu") -> None:
+                 threads: int | None = None, device: str = "cpu", receipts: Path | None = None) -> None:
         self.created_at = time.monotonic()  # start-up is measured from here (trainer.runtime.pipeline.plan_stages)
         self.worker_id = worker_id
         self.device = parse_device(device)  # where the inner loop runs (trainer.runtime.device); refused now if absent
@@ -102,6 +104,8 @@ class Worker:
         self.stages = stages or 1
         self.threads_per_stage = threads or 1
         self.metrics = metrics
+        # The coordinator's signed receipts of this worker's counted updates and taken reports.
+        self.receipts = ReceiptBook(receipts if receipts is not None else Path("receipts") / worker_id)
         self.client = CoordinatorClient(address, worker_id, tls=tls, attestation=attestation,
                                         reconnect_timeout_s=reconnect_timeout_s, fetch_wait_s=fetch_wait_s,
                                         link=link or Link(), on_first_join=self.set_up)
@@ -152,7 +156,8 @@ class Worker:
         # optimiser state). Pipeline stages train in their own processes.
         own = config.rounds.overlap and self.stages == 1
         self.reporter = Reporter(self.client, config, shard, self.data_digest, self.eval_batches,
-                                 build_model(config.model, config.seed) if own else self.model, self.phase_seconds)
+                                 build_model(config.model, config.seed) if own else self.model, self.phase_seconds,
+                                 self.keep_receipt)
         # θ⁽⁰⁾ is a function of the run's seed: built here, it need not cross the network. Its CID
         # is checked against the genesis checkpoint's when the coordinator serves it (as "held").
         # θ⁽⁰⁾ from existing weights (model.init_params) is fetched, and checked against that CID.
@@ -233,10 +238,11 @@ class Worker:
             log.info("round %d: compressed %d -> %d bytes in %d slice(s) (%s)", round_, dense_bytes,
                      sum(len(s.payload) for s in work.slices), len(work.slices), decision.describe())
         what = PushHeader(round_, result.mean_loss, result.tokens, result.steps, base_cid, received, work.state)
-        wire_bytes, started = 0, time.perf_counter()
+        wire_bytes, started, receipt = 0, time.perf_counter(), None
         for piece in work.slices:
             try:
-                wire_bytes += self.client.push_slice(piece, what)
+                sent, receipt = self.client.push_slice(piece, what)
+                wire_bytes += sent
             except grpc.RpcError as exc:
                 if exc.code() not in REFUSED:
                     raise
@@ -246,8 +252,17 @@ class Worker:
             finally:
                 self.phase_seconds.add("push", time.perf_counter() - started)
                 started = time.perf_counter()
-        return Pushed(round_, CID.of(record).digest, to_e6(result.mean_loss), result.tokens,
+        update = CID.of(record).digest
+        self.keep_receipt(receipt, round_, update)
+        return Pushed(round_, update, to_e6(result.mean_loss), result.tokens,
                       result.steps, wire_bytes, received, CID.parse(parent_cid or base_cid).digest)
+
+    def keep_receipt(self, message: pb.Receipt | None, round_: int, update: bytes, report: bytes = NO_REPORT) -> None:
+        """Check and keep the coordinator's receipt of what this worker sent (trainer.worker.receipts)."""
+        client = self.client
+        if client.domain is not None and client.key is not None:
+            expected = Receipt(client.run_digest, round_, client.key.address, update, report)
+            self.receipts.keep(message, expected, client.domain, client.coordinator_key)
 
     def _undo(self, work: RoundWork) -> None:
         if work.snapshot is not None and isinstance(self.inner, InnerLoop):
