@@ -79,8 +79,9 @@ from trainer.rounds.outer import delayed_start, eager_start, eager_weight
 from trainer.rounds.schedule import stored_inner_steps
 from trainer.rounds.update_source import dense
 from trainer.runstore.checkpoints import checkpoint_at
-from trainer.runstore.update_record import open_update
+from trainer.runstore.update_record import open_update, parse_record
 from trainer.runtime.inner import FRESH_STATE, InnerLoop, evaluate
+from trainer.runtime.staged import StagedArithmetic, staged_arithmetic
 
 # ‖Δ' − Δ‖ / ‖Δ‖ an honest contribution stays within (see the module docstring).
 REPLAY_TOLERANCE = 0.05
@@ -152,7 +153,7 @@ def unreplayable_reason(config: RunConfig, manifests: Mapping[int, Manifest], ro
     (fresh): that update must have counted too."""
     participant = _counted(manifests[round_], worker)
     if participant.state is None:
-        return "the worker ran several pipeline stages and committed no inner state"
+        return "the worker ran several pipeline stages and committed no inner state (a run from before they did)"
     if config.rounds.overlap and round_ >= 2:
         previous = _counted(manifests.get(round_ - 1), worker)
         if previous is None and participant.state != FRESH_STATE:
@@ -341,7 +342,13 @@ class Replayer:
                 continue
             start, stored, round_steps, batches = inputs
             progress.add_total(round_steps - cfg.inner.steps)
-            result = inner.run(start, batches, progress)
+            try:
+                staged = self._staged(p)
+            except ReplayError as exc:
+                self.problems.append((r, p.update, f"{worker}: {exc}"))
+                inner = None
+                continue
+            result = inner.run(start, batches, progress, staged)
             steps += result.steps
             if cfg.compression.enabled:
                 try:
@@ -381,6 +388,17 @@ class Replayer:
         batches = round_batches(shard_tokens, seed=cfg.seed, shard_index=p.shard, round_=r, steps=round_steps,
                                 batch_size=cfg.inner.batch_size, block_size=cfg.model.block_size)
         return start, stored, round_steps, batches
+
+    def _staged(self, p: Participant) -> StagedArithmetic | None:
+        """How the worker computed its gradients: with P > 1 pipeline stages (its update record's
+        slices), the stages' arithmetic, computed in one process (trainer.runtime.staged: the
+        same microbatches and clipping); None for a one-process worker. The record was read and
+        checked whole by ``_inputs``, so only a store that changed since can fail here."""
+        try:
+            refs = parse_record(self.store.get(p.update))
+        except (OSError, ValueError) as exc:  # StoreError, RecordError: ValueError
+            raise ReplayError(f"its update record cannot be read: {str(exc)[:300]}") from None
+        return staged_arithmetic(self.config.model, refs[0].num_stages)
 
     def _recompressed(self, delta: Params, errors: Params, stored: Params) -> tuple[Params, Params, float]:
         """With a compressed uplink the stored update is Â = decompress(C(Δ + e)). The replay forms

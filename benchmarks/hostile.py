@@ -88,9 +88,7 @@ class Mallory:
         if "base_params_cid" not in header:  # the state the run started from, fetched once
             self.base = self.base or {"base_params_cid": self.fetch()["base_params_cid"]}
             fields.update(self.base)
-        fields.update(header)
-        if fields["num_stages"] != 1 and "inner_state_sha256" not in header:
-            fields["inner_state_sha256"] = ""  # a stage slice commits no inner state
+        fields.update(header)  # a stage slice names its worker's one commitment too
         return pb.UpdateChunk(header=pb.UpdateHeader(**fields))
 
     def fetch(self, min_round: int = 0) -> dict[str, object]:

@@ -126,21 +126,19 @@ def check_form(h: UpdateHeader, expected: Layout, config: RunConfig, inner_steps
     except InvalidUpdate as exc:
         where = f"stage {h.stage} of {h.num_stages}: " if h.num_stages > 1 else ""
         raise Refusal(Reason.MALFORMED, where + str(exc)) from exc
-    if h.num_stages == 1 and not _SHA256_HEX.match(h.inner_state_sha256):
-        # What the update grew from besides θ: without it no auditor can replay the round.
+    if not _SHA256_HEX.match(h.inner_state_sha256):
+        # What the update grew from besides θ: without it no auditor can replay the round. A worker
+        # of several stages names its one commitment in every slice (check_sibling: the same).
         raise Refusal(Reason.MALFORMED,
                       f"inner_state_sha256 {clip(h.inner_state_sha256)} is not 64 lowercase hex digits: a "
-                      f"one-process worker commits to the inner state each round starts from")
-    if h.num_stages > 1 and h.inner_state_sha256:
-        raise Refusal(Reason.MALFORMED, "a stage slice names an inner_state_sha256; workers of several stages "
-                                        "commit none")
+                      f"worker commits to the inner state each round starts from, in every stage slice")
     return declared
 
 
 def check_sibling(h: UpdateHeader, entry: JournalEntry, part: StageSlices) -> None:
     """A worker's stage slices come from one inner loop: the same metrics and the same base."""
     for stage, other in part.slices.items():
-        for key in ("train_loss_e6", "tokens", "inner_steps", "base_params_cid"):
+        for key in ("train_loss_e6", "tokens", "inner_steps", "base_params_cid", "state"):
             if getattr(other.entry, key) != getattr(entry, key):
                 raise Refusal(Reason.BAD_CLAIM,
                               f"stage {h.stage} of {h.num_stages} says {key} {getattr(entry, key)!r}, but stage "

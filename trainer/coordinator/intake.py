@@ -135,7 +135,7 @@ class Intake:
             cid=str(cid), train_loss_e6=to_e6(h.train_loss), tokens=self.run.round_tokens(h.round),
             inner_steps=self.run.inner_steps(h.round), bytes_sent=wire_bytes, bytes_received=received,
             shard=self.registry.workers[h.worker_id].shard,
-            state=h.inner_state_sha256 if single else None,  # a worker of several stages commits none
+            state=h.inner_state_sha256,  # a worker of several stages names its one commitment in every slice
             base_params_cid=None if single else h.base_params_cid)
 
     def _count_accepted(self, worker_id: str, accepted: Accepted) -> None:
@@ -189,7 +189,7 @@ class Intake:
         first = part.slices[0].entry
         entry = JournalEntry(cid=str(cid), train_loss_e6=first.train_loss_e6, tokens=first.tokens,
                              inner_steps=first.inner_steps, bytes_sent=sum(a.entry.bytes_sent for a in part.slices.values()),
-                             bytes_received=first.bytes_received, shard=first.shard, state=None)
+                             bytes_received=first.bytes_received, shard=first.shard, state=first.state)
         with self._lock:
             r = self.round
             if r.number != h.round or r.closing or r.partial.get(h.worker_id) is not part:

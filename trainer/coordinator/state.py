@@ -60,7 +60,7 @@ class JournalEntry:
     bytes_sent: int
     bytes_received: int
     shard: int
-    state: str | None  # inner_state_sha256 of a one-process worker; None for stage slices
+    state: str | None  # inner_state_sha256 the push names (every slice, with several stages); None in old journals
     base_params_cid: str | None = None  # stage slices: the base every slice of a worker must share
 
     def to_json(self) -> dict[str, Any]:
