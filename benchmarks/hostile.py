@@ -35,6 +35,7 @@ from trainer.config import RunConfig
 from trainer.data.corpus import load_corpus, round_batches
 from trainer.model.gpt import build_model
 from trainer.runtime.inner import FRESH_STATE, InnerLoop, inner_state_digest
+from trainer.runtime.staged import staged_arithmetic
 
 Params = dict[str, torch.Tensor]
 
@@ -147,10 +148,12 @@ class Heartbeats:
 
 
 class Trainer:
-    """Mallory's honest inner loop: the update an honest worker on its shard would push."""
+    """Mallory's honest inner loop: the update an honest worker on its shard would push (with
+    ``stages`` > 1, as a worker of that many pipeline stages computes it: trainer.runtime.staged)."""
 
-    def __init__(self, m: Mallory, cluster: LocalCluster) -> None:
+    def __init__(self, m: Mallory, cluster: LocalCluster, stages: int = 1) -> None:
         cfg = m.config
+        self.staged = staged_arithmetic(cfg.model, stages)
         (shard,) = [w.shard for w in cluster.status().workers if w.worker_id == m.worker_id]
         self.shard_index = shard
         self.shard = load_corpus(cfg.data, cfg.seed, cfg.model.block_size).shard(shard, cfg.rounds.expected_workers)
@@ -183,7 +186,7 @@ class Trainer:
                                 block_size=cfg.model.block_size)
         errors = {} if self.compressor is None else {f"error.{n}": e for n, e in sorted(self.compressor.errors.items())}
         self.state = inner_state_digest(self.loop.state(), errors)
-        result = self.loop.run(params, batches)
+        result = self.loop.run(params, batches, staged=self.staged)
         self.loss = result.mean_loss
         return result.pseudo_gradient
 

@@ -26,7 +26,8 @@ from benchmarks.hostile import Heartbeats, Mallory, Trainer
 from cli.cluster import LocalCluster
 from storage_client import lineage
 from trainer.codec import CompressionConfig
-from trainer.config import InnerConfig, RoundConfig, RunConfig
+from trainer.config import InnerConfig, ModelConfig, RoundConfig, RunConfig
+from trainer.model.stages import stage_param_names
 
 pytestmark = pytest.mark.integration
 
@@ -100,3 +101,55 @@ def test_the_replay_names_scaled_noisy_lazy_and_stale_updates(cluster: LocalClus
     assert all(s.ok for s in outcome.rescored)
     assert outcome.steps == outcome.checked_steps == 5 * ROUNDS * config.inner.steps
 
+
+
+def test_workers_of_two_stages_are_replayed_and_a_scaled_one_is_named(cluster: LocalCluster, make_config) -> None:
+    """No way out of the sample: an honest ``dilocox worker --stages 2`` commits its inner state
+    (its two stage processes' AdamW states, one digest) and is replayed, round after round, in one
+    process with the stages' arithmetic (trainer.runtime.staged); a client that trains as a
+    two-stage worker and pushes 1.5 × its update as two stage slices is named in every round."""
+    rounds = 3
+    cluster.start_coordinator(make_config(
+        model=ModelConfig(block_size=32, n_layer=2, n_head=2, n_embd=32),
+        inner=InnerConfig(steps=8, batch_size=4, lr=1e-3),
+        rounds=RoundConfig(rounds=rounds, expected_workers=2, quorum=2, straggler_timeout_s=120.0,
+                           heartbeat_interval_s=0.5, liveness_timeout_s=10.0, max_update_norm=1000.0)))
+    m = Mallory.joined(cluster, "scaled")
+    trainer = Trainer(m, cluster, stages=2)
+    cluster.start_worker("w0", extra=["--stages", "2"])
+    names = stage_param_names(m.config.model, 2)
+    with Heartbeats(m, 0.5):
+        for r in range(1, rounds + 1):
+            base, params = trainer.fetch(r - 1)
+            delta = {k: 1.5 * v for k, v in trainer.train(params, r).items()}
+            for s, stage_names in enumerate(names):
+                m.push({n: delta[n] for n in stage_names}, round=r, stage=s, num_stages=2, base_params_cid=base,
+                       train_loss=trainer.loss, inner_state_sha256=trainer.state,
+                       base_bytes_received=trainer.received[base])
+            cluster.wait_for(lambda st, r=r: len(st.rounds) > r, 120, f"round {r} to close")
+    assert cluster.wait_exit("w0", 120) == 0, cluster.log("w0")
+    assert cluster.wait_exit("coordinator", 60) == 0, cluster.log("coordinator")
+
+    chain = lineage(cluster.run_dir.store, cluster.run_dir.head())
+    manifests = {m.round: m for _, m in chain}
+    assert all(p.state is not None for r in range(1, rounds + 1) for p in manifests[r].participants)
+    config = RunConfig.from_json(cluster.run_dir.store.get_json(manifests[0].config))
+    outcome = replay_run(cluster.run_dir.store, config, manifests, k=2 * rounds, seed=1)
+    assert not outcome.problems, outcome.problems
+    verdict = {(row.round, row.worker): row for row in outcome.rows}
+    for (r, worker), row in sorted(verdict.items()):
+        print(f"round {r} {worker:>6}: distance {row.distance:.3g} {row.status}")
+    assert sorted(verdict) == [(r, w) for r in range(1, rounds + 1) for w in ("scaled", "w0")]
+    for r in range(1, rounds + 1):
+        assert verdict[(r, "w0")].status == "ok" and verdict[(r, "w0")].distance < REPLAY_TOLERANCE / 5
+        assert verdict[(r, "scaled")].status == "MISMATCH" and verdict[(r, "scaled")].distance > 2 * REPLAY_TOLERANCE
+    # On one torch thread, as the worker's stages ran (cli.cluster: --threads 1), the replay is the
+    # worker's arithmetic bit for bit.
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        exact = replay_run(cluster.run_dir.store, config, manifests, k=2 * rounds, seed=1)
+    finally:
+        torch.set_num_threads(threads)
+    print("one thread:", [(row.round, row.worker, row.distance) for row in exact.rows])
+    assert [row.distance for row in exact.rows if row.worker == "w0"] == [0.0] * rounds
