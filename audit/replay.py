@@ -49,8 +49,13 @@ trainer.rounds.outer.delayed_start / eager_start):
     eager    s⁽ʳ⁾ = θ⁽ʳ⁻²⁾ − ((θ⁽ʳ⁻³⁾ − θ⁽ʳ⁻²⁾) + c (Δ̂ᵢ⁽ʳ⁻¹⁾ − Δ̂ᵢ⁽ʳ⁻²⁾)),  c = eager_weight
              (θ⁽ʳ⁻²⁾ − c Δ̂ᵢ⁽ʳ⁻¹⁾ when round r−1 was the worker's first, its inner state fresh)
 
-What cannot be replayed is said, not passed: a worker of several pipeline stages commits no inner
-state; an overlapped round after an update that did not count (for the eager start, also round
+A worker of several pipeline stages commits the same digest of its stages' states together
+(trainer.worker.role); its contribution (an update record of P > 1 slices) is replayed in one
+process with the stages' arithmetic (trainer.runtime.staged: the same microbatches and clipping,
+bit-exact on one thread).
+
+What cannot be replayed is said, not passed: a worker of several pipeline stages in a run from
+before they committed an inner state (``state`` null); an overlapped round after an update that did not count (for the eager start, also round
 r−2's) starts from what is not stored. Those contributions are listed as not replayed, with the
 reason, and are not sampled.
 """

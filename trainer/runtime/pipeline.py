@@ -73,7 +73,11 @@ and each stage answers on a shared queue with Δ_s, the losses, its token count 
 the push: compressed by the stage itself, with that state, which comes back updated
 (trainer.codec.uplink). The worker pushes each stage's slice as its own stream, so the coordinator
 aggregates stage by stage, and merges the Δ_s by name (they partition the names exactly) into the
-full pseudo-gradient for its own bookkeeping. A stage's module, GPipe schedule and AdamW state stay in its own memory across
+full pseudo-gradient for its own bookkeeping. Each stage also returns the AdamW state its round
+started from (a copy), which the worker commits to with its error feedback (trainer.worker.role:
+the one-process digest rule over the stages' states together) and, when the round does not count,
+hands back with the next round's job (:meth:`PipelinedInnerLoop.undo`), so that the state moves only
+through counted rounds and the audit's replay (trainer.runtime.staged) can rebuild it. A stage's module, GPipe schedule and AdamW state stay in its own memory across
 rounds, as :class:`trainer.runtime.inner.InnerLoop` keeps them in the worker process: only the round's
 inputs and Δ_s cross the queues, as numpy arrays pickled by value. The queues join the worker to its
 own children only, so nothing received from the network is unpickled.
