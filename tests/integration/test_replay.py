@@ -105,15 +105,19 @@ def test_the_replay_names_scaled_noisy_lazy_and_stale_updates(cluster: LocalClus
 
 def test_workers_of_two_stages_are_replayed_and_a_scaled_one_is_named(cluster: LocalCluster, make_config) -> None:
     """No way out of the sample: an honest ``dilocox worker --stages 2`` commits its inner state
-    (its two stage processes' AdamW states, one digest) and is replayed, round after round, in one
-    process with the stages' arithmetic (trainer.runtime.staged); a client that trains as a
-    two-stage worker and pushes 1.5 × its update as two stage slices is named in every round."""
+    (its two stage processes' AdamW states and their error feedback, one digest) and is replayed,
+    round after round, in one process with the stages' arithmetic (trainer.runtime.staged); a
+    client that trains as a two-stage worker and pushes 1.5 × its update as two compressed stage
+    slices (its error feedback consistent with its lie) is named in every round. Compressed, so
+    that the commitment and the replay of each stage's error feedback are checked too (the dense
+    stages are checked bit for bit in tests/integration/test_pipeline.py)."""
     rounds = 3
     cluster.start_coordinator(make_config(
         model=ModelConfig(block_size=32, n_layer=2, n_head=2, n_embd=32),
         inner=InnerConfig(steps=8, batch_size=4, lr=1e-3),
         rounds=RoundConfig(rounds=rounds, expected_workers=2, quorum=2, straggler_timeout_s=120.0,
-                           heartbeat_interval_s=0.5, liveness_timeout_s=10.0, max_update_norm=1000.0)))
+                           heartbeat_interval_s=0.5, liveness_timeout_s=10.0, max_update_norm=1000.0),
+        compression=CompressionConfig(enabled=True, min_rank=2, max_rank=8)))
     m = Mallory.joined(cluster, "scaled")
     trainer = Trainer(m, cluster, stages=2)
     cluster.start_worker("w0", extra=["--stages", "2"])
@@ -123,8 +127,8 @@ def test_workers_of_two_stages_are_replayed_and_a_scaled_one_is_named(cluster: L
             base, params = trainer.fetch(r - 1)
             delta = {k: 1.5 * v for k, v in trainer.train(params, r).items()}
             for s, stage_names in enumerate(names):
-                m.push({n: delta[n] for n in stage_names}, round=r, stage=s, num_stages=2, base_params_cid=base,
-                       train_loss=trainer.loss, inner_state_sha256=trainer.state,
+                m.push(**trainer.compressed({n: delta[n] for n in stage_names}), round=r, stage=s, num_stages=2,
+                       base_params_cid=base, train_loss=trainer.loss, inner_state_sha256=trainer.state,
                        base_bytes_received=trainer.received[base])
             cluster.wait_for(lambda st, r=r: len(st.rounds) > r, 120, f"round {r} to close")
     assert cluster.wait_exit("w0", 120) == 0, cluster.log("w0")
@@ -144,7 +148,7 @@ def test_workers_of_two_stages_are_replayed_and_a_scaled_one_is_named(cluster: L
         assert verdict[(r, "w0")].status == "ok" and verdict[(r, "w0")].distance < REPLAY_TOLERANCE / 5
         assert verdict[(r, "scaled")].status == "MISMATCH" and verdict[(r, "scaled")].distance > 2 * REPLAY_TOLERANCE
     # On one torch thread, as the worker's stages ran (cli.cluster: --threads 1), the replay is the
-    # worker's arithmetic bit for bit.
+    # worker's arithmetic bit for bit: its update is the codec's best at the update's ranks (d = 0).
     threads = torch.get_num_threads()
     torch.set_num_threads(1)
     try:
