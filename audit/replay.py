@@ -78,14 +78,15 @@ from trainer.config import RunConfig
 from trainer.data.corpus import CorpusError, eval_batches, round_batches
 from trainer.data.dataset import Dataset, run_dataset
 from trainer.model.gpt import build_model
-from trainer.model.params import load_params
+from trainer.model.params import load_params, params_of
 from trainer.progress import Progress
 from trainer.rounds.outer import delayed_start, eager_start, eager_weight
 from trainer.rounds.schedule import stored_inner_steps
 from trainer.rounds.update_source import dense
 from trainer.runstore.checkpoints import checkpoint_at
 from trainer.runstore.update_record import open_update, parse_record
-from trainer.runtime.inner import FRESH_STATE, InnerLoop, evaluate
+from trainer.runtime.inner import FRESH_STATE, InnerLoop, evaluate, load_adamw_state
+from trainer.runtime.state_commit import decode_inner_state, split_inner_state, state_cid
 from trainer.runtime.staged import StagedArithmetic, staged_arithmetic
 
 # ‖Δ' − Δ‖ / ‖Δ‖ an honest contribution stays within (see the module docstring).
@@ -201,13 +202,15 @@ class Replayer:
 
     def chain(self, round_: int, worker: str) -> list[int]:
         """The rounds to replay, in order, to rebuild ``worker``'s AdamW state for ``round_``: back to
-        its last contribution that committed a fresh state."""
+        its last contribution that committed a fresh state, or whose committed state is stored
+        (``rounds.state_every``: at most K rounds back)."""
         rounds = [r for r, m in sorted(self.manifests.items())
                   if 0 < r <= round_ and any(p.worker == worker for p in m.participants)]
         out: list[int] = []
         for r in reversed(rounds):
             out.append(r)
-            if self._participant(r, worker).state == FRESH_STATE:
+            p = self._participant(r, worker)
+            if p.state == FRESH_STATE or (p.state is not None and self.store.has(state_cid(p.state))):
                 return out[::-1]
         return out[::-1]  # no fresh start: the first one is refused in replay()
 
@@ -334,6 +337,16 @@ class Replayer:
             if p.state == FRESH_STATE:
                 inner, errors = InnerLoop(model, cfg.inner), {}
             elif inner is None or previous is None or not self._consecutive(worker, previous, r):
+                try:
+                    loaded = committed_state(self.store, self.config, p, model)
+                except ReplayError as exc:
+                    self.problems.append((r, p.state or "", f"{worker}: {exc}"))
+                    inner = None
+                    progress.add_total(-cfg.inner.steps)
+                    continue
+                # The chain starts at a stored state (trainer.runtime.state_commit), or cannot go on.
+                inner, errors = loaded if loaded is not None else (None, errors)
+            if inner is None:
                 rows.append(ReplayRow(r, worker, (r, worker) in sampled, None, "MISMATCH",
                                       "the committed inner state is not fresh, and no counted contribution "
                                       "of this worker before it was replayed to continue from"))
@@ -348,7 +361,7 @@ class Replayer:
             start, stored, round_steps, batches = inputs
             progress.add_total(round_steps - cfg.inner.steps)
             try:
-                staged = self._staged(p)
+                staged = staged_of(self.store, self.config, p)
             except ReplayError as exc:
                 self.problems.append((r, p.update, f"{worker}: {exc}"))
                 inner = None
@@ -393,17 +406,6 @@ class Replayer:
         batches = round_batches(shard_tokens, seed=cfg.seed, shard_index=p.shard, round_=r, steps=round_steps,
                                 batch_size=cfg.inner.batch_size, block_size=cfg.model.block_size)
         return start, stored, round_steps, batches
-
-    def _staged(self, p: Participant) -> StagedArithmetic | None:
-        """How the worker computed its gradients: with P > 1 pipeline stages (its update record's
-        slices), the stages' arithmetic, computed in one process (trainer.runtime.staged: the
-        same microbatches and clipping); None for a one-process worker. The record was read and
-        checked whole by ``_inputs``, so only a store that changed since can fail here."""
-        try:
-            refs = parse_record(self.store.get(p.update))
-        except (OSError, ValueError) as exc:  # StoreError, RecordError: ValueError
-            raise ReplayError(f"its update record cannot be read: {str(exc)[:300]}") from None
-        return staged_arithmetic(self.config.model, refs[0].num_stages)
 
     def _recompressed(self, delta: Params, errors: Params, stored: Params) -> tuple[Params, Params, float]:
         """With a compressed uplink the stored update is Â = decompress(C(Δ + e)). The replay forms
@@ -463,6 +465,37 @@ class Replayer:
                 reported = from_e6(self.manifests[r].eval_loss_e6)
                 out.append(RescoreRow(r, reported, recomputed, abs(recomputed - reported) <= EVAL_TOLERANCE))
         return out
+
+
+def committed_state(store: Store, config: RunConfig, p: Participant,
+                    model: torch.nn.Module) -> tuple[InnerLoop, Params] | None:
+    """An inner loop and error feedback set to ``p``'s committed state when the store holds it (by
+    CID: its digest is the commitment, checked as it is read; decoded by the wire codec and
+    checked as a worker's state, trainer.runtime.state_commit), None when it does not;
+    ReplayError when the stored object cannot be used."""
+    if p.state is None or not store.has(state_cid(p.state)):
+        return None
+    try:
+        state = decode_inner_state(store.get(state_cid(p.state)), layout_of(params_of(model)),
+                                   config.compression.enabled)
+    except (OSError, ValueError) as exc:  # StoreError, StateError: ValueError
+        raise ReplayError(f"the stored committed inner state cannot be used: {str(exc)[:300]}") from None
+    adamw, errors = split_inner_state(state)
+    inner = InnerLoop(model, config.inner)
+    load_adamw_state(inner.model, inner.optimizer, adamw)
+    return inner, errors
+
+
+def staged_of(store: Store, config: RunConfig, p: Participant) -> StagedArithmetic | None:
+    """How the worker computed its gradients: with P > 1 pipeline stages (its update record's
+    slices), the stages' arithmetic, computed in one process (trainer.runtime.staged: the
+    same microbatches and clipping); None for a one-process worker. The record was read and
+    checked whole by ``Replayer._inputs``, so only a store that changed since can fail here."""
+    try:
+        refs = parse_record(store.get(p.update))
+    except (OSError, ValueError) as exc:  # StoreError, RecordError: ValueError
+        raise ReplayError(f"its update record cannot be read: {str(exc)[:300]}") from None
+    return staged_arithmetic(config.model, refs[0].num_stages)
 
 
 def _norm(tensors: Params) -> float:

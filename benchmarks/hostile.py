@@ -34,7 +34,7 @@ from trainer.codec.wire import chunked, decode_params, encode_params, layout_of,
 from trainer.config import RunConfig
 from trainer.data.corpus import load_corpus, round_batches
 from trainer.model.gpt import build_model
-from trainer.runtime.inner import FRESH_STATE, InnerLoop, inner_state_digest
+from trainer.runtime.inner import FRESH_STATE, InnerLoop, inner_state_bytes
 from trainer.runtime.staged import staged_arithmetic
 
 Params = dict[str, torch.Tensor]
@@ -65,12 +65,15 @@ class Mallory:
                    session_metadata(worker_id, joined.session_token))
 
     def push(self, tensors: Params | None = None, *, payload: bytes | None = None,
-             layout: dict | None = None, **header: object) -> pb.PushUpdateResponse:
-        """Push ``tensors`` (or raw ``payload`` bytes); ``header`` overrides any UpdateHeader field."""
+             layout: dict | None = None, state: bytes = b"", **header: object) -> pb.PushUpdateResponse:
+        """Push ``tensors`` (or raw ``payload`` bytes), then ``state`` (inner-state bytes, as a worker
+        sends them every rounds.state_every rounds); ``header`` overrides any UpdateHeader field."""
         tensors = self.default if tensors is None else tensors
         payload = encode_params(tensors) if payload is None else payload
-        first = self.header(payload, layout_of(tensors) if layout is None else layout, **header)
-        stream = [first] + [pb.UpdateChunk(data=p) for p in chunked(payload)]
+        first = self.header(payload, layout_of(tensors) if layout is None else layout,
+                            **{"inner_state_size": len(state), **header})
+        stream = ([first] + [pb.UpdateChunk(data=p) for p in chunked(payload)]
+                  + [pb.UpdateChunk(state=p) for p in chunked(state)])
         self.wire_bytes = sum(message.ByteSize() for message in stream)  # what the coordinator counts
         return self.stub.PushUpdate(iter(stream), timeout=30, metadata=self.session)
 
@@ -162,6 +165,7 @@ class Trainer:
         self.received: dict[str, int] = {}  # wire bytes of the fetch of each base, as a worker reports them
         self.loss = float("nan")
         self.state = FRESH_STATE  # digest of the inner state the last ``train`` started from
+        self.state_bytes = b""  # and that state's bytes
         # With compression on, mallory's error feedback, as a one-process worker keeps it.
         self.compressor = (ErrorFeedbackCompressor(AdaptiveRankPolicy(cfg.compression))
                            if cfg.compression.enabled else None)
@@ -185,7 +189,8 @@ class Trainer:
                                 steps=steps or cfg.inner.steps, batch_size=cfg.inner.batch_size,
                                 block_size=cfg.model.block_size)
         errors = {} if self.compressor is None else {f"error.{n}": e for n, e in sorted(self.compressor.errors.items())}
-        self.state = inner_state_digest(self.loop.state(), errors)
+        self.state_bytes = inner_state_bytes(self.loop.state(), errors)  # sent on rounds.state_every's rounds
+        self.state = sha256_hex(self.state_bytes)
         result = self.loop.run(params, batches, staged=self.staged)
         self.loss = result.mean_loss
         return result.pseudo_gradient

@@ -18,16 +18,18 @@ from __future__ import annotations
 
 import math
 
+import grpc
 import pytest
 import torch
 
-from audit.replay import REPLAY_TOLERANCE, replay_run
+from audit.replay import REPLAY_TOLERANCE, Replayer, replay_run
 from benchmarks.hostile import Heartbeats, Mallory, Trainer
 from cli.cluster import LocalCluster
 from storage_client import lineage
 from trainer.codec import CompressionConfig
 from trainer.config import InnerConfig, ModelConfig, RoundConfig, RunConfig
 from trainer.model.stages import stage_param_names
+from trainer.runtime.state_commit import state_cid
 
 pytestmark = pytest.mark.integration
 
@@ -110,13 +112,19 @@ def test_workers_of_two_stages_are_replayed_and_a_scaled_one_is_named(cluster: L
     client that trains as a two-stage worker and pushes 1.5 × its update as two compressed stage
     slices (its error feedback consistent with its lie) is named in every round. Compressed, so
     that the commitment and the replay of each stage's error feedback are checked too (the dense
-    stages are checked bit for bit in tests/integration/test_pipeline.py)."""
+    stages are checked bit for bit in tests/integration/test_pipeline.py).
+
+    With ``rounds.state_every`` = 2 both send their round-2 inner state with the push, the
+    coordinator stores it by CID (trainer.runtime.state_commit), and a replay of round 3 starts there:
+    2 rounds of history, not 3; it names the cheat all the same. A push of round 2 without its
+    state, or with bytes that are not its commitment, is refused."""
     rounds = 3
     cluster.start_coordinator(make_config(
         model=ModelConfig(block_size=32, n_layer=2, n_head=2, n_embd=32),
         inner=InnerConfig(steps=8, batch_size=4, lr=1e-3),
         rounds=RoundConfig(rounds=rounds, expected_workers=2, quorum=2, straggler_timeout_s=120.0,
-                           heartbeat_interval_s=0.5, liveness_timeout_s=10.0, max_update_norm=1000.0),
+                           heartbeat_interval_s=0.5, liveness_timeout_s=10.0, max_update_norm=1000.0,
+                           state_every=2),
         compression=CompressionConfig(enabled=True, min_rank=2, max_rank=8)))
     m = Mallory.joined(cluster, "scaled")
     trainer = Trainer(m, cluster, stages=2)
@@ -126,10 +134,16 @@ def test_workers_of_two_stages_are_replayed_and_a_scaled_one_is_named(cluster: L
         for r in range(1, rounds + 1):
             base, params = trainer.fetch(r - 1)
             delta = {k: 1.5 * v for k, v in trainer.train(params, r).items()}
-            for s, stage_names in enumerate(names):
-                m.push(**trainer.compressed({n: delta[n] for n in stage_names}), round=r, stage=s, num_stages=2,
-                       base_params_cid=base, train_loss=trainer.loss, inner_state_sha256=trainer.state,
-                       base_bytes_received=trainer.received[base])
+            pieces = [trainer.compressed({n: delta[n] for n in stage_names}) for stage_names in names]
+            claims = dict(round=r, num_stages=2, base_params_cid=base, train_loss=trainer.loss,
+                          inner_state_sha256=trainer.state, base_bytes_received=trainer.received[base])
+            state = trainer.state_bytes if r == 2 else b""
+            if r == 2:
+                assert "must carry it" in m.refused(grpc.StatusCode.INVALID_ARGUMENT, **pieces[0], stage=0, **claims)
+                assert "digest mismatch" in m.refused(grpc.StatusCode.INVALID_ARGUMENT, **pieces[0], stage=0,
+                                                      state=state[:-1] + b"\0", **claims)
+            for s, piece in enumerate(pieces):
+                m.push(**piece, stage=s, state=state if s == 0 else b"", **claims)
             cluster.wait_for(lambda st, r=r: len(st.rounds) > r, 120, f"round {r} to close")
     assert cluster.wait_exit("w0", 120) == 0, cluster.log("w0")
     assert cluster.wait_exit("coordinator", 60) == 0, cluster.log("coordinator")
@@ -157,3 +171,14 @@ def test_workers_of_two_stages_are_replayed_and_a_scaled_one_is_named(cluster: L
         torch.set_num_threads(threads)
     print("one thread:", [(row.round, row.worker, row.distance) for row in exact.rows])
     assert [row.distance for row in exact.rows if row.worker == "w0"] == [0.0] * rounds
+
+    # Round 3 replays from the stored round-2 states: two rounds each, not the whole history.
+    replayer = Replayer(cluster.run_dir.store, config, manifests)
+    assert all(cluster.run_dir.store.has(state_cid(p.state)) for p in manifests[2].participants)
+    assert replayer.chain(3, "w0") == replayer.chain(3, "scaled") == [2, 3]
+    bounded, steps = replayer.replay([(3, "w0"), (3, "scaled")])
+    assert not replayer.problems, replayer.problems
+    assert steps == 2 * 2 * config.inner.steps
+    assert [(row.round, row.worker, row.status) for row in bounded] == [
+        (2, "scaled", "MISMATCH"), (2, "w0", "ok"), (3, "scaled", "MISMATCH"), (3, "w0", "ok")]
+    assert bounded[3].distance < REPLAY_TOLERANCE / 5

@@ -146,11 +146,12 @@ class Intake:
         self._lock.notify_all()
 
     def accept(self, h: UpdateHeader, update: CheckedUpdate, wire_bytes: int,
-               screen: Callable[[UpdateSource], float], payload: bytes) -> tuple[CID, int, StageSlices | None]:
-        """Store and journal a checked update or slice (``payload``: its bytes as pushed); returns
-        its record's CID, the open round, and the worker's slices when this one completed them (the
-        caller checks and counts the union). What is held until the close is the update's compact
-        source and its norm."""
+               screen: Callable[[UpdateSource], float], payload: bytes,
+               state: bytes = b"") -> tuple[CID, int, StageSlices | None]:
+        """Store and journal a checked update or slice (``payload``: its bytes as pushed; ``state``: the
+        inner state it carried, checked, stored by CID before the record); returns its record's CID,
+        the open round, and the worker's slices when this one completed them (the caller checks and
+        counts the union). What is held until the close is the update's compact source and its norm."""
         header = h.compression_header if h.encoding == Encoding.LOWRANK_INT4 else None
         ref = slice_ref(h.stage, h.num_stages, h.encoding, payload, header)
         record = record_bytes([ref])
@@ -160,6 +161,8 @@ class Intake:
             screen(update.source)
         store = self.run.run_dir.store
         store_slice(store, ref, payload, header)  # the bytes before the record, the record before the journal
+        if state:
+            store.put(state)  # its CID digest is the commitment (trainer.runtime.state_commit.state_cid)
         cid = store.put(record, Codec.JSON)
         norm = update.norm if h.num_stages == 1 else None
         with self._lock:

@@ -42,6 +42,7 @@ class UpdateHeader:
     signature: bytes
     compression_header: bytes
     inner_state_sha256: str
+    inner_state_size: int = 0  # bytes of the inner state sent after the payload (trainer.runtime.state_commit)
 
     @property
     def what(self) -> str:

@@ -138,14 +138,20 @@ def load_adamw_state(module: nn.Module, optimizer: torch.optim.Optimizer, state:
                                   for key, value in entry.items()}
 
 
-def inner_state_digest(*states: Params) -> str:
-    """sha256 (hex) of a worker's inner state: its AdamW state and, when the uplink is compressed,
-    its error-feedback buffers, in one byte-deterministic safetensors file
-    (``trainer.codec.wire.encode_params``). ``FRESH_STATE`` is the digest of a worker that has taken no step."""
+def inner_state_bytes(*states: Params) -> bytes:
+    """A worker's inner state (its AdamW state and, when the uplink is compressed, its error-feedback
+    buffers) in one byte-deterministic safetensors file (``trainer.codec.wire.encode_params``): what
+    it uploads every ``rounds.state_every`` rounds (trainer.runtime.state_commit)."""
     merged: Params = {}
     for state in states:
         merged.update(state)
-    return hashlib.sha256(encode_params(merged)).hexdigest()
+    return encode_params(merged)
+
+
+def inner_state_digest(*states: Params) -> str:
+    """sha256 (hex) of ``inner_state_bytes``: what a push commits to. ``FRESH_STATE`` is the digest of
+    a worker that has taken no step."""
+    return hashlib.sha256(inner_state_bytes(*states)).hexdigest()
 
 
 @torch.no_grad()
