@@ -24,6 +24,7 @@ from trainer.net.refusal import Reason, Refusal
 from trainer.rounds.aggregation import CheckedUpdate, exact_norm
 from trainer.rounds.update_source import DenseUpdate, dense
 from trainer.runstore.run_dir import RunDir
+from trainer.runtime.inner import FRESH_STATE
 
 STATE = "ab" * 32
 
@@ -206,6 +207,22 @@ def test_a_dead_worker_does_not_hold_a_round_open(tmp_path) -> None:
     u = update_of(c2, 1.0)
     push(c2, header(c2, "w0", u), u)
     assert c2.close_due()  # w1 is not live: only w0 could deliver
+
+
+def test_inner_state_bytes_come_on_the_rounds_state_every_names_and_are_checked(tmp_path) -> None:
+    """rounds.state_every = 1 (trainer.runtime.state_commit): a push whose state is not fresh must
+    carry it, within the size bound, and the bytes must be a worker's state; a fresh one carries none."""
+    clock = Clock()
+    c = coordinator(tmp_path, clock, rounds=dataclasses.replace(small_config().rounds, state_every=1))
+    joined(c, "w0", "w1")
+    u = update_of(c, 1.0)
+    assert refused(c, header(c, "w0", u), u) is Reason.MALFORMED  # STATE is not fresh: its bytes must come
+    assert refused(c, header(c, "w0", u, inner_state_size=10**12), u) is Reason.MALFORMED
+    assert refused(c, header(c, "w0", u, inner_state_sha256=FRESH_STATE, inner_state_size=10), u) is Reason.MALFORMED
+    with pytest.raises(Refusal, match="no worker's state holds") as caught:
+        c.check_state(encode_params({"exp_avg_sq.nothing": torch.zeros(2)}))
+    assert caught.value.reason is Reason.MALFORMED
+    push(c, header(c, "w0", u, inner_state_sha256=FRESH_STATE), u)  # a fresh state carries none
 
 
 # ----------------------------------------------------------------------------- stage slices
