@@ -29,6 +29,7 @@ from storage_client import lineage
 from trainer.codec import CompressionConfig
 from trainer.config import InnerConfig, ModelConfig, RoundConfig, RunConfig
 from trainer.model.stages import stage_param_names
+from trainer.runstore.gc import reachable
 from trainer.runtime.state_commit import state_cid
 
 pytestmark = pytest.mark.integration
@@ -175,6 +176,7 @@ def test_workers_of_two_stages_are_replayed_and_a_scaled_one_is_named(cluster: L
     # Round 3 replays from the stored round-2 states: two rounds each, not the whole history.
     replayer = Replayer(cluster.run_dir.store, config, manifests)
     assert all(cluster.run_dir.store.has(state_cid(p.state)) for p in manifests[2].participants)
+    assert {p.state for p in manifests[2].participants} <= reachable(cluster.run_dir)  # dilocox gc keeps them
     assert replayer.chain(3, "w0") == replayer.chain(3, "scaled") == [2, 3]
     bounded, steps = replayer.replay([(3, "w0"), (3, "scaled")])
     assert not replayer.problems, replayer.problems

@@ -45,9 +45,9 @@ from trainer.rounds.schedule import ScheduleError, StepsDecision
 from trainer.runstore.update_record import record_of_slices
 from trainer.runtime.device import parse_device
 from trainer.runtime.inner import FRESH_STATE, InnerLoop, InnerResult, inner_state_bytes
-from trainer.runtime.state_commit import state_due
 from trainer.runtime.pipeline import PipelinedInnerLoop, PipelineError, plan_stages
 from trainer.runtime.procgroup import available_cpus
+from trainer.runtime.state_commit import state_due
 from trainer.worker.client import (
     REFUSED,
     Checkpoint,
