@@ -7,8 +7,11 @@ worker w to round r (a manifest participant: its update Δ, data shard s, commit
 
     θ_start  = θ⁽ʳ⁻¹⁾                               round r-1's stored parameters
     AdamW    = fresh                                 when σ = FRESH_STATE (trainer.runtime.inner)
+             = the stored state named σ              when the store holds it (rounds.state_every:
+                                                      trainer.runtime.state_commit; checked, then loaded)
              = the state after w's previous counted   otherwise: replayed first, back to w's last
-               contribution                            fresh start (the worker's "chain")
+               contribution                            fresh start or stored state (the worker's
+                                                      "chain": at most K rounds with state_every = K)
     batches  = round_batches(shard s, seed, s, r, H_r) trainer.data.corpus: fixed by the config and, with
                                                       inner.adaptive_steps, round r−2's stored
                                                       downlink header (trainer.rounds.schedule)
