@@ -89,7 +89,7 @@ from trainer.rounds.update_source import dense
 from trainer.runstore.checkpoints import checkpoint_at
 from trainer.runstore.update_record import open_update, parse_record
 from trainer.runtime.inner import FRESH_STATE, InnerLoop, evaluate, load_adamw_state
-from trainer.runtime.state_commit import decode_inner_state, split_inner_state, state_cid
+from trainer.runtime.state_commit import decode_inner_state, split_inner_state, state_cid, state_due
 from trainer.runtime.staged import StagedArithmetic, staged_arithmetic
 
 # ‖Δ' − Δ‖ / ‖Δ‖ an honest contribution stays within (see the module docstring).
@@ -315,6 +315,8 @@ class Replayer:
         by_worker: dict[str, set[int]] = defaultdict(set)
         for r, worker in sampled:
             by_worker[worker].update(self.chain(r, worker))
+        for worker, chain in sorted(by_worker.items()):
+            self.problems.extend(missing_states(self.store, cfg, self.manifests, worker, sorted(chain)))
         rows: list[ReplayRow] = []
         steps = 0
         planned = sum(len(chain) for chain in by_worker.values())
@@ -487,6 +489,22 @@ def committed_state(store: Store, config: RunConfig, p: Participant,
     inner = InnerLoop(model, config.inner)
     load_adamw_state(inner.model, inner.optimizer, adamw)
     return inner, errors
+
+
+def missing_states(store: Store, config: RunConfig, manifests: Mapping[int, Manifest], worker: str,
+                   rounds: Iterable[int]) -> list[tuple[int | None, str, str]]:
+    """A problem for each of ``worker``'s ``rounds`` whose committed state ``rounds.state_every``
+    says was stored (trainer.runtime.state_commit: the coordinator refuses a due push without it)
+    but the store lacks: the replay then goes further back, and the audit says so."""
+    every = config.rounds.state_every
+    out: list[tuple[int | None, str, str]] = []
+    for r in rounds:
+        p = _counted(manifests[r], worker)
+        if (p is not None and state_due(every, r) and p.state not in (None, FRESH_STATE)
+                and not store.has(state_cid(p.state))):
+            out.append((r, p.state, f"{worker}'s inner state of round {r}, which this run stores every {every} "
+                                    f"rounds (rounds.state_every), is not in the store"))
+    return out
 
 
 def staged_of(store: Store, config: RunConfig, p: Participant) -> StagedArithmetic | None:

@@ -184,3 +184,12 @@ def test_workers_of_two_stages_are_replayed_and_a_scaled_one_is_named(cluster: L
     assert [(row.round, row.worker, row.status) for row in bounded] == [
         (2, "scaled", "MISMATCH"), (2, "w0", "ok"), (3, "scaled", "MISMATCH"), (3, "w0", "ok")]
     assert bounded[3].distance < REPLAY_TOLERANCE / 5
+    # A stored state gone from the store is named, and the chain goes back further (to round 1).
+    lost = manifests[2].participants[0]
+    cluster.run_dir.store.path_of(state_cid(lost.state)).unlink()
+    longer = Replayer(cluster.run_dir.store, config, manifests)
+    assert longer.chain(3, lost.worker) == [1, 2, 3]
+    longer.replay([(3, lost.worker)])
+    assert [(r, message) for r, _, message in longer.problems] == [
+        (2, f"{lost.worker}'s inner state of round 2, which this run stores every 2 rounds (rounds.state_every), "
+            f"is not in the store")]
