@@ -7,8 +7,11 @@ worker w to round r (a manifest participant: its update Δ, data shard s, commit
 
     θ_start  = θ⁽ʳ⁻¹⁾                               round r-1's stored parameters
     AdamW    = fresh                                 when σ = FRESH_STATE (trainer.runtime.inner)
+             = the stored state named σ              when the store holds it (rounds.state_every:
+                                                      trainer.runtime.state_commit; checked, then loaded)
              = the state after w's previous counted   otherwise: replayed first, back to w's last
-               contribution                            fresh start (the worker's "chain")
+               contribution                            fresh start or stored state (the worker's
+                                                      "chain": at most K rounds with state_every = K)
     batches  = round_batches(shard s, seed, s, r, H_r) trainer.data.corpus: fixed by the config and, with
                                                       inner.adaptive_steps, round r−2's stored
                                                       downlink header (trainer.rounds.schedule)
@@ -49,8 +52,13 @@ trainer.rounds.outer.delayed_start / eager_start):
     eager    s⁽ʳ⁾ = θ⁽ʳ⁻²⁾ − ((θ⁽ʳ⁻³⁾ − θ⁽ʳ⁻²⁾) + c (Δ̂ᵢ⁽ʳ⁻¹⁾ − Δ̂ᵢ⁽ʳ⁻²⁾)),  c = eager_weight
              (θ⁽ʳ⁻²⁾ − c Δ̂ᵢ⁽ʳ⁻¹⁾ when round r−1 was the worker's first, its inner state fresh)
 
-What cannot be replayed is said, not passed: a worker of several pipeline stages commits no inner
-state; an overlapped round after an update that did not count (for the eager start, also round
+A worker of several pipeline stages commits the same digest of its stages' states together
+(trainer.worker.role); its contribution (an update record of P > 1 slices) is replayed in one
+process with the stages' arithmetic (trainer.runtime.staged: the same microbatches and clipping,
+bit-exact on one thread).
+
+What cannot be replayed is said, not passed: a worker of several pipeline stages in a run from
+before they committed an inner state (``state`` null); an overlapped round after an update that did not count (for the eager start, also round
 r−2's) starts from what is not stored. Those contributions are listed as not replayed, with the
 reason, and are not sampled.
 """
@@ -73,14 +81,16 @@ from trainer.config import RunConfig
 from trainer.data.corpus import CorpusError, eval_batches, round_batches
 from trainer.data.dataset import Dataset, run_dataset
 from trainer.model.gpt import build_model
-from trainer.model.params import load_params
+from trainer.model.params import load_params, params_of
 from trainer.progress import Progress
 from trainer.rounds.outer import delayed_start, eager_start, eager_weight
 from trainer.rounds.schedule import stored_inner_steps
 from trainer.rounds.update_source import dense
 from trainer.runstore.checkpoints import checkpoint_at
-from trainer.runstore.update_record import open_update
-from trainer.runtime.inner import FRESH_STATE, InnerLoop, evaluate
+from trainer.runstore.update_record import open_update, parse_record
+from trainer.runtime.inner import FRESH_STATE, InnerLoop, evaluate, load_adamw_state
+from trainer.runtime.state_commit import decode_inner_state, split_inner_state, state_cid, state_due
+from trainer.runtime.staged import StagedArithmetic, staged_arithmetic
 
 # ‖Δ' − Δ‖ / ‖Δ‖ an honest contribution stays within (see the module docstring).
 REPLAY_TOLERANCE = 0.05
@@ -152,7 +162,7 @@ def unreplayable_reason(config: RunConfig, manifests: Mapping[int, Manifest], ro
     (fresh): that update must have counted too."""
     participant = _counted(manifests[round_], worker)
     if participant.state is None:
-        return "the worker ran several pipeline stages and committed no inner state"
+        return "the worker ran several pipeline stages and committed no inner state (a run from before they did)"
     if config.rounds.overlap and round_ >= 2:
         previous = _counted(manifests.get(round_ - 1), worker)
         if previous is None and participant.state != FRESH_STATE:
@@ -195,13 +205,15 @@ class Replayer:
 
     def chain(self, round_: int, worker: str) -> list[int]:
         """The rounds to replay, in order, to rebuild ``worker``'s AdamW state for ``round_``: back to
-        its last contribution that committed a fresh state."""
+        its last contribution that committed a fresh state, or whose committed state is stored
+        (``rounds.state_every``: at most K rounds back)."""
         rounds = [r for r, m in sorted(self.manifests.items())
                   if 0 < r <= round_ and any(p.worker == worker for p in m.participants)]
         out: list[int] = []
         for r in reversed(rounds):
             out.append(r)
-            if self._participant(r, worker).state == FRESH_STATE:
+            p = self._participant(r, worker)
+            if p.state == FRESH_STATE or (p.state is not None and self.store.has(state_cid(p.state))):
                 return out[::-1]
         return out[::-1]  # no fresh start: the first one is refused in replay()
 
@@ -303,6 +315,8 @@ class Replayer:
         by_worker: dict[str, set[int]] = defaultdict(set)
         for r, worker in sampled:
             by_worker[worker].update(self.chain(r, worker))
+        for worker, chain in sorted(by_worker.items()):
+            self.problems.extend(missing_states(self.store, cfg, self.manifests, worker, sorted(chain)))
         rows: list[ReplayRow] = []
         steps = 0
         planned = sum(len(chain) for chain in by_worker.values())
@@ -328,6 +342,16 @@ class Replayer:
             if p.state == FRESH_STATE:
                 inner, errors = InnerLoop(model, cfg.inner), {}
             elif inner is None or previous is None or not self._consecutive(worker, previous, r):
+                try:
+                    loaded = committed_state(self.store, self.config, p, model)
+                except ReplayError as exc:
+                    self.problems.append((r, p.state or "", f"{worker}: {exc}"))
+                    inner = None
+                    progress.add_total(-cfg.inner.steps)
+                    continue
+                # The chain starts at a stored state (trainer.runtime.state_commit), or cannot go on.
+                inner, errors = loaded if loaded is not None else (None, errors)
+            if inner is None:
                 rows.append(ReplayRow(r, worker, (r, worker) in sampled, None, "MISMATCH",
                                       "the committed inner state is not fresh, and no counted contribution "
                                       "of this worker before it was replayed to continue from"))
@@ -341,7 +365,13 @@ class Replayer:
                 continue
             start, stored, round_steps, batches = inputs
             progress.add_total(round_steps - cfg.inner.steps)
-            result = inner.run(start, batches, progress)
+            try:
+                staged = staged_of(self.store, self.config, p)
+            except ReplayError as exc:
+                self.problems.append((r, p.update, f"{worker}: {exc}"))
+                inner = None
+                continue
+            result = inner.run(start, batches, progress, staged)
             steps += result.steps
             if cfg.compression.enabled:
                 try:
@@ -440,6 +470,53 @@ class Replayer:
                 reported = from_e6(self.manifests[r].eval_loss_e6)
                 out.append(RescoreRow(r, reported, recomputed, abs(recomputed - reported) <= EVAL_TOLERANCE))
         return out
+
+
+def committed_state(store: Store, config: RunConfig, p: Participant,
+                    model: torch.nn.Module) -> tuple[InnerLoop, Params] | None:
+    """An inner loop and error feedback set to ``p``'s committed state when the store holds it (by
+    CID: its digest is the commitment, checked as it is read; decoded by the wire codec and
+    checked as a worker's state, trainer.runtime.state_commit), None when it does not;
+    ReplayError when the stored object cannot be used."""
+    if p.state is None or not store.has(state_cid(p.state)):
+        return None
+    try:
+        state = decode_inner_state(store.get(state_cid(p.state)), layout_of(params_of(model)),
+                                   config.compression.enabled)
+    except (OSError, ValueError) as exc:  # StoreError, StateError: ValueError
+        raise ReplayError(f"the stored committed inner state cannot be used: {str(exc)[:300]}") from None
+    adamw, errors = split_inner_state(state)
+    inner = InnerLoop(model, config.inner)
+    load_adamw_state(inner.model, inner.optimizer, adamw)
+    return inner, errors
+
+
+def missing_states(store: Store, config: RunConfig, manifests: Mapping[int, Manifest], worker: str,
+                   rounds: Iterable[int]) -> list[tuple[int | None, str, str]]:
+    """A problem for each of ``worker``'s ``rounds`` whose committed state ``rounds.state_every``
+    says was stored (trainer.runtime.state_commit: the coordinator refuses a due push without it)
+    but the store lacks: the replay then goes further back, and the audit says so."""
+    every = config.rounds.state_every
+    out: list[tuple[int | None, str, str]] = []
+    for r in rounds:
+        p = _counted(manifests[r], worker)
+        if (p is not None and state_due(every, r) and p.state not in (None, FRESH_STATE)
+                and not store.has(state_cid(p.state))):
+            out.append((r, p.state, f"{worker}'s inner state of round {r}, which this run stores every {every} "
+                                    f"rounds (rounds.state_every), is not in the store"))
+    return out
+
+
+def staged_of(store: Store, config: RunConfig, p: Participant) -> StagedArithmetic | None:
+    """How the worker computed its gradients: with P > 1 pipeline stages (its update record's
+    slices), the stages' arithmetic, computed in one process (trainer.runtime.staged: the
+    same microbatches and clipping); None for a one-process worker. The record was read and
+    checked whole by ``Replayer._inputs``, so only a store that changed since can fail here."""
+    try:
+        refs = parse_record(store.get(p.update))
+    except (OSError, ValueError) as exc:  # StoreError, RecordError: ValueError
+        raise ReplayError(f"its update record cannot be read: {str(exc)[:300]}") from None
+    return staged_arithmetic(config.model, refs[0].num_stages)
 
 
 def _norm(tensors: Params) -> float:

@@ -34,7 +34,8 @@ from trainer.codec.wire import chunked, decode_params, encode_params, layout_of,
 from trainer.config import RunConfig
 from trainer.data.corpus import load_corpus, round_batches
 from trainer.model.gpt import build_model
-from trainer.runtime.inner import FRESH_STATE, InnerLoop, inner_state_digest
+from trainer.runtime.inner import FRESH_STATE, InnerLoop, inner_state_bytes
+from trainer.runtime.staged import staged_arithmetic
 
 Params = dict[str, torch.Tensor]
 
@@ -64,12 +65,15 @@ class Mallory:
                    session_metadata(worker_id, joined.session_token))
 
     def push(self, tensors: Params | None = None, *, payload: bytes | None = None,
-             layout: dict | None = None, **header: object) -> pb.PushUpdateResponse:
-        """Push ``tensors`` (or raw ``payload`` bytes); ``header`` overrides any UpdateHeader field."""
+             layout: dict | None = None, state: bytes = b"", **header: object) -> pb.PushUpdateResponse:
+        """Push ``tensors`` (or raw ``payload`` bytes), then ``state`` (inner-state bytes, as a worker
+        sends them every rounds.state_every rounds); ``header`` overrides any UpdateHeader field."""
         tensors = self.default if tensors is None else tensors
         payload = encode_params(tensors) if payload is None else payload
-        first = self.header(payload, layout_of(tensors) if layout is None else layout, **header)
-        stream = [first] + [pb.UpdateChunk(data=p) for p in chunked(payload)]
+        first = self.header(payload, layout_of(tensors) if layout is None else layout,
+                            **{"inner_state_size": len(state), **header})
+        stream = ([first] + [pb.UpdateChunk(data=p) for p in chunked(payload)]
+                  + [pb.UpdateChunk(state=p) for p in chunked(state)])
         self.wire_bytes = sum(message.ByteSize() for message in stream)  # what the coordinator counts
         return self.stub.PushUpdate(iter(stream), timeout=30, metadata=self.session)
 
@@ -88,9 +92,7 @@ class Mallory:
         if "base_params_cid" not in header:  # the state the run started from, fetched once
             self.base = self.base or {"base_params_cid": self.fetch()["base_params_cid"]}
             fields.update(self.base)
-        fields.update(header)
-        if fields["num_stages"] != 1 and "inner_state_sha256" not in header:
-            fields["inner_state_sha256"] = ""  # a stage slice commits no inner state
+        fields.update(header)  # a stage slice names its worker's one commitment too
         return pb.UpdateChunk(header=pb.UpdateHeader(**fields))
 
     def fetch(self, min_round: int = 0) -> dict[str, object]:
@@ -149,10 +151,12 @@ class Heartbeats:
 
 
 class Trainer:
-    """Mallory's honest inner loop: the update an honest worker on its shard would push."""
+    """Mallory's honest inner loop: the update an honest worker on its shard would push (with
+    ``stages`` > 1, as a worker of that many pipeline stages computes it: trainer.runtime.staged)."""
 
-    def __init__(self, m: Mallory, cluster: LocalCluster) -> None:
+    def __init__(self, m: Mallory, cluster: LocalCluster, stages: int = 1) -> None:
         cfg = m.config
+        self.staged = staged_arithmetic(cfg.model, stages)
         (shard,) = [w.shard for w in cluster.status().workers if w.worker_id == m.worker_id]
         self.shard_index = shard
         self.shard = load_corpus(cfg.data, cfg.seed, cfg.model.block_size).shard(shard, cfg.rounds.expected_workers)
@@ -161,6 +165,7 @@ class Trainer:
         self.received: dict[str, int] = {}  # wire bytes of the fetch of each base, as a worker reports them
         self.loss = float("nan")
         self.state = FRESH_STATE  # digest of the inner state the last ``train`` started from
+        self.state_bytes = b""  # and that state's bytes
         # With compression on, mallory's error feedback, as a one-process worker keeps it.
         self.compressor = (ErrorFeedbackCompressor(AdaptiveRankPolicy(cfg.compression))
                            if cfg.compression.enabled else None)
@@ -184,8 +189,9 @@ class Trainer:
                                 steps=steps or cfg.inner.steps, batch_size=cfg.inner.batch_size,
                                 block_size=cfg.model.block_size)
         errors = {} if self.compressor is None else {f"error.{n}": e for n, e in sorted(self.compressor.errors.items())}
-        self.state = inner_state_digest(self.loop.state(), errors)
-        result = self.loop.run(params, batches)
+        self.state_bytes = inner_state_bytes(self.loop.state(), errors)  # sent on rounds.state_every's rounds
+        self.state = sha256_hex(self.state_bytes)
+        result = self.loop.run(params, batches, staged=self.staged)
         self.loss = result.mean_loss
         return result.pseudo_gradient
 

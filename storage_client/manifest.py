@@ -182,7 +182,7 @@ class Participant:
     bytes_received: int = 0
     shard: int = 0  # the data shard the update was trained on (trainer.data.corpus.Corpus.shard)
     # sha256 (hex) of the worker's inner state at the start of the round (trainer.inner_state), or
-    # None where it is not committed (a worker of several pipeline stages)
+    # None where it is not committed (a worker of several pipeline stages, before they committed one)
     state: str | None = None
 
     def __post_init__(self) -> None:

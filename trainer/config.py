@@ -255,6 +255,12 @@ class RoundConfig:
     # last round; a round in between is rebuilt from the newest full one before it by re-running the
     # later rounds' transitions from their manifests (trainer.runstore.checkpoints).
     checkpoint_every: int = setting(1, "K: rounds between stored full checkpoints", Range(1, 1_000_000))
+    # On every round r with r % K == 0 each worker sends the inner state it commits to (AdamW, error
+    # feedback) with its push, and the coordinator stores it by CID (trainer.runtime.state_commit),
+    # so the audit's replay starts a worker's chain at most K rounds back (audit.replay).
+    state_every: int = setting(0, "K: rounds between the inner states each worker uploads, so a replay needs at most "
+                                  "K rounds of a worker's history", Range(1, 1_000_000, off=0, off_means="never"),
+                               omitted_at_default=True)
 
 
 # What the product runs: DiLoCoX. Each section's own defaults above are the plain building block

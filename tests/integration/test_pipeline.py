@@ -22,7 +22,8 @@ from trainer.config import InnerConfig, ModelConfig
 from trainer.model.gpt import build_model
 from trainer.model.params import params_of
 from trainer.runtime import pipeline as pp
-from trainer.runtime.inner import InnerLoop
+from trainer.runtime.inner import InnerLoop, inner_state_digest
+from trainer.runtime.staged import staged_arithmetic
 
 SEED = 1234
 MODEL = ModelConfig(block_size=16, n_layer=2, n_head=2, n_embd=32)
@@ -169,6 +170,38 @@ def test_two_stages_train_like_one_process() -> None:
             assert [list(d) for d in piped.last.stage_pseudo_gradients] == names
             start = {n: p - 0.7 * got.pseudo_gradient[n] for n, p in start.items()}  # a plain outer step
     assert piped.group is None and all(not _alive(pid) for pid in pids)
+
+
+@pytest.mark.integration
+def test_one_process_computes_two_stages_bit_for_bit_and_an_undone_round_is_gone() -> None:
+    """What the audit's replay relies on (trainer.runtime.staged): on one torch thread, an InnerLoop
+    computing with the stages' arithmetic (2 microbatches, the stages' clipping; grad_clip active)
+    gives the two stage processes' Δ bit for bit, round after round, and the stages' AdamW states
+    taken together have the one-process state's digest at every round's start. A round undone
+    (``undo``, as a worker whose push was refused) leaves no trace: the next round starts from
+    the state the undone one started from, as the one-process loop's restored snapshot does."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        start = params_of(build_model(MODEL, SEED))
+        reference = InnerLoop(build_model(MODEL, SEED), INNER)
+        staged = staged_arithmetic(MODEL, 2)
+        with pp.PipelinedInnerLoop(MODEL, INNER, 2, timeout_s=20, deadline_s=60, threads_per_stage=1) as piped:
+            for round_ in range(4):
+                batches = make_batches(INNER.steps, seed=round_)
+                before, snapshot = reference.state(), reference.snapshot()
+                want = reference.run(start, batches, staged=staged)
+                got = piped.run(start, batches)
+                assert inner_state_digest(got.start_state) == inner_state_digest(before)
+                assert all(torch.equal(got.pseudo_gradient[n], want.pseudo_gradient[n]) for n in start), round_
+                assert got.mean_loss == want.mean_loss
+                if round_ == 1:  # round 1 does not count: both go back to where it started
+                    piped.undo(got.start_state)
+                    reference.restore(snapshot)
+                start = {n: p - 0.7 * got.pseudo_gradient[n] for n, p in start.items()}
+            assert piped.last is not None and piped.last.optimizer_steps == [INNER.steps * 3] * 2
+    finally:
+        torch.set_num_threads(threads)
 
 
 @pytest.mark.integration

@@ -18,15 +18,19 @@ from __future__ import annotations
 
 import math
 
+import grpc
 import pytest
 import torch
 
-from audit.replay import REPLAY_TOLERANCE, replay_run
+from audit.replay import REPLAY_TOLERANCE, Replayer, replay_run
 from benchmarks.hostile import Heartbeats, Mallory, Trainer
 from cli.cluster import LocalCluster
 from storage_client import lineage
 from trainer.codec import CompressionConfig
-from trainer.config import InnerConfig, RoundConfig, RunConfig
+from trainer.config import InnerConfig, ModelConfig, RoundConfig, RunConfig
+from trainer.model.stages import stage_param_names
+from trainer.runstore.gc import reachable
+from trainer.runtime.state_commit import state_cid
 
 pytestmark = pytest.mark.integration
 
@@ -100,3 +104,92 @@ def test_the_replay_names_scaled_noisy_lazy_and_stale_updates(cluster: LocalClus
     assert all(s.ok for s in outcome.rescored)
     assert outcome.steps == outcome.checked_steps == 5 * ROUNDS * config.inner.steps
 
+
+
+def test_workers_of_two_stages_are_replayed_and_a_scaled_one_is_named(cluster: LocalCluster, make_config) -> None:
+    """No way out of the sample: an honest ``dilocox worker --stages 2`` commits its inner state
+    (its two stage processes' AdamW states and their error feedback, one digest) and is replayed,
+    round after round, in one process with the stages' arithmetic (trainer.runtime.staged); a
+    client that trains as a two-stage worker and pushes 1.5 × its update as two compressed stage
+    slices (its error feedback consistent with its lie) is named in every round. Compressed, so
+    that the commitment and the replay of each stage's error feedback are checked too (the dense
+    stages are checked bit for bit in tests/integration/test_pipeline.py).
+
+    With ``rounds.state_every`` = 2 both send their round-2 inner state with the push, the
+    coordinator stores it by CID (trainer.runtime.state_commit), and a replay of round 3 starts there:
+    2 rounds of history, not 3; it names the cheat all the same. A push of round 2 without its
+    state, or with bytes that are not its commitment, is refused."""
+    rounds = 3
+    cluster.start_coordinator(make_config(
+        model=ModelConfig(block_size=32, n_layer=2, n_head=2, n_embd=32),
+        inner=InnerConfig(steps=8, batch_size=4, lr=1e-3),
+        rounds=RoundConfig(rounds=rounds, expected_workers=2, quorum=2, straggler_timeout_s=120.0,
+                           heartbeat_interval_s=0.5, liveness_timeout_s=10.0, max_update_norm=1000.0,
+                           state_every=2),
+        compression=CompressionConfig(enabled=True, min_rank=2, max_rank=8)))
+    m = Mallory.joined(cluster, "scaled")
+    trainer = Trainer(m, cluster, stages=2)
+    cluster.start_worker("w0", extra=["--stages", "2"])
+    names = stage_param_names(m.config.model, 2)
+    with Heartbeats(m, 0.5):
+        for r in range(1, rounds + 1):
+            base, params = trainer.fetch(r - 1)
+            delta = {k: 1.5 * v for k, v in trainer.train(params, r).items()}
+            pieces = [trainer.compressed({n: delta[n] for n in stage_names}) for stage_names in names]
+            claims = dict(round=r, num_stages=2, base_params_cid=base, train_loss=trainer.loss,
+                          inner_state_sha256=trainer.state, base_bytes_received=trainer.received[base])
+            state = trainer.state_bytes if r == 2 else b""
+            if r == 2:
+                assert "must carry it" in m.refused(grpc.StatusCode.INVALID_ARGUMENT, **pieces[0], stage=0, **claims)
+                assert "digest mismatch" in m.refused(grpc.StatusCode.INVALID_ARGUMENT, **pieces[0], stage=0,
+                                                      state=state[:-1] + b"\0", **claims)
+            for s, piece in enumerate(pieces):
+                m.push(**piece, stage=s, state=state if s == 0 else b"", **claims)
+            cluster.wait_for(lambda st, r=r: len(st.rounds) > r, 120, f"round {r} to close")
+    assert cluster.wait_exit("w0", 120) == 0, cluster.log("w0")
+    assert cluster.wait_exit("coordinator", 60) == 0, cluster.log("coordinator")
+
+    chain = lineage(cluster.run_dir.store, cluster.run_dir.head())
+    manifests = {m.round: m for _, m in chain}
+    assert all(p.state is not None for r in range(1, rounds + 1) for p in manifests[r].participants)
+    config = RunConfig.from_json(cluster.run_dir.store.get_json(manifests[0].config))
+    outcome = replay_run(cluster.run_dir.store, config, manifests, k=2 * rounds, seed=1)
+    assert not outcome.problems, outcome.problems
+    verdict = {(row.round, row.worker): row for row in outcome.rows}
+    for (r, worker), row in sorted(verdict.items()):
+        print(f"round {r} {worker:>6}: distance {row.distance:.3g} {row.status}")
+    assert sorted(verdict) == [(r, w) for r in range(1, rounds + 1) for w in ("scaled", "w0")]
+    for r in range(1, rounds + 1):
+        assert verdict[(r, "w0")].status == "ok" and verdict[(r, "w0")].distance < REPLAY_TOLERANCE / 5
+        assert verdict[(r, "scaled")].status == "MISMATCH" and verdict[(r, "scaled")].distance > 2 * REPLAY_TOLERANCE
+    # On one torch thread, as the worker's stages ran (cli.cluster: --threads 1), the replay is the
+    # worker's arithmetic bit for bit: its update is the codec's best at the update's ranks (d = 0).
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        exact = replay_run(cluster.run_dir.store, config, manifests, k=2 * rounds, seed=1)
+    finally:
+        torch.set_num_threads(threads)
+    print("one thread:", [(row.round, row.worker, row.distance) for row in exact.rows])
+    assert [row.distance for row in exact.rows if row.worker == "w0"] == [0.0] * rounds
+
+    # Round 3 replays from the stored round-2 states: two rounds each, not the whole history.
+    replayer = Replayer(cluster.run_dir.store, config, manifests)
+    assert all(cluster.run_dir.store.has(state_cid(p.state)) for p in manifests[2].participants)
+    assert {p.state for p in manifests[2].participants} <= reachable(cluster.run_dir)  # dilocox gc keeps them
+    assert replayer.chain(3, "w0") == replayer.chain(3, "scaled") == [2, 3]
+    bounded, steps = replayer.replay([(3, "w0"), (3, "scaled")])
+    assert not replayer.problems, replayer.problems
+    assert steps == 2 * 2 * config.inner.steps
+    assert [(row.round, row.worker, row.status) for row in bounded] == [
+        (2, "scaled", "MISMATCH"), (2, "w0", "ok"), (3, "scaled", "MISMATCH"), (3, "w0", "ok")]
+    assert bounded[3].distance < REPLAY_TOLERANCE / 5
+    # A stored state gone from the store is named, and the chain goes back further (to round 1).
+    lost = manifests[2].participants[0]
+    cluster.run_dir.store.path_of(state_cid(lost.state)).unlink()
+    longer = Replayer(cluster.run_dir.store, config, manifests)
+    assert longer.chain(3, lost.worker) == [1, 2, 3]
+    longer.replay([(3, lost.worker)])
+    assert [(r, message) for r, _, message in longer.problems] == [
+        (2, f"{lost.worker}'s inner state of round 2, which this run stores every 2 rounds (rounds.state_every), "
+            f"is not in the store")]

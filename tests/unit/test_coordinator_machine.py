@@ -24,6 +24,7 @@ from trainer.net.refusal import Reason, Refusal
 from trainer.rounds.aggregation import CheckedUpdate, exact_norm
 from trainer.rounds.update_source import DenseUpdate, dense
 from trainer.runstore.run_dir import RunDir
+from trainer.runtime.inner import FRESH_STATE
 
 STATE = "ab" * 32
 
@@ -57,9 +58,7 @@ def header(c: Coordinator, worker: str, update: Params, **fields: object) -> Upd
         inner_steps=c.run.inner_steps(round_), base_params_cid=str(c.global_state.params_cid), base_bytes_received=0,
         signature=b"", compression_header=b"", inner_state_sha256=STATE,
     )
-    values.update(fields)
-    if values["num_stages"] > 1:
-        values["inner_state_sha256"] = ""
+    values.update(fields)  # every stage slice names the worker's one commitment, as a whole update does
     return UpdateHeader(**values)
 
 
@@ -210,6 +209,22 @@ def test_a_dead_worker_does_not_hold_a_round_open(tmp_path) -> None:
     assert c2.close_due()  # w1 is not live: only w0 could deliver
 
 
+def test_inner_state_bytes_come_on_the_rounds_state_every_names_and_are_checked(tmp_path) -> None:
+    """rounds.state_every = 1 (trainer.runtime.state_commit): a push whose state is not fresh must
+    carry it, within the size bound, and the bytes must be a worker's state; a fresh one carries none."""
+    clock = Clock()
+    c = coordinator(tmp_path, clock, rounds=dataclasses.replace(small_config().rounds, state_every=1))
+    joined(c, "w0", "w1")
+    u = update_of(c, 1.0)
+    assert refused(c, header(c, "w0", u), u) is Reason.MALFORMED  # STATE is not fresh: its bytes must come
+    assert refused(c, header(c, "w0", u, inner_state_size=10**12), u) is Reason.MALFORMED
+    assert refused(c, header(c, "w0", u, inner_state_sha256=FRESH_STATE, inner_state_size=10), u) is Reason.MALFORMED
+    with pytest.raises(Refusal, match="no worker's state holds") as caught:
+        c.check_state(encode_params({"exp_avg_sq.nothing": torch.zeros(2)}))
+    assert caught.value.reason is Reason.MALFORMED
+    push(c, header(c, "w0", u, inner_state_sha256=FRESH_STATE), u)  # a fresh state carries none
+
+
 # ----------------------------------------------------------------------------- stage slices
 
 
@@ -234,7 +249,7 @@ def test_a_workers_stage_slices_count_once_all_are_in_as_their_union(tmp_path) -
     accepted = c.round.accepted["w0"]
     held = dense(accepted.source)
     assert set(held) == set(whole) and all(torch.equal(held[n], whole[n]) for n in whole)
-    assert accepted.entry.bytes_sent == 2 * 1234 and accepted.entry.state is None
+    assert accepted.entry.bytes_sent == 2 * 1234 and accepted.entry.state == STATE
 
 
 def test_slices_of_one_round_must_agree_on_their_metrics(tmp_path) -> None:
@@ -248,6 +263,11 @@ def test_slices_of_one_round_must_agree_on_their_metrics(tmp_path) -> None:
     loss = float(c.global_state.eval_loss_e6) / 1e6
     push(c, header(c, "w0", first, stage=0, num_stages=2, train_loss=loss), first)
     assert refused(c, header(c, "w0", second, stage=1, num_stages=2, train_loss=loss * 0.9), second) is Reason.BAD_CLAIM
+    # ... and on the inner state they commit to: one worker's, named by every slice.
+    push(c, header(c, "w0", first, stage=0, num_stages=2, train_loss=loss), first)
+    assert refused(c, header(c, "w0", second, stage=1, num_stages=2, train_loss=loss,
+                              inner_state_sha256="cd" * 32), second) is Reason.BAD_CLAIM
+    assert refused(c, header(c, "w1", first, stage=0, num_stages=2, inner_state_sha256=""), first) is Reason.MALFORMED
 
 
 # ----------------------------------------------------------------------------- durability
@@ -275,7 +295,7 @@ def test_accepted_updates_and_slices_survive_a_restart_and_the_round_publishes(t
     chain = lineage(restarted.run.run_dir.store, restarted.run.run_dir.head())
     manifest = chain[-1][1]
     assert [p.worker for p in manifest.participants] == ["w0", "w1"]
-    assert manifest.participants[0].state == STATE and manifest.participants[1].state is None
+    assert manifest.participants[0].state == STATE and manifest.participants[1].state == STATE
     assert all(p.tokens == restarted.run.round_tokens(manifest.round) for p in manifest.participants)
 
 

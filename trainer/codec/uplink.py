@@ -156,13 +156,15 @@ class Uplink:
             return encode_slice(delta, 0, 1, self.compressors[0])
 
     def error_state(self) -> Params:
-        """A one-process worker's error-feedback buffer as the next ``encode`` will use it
-        (``error.<param>``; empty when dense): part of the inner state a round commits to."""
+        """The worker's error-feedback buffers as the next round's compression will use them
+        (``error.<param>``, every stage's together: the stages partition the names; empty when
+        dense): part of the inner state a round commits to."""
         if self.compressors is None:
             return {}
         with self._lock:
             self._fold()
-            return {f"error.{name}": e for name, e in sorted(self.compressors[0].errors.items())}
+            return {f"error.{name}": e for name, e in sorted(
+                (name, e) for compressor in self.compressors for name, e in compressor.errors.items())}
 
     def snapshot(self) -> list[Params] | None:
         """Every compressor's state (error buffer and rank policy) before a round, to ``restore`` if

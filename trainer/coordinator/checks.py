@@ -20,6 +20,8 @@ from trainer.net.limits import clip, dense_payload_limit
 from trainer.net.refusal import Reason, Refusal
 from trainer.rounds.aggregation import InvalidUpdate, check_layout
 from trainer.rounds.schedule import round_tokens
+from trainer.runtime.inner import FRESH_STATE
+from trainer.runtime.state_commit import state_due, state_limit
 
 # The declared train loss is a mean cross-entropy (≥ 0); this bounds it only to what the ledger's
 # fixed-point fields can hold (storage_client.to_e6), as any honest value is.
@@ -126,21 +128,36 @@ def check_form(h: UpdateHeader, expected: Layout, config: RunConfig, inner_steps
     except InvalidUpdate as exc:
         where = f"stage {h.stage} of {h.num_stages}: " if h.num_stages > 1 else ""
         raise Refusal(Reason.MALFORMED, where + str(exc)) from exc
-    if h.num_stages == 1 and not _SHA256_HEX.match(h.inner_state_sha256):
-        # What the update grew from besides θ: without it no auditor can replay the round.
+    if not _SHA256_HEX.match(h.inner_state_sha256):
+        # What the update grew from besides θ: without it no auditor can replay the round. A worker
+        # of several stages names its one commitment in every slice (check_sibling: the same).
         raise Refusal(Reason.MALFORMED,
                       f"inner_state_sha256 {clip(h.inner_state_sha256)} is not 64 lowercase hex digits: a "
-                      f"one-process worker commits to the inner state each round starts from")
-    if h.num_stages > 1 and h.inner_state_sha256:
-        raise Refusal(Reason.MALFORMED, "a stage slice names an inner_state_sha256; workers of several stages "
-                                        "commit none")
+                      f"worker commits to the inner state each round starts from, in every stage slice")
     return declared
+
+
+def check_state_upload(h: UpdateHeader, layout: Layout, config: RunConfig) -> None:
+    """The inner state's bytes come on the rounds ``rounds.state_every`` names, in stage 0's slice,
+    unless the state is fresh (a replay starts there anyway), within ``state_limit``; never else."""
+    due = state_due(config.rounds.state_every, h.round) and h.stage == 0 and h.inner_state_sha256 != FRESH_STATE
+    if due and not h.inner_state_size:
+        raise Refusal(Reason.MALFORMED,
+                      f"round {h.round}: this run stores each worker's inner state every {config.rounds.state_every} "
+                      f"rounds (rounds.state_every), so the push must carry it (inner_state_size 0)")
+    if h.inner_state_size and not due:
+        raise Refusal(Reason.MALFORMED, f"inner_state_size {h.inner_state_size}: round {h.round} stage {h.stage} "
+                                        f"carries no inner state (rounds.state_every {config.rounds.state_every})")
+    limit = state_limit(layout)
+    if h.inner_state_size > limit:
+        raise Refusal(Reason.MALFORMED, f"inner state of {h.inner_state_size} bytes exceeds the {limit} a "
+                                        f"worker's state can need")
 
 
 def check_sibling(h: UpdateHeader, entry: JournalEntry, part: StageSlices) -> None:
     """A worker's stage slices come from one inner loop: the same metrics and the same base."""
     for stage, other in part.slices.items():
-        for key in ("train_loss_e6", "tokens", "inner_steps", "base_params_cid"):
+        for key in ("train_loss_e6", "tokens", "inner_steps", "base_params_cid", "state"):
             if getattr(other.entry, key) != getattr(entry, key):
                 raise Refusal(Reason.BAD_CLAIM,
                               f"stage {h.stage} of {h.num_stages} says {key} {getattr(entry, key)!r}, but stage "

@@ -135,7 +135,7 @@ class Intake:
             cid=str(cid), train_loss_e6=to_e6(h.train_loss), tokens=self.run.round_tokens(h.round),
             inner_steps=self.run.inner_steps(h.round), bytes_sent=wire_bytes, bytes_received=received,
             shard=self.registry.workers[h.worker_id].shard,
-            state=h.inner_state_sha256 if single else None,  # a worker of several stages commits none
+            state=h.inner_state_sha256,  # a worker of several stages names its one commitment in every slice
             base_params_cid=None if single else h.base_params_cid)
 
     def _count_accepted(self, worker_id: str, accepted: Accepted) -> None:
@@ -146,11 +146,12 @@ class Intake:
         self._lock.notify_all()
 
     def accept(self, h: UpdateHeader, update: CheckedUpdate, wire_bytes: int,
-               screen: Callable[[UpdateSource], float], payload: bytes) -> tuple[CID, int, StageSlices | None]:
-        """Store and journal a checked update or slice (``payload``: its bytes as pushed); returns
-        its record's CID, the open round, and the worker's slices when this one completed them (the
-        caller checks and counts the union). What is held until the close is the update's compact
-        source and its norm."""
+               screen: Callable[[UpdateSource], float], payload: bytes,
+               state: bytes = b"") -> tuple[CID, int, StageSlices | None]:
+        """Store and journal a checked update or slice (``payload``: its bytes as pushed; ``state``: the
+        inner state it carried, checked, stored by CID before the record); returns its record's CID,
+        the open round, and the worker's slices when this one completed them (the caller checks and
+        counts the union). What is held until the close is the update's compact source and its norm."""
         header = h.compression_header if h.encoding == Encoding.LOWRANK_INT4 else None
         ref = slice_ref(h.stage, h.num_stages, h.encoding, payload, header)
         record = record_bytes([ref])
@@ -160,6 +161,8 @@ class Intake:
             screen(update.source)
         store = self.run.run_dir.store
         store_slice(store, ref, payload, header)  # the bytes before the record, the record before the journal
+        if state:
+            store.put(state)  # its CID digest is the commitment (trainer.runtime.state_commit.state_cid)
         cid = store.put(record, Codec.JSON)
         norm = update.norm if h.num_stages == 1 else None
         with self._lock:
@@ -190,7 +193,7 @@ class Intake:
         first = part.slices[0].entry
         entry = JournalEntry(cid=str(cid), train_loss_e6=first.train_loss_e6, tokens=first.tokens,
                              inner_steps=first.inner_steps, bytes_sent=sum(a.entry.bytes_sent for a in part.slices.values()),
-                             bytes_received=first.bytes_received, shard=first.shard, state=None)
+                             bytes_received=first.bytes_received, shard=first.shard, state=first.state)
         with self._lock:
             r = self.round
             if r.number != h.round or r.closing or r.partial.get(h.worker_id) is not part:

@@ -44,6 +44,7 @@ from trainer.rounds.aggregation import CheckedUpdate, InvalidUpdate, check_norm,
 from trainer.rounds.update_source import UpdateSource
 from trainer.runstore.round_inputs import ClipHistory, manifest_updates
 from trainer.runtime.memory import release_free_memory
+from trainer.runtime.state_commit import StateError, decode_inner_state
 
 log = logging.getLogger("dilocox.coordinator")
 
@@ -197,7 +198,17 @@ class Coordinator:
             self.trust.check_update(h.worker_id, address, h.round, h.stage, h.num_stages, h.payload_sha256,
                                     h.signature)
         expected = checks.stage_layout(self.layout, self.config.model, h.stage, h.num_stages)
-        return checks.check_form(h, expected, self.config, self.run.inner_steps(h.round))
+        declared = checks.check_form(h, expected, self.config, self.run.inner_steps(h.round))
+        checks.check_state_upload(h, self.layout, self.config)
+        return declared
+
+    def check_state(self, data: bytes) -> None:
+        """The inner state a push carried (its digest already checked as it arrived) is one a worker
+        of this run's model could hold (trainer.runtime.state_commit); MALFORMED otherwise."""
+        try:
+            decode_inner_state(data, self.layout, self.config.compression.enabled)
+        except StateError as exc:
+            raise Refusal(Reason.MALFORMED, str(exc)) from None
 
     def count_up(self, worker_id: str, nbytes: int) -> None:
         """Bytes a worker sent, counted into the open round (refused pushes too: they crossed the network)."""
@@ -207,18 +218,19 @@ class Coordinator:
     def refuse(self, h: UpdateHeader, refusal: Refusal) -> None:
         self.intake.refuse(h, refusal)
 
-    def accept(self, h: UpdateHeader, update: CheckedUpdate, wire_bytes: int,
-               payload: bytes) -> tuple[CID, int, SignedReceipt | None]:
+    def accept(self, h: UpdateHeader, update: CheckedUpdate, wire_bytes: int, payload: bytes,
+               state: bytes = b"") -> tuple[CID, int, SignedReceipt | None]:
         """Store and journal an update, or a stage slice, that passed every check
-        (trainer.rounds.aggregation.checked_update), ``payload`` its bytes as pushed; returns its record's
-        CID, the open round, and the update receipt once the worker's whole update counts (a run with a
-        ledger; attestation.receipt). The last slice of a worker completes its update."""
+        (trainer.rounds.aggregation.checked_update), ``payload`` its bytes as pushed and ``state`` the
+        inner state it carried (``check_state``; stored by CID); returns its record's CID, the open
+        round, and the update receipt once the worker's whole update counts (a run with a ledger;
+        attestation.receipt). The last slice of a worker completes its update."""
         def screen(candidate: UpdateSource) -> float:
             return self.screen.check(self.run.global_state, h.round, candidate)
 
         started = time.perf_counter()
         try:
-            return self._accept(h, update, wire_bytes, screen, payload)
+            return self._accept(h, update, wire_bytes, screen, payload, state)
         finally:
             self.note_push(h.round, "intake", time.perf_counter() - started)
 
@@ -230,8 +242,9 @@ class Coordinator:
                 phases[phase] = phases.get(phase, 0.0) + seconds
 
     def _accept(self, h: UpdateHeader, update: CheckedUpdate, wire_bytes: int,
-                screen: Callable[[UpdateSource], float], payload: bytes) -> tuple[CID, int, SignedReceipt | None]:
-        cid, open_round, complete = self.intake.accept(h, update, wire_bytes, screen, payload)
+                screen: Callable[[UpdateSource], float], payload: bytes,
+                state: bytes) -> tuple[CID, int, SignedReceipt | None]:
+        cid, open_round, complete = self.intake.accept(h, update, wire_bytes, screen, payload, state)
         counted = cid if h.num_stages == 1 else None  # accepted whole under the lock the close takes: it counts
         if complete is not None:
             merged = complete.merged()

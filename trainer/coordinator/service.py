@@ -203,19 +203,27 @@ class CoordinatorService:
                 declared = await self.gate.run(WORKERS, self.c.admit_header, header)  # before a payload byte
                 joined = Reassembly(header.payload_size, header.payload_sha256,
                                     what=f"update from {worker} for round {header.round}")
+                # The inner state's bytes (trainer.runtime.state_commit), checked against its commitment.
+                state = Reassembly(header.inner_state_size, header.inner_state_sha256,
+                                   what=f"inner state from {worker} for round {header.round}")
                 pace = self.gate.pace()
                 while (message := await self.gate.read(context, pace)) is not grpc.aio.EOF:
-                    if message is MALFORMED or not message.HasField("data"):
-                        raise WireError("a push carries one header, then data chunks only")
+                    if message is MALFORMED or message.HasField("header") or (
+                            message.HasField("data") and state.buffer):
+                        raise WireError("a push carries one header, then data chunks, then its state chunks only")
                     wire_bytes += message.ByteSize()
-                    joined.add(message.data)
+                    (joined if message.HasField("data") else state).add(message.data or message.state)
                 payload = joined.payload()
                 update = await self.gate.run(HEAVY, self._decode, header, declared, payload)
+                state_bytes = state.payload() if header.inner_state_size else b""
+                if state_bytes:
+                    await self.gate.run(HEAVY, self.c.check_state, state_bytes)
             except (WireError, InvalidUpdate) as exc:
                 raise Refusal(Reason.MALFORMED, str(exc)) from exc
             finally:  # refused or not, these bytes crossed the network
                 await self.gate.run(WORKERS, self.c.count_up, worker, wire_bytes)
-            cid, open_round, receipt = await self.gate.run(HEAVY, self.c.accept, header, update, wire_bytes, payload)
+            cid, open_round, receipt = await self.gate.run(HEAVY, self.c.accept, header, update, wire_bytes, payload,
+                                                           state_bytes)
         except Refusal as r:
             await self.gate.run(WORKERS, self.c.refuse, header, r)
             raise
@@ -311,6 +319,7 @@ def update_header(h: pb.UpdateHeader) -> UpdateHeader:
         payload_size=h.payload_size, payload_sha256=h.payload_sha256, train_loss=h.train_loss, tokens=h.tokens,
         inner_steps=h.inner_steps, base_params_cid=h.base_params_cid, base_bytes_received=h.base_bytes_received,
         signature=h.signature, compression_header=h.compression_header, inner_state_sha256=h.inner_state_sha256,
+        inner_state_size=h.inner_state_size,
     )
 
 

@@ -42,6 +42,7 @@ class UpdateHeader:
     signature: bytes
     compression_header: bytes
     inner_state_sha256: str
+    inner_state_size: int = 0  # bytes of the inner state sent after the payload (trainer.runtime.state_commit)
 
     @property
     def what(self) -> str:
@@ -60,7 +61,7 @@ class JournalEntry:
     bytes_sent: int
     bytes_received: int
     shard: int
-    state: str | None  # inner_state_sha256 of a one-process worker; None for stage slices
+    state: str | None  # inner_state_sha256 the push names (every slice, with several stages); None in old journals
     base_params_cid: str | None = None  # stage slices: the base every slice of a worker must share
 
     def to_json(self) -> dict[str, Any]:

@@ -8,7 +8,9 @@ Reachability is a walk over CIDs from the run's roots:
     edges   a JSON object in the store names every CID (text) anywhere in it that the store holds:
             a manifest its parent, config, params, outer state, downlink payload and header and its
             participants' update records; an update record its payloads and codec headers
-            (trainer.runstore.update_record); an admission record its evidence; a config whatever it pins
+            (trainer.runstore.update_record); an admission record its evidence; a config whatever it pins;
+            and a manifest its participants' committed inner states, named by digest (``state``: stored
+            every ``rounds.state_every`` rounds, trainer.runtime.state_commit)
 
 RAW objects (tensors, payloads, evidence) name nothing. What no walk reaches (a refused or abandoned
 push, a manifest HEAD never moved to) is unreferenced, and only that is removed; a coordinator
@@ -103,7 +105,17 @@ def reachable(run_dir: RunDir) -> set[str]:
         obj = _json_of(run_dir, hex_digest, needed=True)
         if obj is not None:
             stack.extend(c.hex for c in _cids_in(obj) if c.hex in present and c.hex not in seen)
+            stack.extend(state for state in _states_in(obj) if state in present and state not in seen)
     return seen
+
+
+def _states_in(obj: Any) -> Iterator[str]:
+    """The committed inner states a manifest's participants name by digest (hex; none elsewhere)."""
+    participants = obj.get("participants") if isinstance(obj, dict) else None
+    for participant in participants if isinstance(participants, list) else []:
+        state = participant.get("state") if isinstance(participant, dict) else None
+        if isinstance(state, str):
+            yield state
 
 
 def collect(run_dir: RunDir, dry_run: bool = False) -> Collected:

@@ -28,6 +28,7 @@ from trainer.config import InnerConfig
 from trainer.model.params import load_params, params_of
 from trainer.progress import Progress
 from trainer.runtime.device import autocast
+from trainer.runtime.staged import StagedArithmetic
 
 
 @dataclass(frozen=True)
@@ -63,25 +64,23 @@ class InnerLoop:
         )
 
     def run(self, start: Params, batches: Iterable[tuple[torch.Tensor, torch.Tensor]],
-            progress: Progress | None = None) -> InnerResult:
-        """H AdamW steps from ``start``, one a batch; ``progress`` counts the steps and their tokens."""
+            progress: Progress | None = None, staged: StagedArithmetic | None = None) -> InnerResult:
+        """H AdamW steps from ``start``, one a batch; ``progress`` counts the steps and their tokens.
+        ``staged``: compute each step's gradients as a worker of several pipeline stages does
+        (trainer.runtime.staged: microbatches, the stages' clipping), to replay one."""
         load_params(self.model, start)
         self.model.train()
         losses: list[float] = []
         tokens = 0
         for x, y in batches:
             x, y = x.to(self.device), y.to(self.device)  # the same tensors on the CPU
-            with autocast(self.device):
-                _, loss = self.model(x, y)
-            assert loss is not None
-            if not torch.isfinite(loss):
-                raise FloatingPointError(f"inner step {len(losses) + 1}: loss is {loss.item()}")
-            self.optimizer.zero_grad(set_to_none=True)
-            loss.backward()
-            if self.cfg.grad_clip > 0:
-                torch.nn.utils.clip_grad_norm_(self.model.parameters(), self.cfg.grad_clip)
+            if staged is not None:
+                self.optimizer.zero_grad(set_to_none=True)
+                loss_value = staged.gradients(self.model, x, y, self.cfg.grad_clip)
+            else:
+                loss_value = self._gradients(x, y, len(losses) + 1)
             self.optimizer.step()
-            losses.append(loss.item())
+            losses.append(loss_value)
             tokens += x.numel()
             if progress is not None:
                 progress.advance(1, amount=x.numel())
@@ -91,13 +90,22 @@ class InnerLoop:
         delta = {name: start[name] - end[name].cpu() for name in start}
         return InnerResult(delta, sum(losses) / len(losses), tokens, len(losses))
 
+    def _gradients(self, x: torch.Tensor, y: torch.Tensor, step: int) -> float:
+        """One step's clipped full-batch gradients left in the model's ``.grad``; the step's loss."""
+        with autocast(self.device):
+            _, loss = self.model(x, y)
+        assert loss is not None
+        if not torch.isfinite(loss):
+            raise FloatingPointError(f"inner step {step}: loss is {loss.item()}")
+        self.optimizer.zero_grad(set_to_none=True)
+        loss.backward()
+        if self.cfg.grad_clip > 0:
+            torch.nn.utils.clip_grad_norm_(self.model.parameters(), self.cfg.grad_clip)
+        return loss.item()
+
     def state(self) -> Params:
         """The AdamW state by parameter name (empty while no step has been taken)."""
-        out: Params = {}
-        for name, p in self.model.named_parameters():
-            for key, value in sorted(self.optimizer.state.get(p, {}).items()):
-                out[f"{key}.{name}"] = value.detach().cpu().reshape(value.shape)
-        return out
+        return adamw_state(self.model, self.optimizer)
 
     def snapshot(self) -> dict:
         """A copy of the AdamW state, to ``restore`` if the round about to run does not count."""
@@ -107,14 +115,43 @@ class InnerLoop:
         self.optimizer.load_state_dict(snapshot)
 
 
-def inner_state_digest(*states: Params) -> str:
-    """sha256 (hex) of a worker's inner state: its AdamW state and, when the uplink is compressed,
-    its error-feedback buffers, in one byte-deterministic safetensors file
-    (``trainer.codec.wire.encode_params``). ``FRESH_STATE`` is the digest of a worker that has taken no step."""
+def adamw_state(module: nn.Module, optimizer: torch.optim.Optimizer) -> Params:
+    """``optimizer``'s state of ``module``'s parameters by name (``exp_avg.<p>``, ``exp_avg_sq.<p>``,
+    ``step.<p>``), copied to the CPU; empty while no step has been taken. A pipeline stage's is the slice of
+    the one-process state its parameters name (trainer.runtime.pipeline)."""
+    out: Params = {}
+    for name, p in module.named_parameters():
+        for key, value in sorted(optimizer.state.get(p, {}).items()):
+            # A copy: AdamW's next step updates its tensors in place (a stage's start state outlives it).
+            out[f"{key}.{name}"] = value.detach().to("cpu", copy=True).reshape(value.shape)
+    return out
+
+
+def load_adamw_state(module: nn.Module, optimizer: torch.optim.Optimizer, state: Params) -> None:
+    """Put back a state ``adamw_state`` gave (empty: no step taken, a fresh optimiser); the step
+    counts stay on the CPU, where AdamW keeps them."""
+    optimizer.state.clear()
+    for name, p in module.named_parameters():
+        entry = {key: state[f"{key}.{name}"] for key in ("exp_avg", "exp_avg_sq", "step") if f"{key}.{name}" in state}
+        if entry:
+            optimizer.state[p] = {key: value.clone() if key == "step" else value.to(p.device, copy=True)
+                                  for key, value in entry.items()}
+
+
+def inner_state_bytes(*states: Params) -> bytes:
+    """A worker's inner state (its AdamW state and, when the uplink is compressed, its error-feedback
+    buffers) in one byte-deterministic safetensors file (``trainer.codec.wire.encode_params``): what
+    it uploads every ``rounds.state_every`` rounds (trainer.runtime.state_commit)."""
     merged: Params = {}
     for state in states:
         merged.update(state)
-    return hashlib.sha256(encode_params(merged)).hexdigest()
+    return encode_params(merged)
+
+
+def inner_state_digest(*states: Params) -> str:
+    """sha256 (hex) of ``inner_state_bytes``: what a push commits to. ``FRESH_STATE`` is the digest of
+    a worker that has taken no step."""
+    return hashlib.sha256(inner_state_bytes(*states)).hexdigest()
 
 
 @torch.no_grad()

@@ -73,7 +73,11 @@ and each stage answers on a shared queue with Δ_s, the losses, its token count 
 the push: compressed by the stage itself, with that state, which comes back updated
 (trainer.codec.uplink). The worker pushes each stage's slice as its own stream, so the coordinator
 aggregates stage by stage, and merges the Δ_s by name (they partition the names exactly) into the
-full pseudo-gradient for its own bookkeeping. A stage's module, GPipe schedule and AdamW state stay in its own memory across
+full pseudo-gradient for its own bookkeeping. Each stage also returns the AdamW state its round
+started from (a copy), which the worker commits to with its error feedback (trainer.worker.role:
+the one-process digest rule over the stages' states together) and, when the round does not count,
+hands back with the next round's job (:meth:`PipelinedInnerLoop.undo`), so that the state moves only
+through counted rounds and the audit's replay (trainer.runtime.staged) can rebuild it. A stage's module, GPipe schedule and AdamW state stay in its own memory across
 rounds, as :class:`trainer.runtime.inner.InnerLoop` keeps them in the worker process: only the round's
 inputs and Δ_s cross the queues, as numpy arrays pickled by value. The queues join the worker to its
 own children only, so nothing received from the network is unpickled.
@@ -131,7 +135,9 @@ from trainer.model.params import load_params
 from trainer.model.stages import check_split, stage_blocks, stage_param_names
 from trainer.progress import PLAIN_LOG_FORMAT, Progress
 from trainer.runtime.device import backend_for, stage_device
+from trainer.runtime.inner import adamw_state, load_adamw_state
 from trainer.runtime.procgroup import LocalGroup, Member, answer, available_cpus, join_group, leave_child, report_error
+from trainer.runtime.staged import WORKER_MICROBATCHES, clip_coefficient, squared_norm
 
 log = logging.getLogger("dilocox.pipeline")
 
@@ -259,6 +265,7 @@ class StageResult:
     optimizer_steps: int  # AdamW steps this stage's state has taken, over all its rounds
     update: Slice | None = None  # Δ_s encoded for the push (trainer.codec.uplink), by run_round
     uplink_state: Params | None = None  # the stage's error-feedback state after encoding it
+    start_state: Params | None = None  # the stage's AdamW state the round started from, by run_round
 
 
 def init_from_env(timeout_s: float = DEFAULT_TIMEOUT_S, backend: str | None = None) -> None:
@@ -351,6 +358,15 @@ class StageRunner:
             self._schedule_shape = shape
         return self._schedule
 
+    def state(self) -> Params:
+        """This stage's AdamW state by parameter name (trainer.runtime.inner.adamw_state): its slice of
+        the worker's inner state; empty before the first step."""
+        return {} if self.optimizer is None else adamw_state(self.stage, self.optimizer)
+
+    def load_state(self, inner_cfg: InnerConfig, state: Params) -> None:
+        """Go on from ``state`` (a ``state()`` of this stage), undoing the rounds since."""
+        load_adamw_state(self.stage, self._optimizer_for(inner_cfg), state)
+
     def run(self, inner_cfg: InnerConfig, start: Params, batches: Sequence[Batch],
             progress: Progress | None = None) -> StageResult:
         """One round of this stage; see the module doc.
@@ -385,9 +401,8 @@ class StageRunner:
 
             grads = [p.grad for p in stage.parameters() if p.grad is not None]
             stats = torch.zeros(2, dtype=torch.float64, device=self.device)
-            if grads:
-                norms = torch._foreach_norm(grads)
-                stats[0] = torch.linalg.vector_norm(torch.stack(norms)).double() ** 2
+            if grads:  # q_s; trainer.runtime.staged computes the same in one process, for the replay
+                stats[0] = squared_norm(grads)
             if stage.is_last:
                 stats[1] = torch.stack([loss.detach() for loss in mb_losses]).mean().double()
             try:
@@ -399,8 +414,7 @@ class StageRunner:
             if not np.isfinite(loss):
                 raise FloatingPointError(f"inner step {step}: loss is {loss}")
             if inner_cfg.grad_clip > 0:
-                total_norm = stats[0].sqrt().float()
-                coef = torch.clamp(inner_cfg.grad_clip / (total_norm + 1e-6), max=1.0)
+                coef = clip_coefficient(stats[0], inner_cfg.grad_clip)
                 torch._foreach_mul_(grads, coef.to(self.device))
             optimizer.step()
             losses.append(loss)
@@ -457,6 +471,8 @@ class RoundJob:
     compression: CompressionConfig | None = None  # None: the slice goes dense
     uplink_state: dict[str, np.ndarray] | None = None  # the stage's error feedback, kept by the worker
     what: str = "inner steps"  # what the last stage's progress lines call the round's steps
+    # The AdamW state to go on from, set when the worker's last round did not count (it is undone).
+    restore: dict[str, np.ndarray] | None = None
 
 
 # Runs one round in a stage process; tests substitute one that fails on purpose.
@@ -484,6 +500,9 @@ def run_round(runner: StageRunner, job: RoundJob) -> dict[str, Any]:
     dict of numpy arrays."""
     # The last stage knows each step's loss last: it alone shows the round's progress, in the worker's log.
     shown = runner.index == runner.num_stages - 1
+    if job.restore is not None:
+        runner.load_state(job.inner_cfg, _to_torch(job.restore))
+    start_state = runner.state()  # what the worker's push commits to (trainer.worker.role)
     with Progress(job.what, len(job.batches), unit="steps", rate_unit="tokens") if shown else nullcontext() as progress:
         result = runner.run(job.inner_cfg, _to_torch(job.start), _to_torch(job.batches), progress)
     compressor = None
@@ -496,6 +515,7 @@ def run_round(runner: StageRunner, job: RoundJob) -> dict[str, Any]:
         update["transmitted"] = None  # the dense slice is Δ_s itself: sent once
     out["update"] = update
     out["uplink_state"] = compressor.state_dict() if compressor is not None else None
+    out["start_state"] = start_state
     return _to_numpy(out)
 
 
@@ -558,6 +578,9 @@ class PipelineResult:
     optimizer_steps: list[int]  # AdamW steps each stage's state has taken, over its group's rounds
     slices: list[Slice]  # each stage's Δ_s encoded for its push (trainer.codec.uplink)
     uplink_states: list[Params] | None  # each stage's error feedback after encoding (None: dense)
+    # The stages' AdamW states the round started from, together: the one-process worker's names
+    # (the stages partition the parameters), so its digest is the one-process rule's.
+    start_state: Params
 
 
 class StageGroup:
@@ -567,7 +590,7 @@ class StageGroup:
     fails closes the group (see the module doc); a closed group runs no more rounds.
     """
 
-    def __init__(self, model_cfg: ModelConfig, num_stages: int, *, n_microbatches: int = 2,
+    def __init__(self, model_cfg: ModelConfig, num_stages: int, *, n_microbatches: int = WORKER_MICROBATCHES,
                  timeout_s: float = DEFAULT_TIMEOUT_S, threads_per_stage: int | None = None,
                  round_fn: RoundFn = run_round, device: str = "cpu") -> None:
         self.names = stage_param_names(model_cfg, num_stages)  # refuses an impossible split
@@ -618,10 +641,12 @@ class StageGroup:
 
     def run(self, inner_cfg: InnerConfig, start_params: Params, batches: Sequence[Batch], *,
             deadline_s: float | None = None, compression: CompressionConfig | None = None,
-            uplink_states: Sequence[Params] | None = None, what: str = "inner steps") -> PipelineResult:
+            uplink_states: Sequence[Params] | None = None, what: str = "inner steps",
+            restore: Params | None = None) -> PipelineResult:
         """One round's inner loop on the group's stages, from the full θ⁽ʳ⁻¹⁾ ``start_params``,
         each stage then encoding its slice: compressed with ``compression`` and its state from
-        ``uplink_states`` (one per stage), or dense when ``compression`` is None.
+        ``uplink_states`` (one per stage), or dense when ``compression`` is None. ``restore``: an
+        earlier ``start_state`` of this group, which the stages go on from (undoing the rounds since).
 
         ``deadline_s`` bounds the round (None: only the stages' own timeouts); ``what`` names the
         steps in the last stage's progress lines (trainer.progress). ValueError for
@@ -644,8 +669,10 @@ class StageGroup:
         try:
             for s, names in enumerate(self.names):
                 state = None if compression is None else _to_numpy(dict(uplink_states[s]))
+                own = None if restore is None else _to_numpy(
+                    {key: v for key, v in restore.items() if key.split(".", 1)[1] in names})
                 self._jobs[s].put(RoundJob(self._seq, inner_cfg, _to_numpy({n: start_params[n] for n in names}),
-                                           shared, compression, state, what))
+                                           shared, compression, state, what, own))
             stages = [_stage_result(p) for p in self.group.collect(self._seq, deadline_s, "pipeline round")]
             delta: Params = {}
             for s, result in enumerate(stages):
@@ -665,6 +692,7 @@ class StageGroup:
             optimizer_steps=[r.optimizer_steps for r in stages],
             slices=[r.update for r in stages],  # type: ignore[misc]
             uplink_states=None if compression is None else [r.uplink_state for r in stages],  # type: ignore[misc]
+            start_state={key: v for r in stages for key, v in (r.start_state or {}).items()},
         )
 
     def close(self, graceful: bool = True) -> None:
@@ -687,7 +715,7 @@ class PipelinedInnerLoop:
 
     def __init__(self, model_cfg: ModelConfig, cfg: InnerConfig, stages: int, *,
                  compression: CompressionConfig | None = None,
-                 n_microbatches: int = 2, timeout_s: float = DEFAULT_TIMEOUT_S,
+                 n_microbatches: int = WORKER_MICROBATCHES, timeout_s: float = DEFAULT_TIMEOUT_S,
                  deadline_s: float | None = None, threads_per_stage: int | None = None,
                  round_fn: RoundFn = run_round, device: str = "cpu") -> None:
         stage_blocks(model_cfg.n_layer, stages)  # refuse an impossible split now
@@ -708,6 +736,7 @@ class PipelinedInnerLoop:
         self.groups_started = 0
         self.last: PipelineResult | None = None
         self._failure: str | None = None  # why the last group ended, told when the next starts
+        self._restore: Params | None = None  # the AdamW state the next round goes on from (undo)
 
     def __enter__(self) -> PipelinedInnerLoop:
         return self
@@ -736,6 +765,7 @@ class PipelinedInnerLoop:
         if self._failure is not None:
             log.warning("starting a fresh group of %d pipeline stages after %s; their inner AdamW "
                         "state starts over", self.stages, self._failure)
+        self._restore = None  # new stages start fresh: nothing of the old group's state to undo to
         self.group = StageGroup(self.model_cfg, self.stages, n_microbatches=self.n_microbatches,
                                 timeout_s=self.timeout_s, threads_per_stage=self.threads_per_stage,
                                 round_fn=self.round_fn, device=self.device)
@@ -749,15 +779,21 @@ class PipelinedInnerLoop:
         ``compression`` config (``uplink_states``: each stage's error feedback, see trainer.codec.uplink);
         ``what`` names the steps in the progress lines."""
         try:
-            result = self._ensure_group().run(self.cfg, start, batches, deadline_s=self.deadline_s,
-                                              compression=self.compression, uplink_states=uplink_states,
-                                              what=what)
+            group = self._ensure_group()
+            restore, self._restore = self._restore, None
+            result = group.run(self.cfg, start, batches, deadline_s=self.deadline_s, compression=self.compression,
+                               uplink_states=uplink_states, what=what, restore=restore)
         except PipelineError as exc:
             self._failure = f"a failure ({str(exc).splitlines()[0]})"
             self.close()
             raise
         self.last = result
         return result
+
+    def undo(self, start_state: Params) -> None:
+        """The last round does not count: the next round goes on from ``start_state`` (that round's
+        ``PipelineResult.start_state``), as a one-process worker restores its snapshot."""
+        self._restore = start_state
 
     def close(self) -> None:
         """Stop the stage processes (a later :meth:`run` would start new ones)."""

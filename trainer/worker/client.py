@@ -389,9 +389,11 @@ class CoordinatorClient:
 
     # ----------------------------------------------------------------------------- pushing
 
-    def push_slice(self, piece: Slice, what: PushHeader) -> tuple[int, pb.Receipt | None]:
-        """One slice's PushUpdate stream: its wire bytes (what the coordinator counts), and the update receipt
-        if it completed the update. Raises grpc.RpcError when refused (a duplicate counts as sent)."""
+    def push_slice(self, piece: Slice, what: PushHeader, state: bytes = b"") -> tuple[int, pb.Receipt | None]:
+        """One slice's PushUpdate stream, and after its payload ``state``, the committed inner state's
+        bytes on the rounds that upload it (trainer.runtime.state_commit): its wire bytes (what the
+        coordinator counts), and the update receipt if it completed the update. Raises grpc.RpcError
+        when the coordinator refuses it (a duplicate counts as sent)."""
         assert self.config is not None
         payload = piece.payload
         sha = sha256_hex(payload)
@@ -403,12 +405,13 @@ class CoordinatorClient:
             payload_size=len(payload), payload_sha256=sha, train_loss=what.train_loss, tokens=what.tokens,
             inner_steps=what.inner_steps, base_params_cid=what.base_params_cid,
             base_bytes_received=what.base_bytes_received, stage=piece.stage, num_stages=piece.num_stages,
-            inner_state_sha256=what.inner_state_sha256,
+            inner_state_sha256=what.inner_state_sha256, inner_state_size=len(state),
         )
         if self.key is not None:
             header.signature = self.key.sign_digest(
                 update_digest(self.run_digest, what.round, piece.stage, piece.num_stages, sha))
-        messages = [pb.UpdateChunk(header=header)] + [pb.UpdateChunk(data=p) for p in chunked(payload)]
+        messages = ([pb.UpdateChunk(header=header)] + [pb.UpdateChunk(data=p) for p in chunked(payload)]
+                    + [pb.UpdateChunk(state=p) for p in chunked(state)])
 
         def stream() -> Iterator[pb.UpdateChunk]:  # a fresh iterator per attempt
             self.link.call()

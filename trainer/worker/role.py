@@ -4,16 +4,20 @@ It ties the transport (trainer.worker.client) to the inner loop (trainer.runtime
 trainer.runtime.pipeline for several stages) and the uplink codec (trainer.codec.uplink); the round loops
 (trainer.worker.loops) drive it. The inner state a round starts from (AdamW, and the error feedback
 when compressed) is committed in each push (``inner_state_sha256``, trainer.runtime.inner.inner_state_digest)
-and moves only through counted rounds: when a one-process worker's push is refused, the round is
-undone (AdamW and error feedback restored), so an auditor rebuilds the state from the manifests
-alone (``dilocox audit --replay``). A worker of several stages, and an overlapped one (whose next
-round is already training when the refusal arrives), carries every refused slice's Δ̂ into its
-error feedback instead, so nothing is lost; a multi-stage worker's contributions are not replayed,
-nor an overlapped worker's round after a refusal (audit.replay says which).
+and moves only through counted rounds: when a push is refused, the round is undone (AdamW and
+error feedback restored), so an auditor rebuilds the state from the manifests alone (``dilocox
+audit --replay``). A worker of several pipeline stages commits the same digest of the same names:
+its stages' AdamW states (each the slice of the one-process state its parameters name) taken
+together, and every stage's error feedback; every stage slice of its push names it, and its stages
+go back to the round's start state when the round does not count. An overlapped worker (whose next
+round is already training when the refusal arrives) carries every refused slice's Δ̂ into its
+error feedback instead, so nothing is lost; its round after a refusal is not replayed (audit.replay
+says which).
 """
 
 from __future__ import annotations
 
+import hashlib
 import logging
 import threading
 import time
@@ -41,9 +45,10 @@ from trainer.progress import Progress
 from trainer.rounds.schedule import ScheduleError, StepsDecision
 from trainer.runstore.update_record import record_of_slices
 from trainer.runtime.device import parse_device
-from trainer.runtime.inner import InnerLoop, InnerResult, inner_state_digest
+from trainer.runtime.inner import FRESH_STATE, InnerLoop, InnerResult, inner_state_bytes
 from trainer.runtime.pipeline import PipelinedInnerLoop, PipelineError, plan_stages
 from trainer.runtime.procgroup import available_cpus
+from trainer.runtime.state_commit import state_due
 from trainer.worker.client import (
     REFUSED,
     Checkpoint,
@@ -69,11 +74,15 @@ class RoundWork:
     result: InnerResult
     slices: list[Slice]
     state: str = ""  # sha256 of the inner state the round started from; "" where not committed
-    # The AdamW and error-feedback state before the round, restored if the round does not count.
+    # The AdamW state before the round (an optimiser state_dict; with several stages, their
+    # start_state) and the error feedback's, restored if the round does not count.
     snapshot: tuple[dict, list | None] | None = None
     inner_s: float = 0.0  # seconds in the inner loop (the whole pipeline, with several stages)
     compress_s: float = 0.0  # seconds encoding Δ for the push (one-process worker)
     steps: StepsDecision | None = None  # the round's H_r and how it was decided (trainer.rounds.schedule)
+    # The committed state's bytes, sent with the push on the rounds rounds.state_every names
+    # (trainer.runtime.state_commit); empty on the others, and for a fresh state.
+    state_bytes: bytes = b""
 
 
 @dataclass(frozen=True)
@@ -203,12 +212,17 @@ class Worker:
                                 steps=steps.steps, batch_size=cfg.inner.batch_size, block_size=cfg.model.block_size)
         what = f"round {round_} inner steps"
         if isinstance(self.inner, PipelinedInnerLoop):
+            errors, uplink_snapshot = self.uplink.error_state(), self.uplink.snapshot()
             started = time.perf_counter()
-            piped = self.inner.run(params, batches, self.uplink.states(), what=what)
+            piped = self.inner.run(params, batches, uplink_snapshot, what=what)
             self.uplink.update(piped.uplink_states)
+            # The stages' AdamW states partition the one-process state's names: the same digest rule.
+            state, raw = self._commitment(round_, piped.start_state, errors)
+            snapshot = None if cfg.rounds.overlap else (piped.start_state, uplink_snapshot)
             return RoundWork(InnerResult(piped.pseudo_gradient, piped.mean_loss, piped.tokens, piped.steps),
-                             piped.slices, inner_s=time.perf_counter() - started, steps=steps)
-        state = inner_state_digest(self.inner.state(), self.uplink.error_state())
+                             piped.slices, state, snapshot, inner_s=time.perf_counter() - started, steps=steps,
+                             state_bytes=raw)
+        state, raw = self._commitment(round_, self.inner.state(), self.uplink.error_state())
         # Overlapped, the next round is training when a refusal comes back: nothing to undo then.
         snapshot = None if cfg.rounds.overlap else (self.inner.snapshot(), self.uplink.snapshot())
         started = time.perf_counter()
@@ -216,7 +230,16 @@ class Worker:
             result = self.inner.run(params, batches, progress)
         trained = time.perf_counter()
         encoded = [self.uplink.encode(result.pseudo_gradient)]
-        return RoundWork(result, encoded, state, snapshot, trained - started, time.perf_counter() - trained, steps)
+        return RoundWork(result, encoded, state, snapshot, trained - started, time.perf_counter() - trained, steps,
+                         raw)
+
+    def _commitment(self, round_: int, adamw: Params, errors: Params) -> tuple[str, bytes]:
+        """The digest of the inner state a round starts from, and its bytes when the round uploads
+        them (trainer.runtime.state_commit: every rounds.state_every rounds, unless fresh)."""
+        raw = inner_state_bytes(adamw, errors)
+        digest = hashlib.sha256(raw).hexdigest()
+        due = state_due(self.config.rounds.state_every, round_) and digest != FRESH_STATE
+        return digest, raw if due else b""
 
     def push(self, round_: int, work: RoundWork, base_cid: str, parent_cid: str | None = None) -> Pushed | None:
         """Send Δ for ``round_``, one stream per stage slice; what was sent if the coordinator holds
@@ -241,7 +264,7 @@ class Worker:
         wire_bytes, started, receipt = 0, time.perf_counter(), None
         for piece in work.slices:
             try:
-                sent, receipt = self.client.push_slice(piece, what)
+                sent, receipt = self.client.push_slice(piece, what, work.state_bytes if piece.stage == 0 else b"")
                 wire_bytes += sent
             except grpc.RpcError as exc:
                 if exc.code() not in REFUSED:
@@ -265,10 +288,14 @@ class Worker:
             self.receipts.keep(message, expected, client.domain, client.coordinator_key)
 
     def _undo(self, work: RoundWork) -> None:
-        if work.snapshot is not None and isinstance(self.inner, InnerLoop):
+        if work.snapshot is not None:
             # The inner state moves only through counted rounds (trainer.runtime.inner.InnerLoop), so that
-            # an auditor can rebuild it from the manifests: undo this round.
-            self.inner.restore(work.snapshot[0])
+            # an auditor can rebuild it from the manifests: undo this round (the stages' AdamW, with
+            # several, when they next run).
+            if isinstance(self.inner, InnerLoop):
+                self.inner.restore(work.snapshot[0])
+            else:
+                self.inner.undo(work.snapshot[0])
             self.uplink.restore(work.snapshot[1])
         else:
             # Error feedback assumed these values arrived; none counts, so carry them.
