@@ -80,7 +80,7 @@ def replay(run_dir: Path) -> None:
     import torch
 
     from audit.replay import REPLAY_TOLERANCE, Replayer
-    from storage_client import lineage
+    from storage_client import lineage, strict_json
     from trainer.runstore.run_dir import RunDir
     from trainer.config import RunConfig
     from trainer.runtime.state_commit import state_cid
@@ -105,7 +105,7 @@ def replay(run_dir: Path) -> None:
                 steps += replayed
                 sampled += 1
                 worst = max([worst, *(row.distance for row in rows if row.distance is not None)])
-        print(json.dumps({"k": k, "sampled": sampled, "steps": steps / sampled, "seconds": seconds / sampled,
+        print(strict_json({"k": k, "sampled": sampled, "steps": steps / sampled, "seconds": seconds / sampled,
                           "d": worst, "scale": (1 + worst) / (1 - REPLAY_TOLERANCE), "tolerance": REPLAY_TOLERANCE,
                           "capability": torch.backends.cpu.get_cpu_capability()}), flush=True)
 

@@ -19,6 +19,7 @@ from trainer.codec import CompressionConfig
 from trainer.codec.wire import Params, encode_params, layout_of
 from trainer.config import InnerConfig, ModelConfig, RoundConfig
 from trainer.coordinator import Coordinator, UpdateHeader, open_run
+from trainer.coordinator.checks import check_state_bytes
 from trainer.model.stages import stage_param_names
 from trainer.net.refusal import Reason, Refusal
 from trainer.rounds.aggregation import CheckedUpdate, exact_norm
@@ -220,7 +221,7 @@ def test_inner_state_bytes_come_on_the_rounds_state_every_names_and_are_checked(
     assert refused(c, header(c, "w0", u, inner_state_size=10**12), u) is Reason.MALFORMED
     assert refused(c, header(c, "w0", u, inner_state_sha256=FRESH_STATE, inner_state_size=10), u) is Reason.MALFORMED
     with pytest.raises(Refusal, match="no worker's state holds") as caught:
-        c.check_state(encode_params({"exp_avg_sq.nothing": torch.zeros(2)}))
+        check_state_bytes(encode_params({"exp_avg_sq.nothing": torch.zeros(2)}), c.layout, c.config)
     assert caught.value.reason is Reason.MALFORMED
     push(c, header(c, "w0", u, inner_state_sha256=FRESH_STATE), u)  # a fresh state carries none
 

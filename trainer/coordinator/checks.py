@@ -21,7 +21,7 @@ from trainer.net.refusal import Reason, Refusal
 from trainer.rounds.aggregation import InvalidUpdate, check_layout
 from trainer.rounds.schedule import round_tokens
 from trainer.runtime.inner import FRESH_STATE
-from trainer.runtime.state_commit import state_due, state_limit
+from trainer.runtime.state_commit import StateError, decode_inner_state, state_due, state_limit
 
 # The declared train loss is a mean cross-entropy (≥ 0); this bounds it only to what the ledger's
 # fixed-point fields can hold (storage_client.to_e6), as any honest value is.
@@ -170,3 +170,12 @@ def check_replay(accepted_cids: dict[str, tuple[int, str]], cid: str) -> None:
     if seen is not None:
         raise Refusal(Reason.REPLAYED, f"update {cid} is byte-identical to the update {seen[1]} had accepted in "
                                        f"round {seen[0]}: a replayed update is refused")
+
+
+def check_state_bytes(data: bytes, layout: Layout, config: RunConfig) -> None:
+    """The inner state a push carried (its digest already checked as it arrived) is one a worker of
+    this run's model could hold (trainer.runtime.state_commit); MALFORMED otherwise."""
+    try:
+        decode_inner_state(data, layout, config.compression.enabled)
+    except StateError as exc:
+        raise Refusal(Reason.MALFORMED, str(exc)) from None

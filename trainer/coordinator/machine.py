@@ -44,7 +44,6 @@ from trainer.rounds.aggregation import CheckedUpdate, InvalidUpdate, check_norm,
 from trainer.rounds.update_source import UpdateSource
 from trainer.runstore.round_inputs import ClipHistory, manifest_updates
 from trainer.runtime.memory import release_free_memory
-from trainer.runtime.state_commit import StateError, decode_inner_state
 
 log = logging.getLogger("dilocox.coordinator")
 
@@ -202,14 +201,6 @@ class Coordinator:
         checks.check_state_upload(h, self.layout, self.config)
         return declared
 
-    def check_state(self, data: bytes) -> None:
-        """The inner state a push carried (its digest already checked as it arrived) is one a worker
-        of this run's model could hold (trainer.runtime.state_commit); MALFORMED otherwise."""
-        try:
-            decode_inner_state(data, self.layout, self.config.compression.enabled)
-        except StateError as exc:
-            raise Refusal(Reason.MALFORMED, str(exc)) from None
-
     def count_up(self, worker_id: str, nbytes: int) -> None:
         """Bytes a worker sent, counted into the open round (refused pushes too: they crossed the network)."""
         with self._lock:
@@ -222,7 +213,7 @@ class Coordinator:
                state: bytes = b"") -> tuple[CID, int, SignedReceipt | None]:
         """Store and journal an update, or a stage slice, that passed every check
         (trainer.rounds.aggregation.checked_update), ``payload`` its bytes as pushed and ``state`` the
-        inner state it carried (``check_state``; stored by CID); returns its record's CID, the open
+        inner state it carried (checks.check_state_bytes; stored by CID); returns its record's CID, the open
         round, and the update receipt once the worker's whole update counts (a run with a ledger;
         attestation.receipt). The last slice of a worker completes its update."""
         def screen(candidate: UpdateSource) -> float:

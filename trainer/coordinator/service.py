@@ -34,6 +34,7 @@ from grpc_health.v1 import health_pb2
 from attestation.receipt import SignedReceipt
 from proto import CHUNK_BYTES, PROTOCOL_VERSION, SERVICE_NAME, Encoding, WorkerPhase, pb
 from trainer.codec.wire import Reassembly, WireError, chunked, json_object, sha256_hex
+from trainer.coordinator.checks import check_state_bytes
 from trainer.coordinator.calls import HEAVY, MALFORMED, PUBLIC, WORKERS, CallGate, parser
 from trainer.coordinator.machine import Coordinator
 from trainer.coordinator.state import GlobalState, StatusView, UpdateHeader
@@ -217,7 +218,7 @@ class CoordinatorService:
                 update = await self.gate.run(HEAVY, self._decode, header, declared, payload)
                 state_bytes = state.payload() if header.inner_state_size else b""
                 if state_bytes:
-                    await self.gate.run(HEAVY, self.c.check_state, state_bytes)
+                    await self.gate.run(HEAVY, check_state_bytes, state_bytes, self.c.layout, self.c.config)
             except (WireError, InvalidUpdate) as exc:
                 raise Refusal(Reason.MALFORMED, str(exc)) from exc
             finally:  # refused or not, these bytes crossed the network

@@ -21,12 +21,14 @@ model either none or all of ``exp_avg.p``, ``exp_avg_sq.p`` (float32, p's shape)
 
 from __future__ import annotations
 
+import hashlib
 import math
 
 import torch
 
 from storage_client import CID, Codec
 from trainer.codec.wire import Layout, Params, WireError, decode_params
+from trainer.runtime.inner import FRESH_STATE, inner_state_bytes
 
 # Room for the safetensors header (names, shapes, offsets) per tensor, beyond the tensors' bytes.
 _HEADER_BYTES_PER_TENSOR = 512
@@ -40,6 +42,14 @@ class StateError(ValueError):
 def state_due(state_every: int, round_: int) -> bool:
     """Whether round ``round_``'s pushes carry their inner state (``rounds.state_every`` = K > 0)."""
     return state_every > 0 and round_ % state_every == 0
+
+
+def commitment(state_every: int, round_: int, adamw: Params, errors: Params) -> tuple[str, bytes]:
+    """The digest of the inner state round ``round_`` starts from (its AdamW and error feedback), and
+    its bytes when the round uploads them (``state_due``, unless the state is fresh); else b""."""
+    raw = inner_state_bytes(adamw, errors)
+    digest = hashlib.sha256(raw).hexdigest()
+    return digest, raw if state_due(state_every, round_) and digest != FRESH_STATE else b""
 
 
 def state_cid(digest: str) -> CID:

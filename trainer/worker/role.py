@@ -17,7 +17,6 @@ says which).
 
 from __future__ import annotations
 
-import hashlib
 import logging
 import threading
 import time
@@ -45,10 +44,10 @@ from trainer.progress import Progress
 from trainer.rounds.schedule import ScheduleError, StepsDecision
 from trainer.runstore.update_record import record_of_slices
 from trainer.runtime.device import parse_device
-from trainer.runtime.inner import FRESH_STATE, InnerLoop, InnerResult, inner_state_bytes
+from trainer.runtime.inner import InnerLoop, InnerResult
 from trainer.runtime.pipeline import PipelinedInnerLoop, PipelineError, plan_stages
 from trainer.runtime.procgroup import available_cpus
-from trainer.runtime.state_commit import state_due
+from trainer.runtime.state_commit import commitment
 from trainer.worker.client import (
     REFUSED,
     Checkpoint,
@@ -217,12 +216,12 @@ class Worker:
             piped = self.inner.run(params, batches, uplink_snapshot, what=what)
             self.uplink.update(piped.uplink_states)
             # The stages' AdamW states partition the one-process state's names: the same digest rule.
-            state, raw = self._commitment(round_, piped.start_state, errors)
+            state, raw = commitment(self.config.rounds.state_every, round_, piped.start_state, errors)
             snapshot = None if cfg.rounds.overlap else (piped.start_state, uplink_snapshot)
             return RoundWork(InnerResult(piped.pseudo_gradient, piped.mean_loss, piped.tokens, piped.steps),
                              piped.slices, state, snapshot, inner_s=time.perf_counter() - started, steps=steps,
                              state_bytes=raw)
-        state, raw = self._commitment(round_, self.inner.state(), self.uplink.error_state())
+        state, raw = commitment(self.config.rounds.state_every, round_, self.inner.state(), self.uplink.error_state())
         # Overlapped, the next round is training when a refusal comes back: nothing to undo then.
         snapshot = None if cfg.rounds.overlap else (self.inner.snapshot(), self.uplink.snapshot())
         started = time.perf_counter()
@@ -232,14 +231,6 @@ class Worker:
         encoded = [self.uplink.encode(result.pseudo_gradient)]
         return RoundWork(result, encoded, state, snapshot, trained - started, time.perf_counter() - trained, steps,
                          raw)
-
-    def _commitment(self, round_: int, adamw: Params, errors: Params) -> tuple[str, bytes]:
-        """The digest of the inner state a round starts from, and its bytes when the round uploads
-        them (trainer.runtime.state_commit: every rounds.state_every rounds, unless fresh)."""
-        raw = inner_state_bytes(adamw, errors)
-        digest = hashlib.sha256(raw).hexdigest()
-        due = state_due(self.config.rounds.state_every, round_) and digest != FRESH_STATE
-        return digest, raw if due else b""
 
     def push(self, round_: int, work: RoundWork, base_cid: str, parent_cid: str | None = None) -> Pushed | None:
         """Send Δ for ``round_``, one stream per stage slice; what was sent if the coordinator holds
