@@ -18,6 +18,7 @@ NAMES = {
     "report-fields", "report-eval-loss", "data-digest", "admitted", "revoked", "measurement-allowed", "admission",
     "admission-record", "evidence", "unreported", "ghost", "tally", "total-contribution", "payout", "recorder",
     "unrecorded", "replay", "rescore",
+    "push-signature",  # added with audit.push_signatures (issue 28)
 }
 
 

@@ -20,6 +20,7 @@ from trainer.net.limits import clip, dense_payload_limit
 from trainer.net.refusal import Reason, Refusal
 from trainer.rounds.aggregation import InvalidUpdate, check_layout
 from trainer.rounds.schedule import round_tokens
+from trainer.runstore.update_record import SIGNATURE_BYTES
 
 # The declared train loss is a mean cross-entropy (≥ 0); this bounds it only to what the ledger's
 # fixed-point fields can hold (storage_client.to_e6), as any honest value is.
@@ -77,6 +78,10 @@ def check_digest_form(h: UpdateHeader) -> None:
                                         f"{', '.join(f'{e.value} ({e.name})' for e in PUSH_ENCODINGS)}")
     if not _SHA256_HEX.match(h.payload_sha256):
         raise Refusal(Reason.MALFORMED, f"payload_sha256 {clip(h.payload_sha256)} is not 64 lowercase hex digits")
+    if h.signature and len(h.signature) != SIGNATURE_BYTES:
+        # Kept with the update's record (trainer.runstore.update_record), so bounded even without a trust layer.
+        raise Refusal(Reason.MALFORMED, f"the push signature is {len(h.signature)} bytes; it must be "
+                                        f"{SIGNATURE_BYTES} (r||s||v) or absent")
 
 
 def stage_layout(layout: Layout, model: ModelConfig, stage: int, num_stages: int) -> Layout:

@@ -52,6 +52,7 @@ from trainer.worker.client import (
     WorkerError,
     heartbeats,
     slice_name,
+    slice_signature,
 )
 from trainer.worker.hold import RoundHold
 from trainer.worker.loops import overlapped, synchronous
@@ -225,8 +226,9 @@ class Worker:
         result = work.result
         received = self.client.received_for.get(base_cid, 0)
         # The round's record names the bytes of the slices as pushed, which the coordinator stores
-        # (trainer.runstore.update_record); the report restates its digest.
-        record = record_of_slices(work.slices)
+        # (trainer.runstore.update_record) with the signature each was pushed with; the report restates its digest.
+        record = record_of_slices(work.slices, [slice_signature(self.client.key, self.client.run_digest, round_, s)
+                                                for s in work.slices])
         decision = merged_decision(round_, work.slices)
         if decision is not None:
             dense_bytes = sum(t.numel() * t.element_size() for t in merged(work.slices).values())
