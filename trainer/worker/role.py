@@ -6,10 +6,13 @@ trainer.runtime.pipeline for several stages) and the uplink codec (trainer.codec
 when compressed) is committed in each push (``inner_state_sha256``, trainer.runtime.inner.inner_state_digest)
 and moves only through counted rounds: when a one-process worker's push is refused, the round is
 undone (AdamW and error feedback restored), so an auditor rebuilds the state from the manifests
-alone (``dilocox audit --replay``). A worker of several stages, and an overlapped one (whose next
-round is already training when the refusal arrives), carries every refused slice's Δ̂ into its
-error feedback instead, so nothing is lost; a multi-stage worker's contributions are not replayed,
-nor an overlapped worker's round after a refusal (audit.replay says which).
+alone (``dilocox audit --replay``). An overlapped worker learns of a refusal while its next round
+trains from the refused one: once that round is done, both are dropped, the state rewound to before
+the refused round (``rewind``) and the worker starts over from the newest global state
+(trainer.worker.loops.overlapped), so its chain of counted rounds replays across the refusal, and
+a worker none of whose rounds has counted yet commits a fresh state. A worker of several stages
+carries every refused slice's Δ̂ into its error feedback instead, so nothing is lost; its
+contributions are not replayed (audit.replay says so).
 """
 
 from __future__ import annotations
@@ -205,8 +208,8 @@ class Worker:
             return RoundWork(InnerResult(piped.pseudo_gradient, piped.mean_loss, piped.tokens, piped.steps),
                              piped.slices, inner_s=time.perf_counter() - started, steps=steps)
         state = inner_state_digest(self.inner.state(), self.uplink.error_state())
-        # Overlapped, the next round is training when a refusal comes back: nothing to undo then.
-        snapshot = None if cfg.rounds.overlap else (self.inner.snapshot(), self.uplink.snapshot())
+        # Kept whatever the mode: overlapped, the loop rewinds to it once the next round is done (``rewind``).
+        snapshot = (self.inner.snapshot(), self.uplink.snapshot())
         started = time.perf_counter()
         with Progress(what, steps.steps, unit="steps", rate_unit="tokens") as progress:
             result = self.inner.run(params, batches, progress)
@@ -252,14 +255,23 @@ class Worker:
                       result.steps, wire_bytes, received, CID.parse(parent_cid or base_cid).digest)
 
     def _undo(self, work: RoundWork) -> None:
-        if work.snapshot is not None and isinstance(self.inner, InnerLoop):
-            # The inner state moves only through counted rounds (trainer.runtime.inner.InnerLoop), so that
-            # an auditor can rebuild it from the manifests: undo this round.
-            self.inner.restore(work.snapshot[0])
-            self.uplink.restore(work.snapshot[1])
-        else:
+        if work.snapshot is None or not isinstance(self.inner, InnerLoop):
             # Error feedback assumed these values arrived; none counts, so carry them.
             self.uplink.carry_back(work.slices)
+        elif not self.config.rounds.overlap:
+            # The inner state moves only through counted rounds (trainer.runtime.inner.InnerLoop), so that
+            # an auditor can rebuild it from the manifests: undo this round.
+            self.rewind(work)
+        # Overlapped, the next round is training from this state now: the loop rewinds both once it
+        # is done (trainer.worker.loops.overlapped), never under the inner loop's feet.
+
+    def rewind(self, work: RoundWork) -> None:
+        """Put the inner state (AdamW, error feedback) back to where it was before ``work``'s round:
+        that round, and every one trained after it, do not count. A worker of several stages has
+        no snapshot and carried its refused slices forward instead (``_undo``)."""
+        if work.snapshot is not None and isinstance(self.inner, InnerLoop):
+            self.inner.restore(work.snapshot[0])
+            self.uplink.restore(work.snapshot[1])
 
     def abandon(self, round_: int, exc: PipelineError, inflight: Future | None = None) -> int:
         """Drop out of ``round_`` after a pipeline stage failed: push nothing for it, and tell the
