@@ -47,7 +47,8 @@ trainer.rounds.outer.delayed_start / eager_start):
 
     delayed  s⁽ʳ⁾ = θ⁽ʳ⁻²⁾ − Δ̂ᵢ⁽ʳ⁻¹⁾
     eager    s⁽ʳ⁾ = θ⁽ʳ⁻²⁾ − ((θ⁽ʳ⁻³⁾ − θ⁽ʳ⁻²⁾) + c (Δ̂ᵢ⁽ʳ⁻¹⁾ − Δ̂ᵢ⁽ʳ⁻²⁾)),  c = eager_weight
-             (θ⁽ʳ⁻²⁾ − c Δ̂ᵢ⁽ʳ⁻¹⁾ when round r−1 was the worker's first, its inner state fresh)
+             (θ⁽ʳ⁻²⁾ − c Δ̂ᵢ⁽ʳ⁻¹⁾ when round r−1 (re)started the worker's loop: its inner
+             state fresh, or the worker's round r−2 did not count)
 
 An overlapped worker whose update of a round does not count drops the round it trained on it,
 rewinds its inner state to before the uncounted round and starts over from the newest global state

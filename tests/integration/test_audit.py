@@ -583,7 +583,8 @@ def test_a_ghost_listed_as_unreported_fails_the_audit_by_name(anvil: Anvil, tmp_
     else:  # no signature kept: what an old record, or a push nobody signed, looks like
         assert checks(result) == {(1, "push-signature")}, [str(f) for f in result.failures]
         (failure,) = result.failures
-        assert failure.object == ghost_update and "participant ghost's update keeps no push signature" in failure.message
+        assert failure.object == ghost_update
+        assert "participant ghost's update keeps no push signature" in failure.message
     assert not result.ok
 
 

@@ -33,8 +33,9 @@ A worker dropped from a round (too late, or refused) logs why and starts the nex
 latest global checkpoint; overlapped, the round it trained meanwhile on the dropped one is dropped
 too, and its inner state rewound to before the dropped round (trainer.worker.role.Worker.rewind), so
 that its state moves only through counted rounds, as a synchronous worker's does, and the audit's
-replay rebuilds every counted round (a first counted round after uncounted ones starts fresh); when every live worker's push of a round was refused, the coordinator
-stops the run and the workers' wait for it ends with the coordinator's line (WorkerError).
+replay rebuilds every counted round (a first counted round after uncounted ones starts fresh).
+When every live worker's push of a round was refused, the coordinator stops the run and the
+workers' wait for it ends with the coordinator's line (WorkerError).
 """
 
 from __future__ import annotations
