@@ -151,7 +151,7 @@ def overlapped(worker: Worker) -> int:
                     # Round r-1's push was refused (this round built on it), or the run moved on (this
                     # round builds on a stale base): the inner state goes back to before the first
                     # round that does not count (Worker.rewind), and the worker starts over.
-                    worker.rewind(sent if not counted else work)
+                    worker.rewind(sent if not counted else work, dropped=work)
                     log.warning("round %d: %s; starting over from round %d's checkpoint", r,
                                 f"round {r - 1}'s push was refused" if not counted else
                                 f"the run is at round {held.round}", held.round)

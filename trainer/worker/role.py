@@ -261,17 +261,20 @@ class Worker:
         elif not self.config.rounds.overlap:
             # The inner state moves only through counted rounds (trainer.runtime.inner.InnerLoop), so that
             # an auditor can rebuild it from the manifests: undo this round.
-            self.rewind(work)
+            self.rewind(work, work)
         # Overlapped, the next round is training from this state now: the loop rewinds both once it
         # is done (trainer.worker.loops.overlapped), never under the inner loop's feet.
 
-    def rewind(self, work: RoundWork) -> None:
+    def rewind(self, work: RoundWork, dropped: RoundWork) -> None:
         """Put the inner state (AdamW, error feedback) back to where it was before ``work``'s round:
-        that round, and every one trained after it, do not count. A worker of several stages has
-        no snapshot and carried its refused slices forward instead (``_undo``)."""
+        that round, and every one trained after it, do not count; ``dropped`` is the last of them,
+        trained and never pushed. A worker of several stages has no snapshot: as with a refused
+        push (``_undo``), the dropped round's Δ̂ goes into its error feedback instead."""
         if work.snapshot is not None and isinstance(self.inner, InnerLoop):
             self.inner.restore(work.snapshot[0])
             self.uplink.restore(work.snapshot[1])
+        else:
+            self.uplink.carry_back(dropped.slices)
 
     def abandon(self, round_: int, exc: PipelineError, inflight: Future | None = None) -> int:
         """Drop out of ``round_`` after a pipeline stage failed: push nothing for it, and tell the
