@@ -11,7 +11,7 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from audit.replay import Replayer, unreplayable_reason
+from audit.replay import ReplayOutcome, Replayer, unreplayable_reason
 from tests.conftest import small_config
 from trainer.config import RoundConfig
 from trainer.rounds.outer import eager_weight
@@ -82,3 +82,30 @@ def test_the_eager_start_has_no_history_right_after_the_worker_started_over() ->
 def test_pipelined_workers_commit_no_inner_state() -> None:
     m = manifests({"a": None})
     assert "several pipeline stages" in unreplayable_reason(config("delayed"), m, 1, "a")
+
+
+@pytest.mark.parametrize("start", ["delayed", "eager"])
+def test_a_round_whose_state_moved_through_an_uncounted_one_is_sampled_and_named(start: str) -> None:
+    """The cheat of issue 28: its round-1 push is refused, and it trains round 2 on from the state
+    round 1 left (an honest worker rewinds). Before, round 2 was "not replayable" and skipped in
+    silence; now it is sampled, and its replay fails by worker and round (audit.recompute turns the
+    row into a ``replay`` failure) before a step is trained."""
+    cheat = manifests({}, {"a": STEPPED})
+    replayer = Replayer(store=None, config=config(start), manifests=cheat)  # type: ignore[arg-type]
+    assert replayer.sample(4, seed=1) == ([(2, "a")], [])
+    rows, steps = replayer.replay([(2, "a")])
+    assert steps == 0 and [(row.round, row.worker, row.sampled, row.status) for row in rows] == [
+        (2, "a", True, "MISMATCH")]
+    assert "the committed inner state is not fresh" in rows[0].note
+
+
+def test_what_cannot_be_replayed_is_named_by_worker_and_round_in_the_json_and_one_line() -> None:
+    m = manifests({"a": None, "b": FRESH_STATE}, {"a": None, "b": STEPPED})
+    replayer = Replayer(store=None, config=config("delayed"), manifests=m)  # type: ignore[arg-type]
+    picked, skipped = replayer.sample(8, seed=1)
+    assert picked == [(1, "b"), (2, "b")] and [(row.round, row.worker) for row in skipped] == [(1, "a"), (2, "a")]
+    outcome = ReplayOutcome(skipped, [], seed=1, steps=0, checked_steps=0, seconds=0.0, problems=[])
+    assert outcome.to_json()["not_replayed"] == {"a": [1, 2]}
+    assert outcome.not_replayed_line() == ("2 contribution(s) could not be replayed and were not sampled: a round(s) "
+                                           "1, 2 (the worker ran several pipeline stages and committed no inner state)")
+    assert ReplayOutcome([], [], 1, 0, 0, 0.0, []).not_replayed_line() is None
