@@ -8,6 +8,7 @@ published, so it never reports: exactly a worker killed between push and report.
 from __future__ import annotations
 
 import json
+import os
 import shutil
 import time
 from pathlib import Path
@@ -30,6 +31,8 @@ from trainer.codec.wire import encode_params, sha256_hex
 from trainer.config import InnerConfig, RoundConfig, RunConfig
 
 pytestmark = pytest.mark.integration
+
+GHOST_SITE = Path(__file__).parent / "ghost_site"  # a patched coordinator's start-up hook
 
 
 def attested_mallory(cluster: LocalCluster, worker_id: str = "m") -> tuple[Mallory, WorkerKey, bytes]:
@@ -182,3 +185,32 @@ def test_a_chain_restored_to_before_the_admissions_gets_them_again_and_every_rou
         assert cluster.run_dir.store.has(CID(Codec.JSON, admission.evidence_digest))  # the record it verified
         code, text = audit(cluster, restored.rpc_url)
         assert code == 0, text
+
+
+def test_a_ghost_the_coordinator_adds_as_unreported_fails_the_audit_by_name(cluster: LocalCluster, chain: Anvil,
+                                                                            tmp_path: Path,
+                                                                            monkeypatch: pytest.MonkeyPatch) -> None:
+    """Issue 28, from outside: a patched coordinator (tests/integration/ghost_site) averages a ghost's
+    update into round 1; its unmodified settlement code records the ghost as unreported. Before,
+    the audit passed with a warning ("participant ghost did not report"); now no admitted key pushed
+    that update, and the audit fails naming it."""
+    monkeypatch.setenv("PYTHONPATH", f"{GHOST_SITE}{os.pathsep}{os.environ.get('PYTHONPATH', '')}")
+    config = pinned(small_config(rounds=RoundConfig(rounds=2, expected_workers=1, quorum=1,
+                                                    heartbeat_interval_s=0.5, liveness_timeout_s=3.0)))
+    path = tmp_path / "config.json"
+    config.save(path)
+    co_args, wo_args = provision(cluster.run_dir.path, chain.rpc_url, config)
+    cluster.start_coordinator(path, extra=[*co_args, "--report-timeout", "2"])
+    cluster.start_worker("w0", extra=wo_args)
+    assert cluster.wait_exit("w0", 120) == 0, cluster.log("w0")
+    assert cluster.wait_exit("coordinator", 120) == 0, cluster.log("coordinator", tail=80)
+    ledger, run_id = ledger_of(cluster, chain)
+    (first, _) = ledger.recorded_rounds(run_id)
+    manifests = lineage(cluster.run_dir.store, cluster.run_dir.head())
+    ghost = {p.worker: p for p in manifests[1][1].participants}["ghost"]
+    assert first.unreported == (CID.parse(ghost.update).digest,)  # on the coordinator's word
+
+    code, text = audit(cluster, chain.rpc_url)
+    assert code == 1 and "AUDIT FAILED" in text, text
+    assert "push-signature" in text and "participant ghost's update keeps no push signature" in text, text
+    assert "rederive" not in text  # the ghost was averaged in as the checkpoint says
