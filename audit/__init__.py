@@ -7,6 +7,7 @@
     lineage    genesis, manifests, parent links and checkpoints; what the store holds past the ledger
     tallies    the ledger's records of the rounds, its tallies and totals, and the reward pool's payouts
     reports    the signed reports against the chain's record and the manifest; every participant answered for
+    push_signatures  every participant's update pushed by an admitted key (reported or not)
     signers    each report's signer as the registry saw it at the recording block
     recompute  the checks that recompute the work: rederive, replay and rescore
     rederive   a round's params and outer state recomputed from the stored updates

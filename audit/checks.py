@@ -11,6 +11,7 @@ Where each check lives:
                     TOTAL_CONTRIBUTION, PAYOUT
   audit.report_checks     REPORT_SIGNATURE, REPORT_BINDING, REPORT_PARTICIPANT, REPORT_DUPLICATE, REPORT_FIELDS,
                     REPORT_EVAL_LOSS, DATA_DIGEST, UNREPORTED, GHOST
+  audit.push_signatures   PUSH_SIGNATURE (and, for an unreported participant's signer, audit.signers')
   audit.signers     REGISTRY, ADMITTED, REVOKED, MEASUREMENT_ALLOWED, ADMISSION, and through
                     audit.admission ADMISSION_RECORD and EVIDENCE
   audit.recompute   REDERIVE, REPLAY, RESCORE
@@ -82,6 +83,9 @@ class AuditCheck(StrEnum):
                             "REPORTDATA the record implies, under the auditor's policy")
     UNREPORTED = ("unreported", "each update recorded without a report is one participant's, and none is both "
                                 "reported and unreported")
+    PUSH_SIGNATURE = ("push-signature", "every participant's update, reported or not, keeps a push signature on "
+                                        "each slice, all by one key: the report's signer, or else a key admitted "
+                                        "to the run (audit.signers)")
     GHOST = ("ghost", "every participant is accounted for on the ledger: by a signed report, or by the "
                       "coordinator's unreported list")
     TALLY = ("tally", "ledger.contribution_of(run, worker) equals the reports' tokens and rounds")

@@ -432,10 +432,9 @@ def render_replay(outcome, console: Console) -> None:  # audit.replay.ReplayOutc
         table.add_row(str(row.round), escape(row.worker), "*" if row.sampled else "",
                       "—" if row.distance is None else f"{row.distance:.2e}", status)
     console.print(table)
-    skipped = [row for row in outcome.rows if row.status == "not replayed"]
-    if skipped:
-        reasons = sorted({row.note for row in skipped})
-        console.print(f"{len(skipped)} contribution(s) not replayable: {escape('; '.join(reasons))}")
+    skipped = outcome.not_replayed_line()
+    if skipped is not None:
+        console.print(f"[bold yellow]{escape(skipped)}[/]")
     for score in outcome.rescored:
         mark = "[green]ok[/]" if score.ok else "[bold red]differs[/]"
         console.print(f"re-scored round {score.round}: held-out loss {score.recomputed:.6f}, reported "

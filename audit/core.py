@@ -19,8 +19,11 @@ worker ids the run's reports bind to addresses, and each unreported update with 
 and said loudly, because they count in the round on the coordinator's word alone and earn their
 workers nothing (docs/trust.md).
 
+Every participant, reported or not, must have been pushed by an admitted key of the run
+(audit.push_signatures): a ghost the coordinator lists as unreported fails by name.
+
 This module walks the run and hands each part to the modules that check it (audit.lineage, tallies,
-reports, signers, recompute); they record into one audit.findings.Findings.
+reports, push signatures, signers, recompute); they record into one audit.findings.Findings.
 """
 
 from __future__ import annotations
@@ -40,6 +43,7 @@ from trainer.progress import Progress
 from .checks import AuditCheck
 from .findings import Findings
 from .lineage import Lineage, Loaded, check_unrecorded
+from .push_signatures import PushSignatures
 from .receipts import check_receipt_faults, check_update_receipts
 from .recompute import Recomputation
 from .report_checks import ReportChecks
@@ -72,6 +76,7 @@ class _Audit:
         self.replay_seed = replay_seed
         self.lineage = Lineage(self.findings, ledger)
         self.signers = Signers(self.findings, registry, policy)
+        self.pushes = PushSignatures(self.findings, self.signers)
         self.tallies = Tallies(self.findings, ledger, rewards)
 
     def run(self, run_id: bytes | None) -> AuditResult:
@@ -171,6 +176,7 @@ class _Audit:
         if self.rederiving:
             self.recompute.check_round(r, loaded, parent, updates)
         self.reports.check(run_id, record, loaded.manifest, parent)
+        self.pushes.check(run_id, record, loaded.manifest)
         return loaded
 
     def _row(self, r: int, manifest_digest: bytes, checkpoint: bytes, participants: int | None,

@@ -146,6 +146,9 @@ class Recomputation:
             return
         outcome = replay_run(self.findings.store, self.config, manifests, k, seed)
         self.findings.result.replay = outcome
+        skipped = outcome.not_replayed_line()
+        if skipped is not None:  # said by worker and round, never skipped silently (audit.replay)
+            self.findings.warn(skipped)
         for round_, obj, message in outcome.problems:
             fail(round_, obj, AuditCheck.REPLAY, message)
         for row in outcome.rows:

@@ -50,7 +50,15 @@ trainer.rounds.outer.delayed_start / eager_start):
 
     delayed  s⁽ʳ⁾ = θ⁽ʳ⁻²⁾ − Δ̂ᵢ⁽ʳ⁻¹⁾
     eager    s⁽ʳ⁾ = θ⁽ʳ⁻²⁾ − ((θ⁽ʳ⁻³⁾ − θ⁽ʳ⁻²⁾) + c (Δ̂ᵢ⁽ʳ⁻¹⁾ − Δ̂ᵢ⁽ʳ⁻²⁾)),  c = eager_weight
-             (θ⁽ʳ⁻²⁾ − c Δ̂ᵢ⁽ʳ⁻¹⁾ when round r−1 was the worker's first, its inner state fresh)
+             (θ⁽ʳ⁻²⁾ − c Δ̂ᵢ⁽ʳ⁻¹⁾ when round r−1 (re)started the worker's loop: its inner
+             state fresh, or the worker's round r−2 did not count)
+
+An overlapped worker whose update of a round does not count drops the round it trained on it,
+rewinds its inner state to before the uncounted round and starts over from the newest global state
+(trainer.worker.loops.overlapped): a round with a fresh committed state, or after one of the
+worker's that did not count, starts from θ⁽ʳ⁻¹⁾, and an eager start right after such a restart has
+no history. So a worker's chain replays across a refused push, and an honest straggler's first
+counted round (after uncounted ones) starts fresh.
 
 A worker of several pipeline stages commits the same digest of its stages' states together
 (trainer.worker.role); its contribution (an update record of P > 1 slices) is replayed in one
@@ -58,9 +66,9 @@ process with the stages' arithmetic (trainer.runtime.staged: the same microbatch
 bit-exact on one thread).
 
 What cannot be replayed is said, not passed: a worker of several pipeline stages in a run from
-before they committed an inner state (``state`` null); an overlapped round after an update that did not count (for the eager start, also round
-r−2's) starts from what is not stored. Those contributions are listed as not replayed, with the
-reason, and are not sampled.
+before they committed an inner state (``state`` null). Those contributions are not sampled; each is
+a row "not replayed" with its reason (in the JSON and the human output, by worker and round) and the
+audit warns of them by name.
 """
 
 from __future__ import annotations
@@ -140,10 +148,31 @@ class ReplayOutcome:
     seconds: float
     problems: list[tuple[int | None, str, str]]  # (round, object, message): what stopped a replay
 
+    @property
+    def not_replayed(self) -> dict[str, list[int]]:
+        """The contributions that could not be replayed (and were not sampled): worker → rounds."""
+        out: dict[str, list[int]] = defaultdict(list)
+        for row in sorted(self.rows, key=lambda row: (row.worker, row.round)):
+            if row.status == "not replayed":
+                out[row.worker].append(row.round)
+        return dict(out)
+
+    def not_replayed_line(self) -> str | None:
+        """One line naming every contribution that could not be replayed, by worker and round, with
+        the reasons; None when every one could be."""
+        named = self.not_replayed
+        if not named:
+            return None
+        reasons = sorted({row.note for row in self.rows if row.status == "not replayed"})
+        count = sum(len(rounds) for rounds in named.values())
+        return (f"{count} contribution(s) could not be replayed and were not sampled: "
+                + "; ".join(f"{worker} round(s) {', '.join(map(str, rounds))}" for worker, rounds in named.items())
+                + f" ({'; '.join(reasons)})")
+
     def to_json(self) -> dict:
         return {"seed": self.seed, "steps": self.steps, "checked_steps": self.checked_steps,
                 "seconds": round(self.seconds, 3), "contributions": [r.to_json() for r in self.rows],
-                "rescored": [r.to_json() for r in self.rescored]}
+                "not_replayed": self.not_replayed, "rescored": [r.to_json() for r in self.rescored]}
 
 
 def _counted(manifest: Manifest | None, worker: str) -> Participant | None:
@@ -155,22 +184,14 @@ def unreplayable_reason(config: RunConfig, manifests: Mapping[int, Manifest], ro
                         worker: str) -> str | None:
     """Why a contribution cannot be replayed from the store and the config alone, or None.
 
-    An overlapped round r starts (trainer.worker.loops) from θ⁽ʳ⁻²⁾ moved by the worker's update of
-    round r−1 when that counted (both stored), and from θ⁽ʳ⁻¹⁾ when the worker joined with a fresh
-    state; any other start followed an update that did not count, which is not stored. The eager
-    start also moves by the worker's round r−2 update and θ⁽ʳ⁻³⁾, unless round r−1 was its first
-    (fresh): that update must have counted too."""
+    Every start is built from stored objects (``Replayer._start``): an overlapped worker whose round
+    did not count drops the round it trained on it and starts over from the newest global state with
+    its inner state rewound (trainer.worker.loops.overlapped), so no start follows an update that is
+    not stored. What remains is a worker of several pipeline stages in a run from before they committed
+    an inner state: such a contribution is named in the replay's rows and warned of (audit.recompute)."""
     participant = _counted(manifests[round_], worker)
     if participant.state is None:
         return "the worker ran several pipeline stages and committed no inner state (a run from before they did)"
-    if config.rounds.overlap and round_ >= 2:
-        previous = _counted(manifests.get(round_ - 1), worker)
-        if previous is None and participant.state != FRESH_STATE:
-            return "overlapped, and its update of the round before did not count: its start is not stored"
-        if (config.rounds.overlap_start == "eager" and previous is not None and previous.state != FRESH_STATE
-                and _counted(manifests.get(round_ - 2), worker) is None):
-            return ("overlapped eager start, and its update of round r-2 did not count: the history its "
-                    "start was moved by is not stored")
     return None
 
 
@@ -253,10 +274,12 @@ class Replayer:
     def _start(self, round_: int, worker: str) -> Params | None:
         """Where ``worker`` started ``round_``: θ⁽ʳ⁻¹⁾, or for an overlapped round after a counted one
         the worker's own start rule on stored objects (trainer.rounds.outer): delayed, θ⁽ʳ⁻²⁾ − Δ̂ᵢ⁽ʳ⁻¹⁾;
-        eager, θ⁽ʳ⁻²⁾ − Ũᵢ⁽ʳ⁻¹⁾ with the history (θ⁽ʳ⁻³⁾, Δ̂ᵢ⁽ʳ⁻²⁾) unless round r−1 started fresh
-        (``unreplayable_reason`` has already refused the cases where the history is not stored)."""
+        eager, θ⁽ʳ⁻²⁾ − Ũᵢ⁽ʳ⁻¹⁾ with the history (θ⁽ʳ⁻³⁾, Δ̂ᵢ⁽ʳ⁻²⁾) unless round r−1 (re)started the
+        worker's loop (fresh, or after a round r−2 of the worker's that did not count). A round with a
+        fresh state (re)started the loop itself: θ⁽ʳ⁻¹⁾ (trainer.worker.loops.overlapped)."""
         previous = _counted(self.manifests.get(round_ - 1), worker)
-        if not (self.config.rounds.overlap and round_ >= 2 and previous is not None):
+        fresh = self._participant(round_, worker).state == FRESH_STATE  # the worker's loop (re)started here
+        if not (self.config.rounds.overlap and round_ >= 2 and previous is not None) or fresh:
             return self._params(round_ - 1, f"θ⁽{round_ - 1}⁾")
         base = self._params(round_ - 2, f"θ⁽{round_ - 2}⁾")
         sent = self._sent(round_ - 1, worker, previous, base)
@@ -265,9 +288,10 @@ class Replayer:
         if self.config.rounds.overlap_start != "eager":
             return delayed_start(base, sent)
         history = None
-        if previous.state != FRESH_STATE:
+        counted_before = _counted(self.manifests.get(round_ - 2), worker)
+        if previous.state != FRESH_STATE and counted_before is not None:  # else round r−1 (re)started the loop
             before = self._params(round_ - 3, f"θ⁽{round_ - 3}⁾")
-            sent_before = self._sent(round_ - 2, worker, _counted(self.manifests.get(round_ - 2), worker), base)
+            sent_before = self._sent(round_ - 2, worker, counted_before, base)
             if before is None or sent_before is None:
                 return None
             history = (before, sent_before)

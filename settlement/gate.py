@@ -9,7 +9,9 @@ docs/trust.md has the whole design. In short:
               policy and name an allowlisted measurement; every byte of REPORTDATA is derived here
               (the code measurement is this coordinator's own, of its code and the run's config),
               none taken from the evidence. The admission record goes to the store and
-              ``admitWorker`` to the registry (skipped for a key that is already active).
+              ``admitWorker`` to the registry (skipped for a key that is already active); once mined,
+              the admission is kept in the ledger outbox, to be re-sent to a chain that comes back
+              without it (settlement.outbox).
   FetchGlobal the coordinator signs what a worker trains from (attestation.signing.global_digest).
   PushUpdate  the header is signed by the admitted key (attestation.signing.update_digest).
   Report      a participant's EIP-712 RoundReport must be signed by its key and say what the round's
@@ -46,6 +48,7 @@ from attestation.report import Domain, manifest_claims, report_differences
 from attestation.signing import update_digest
 from settlement.chain import ChainError
 from settlement.ledger import Deployment, Registry
+from settlement.outbox import Outbox
 from storage_client import CID, Manifest, Store
 from trainer.net.refusal import Reason, Refusal
 
@@ -110,6 +113,9 @@ class TrustGate:
     code: bytes  # the code measurement every worker must attest to: this coordinator's code and config
     verification_time: int | None = None
     nonces: JoinNonces = field(default_factory=JoinNonces)
+    # Where each admission is kept once mined, to be re-sent to a chain that comes back without it
+    # (settlement.outbox.Outbox.archive_admission); None: not kept (a gate without a ledger outbox).
+    outbox: Outbox | None = None
 
     def challenge(self, worker_id: str) -> bytes:
         return self.nonces.issue(worker_id)
@@ -150,6 +156,8 @@ class TrustGate:
                 code_measurement=self.code, provider=verified.provider, evidence=evidence_cid,
             ))
             self.registry.admit_worker(address, verified.measurement, record.digest)
+            if self.outbox is not None:
+                self.outbox.archive_admission(self.run_id, address, verified.measurement, record.digest)
         except ChainError as exc:
             raise Refusal(Reason.CHAIN_UNAVAILABLE,
                           f"worker {worker_id!r} cannot be admitted now: {exc}") from exc

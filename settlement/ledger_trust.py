@@ -91,12 +91,12 @@ def open_trust(settings: TrustSettings, run: Run) -> LedgerTrust:
     ledger (queued in the outbox) if it is not yet."""
     chain = Chain(settings.rpc_url, settings.private_key)
     dep, run_dir = settings.deployment, run.run_dir
+    outbox = Outbox(run_dir.path / "outbox", settings.confirmations)
     gate = TrustGate(
         store=run_dir.store, registry=Registry(chain, dep.registry), policy=settings.policy, run_id=run.run_digest,
         domain=Domain(dep.chain_id, dep.ledger), code=code_measurement(str(run.config_cid)),
-        verification_time=settings.verification_time,
+        verification_time=settings.verification_time, outbox=outbox,
     )
-    outbox = Outbox(run_dir.path / "outbox", settings.confirmations)
     book = ReportBook(run_dir, outbox, run.run_digest, settings.report_timeout_s, settings.challenge_window)
     genesis_cid, genesis = run.manifests[0]
     book.ensure_run(genesis_cid, genesis)

@@ -23,7 +23,20 @@ there (a crash can fall between a receipt and the file's move): a run that exist
 genesis, or a round whose recorded checkpoint and manifest equal the item's, is recognised, not
 sent twice.
 
-Files: ``NNNNNN-create_run.json`` and ``NNNNNN-round.json``, processed in the order of ``NNNNNN``.
+Admissions. The rounds depend on what came before them on chain: the run's creation (an item
+like the rounds) and each worker's admission, without which ``recordRound`` refuses the worker's
+reports. The coordinator admits a worker at once, at its Join (settlement.gate), after verifying its
+evidence and storing the admission record; once ``admitWorker`` is mined, the admission is kept here
+as a confirmed ``admit`` item (``archive_admission``: the worker's key, its measurement and the
+digest of the record of the evidence that admitted it, nothing else). A chain that comes back behind
+without it (``workerOf`` shows the key never admitted) gets it again, in its place among the rounds,
+from that copy: never an admission the coordinator did not verify. What only the registry's owner
+can write (the measurement allowlist, the coordinator's verifier role) is not the coordinator's to
+re-send: an admission the restored registry refuses for want of them stays queued, with the rounds
+after it, and is logged until the owner writes them again (``dilocox chain allow``).
+
+Files: ``NNNNNN-create_run.json``, ``NNNNNN-admit.json`` and ``NNNNNN-round.json``, processed in the
+order of ``NNNNNN``.
 """
 
 from __future__ import annotations
@@ -38,11 +51,12 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
+from attestation import checksum_address
 from attestation.report import ReportError, SignedReport
 from storage_client import hex32, strict_json, unhex32, write_atomic
 
 from .chain import ChainError, ChainUnavailable, TxReverted
-from .ledger import Ledger
+from .ledger import Ledger, Registry
 from .records import RoundRecord
 
 __all__ = ["SCHEMA", "Outbox", "OutboxError", "RecordConflict"]
@@ -50,7 +64,7 @@ __all__ = ["SCHEMA", "Outbox", "OutboxError", "RecordConflict"]
 log = logging.getLogger("dilocox.settlement")
 
 SCHEMA = "dilocox.outbox/v2"
-_NAME = re.compile(r"^(\d{6,})-(create_run|round)\.json$")
+_NAME = re.compile(r"^(\d{6,})-(create_run|admit|round)\.json$")
 _REPEAT_LOG_S = 60.0  # the same failure is logged again at most this often
 
 
@@ -80,6 +94,61 @@ def _as_recorded(recorded: RoundRecord | None) -> str:
     if recorded is None:
         return "no RoundRecorded event"
     return f"checkpoint {_short(recorded.checkpoint)} and manifest {_short(recorded.manifest_digest)}"
+
+
+def _create_run(ledger: Ledger, item: dict[str, Any]) -> bool:
+    """Send ``createRun`` unless the run exists; True once the run is on the ledger (a run is not
+    depth-checked: every flush looks for it again, in ``_requeue_lost``)."""
+    run_id = _unhex32(item, "run_id")
+    genesis = _unhex32(item, "genesis_checkpoint")
+    run = ledger.run_of(run_id)
+    if run is not None:
+        if run.genesis_checkpoint != genesis:
+            raise RecordConflict(f"run {_short(run_id)} exists on the ledger with genesis checkpoint "
+                                 f"{_short(run.genesis_checkpoint)}, but the outbox item {item['file']} has "
+                                 f"{_short(genesis)}")
+        if run.coordinator != ledger.chain.address:
+            log.warning("run %s exists on the ledger with coordinator %s, not this account %s; it cannot "
+                        "record rounds", _short(run_id), run.coordinator, ledger.chain.address)
+        return True
+    window = item.get("challenge_window", 0)
+    if type(window) is not int or not 0 <= window < 2**32:
+        raise OutboxError(f"outbox item {item['file']}: challenge_window is not a uint32")
+    receipt = ledger.create_run(run_id, genesis, _unhex32(item, "config_digest"),
+                                _unhex32(item, "genesis_manifest"), window)
+    log.info("run %s created on the ledger in block %d", _short(run_id), receipt["blockNumber"])
+    return True
+
+
+def _admitted(registry: Registry, item: dict[str, Any]) -> bool:
+    """The registry knows an ``admit`` item's key as admitted (now, or once and since revoked)."""
+    try:
+        worker = checksum_address(item.get("worker"))
+    except (ValueError, TypeError) as exc:
+        raise OutboxError(f"outbox item {item['file']}: worker: {exc}") from None
+    return registry.worker_of(worker).admitted_at != 0
+
+
+def _admit(ledger: Ledger, item: dict[str, Any]) -> bool:
+    """Send ``admitWorker`` for a kept admission unless the registry has the key; True once it has."""
+    registry = Registry(ledger.chain, ledger.registry_address())
+    if _admitted(registry, item):
+        return True
+    receipt = registry.admit_worker(checksum_address(item["worker"]), _unhex32(item, "measurement"),
+                                    _unhex32(item, "evidence_digest"))
+    log.info("worker %s admitted again on the ledger's registry in block %d, on the evidence kept in record 0x%s",
+             item["worker"], receipt["blockNumber"], _unhex32(item, "evidence_digest").hex())
+    return True
+
+
+def _lost_writes(lost: list[dict[str, Any]]) -> str:
+    """What a chain that came back behind lacks, in words: the run, admissions, rounds."""
+    rounds = [int(i["round"]) for i in lost if i["kind"] == "round"]
+    admitted = sum(1 for i in lost if i["kind"] == "admit")
+    return " and ".join(part for part in (
+        "the run" if any(i["kind"] == "create_run" for i in lost) else "",
+        f"{admitted} admission(s)" if admitted else "",
+        f"rounds {rounds[0]}..{rounds[-1]}" if rounds else "") if part)
 
 
 class Outbox:
@@ -144,7 +213,16 @@ class Outbox:
             "reports": [s.to_json() for s in signed], "unreported": vouched,
         })
 
-    def _enqueue(self, kind: str, body: dict[str, Any]) -> Path:
+    def archive_admission(self, run_id: bytes, worker: str, measurement: bytes, evidence_digest: bytes) -> Path:
+        """Keep an admission the coordinator verified and the chain has mined, as a confirmed ``admit``
+        item (module docstring): re-sent, in its place, to a chain that comes back without it."""
+        return self._enqueue("admit", {
+            "run_id": hex32(run_id, "run_id"), "worker": checksum_address(worker),
+            "measurement": hex32(measurement, "measurement"),
+            "evidence_digest": hex32(evidence_digest, "evidence_digest"),
+        }, folder=self.archive)
+
+    def _enqueue(self, kind: str, body: dict[str, Any], folder: Path | None = None) -> Path:
         item = {"schema": SCHEMA, "kind": kind, **body}
         with self._files_lock:
             existing = self._list()
@@ -160,7 +238,8 @@ class Outbox:
             archived = self._list(self.archive)
             seq = max([self._last_seq, *(s for s, _ in existing), *(s for s, _ in archived[-1:])]) + 1
             self._last_seq = seq
-            path = self.directory / f"{seq:06d}-{kind}.json"
+            path = (folder or self.directory) / f"{seq:06d}-{kind}.json"
+            path.parent.mkdir(parents=True, exist_ok=True)
             write_atomic(path, (strict_json(item, indent=1, sort_keys=True) + "\n").encode())
         return path
 
@@ -236,7 +315,9 @@ class Outbox:
             for item in self.pending():
                 try:
                     if item["kind"] == "create_run":
-                        deep = self._create_run(ledger, item)
+                        deep = _create_run(ledger, item)
+                    elif item["kind"] == "admit":
+                        deep = _admit(ledger, item)
                     else:
                         deep = self._round(ledger, item)
                 except ChainUnavailable as exc:
@@ -245,7 +326,8 @@ class Outbox:
                                 f"and are sent when the chain answers again")
                     return done
                 except TxReverted as exc:
-                    what = "createRun" if item["kind"] == "create_run" else f"recordRound for round {item['round']}"
+                    what = {"create_run": "createRun", "admit": f"admitWorker for {item.get('worker')}"}.get(
+                        item["kind"], f"recordRound for round {item.get('round')}")
                     self._error(f"{what}: {exc}", f"ledger outbox: {what} was refused by the ledger: {exc}; "
                                 f"{Path(item['file']).name} and the writes after it stay queued")
                     return done
@@ -278,8 +360,14 @@ class Outbox:
         run = ledger.run_of(run_id)
         last = -1 if run is None else run.last_round  # -1: not even the run is there
         lost: list[dict[str, Any]] = []
+        registry: Registry | None = None
         for seq, path in reversed(archived):
             item = self._read(path, seq)
+            if item["kind"] == "admit":  # kept between rounds: looked at on the way back to the newest one kept
+                registry = registry or Registry(ledger.chain, ledger.registry_address())
+                if not _admitted(registry, item):
+                    lost.append(item)
+                continue
             if item["kind"] == "round" and int(item["round"]) > last or item["kind"] == "create_run" and last < 0:
                 lost.append(item)
                 continue
@@ -295,8 +383,7 @@ class Outbox:
         if not lost:
             return
         lost.reverse()
-        rounds = [int(i["round"]) for i in lost if i["kind"] == "round"]
-        what = f"rounds {rounds[0]}..{rounds[-1]}" if rounds else "the run"
+        what = _lost_writes(lost)
         where = "has no record of the run" if run is None else f"shows round {last} as its last"
         log.error("ledger outbox: the chain came back behind: it %s, but %s had been confirmed; re-sending "
                   "%d write(s) from %s, in order", where, what, len(lost), self.archive)
@@ -314,29 +401,6 @@ class Outbox:
             log.error("%s", message)
             self._last_error_at = now
         self._last_error = key
-
-    def _create_run(self, ledger: Ledger, item: dict[str, Any]) -> bool:
-        """Send ``createRun`` unless the run exists; True once the run is on the ledger (a run is not
-        depth-checked: every flush looks for it again, in ``_requeue_lost``)."""
-        run_id = _unhex32(item, "run_id")
-        genesis = _unhex32(item, "genesis_checkpoint")
-        run = ledger.run_of(run_id)
-        if run is not None:
-            if run.genesis_checkpoint != genesis:
-                raise RecordConflict(f"run {_short(run_id)} exists on the ledger with genesis checkpoint "
-                                 f"{_short(run.genesis_checkpoint)}, but the outbox item {item['file']} has "
-                                 f"{_short(genesis)}")
-            if run.coordinator != ledger.chain.address:
-                log.warning("run %s exists on the ledger with coordinator %s, not this account %s; it cannot "
-                            "record rounds", _short(run_id), run.coordinator, ledger.chain.address)
-            return True
-        window = item.get("challenge_window", 0)
-        if type(window) is not int or not 0 <= window < 2**32:
-            raise OutboxError(f"outbox item {item['file']}: challenge_window is not a uint32")
-        receipt = ledger.create_run(run_id, genesis, _unhex32(item, "config_digest"),
-                                    _unhex32(item, "genesis_manifest"), window)
-        log.info("run %s created on the ledger in block %d", _short(run_id), receipt["blockNumber"])
-        return True
 
     def _round(self, ledger: Ledger, item: dict[str, Any]) -> bool:
         """Send ``recordRound`` unless the round is recorded; True once it is ``confirmations`` deep."""

@@ -34,6 +34,7 @@ from attestation import (
     attest,
     code_measurement,
 )
+from attestation.signing import update_digest
 from audit import run_audit
 from audit.cli import main as audit_main
 from proto import Encoding
@@ -124,6 +125,8 @@ class RunBuilder:
         for worker in workers:
             self.keys[worker] = WorkerKey.generate()
             self.admit(self.keys[worker])
+        # The key each participant's push is signed with (None: unsigned), as a worker signs its push.
+        self.push_keys: dict[str, WorkerKey | None] = dict(self.keys)
         self.reports: dict[int, list[SignedReport]] = {}
 
     @property
@@ -177,7 +180,10 @@ class RunBuilder:
             result = loop.run(self.params, batches)
             payload = encode_params(result.pseudo_gradient)
             deltas[worker] = result.pseudo_gradient
-            ref = slice_ref(0, 1, Encoding.DENSE_F32, payload, None)  # as the coordinator keeps a push
+            key = self.push_keys.get(worker)
+            signature = b"" if key is None else key.sign_digest(
+                update_digest(self.run_id, r, 0, 1, hashlib.sha256(payload).hexdigest()))
+            ref = slice_ref(0, 1, Encoding.DENSE_F32, payload, None, signature)  # as the coordinator keeps a push
             store_slice(self.store, ref, payload, None)
             record_cid = self.store.put(record_bytes([ref]), Codec.JSON)
             participants.append(Participant(worker=worker, update=str(record_cid),
@@ -225,6 +231,12 @@ class RunBuilder:
                                      CID.parse(manifest.params).digest, cid.digest, signed,
                                      unreported(manifest) if unreported else [])
         return manifest
+
+    def add_ghost(self, name: str, key: WorkerKey | None) -> None:
+        """A participant the coordinator adds to every later round, its push signed by ``key``
+        (None: unsigned); it has no admission and sends no report."""
+        self.loops[name] = InnerLoop(build_model(self.config.model, self.config.seed), self.config.inner)
+        self.push_keys[name] = key
 
     def lie(self) -> Any:
         """Swap the ledger's code for LyingLedger's (state kept); returns a contract for its extras."""
@@ -552,6 +564,28 @@ def test_a_ghost_participant_fails_the_audit(anvil: Anvil, tmp_path: Path) -> No
     (failure,) = result.failures
     assert "w1" in failure.message and failure.object == [p.update for p in builder.manifests[1][1].participants
                                                           if p.worker == "w1"][0]
+
+
+@pytest.mark.parametrize("signed", [True, False], ids=["unadmitted-key", "unsigned"])
+def test_a_ghost_listed_as_unreported_fails_the_audit_by_name(anvil: Anvil, tmp_path: Path, signed: bool) -> None:
+    """A coordinator adds a ghost participant and lists it as unreported, as if a worker had died
+    before reporting: its update is averaged in, but no admitted key pushed it (issue 28)."""
+    builder = RunBuilder(tmp_path, anvil.rpc_url, run_name=f"ghost-{signed}")
+    builder.add_ghost("ghost", WorkerKey.generate() if signed else None)
+    builder.round(unreported=lambda m: [update_of(m, "ghost")])
+    result = builder.audit()
+    ghost_update = [p.update for p in builder.manifests[1][1].participants if p.worker == "ghost"][0]
+    if signed:  # a real signature, by a key the registry never admitted
+        assert checks(result) == {(1, "admitted")}, [str(f) for f in result.failures]
+        (failure,) = result.failures
+        assert failure.object == f"the push of participant ghost ({ghost_update})"
+        assert builder.push_keys["ghost"].address in failure.message and "never admitted" in failure.message
+    else:  # no signature kept: what an old record, or a push nobody signed, looks like
+        assert checks(result) == {(1, "push-signature")}, [str(f) for f in result.failures]
+        (failure,) = result.failures
+        assert failure.object == ghost_update
+        assert "participant ghost's update keeps no push signature" in failure.message
+    assert not result.ok
 
 
 def test_a_round_nobody_reported_is_recorded_listed_and_credits_nobody(anvil: Anvil, tmp_path: Path) -> None:

@@ -8,6 +8,7 @@ published, so it never reports: exactly a worker killed between push and report.
 from __future__ import annotations
 
 import json
+import os
 import shutil
 import time
 from pathlib import Path
@@ -18,11 +19,11 @@ from rich.console import Console
 from attestation import DevProvider, DevRoot, WorkerKey, attest, code_measurement
 from attestation.signing import update_digest
 from audit.cli import audit_run_dir
-from cli.cluster import LocalCluster
+from cli.cluster import LocalCluster, provision
 from proto import PROTOCOL_VERSION, pb, session_metadata
-from settlement import Anvil
+from settlement import Anvil, Registry
 from settlement.records import Contribution
-from storage_client import CID, lineage
+from storage_client import CID, Codec, lineage
 from tests.conftest import small_config
 from tests.integration.test_bad_input import Mallory
 from tests.integration.test_trust import ledger_of, pinned, start
@@ -30,6 +31,8 @@ from trainer.codec.wire import encode_params, sha256_hex
 from trainer.config import InnerConfig, RoundConfig, RunConfig
 
 pytestmark = pytest.mark.integration
+
+GHOST_SITE = Path(__file__).parent / "ghost_site"  # a patched coordinator's start-up hook
 
 
 def attested_mallory(cluster: LocalCluster, worker_id: str = "m") -> tuple[Mallory, WorkerKey, bytes]:
@@ -136,3 +139,78 @@ def test_a_chain_restored_behind_gets_every_round_again_once_in_order(cluster: L
         assert len(list((cluster.run_dir.path / "outbox" / "confirmed").glob("*-round.json"))) == rounds
         code, text = audit(cluster, restored.rpc_url)
         assert code == 0, text
+
+
+def test_a_chain_restored_to_before_the_admissions_gets_them_again_and_every_round(cluster: LocalCluster,
+                                                                                  chain: Anvil,
+                                                                                  tmp_path: Path) -> None:
+    """Issue 28: the node comes back from a state taken before the coordinator started (the
+    registry's allowlist and verifier are there; the run, the worker's admission and the rounds are
+    not). The coordinator sends the run, the admission it kept (on the evidence it verified) and
+    every round again, in order; before, the rounds were refused for good (unadmitted signer)."""
+    rounds = 4
+    config = pinned(small_config(inner=InnerConfig(steps=400, batch_size=4, lr=1e-3),
+                                 rounds=RoundConfig(rounds=rounds, expected_workers=1, quorum=1,
+                                                    heartbeat_interval_s=0.5, liveness_timeout_s=3.0)))
+    path = tmp_path / "config.json"
+    config.save(path)
+    co_args, wo_args = provision(cluster.run_dir.path, chain.rpc_url, config)
+    time.sleep(1.5)  # anvil dumps its state every second: the copy holds the provisioned chain
+    older = tmp_path / "before-admissions.json"
+    shutil.copyfile(chain.state_file, older)
+    cluster.start_coordinator(path, extra=[*co_args, "--report-timeout", "10"])
+    cluster.start_worker("w0", extra=wo_args)
+    cluster.wait_for(lambda s: len(s.rounds) >= 3, 120, "round 2 to close")
+    deadline = time.monotonic() + 60
+    live, run_id = ledger_of(cluster, chain)
+    while (live.run_of(run_id) is None or live.run_of(run_id).last_round < 1) and time.monotonic() < deadline:
+        time.sleep(0.1)
+    assert live.run_of(run_id).last_round >= 1 and live.chain.w3.eth.get_logs(
+        {"address": Registry(live.chain, live.registry_address()).address, "fromBlock": 0})
+    port = int(chain.rpc_url.rsplit(":", 1)[1])
+    chain._process.kill()  # SIGKILL: no final dump
+    chain._process.wait()
+    chain.stop()
+    with Anvil(state_file=older, port=port) as restored:
+        ledger, _ = ledger_of(cluster, restored)
+        registry = Registry(ledger.chain, ledger.registry_address())
+        assert cluster.wait_exit("w0", 240) == 0, cluster.log("w0")
+        assert cluster.wait_exit("coordinator", 120) == 0, cluster.log("coordinator", tail=80)
+        # what the coordinator found (the copy had neither the run nor the admission) and sent again
+        log = cluster.log("coordinator", tail=4000)
+        assert "the chain came back behind: it has no record of the run, but the run and 1 admission(s)" in log, log
+        assert "admitted again on the ledger's registry" in log
+        assert [r.round for r in ledger.recorded_rounds(run_id)] == list(range(1, rounds + 1))
+        (admission,) = registry.admissions()
+        assert cluster.run_dir.store.has(CID(Codec.JSON, admission.evidence_digest))  # the record it verified
+        code, text = audit(cluster, restored.rpc_url)
+        assert code == 0, text
+
+
+def test_a_ghost_the_coordinator_adds_as_unreported_fails_the_audit_by_name(cluster: LocalCluster, chain: Anvil,
+                                                                            tmp_path: Path,
+                                                                            monkeypatch: pytest.MonkeyPatch) -> None:
+    """Issue 28, from outside: a patched coordinator (tests/integration/ghost_site) averages a ghost's
+    update into round 1; its unmodified settlement code records the ghost as unreported. Before,
+    the audit passed with a warning ("participant ghost did not report"); now no admitted key pushed
+    that update, and the audit fails naming it."""
+    monkeypatch.setenv("PYTHONPATH", f"{GHOST_SITE}{os.pathsep}{os.environ.get('PYTHONPATH', '')}")
+    config = pinned(small_config(rounds=RoundConfig(rounds=2, expected_workers=1, quorum=1,
+                                                    heartbeat_interval_s=0.5, liveness_timeout_s=3.0)))
+    path = tmp_path / "config.json"
+    config.save(path)
+    co_args, wo_args = provision(cluster.run_dir.path, chain.rpc_url, config)
+    cluster.start_coordinator(path, extra=[*co_args, "--report-timeout", "2"])
+    cluster.start_worker("w0", extra=wo_args)
+    assert cluster.wait_exit("w0", 120) == 0, cluster.log("w0")
+    assert cluster.wait_exit("coordinator", 120) == 0, cluster.log("coordinator", tail=80)
+    ledger, run_id = ledger_of(cluster, chain)
+    (first, _) = ledger.recorded_rounds(run_id)
+    manifests = lineage(cluster.run_dir.store, cluster.run_dir.head())
+    ghost = {p.worker: p for p in manifests[1][1].participants}["ghost"]
+    assert first.unreported == (CID.parse(ghost.update).digest,)  # on the coordinator's word
+
+    code, text = audit(cluster, chain.rpc_url)
+    assert code == 1 and "AUDIT FAILED" in text, text
+    assert "push-signature" in text and "participant ghost's update keeps no push signature" in text, text
+    assert "rederive" not in text  # the ghost was averaged in as the checkpoint says

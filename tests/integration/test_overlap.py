@@ -12,6 +12,7 @@ from cli.cluster import LocalCluster
 from tests.integration.test_cluster import assert_rederivable
 from trainer.codec import CompressionConfig
 from trainer.config import InnerConfig, RoundConfig, RunConfig
+from trainer.runtime.inner import FRESH_STATE
 
 pytestmark = pytest.mark.integration
 
@@ -95,3 +96,50 @@ def test_overlap_hides_a_slow_link_behind_compute(make_config, tmp_path) -> None
     assert sync_wall > sync_compute + 0.8 * sync_transfer, figures
     # ... overlapped ones only compute: the exchange runs meanwhile.
     assert wall < compute + 0.4 * transfer, figures
+
+
+def test_an_overlapped_straggler_starts_over_fresh_and_every_contribution_replays(cluster: LocalCluster, make_config,
+                                                                                  holds) -> None:
+    """Issue 28. w1 is held before round 1's inner steps until round 1 has closed on w0 alone; it then
+    trains round 1 and, overlapped, round 2 on it, while its round-1 push is refused as stale. It drops
+    both, rewinds its inner state (trainer.worker.loops.overlapped) and starts over from the newest
+    global state: its first counted round commits a fresh state, the eager start after it has no
+    history. w0, held before round 3 until round 3 closed on w1, has its round-3 push refused in turn
+    and rewinds to its state after round 2. The replay rebuilds every contribution of the run (before,
+    a round after a refused one was "not replayable", or failed as "not fresh")."""
+    cluster.start_coordinator(make_config(rounds=RoundConfig(
+        rounds=5, expected_workers=2, quorum=1, overlap=True, overlap_start="eager", straggler_timeout_s=5.0,
+        heartbeat_interval_s=0.5, liveness_timeout_s=3.0)))
+    holds.hold("w1", 1)
+    holds.hold("w0", 3)  # so that round 3 waits for w0 and w1's fresh start counts in it
+    holds.hold("w1", 5)  # so that round 5 waits for w1 and w0's start after its refusal counts by then
+    cluster.start_worker("w0")
+    cluster.start_worker("w1")
+    cluster.wait_for(lambda s: len(s.rounds) >= 2, 60, "round 1 to close on w0 alone")
+    holds.release("w1", 1)
+    # w0's round 3 is refused in its turn: w0's chain replays across its refused push
+    cluster.wait_for(lambda s: len(s.rounds) >= 4, 60, "round 3 to close on w1 alone")
+    holds.release("w0", 3)
+    cluster.wait_for(lambda s: len(s.rounds) >= 6, 60, "round 5 to close")
+    holds.release("w1", 5)
+    for name in ("w0", "w1", "coordinator"):
+        assert cluster.wait_exit(name, 120) == 0, cluster.log(name)
+    assert "round 1's push was refused" in cluster.log("w1", tail=400)
+    assert "round 3's push was refused" in cluster.log("w0", tail=400)
+
+    chain = assert_rederivable(cluster.run_dir)
+    manifests = {m.round: m for _, m in chain}
+    counted = [r for r in range(1, 6) if any(p.worker == "w1" for p in manifests[r].participants)]
+    again = [r for r in range(3, 6) if any(p.worker == "w0" for p in manifests[r].participants)]
+    assert again and again[0] > 3, [[p.worker for p in m.participants] for m in manifests.values()]
+    assert 1 not in counted and 3 in counted, cluster.log("w1", tail=60) + cluster.log("coordinator", tail=60)
+    first = {p.worker: p for p in manifests[counted[0]].participants}["w1"]
+    assert first.state == FRESH_STATE  # nothing of w1's counted before: it starts over fresh
+    config = RunConfig.from_json(cluster.run_dir.store.get_json(manifests[0].config))
+    outcome = replay_run(cluster.run_dir.store, config, manifests, k=16, seed=1)
+    assert not outcome.problems, outcome.problems
+    assert outcome.not_replayed == {} and outcome.not_replayed_line() is None
+    everyone = sorted((r, p.worker) for r, m in manifests.items() if r > 0 for p in m.participants)
+    assert sorted((row.round, row.worker) for row in outcome.rows) == everyone
+    assert all(row.status == "ok" and row.distance < REPLAY_TOLERANCE / 5 for row in outcome.rows), outcome.rows
+    print({(row.round, row.worker): f"{row.distance:.2e}" for row in outcome.rows})

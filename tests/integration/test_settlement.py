@@ -17,6 +17,7 @@ from pathlib import Path
 
 import pytest
 
+from attestation import DevProvider, DevRoot, Policy, attest, code_measurement
 from attestation.keys import WorkerKey
 from attestation.report import RoundReport, SignedReport
 from settlement import (
@@ -33,7 +34,9 @@ from settlement import (
     TxReverted,
     deploy,
 )
+from settlement.gate import TrustGate
 from settlement.records import Contribution
+from storage_client import CID, Codec, ObjectStore
 
 pytestmark = pytest.mark.integration
 
@@ -299,3 +302,48 @@ def test_anvil_refuses_a_taken_port(anvil: Anvil) -> None:
     with pytest.raises(AnvilError, match="already in use"):
         Anvil(port=anvil.port).start()
     assert anvil.running
+
+
+def test_a_chain_restored_to_before_the_admissions_gets_them_again_then_every_round(anvil: Anvil,
+                                                                                   tmp_path: Path) -> None:
+    """Issue 28: the chain comes back from a state before the run and its workers' admissions
+    (``evm_revert``). The gate kept each admission it verified in the outbox, so the run, the
+    admissions and every round are sent again, in order, on the evidence that admitted them."""
+    owner, coordinator = Chain(anvil.rpc_url, DEV_ACCOUNTS[0]), Chain(anvil.rpc_url, DEV_ACCOUNTS[1])
+    deployment = deploy(owner)
+    code = code_measurement(str(CID.of(b"a run config", Codec.JSON)))
+    Registry(owner, deployment.registry).set_measurement(code)  # the owner's writes: before the snapshot
+    Registry(owner, deployment.registry).set_verifier(coordinator.address)
+    snapshot = owner.w3.provider.make_request("evm_snapshot", [])["result"]
+    run_id, genesis = h("restored run"), h("checkpoint", 0)
+    outbox = Outbox(tmp_path / "outbox")
+    registry = Registry(coordinator, deployment.registry)
+    ledger = Ledger(coordinator, deployment.ledger, from_block=deployment.deployed_block)
+    root = DevRoot.load_or_create(tmp_path / "dev-root")
+    gate = TrustGate(store=ObjectStore(tmp_path / "store"), registry=registry,
+                     policy=Policy.development(root.address), run_id=run_id, domain=ledger.domain(), code=code,
+                     outbox=outbox)
+    outbox.enqueue_create_run(run_id, genesis, h("config"), run_id)
+    assert outbox.flush(ledger) == []
+    workers = [WorkerKey.generate() for _ in range(2)]
+    for i, key in enumerate(workers):
+        nonce = gate.challenge(f"w{i}")
+        evidence = attest(DevProvider(root), key, run_id, nonce, code)
+        assert gate.admit(f"w{i}", key.address, evidence.to_bytes(), nonce) == key.address
+    evidence_digests = {key.address: registry.worker_of(key.address).evidence_digest for key in workers}
+    s = Setup(anvil, owner, coordinator, deployment, registry, ledger, workers, run_id, genesis)
+    parent = genesis
+    for round_ in (1, 2, 3):
+        checkpoint = h("checkpoint", round_)
+        outbox.enqueue_round(run_id, round_, parent, checkpoint, h("manifest", round_),
+                             signed_reports(s, round_, parent, checkpoint))
+        parent = checkpoint
+    assert outbox.flush(ledger) == [1, 2, 3]
+
+    assert owner.w3.provider.make_request("evm_revert", [snapshot])["result"] is True
+    assert ledger.run_of(run_id) is None and all(registry.worker_of(k.address).admitted_at == 0 for k in workers)
+    assert outbox.flush(ledger) == [1, 2, 3]
+    assert [r.round for r in ledger.recorded_rounds(run_id)] == [1, 2, 3]
+    assert {a.worker: a.evidence_digest for a in registry.admissions()} == evidence_digests  # the same evidence
+    assert outbox.pending() == [] and outbox.flush(ledger) == []  # each sent once
+    assert [i["kind"] for i in outbox.confirmed()] == ["create_run", "admit", "admit", "round", "round", "round"]

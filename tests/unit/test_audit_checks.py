@@ -19,6 +19,7 @@ NAMES = {
     "admission-record", "evidence", "unreported", "ghost", "tally", "total-contribution", "payout", "recorder",
     "unrecorded", "replay", "rescore",
     "receipt-fault", "receipt-withheld",  # added with the coordinator's receipts (audit.receipts)
+    "push-signature",  # added with audit.push_signatures (issue 28)
 }
 
 

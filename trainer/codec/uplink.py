@@ -20,8 +20,10 @@ bytes and codec header bytes (``codec_header_bytes``) as pushed, named by one up
      "slices": [{"stage", "num_stages", "encoding": "dense_f32" | "lowrank_int4",
                  "payload": <RAW CID of the payload>, "header": <RAW CID of the codec header, or null>}]}
 
-(canonical JSON, slices in stage order; trainer.runstore.update_record), whose CID the manifest names and
-whose digest the worker's signed report restates; the audit re-derives Δ̂ᵢ from those bytes. A worker missing a slice (a stage died, a push was refused) is out of the round.
+(canonical JSON, slices in stage order; trainer.runstore.update_record; ``dilocox.update/v2`` when each
+slice also keeps the signature it was pushed with), whose CID the manifest names and whose digest
+the worker's signed report restates; the audit re-derives Δ̂ᵢ from those bytes. A worker missing a
+slice (a stage died, a push was refused) is out of the round.
 
 The error-feedback state eᵢ,ₛ (with the rank policy's window) belongs to the worker process, not
 to the stage process: it goes to the stage with each round's job and comes back updated, so a stage

@@ -20,6 +20,7 @@ from trainer.net.limits import clip, dense_payload_limit
 from trainer.net.refusal import Reason, Refusal
 from trainer.rounds.aggregation import InvalidUpdate, check_layout
 from trainer.rounds.schedule import round_tokens
+from trainer.runstore.update_record import SIGNATURE_BYTES
 from trainer.runtime.inner import FRESH_STATE
 from trainer.runtime.state_commit import StateError, decode_inner_state, state_due, state_limit
 
@@ -79,6 +80,10 @@ def check_digest_form(h: UpdateHeader) -> None:
                                         f"{', '.join(f'{e.value} ({e.name})' for e in PUSH_ENCODINGS)}")
     if not _SHA256_HEX.match(h.payload_sha256):
         raise Refusal(Reason.MALFORMED, f"payload_sha256 {clip(h.payload_sha256)} is not 64 lowercase hex digits")
+    if h.signature and len(h.signature) != SIGNATURE_BYTES:
+        # Kept with the update's record (trainer.runstore.update_record), so bounded even without a trust layer.
+        raise Refusal(Reason.MALFORMED, f"the push signature is {len(h.signature)} bytes; it must be "
+                                        f"{SIGNATURE_BYTES} (r||s||v) or absent")
 
 
 def stage_layout(layout: Layout, model: ModelConfig, stage: int, num_stages: int) -> Layout:

@@ -5,8 +5,10 @@ An accepted push is stored at once, as the bytes that crossed the wire and the r
 record re-opened exactly as on arrival). A stage slice's journal entry names a record of that one
 slice; the completed update's record names all of them. A worker of P pipeline stages pushes P slices; its update counts once all P are in (Δ̂ᵢ = their
 union, checked whole), and one refused slice drops the worker's others for the round. An update
-byte-identical to one already accepted in the run (``accepted_cids``, rebuilt on restart from the
-manifests and the journal) is refused as a replay.
+byte-identical to one already accepted in the run (``accepted_cids``, by the record's identity
+without signatures, trainer.runstore.update_record.identity_cid; rebuilt on restart from the
+manifests and the journal) is refused as a replay. Each slice's record keeps the signature its push
+carried, so the store holds, for every counted update, what its worker signed.
 
 Refusals: each is filed in the round's record (the first ``MAX_REFUSALS_KEPT`` per worker) and
 logged within a per-worker budget (trainer.net.limits.LogBudget), so a flood of refused pushes from a
@@ -34,7 +36,15 @@ from trainer.net.limits import LogBudget
 from trainer.net.refusal import Reason, Refusal
 from trainer.rounds.aggregation import CheckedUpdate, exact_norm
 from trainer.rounds.update_source import UpdateSource
-from trainer.runstore.update_record import open_update, parse_record, record_bytes, slice_ref, store_slice
+from trainer.runstore.update_record import (
+    identity_cid,
+    open_update,
+    parse_record,
+    record_bytes,
+    slice_ref,
+    store_slice,
+    stored_identity,
+)
 
 log = logging.getLogger("dilocox.coordinator")
 
@@ -50,8 +60,11 @@ class Intake:
                  clock: Callable[[], float]) -> None:
         self.run, self.registry, self._lock, self.clock = run, registry, lock, clock
         self.round = OpenRound(number=run.global_state.round + 1, opened_at=clock())
-        self.accepted_cids: dict[str, tuple[int, str]] = {
-            p.update: (r, p.worker) for r, (_, m) in sorted(run.manifests.items()) for p in m.participants}
+        store = run.run_dir.store
+        self.accepted_cids: dict[str, tuple[int, str]] = {}  # identity_cid of each accepted update
+        for r, (_, m) in sorted(run.manifests.items()):
+            for p in m.participants:
+                self.accepted_cids.setdefault(stored_identity(store, p.update), (r, p.worker))
         # Wire bytes of each worker's completed FetchGlobal streams, by params CID served.
         self.served: dict[str, dict[str, int]] = {}
         # The log line of a refused push is budgeted per worker: a joined worker's flood of bad
@@ -68,7 +81,7 @@ class Intake:
         for worker, raw in sorted(self.run.run_dir.pending(number).items()):
             entry = JournalEntry.from_json(raw)
             self.round.accepted[worker] = Accepted(open_update(store, entry.cid, layout, model), entry)  # re-hashed
-            self.accepted_cids.setdefault(entry.cid, (number, worker))
+            self.accepted_cids.setdefault(stored_identity(store, entry.cid), (number, worker))
             self.round.first_accept(self.clock())
             log.info("round %d: kept %s's update %s from before the restart", number, worker, entry.cid)
         for worker, held in sorted(self.run.run_dir.pending(number, "stages").items()):
@@ -138,8 +151,8 @@ class Intake:
             state=h.inner_state_sha256,  # a worker of several stages names its one commitment in every slice
             base_params_cid=None if single else h.base_params_cid)
 
-    def _count_accepted(self, worker_id: str, accepted: Accepted) -> None:
-        self.accepted_cids.setdefault(accepted.entry.cid, (self.round.number, worker_id))
+    def _count_accepted(self, worker_id: str, accepted: Accepted, identity: str) -> None:
+        self.accepted_cids.setdefault(identity, (self.round.number, worker_id))
         self.round.accepted[worker_id] = accepted
         self.round.first_accept(self.clock())
         self._journal_accepted()
@@ -153,11 +166,11 @@ class Intake:
         the open round, and the worker's slices when this one completed them (the caller checks and
         counts the union). What is held until the close is the update's compact source and its norm."""
         header = h.compression_header if h.encoding == Encoding.LOWRANK_INT4 else None
-        ref = slice_ref(h.stage, h.num_stages, h.encoding, payload, header)
-        record = record_bytes([ref])
+        ref = slice_ref(h.stage, h.num_stages, h.encoding, payload, header, h.signature)  # signature kept
+        record, identity = record_bytes([ref]), identity_cid([ref])
         if h.num_stages == 1:
             with self._lock:  # a replay is refused by its hash before any held-out evaluation
-                checks.check_replay(self.accepted_cids, str(CID.of(record, Codec.JSON)))
+                checks.check_replay(self.accepted_cids, identity)
             screen(update.source)
         store = self.run.run_dir.store
         store_slice(store, ref, payload, header)  # the bytes before the record, the record before the journal
@@ -169,8 +182,8 @@ class Intake:
             self._check_open(h)  # the round may have moved
             entry = self._entry(h, cid, wire_bytes)
             if h.num_stages == 1:
-                checks.check_replay(self.accepted_cids, str(cid))
-                self._count_accepted(h.worker_id, Accepted(update.source, entry, norm))
+                checks.check_replay(self.accepted_cids, identity)
+                self._count_accepted(h.worker_id, Accepted(update.source, entry, norm), identity)
                 log.info("round %d: accepted %s from %s (loss %.4f)", h.round, cid, h.worker_id, h.train_loss)
                 return cid, self.round.number, None
             part = self.round.partial.setdefault(h.worker_id, StageSlices(h.num_stages))
@@ -200,9 +213,9 @@ class Intake:
                 # The round closed without this worker meanwhile: none of its slices counts.
                 raise Refusal(Reason.STALE_ROUND,
                               f"round {h.round} closed before {h.worker_id}'s last stage slice was counted")
-            checks.check_replay(self.accepted_cids, str(cid))
+            checks.check_replay(self.accepted_cids, identity_cid(refs))
             del r.partial[h.worker_id]
-            self._count_accepted(h.worker_id, Accepted(update, entry, exact_norm(update)))
+            self._count_accepted(h.worker_id, Accepted(update, entry, exact_norm(update)), identity_cid(refs))
             self._journal_partial()
         log.info("round %d: accepted %s from %s, %d stage slices (loss %.4f, norm %.4g)", h.round, cid,
                  h.worker_id, part.num_stages, h.train_loss, norm)

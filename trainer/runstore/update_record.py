@@ -10,7 +10,21 @@ manifest participant's ``update`` and whose digest the worker's signed report re
                  "payload": <RAW CID of the payload bytes>,
                  "header": <RAW CID of the codec header bytes, or null when dense>}, ...]}
 
-with the slices in stage order. A whole update's record has all P slices; an accepted stage slice
+with the slices in stage order. Each pushed slice is signed by its worker's admitted key over
+attestation.signing.update_digest(run, round, stage, P, sha256(payload)) (the sha256 is the payload's
+RAW CID digest), and the record keeps that signature with the slice (schema v2):
+
+    {"schema": "dilocox.update/v2",
+     "slices": [{..., "signature": <130 hex digits: the 65-byte r‖s‖v push signature, or null>}, ...]}
+
+so that the audit can check, for every participant of every round, reported or not, that an
+admitted key of the run signed the update that was averaged (audit.push_signatures). A record
+without any signature (a run without a trust layer, or one stored before signatures were kept) is
+written as v1, byte for byte as before; both are read. What identifies an update's *bytes* is its
+record without signatures (``identity_cid``): a byte-identical payload replayed by anyone, in any
+round, has the same identity whatever signs it (the coordinator's replay refusal).
+
+A whole update's record has all P slices; an accepted stage slice
 waiting for its siblings (the coordinator's journal) has a record of its one slice. Worker and
 coordinator build the record from the same bytes, so they agree on its digest without either
 decoding anything; a byte-identical re-push gives the same record (replay detection).
@@ -22,6 +36,7 @@ decoding: ``CompressedPayload`` kept compact, or the dense tensors), so Δ̂ᵢ 
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from dataclasses import dataclass
 from typing import Any, Sequence
@@ -37,7 +52,9 @@ from trainer.model import stages
 from trainer.rounds.aggregation import InvalidUpdate, decode_update
 from trainer.rounds.update_source import DenseUpdate, MergedUpdate, UpdateSource
 
-SCHEMA = "dilocox.update/v1"
+SCHEMA_V1 = "dilocox.update/v1"  # no signatures
+SCHEMA = "dilocox.update/v2"  # each slice keeps its push signature
+SIGNATURE_BYTES = 65
 ENCODINGS = {Encoding.DENSE_F32: "dense_f32", Encoding.LOWRANK_INT4: "lowrank_int4"}
 _BY_NAME = {name: enc for enc, name in ENCODINGS.items()}
 MAX_RECORD_BYTES = 1 << 20  # a record names at most n_layer slices of ~250 bytes each
@@ -57,34 +74,67 @@ class SliceRef:
     encoding: Encoding  # DENSE_F32 or LOWRANK_INT4
     payload: str  # RAW CID of the payload bytes as pushed
     header: str | None  # RAW CID of the codec header bytes as pushed; None when dense
+    signature: str | None = None  # hex of the worker's 65-byte push signature; None where none was sent
 
-    def to_json(self) -> dict[str, Any]:
-        return {"stage": self.stage, "num_stages": self.num_stages, "encoding": ENCODINGS[self.encoding],
-                "payload": self.payload, "header": self.header}
+    @property
+    def payload_sha256(self) -> str:
+        """The hex sha256 of the payload bytes: what the push header declared and its signature covers."""
+        return CID.parse(self.payload).hex
+
+    def to_json(self, signed: bool) -> dict[str, Any]:
+        out = {"stage": self.stage, "num_stages": self.num_stages, "encoding": ENCODINGS[self.encoding],
+               "payload": self.payload, "header": self.header}
+        return {**out, "signature": self.signature} if signed else out
 
 
-def slice_ref(stage: int, num_stages: int, encoding: int, payload: bytes, header: bytes | None) -> SliceRef:
-    """The reference to a slice whose payload (and codec header, when compressed) are these bytes."""
+def slice_ref(stage: int, num_stages: int, encoding: int, payload: bytes, header: bytes | None,
+              signature: bytes = b"") -> SliceRef:
+    """The reference to a slice whose payload (and codec header, when compressed) are these bytes,
+    pushed with ``signature`` (empty: none; otherwise it must be 65 bytes)."""
     enc = Encoding(encoding)
     if enc not in ENCODINGS:
         raise RecordError(f"encoding {enc.name} is not a push encoding")
+    if signature and len(signature) != SIGNATURE_BYTES:
+        raise RecordError(f"a push signature must be {SIGNATURE_BYTES} bytes r||s||v, got {len(signature)}")
     return SliceRef(stage, num_stages, enc, str(CID.of(payload)),
-                    str(CID.of(header)) if enc == Encoding.LOWRANK_INT4 else None)
+                    str(CID.of(header)) if enc == Encoding.LOWRANK_INT4 else None,
+                    signature.hex() if signature else None)
 
 
 def record_bytes(refs: Sequence[SliceRef]) -> bytes:
-    """The record's canonical JSON, slices in stage order (one byte form whatever the push order)."""
-    return canonical_json({"schema": SCHEMA, "slices": [r.to_json() for r in sorted(refs, key=lambda r: r.stage)]})
+    """The record's canonical JSON, slices in stage order (one byte form whatever the push order):
+    v2 with each slice's signature when any slice has one, else v1."""
+    ordered = sorted(refs, key=lambda r: r.stage)
+    signed = any(r.signature is not None for r in ordered)
+    return canonical_json({"schema": SCHEMA if signed else SCHEMA_V1,
+                           "slices": [r.to_json(signed) for r in ordered]})
 
 
 def record_cid(refs: Sequence[SliceRef]) -> CID:
     return CID.of(record_bytes(refs), Codec.JSON)
 
 
-def record_of_slices(slices: Sequence[Slice]) -> bytes:
-    """A worker's record of the slices it pushed: the bytes the coordinator stores for its update."""
-    return record_bytes([slice_ref(s.stage, s.num_stages, s.encoding, s.payload, s.codec_header_bytes)
-                         for s in slices])
+def identity_cid(refs: Sequence[SliceRef]) -> str:
+    """What names the pushed bytes whoever signed them: the record's CID without its signatures
+    (the v1 record of the same slices)."""
+    return str(record_cid([dataclasses.replace(r, signature=None) for r in refs]))
+
+
+def stored_identity(store: Store, cid: str) -> str:
+    """``identity_cid`` of the stored record ``cid``; ``cid`` itself when the record cannot be read
+    (a v1 record is its own identity, and an unreadable one is refused wherever it is opened)."""
+    try:
+        return identity_cid(parse_record(store.get(cid)))
+    except (OSError, ValueError):  # StoreError and RecordError are ValueErrors
+        return cid
+
+
+def record_of_slices(slices: Sequence[Slice], signatures: Sequence[bytes] = ()) -> bytes:
+    """A worker's record of the slices it pushed, each with the signature it was pushed with (in
+    the order of ``slices``; none when the worker has no key): the bytes the coordinator stores."""
+    signed = list(signatures) or [b""] * len(slices)
+    return record_bytes([slice_ref(s.stage, s.num_stages, s.encoding, s.payload, s.codec_header_bytes, signature)
+                         for s, signature in zip(slices, signed, strict=True)])
 
 
 def store_slice(store: Store, ref: SliceRef, payload: bytes, header: bytes | None) -> None:
@@ -100,20 +150,20 @@ def parse_record(data: bytes) -> list[SliceRef]:
         obj = loads_bounded(data, max_bytes=MAX_RECORD_BYTES, what="update record")
     except ValueError as exc:
         raise RecordError(str(exc)) from None
-    if not isinstance(obj, dict) or set(obj) != {"schema", "slices"} or obj["schema"] != SCHEMA:
-        raise RecordError(f"an update record must be {{schema: {SCHEMA!r}, slices}}")
+    if not isinstance(obj, dict) or set(obj) != {"schema", "slices"} or obj["schema"] not in (SCHEMA, SCHEMA_V1):
+        raise RecordError(f"an update record must be {{schema: {SCHEMA!r} or {SCHEMA_V1!r}, slices}}")
     slices = obj["slices"]
     if not isinstance(slices, list) or not slices:
         raise RecordError("an update record's slices must be a non-empty list")
-    refs = [_parse_slice(i, raw) for i, raw in enumerate(slices)]
+    refs = [_parse_slice(i, raw, obj["schema"] == SCHEMA) for i, raw in enumerate(slices)]
     stages = [r.stage for r in refs]
     if stages != sorted(set(stages)) or len({r.num_stages for r in refs}) != 1:
         raise RecordError("an update record's slices must be distinct stages, in order, of one stage count")
     return refs
 
 
-def _parse_slice(i: int, raw: Any) -> SliceRef:
-    keys = {"stage", "num_stages", "encoding", "payload", "header"}
+def _parse_slice(i: int, raw: Any, signed: bool) -> SliceRef:
+    keys = {"stage", "num_stages", "encoding", "payload", "header"} | ({"signature"} if signed else set())
     if not isinstance(raw, dict) or set(raw) != keys:
         raise RecordError(f"update record slice {i} must have exactly {sorted(keys)}")
     stage, num_stages, encoding = raw["stage"], raw["num_stages"], raw["encoding"]
@@ -127,7 +177,16 @@ def _parse_slice(i: int, raw: Any) -> SliceRef:
         header = _raw_cid(i, "header", header)
     elif header is not None:
         raise RecordError(f"update record slice {i}: a dense slice has no codec header")
-    return SliceRef(stage, num_stages, enc, payload, header)
+    signature = raw.get("signature")
+    if signature is not None and not (isinstance(signature, str) and len(signature) == 2 * SIGNATURE_BYTES
+                                      and _is_lower_hex(signature)):
+        raise RecordError(f"update record slice {i}: signature must be null or {2 * SIGNATURE_BYTES} lowercase "
+                          f"hex digits")
+    return SliceRef(stage, num_stages, enc, payload, header, signature)
+
+
+def _is_lower_hex(text: str) -> bool:
+    return all(c in "0123456789abcdef" for c in text)
 
 
 def _raw_cid(i: int, field: str, value: Any) -> str:

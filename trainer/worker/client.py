@@ -141,6 +141,15 @@ def slice_name(piece: Slice) -> str:
     return "update" if piece.num_stages == 1 else f"stage {piece.stage} of {piece.num_stages} slice"
 
 
+def slice_signature(key: WorkerKey | None, run_digest: bytes, round_: int, piece: Slice) -> bytes:
+    """A worker's signature over a slice's push (attestation.signing.update_digest), empty without a
+    key. Deterministic (RFC 6979), so the record the report restates, which keeps it
+    (trainer.runstore.update_record), is the one the coordinator stores."""
+    if key is None:
+        return b""
+    return key.sign_digest(update_digest(run_digest, round_, piece.stage, piece.num_stages, sha256_hex(piece.payload)))
+
+
 class CoordinatorClient:
     def __init__(self, address: str, worker_id: str, *, tls: ClientTls, attestation: EvidenceProvider | None,
                  reconnect_timeout_s: float, fetch_wait_s: float, link: Link,
@@ -407,9 +416,7 @@ class CoordinatorClient:
             base_bytes_received=what.base_bytes_received, stage=piece.stage, num_stages=piece.num_stages,
             inner_state_sha256=what.inner_state_sha256, inner_state_size=len(state),
         )
-        if self.key is not None:
-            header.signature = self.key.sign_digest(
-                update_digest(self.run_digest, what.round, piece.stage, piece.num_stages, sha))
+        header.signature = slice_signature(self.key, self.run_digest, what.round, piece)
         messages = ([pb.UpdateChunk(header=header)] + [pb.UpdateChunk(data=p) for p in chunked(payload)]
                     + [pb.UpdateChunk(state=p) for p in chunked(state)])
 

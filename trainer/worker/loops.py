@@ -30,8 +30,12 @@ soon as it holds θ⁽ʳ⁾ and has checked it, in the overlapped loop from the 
 round r+1 trains (trainer.worker.reporter checks θ⁽ʳ⁾ on a model of its own), because the coordinator
 records round r ``--report-timeout`` after publishing θ⁽ʳ⁾ with whatever reports it holds then.
 A worker dropped from a round (too late, or refused) logs why and starts the next round from the
-latest global checkpoint; when every live worker's push of a round was refused, the coordinator
-stops the run and the workers' wait for it ends with the coordinator's line (WorkerError).
+latest global checkpoint; overlapped, the round it trained meanwhile on the dropped one is dropped
+too, and its inner state rewound to before the dropped round (trainer.worker.role.Worker.rewind), so
+that its state moves only through counted rounds, as a synchronous worker's does, and the audit's
+replay rebuilds every counted round (a first counted round after uncounted ones starts fresh).
+When every live worker's push of a round was refused, the coordinator stops the run and the
+workers' wait for it ends with the coordinator's line (WorkerError).
 """
 
 from __future__ import annotations
@@ -75,15 +79,17 @@ def synchronous(worker: Worker) -> int:
         min_round = r
 
 
-def _exchange(worker: Worker, round_: int, work: RoundWork, base_cid: str, parent_cid: str) -> Checkpoint:
+def _exchange(worker: Worker, round_: int, work: RoundWork, base_cid: str,
+              parent_cid: str) -> tuple[Checkpoint, bool]:
     """Push Δ⁽ʳ⁾ (trained from ``base_cid``; the round's parent is ``parent_cid``), fetch θ⁽ʳ⁾ (or
     whatever is newer), check it and report round r at once: the part that overlaps compute. The
     report cannot wait for the round being trained: the coordinator records round r
-    ``--report-timeout`` after publishing θ⁽ʳ⁾, with the reports it holds by then."""
+    ``--report-timeout`` after publishing θ⁽ʳ⁾, with the reports it holds by then. Returns the
+    checkpoint and whether the coordinator holds the push (False: refused)."""
     pushed = worker.push(round_, work, base_cid, parent_cid)
     checkpoint = worker.client.fetch(round_)
     worker.reporter.report(pushed, checkpoint)
-    return checkpoint
+    return checkpoint, pushed is not None
 
 
 class OverlapStart:
@@ -140,22 +146,28 @@ def overlapped(worker: Worker) -> int:
                 continue
             trained = time.monotonic() - started
             if inflight is not None:
-                held = inflight.result()  # round r-1, reported by the exchange
-                if held.finished or held.round != r - 1:
-                    # Behind the run: this round's work builds on a stale base; start over.
-                    log.warning("round %d: the run is at round %d; restarting from it", r, held.round)
+                held, counted = inflight.result()  # round r-1, reported by the exchange
+                if not counted or held.finished or held.round != r - 1:
+                    # Round r-1's push was refused (this round built on it), or the run moved on (this
+                    # round builds on a stale base): the inner state goes back to before the first
+                    # round that does not count (Worker.rewind), and the worker starts over.
+                    worker.rewind(sent if not counted else work, dropped=work)
+                    log.warning("round %d: %s; starting over from round %d's checkpoint", r,
+                                f"round {r - 1}'s push was refused" if not counted else
+                                f"the run is at round {held.round}", held.round)
                     if held.finished:
                         return worker.finished(held)
                     r, start, base, inflight = held.round + 1, held.params, held.params_cid, None
                     rule.reset()
                     continue
             inflight = exchange.submit(_exchange, worker, r, work, base, held.params_cid)
+            sent = work
             worker.round_done(r, work, trained, time.monotonic() - started - trained)
             start = rule.rebase(held.params, work)  # s⁽ʳ⁺¹⁾ from θ⁽ʳ⁻¹⁾ and round r
             base = held.params_cid
             r += 1
         assert inflight is not None
-        checkpoint = inflight.result()
+        checkpoint, _ = inflight.result()
         while not checkpoint.finished:
             checkpoint = worker.client.fetch(checkpoint.round + 1)
         return worker.finished(checkpoint)

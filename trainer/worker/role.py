@@ -9,10 +9,12 @@ error feedback restored), so an auditor rebuilds the state from the manifests al
 audit --replay``). A worker of several pipeline stages commits the same digest of the same names:
 its stages' AdamW states (each the slice of the one-process state its parameters name) taken
 together, and every stage's error feedback; every stage slice of its push names it, and its stages
-go back to the round's start state when the round does not count. An overlapped worker (whose next
-round is already training when the refusal arrives) carries every refused slice's Δ̂ into its
-error feedback instead, so nothing is lost; its round after a refusal is not replayed (audit.replay
-says which).
+go back to the round's start state when the round does not count. An overlapped
+worker learns of a refusal while its next round trains from the refused one: once that round is
+done, both are dropped, the state rewound to before the refused round (``rewind``) and the worker
+starts over from the newest global state (trainer.worker.loops.overlapped), so its chain of counted
+rounds replays across the refusal, and a worker none of whose rounds has counted yet commits a
+fresh state; a worker of several stages rewinds the same way (its stages' AdamW when they next run).
 """
 
 from __future__ import annotations
@@ -57,6 +59,7 @@ from trainer.worker.client import (
     WorkerError,
     heartbeats,
     slice_name,
+    slice_signature,
 )
 from trainer.worker.hold import RoundHold
 from trainer.worker.loops import overlapped, synchronous
@@ -217,13 +220,13 @@ class Worker:
             self.uplink.update(piped.uplink_states)
             # The stages' AdamW states partition the one-process state's names: the same digest rule.
             state, raw = commitment(self.config.rounds.state_every, round_, piped.start_state, errors)
-            snapshot = None if cfg.rounds.overlap else (piped.start_state, uplink_snapshot)
+            snapshot = (piped.start_state, uplink_snapshot)  # kept whatever the mode, as below
             return RoundWork(InnerResult(piped.pseudo_gradient, piped.mean_loss, piped.tokens, piped.steps),
                              piped.slices, state, snapshot, inner_s=time.perf_counter() - started, steps=steps,
                              state_bytes=raw)
         state, raw = commitment(self.config.rounds.state_every, round_, self.inner.state(), self.uplink.error_state())
-        # Overlapped, the next round is training when a refusal comes back: nothing to undo then.
-        snapshot = None if cfg.rounds.overlap else (self.inner.snapshot(), self.uplink.snapshot())
+        # Kept whatever the mode: overlapped, the loop rewinds to it once the next round is done (``rewind``).
+        snapshot = (self.inner.snapshot(), self.uplink.snapshot())
         started = time.perf_counter()
         with Progress(what, steps.steps, unit="steps", rate_unit="tokens") as progress:
             result = self.inner.run(params, batches, progress)
@@ -244,8 +247,9 @@ class Worker:
         result = work.result
         received = self.client.received_for.get(base_cid, 0)
         # The round's record names the bytes of the slices as pushed, which the coordinator stores
-        # (trainer.runstore.update_record); the report restates its digest.
-        record = record_of_slices(work.slices)
+        # (trainer.runstore.update_record) with the signature each was pushed with; the report restates its digest.
+        record = record_of_slices(work.slices, [slice_signature(self.client.key, self.client.run_digest, round_, s)
+                                                for s in work.slices])
         decision = merged_decision(round_, work.slices)
         if decision is not None:
             dense_bytes = sum(t.numel() * t.element_size() for t in merged(work.slices).values())
@@ -279,18 +283,29 @@ class Worker:
             self.receipts.keep(message, expected, client.domain, client.coordinator_key)
 
     def _undo(self, work: RoundWork) -> None:
-        if work.snapshot is not None:
+        if work.snapshot is None:
+            # Error feedback assumed these values arrived; none counts, so carry them.
+            self.uplink.carry_back(work.slices)
+        elif not self.config.rounds.overlap:
             # The inner state moves only through counted rounds (trainer.runtime.inner.InnerLoop), so that
-            # an auditor can rebuild it from the manifests: undo this round (the stages' AdamW, with
-            # several, when they next run).
+            # an auditor can rebuild it from the manifests: undo this round.
+            self.rewind(work, work)
+        # Overlapped, the next round is training from this state now: the loop rewinds both once it
+        # is done (trainer.worker.loops.overlapped), never under the inner loop's feet.
+
+    def rewind(self, work: RoundWork, dropped: RoundWork) -> None:
+        """Put the inner state (AdamW, error feedback) back to where it was before ``work``'s round:
+        that round, and every one trained after it, do not count; ``dropped`` is the last of them,
+        trained and never pushed. Without a snapshot (none was taken), as with a refused push
+        (``_undo``), the dropped round's Δ̂ goes into its error feedback instead."""
+        if work.snapshot is not None:
             if isinstance(self.inner, InnerLoop):
                 self.inner.restore(work.snapshot[0])
-            else:
+            else:  # the stages' AdamW, when they next run
                 self.inner.undo(work.snapshot[0])
             self.uplink.restore(work.snapshot[1])
         else:
-            # Error feedback assumed these values arrived; none counts, so carry them.
-            self.uplink.carry_back(work.slices)
+            self.uplink.carry_back(dropped.slices)
 
     def abandon(self, round_: int, exc: PipelineError, inflight: Future | None = None) -> int:
         """Drop out of ``round_`` after a pipeline stage failed: push nothing for it, and tell the
