@@ -6,12 +6,14 @@ named, never guessed."""
 
 from __future__ import annotations
 
+from pathlib import Path
 from types import SimpleNamespace
 
 import pytest
 import torch
 
 from audit.replay import ReplayOutcome, Replayer, unreplayable_reason
+from storage_client import open_store
 from tests.conftest import small_config
 from trainer.config import RoundConfig
 from trainer.rounds.outer import eager_weight
@@ -79,19 +81,19 @@ def test_the_eager_start_has_no_history_right_after_the_worker_started_over() ->
     assert starts("delayed", gap.manifests)._start(4, "a")["x"].item() == 2.0 - 30.0
 
 
-def test_pipelined_workers_commit_no_inner_state() -> None:
+def test_pipelined_workers_of_runs_from_before_their_commitment_are_not_replayable() -> None:
     m = manifests({"a": None})
     assert "several pipeline stages" in unreplayable_reason(config("delayed"), m, 1, "a")
 
 
 @pytest.mark.parametrize("start", ["delayed", "eager"])
-def test_a_round_whose_state_moved_through_an_uncounted_one_is_sampled_and_named(start: str) -> None:
+def test_a_round_whose_state_moved_through_an_uncounted_one_is_sampled_and_named(start: str, tmp_path: Path) -> None:
     """The cheat of issue 28: its round-1 push is refused, and it trains round 2 on from the state
     round 1 left (an honest worker rewinds). Before, round 2 was "not replayable" and skipped in
     silence; now it is sampled, and its replay fails by worker and round (audit.recompute turns the
     row into a ``replay`` failure) before a step is trained."""
     cheat = manifests({}, {"a": STEPPED})
-    replayer = Replayer(store=None, config=config(start), manifests=cheat)  # type: ignore[arg-type]
+    replayer = Replayer(store=open_store(tmp_path), config=config(start), manifests=cheat)  # no stored state
     assert replayer.sample(4, seed=1) == ([(2, "a")], [])
     rows, steps = replayer.replay([(2, "a")])
     assert steps == 0 and [(row.round, row.worker, row.sampled, row.status) for row in rows] == [
@@ -107,5 +109,6 @@ def test_what_cannot_be_replayed_is_named_by_worker_and_round_in_the_json_and_on
     outcome = ReplayOutcome(skipped, [], seed=1, steps=0, checked_steps=0, seconds=0.0, problems=[])
     assert outcome.to_json()["not_replayed"] == {"a": [1, 2]}
     assert outcome.not_replayed_line() == ("2 contribution(s) could not be replayed and were not sampled: a round(s) "
-                                           "1, 2 (the worker ran several pipeline stages and committed no inner state)")
+                                           "1, 2 (the worker ran several pipeline stages and committed no inner state (a run from before "
+                                           "they did))")
     assert ReplayOutcome([], [], 1, 0, 0, 0.0, []).not_replayed_line() is None

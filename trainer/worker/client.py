@@ -141,6 +141,20 @@ def slice_name(piece: Slice) -> str:
     return "update" if piece.num_stages == 1 else f"stage {piece.stage} of {piece.num_stages} slice"
 
 
+def update_header(run_id: str, worker_id: str, piece: Slice, what: PushHeader, payload_sha256: str,
+                  state_size: int) -> pb.UpdateHeader:
+    """The header of one slice's PushUpdate stream (unsigned: ``slice_signature`` signs it)."""
+    return pb.UpdateHeader(
+        protocol_version=PROTOCOL_VERSION, run_id=run_id, round=what.round, worker_id=worker_id,
+        encoding=piece.encoding, compression_header=piece.codec_header_bytes or b"",
+        tensors=[pb.TensorSpec(name=n, dtype=d, shape=s) for n, (d, s) in layout_of(piece.transmitted).items()],
+        payload_size=len(piece.payload), payload_sha256=payload_sha256, train_loss=what.train_loss,
+        tokens=what.tokens, inner_steps=what.inner_steps, base_params_cid=what.base_params_cid,
+        base_bytes_received=what.base_bytes_received, stage=piece.stage, num_stages=piece.num_stages,
+        inner_state_sha256=what.inner_state_sha256, inner_state_size=state_size,
+    )
+
+
 def slice_signature(key: WorkerKey | None, run_digest: bytes, round_: int, piece: Slice) -> bytes:
     """A worker's signature over a slice's push (attestation.signing.update_digest), empty without a
     key. Deterministic (RFC 6979), so the record the report restates, which keeps it
@@ -406,16 +420,7 @@ class CoordinatorClient:
         assert self.config is not None
         payload = piece.payload
         sha = sha256_hex(payload)
-        header = pb.UpdateHeader(
-            protocol_version=PROTOCOL_VERSION, run_id=self.config.run_id, round=what.round,
-            worker_id=self.worker_id, encoding=piece.encoding,
-            compression_header=piece.codec_header_bytes or b"",
-            tensors=[pb.TensorSpec(name=n, dtype=d, shape=s) for n, (d, s) in layout_of(piece.transmitted).items()],
-            payload_size=len(payload), payload_sha256=sha, train_loss=what.train_loss, tokens=what.tokens,
-            inner_steps=what.inner_steps, base_params_cid=what.base_params_cid,
-            base_bytes_received=what.base_bytes_received, stage=piece.stage, num_stages=piece.num_stages,
-            inner_state_sha256=what.inner_state_sha256, inner_state_size=len(state),
-        )
+        header = update_header(self.config.run_id, self.worker_id, piece, what, sha, len(state))
         header.signature = slice_signature(self.key, self.run_digest, what.round, piece)
         messages = ([pb.UpdateChunk(header=header)] + [pb.UpdateChunk(data=p) for p in chunked(payload)]
                     + [pb.UpdateChunk(state=p) for p in chunked(state)])

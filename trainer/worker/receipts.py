@@ -18,12 +18,16 @@ from __future__ import annotations
 
 import logging
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from attestation import Domain
 from attestation.receipt import NO_REPORT, Receipt, ReceiptError, SignedReceipt
 from proto import pb
 from storage_client import canonical_json, loads_bounded, write_atomic
 from trainer.net.limits import FieldError, check_fields
+
+if TYPE_CHECKING:
+    from trainer.worker.client import CoordinatorClient
 
 log = logging.getLogger("dilocox.worker")
 
@@ -39,6 +43,15 @@ class ReceiptBook:
 
     def path(self, run_id: bytes, round_: int, reported: bool) -> Path:
         return self.directory / run_id.hex() / f"{round_}-{'report' if reported else 'update'}.json"
+
+    def keep_sent(self, client: CoordinatorClient, message: pb.Receipt | None, round_: int, update: bytes,
+                  report: bytes = NO_REPORT) -> SignedReceipt | None:
+        """Check and keep ``client``'s coordinator's receipt of the update (and report) this worker
+        sent for ``round_``: what it must say is rebuilt from what was sent (``keep``)."""
+        if client.domain is None or client.key is None:
+            return None
+        expected = Receipt(client.run_digest, round_, client.key.address, update, report)
+        return self.keep(message, expected, client.domain, client.coordinator_key)
 
     def keep(self, message: pb.Receipt | None, expected: Receipt, domain: Domain | None,
              coordinator: str | None) -> SignedReceipt | None:

@@ -41,10 +41,10 @@ class Reporter:
 
     def __init__(self, client: CoordinatorClient, config: RunConfig, shard_index: int, data_digest: bytes,
                  eval_batches: list, eval_model: torch.nn.Module, phase_seconds: PhaseSeconds,
-                 keep_receipt: Callable[[pb.Receipt | None, int, bytes, bytes], None] | None = None) -> None:
+                 keep_receipt: Callable[[pb.Receipt | None, int, bytes, bytes], object] | None = None) -> None:
         self.client, self.config, self.shard_index, self.data_digest = client, config, shard_index, data_digest
         self.eval_batches, self.eval_model, self.phase_seconds = eval_batches, eval_model, phase_seconds
-        # Checks and keeps the coordinator's report receipt (trainer.worker.role.Worker.keep_receipt).
+        # Checks and keeps the coordinator's report receipt (trainer.worker.receipts.ReceiptBook.keep_sent).
         self.keep_receipt = keep_receipt
 
     def report(self, pushed: Pushed | None, checkpoint: Checkpoint) -> None:

@@ -19,6 +19,7 @@ fresh state; a worker of several stages rewinds the same way (its stages' AdamW 
 
 from __future__ import annotations
 
+import functools
 import logging
 import threading
 import time
@@ -30,8 +31,7 @@ import grpc
 import torch
 
 from attestation import EvidenceProvider
-from attestation.receipt import NO_REPORT, Receipt
-from proto import WorkerPhase, pb
+from proto import WorkerPhase
 from storage_client import CID, strict_json, to_e6
 from trainer.codec.uplink import Slice, Uplink, merged, merged_decision
 from trainer.codec.wire import Params, encode_params
@@ -168,7 +168,7 @@ class Worker:
         own = config.rounds.overlap and self.stages == 1
         self.reporter = Reporter(self.client, config, shard, self.data_digest, self.eval_batches,
                                  build_model(config.model, config.seed) if own else self.model, self.phase_seconds,
-                                 self.keep_receipt)
+                                 functools.partial(self.receipts.keep_sent, self.client))
         # θ⁽⁰⁾ is a function of the run's seed: built here, it need not cross the network. Its CID
         # is checked against the genesis checkpoint's when the coordinator serves it (as "held").
         # θ⁽⁰⁾ from existing weights (model.init_params) is fetched, and checked against that CID.
@@ -271,16 +271,9 @@ class Worker:
                 self.phase_seconds.add("push", time.perf_counter() - started)
                 started = time.perf_counter()
         update = CID.of(record).digest
-        self.keep_receipt(receipt, round_, update)
+        self.receipts.keep_sent(self.client, receipt, round_, update)
         return Pushed(round_, update, to_e6(result.mean_loss), result.tokens,
                       result.steps, wire_bytes, received, CID.parse(parent_cid or base_cid).digest)
-
-    def keep_receipt(self, message: pb.Receipt | None, round_: int, update: bytes, report: bytes = NO_REPORT) -> None:
-        """Check and keep the coordinator's receipt of what this worker sent (trainer.worker.receipts)."""
-        client = self.client
-        if client.domain is not None and client.key is not None:
-            expected = Receipt(client.run_digest, round_, client.key.address, update, report)
-            self.receipts.keep(message, expected, client.domain, client.coordinator_key)
 
     def _undo(self, work: RoundWork) -> None:
         if work.snapshot is None:
@@ -294,18 +287,8 @@ class Worker:
         # is done (trainer.worker.loops.overlapped), never under the inner loop's feet.
 
     def rewind(self, work: RoundWork, dropped: RoundWork) -> None:
-        """Put the inner state (AdamW, error feedback) back to where it was before ``work``'s round:
-        that round, and every one trained after it, do not count; ``dropped`` is the last of them,
-        trained and never pushed. Without a snapshot (none was taken), as with a refused push
-        (``_undo``), the dropped round's Δ̂ goes into its error feedback instead."""
-        if work.snapshot is not None:
-            if isinstance(self.inner, InnerLoop):
-                self.inner.restore(work.snapshot[0])
-            else:  # the stages' AdamW, when they next run
-                self.inner.undo(work.snapshot[0])
-            self.uplink.restore(work.snapshot[1])
-        else:
-            self.uplink.carry_back(dropped.slices)
+        """Put the inner state back to where it was before ``work``'s round (``rewind_inner_state``)."""
+        rewind_inner_state(self.inner, self.uplink, work, dropped)
 
     def abandon(self, round_: int, exc: PipelineError, inflight: Future | None = None) -> int:
         """Drop out of ``round_`` after a pipeline stage failed: push nothing for it, and tell the
@@ -414,3 +397,19 @@ class Worker:
             if isinstance(self.inner, PipelinedInnerLoop):
                 self.inner.close()  # stop the stage processes
             client.close()
+
+
+def rewind_inner_state(inner: InnerLoop | PipelinedInnerLoop, uplink: Uplink, work: RoundWork,
+                       dropped: RoundWork) -> None:
+    """Put the inner state (AdamW, error feedback) back to where it was before ``work``'s round:
+    that round, and every one trained after it, do not count; ``dropped`` is the last of them,
+    trained and never pushed. Without a snapshot (none was taken), as with a refused push
+    (``Worker._undo``), the dropped round's Δ̂ goes into its error feedback instead."""
+    if work.snapshot is None:
+        uplink.carry_back(dropped.slices)
+        return
+    if isinstance(inner, InnerLoop):
+        inner.restore(work.snapshot[0])
+    else:  # the stages' AdamW, when they next run
+        inner.undo(work.snapshot[0])
+    uplink.restore(work.snapshot[1])
