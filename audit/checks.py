@@ -91,7 +91,7 @@ class AuditCheck(StrEnum):
     RECORDER = ("recorder", "each round's recording transaction was sent by the run's coordinator")
     UNRECORDED = ("unrecorded", "the store's lineage goes at most max_unrecorded rounds past the ledger's last "
                                 "round")
-    REPLAY = ("replay", "each sampled contribution is within REPLAY_TOLERANCE of what H inner steps on its shard "
-                        "from its parent checkpoint give (audit.replay)")
+    REPLAY = ("replay", "each sampled contribution is within tolerance of what H inner steps on its shard from its "
+                        "parent checkpoint give, in its worker's kernels where they run (audit.replay, replay_env)")
     RESCORE = ("rescore", "the recomputed held-out loss of each sampled round's checkpoint is within "
                           "EVAL_TOLERANCE of the manifest's")

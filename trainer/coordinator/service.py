@@ -300,6 +300,7 @@ def update_header(h: pb.UpdateHeader) -> UpdateHeader:
         payload_size=h.payload_size, payload_sha256=h.payload_sha256, train_loss=h.train_loss, tokens=h.tokens,
         inner_steps=h.inner_steps, base_params_cid=h.base_params_cid, base_bytes_received=h.base_bytes_received,
         signature=h.signature, compression_header=h.compression_header, inner_state_sha256=h.inner_state_sha256,
+        cpu_capability=h.cpu_capability, intra_op_threads=h.intra_op_threads,
     )
 
 
