@@ -72,7 +72,7 @@ from typing import Iterable, Mapping
 
 import torch
 
-from storage_client import Manifest, Participant, Store, from_e6
+from storage_client import Kernels, Manifest, Participant, Store, from_e6
 from trainer.codec import CodecHeader, CompressionError, PinnedRankPolicy, codec_of, compress, decompress, matrix_codec
 from trainer.codec.wire import Layout, Params, WireError, decode_params, layout_of
 from trainer.config import RunConfig
@@ -88,7 +88,7 @@ from trainer.runstore.checkpoints import checkpoint_at
 from trainer.runstore.update_record import open_update
 from trainer.runtime.inner import FRESH_STATE, InnerLoop, evaluate
 
-from .replay_env import EXACT_TOLERANCE, ChainKernels, ChildError, chain_kernels, fallback_tolerance, kernels_label, replay_in
+from .replay_env import EXACT_TOLERANCE, ChildError, judge, kernels_label, replay_in, split_by_kernels
 
 # ‖Δ' − Δ‖ / ‖Δ‖ an honest contribution replayed in its worker's kernels stays within (it is 0;
 # audit.replay_env); replayed in other kernels, audit.replay_env.fallback_tolerance.
@@ -317,15 +317,8 @@ class Replayer:
         rows: list[ReplayRow] = []
         if self._corpus_or_problem() is None:
             return [], 0
-        own: dict[str, list[int]] = {}
-        exact: dict = defaultdict(dict)  # Kernels -> {worker: its chain}
-        for worker, rounds in sorted(by_worker.items()):
-            how = chain_kernels(self.manifests, worker, sorted(rounds)) if self.worker_kernels else ChainKernels(None)
-            if how.kernels is None:
-                own[worker], self.fallback[worker] = sorted(rounds), how.reason
-            else:
-                exact[how.kernels][worker] = sorted(rounds)
-        steps = sum(self._replay_in(kernels, chains, sampled, rows) for kernels, chains in exact.items())
+        exact, own, self.fallback = split_by_kernels(self.manifests, by_worker, self.worker_kernels)
+        steps = sum(_replay_in_child(self, kernels, chains, sampled, rows) for kernels, chains in exact.items())
         steps += self.replay_chains(own, sampled, rows)
         return sorted(rows, key=lambda row: (row.round, row.worker)), steps
 
@@ -336,19 +329,6 @@ class Replayer:
             self.problems.append((None, self.config.data.tokens or self.config.data.corpus,
                                   f"the run's tokens are not available to replay on: {exc}"))
             return None
-
-    def _replay_in(self, kernels, chains: dict[str, list[int]], sampled: set[tuple[int, str]],
-                   rows: list[ReplayRow]) -> int:
-        """``chains`` replayed in a child process in their workers' ``kernels`` (audit.replay_env)."""
-        try:
-            answer = replay_in(kernels, self.store, self.config, self.manifests, chains, sampled)
-        except ChildError as exc:
-            self.problems.append((None, "replay", str(exc)))
-            return 0
-        rows.extend(ReplayRow(**row) for row in answer["rows"])
-        self.steps.update(answer["round_steps"])
-        self.problems.extend(answer["problems"])
-        return answer["steps"]
 
     def replay_chains(self, chains: Mapping[str, list[int]], sampled: set[tuple[int, str]],
                       rows: list[ReplayRow]) -> int:
@@ -406,20 +386,10 @@ class Replayer:
                     continue
             else:
                 distance = relative_distance(result.pseudo_gradient, stored)
-            rows.append(self._verdict(r, worker, (r, worker) in sampled, distance, position, kernels))
+            status, note, tolerance = judge(distance, position, self.exact)
+            rows.append(ReplayRow(r, worker, (r, worker) in sampled, distance, status, note, kernels, tolerance))
             previous = r
         return steps
-
-    def _verdict(self, r: int, worker: str, sampled: bool, distance: float, position: int, kernels: str) -> ReplayRow:
-        """The row of a replayed contribution, the ``position``-th of its chain: held to EXACT_TOLERANCE
-        in its worker's kernels, else to the fallback tolerance of its position (inconclusive past it)."""
-        tolerance = REPLAY_TOLERANCE if self.exact else fallback_tolerance(position)
-        if tolerance is None:
-            return ReplayRow(r, worker, sampled, distance, "inconclusive",
-                             f"contribution {position} of its chain, replayed in other kernels than its worker's: "
-                             f"past the chain length whose honest distance is measured", kernels, None)
-        return ReplayRow(r, worker, sampled, distance, "ok" if distance <= tolerance else "MISMATCH", "",
-                         kernels, tolerance)
 
     def _inputs(self, r: int, worker: str, p: Participant, corpus: Dataset
                 ) -> tuple[Params, Params, int, Iterable[tuple[torch.Tensor, torch.Tensor]]] | None:
@@ -504,6 +474,21 @@ class Replayer:
                 reported = from_e6(self.manifests[r].eval_loss_e6)
                 out.append(RescoreRow(r, reported, recomputed, abs(recomputed - reported) <= EVAL_TOLERANCE))
         return out
+
+
+def _replay_in_child(replayer: Replayer, kernels: Kernels, chains: dict[str, list[int]],
+                     sampled: set[tuple[int, str]], rows: list[ReplayRow]) -> int:
+    """``chains`` replayed in a child process in their workers' ``kernels`` (audit.replay_env);
+    returns the inner steps it replayed."""
+    try:
+        answer = replay_in(kernels, replayer.store, replayer.config, replayer.manifests, chains, sampled)
+    except ChildError as exc:
+        replayer.problems.append((None, "replay", str(exc)))
+        return 0
+    rows.extend(ReplayRow(**row) for row in answer["rows"])
+    replayer.steps.update(answer["round_steps"])
+    replayer.problems.extend(answer["problems"])
+    return answer["steps"]
 
 
 def _norm(tensors: Params) -> float:

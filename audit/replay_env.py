@@ -39,12 +39,13 @@ import os
 import subprocess
 import sys
 from dataclasses import dataclass
-from typing import Any, Mapping
+from typing import Any, Iterable, Mapping
 
 import torch
 
 from storage_client import Kernels, Manifest, ObjectStore, Store
 from trainer.config import RunConfig
+from trainer.progress import use_console
 from trainer.runtime.kernels import cpu_runs, current_kernels
 
 # d an honest contribution replayed in its own kernels stays within: measured 0 exactly; the bound
@@ -53,7 +54,7 @@ EXACT_TOLERANCE = 1e-6
 # The largest honest distance measured at the n-th contribution of a chain (n = 1, 2, ...), replayed
 # in other kernels than the worker's (docs/verification.md: the demo run, replayed under
 # ATEN_CPU_CAPABILITY default / avx2 / avx512 with 1 and 2 threads against avx512 workers of 1 thread).
-FALLBACK_MEASURED = (0.0, 0.0, 0.0, 0.0, 0.0, 0.0, 0.0, 0.0)
+FALLBACK_MEASURED = (2e-3, 0.047, 0.17, 0.28)
 FALLBACK_MARGIN = 2.0
 CHILD_TIMEOUT_S = 24 * 3600.0  # a replay child that runs longer than a day is stuck
 CHILD_OUTPUT_LIMIT = 64 << 20  # bytes of the child's answer
@@ -86,6 +87,33 @@ def chain_kernels(manifests: Mapping[int, Manifest], worker: str, rounds: list[i
     if not cpu_runs(kernels.capability):
         return ChainKernels(None, f"this CPU cannot run {kernels.capability}")
     return ChainKernels(kernels)
+
+
+def split_by_kernels(manifests: Mapping[int, Manifest], chains: Mapping[str, Iterable[int]], worker_kernels: bool
+                     ) -> tuple[dict[Kernels, dict[str, list[int]]], dict[str, list[int]], dict[str, str]]:
+    """``chains`` (worker → rounds) split into those replayed in their workers' kernels, by kernels, and
+    those replayed in this process's own (all of them without ``worker_kernels``), with why."""
+    exact: dict[Kernels, dict[str, list[int]]] = {}
+    own: dict[str, list[int]] = {}
+    reasons: dict[str, str] = {}
+    for worker, rounds in sorted(chains.items()):
+        how = chain_kernels(manifests, worker, sorted(rounds)) if worker_kernels else ChainKernels(None)
+        if how.kernels is None:
+            own[worker], reasons[worker] = sorted(rounds), how.reason
+        else:
+            exact.setdefault(how.kernels, {})[worker] = sorted(rounds)
+    return exact, own, reasons
+
+
+def judge(distance: float, position: int, exact: bool) -> tuple[str, str, float | None]:
+    """(status, note, tolerance) of a contribution ``distance`` off its replay, the ``position``-th
+    of its chain: held to EXACT_TOLERANCE in its worker's kernels, else to the fallback tolerance of
+    its position, and inconclusive past the measured chain length."""
+    tolerance = EXACT_TOLERANCE if exact else fallback_tolerance(position)
+    if tolerance is None:
+        return ("inconclusive", f"contribution {position} of its chain, replayed in other kernels than its "
+                                "worker's: past the chain length whose honest distance is measured", None)
+    return "ok" if distance <= tolerance else "MISMATCH", "", tolerance
 
 
 def kernels_label(exact: bool, reason: str = "") -> str:
@@ -175,6 +203,7 @@ def main() -> int:
     the requested ones), answer one JSON line on stdout."""
     from audit.replay import Replayer, ReplayRow  # the replay imports this module
 
+    use_console()  # its progress on the auditor's console (stderr), as the audit's own would be
     request = json.loads(sys.stdin.buffer.read())
     wanted = Kernels.from_json(request["kernels"])
     torch.set_num_threads(wanted.threads)
