@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from audit.replay_env import (
-    EXACT_TOLERANCE, FALLBACK_MARGIN, FALLBACK_MEASURED, ChildError, chain_kernels, child_environment,
+    EXACT_TOLERANCE, FALLBACK_MARGIN, FALLBACK_MEASURED, FALLBACK_TOLERANCE, ChildError, chain_kernels, child_environment,
     fallback_tolerance, parse_answer,
 )
 from storage_client import Kernels
@@ -41,11 +41,13 @@ def test_this_process_names_its_own_kernels_on_the_cpu_and_none_elsewhere() -> N
     assert current_kernels(torch.device("meta")) is None
 
 
-def test_the_fallback_tolerance_follows_the_measured_chain_and_stops_where_it_does() -> None:
-    assert fallback_tolerance(1) == FALLBACK_MARGIN * FALLBACK_MEASURED[0]
-    assert all(fallback_tolerance(n) >= FALLBACK_MEASURED[n - 1] > EXACT_TOLERANCE
-               for n in range(1, len(FALLBACK_MEASURED) + 1))
-    assert fallback_tolerance(len(FALLBACK_MEASURED) + 1) is None and fallback_tolerance(0) is None
+def test_the_fallback_tolerance_holds_while_its_margin_over_the_measured_does_and_then_stops() -> None:
+    decided = [n for n in range(1, len(FALLBACK_MEASURED) + 1) if fallback_tolerance(n) is not None]
+    assert decided == list(range(1, len(decided) + 1)) and len(decided) == 5  # the demo: chain positions 1..5
+    assert all(fallback_tolerance(n) == FALLBACK_TOLERANCE >= FALLBACK_MARGIN * max(FALLBACK_MEASURED[:n])
+               for n in decided)
+    assert FALLBACK_TOLERANCE > EXACT_TOLERANCE and fallback_tolerance(0) is None
+    assert fallback_tolerance(len(FALLBACK_MEASURED) + 1) is None
 
 
 def test_the_child_runs_the_workers_kernels_whatever_the_auditors(monkeypatch) -> None:
