@@ -11,8 +11,9 @@ on the demo run (docs/verification.md, "Replay tolerance"):
   thread.
 
 Replayed in a fresh process with the same two (audit.replay_env), an honest contribution is
-re-derived bit for bit (d = 0). Measured not to matter on the demo's model: MKL's own instruction
-dispatch (``MKL_ENABLE_INSTRUCTIONS=AVX2`` on an AVX-512 machine gave d = 0). A worker on an
+re-derived bit for bit (d = 0: every contribution of the demo run, and a worker of 2 threads).
+Measured not to matter on the demo's model: MKL's own instruction dispatch
+(``MKL_ENABLE_INSTRUCTIONS=AVX2`` on an AVX-512 machine, rounds 1-4: d = 0). A worker on an
 accelerator, or of several pipeline stages (whose stages are processes of their own), records none.
 
 What a worker records is hostile input to whoever reads it: storage_client.Kernels allows a
