@@ -11,7 +11,7 @@ import torch
 
 from audit.replay_env import (
     EXACT_TOLERANCE, FALLBACK_MARGIN, FALLBACK_MEASURED, FALLBACK_TOLERANCE, ChildError, chain_kernels, child_environment,
-    fallback_tolerance, parse_answer,
+    fallback_tolerance, judge, parse_answer,
 )
 from storage_client import Kernels
 from trainer.runtime.kernels import cpu_runs, current_kernels
@@ -81,3 +81,12 @@ def test_the_childs_answer_is_read_strictly() -> None:
         with pytest.raises(ChildError) as caught:
             parse_answer(out, AVX2, CHAINS)
         assert len(str(caught.value)) < 400
+
+
+def test_a_verdict_is_exact_in_the_workers_kernels_and_inconclusive_where_the_fallback_cannot_decide() -> None:
+    assert judge(0.0, 8, exact=True) == ("ok", "", EXACT_TOLERANCE)
+    assert judge(2e-6, 1, exact=True)[0] == "MISMATCH"  # an update scaled by 1.00001
+    assert judge(0.04, 1, exact=False) == ("ok", "", FALLBACK_TOLERANCE)
+    assert judge(0.06, 5, exact=False)[0] == "MISMATCH"
+    status, note, tolerance = judge(0.3, 6, exact=False)  # the demo's honest 0.047 there, 0.28 at 8
+    assert status == "inconclusive" and tolerance is None and "contribution 6 of its chain" in note
