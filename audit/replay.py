@@ -43,8 +43,9 @@ every contribution of the demo run, under every auditor capability and thread co
 REPLAY_TOLERANCE = EXACT_TOLERANCE = 1e-6. Elsewhere (kernels not recorded or not runnable here)
 the chain is replayed in the auditor's own kernels and the n-th contribution of a chain is held to
 ``fallback_tolerance(n)``, derived from the honest distances measured across kernels, which grow
-along a chain (docs/verification.md, "Replay tolerance"); past the measured chain length such a
-row is "inconclusive" (a warning), never an accusation. Each row names the kernels that replayed
+along a chain (docs/verification.md, "Replay tolerance"); where those leave the tolerance no
+margin (the demo: past the fifth contribution of a chain) the row is "inconclusive" (a warning),
+never an accusation. Each row names the kernels that replayed
 it and the tolerance it was held to.
 
 Overlapped rounds (rounds.overlap): round r of a worker whose round r−1 counted starts from stored
