@@ -96,8 +96,8 @@ class AuditCheck(StrEnum):
     RECORDER = ("recorder", "each round's recording transaction was sent by the run's coordinator")
     UNRECORDED = ("unrecorded", "the store's lineage goes at most max_unrecorded rounds past the ledger's last "
                                 "round")
-    REPLAY = ("replay", "each sampled contribution is within REPLAY_TOLERANCE of what H inner steps on its shard "
-                        "from its parent checkpoint give (audit.replay)")
+    REPLAY = ("replay", "each sampled contribution is within tolerance of what H inner steps on its shard from its "
+                        "parent checkpoint give, in its worker's kernels where they run (audit.replay, replay_env)")
     RECEIPT_FAULT = ("receipt-fault", "no ReceiptFaultProven of the run: every worker whose update and report the "
                                       "coordinator receipted is credited in the recorded round (audit.receipts)")
     RECEIPT_WITHHELD = ("receipt-withheld", "every update the coordinator receipted (audit --receipts) is used by its "

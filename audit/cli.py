@@ -424,13 +424,15 @@ def render_replay(outcome, console: Console) -> None:  # audit.replay.ReplayOutc
     from rich.table import Table
 
     table = Table(title=f"replay (seed {outcome.seed})", box=box.SIMPLE_HEAD, pad_edge=False)
-    for column in ("round", "worker", "sampled", "distance", "status"):
+    for column in ("round", "worker", "sampled", "distance", "tolerance", "status", "kernels"):
         table.add_column(column, no_wrap=True)
     shown = [row for row in outcome.rows if row.status != "not replayed"]
     for row in shown:
-        status = {"ok": "[green]ok[/]", "MISMATCH": "[bold red]MISMATCH[/]"}.get(row.status, row.status)
+        status = {"ok": "[green]ok[/]", "MISMATCH": "[bold red]MISMATCH[/]",
+                  "inconclusive": "[yellow]inconclusive[/]"}.get(row.status, row.status)
         table.add_row(str(row.round), escape(row.worker), "*" if row.sampled else "",
-                      "—" if row.distance is None else f"{row.distance:.2e}", status)
+                      "—" if row.distance is None else f"{row.distance:.2e}",
+                      "—" if row.tolerance is None else f"{row.tolerance:.2g}", status, escape(row.kernels))
     console.print(table)
     skipped = outcome.not_replayed_line()
     if skipped is not None:

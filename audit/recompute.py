@@ -27,7 +27,7 @@ from .rederive import (
     genesis_outer_state,
     rederive,
 )
-from .replay import EVAL_TOLERANCE, REPLAY_TOLERANCE, replay_run
+from .replay import EVAL_TOLERANCE, replay_run
 
 
 class Recomputation:
@@ -152,6 +152,9 @@ class Recomputation:
         for round_, obj, message in outcome.problems:
             fail(round_, obj, AuditCheck.REPLAY, message)
         for row in outcome.rows:
+            if row.status == "inconclusive":
+                self.findings.warn(f"round {row.round}: {row.worker}'s update is {row.distance:.3g} away from its replay "
+                                   f"in the {row.kernels} kernels, which does not decide it: {row.note}")
             if row.status != "MISMATCH":
                 continue
             participant = {p.worker: p for p in manifests[row.round].participants}[row.worker]
@@ -168,7 +171,8 @@ class Recomputation:
                 fail(row.round, participant.update, AuditCheck.REPLAY,
                      f"{row.worker}'s update is {row.distance:.3g} away (relative L2) from what "
                      f"{participant.inner_steps} inner steps on shard {participant.shard} from round "
-                     f"{row.round - 1}'s checkpoint give; an honest replay is within {REPLAY_TOLERANCE:g}")
+                     f"{row.round - 1}'s checkpoint give, replayed in the {row.kernels} kernels; an honest "
+                     f"replay there is within {row.tolerance:g}")
         for score in outcome.rescored:
             if not score.ok:
                 fail(score.round, manifests[score.round].params, AuditCheck.RESCORE,

@@ -16,7 +16,7 @@ worker w to round r (a manifest participant: its update Δ, data shard s, commit
                                                       inner.adaptive_steps, round r−2's stored
                                                       downlink header (trainer.rounds.schedule)
     Δ'       = θ_start − θ_H_r                       H_r AdamW steps, trainer.runtime.inner.InnerLoop
-    d        = ‖Δ' − Δ‖₂ / ‖Δ‖₂                      refused when d > REPLAY_TOLERANCE
+    d        = ‖Δ' − Δ‖₂ / ‖Δ‖₂                      refused when d > its tolerance (below)
 
 With a compressed uplink the stored update is Â = decompress(C(Δ + e)), e the worker's error
 feedback (part of its committed state, fresh = 0). The replay rebuilds e along the chain too:
@@ -36,13 +36,20 @@ Re-score: the held-out loss of θ⁽ʳ⁾ of each sampled round is recomputed on
 batches (trainer.data.corpus.eval_batches) and must lie within EVAL_TOLERANCE of the manifest's
 ``eval_loss_e6`` (which every report restates).
 
-Tolerance. An honest worker's Δ and the replay's differ only by floating-point rounding: torch's
-kernels (which fuse multiply-add on some CPUs and not others), the thread count of each matmul,
-and the worker's own process. Over H AdamW steps those differences grow; REPLAY_TOLERANCE is set
-from their measured size (docs/verification.md: the same contributions replayed under
-ATEN_CPU_CAPABILITY=default and the best capability, 1 and 2 threads) with a margin, and stays
-far below what a dishonest update is off by (an update scaled by 1.5 is 0.33 off; the
-measurements for noise, fewer steps and a stale start are in the same document).
+Kernels and tolerance (audit.replay_env). An honest worker's Δ and the replay's differ only by
+floating-point rounding, which on a CPU is decided by torch's ATen CPU capability (whose kernels
+fuse multiply-adds and reduce in their own order) and the intra-op thread count; every
+one-process CPU worker records both with each contribution (the participant's ``kernels``,
+trainer.runtime.kernels). Each worker's chain is replayed in a child process running its recorded
+kernels wherever this CPU can run them: there an honest contribution re-derives exactly (d = 0 on
+every contribution of the demo run, under every auditor capability and thread count), and
+REPLAY_TOLERANCE = EXACT_TOLERANCE = 1e-6. Elsewhere (kernels not recorded or not runnable here)
+the chain is replayed in the auditor's own kernels and the n-th contribution of a chain is held to
+``fallback_tolerance(n)``, derived from the honest distances measured across kernels, which grow
+along a chain (docs/verification.md, "Replay tolerance"); where those leave the tolerance no
+margin (the demo: past the fifth contribution of a chain) the row is "inconclusive" (a warning),
+never an accusation. Each row names the kernels that replayed
+it and the tolerance it was held to.
 
 Overlapped rounds (rounds.overlap): round r of a worker whose round r−1 counted starts from stored
 objects, computed as the worker computes it (``Replayer._start``, with the worker's own
@@ -82,7 +89,7 @@ from typing import Iterable, Mapping
 
 import torch
 
-from storage_client import Manifest, Participant, Store, from_e6
+from storage_client import Kernels, Manifest, Participant, Store, from_e6
 from trainer.codec import CodecHeader, CompressionError, PinnedRankPolicy, codec_of, compress, decompress, matrix_codec
 from trainer.codec.wire import Layout, Params, WireError, decode_params, layout_of
 from trainer.config import RunConfig
@@ -100,8 +107,11 @@ from trainer.runtime.inner import FRESH_STATE, InnerLoop, evaluate, load_adamw_s
 from trainer.runtime.state_commit import decode_inner_state, split_inner_state, state_cid, state_due
 from trainer.runtime.staged import StagedArithmetic, staged_arithmetic
 
-# ‖Δ' − Δ‖ / ‖Δ‖ an honest contribution stays within (see the module docstring).
-REPLAY_TOLERANCE = 0.05
+from .replay_env import EXACT_TOLERANCE, ChildError, judge, kernels_label, replay_in, split_by_kernels
+
+# ‖Δ' − Δ‖ / ‖Δ‖ an honest contribution replayed in its worker's kernels stays within (it is 0;
+# audit.replay_env); replayed in other kernels, audit.replay_env.fallback_tolerance.
+REPLAY_TOLERANCE = EXACT_TOLERANCE
 # nats: a re-scored held-out loss may differ from the manifest's by this much (reduction order).
 EVAL_TOLERANCE = 1e-3
 
@@ -119,12 +129,15 @@ class ReplayRow:
     worker: str
     sampled: bool
     distance: float | None  # ‖Δ' − Δ‖ / ‖Δ‖; None when not replayed
-    status: str  # "ok", "MISMATCH" or "not replayed"
+    status: str  # "ok", "MISMATCH", "inconclusive" (past what the fallback tolerance knows) or "not replayed"
     note: str = ""
+    kernels: str = ""  # what replayed it: the worker's kernels, or the auditor's (audit.replay_env)
+    tolerance: float | None = None  # what the distance was held to
 
     def to_json(self) -> dict:
         return {"round": self.round, "worker": self.worker, "sampled": self.sampled,
-                "distance": self.distance, "status": self.status, "note": self.note}
+                "distance": self.distance, "status": self.status, "note": self.note, "kernels": self.kernels,
+                "tolerance": self.tolerance}
 
 
 @dataclass
@@ -198,10 +211,16 @@ def unreplayable_reason(config: RunConfig, manifests: Mapping[int, Manifest], ro
 class Replayer:
     """Replays contributions of one run from its verified manifests (round → manifest)."""
 
-    def __init__(self, store: Store, config: RunConfig, manifests: Mapping[int, Manifest]) -> None:
+    def __init__(self, store: Store, config: RunConfig, manifests: Mapping[int, Manifest],
+                 worker_kernels: bool = True, exact: bool = False) -> None:
+        """``worker_kernels``: replay each worker's chain in the kernels it recorded, in a child process,
+        where this CPU can (audit.replay_env); otherwise in this process. ``exact``: this process runs
+        the workers' kernels (a replay child), so the distances are held to EXACT_TOLERANCE."""
         self.store = store
         self.config = config
         self.manifests = dict(manifests)
+        self.worker_kernels, self.exact = worker_kernels, exact
+        self.fallback: dict[str, str] = {}  # worker -> why its chain is replayed in this process's kernels
         self.problems: list[tuple[int | None, str, str]] = []
         self._corpus = None
         self.steps: dict[int, int] = {}  # round -> H_r, re-derived (inner_steps)
@@ -328,13 +347,6 @@ class Replayer:
     def replay(self, targets: Iterable[tuple[int, str]]) -> tuple[list[ReplayRow], int]:
         """Every target, with the chains they need (each worker's rounds replayed once, in order);
         returns the rows and the inner steps replayed."""
-        cfg = self.config
-        try:
-            corpus = self._load_corpus()
-        except CorpusError as exc:
-            self.problems.append((None, cfg.data.tokens or cfg.data.corpus,
-                                  f"the run's tokens are not available to replay on: {exc}"))
-            return [], 0
         sampled = set(targets)
         by_worker: dict[str, set[int]] = defaultdict(set)
         for r, worker in sampled:
@@ -342,14 +354,35 @@ class Replayer:
         for worker, chain in sorted(by_worker.items()):
             self.problems.extend(missing_states(self.store, cfg, self.manifests, worker, sorted(chain)))
         rows: list[ReplayRow] = []
-        steps = 0
-        planned = sum(len(chain) for chain in by_worker.values())
-        # Counted in inner steps, planned at H each until a round's own H_r is derived.
-        with Progress(f"audit replay ({len(sampled)} sampled, {planned} with their chains)", planned * cfg.inner.steps,
-                      unit="steps", rate_unit="tokens") as progress:
-            for worker in sorted(by_worker):
-                steps += self._replay_worker(worker, sorted(by_worker[worker]), sampled, corpus, rows, progress)
+        if self._corpus_or_problem() is None:
+            return [], 0
+        exact, own, self.fallback = split_by_kernels(self.manifests, by_worker, self.worker_kernels)
+        steps = sum(_replay_in_child(self, kernels, chains, sampled, rows) for kernels, chains in exact.items())
+        steps += self.replay_chains(own, sampled, rows)
         return sorted(rows, key=lambda row: (row.round, row.worker)), steps
+
+    def _corpus_or_problem(self) -> Dataset | None:
+        try:
+            return self._load_corpus()
+        except CorpusError as exc:
+            self.problems.append((None, self.config.data.tokens or self.config.data.corpus,
+                                  f"the run's tokens are not available to replay on: {exc}"))
+            return None
+
+    def replay_chains(self, chains: Mapping[str, list[int]], sampled: set[tuple[int, str]],
+                      rows: list[ReplayRow]) -> int:
+        """Each worker's chain of rounds replayed in this process, in order; returns the inner steps."""
+        corpus = self._corpus_or_problem()
+        planned = sum(len(rounds) for rounds in chains.values())
+        if corpus is None or not planned:
+            return 0
+        steps = 0
+        # Counted in inner steps, planned at H each until a round's own H_r is derived.
+        with Progress(f"audit replay ({len(sampled)} sampled, {planned} with their chains)",
+                      planned * self.config.inner.steps, unit="steps", rate_unit="tokens") as progress:
+            for worker in sorted(chains):
+                steps += self._replay_worker(worker, chains[worker], sampled, corpus, rows, progress)
+        return steps
 
     def _replay_worker(self, worker: str, rounds: list[int], sampled: set[tuple[int, str]], corpus: Dataset,
                        rows: list[ReplayRow], progress: Progress) -> int:
@@ -360,11 +393,13 @@ class Replayer:
         inner: InnerLoop | None = None
         previous: int | None = None
         errors: Params = {}  # the worker's error feedback e, rebuilt along the chain
-        steps = 0
+        steps = position = 0  # position: the contribution's place in its chain, 1 at a fresh start
+        kernels = kernels_label(self.exact, self.fallback.get(worker, ""))
         for r in rounds:
             p = self._participant(r, worker)
+            position += 1
             if p.state == FRESH_STATE:
-                inner, errors = InnerLoop(model, cfg.inner), {}
+                inner, errors, position = InnerLoop(model, cfg.inner), {}, 1
             elif inner is None or previous is None or not self._consecutive(worker, previous, r):
                 try:
                     loaded = committed_state(self.store, self.config, p, model)
@@ -406,8 +441,8 @@ class Replayer:
                     continue
             else:
                 distance = relative_distance(result.pseudo_gradient, stored)
-            ok = distance <= REPLAY_TOLERANCE
-            rows.append(ReplayRow(r, worker, (r, worker) in sampled, distance, "ok" if ok else "MISMATCH"))
+            status, note, tolerance = judge(distance, position, self.exact)
+            rows.append(ReplayRow(r, worker, (r, worker) in sampled, distance, status, note, kernels, tolerance))
             previous = r
         return steps
 
@@ -541,6 +576,21 @@ def staged_of(store: Store, config: RunConfig, p: Participant) -> StagedArithmet
     except (OSError, ValueError) as exc:  # StoreError, RecordError: ValueError
         raise ReplayError(f"its update record cannot be read: {str(exc)[:300]}") from None
     return staged_arithmetic(config.model, refs[0].num_stages)
+
+
+def _replay_in_child(replayer: Replayer, kernels: Kernels, chains: dict[str, list[int]],
+                     sampled: set[tuple[int, str]], rows: list[ReplayRow]) -> int:
+    """``chains`` replayed in a child process in their workers' ``kernels`` (audit.replay_env);
+    returns the inner steps it replayed."""
+    try:
+        answer = replay_in(kernels, replayer.store, replayer.config, replayer.manifests, chains, sampled)
+    except ChildError as exc:
+        replayer.problems.append((None, "replay", str(exc)))
+        return 0
+    rows.extend(ReplayRow(**row) for row in answer["rows"])
+    replayer.steps.update(answer["round_steps"])
+    replayer.problems.extend(answer["problems"])
+    return answer["steps"]
 
 
 def _norm(tensors: Params) -> float:

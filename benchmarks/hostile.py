@@ -35,6 +35,7 @@ from trainer.config import RunConfig
 from trainer.data.corpus import load_corpus, round_batches
 from trainer.model.gpt import build_model
 from trainer.runtime.inner import FRESH_STATE, InnerLoop, inner_state_bytes
+from trainer.runtime.kernels import current_kernels
 from trainer.runtime.staged import staged_arithmetic
 
 Params = dict[str, torch.Tensor]
@@ -89,10 +90,15 @@ class Mallory:
             tokens=self.tokens, inner_steps=self.config.inner.steps, stage=0, num_stages=1,
             inner_state_sha256=FRESH_STATE,
         )
+        kernels = current_kernels(torch.device("cpu"))  # what it trains with in this process, as a worker names it
+        if kernels is not None:
+            fields.update(cpu_capability=kernels.capability, intra_op_threads=kernels.threads)
         if "base_params_cid" not in header:  # the state the run started from, fetched once
             self.base = self.base or {"base_params_cid": self.fetch()["base_params_cid"]}
             fields.update(self.base)
         fields.update(header)  # a stage slice names its worker's one commitment too
+        if fields["num_stages"] != 1 and "cpu_capability" not in header and "intra_op_threads" not in header:
+            fields.update(cpu_capability="", intra_op_threads=0)  # a stage slice names no kernels
         return pb.UpdateChunk(header=pb.UpdateHeader(**fields))
 
     def fetch(self, min_round: int = 0) -> dict[str, object]:

@@ -27,8 +27,11 @@ from .canonical import (
 from .cid import CID, Codec, InvalidCIDError, decode_varint, encode_varint
 from .errors import DilocoxError
 from .manifest import (
+    KERNEL_CAPABILITIES,
+    MAX_KERNEL_THREADS,
     SCHEMA,
     Downlink,
+    Kernels,
     Manifest,
     ManifestError,
     Participant,
@@ -65,6 +68,9 @@ __all__ = [
     "write_atomic",
     "SCHEMA",
     "Participant",
+    "Kernels",
+    "KERNEL_CAPABILITIES",
+    "MAX_KERNEL_THREADS",
     "Downlink",
     "Traffic",
     "Manifest",

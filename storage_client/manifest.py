@@ -27,6 +27,13 @@ Participants' `update` (schema v4) is the JSON CID of the worker's update
 record, which names the bytes of its pushed payloads (trainer.runstore.update_record),
 no longer a RAW dense reconstruction.
 
+Participants' `kernels` (schema v5) name what decided the floating point of the worker's inner
+loop, `{"capability": <ATen CPU capability>, "threads": <intra-op threads>}` (trainer.runtime.kernels),
+or null where none is recorded (a worker of several pipeline stages, or on an accelerator): the
+kernel environment `dilocox audit --replay` re-runs the contribution in, bit for bit
+(audit.replay_env). Both are hostile input: the capability is one of KERNEL_CAPABILITIES, the
+threads 1..MAX_KERNEL_THREADS.
+
 Traffic (schema v2). `bytes_up` / `bytes_down` are the round's total wire bytes
 from the workers to the coordinator and back. Each participant records both directions of
 its own contribution: `bytes_sent`, the wire bytes of the accepted update, and
@@ -51,7 +58,7 @@ from .backend import Store
 from .canonical import digest_json
 from .cid import CID, Codec, InvalidCIDError
 
-SCHEMA = "dilocox.manifest/v4"
+SCHEMA = "dilocox.manifest/v5"
 E6 = 1_000_000
 
 _PARTICIPANT_KEYS = {
@@ -64,7 +71,14 @@ _PARTICIPANT_KEYS = {
     "bytes_received",
     "shard",
     "state",
+    "kernels",
 }
+
+_KERNELS_KEYS = {"capability", "threads"}
+# torch.backends.cpu.get_cpu_capability(), in lower case: the ATen CPU capabilities a worker may name
+# (x86's three, lowest first, then ARM's, POWER's and s390's), and the most intra-op threads.
+KERNEL_CAPABILITIES = ("default", "avx2", "avx512", "sve128", "sve256", "sve512", "vsx", "zvector")
+MAX_KERNEL_THREADS = 1024
 
 _DOWNLINK_KEYS = {"payload", "header"}
 
@@ -168,6 +182,38 @@ def _check_sorted_unique(field: str, items: list[str], what: str) -> None:
 
 
 @dataclass(frozen=True)
+class Kernels:
+    """What decided the floating point of a worker's inner loop (schema v5): the ATen CPU capability
+    its kernels dispatched to and its intra-op thread count (trainer.runtime.kernels)."""
+
+    capability: str
+    threads: int
+
+    def __post_init__(self) -> None:
+        _validate_kernels(self.to_json(), at="kernels")
+
+    def to_json(self) -> dict[str, Any]:
+        return {"capability": self.capability, "threads": self.threads}
+
+    @classmethod
+    def from_json(cls, obj: Any, at: str = "kernels") -> Kernels:
+        _validate_kernels(obj, at)
+        return cls(**obj)
+
+    def __str__(self) -> str:
+        return f"{self.capability}, {self.threads} thread{'s' if self.threads != 1 else ''}"
+
+
+def _validate_kernels(obj: Any, at: str) -> None:
+    _check_keys(at, obj, _KERNELS_KEYS)
+    if obj["capability"] not in KERNEL_CAPABILITIES:  # an allowlist: nothing unbounded is echoed
+        raise ManifestError(f"manifest field {at + '.capability'!r}: expected one of {list(KERNEL_CAPABILITIES)}")
+    _check_int(f"{at}.threads", obj["threads"], minimum=1)
+    if obj["threads"] > MAX_KERNEL_THREADS:
+        raise ManifestError(f"manifest field {at + '.threads'!r}: must be <= {MAX_KERNEL_THREADS}")
+
+
+@dataclass(frozen=True)
 class Participant:
     """One worker's contribution to a round."""
 
@@ -184,8 +230,12 @@ class Participant:
     # sha256 (hex) of the worker's inner state at the start of the round (trainer.inner_state), or
     # None where it is not committed (a worker of several pipeline stages, before they committed one)
     state: str | None = None
+    # what decided the floating point of its inner loop (schema v5), or None where none is recorded
+    kernels: Kernels | None = None
 
     def __post_init__(self) -> None:
+        if isinstance(self.kernels, dict):  # Participant(**p.to_json()): the JSON form, parsed
+            object.__setattr__(self, "kernels", Kernels.from_json(self.kernels, "participant.kernels"))
         _validate_participant(self.to_json(), at="participant")
 
     def to_json(self) -> dict[str, Any]:
@@ -199,6 +249,7 @@ class Participant:
             "bytes_received": self.bytes_received,
             "shard": self.shard,
             "state": self.state,
+            "kernels": None if self.kernels is None else self.kernels.to_json(),
         }
 
     @classmethod
@@ -206,7 +257,8 @@ class Participant:
         """Strictly parse one participant; `at` is the field path used in errors."""
         # Validate here first so errors name the real path, e.g. participants[2].tokens.
         _validate_participant(obj, at)
-        return cls(**obj)
+        kernels = None if obj["kernels"] is None else Kernels.from_json(obj["kernels"], f"{at}.kernels")
+        return cls(**{**obj, "kernels": kernels})
 
 
 def _validate_participant(obj: Any, at: str) -> None:
@@ -223,6 +275,8 @@ def _validate_participant(obj: Any, at: str) -> None:
         raise ManifestError(f"manifest field {at + '.state'!r}: expected null or 64 lowercase hex digits")
     _check_int(f"{at}.bytes_sent", obj["bytes_sent"], minimum=0)
     _check_int(f"{at}.bytes_received", obj["bytes_received"], minimum=0)
+    if obj["kernels"] is not None:
+        _validate_kernels(obj["kernels"], f"{at}.kernels")
 
 
 @dataclass(frozen=True)

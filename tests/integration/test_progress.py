@@ -6,10 +6,15 @@ corpus, a demo run's workers (their logs), the audit's rounds and replay, export
 run's rounds.jsonl; ``status --watch`` beside a worker whose two pipeline stages start (alive and
 "starting" meanwhile, the start-up and the last stage's inner steps in its log). And the audit's
 anvil and temporary directory do not outlive a SIGTERM or a SIGINT.
+
+The same demo run is the replay's matrix (audit.replay_env): under every auditor capability and
+thread count, the union of ``--replay 4`` samples of seeds 1..8 replays bit for bit in the workers'
+recorded kernels, and within the fallback tolerance in the auditor's own.
 """
 
 from __future__ import annotations
 
+import json
 import os
 import re
 import signal
@@ -21,6 +26,7 @@ from pathlib import Path
 
 import grpc
 import pytest
+import torch
 
 from cli.cluster import LocalCluster
 from proto import WorkerPhase
@@ -111,6 +117,71 @@ def test_the_audits_rounds_and_replay_show_progress_piped(demo_run: Path) -> Non
     assert all("tokens/s" in line for line in lines)
     assert_progress(done.stderr, "audit re-scoring held-out loss", min_periodic=1)
     assert "audit" not in " ".join(re.findall(r"^audit.*$", done.stdout, re.M))  # no progress on stdout
+
+
+# One process per auditor capability (torch reads it once, at import), for 1 and 2 threads: the union
+# of the samples of seeds 1..8, replayed in this process's own kernels with each thread count and,
+# with argv[2] "exact", in the workers' kernels (a child process, whose capability and threads are
+# the recorded ones whatever the auditor's: replay_env.child_environment, unit-tested); JSON rows.
+_REPLAY_MATRIX = """
+import json, sys
+import torch
+from audit.replay import Replayer
+from trainer.config import RunConfig
+from trainer.runstore.run_dir import RunDir
+from storage_client import lineage
+run = RunDir(sys.argv[1])
+manifests = {m.round: m for _, m in lineage(run.store, run.head())}
+config = RunConfig.from_json(run.store.get_json(manifests[0].config))
+union = set()
+for seed in range(1, 9):
+    union.update(Replayer(run.store, config, manifests).sample(4, seed)[0])
+out = {"union": sorted(union), "kernels": {f"{r}:{p.worker}": str(p.kernels) for r, m in manifests.items()
+                                           for p in m.participants}, "runs": []}
+for threads, worker_kernels in ((2, True), (1, False), (2, False))[0 if sys.argv[2] == "exact" else 1:]:
+    torch.set_num_threads(threads)
+    replayer = Replayer(run.store, config, manifests, worker_kernels=worker_kernels)
+    rows, _ = replayer.replay(sorted(union))
+    out["runs"].append({"auditor": [torch.backends.cpu.get_cpu_capability(), torch.get_num_threads()],
+                        "worker_kernels": worker_kernels, "rows": [row.to_json() for row in rows],
+                        "problems": replayer.problems})
+print(json.dumps(out))
+"""
+
+
+def test_the_replay_never_accuses_the_honest_on_any_capability_or_thread_count(demo_run: Path) -> None:
+    """``--replay 4`` for seeds 1..8 under ATEN_CPU_CAPABILITY default, avx2 and the machine's best,
+    with 1 and 2 threads: every contribution sampled is replayed in its worker's recorded kernels
+    (a child process, started by the auditor furthest from them: generic kernels, 2 threads) with
+    d = 0, and in the auditor's own within the fallback tolerance. Three processes and one child:
+    each costs its interpreter and the imports of torch and transformers, most of the test's time."""
+    capabilities = ["default"] + (["avx2"] if torch.cpu._is_avx2_supported() else []) + [None]  # None: the best
+    seen = []
+    for capability in capabilities:
+        env = {k: v for k, v in ENV.items() if k not in ("ATEN_CPU_CAPABILITY", "OMP_NUM_THREADS")}
+        env.update({"ATEN_CPU_CAPABILITY": capability} if capability else {})
+        exact = "exact" if capability == "default" else "own"
+        done = subprocess.run([sys.executable, "-c", _REPLAY_MATRIX, str(demo_run), exact], cwd=REPO, env=env,
+                              capture_output=True, text=True, timeout=240)
+        assert done.returncode == 0, done.stderr[-3000:]
+        out = json.loads(done.stdout.strip().splitlines()[-1])
+        assert len(out["union"]) == len(out["kernels"]) == 4 and "None" not in out["kernels"].values()
+        for run in out["runs"]:
+            seen.append((*run["auditor"], run["worker_kernels"]))
+            assert not run["problems"], run["problems"]
+            rows = run["rows"]
+            assert sorted([row["round"], row["worker"]] for row in rows) == out["union"]
+            assert all(row["status"] == "ok" and row["distance"] <= row["tolerance"] for row in rows), rows
+            for row in rows:
+                recorded = out["kernels"][f"{row['round']}:{row['worker']}"]
+                if run["worker_kernels"]:  # bit for bit, in the kernels the worker recorded
+                    assert row["distance"] == 0.0 and row["kernels"] == f"worker's ({recorded})", row
+                else:
+                    assert row["kernels"].startswith(f"auditor's ({run['auditor'][0].lower()}, "), row
+            print(run["auditor"], "worker's" if run["worker_kernels"] else "own",
+                  {f"{row['round']}:{row['worker']}": row["distance"] for row in rows})
+    assert len(set(seen)) == len(seen) == 2 * len(capabilities) + 1  # each environment took effect
+    assert ("DEFAULT", 2, True) in seen
 
 
 def test_export_shows_its_steps(demo_run: Path, tmp_path: Path) -> None:

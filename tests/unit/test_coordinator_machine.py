@@ -13,7 +13,7 @@ import pytest
 import torch
 
 from proto import PROTOCOL_VERSION, Encoding, WorkerPhase
-from storage_client import lineage
+from storage_client import MAX_KERNEL_THREADS, Kernels, lineage
 from tests.conftest import small_config
 from trainer.codec import CompressionConfig
 from trainer.codec.wire import Params, encode_params, layout_of
@@ -115,6 +115,24 @@ def test_a_push_header_is_refused_by_its_first_fault_in_a_fixed_order(tmp_path) 
     push(c, header(c, "w0", u), u)
     assert refused(c, header(c, "w0", u, encoding=99), u) is Reason.DUPLICATE  # held: duplicate comes first
     assert refused(c, header(c, "w1", u), u) is Reason.REPLAYED  # byte-identical to w0's
+
+
+@pytest.mark.parametrize("fields", [dict(cpu_capability="avx9000", intra_op_threads=1),
+                                    dict(cpu_capability="AVX2", intra_op_threads=1),
+                                    dict(cpu_capability="avx2", intra_op_threads=0),
+                                    dict(cpu_capability="", intra_op_threads=4),
+                                    dict(cpu_capability="avx2", intra_op_threads=MAX_KERNEL_THREADS + 1),
+                                    dict(cpu_capability="x" * 100, intra_op_threads=2)])
+def test_kernels_outside_the_allowlist_are_refused_by_name(tmp_path, fields: dict) -> None:
+    """The kernels a push names (trainer.runtime.kernels) are hostile input: one of the allowed
+    capabilities with 1..MAX_KERNEL_THREADS threads, or nothing; a refusal echoes a bounded clip."""
+    c = coordinator(tmp_path, Clock())
+    joined(c, "w0", "w1")
+    u = update_of(c, 1.0)
+    with pytest.raises(Refusal) as caught:
+        c.admit_header(header(c, "w0", u, **fields))
+    assert caught.value.reason is Reason.MALFORMED and "cpu_capability" in str(caught.value)
+    assert len(str(caught.value)) < 400
 
 
 def test_a_stale_push_is_refused_as_stale_whatever_else_is_wrong(tmp_path) -> None:
@@ -280,7 +298,7 @@ def test_accepted_updates_and_slices_survive_a_restart_and_the_round_publishes(t
     joined(c, "w0", "w1")
     names = stage_param_names(c.config.model, 2)
     u0 = update_of(c, 1.0)
-    push(c, header(c, "w0", u0), u0)
+    push(c, header(c, "w0", u0, cpu_capability="avx2", intra_op_threads=3), u0)
     u1 = update_of(c, 2.0)
     first = {n: u1[n] for n in names[0]}
     push(c, header(c, "w1", first, stage=0, num_stages=2), first)
@@ -297,6 +315,8 @@ def test_accepted_updates_and_slices_survive_a_restart_and_the_round_publishes(t
     manifest = chain[-1][1]
     assert [p.worker for p in manifest.participants] == ["w0", "w1"]
     assert manifest.participants[0].state == STATE and manifest.participants[1].state == STATE
+    # The kernels w0 trained with, through the journal and the restart (a worker of stages records none).
+    assert manifest.participants[0].kernels == Kernels("avx2", 3) and manifest.participants[1].kernels is None
     assert all(p.tokens == restarted.run.round_tokens(manifest.round) for p in manifest.participants)
 
 

@@ -8,9 +8,11 @@ import pytest
 
 from storage_client import (
     CID,
+    MAX_KERNEL_THREADS,
     SCHEMA,
     Codec,
     Downlink,
+    Kernels,
     Manifest,
     ManifestError,
     MissingObjectError,
@@ -247,6 +249,31 @@ def test_traffic_and_downlink_entries_validate():
         Downlink(payload=DOWNLINK.payload, header=DOWNLINK.payload)
     with pytest.raises(ManifestError, match="'participant.bytes_received'"):
         Participant(**{**_participant("w0").to_json(), "bytes_received": -3})
+
+
+def test_kernels_round_trip_and_refuse_anything_off_the_allowlist():
+    """What decided a worker's floating point (schema v5): a capability from the allowlist and a
+    bounded thread count, or null; the same bytes back from JSON."""
+    p = Participant(**{**_participant("w0").to_json(), "kernels": {"capability": "avx512", "threads": 2}})
+    assert p.kernels == Kernels("avx512", 2) and str(p.kernels) == "avx512, 2 threads"
+    assert Participant.from_json(p.to_json()) == p and p.to_json()["kernels"] == {"capability": "avx512", "threads": 2}
+    m = _manifest()
+    obj = m.to_json()
+    obj["participants"][0]["kernels"] = {"capability": "default", "threads": 1}
+    assert Manifest.from_json(obj).participants[0].kernels == Kernels("default", 1)
+    bad = [({"capability": "avx1024", "threads": 1}, "capability"), ({"capability": "AVX2", "threads": 1}, "capability"),
+           ({"capability": "avx2", "threads": 0}, "threads"), ({"capability": "avx2", "threads": True}, "threads"),
+           ({"capability": "avx2", "threads": MAX_KERNEL_THREADS + 1}, "threads"),
+           ({"capability": "avx2"}, "missing"), ({"capability": "avx2", "threads": 1, "mkl": "x"}, "unknown"),
+           ("avx2", "expected object"), ({"capability": ["avx2"], "threads": 1}, "capability")]
+    for kernels, why in bad:
+        obj["participants"][0]["kernels"] = kernels
+        with pytest.raises(ManifestError, match=why) as info:
+            Manifest.from_json(obj)
+        assert "participants[0].kernels" in str(info.value)
+    del obj["participants"][0]["kernels"]
+    with pytest.raises(ManifestError, match="missing keys"):
+        Manifest.from_json(obj)
 
 
 def test_downlink_null_in_genesis_and_typed():

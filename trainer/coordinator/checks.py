@@ -12,6 +12,7 @@ import math
 import re
 
 from proto import PROTOCOL_VERSION, PUSH_ENCODINGS
+from storage_client import KERNEL_CAPABILITIES, MAX_KERNEL_THREADS, Kernels, ManifestError
 from trainer.codec.wire import Layout
 from trainer.config import ModelConfig, RunConfig
 from trainer.coordinator.state import JournalEntry, OpenRound, StageSlices, UpdateHeader
@@ -139,6 +140,7 @@ def check_form(h: UpdateHeader, expected: Layout, config: RunConfig, inner_steps
         raise Refusal(Reason.MALFORMED,
                       f"inner_state_sha256 {clip(h.inner_state_sha256)} is not 64 lowercase hex digits: a "
                       f"worker commits to the inner state each round starts from, in every stage slice")
+    pushed_kernels(h)
     return declared
 
 
@@ -157,6 +159,22 @@ def check_state_upload(h: UpdateHeader, layout: Layout, config: RunConfig) -> No
     if h.inner_state_size > limit:
         raise Refusal(Reason.MALFORMED, f"inner state of {h.inner_state_size} bytes exceeds the {limit} a "
                                         f"worker's state can need")
+
+
+def pushed_kernels(h: UpdateHeader) -> Kernels | None:
+    """What the push says decided its inner loop's floating point (trainer.runtime.kernels): both
+    fields or neither (a worker on an accelerator), and neither for a stage slice; a capability
+    from storage_client.KERNEL_CAPABILITIES and 1..MAX_KERNEL_THREADS threads, else refused."""
+    if not h.cpu_capability and not h.intra_op_threads:
+        return None
+    if h.num_stages > 1:
+        raise Refusal(Reason.MALFORMED, "a stage slice names its kernels; workers of several stages record none")
+    try:
+        return Kernels(h.cpu_capability, h.intra_op_threads)
+    except ManifestError:
+        raise Refusal(Reason.MALFORMED,
+                      f"cpu_capability {clip(h.cpu_capability)} with intra_op_threads {h.intra_op_threads}: expected "
+                      f"one of {list(KERNEL_CAPABILITIES)} with 1..{MAX_KERNEL_THREADS} threads") from None
 
 
 def check_sibling(h: UpdateHeader, entry: JournalEntry, part: StageSlices) -> None:

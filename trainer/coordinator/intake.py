@@ -149,7 +149,7 @@ class Intake:
             inner_steps=self.run.inner_steps(h.round), bytes_sent=wire_bytes, bytes_received=received,
             shard=self.registry.workers[h.worker_id].shard,
             state=h.inner_state_sha256,  # a worker of several stages names its one commitment in every slice
-            base_params_cid=None if single else h.base_params_cid)
+            base_params_cid=None if single else h.base_params_cid, kernels=checks.pushed_kernels(h))
 
     def _count_accepted(self, worker_id: str, accepted: Accepted, identity: str) -> None:
         self.accepted_cids.setdefault(identity, (self.round.number, worker_id))

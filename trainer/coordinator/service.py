@@ -321,6 +321,7 @@ def update_header(h: pb.UpdateHeader) -> UpdateHeader:
         inner_steps=h.inner_steps, base_params_cid=h.base_params_cid, base_bytes_received=h.base_bytes_received,
         signature=h.signature, compression_header=h.compression_header, inner_state_sha256=h.inner_state_sha256,
         inner_state_size=h.inner_state_size,
+        cpu_capability=h.cpu_capability, intra_op_threads=h.intra_op_threads,
     )
 
 

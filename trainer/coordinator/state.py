@@ -14,7 +14,7 @@ from dataclasses import dataclass, field, fields
 from typing import Any
 
 from proto import Encoding, WorkerPhase
-from storage_client import CID, Manifest, Participant, from_e6
+from storage_client import CID, Kernels, Manifest, Participant, from_e6
 from trainer.codec.wire import Params
 from trainer.rounds.transition import OuterState
 from trainer.rounds.update_source import MergedUpdate, UpdateSource
@@ -43,6 +43,8 @@ class UpdateHeader:
     compression_header: bytes
     inner_state_sha256: str
     inner_state_size: int = 0  # bytes of the inner state sent after the payload (trainer.runtime.state_commit)
+    cpu_capability: str = ""  # what decided the inner loop's floating point (trainer.runtime.kernels); "" for none
+    intra_op_threads: int = 0
 
     @property
     def what(self) -> str:
@@ -63,9 +65,12 @@ class JournalEntry:
     shard: int
     state: str | None  # inner_state_sha256 the push names (every slice, with several stages); None in old journals
     base_params_cid: str | None = None  # stage slices: the base every slice of a worker must share
+    kernels: Kernels | None = None  # what decided its floating point, as pushed (checks.pushed_kernels)
 
     def to_json(self) -> dict[str, Any]:
-        return {f.name: getattr(self, f.name) for f in fields(self)}
+        out = {f.name: getattr(self, f.name) for f in fields(self)}
+        out["kernels"] = None if self.kernels is None else self.kernels.to_json()
+        return out
 
     @classmethod
     def from_json(cls, obj: Any) -> JournalEntry:
@@ -76,6 +81,9 @@ class JournalEntry:
         values: dict[str, Any] = {}
         for f in fields(cls):
             value = obj.get(f.name)
+            if f.name == "kernels":  # strictly parsed (a ManifestError is a ValueError); absent: none recorded
+                values[f.name] = None if value is None else Kernels.from_json(value, "journal entry kernels")
+                continue
             optional = f.name in ("state", "base_params_cid")
             kind = str if f.name in ("cid", "state", "base_params_cid") else int
             if not (isinstance(value, kind) and not isinstance(value, bool) or (optional and value is None)):
@@ -86,7 +94,8 @@ class JournalEntry:
     def participant(self, worker: str) -> Participant:
         return Participant(worker=worker, update=self.cid, train_loss_e6=self.train_loss_e6, tokens=self.tokens,
                            inner_steps=self.inner_steps, bytes_sent=self.bytes_sent,
-                           bytes_received=self.bytes_received, shard=self.shard, state=self.state)
+                           bytes_received=self.bytes_received, shard=self.shard, state=self.state,
+                           kernels=self.kernels)
 
 
 @dataclass

@@ -46,7 +46,7 @@ from attestation import (
 )
 from attestation.signing import global_digest, update_digest
 from proto import CHANNEL_OPTIONS, PROTOCOL_VERSION, Encoding, WorkerPhase, pb, pb_grpc, session_metadata
-from storage_client import CID, Codec, DilocoxError, canonical_json, loads_bounded
+from storage_client import CID, Codec, DilocoxError, Kernels, canonical_json, loads_bounded
 from trainer.codec import CodecHeader, CompressionError
 from trainer.codec.downlink import apply_update, decode_update
 from trainer.codec.uplink import Slice
@@ -118,6 +118,7 @@ class PushHeader:
     base_params_cid: str
     base_bytes_received: int
     inner_state_sha256: str
+    kernels: Kernels | None = None  # what decided the inner loop's floating point (trainer.runtime.kernels)
 
 
 class PhaseSeconds:
@@ -152,6 +153,8 @@ def update_header(run_id: str, worker_id: str, piece: Slice, what: PushHeader, p
         tokens=what.tokens, inner_steps=what.inner_steps, base_params_cid=what.base_params_cid,
         base_bytes_received=what.base_bytes_received, stage=piece.stage, num_stages=piece.num_stages,
         inner_state_sha256=what.inner_state_sha256, inner_state_size=state_size,
+        cpu_capability=what.kernels.capability if what.kernels else "",
+        intra_op_threads=what.kernels.threads if what.kernels else 0,
     )
 
 

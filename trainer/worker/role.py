@@ -47,6 +47,7 @@ from trainer.rounds.schedule import ScheduleError, StepsDecision
 from trainer.runstore.update_record import record_of_slices
 from trainer.runtime.device import parse_device
 from trainer.runtime.inner import InnerLoop, InnerResult
+from trainer.runtime.kernels import current_kernels
 from trainer.runtime.pipeline import PipelinedInnerLoop, PipelineError, plan_stages
 from trainer.runtime.procgroup import available_cpus
 from trainer.runtime.state_commit import commitment
@@ -255,7 +256,10 @@ class Worker:
             dense_bytes = sum(t.numel() * t.element_size() for t in merged(work.slices).values())
             log.info("round %d: compressed %d -> %d bytes in %d slice(s) (%s)", round_, dense_bytes,
                      sum(len(s.payload) for s in work.slices), len(work.slices), decision.describe())
-        what = PushHeader(round_, result.mean_loss, result.tokens, result.steps, base_cid, received, work.state)
+        # A one-process worker names the kernels it trained with, so that its round replays bit for bit.
+        kernels = current_kernels(self.device) if isinstance(self.inner, InnerLoop) else None
+        what = PushHeader(round_, result.mean_loss, result.tokens, result.steps, base_cid, received, work.state,
+                          kernels)
         wire_bytes, started, receipt = 0, time.perf_counter(), None
         for piece in work.slices:
             try:
