@@ -27,7 +27,7 @@ from .rederive import (
     genesis_outer_state,
     rederive,
 )
-from .replay import EVAL_TOLERANCE, replay_run
+from .replay import EVAL_TOLERANCE, REPLAY_TOLERANCE, replay_run
 
 
 class Recomputation:
@@ -168,11 +168,12 @@ class Recomputation:
             if row.distance is None:
                 fail(row.round, participant.update, AuditCheck.REPLAY, f"{row.worker}'s update cannot be replayed: {row.note}")
             else:
+                kernels, tolerance = row.kernels or "auditor's", row.tolerance or REPLAY_TOLERANCE
                 fail(row.round, participant.update, AuditCheck.REPLAY,
                      f"{row.worker}'s update is {row.distance:.3g} away (relative L2) from what "
                      f"{participant.inner_steps} inner steps on shard {participant.shard} from round "
-                     f"{row.round - 1}'s checkpoint give, replayed in the {row.kernels} kernels; an honest "
-                     f"replay there is within {row.tolerance:g}")
+                     f"{row.round - 1}'s checkpoint give, replayed in the {kernels} kernels; an honest "
+                     f"replay there is within {tolerance:g}")
         for score in outcome.rescored:
             if not score.ok:
                 fail(score.round, manifests[score.round].params, AuditCheck.RESCORE,

@@ -216,9 +216,7 @@ class Replayer:
         """``worker_kernels``: replay each worker's chain in the kernels it recorded, in a child process,
         where this CPU can (audit.replay_env); otherwise in this process. ``exact``: this process runs
         the workers' kernels (a replay child), so the distances are held to EXACT_TOLERANCE."""
-        self.store = store
-        self.config = config
-        self.manifests = dict(manifests)
+        self.store, self.config, self.manifests = store, config, dict(manifests)
         self.worker_kernels, self.exact = worker_kernels, exact
         self.fallback: dict[str, str] = {}  # worker -> why its chain is replayed in this process's kernels
         self.problems: list[tuple[int | None, str, str]] = []
@@ -352,7 +350,7 @@ class Replayer:
         for r, worker in sampled:
             by_worker[worker].update(self.chain(r, worker))
         for worker, chain in sorted(by_worker.items()):
-            self.problems.extend(missing_states(self.store, cfg, self.manifests, worker, sorted(chain)))
+            self.problems.extend(missing_states(self.store, self.config, self.manifests, worker, sorted(chain)))
         rows: list[ReplayRow] = []
         if self._corpus_or_problem() is None:
             return [], 0
@@ -510,25 +508,28 @@ class Replayer:
         return all(not any(p.worker == worker for p in self.manifests[r].participants)
                    for r in range(earlier + 1, later) if r in self.manifests)
 
-    def rescore(self, rounds: Iterable[int]) -> list[RescoreRow]:
-        cfg = self.config
-        corpus = self._load_corpus()
-        batches = eval_batches(corpus.eval_tokens(), seed=cfg.seed, count=cfg.data.eval_batches,
-                               batch_size=cfg.inner.batch_size, block_size=cfg.model.block_size)
-        model = build_model(cfg.model, cfg.seed)
-        out = []
-        targets = sorted(set(rounds))
-        with Progress("audit re-scoring held-out loss", len(targets), unit="checkpoints") as progress:
-            for r in targets:
-                params = self._params(r, f"θ⁽{r}⁾")
-                progress.advance()
-                if params is None:
-                    continue
-                load_params(model, params)
-                recomputed = evaluate(model, batches)
-                reported = from_e6(self.manifests[r].eval_loss_e6)
-                out.append(RescoreRow(r, reported, recomputed, abs(recomputed - reported) <= EVAL_TOLERANCE))
-        return out
+
+def rescore(replayer: Replayer, rounds: Iterable[int]) -> list[RescoreRow]:
+    """The held-out loss of each of ``rounds``' checkpoints, recomputed on the run's evaluation
+    batches and compared with its manifest's (EVAL_TOLERANCE)."""
+    cfg = replayer.config
+    corpus = replayer._load_corpus()
+    batches = eval_batches(corpus.eval_tokens(), seed=cfg.seed, count=cfg.data.eval_batches,
+                           batch_size=cfg.inner.batch_size, block_size=cfg.model.block_size)
+    model = build_model(cfg.model, cfg.seed)
+    out = []
+    targets = sorted(set(rounds))
+    with Progress("audit re-scoring held-out loss", len(targets), unit="checkpoints") as progress:
+        for r in targets:
+            params = replayer._params(r, f"θ⁽{r}⁾")
+            progress.advance()
+            if params is None:
+                continue
+            load_params(model, params)
+            recomputed = evaluate(model, batches)
+            reported = from_e6(replayer.manifests[r].eval_loss_e6)
+            out.append(RescoreRow(r, reported, recomputed, abs(recomputed - reported) <= EVAL_TOLERANCE))
+    return out
 
 
 def committed_state(store: Store, config: RunConfig, p: Participant,
@@ -613,7 +614,7 @@ def replay_run(store: Store, config: RunConfig, manifests: Mapping[int, Manifest
     replayer = Replayer(store, config, manifests)
     targets, skipped = replayer.sample(k, seed)
     rows, steps = replayer.replay(targets)
-    rescored = replayer.rescore(r for r, _ in targets) if replayer.corpus_loaded else []
+    rescored = rescore(replayer, (r for r, _ in targets)) if replayer.corpus_loaded else []
     checked = sum(replayer.steps.get(r, config.inner.steps) for r, _ in targets)
     return ReplayOutcome(rows + skipped, rescored, seed, steps, checked,
                          time.perf_counter() - started, replayer.problems)

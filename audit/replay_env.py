@@ -45,7 +45,7 @@ from typing import Any, Iterable, Mapping
 
 import torch
 
-from storage_client import Kernels, Manifest, ObjectStore, Store
+from storage_client import Kernels, Manifest, ObjectStore, Store, strict_json
 from trainer.config import RunConfig
 from trainer.progress import use_console
 from trainer.runtime.kernels import cpu_runs, current_kernels
@@ -163,7 +163,7 @@ def replay_in(kernels: Kernels, store: Store, config: RunConfig, manifests: Mapp
     env = child_environment(kernels)
     env["PYTHONPATH"] = os.pathsep.join(p for p in (root, env.get("PYTHONPATH", "")) if p)
     try:
-        done = subprocess.run([sys.executable, "-c", _CHILD], input=json.dumps(request).encode(),
+        done = subprocess.run([sys.executable, "-c", _CHILD], input=strict_json(request).encode(),
                               stdout=subprocess.PIPE, env=env, timeout=CHILD_TIMEOUT_S, check=False)
     except (OSError, subprocess.TimeoutExpired) as exc:
         raise ChildError(f"the replay child in {kernels} could not run: {str(exc)[:200]}") from None
@@ -226,7 +226,7 @@ def main() -> int:
     sampled = {(r, w) for r, w in request["sampled"]}
     rows: list[ReplayRow] = []
     steps = replayer.replay_chains({w: list(rs) for w, rs in request["chains"].items()}, sampled, rows)
-    print(json.dumps({"kernels": wanted.to_json(), "rows": [row.to_json() for row in rows], "steps": steps,
+    print(strict_json({"kernels": wanted.to_json(), "rows": [row.to_json() for row in rows], "steps": steps,
                       "round_steps": {str(r): h for r, h in replayer.steps.items()},
                       "problems": [list(p) for p in replayer.problems]}))
     return 0

@@ -26,7 +26,7 @@ def manifests(*rounds: dict[str, str | None]) -> dict[int, SimpleNamespace]:
     """Round k+1 ← rounds[k]: the counted workers and the inner state each committed."""
     out = {0: SimpleNamespace(participants=[])}
     for k, workers in enumerate(rounds, start=1):
-        out[k] = SimpleNamespace(participants=[SimpleNamespace(worker=w, state=s) for w, s in workers.items()])
+        out[k] = SimpleNamespace(participants=[SimpleNamespace(worker=w, state=s, kernels=None) for w, s in workers.items()])
     return out
 
 
