@@ -64,6 +64,10 @@ FALLBACK_TOLERANCE = 0.05
 FALLBACK_MARGIN = 4.0
 CHILD_TIMEOUT_S = 24 * 3600.0  # a replay child that runs longer than a day is stuck
 CHILD_OUTPUT_LIMIT = 64 << 20  # bytes of the child's answer
+# A worker's recorded thread count is its claim: a replay child runs at most this many intra-op
+# threads (oversubscribing this CPU by 4 at most), so a claim of 1,024 costs the auditor nothing; past
+# it the chain is replayed in this process's kernels, and its rows say why.
+MAX_CHILD_THREADS = max(16, 4 * (os.cpu_count() or 1))
 _STATUSES = ("ok", "MISMATCH", "inconclusive")
 _CHILD = "import sys; from audit.replay_env import main; sys.exit(main())"
 _NOTE_CHARS = 500
@@ -92,6 +96,8 @@ def chain_kernels(manifests: Mapping[int, Manifest], worker: str, rounds: list[i
     kernels = recorded.pop()
     if not cpu_runs(kernels.capability):
         return ChainKernels(None, f"this CPU cannot run {kernels.capability}")
+    if kernels.threads > MAX_CHILD_THREADS:
+        return ChainKernels(None, f"{kernels.threads} threads, more than a replay here runs ({MAX_CHILD_THREADS})")
     return ChainKernels(kernels)
 
 

@@ -10,8 +10,8 @@ import pytest
 import torch
 
 from audit.replay_env import (
-    EXACT_TOLERANCE, FALLBACK_MARGIN, FALLBACK_MEASURED, FALLBACK_TOLERANCE, ChildError, chain_kernels, child_environment,
-    fallback_tolerance, judge, parse_answer,
+    EXACT_TOLERANCE, FALLBACK_MARGIN, FALLBACK_MEASURED, FALLBACK_TOLERANCE, MAX_CHILD_THREADS, ChildError,
+    chain_kernels, child_environment, fallback_tolerance, judge, parse_answer,
 )
 from storage_client import Kernels
 from trainer.runtime.kernels import cpu_runs, current_kernels
@@ -33,6 +33,10 @@ def test_a_chain_is_replayed_in_its_workers_kernels_only_when_all_agree_and_this
         "the chain's recorded kernels change"
     foreign = "vsx" if torch.backends.cpu.get_cpu_capability().lower() != "vsx" else "zvector"
     assert "cannot run" in chain_kernels(_manifests(Kernels(foreign, 1)), "w0", [1]).reason
+    # A claim of more threads than a replay here runs is replayed in the auditor's kernels, said.
+    many = chain_kernels(_manifests(Kernels("default", MAX_CHILD_THREADS + 1)), "w0", [1])
+    assert many.kernels is None and f"more than a replay here runs ({MAX_CHILD_THREADS})" in many.reason
+    assert chain_kernels(_manifests(Kernels("default", MAX_CHILD_THREADS)), "w0", [1]).kernels is not None
 
 
 def test_this_process_names_its_own_kernels_on_the_cpu_and_none_elsewhere() -> None:
