@@ -7,7 +7,8 @@
     dilocox status --coordinator H:P --tls-fingerprint HEX [--json [FILE] | --watch [SECONDS]]
                                                    what a running coordinator reports
     dilocox audit --run runs/demo [--json [FILE]]  verify a run's lineage from ledger and store
-    dilocox settle --run runs/demo [--claim]       what each worker is owed from the run's reward pool
+    dilocox settle --run runs/demo [--claim] [--reclaim]
+                                                   what each worker is owed from the run's reward pool
     dilocox settle prove-receipt --run runs/demo --receipts RDIR
                                                    prove on chain a round that left a receipted worker out
     dilocox chain up|down|deploy|mine ...          a local chain kept in a directory, the contracts on it

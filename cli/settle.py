@@ -48,6 +48,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="prove-receipt: a worker's receipts folder (dilocox worker --receipts)")
     parser.add_argument("--rpc", metavar="URL", help="chain RPC; default: the local anvil of DIR/chain/state.json")
     parser.add_argument("--claim", action="store_true", help="claim every worker's matured rounds")
+    parser.add_argument("--reclaim", action="store_true",
+                        help="return to the pool's funder what its matured rounds leave unpaid (rounds credited to "
+                             "nobody, voided credit, rounding); sent with the funder's key (--chain-key-file; on the "
+                             "local anvil: the dev account that funded it)")
     parser.add_argument("--chain-key-file", metavar="FILE",
                         help="file with the key (hex) that sends claims; default on the local anvil: a dev account")
     parser.add_argument("--json", metavar="FILE", help="also write the statement as JSON to FILE")
@@ -59,15 +63,17 @@ def run(args: argparse.Namespace) -> int:
     key = None
     if args.chain_key_file:
         key = "0x" + read_key_file(Path(args.chain_key_file), "--chain-key-file").hex()
-    return settle_run_dir(Path(args.run), rpc_url=args.rpc, claim=args.claim, key=key,
+    return settle_run_dir(Path(args.run), rpc_url=args.rpc, claim=args.claim, reclaim=args.reclaim, key=key,
                           json_path=Path(args.json) if args.json else None,
                           receipts=Path(args.receipts) if args.receipts else None)
 
 
 def settle_run_dir(run_dir: Path, *, rpc_url: str | None = None, claim: bool = False, key: str | None = None,
-                   console: Console | None = None, json_path: Path | None = None, receipts: Path | None = None) -> int:
-    """Print the run's reward statement and, with ``claim``, claim what is due; with ``receipts``, prove
-    the omissions they show instead. Returns the exit status."""
+                   console: Console | None = None, json_path: Path | None = None, receipts: Path | None = None,
+                   reclaim: bool = False) -> int:
+    """Print the run's reward statement and, with ``claim``, claim what is due (with ``reclaim``, return
+    to the funder what matured rounds leave unpaid); with ``receipts``, prove the omissions they show
+    instead. Returns the exit status."""
     from rich.console import Console
     from rich.markup import escape
 
@@ -81,12 +87,14 @@ def settle_run_dir(run_dir: Path, *, rpc_url: str | None = None, claim: bool = F
         return EXIT_ERROR
     try:
         if rpc_url is not None:
-            if claim and key is None:
-                console.print("[bold red]cannot settle[/]: --claim on --rpc needs --chain-key-file")
+            if (claim or reclaim) and key is None:
+                console.print(f"[bold red]cannot settle[/]: --{'claim' if claim else 'reclaim'} on --rpc needs "
+                              f"--chain-key-file")
                 return EXIT_ERROR
             if receipts is not None:
                 return _prove_on(rpc_url, deployment, receipts, key or DEV_ACCOUNTS[3], console)
-            return _settle_on(rpc_url, run_dir, deployment, claim, key or DEV_ACCOUNTS[3], console, json_path)
+            return _settle_on(rpc_url, run_dir, deployment, (claim, reclaim), key or DEV_ACCOUNTS[3], console, json_path,
+                              dev_keys=False)
         state = run_dir / "chain" / "state.json"
         if not state.is_file():
             console.print(f"[bold red]cannot settle[/]: no --rpc given and no chain state at {state}")
@@ -101,15 +109,18 @@ def settle_run_dir(run_dir: Path, *, rpc_url: str | None = None, claim: bool = F
             console.print(f"local chain {anvil.rpc_url} restored from {state}")
             if receipts is not None:
                 return _prove_on(anvil.rpc_url, deployment, receipts, key or DEV_ACCOUNTS[3], console)
-            return _settle_on(anvil.rpc_url, run_dir, deployment, claim, key or DEV_ACCOUNTS[3], console, json_path)
+            return _settle_on(anvil.rpc_url, run_dir, deployment, (claim, reclaim), key or DEV_ACCOUNTS[3], console,
+                              json_path, dev_keys=key is None)
     except (ChainError, AnvilError) as exc:
         console.print(f"[bold red]cannot settle[/]: {escape(str(exc))}")
         return EXIT_ERROR
 
 
-def _settle_on(rpc_url: str, run_dir: Path, deployment, claim: bool, key: str, console: Console,
-               json_path: Path | None) -> int:
-    from settlement import Chain, Ledger
+def _settle_on(rpc_url: str, run_dir: Path, deployment, sends: tuple[bool, bool], key: str, console: Console,
+               json_path: Path | None, dev_keys: bool) -> int:
+    """The statement on ``rpc_url``, after the claims and the reclaim ``sends`` asks for. ``dev_keys``:
+    the local anvil without a key file, where the reclaim is sent with the dev account that funded."""
+    from settlement import DEV_ACCOUNTS, Chain, Ledger
     from settlement.provision import format_tokens, run_of
     from settlement.rewards import RewardPool
     from settlement.roster import roster_of
@@ -129,6 +140,20 @@ def _settle_on(rpc_url: str, run_dir: Path, deployment, claim: bool, key: str, c
         return EXIT_ERROR
     roster = roster_of(store, ledger.recorded_rounds(run_id))
     voided_why = _voided_why(ledger, run_id)
+    claim, reclaim = sends
+    if reclaim:
+        funder = pool.pool_of(run_id).funder
+        senders = (Chain(rpc_url, k) for k in ([key, *DEV_ACCOUNTS] if dev_keys else [key]))
+        sender = next((c for c in senders if c.address == funder), None)
+        if sender is None:
+            console.print(f"[bold red]cannot reclaim[/]: only the pool's funder {funder} can, and the key given "
+                          f"is {chain.address}'s")
+            return EXIT_ERROR
+        amount, _ = RewardPool(sender, deployment.rewards, ledger, from_block=deployment.deployed_block).reclaim(run_id)
+        console.print(f"reclaimed {format_tokens(amount)} for the funder {funder}" if amount else
+                      "nothing to reclaim: no matured round leaves anything unpaid that was not returned")
+        statement = pool.statement(run_id)
+        assert statement is not None
     if claim:
         for worker, account in sorted(statement.workers.items()):
             if account.claimable > 0:

@@ -222,8 +222,15 @@ def test_a_scaled_cheat_is_named_disputed_and_not_paid(cluster: LocalCluster, ch
                                                                                round1.facts())]))
     assert voided.value.error == "RewardPoolVoided"
     assert pool.claim(run_id, honest)[0] == FUNDED // 2  # paid in full
-    funder = RewardPool(coordinator, deployment.rewards, ledger, from_block=deployment.deployed_block)
-    assert funder.reclaim(run_id)[0] == FUNDED - FUNDED // 2
+    # `dilocox settle --reclaim`: only the funder (the run's coordinator) gets back what the voided
+    # credit and rounding left, once.
+    said = Console(file=io.StringIO(), width=200)
+    assert settle_run_dir(run_dir, rpc_url=chain.rpc_url, reclaim=True, key=DEV_ACCOUNTS[0], console=said) == 2
+    assert f"only the pool's funder {coordinator.address} can" in said.file.getvalue()
+    for says in (f"for the funder {coordinator.address}", "nothing to reclaim"):  # the amount: the audit below
+        said = Console(file=io.StringIO(), width=200)
+        assert settle_run_dir(run_dir, rpc_url=chain.rpc_url, reclaim=True, key=DEV_ACCOUNTS[1], console=said) == 0
+        assert says in said.file.getvalue()
 
     again = tmp_path / "after.json"
     audit_run_dir(run_dir, rpc_url=chain.rpc_url, allow_dev=True, json_path=again)
