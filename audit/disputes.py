@@ -5,8 +5,10 @@
   worker       a replay MISMATCH of the worker's contribution to round r (audit.replay): the check
                ``replay``, the evidence the worker's update record (its report's updateDigest, the
                object the replay compared against)
-  coordinator  a round-level failure only the coordinator can cause, in round r ≥ 1: ``ghost`` (an
-               update no admitted worker signed, counted unaccounted), ``rederive`` (the round's params
+  coordinator  a round-level failure only the coordinator can cause, in round r ≥ 1: ``ghost`` (a
+               participant the ledger does not account for), ``push-signature`` (an update no admitted
+               worker's push signed, which the coordinator alone checked and stored: a ghost it added
+               as unreported), ``rederive`` (the round's params
                are not what its stored updates give), ``checkpoint`` (the chain's checkpoint is not
                the manifest's params), ``parent`` and ``manifest-round`` (the round's manifest does not
                chain): the evidence the round's manifest. A round with such a failure is voided whole,
@@ -45,8 +47,8 @@ if TYPE_CHECKING:
 log = logging.getLogger("dilocox.audit")
 
 # Failures of a round that the run's coordinator alone can cause: a verdict against it voids the round.
-COORDINATOR_CHECKS = (AuditCheck.GHOST, AuditCheck.REDERIVE, AuditCheck.CHECKPOINT, AuditCheck.PARENT,
-                      AuditCheck.MANIFEST_ROUND)
+COORDINATOR_CHECKS = (AuditCheck.GHOST, AuditCheck.PUSH_SIGNATURE, AuditCheck.REDERIVE, AuditCheck.CHECKPOINT,
+                      AuditCheck.PARENT, AuditCheck.MANIFEST_ROUND)
 CHECK_NAMES = {check_id(str(check)): str(check) for check in AuditCheck}
 
 

@@ -19,9 +19,10 @@ from rich.console import Console
 from attestation import DevProvider, DevRoot, WorkerKey, attest, code_measurement
 from attestation.signing import update_digest
 from audit.cli import audit_run_dir
+from audit.disputes import DisputeOptions
 from cli.cluster import LocalCluster, provision
 from proto import PROTOCOL_VERSION, pb, session_metadata
-from settlement import Anvil, Registry
+from settlement import DEV_ACCOUNTS, Anvil, Registry
 from settlement.records import Contribution
 from storage_client import CID, Codec, lineage
 from tests.conftest import small_config
@@ -193,14 +194,15 @@ def test_a_ghost_the_coordinator_adds_as_unreported_fails_the_audit_by_name(clus
     """Issue 28, from outside: a patched coordinator (tests/integration/ghost_site) averages a ghost's
     update into round 1; its unmodified settlement code records the ghost as unreported. Before,
     the audit passed with a warning ("participant ghost did not report"); now no admitted key pushed
-    that update, and the audit fails naming it."""
+    that update, and the audit fails naming it; ``audit --dispute`` turns that into a verdict against
+    the coordinator, upheld on chain, which voids the round."""
     monkeypatch.setenv("PYTHONPATH", f"{GHOST_SITE}{os.pathsep}{os.environ.get('PYTHONPATH', '')}")
     config = pinned(small_config(rounds=RoundConfig(rounds=2, expected_workers=1, quorum=1,
                                                     heartbeat_interval_s=0.5, liveness_timeout_s=3.0)))
     path = tmp_path / "config.json"
     config.save(path)
     co_args, wo_args = provision(cluster.run_dir.path, chain.rpc_url, config)
-    cluster.start_coordinator(path, extra=[*co_args, "--report-timeout", "2"])
+    cluster.start_coordinator(path, extra=[*co_args, "--report-timeout", "2", "--challenge-window", "100"])
     cluster.start_worker("w0", extra=wo_args)
     assert cluster.wait_exit("w0", 120) == 0, cluster.log("w0")
     assert cluster.wait_exit("coordinator", 120) == 0, cluster.log("coordinator", tail=80)
@@ -214,3 +216,14 @@ def test_a_ghost_the_coordinator_adds_as_unreported_fails_the_audit_by_name(clus
     assert code == 1 and "AUDIT FAILED" in text, text
     assert "push-signature" in text and "participant ghost's update keeps no push signature" in text, text
     assert "rederive" not in text  # the ghost was averaged in as the checkpoint says
+
+    assert ledger.contribution_of(run_id, first.reports[0].report.worker).rounds == 2
+    owner = bytes.fromhex(DEV_ACCOUNTS[0].removeprefix("0x"))  # the ledger's deployer owns the disputes contract
+    disputed = tmp_path / "disputed.json"
+    audit_run_dir(cluster.run_dir.path, rpc_url=chain.rpc_url, allow_dev=True, console=Console(record=True),
+                  json_path=disputed, dispute=DisputeOptions(owner, "dev", str(cluster.run_dir.path / "dev-root")))
+    rows = json.loads(disputed.read_text())["disputes"]
+    coordinator = ledger.run_of(run_id).coordinator
+    assert [(d["round"], d["party"], d["check"], d["outcome"]) for d in rows] == \
+        [(1, coordinator, "push-signature", "upheld")], rows
+    assert ledger.contribution_of(run_id, first.reports[0].report.worker).rounds == 1  # round 1 voided whole
