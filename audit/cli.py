@@ -52,7 +52,15 @@ JSON_STDOUT = "-"  # ``--json`` without a FILE: the result goes to stdout, alone
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--run", required=True, metavar="DIR", help="run directory (its store/ and chain/)")
+    parser.add_argument("--run", metavar="DIR", help="run directory (its store/ and chain/); or --store URL")
+    parser.add_argument("--store", action="append", default=[], metavar="URL",
+                        help="instead of --run: an IPFS trustless gateway serving the run's store (dilocox store "
+                             "serve; repeatable: tried in order, a mirror first); needs --rpc and --deployment")
+    parser.add_argument("--deployment", metavar="FILE",
+                        help="with --store: the contracts' deployment JSON (a run directory's chain/deployment.json)")
+    parser.add_argument("--store-ca", metavar="FILE",
+                        help="with --store https://...: the CA certificate (the run's coordinator certificate) "
+                             "to trust instead of the system's")
     parser.add_argument("--rpc", metavar="URL",
                         help="chain RPC; default: a local anvil started from DIR/chain/state.json")
     parser.add_argument("--json", nargs="?", const=JSON_STDOUT, metavar="FILE",
@@ -125,6 +133,11 @@ def run(args: argparse.Namespace) -> int:
 
         Console(stderr=True).print(f"[red]{escape(str(exc))}[/]")
         return EXIT_ERROR
+    if bool(args.run) == bool(args.store):
+        Console(stderr=True).print("[red]give --run DIR, or --store URL with --rpc and --deployment[/]")
+        return EXIT_ERROR
+    if args.store:
+        return audit_remote_store(args, run_id, dcap, dispute)
     return audit_run_dir(Path(args.run), rpc_url=args.rpc, allow_dev=args.allow_dev, rederive=not args.no_rederive,
                          json_path=Path(args.json) if args.json else None, run_id=run_id,
                          dev_roots=tuple(args.dev_root), dcap=dcap, max_unrecorded=args.max_unrecorded,
@@ -147,7 +160,9 @@ def dispute_options(args: argparse.Namespace) -> DisputeOptions | None:
         owner_key = bytes.fromhex(DEV_ACCOUNTS[0].removeprefix("0x"))
     else:
         raise ValueError("--dispute on --rpc needs --owner-key-file (the disputes contract owner's chain key)")
-    dev_root_dir = args.auditor_dev_root_dir or str(Path(args.run) / "dev-root")
+    if not args.auditor_dev_root_dir and not args.run and args.auditor_attestation == "dev":
+        raise ValueError("--dispute with --store and dev attestation needs --auditor-dev-root-dir DIR")
+    dev_root_dir = args.auditor_dev_root_dir or str(Path(args.run or ".") / "dev-root")
     return DisputeOptions(owner_key, args.auditor_attestation, dev_root_dir)
 
 
@@ -178,7 +193,7 @@ def dcap_settings(collateral_file: str | None, pccs_url: str | None,
                         allowed_tcb_statuses=frozenset({"UpToDate", *extra_tcb_statuses}))
 
 
-def policy_for(run_dir: Path, allow_dev: bool, dev_roots: tuple[str, ...] = (),
+def policy_for(run_dir: Path | None, allow_dev: bool, dev_roots: tuple[str, ...] = (),
                dcap: DcapSettings | None = None) -> tuple[Policy, list[str]]:
     """The auditor's policy, and notes on how it was chosen."""
     from attestation import DcapSettings, Policy, checksum_address
@@ -189,6 +204,8 @@ def policy_for(run_dir: Path, allow_dev: bool, dev_roots: tuple[str, ...] = (),
         return Policy(dcap=dcap), []
     notes: list[str] = []
     roots = [checksum_address(a) for a in dev_roots]
+    if run_dir is None:  # no run directory (an audit of a remote store): the --dev-root roots only
+        return Policy.development(*roots, dcap=dcap), notes
     address_file = run_dir / "dev-root" / ROOT_ADDRESS_FILE
     try:
         roots.append(checksum_address(address_file.read_text().strip()))
@@ -213,7 +230,7 @@ def audit_run_dir(run_dir: Path, *, rpc_url: str | None = None, allow_dev: bool 
     from rich.markup import escape
 
     from settlement import Anvil, AnvilError, ChainError, Deployment, DeploymentError
-    from storage_client import RUN_STORE_DIR, open_store, strict_json, write_atomic
+    from storage_client import RUN_STORE_DIR, open_store
 
     to_stdout = json_path is not None and str(json_path) == JSON_STDOUT
     console = console or Console(stderr=to_stdout)
@@ -264,16 +281,64 @@ def audit_run_dir(run_dir: Path, *, rpc_url: str | None = None, allow_dev: bool 
         console.print(f"[bold red]cannot dispute[/]: the auditor cannot attest or be admitted: {escape(str(exc))}")
         return EXIT_ERROR
 
+    return finish(result, console, json_path)
+
+
+def finish(result: AuditResult, console: Console, json_path: Path | None) -> int:
+    """Print the audit's tables and verdict, write its JSON where asked; the exit status."""
+    from storage_client import strict_json, write_atomic
+
     render(result, console)
     if json_path is not None:
         document = strict_json(result.to_json(), indent=2) + "\n"
-        if to_stdout:
+        if str(json_path) == JSON_STDOUT:
             sys.stdout.write(document)
             sys.stdout.flush()
         else:
             write_atomic(json_path, document.encode())
             console.print(f"result written to {json_path}")
     return EXIT_OK if result.ok else EXIT_FAILED
+
+
+def audit_remote_store(args: argparse.Namespace, run_id: bytes | None, dcap: DcapSettings,
+                       dispute: DisputeOptions | None) -> int:
+    """``--store URL``: audit from the chain at ``--rpc`` and the run's store fetched by CID from
+    gateways (storage_client.remote), with no run directory; every block is verified as it arrives."""
+    from rich.console import Console
+    from rich.markup import escape
+
+    from attestation import AttestationError, PolicyViolation
+    from settlement import ChainError, Deployment, DeploymentError
+    from storage_client import StoreError
+    from storage_client.remote import RemoteStore
+
+    json_path = Path(args.json) if args.json else None
+    console = Console(stderr=json_path is not None and str(json_path) == JSON_STDOUT)
+    if not args.rpc or not args.deployment:
+        console.print("[bold red]cannot audit[/]: --store needs --rpc URL and --deployment FILE")
+        return EXIT_ERROR
+    try:
+        deployment = Deployment.load(Path(args.deployment))
+        store = RemoteStore(args.store, ca_file=args.store_ca)
+        policy, notes = policy_for(None, args.allow_dev, tuple(args.dev_root), dcap)
+    except (DeploymentError, StoreError, OSError, ValueError) as exc:
+        console.print(f"[bold red]cannot audit[/]: {escape(str(exc)[:400])}")
+        return EXIT_ERROR
+    for note in notes:
+        console.print(f"[yellow]{escape(note)}[/]")
+    console.print(f"[yellow]store {escape(store.location)}: a gateway cannot be listed, so rounds stored past "
+                  f"the ledger's last one are not searched for[/]")
+    try:
+        result = _audit_on(args.rpc, store, deployment, run_id, policy, not args.no_rederive, args.max_unrecorded,
+                           (args.replay, args.replay_seed), dispute, _receipts(tuple(map(Path, args.receipts)),
+                                                                                console))
+    except ChainError as exc:
+        console.print(f"[bold red]cannot audit[/]: {escape(str(exc))}")
+        return EXIT_ERROR
+    except (AttestationError, PolicyViolation, ValueError) as exc:
+        console.print(f"[bold red]cannot dispute[/]: the auditor cannot attest or be admitted: {escape(str(exc))}")
+        return EXIT_ERROR
+    return finish(result, console, json_path)
 
 
 def _receipts(folders: tuple[Path, ...], console: Console) -> tuple[SignedReceipt, ...]:

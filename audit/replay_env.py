@@ -159,9 +159,15 @@ def replay_in(kernels: Kernels, store: Store, config: RunConfig, manifests: Mapp
               chains: Mapping[str, list[int]], sampled: set[tuple[int, str]]) -> dict[str, Any]:
     """``chains`` (worker → its rounds, in order) replayed in a child process in ``kernels``; returns
     its checked answer: ``rows`` (ReplayRow JSON), ``steps``, ``round_steps`` (H_r), ``problems``."""
-    if not isinstance(store, ObjectStore):
-        raise ChildError(f"a replay child reads a local store; {store.location()} is not one")
-    request = {"store": str(store.root), "config": config.to_json(), "kernels": kernels.to_json(),
+    from storage_client.remote import RemoteStore
+
+    if isinstance(store, ObjectStore):
+        where: dict[str, Any] = {"store": str(store.root)}
+    elif isinstance(store, RemoteStore):  # the child fetches and verifies from the same gateways
+        where = {"store_urls": list(store.urls), "store_ca": store.ca_file}
+    else:
+        raise ChildError(f"a replay child reads a local or gateway store; {store.location} is neither")
+    request = {**where, "config": config.to_json(), "kernels": kernels.to_json(),
                "manifests": [m.to_json() for _, m in sorted(manifests.items())],
                "chains": {w: list(rs) for w, rs in sorted(chains.items())},
                "sampled": sorted([r, w] for r, w in sampled if w in chains)}
@@ -227,7 +233,11 @@ def main() -> int:
         print(f"audit replay child: asked for {wanted}, torch runs {ran}", file=sys.stderr)
         return 1
     manifests = {m.round: m for m in (Manifest.from_json(obj) for obj in request["manifests"])}
-    replayer = Replayer(ObjectStore(request["store"]), RunConfig.from_json(request["config"]), manifests,
+    from storage_client.remote import RemoteStore
+
+    store = (RemoteStore(request["store_urls"], ca_file=request["store_ca"]) if "store_urls" in request
+             else ObjectStore(request["store"]))
+    replayer = Replayer(store, RunConfig.from_json(request["config"]), manifests,
                         worker_kernels=False, exact=True)
     sampled = {(r, w) for r, w in request["sampled"]}
     rows: list[ReplayRow] = []

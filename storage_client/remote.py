@@ -81,13 +81,14 @@ def check_source_url(url: str) -> str:
 class RemoteStore(Store):
     """Objects fetched from trustless gateways and verified by CID; read-only."""
 
-    def __init__(self, urls: Sequence[str], *, tls: ssl.SSLContext | None = None,
+    def __init__(self, urls: Sequence[str], *, ca_file: str | None = None,
                  max_bytes: int = DEFAULT_MAX_OBJECT_BYTES, timeout_s: float = DEFAULT_TIMEOUT_S,
                  retries: int = DEFAULT_RETRIES, backoff_s: float = BACKOFF_S) -> None:
         if not urls:
             raise StoreError("a remote store needs at least one gateway URL")
         self.urls = [check_source_url(u) for u in urls]
-        self.tls = tls
+        self.ca_file = ca_file  # the CA to trust for https sources (None: the system's)
+        self.tls = ssl.create_default_context(cafile=ca_file) if ca_file is not None else None
         self.max_bytes = max_bytes
         self.timeout_s = timeout_s
         self.retries = retries
@@ -203,10 +204,3 @@ class RemoteStore(Store):
             total += len(piece)
         return b"".join(pieces)
 
-
-def client_tls(ca_file: str | None) -> ssl.SSLContext | None:
-    """A TLS client context trusting ``ca_file`` (the run's certificate), or None for the system's."""
-    if ca_file is None:
-        return None
-    context = ssl.create_default_context(cafile=ca_file)
-    return context

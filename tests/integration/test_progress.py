@@ -306,3 +306,68 @@ def test_status_watch_shows_a_worker_starting_its_stages_as_alive(cluster: Local
     assert_progress(log, "starting 2 pipeline stages", min_periodic=1)
     lines = assert_progress(log, "round 1 inner steps", min_periodic=3)  # from the last stage's process
     assert all("tokens/s" in line for line in lines)
+
+
+def test_the_run_is_audited_from_its_served_store_alone_and_a_flipped_byte_is_named(demo_run: Path,
+                                                                                      tmp_path: Path) -> None:
+    """issue 29: ``dilocox store serve`` over HTTPS with the run's certificate, an audit with nothing but
+    the chain's RPC, the gateway's URL and the deployment (--replay 2), an independent client
+    (multiformats) fetching the HEAD manifest and its checkpoint by CID, an exported CAR read by
+    ipld-car, and one byte flipped at the server named by its CID."""
+    import shutil
+    import ssl
+    import urllib.request
+
+    import ipld_car
+    from multiformats import CID as IndependentCID
+    from multiformats import multihash
+
+    from settlement import Anvil
+    from storage_client import Manifest, ObjectStore
+
+    served = tmp_path / "served"
+    shutil.copytree(demo_run / "store", served / "store")  # the flip below must not touch the module's run
+    shutil.copyfile(demo_run / "chain" / "state.json", tmp_path / "state.json")
+    tls = demo_run / "tls"
+    server = subprocess.Popen([sys.executable, "-m", "cli.main", "store", "serve", "--run", str(served), "--port", "0",
+                               "--tls", "--tls-cert", str(tls / "cert.pem"), "--tls-key", str(tls / "key.pem")],
+                              cwd=REPO, env=ENV, stdin=subprocess.DEVNULL, stdout=subprocess.PIPE, text=True)
+    try:
+        line = server.stdout.readline()
+        url = re.search(r"(https://\S+?)/ipfs/", line).group(1)
+        root = (demo_run / "dev-root" / "dev-root.address").read_text().strip()
+        chain = json.loads((demo_run / "chain" / "deployment.json").read_text())
+        with Anvil(state_file=tmp_path / "state.json", chain_id=chain["chain_id"]) as anvil:
+            remote = ("audit", "--rpc", anvil.rpc_url, "--store", url, "--store-ca", str(tls / "cert.pem"),
+                      "--deployment", str(demo_run / "chain" / "deployment.json"), "--allow-dev", "--dev-root", root)
+            done = dilocox(*remote, "--replay", "2", "--replay-seed", "3")
+            assert done.returncode == 0 and "AUDIT PASSED" in done.stdout, done.stdout[-3000:] + done.stderr[-3000:]
+
+            head = (demo_run / "HEAD").read_text().strip()
+            context = ssl.create_default_context(cafile=str(tls / "cert.pem"))
+            checkpoint = Manifest.from_json(json.loads(ObjectStore(served / "store").get(head))).params
+            for cid_text in (head, checkpoint):
+                cid = IndependentCID.decode(cid_text)
+                request = urllib.request.Request(f"{url}/ipfs/{cid_text}", headers={"Accept": "application/vnd.ipld.raw"})
+                with urllib.request.urlopen(request, context=context, timeout=30) as response:
+                    body = response.read()
+                assert multihash.digest(body, "sha2-256") == bytes(cid.digest), cid_text
+
+            done = dilocox("store", "car", "--run", str(demo_run), "--round", "1", str(tmp_path / "r1.car"))
+            assert done.returncode == 0, done.stderr[-2000:]
+            roots, blocks = ipld_car.decode((tmp_path / "r1.car").read_bytes())
+            assert len(blocks) >= 4 and all(multihash.digest(bytes(d), "sha2-256") == bytes(c.digest) for c, d in blocks)
+            manifest_cid = Manifest.from_json(json.loads(dict((c.encode("base32"), bytes(d)) for c, d in blocks)[
+                roots[0].encode("base32")])).round
+            assert manifest_cid == 1
+
+            flipped = ObjectStore(served / "store").path_of(checkpoint)
+            data = bytearray(flipped.read_bytes())
+            data[len(data) // 2] ^= 0x01
+            flipped.write_bytes(bytes(data))
+            done = dilocox(*remote)
+            assert done.returncode == 1 and "AUDIT FAILED" in done.stdout, done.stdout[-3000:] + done.stderr[-3000:]
+            assert checkpoint in done.stdout.replace("\n", ""), done.stdout[-3000:]
+    finally:
+        server.terminate()
+        assert server.wait(30) == 128 + signal.SIGTERM
