@@ -27,6 +27,7 @@ with a certificate and key (the coordinator's, trainer.net.tls).
 from __future__ import annotations
 
 import logging
+import socket
 import ssl
 import threading
 from collections import Counter
@@ -105,6 +106,12 @@ class GatewayHandler(BaseHTTPRequestHandler):
     server_version = "dilocox-gateway"
     sys_version = ""
     timeout = SOCKET_TIMEOUT_S
+
+    def setup(self) -> None:
+        super().setup()
+        # Headers and body go out in separate writes: without this, Nagle's algorithm holds the body
+        # until the client acknowledges the headers.
+        self.connection.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
 
     def handle_one_request(self) -> None:
         # The request line and headers are read here with tighter bounds than http.server's 64 KiB.
