@@ -35,7 +35,9 @@ from storage_client.gateway import server_tls, start_gateway
 from storage_client.remote import RemoteStore
 
 
-class _FlippingStore(ObjectStore):
+class FlippingStore(ObjectStore):
+    """A store whose reads come back with one byte flipped: behind a gateway, a gateway that lies."""
+
     def get(self, cid):  # type: ignore[override]
         data = bytearray(super().get(cid))
         data[len(data) // 2] ^= 1
@@ -51,7 +53,9 @@ def _median_s(read, repeat: int) -> float:
     return statistics.median(times)
 
 
-def _hostile(reply_head: bytes, body: bytes, drip_s: float) -> str:
+def hostile_server(reply_head: bytes, body: bytes, drip_s: float = 0.0) -> str:
+    """The URL of a one-connection server that answers any request with ``reply_head`` then ``body``,
+    one byte per ``drip_s`` seconds when that is set, and closes: a gateway that truncates or drips."""
     listener = socket.create_server(("127.0.0.1", 0))
 
     def answer() -> None:
@@ -104,7 +108,7 @@ def main(argv: list[str] | None = None) -> int:
             print(f"{mib:>9g} | " + " | ".join(f"{r:>12.0f}" for r in rates))
 
         print("\nwhen the gateway lies (1 MiB object, no retries):")
-        liar = _FlippingStore(Path(tmp) / "liar")
+        liar = FlippingStore(Path(tmp) / "liar")
         data = os.urandom(1 << 20)
         cid = liar.put(data)
         lying, _ = start_gateway(liar)
@@ -112,8 +116,8 @@ def main(argv: list[str] | None = None) -> int:
         car = b"".join(encode_car([cid], [(cid, data)]))
         rows = {
             "wrong bytes": lambda: RemoteStore([lying.url], retries=0).get(cid) == data,
-            "truncated": lambda: RemoteStore([_hostile(head, data[:1000], 0)], retries=0).get(cid) == data,
-            "slow drip": lambda: RemoteStore([_hostile(head, data[:200], 0.05)], retries=0, timeout_s=1).get(cid) == data,
+            "truncated": lambda: RemoteStore([hostile_server(head, data[:1000], 0)], retries=0).get(cid) == data,
+            "slow drip": lambda: RemoteStore([hostile_server(head, data[:200], 0.05)], retries=0, timeout_s=1).get(cid) == data,
             "truncated CAR": lambda: read_car(io.BytesIO(car[:-10])).blocks == [(cid, data)],
             "liar, then honest": lambda: RemoteStore([lying.url, plain.url], retries=0).get(store.put(data)) == data,
         }

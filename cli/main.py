@@ -621,6 +621,8 @@ COMMANDS: dict[str, tuple[str, Callable[..., None], Callable[[argparse.Namespace
     "bench": ("benchmarks", _bench_arguments, cmd_bench),
     "store": ("store serve: a run's store as an IPFS trustless gateway; store car: a round as a CARv1",
               _lazy("cli.store", "add_arguments"), _lazy("cli.store", "run")),
+    "mirror": ("copy a run's store from gateways, verified and incrementally", _lazy("cli.mirror", "add_arguments"),
+               _lazy("cli.mirror", "run")),
     "gc": ("remove store objects the run no longer references (--dry-run: count them)",
            _lazy("cli.gc", "add_arguments"), cmd_gc),
     "config": ("print a run configuration to start from", _config_arguments, cmd_config),

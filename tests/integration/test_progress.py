@@ -308,12 +308,13 @@ def test_status_watch_shows_a_worker_starting_its_stages_as_alive(cluster: Local
     assert all("tokens/s" in line for line in lines)
 
 
-def test_the_run_is_audited_from_its_served_store_alone_and_a_flipped_byte_is_named(demo_run: Path,
-                                                                                      tmp_path: Path) -> None:
+def test_the_run_is_audited_from_its_served_store_alone_and_a_flipped_byte_is_named(
+        demo_run: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     """issue 29: ``dilocox store serve`` over HTTPS with the run's certificate, an audit with nothing but
     the chain's RPC, the gateway's URL and the deployment (--replay 2), an independent client
-    (multiformats) fetching the HEAD manifest and its checkpoint by CID, an exported CAR read by
-    ipld-car, and one byte flipped at the server named by its CID."""
+    (multiformats) fetching the HEAD manifest and its checkpoint by CID, a mirror of the run made
+    twice (the second fetches nothing), an exported CAR read by ipld-car, and one byte flipped at the
+    server named by its CID."""
     import shutil
     import ssl
     import urllib.request
@@ -322,8 +323,9 @@ def test_the_run_is_audited_from_its_served_store_alone_and_a_flipped_byte_is_na
     from multiformats import CID as IndependentCID
     from multiformats import multihash
 
+    from cli.main import main as cli_main
     from settlement import Anvil
-    from storage_client import Manifest, ObjectStore
+    from storage_client import Manifest, ObjectStore, lineage
 
     served = tmp_path / "served"
     shutil.copytree(demo_run / "store", served / "store")  # the flip below must not touch the module's run
@@ -338,10 +340,13 @@ def test_the_run_is_audited_from_its_served_store_alone_and_a_flipped_byte_is_na
         root = (demo_run / "dev-root" / "dev-root.address").read_text().strip()
         chain = json.loads((demo_run / "chain" / "deployment.json").read_text())
         with Anvil(state_file=tmp_path / "state.json", chain_id=chain["chain_id"]) as anvil:
+            # The commands run in this process (cli.main), the gateway in its own: an interpreter start
+            # with torch costs seconds each.
             remote = ("audit", "--rpc", anvil.rpc_url, "--store", url, "--store-ca", str(tls / "cert.pem"),
                       "--deployment", str(demo_run / "chain" / "deployment.json"), "--allow-dev", "--dev-root", root)
-            done = dilocox(*remote, "--replay", "2", "--replay-seed", "3")
-            assert done.returncode == 0 and "AUDIT PASSED" in done.stdout, done.stdout[-3000:] + done.stderr[-3000:]
+            status = cli_main([*remote, "--replay", "2", "--replay-seed", "3"])
+            out = capsys.readouterr().out
+            assert status == 0 and "AUDIT PASSED" in out, out[-3000:]
 
             head = (demo_run / "HEAD").read_text().strip()
             context = ssl.create_default_context(cafile=str(tls / "cert.pem"))
@@ -353,8 +358,17 @@ def test_the_run_is_audited_from_its_served_store_alone_and_a_flipped_byte_is_na
                     body = response.read()
                 assert multihash.digest(body, "sha2-256") == bytes(cid.digest), cid_text
 
-            done = dilocox("store", "car", "--run", str(demo_run), "--round", "1", str(tmp_path / "r1.car"))
-            assert done.returncode == 0, done.stderr[-2000:]
+            run_id = "0x" + lineage(ObjectStore(served / "store"), head)[0][0].hex  # the genesis manifest's digest
+            mirror = ("mirror", "--run-id", run_id, "--from", url, "--store-ca", str(tls / "cert.pem"),
+                      "--to", str(tmp_path / "mirror"), "--rpc", anvil.rpc_url,
+                      "--deployment", str(demo_run / "chain" / "deployment.json"))
+            assert cli_main(list(mirror)) == 0
+            assert re.search(r"rounds 0 to 2 .* [1-9]\d* fetched and verified", capsys.readouterr().out)
+            assert cli_main(list(mirror)) == 0
+            assert re.search(r" 0 fetched and verified, [1-9]\d* reads from the mirror", capsys.readouterr().out)
+            assert ObjectStore(tmp_path / "mirror" / "store").get(checkpoint) == ObjectStore(served / "store").get(checkpoint)
+
+            assert cli_main(["store", "car", "--run", str(demo_run), "--round", "1", str(tmp_path / "r1.car")]) == 0
             roots, blocks = ipld_car.decode((tmp_path / "r1.car").read_bytes())
             assert len(blocks) >= 4 and all(multihash.digest(bytes(d), "sha2-256") == bytes(c.digest) for c, d in blocks)
             manifest_cid = Manifest.from_json(json.loads(dict((c.encode("base32"), bytes(d)) for c, d in blocks)[
@@ -365,9 +379,9 @@ def test_the_run_is_audited_from_its_served_store_alone_and_a_flipped_byte_is_na
             data = bytearray(flipped.read_bytes())
             data[len(data) // 2] ^= 0x01
             flipped.write_bytes(bytes(data))
-            done = dilocox(*remote)
-            assert done.returncode == 1 and "AUDIT FAILED" in done.stdout, done.stdout[-3000:] + done.stderr[-3000:]
-            assert checkpoint in done.stdout.replace("\n", ""), done.stdout[-3000:]
+            status = cli_main(list(remote))
+            out = capsys.readouterr().out
+            assert status == 1 and "AUDIT FAILED" in out and checkpoint in out.replace("\n", ""), out[-3000:]
     finally:
         server.terminate()
         assert server.wait(30) == 128 + signal.SIGTERM

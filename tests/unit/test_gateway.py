@@ -8,12 +8,12 @@ from __future__ import annotations
 import http.client
 import io
 import socket
-import threading
 import time
 from collections.abc import Iterator
 
 import pytest
 
+from benchmarks.gateway import FlippingStore, hostile_server
 from storage_client import CID, Codec, MissingObjectError, ObjectStore, Store
 from storage_client.car import CarError, encode_car, read_car
 from storage_client.gateway import CAR_TYPE, RAW_TYPE, start_gateway
@@ -136,17 +136,8 @@ def test_remote_store_reads_and_verifies(store, gateway, tmp_path):
         empty_thread.join(5)
 
 
-class _FlippingStore(ObjectStore):
-    """A store whose reads come back with one byte flipped: a gateway that lies."""
-
-    def get(self, cid):  # type: ignore[override]
-        data = bytearray(super().get(cid))
-        data[len(data) // 2] ^= 1
-        return bytes(data)
-
-
 def test_a_lying_source_is_named_and_the_next_one_used(tmp_path):
-    honest, liar = ObjectStore(tmp_path / "a"), _FlippingStore(tmp_path / "b")
+    honest, liar = ObjectStore(tmp_path / "a"), FlippingStore(tmp_path / "b")
     cid = honest.put(b"x" * 4096)
     liar.put(b"x" * 4096)
     servers = [start_gateway(s) for s in (liar, honest)]
@@ -163,49 +154,22 @@ def test_a_lying_source_is_named_and_the_next_one_used(tmp_path):
             thread.join(5)
 
 
-def _serve_once(reply: bytes, drip_s: float = 0.0) -> tuple[str, threading.Thread]:
-    """A one-connection server answering ``reply`` (optionally one byte per ``drip_s``): a hostile
-    gateway."""
-    listener = socket.create_server(("127.0.0.1", 0))
-
-    def answer() -> None:
-        conn, _ = listener.accept()
-        conn.recv(4096)
-        try:
-            if drip_s:
-                conn.sendall(reply[:reply.index(b"\r\n\r\n") + 4])
-                for byte in reply[reply.index(b"\r\n\r\n") + 4:]:
-                    conn.sendall(bytes([byte]))
-                    time.sleep(drip_s)
-            else:
-                conn.sendall(reply)
-        except OSError:
-            pass
-        conn.close()
-        listener.close()
-
-    thread = threading.Thread(target=answer, daemon=True)
-    thread.start()
-    return f"http://127.0.0.1:{listener.getsockname()[1]}", thread
-
-
 def test_truncated_oversized_and_dripping_bodies_are_cut_off():
     cid = CID.of(b"y" * 100)
-    url, _ = _serve_once(b"HTTP/1.1 200 OK\r\nContent-Length: 100\r\n\r\n" + b"y" * 50)
+    url = hostile_server(b"HTTP/1.1 200 OK\r\nContent-Length: 100\r\n\r\n", b"y" * 50)
     with pytest.raises(UnverifiedObjectError, match="truncated|Incomplete"):
         RemoteStore([url], retries=0).get(cid)
-    url, _ = _serve_once(b"HTTP/1.1 200 OK\r\nContent-Length: 999999\r\n\r\n")
+    url = hostile_server(b"HTTP/1.1 200 OK\r\nContent-Length: 999999\r\n\r\n", b"")
     with pytest.raises(UnverifiedObjectError, match="over the bound"):
         RemoteStore([url], retries=0, max_bytes=1000).get(cid)
-    url, _ = _serve_once(b"HTTP/1.1 200 OK\r\nConnection: close\r\n\r\n" + b"y" * 5000)
+    url = hostile_server(b"HTTP/1.1 200 OK\r\nConnection: close\r\n\r\n", b"y" * 5000)
     with pytest.raises(UnverifiedObjectError, match="over 1000 bytes"):
         RemoteStore([url], retries=0, max_bytes=1000).get(cid)
-    url, thread = _serve_once(b"HTTP/1.1 200 OK\r\nContent-Length: 100\r\n\r\n" + b"y" * 100, drip_s=0.05)
+    url = hostile_server(b"HTTP/1.1 200 OK\r\nContent-Length: 100\r\n\r\n", b"y" * 100, drip_s=0.05)
     started = time.monotonic()
     with pytest.raises(UnverifiedObjectError, match="too slow"):
         RemoteStore([url], retries=0, timeout_s=0.5).get(cid)
     assert time.monotonic() - started < 3
-    thread.join(10)
 
 
 def test_transport_failures_are_retried_with_backoff(store):
