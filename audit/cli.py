@@ -332,8 +332,8 @@ def audit_remote_store(args: argparse.Namespace, run_id: bytes | None, dcap: Dca
         result = _audit_on(args.rpc, store, deployment, run_id, policy, not args.no_rederive, args.max_unrecorded,
                            (args.replay, args.replay_seed), dispute, _receipts(tuple(map(Path, args.receipts)),
                                                                                 console))
-    except ChainError as exc:
-        console.print(f"[bold red]cannot audit[/]: {escape(str(exc))}")
+    except (ChainError, StoreError) as exc:  # StoreError: an object the run starts from is nowhere to be had
+        console.print(f"[bold red]cannot audit[/]: {escape(str(exc)[:1000])}")
         return EXIT_ERROR
     except (AttestationError, PolicyViolation, ValueError) as exc:
         console.print(f"[bold red]cannot dispute[/]: the auditor cannot attest or be admitted: {escape(str(exc))}")

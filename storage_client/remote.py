@@ -63,8 +63,9 @@ class _Transient(Exception):
 
 @dataclass(frozen=True)
 class _Fetched:
-    status: str  # "ok", "missing", "lied: ..."
-    data: bytes | None = None
+    status: str  # "ok", "missing", "lied: ...", "failed (...)", "refused (...)"
+    data: bytes | None = None  # a GET's verified body
+    size: int | None = None  # a HEAD's declared length
 
 
 def check_source_url(url: str) -> str:
@@ -129,8 +130,9 @@ class RemoteStore(Store):
         outcomes: list[tuple[str, str]] = []
         for url in self.urls:
             fetched = self._from_source(url, cid, method="HEAD")
-            if fetched.status == "ok" and fetched.data is not None:
-                return int(fetched.data)
+            if fetched.status == "ok" and fetched.size is not None:
+                self._sizes[cid] = fetched.size
+                return fetched.size
             outcomes.append((url, fetched.status))
         if all(what == "missing" for _, what in outcomes):
             raise MissingObjectError(cid, self.location)
@@ -171,7 +173,7 @@ class RemoteStore(Store):
                 if method == "HEAD":
                     if length is None:
                         raise _Transient("HEAD without a Content-Length")
-                    return _Fetched("ok", str(length).encode())
+                    return _Fetched("ok", size=length)
                 data = self._read_bounded(response)
         except urllib.error.HTTPError as exc:
             if exc.code == 404:

@@ -382,6 +382,10 @@ def test_the_run_is_audited_from_its_served_store_alone_and_a_flipped_byte_is_na
             status = cli_main(list(remote))
             out = capsys.readouterr().out
             assert status == 1 and "AUDIT FAILED" in out and checkpoint in out.replace("\n", ""), out[-3000:]
+
+            nowhere = [a if a != url else "http://127.0.0.1:9" for a in remote]  # nothing listens on port 9
+            assert cli_main(nowhere) == 2
+            assert "cannot audit: no source has a correct copy of object" in capsys.readouterr().out.replace("\n", "")
     finally:
         server.terminate()
         assert server.wait(30) == 128 + signal.SIGTERM
