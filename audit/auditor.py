@@ -30,6 +30,7 @@ from __future__ import annotations
 
 import logging
 import os
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Protocol
@@ -122,9 +123,10 @@ class Auditor:
         return cls(key, run_id, nonce, evidence)
 
     @classmethod
-    def open(cls, directory: Path, provider: EvidenceProvider | None, run_id: bytes, config_cid: str) -> Auditor:
-        """The auditor kept in ``directory`` for ``run_id``; attested by ``provider`` and kept there
-        first when the directory holds none (``provider`` None: it must hold one).
+    def open(cls, directory: Path, provider: Callable[[], EvidenceProvider] | None, run_id: bytes,
+             config_cid: str) -> Auditor:
+        """The auditor kept in ``directory`` for ``run_id``; attested by ``provider()`` (opened only
+        then) and kept there first when the directory holds none (``provider`` None: it must hold one).
 
         @raise AuditorDirError when it holds another run's auditor, a key that is not its address's,
             or broken files
@@ -133,7 +135,7 @@ class Auditor:
         if not (directory / IDENTITY_FILE).exists():
             if provider is None:
                 raise AuditorDirError(f"{directory} holds no auditor ({IDENTITY_FILE})")
-            auditor = cls.attest(provider, run_id, config_cid)
+            auditor = cls.attest(provider(), run_id, config_cid)
             auditor.save(directory, config_cid)
             log.info("auditor %s attested for run 0x%s… and kept in %s", auditor.address, run_id.hex()[:12], directory)
             return auditor

@@ -162,7 +162,7 @@ def dispute_findings(result: AuditResult, rpc_url: str, deployment: Deployment, 
     @raise settlement.ChainError when the chain cannot be used; attestation errors (and
         audit.auditor.AuditorDirError) when the auditor cannot attest, be read or be admitted
     """
-    from attestation import open_provider
+    from attestation import EvidenceProvider, open_provider
     from settlement import Chain, Ledger
     from storage_client import CID, Codec
 
@@ -181,7 +181,9 @@ def dispute_findings(result: AuditResult, rpc_url: str, deployment: Deployment, 
     rounds = ledger.recorded_rounds(result.run_id)
     verdicts = verdicts_of(result, rounds, run.coordinator)
     config_cid = str(CID(Codec.JSON, run.config_digest))
-    provider = open_provider(options.provider, dev_root_dir=options.dev_root_dir)
+    def provider() -> EvidenceProvider:
+        return open_provider(options.provider, dev_root_dir=options.dev_root_dir)
+
     if options.auditor_dir is not None:
         auditor = Auditor.open(Path(options.auditor_dir), provider, result.run_id, config_cid)
         if not disputes.is_auditor(result.run_id, auditor.address):
@@ -190,7 +192,7 @@ def dispute_findings(result: AuditResult, rpc_url: str, deployment: Deployment, 
     elif not verdicts:
         auditor = None
     else:
-        auditor = Auditor.attest(provider, result.run_id, config_cid)
+        auditor = Auditor.attest(provider(), result.run_id, config_cid)
         admit(disputes, store, auditor, config_cid, policy)
     label = labeller(run.coordinator, result.roster)
     if not verdicts or auditor is None:

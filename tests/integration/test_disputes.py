@@ -260,7 +260,6 @@ def test_a_ledger_that_voids_an_honest_credit_is_named(anvil: Anvil, tmp_path: P
     though its tallies and events agree. ~3 s of CPU (one tiny round)."""
     from .test_audit import RunBuilder
 
-    monkeypatch.setenv("COLUMNS", "400")  # rich wraps what it prints at the width it is given
     builder = RunBuilder(tmp_path, anvil.rpc_url)
     builder.round()
     honest = builder.reports[1][0].report
@@ -274,13 +273,14 @@ def test_a_ledger_that_voids_an_honest_credit_is_named(anvil: Anvil, tmp_path: P
 # --- k of n: persistent auditors, each signing into a file; k signatures sent at once; their evidence audited ---
 
 
-def test_two_of_three_auditors_through_the_cli(anvil: Anvil, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+def test_two_of_three_auditors_through_the_cli(anvil: Anvil, tmp_path: Path,
+                                               monkeypatch: pytest.MonkeyPatch) -> None:
     """Three persistent auditors (``audit --dispute --auditor-dir --sign-only --verdicts-out``) each sign
     the verdict against a coordinator whose round 1 does not re-derive; the owner admits them once
     (``settle admit-auditor``, k = 2); one file alone is not sent, a duplicate and an unadmitted signer
     are dropped by name, two send one dispute that voids the round with both signers; a second audit
     reuses the same key; the audit shows the dispute and its signers, and fails ``auditor-evidence``
-    by name once a signer's stored evidence is corrupted. ~12 s of CPU (one tiny round, five audits)."""
+    by name once a signer's stored evidence is corrupted. ~4-9 s wall (one tiny round, five audits)."""
     from cli.main import main
     from settlement.provision import write_dev_keys
     from storage_client import ObjectStore

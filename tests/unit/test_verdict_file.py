@@ -108,17 +108,17 @@ def test_gather_sends_only_what_k_distinct_admitted_auditors_sign_alike(tmp_path
 def test_a_persistent_auditor_is_attested_once_and_bound_to_its_run(tmp_path: Path) -> None:
     provider = DevProvider(DevRoot.load_or_create(tmp_path / "dev-root"))
     home = tmp_path / "auditor"
-    first = Auditor.open(home, provider, RUN, CONFIG)
+    first = Auditor.open(home, lambda: provider, RUN, CONFIG)
     assert stat.S_IMODE(os.stat(home / "auditor.key").st_mode) == 0o600
     again = Auditor.open(home, None, RUN, CONFIG)  # no provider needed: nothing to attest
     assert (again.address, again.nonce, again.evidence) == (first.address, first.nonce, first.evidence)
     public = AuditorCredentials.load(home)
     assert (public.address, public.run_id, public.config_cid) == (first.address, RUN, CONFIG)
     with pytest.raises(AuditorDirError, match="not of this one"):
-        Auditor.open(home, provider, b"\x05" * 32, CONFIG)
+        Auditor.open(home, lambda: provider, b"\x05" * 32, CONFIG)
     WorkerKey.generate().save(home / "auditor.key")
     with pytest.raises(AuditorDirError, match="is not the key of"):
-        Auditor.open(home, provider, RUN, CONFIG)
+        Auditor.open(home, lambda: provider, RUN, CONFIG)
     (home / "auditor.json").write_text("{" * 10_000)
     with pytest.raises(AuditorDirError, match="auditor.json"):
         AuditorCredentials.load(home)
