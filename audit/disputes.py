@@ -181,6 +181,7 @@ def dispute_findings(result: AuditResult, rpc_url: str, deployment: Deployment, 
     rounds = ledger.recorded_rounds(result.run_id)
     verdicts = verdicts_of(result, rounds, run.coordinator)
     config_cid = str(CID(Codec.JSON, run.config_digest))
+
     def provider() -> EvidenceProvider:
         return open_provider(options.provider, dev_root_dir=options.dev_root_dir)
 
@@ -196,7 +197,8 @@ def dispute_findings(result: AuditResult, rpc_url: str, deployment: Deployment, 
         admit(disputes, store, auditor, config_cid, policy)
     label = labeller(run.coordinator, result.roster)
     if not verdicts or auditor is None:
-        log.info("dispute: no failure of this audit names one round and one party; no verdict signed")
+        log.info("dispute: no failure of this audit names one round and one party; no verdict signed%s",
+                 f" ({options.verdicts_out} not written)" if options.verdicts_out else "")
         return []
     if options.verdicts_out is not None:
         try:

@@ -300,6 +300,9 @@ def test_two_of_three_auditors_through_the_cli(anvil: Anvil, tmp_path: Path,
     assert all(f.is_file() for f in files), "each auditor signed its verdicts into its file"
     addresses = [json.loads(f.read_text())["auditor"] for f in files]
     assert len(set(addresses)) == 3 and all((h / "auditor.key").is_file() for h in homes)
+    said = _settle(["admit-auditor", "--run", run, *rpc, "--chain-key-file", owner_key, "--auditor-dir",
+                    str(homes[0])], expect=1)  # dev evidence without --allow-dev: refused
+    assert "the auditor's evidence does not verify" in said
     for i, home in enumerate(homes):
         assert main(["settle", "admit-auditor", "--run", run, *rpc, "--chain-key-file", owner_key, "--allow-dev",
                      "--auditor-dir", str(home), *(["--threshold", "2"] if i == 2 else [])]) == 0
