@@ -426,13 +426,14 @@ def render_disputes(result: AuditResult, console: Console) -> None:
     from rich.table import Table
 
     table = Table(title="disputes", box=box.SIMPLE_HEAD, pad_edge=False)
-    for column in ("round", "party", "check", "evidence", "outcome"):
-        table.add_column(column, no_wrap=column != "outcome")
+    for column in ("round", "party", "check", "evidence", "signers", "outcome"):
+        table.add_column(column, no_wrap=column not in ("outcome", "signers"))
     for row in result.disputes:
         verdict = row.verdict
         outcome = "[bold green]upheld[/]" if row.outcome == "upheld" else f"[yellow]{escape(row.outcome)}[/]"
         table.add_row(str(verdict.round), f"{escape(row.party_id)} ({_short(verdict.party)})",
-                      escape(verdict.check_name), _short("0x" + verdict.evidence.hex()), outcome)
+                      escape(verdict.check_name), _short("0x" + verdict.evidence.hex()),
+                      ", ".join(_short(s) for s in row.signers) or "—", outcome)
     console.print(table)
 
 
