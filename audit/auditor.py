@@ -37,6 +37,7 @@ from typing import Protocol
 
 from attestation import Evidence, EvidenceProvider, Policy, WorkerKey, attest, report_data, verify_evidence
 from attestation.admission import admission_record
+from attestation.evidence import MAX_EVIDENCE_BYTES
 from attestation.measurement import audit_code_measurement
 from attestation.verdict import Verdict
 from settlement.disputes import Disputes
@@ -48,7 +49,6 @@ log = logging.getLogger("dilocox.audit")
 AUDITOR_SCHEMA = "dilocox.auditor/v1"
 KEY_FILE, IDENTITY_FILE, EVIDENCE_FILE = "auditor.key", "auditor.json", "evidence.bin"
 MAX_IDENTITY_JSON = 4 << 10  # four short fields
-MAX_EVIDENCE_FILE = 4 << 20  # attestation.evidence.MAX_EVIDENCE_BYTES
 
 
 class AuditorDirError(ValueError):
@@ -95,7 +95,7 @@ class AuditorCredentials:
         except ValueError as exc:  # JSONBoundsError, InvalidCIDError and bad addresses are ValueErrors
             raise AuditorDirError(f"{identity}: {str(exc)[:200]}") from None
         try:
-            loaded = Evidence.from_bytes(_read(evidence, MAX_EVIDENCE_FILE))
+            loaded = Evidence.from_bytes(_read(evidence, MAX_EVIDENCE_BYTES))
         except EvidenceError as exc:
             raise AuditorDirError(f"{evidence}: not evidence ({str(exc)[:160]})") from None
         return cls(*fields, loaded, str(config))

@@ -24,7 +24,9 @@ from typing import TYPE_CHECKING
 if TYPE_CHECKING:
     from rich.console import Console
 
-    from settlement import Deployment
+    from settlement import Deployment, Ledger
+    from settlement.disputes import Disputes
+    from storage_client import Store
 
 EXIT_OK, EXIT_FAILED, EXIT_ERROR = 0, 1, 2
 
@@ -40,6 +42,7 @@ class PanelAction:
     allow_dev: bool = False
 
     def run_on(self, rpc_url: str, run_dir: Path, deployment: Deployment, key: str, console: Console) -> int:
+        """Do it on ``rpc_url`` with the chain key ``key``; returns the exit status (module docstring)."""
         from rich.markup import escape
 
         from settlement import Chain, Ledger
@@ -64,7 +67,11 @@ class PanelAction:
             console.print(f"[bold red]cannot {self.action}[/]: {escape(str(exc)[:400])}")
             return EXIT_ERROR
 
-    def _admit(self, disputes, ledger, store, run_dir: Path, run_id: bytes, console: Console) -> int:
+    def _admit(self, disputes: Disputes, ledger: Ledger, store: Store, run_dir: Path, run_id: bytes,
+               console: Console) -> int:
+        """Verify and admit the auditor of ``auditor_dir`` to ``run_id``, then set k if asked."""
+        from rich.markup import escape
+
         from attestation import AttestationError, PolicyViolation
         from audit.auditor import AuditorCredentials, admit
         from audit.cli import policy_for
@@ -79,7 +86,7 @@ class PanelAction:
                              f"{auditor.config_cid}), not of this run 0x{run_id.hex()[:12]}… ({config_cid})")
         policy, notes = policy_for(run_dir, self.allow_dev)
         for note in notes:
-            console.print(f"[yellow]{note}[/]")
+            console.print(f"[yellow]{escape(note)}[/]")
         try:
             record = admit(disputes, store, auditor, config_cid, policy)
             console.print(f"auditor {auditor.address} admitted to run 0x{run_id.hex()[:12]}… (admission record "
@@ -87,16 +94,17 @@ class PanelAction:
             if self.threshold is not None:
                 disputes.set_threshold(run_id, self.threshold)
         except (AttestationError, PolicyViolation) as exc:
-            console.print(f"[bold red]refused[/]: the auditor's evidence does not verify: {str(exc)[:300]}")
+            console.print(f"[bold red]refused[/]: the auditor's evidence does not verify: {escape(str(exc)[:300])}")
             return EXIT_FAILED
         except TxReverted as exc:
-            console.print(f"[bold red]refused[/]: {str(exc)[:300]}")
+            console.print(f"[bold red]refused[/]: {escape(str(exc)[:300])}")
             return EXIT_FAILED
         auditors, k = disputes.panel_of(run_id)
         console.print(f"the run's panel: {auditors} admitted auditor(s), a verdict needs {k}")
         return EXIT_OK
 
-    def _dispute(self, disputes, ledger, run_id: bytes, console: Console) -> int:
+    def _dispute(self, disputes: Disputes, ledger: Ledger, run_id: bytes, console: Console) -> int:
+        """Send what the ``verdicts`` files support (audit.verdict_file.gather), each outcome printed."""
         from rich.markup import escape
 
         from audit.disputes import labeller, submit
