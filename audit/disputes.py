@@ -14,12 +14,16 @@
                chain): the evidence the round's manifest. A round with such a failure is voided whole,
                so its workers' verdicts are not sent.
 
-``submit`` signs each with the auditor's attested key and sends it to the disputes contract; each
-one's outcome is ``upheld`` or the contract's named refusal (``DisputesWindowClosed``,
-``DisputesAlreadyVoided``, …). ``read_disputes`` is what every audit shows of a run: each upheld
+``submit`` sends each with its signatures (the one-shot auditor's, a persistent auditor's, or k
+gathered from verdict files: audit.verdict_file) to the disputes contract; each one's outcome is
+``upheld`` or the contract's named refusal (``DisputesWindowClosed``, ``DisputesAlreadyVoided``, …).
+``dispute_findings`` is ``audit --dispute``: a fresh auditor admitted in-process (1 of 1), or the
+persistent auditor of ``--auditor-dir`` (never admitted here), sending or only signing into
+``--verdicts-out``. ``read_disputes`` is what every audit shows of a run: each upheld
 verdict from the contract's ``VerdictUpheld`` events, with the party's worker id; ``unbacked_voids``
 is what the audit checks of them (``tally``): the ledger voided exactly the credits upheld verdicts of
-admitted auditors, inside their rounds' windows, void.
+admitted auditors, inside their rounds' windows, void; ``unverified_auditors`` re-verifies each
+admitted auditor's stored admission record and evidence (``auditor-evidence`` for the verdicts they signed).
 """
 
 from __future__ import annotations
