@@ -309,6 +309,10 @@ def test_two_of_three_auditors_through_the_cli(anvil: Anvil, tmp_path: Path,
     disputes = Disputes(builder.owner, builder.ledger.disputes_address(), from_block=builder.deployment.deployed_block)
     assert disputes.panel_of(builder.run_id) == (3, 2)
 
+    bad = tmp_path / "bad.json"
+    bad.write_text("{" * 100)
+    said = _settle(["dispute", "--run", run, *rpc, "--verdicts", str(files[0]), str(bad)], expect=2)
+    assert "cannot dispute" in said and "bad.json" in said and "Traceback" not in said  # nothing sent
     said = _settle(["dispute", "--run", run, *rpc, "--verdicts", str(files[2])], expect=1)
     assert "signed by 1 admitted auditor(s), the run needs 2: not sent" in said
     outsider = tmp_path / "outsider.json"
