@@ -1,8 +1,9 @@
 """The worker's signing key and its binding into REPORTDATA (docs/trust.md "Worker identity").
 
 A worker creates its secp256k1 key inside its attestation provider's process; the key is never
-logged or written out. Evidence binds the key's address to the measured environment through
-REPORTDATA:
+logged or written out (the one exception: a persistent auditor keeps its attested key in its own
+directory, mode 0600, ``WorkerKey.save``, so that it is admitted once: audit.auditor). Evidence
+binds the key's address to the measured environment through REPORTDATA:
 
     REPORTDATA[0:32]  = sha256(b"dilocox/worker-key/v1" || address (20) || runId (32) || nonce (32))
     REPORTDATA[32:64] = code measurement
@@ -15,6 +16,7 @@ from __future__ import annotations
 
 import hashlib
 import os
+from pathlib import Path
 from typing import Any
 
 from eth_account import Account
@@ -119,6 +121,13 @@ class WorkerKey:
         """Sign a 32-byte digest (for example an EIP-712 digest); 65 bytes r||s||v, v in {27, 28}."""
         signed = Account.unsafe_sign_hash(bytes32(digest, "digest"), self._key)
         return bytes(signed.signature)
+
+    def save(self, path: Path) -> None:
+        """Keep the key in ``path`` (0x + 64 hex digits, mode 0600), for an auditor that reuses its
+        attested key (audit.auditor); it is never logged."""
+        from storage_client import write_atomic
+
+        write_atomic(Path(path), b"0x" + self._key.hex().encode() + b"\n", mode=0o600)
 
     def report_data(self, run_id: bytes, nonce: bytes, code_measurement: bytes) -> bytes:
         """REPORTDATA binding this key to a run, a join nonce and a code measurement."""

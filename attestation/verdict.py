@@ -21,7 +21,7 @@ from typing import Any
 
 from eth_utils import keccak, to_checksum_address
 
-from storage_client import bytes32, hex32
+from storage_client import bytes32, hex32, unhex32
 
 from .report import Domain
 
@@ -84,3 +84,18 @@ class Verdict:
         return {"run_id": hex32(self.run_id, "run_id"), "round": self.round, "party": self.party,
                 "check": self.check_name, "check_id": hex32(self.check, "check"),
                 "evidence": hex32(self.evidence, "evidence")}
+
+    @classmethod
+    def from_json(cls, obj: Any) -> Verdict:
+        """The inverse of ``to_json`` for untrusted input: exactly its keys, ``check_id`` the keccak of
+        ``check`` (ValueError naming the field, never echoing more than a short prefix)."""
+        keys = {"run_id", "round", "party", "check", "check_id", "evidence"}
+        if not isinstance(obj, dict) or set(obj) != keys:
+            raise ValueError(f"a verdict is an object of exactly {sorted(keys)}")
+        if not isinstance(obj["party"], str) or len(obj["party"]) != 42:
+            raise ValueError("verdict party must be a 0x-prefixed 20-byte address")
+        verdict = cls(unhex32(obj["run_id"], "run_id"), obj["round"], obj["party"], obj["check"],
+                      unhex32(obj["evidence"], "evidence"))
+        if unhex32(obj["check_id"], "check_id") != verdict.check:
+            raise ValueError("verdict check_id is not keccak256 of its check")
+        return verdict

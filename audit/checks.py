@@ -16,6 +16,7 @@ Where each check lives:
                     audit.admission ADMISSION_RECORD and EVIDENCE
   audit.recompute   REDERIVE, REPLAY, RESCORE
   audit.receipts    RECEIPT_FAULT, RECEIPT_WITHHELD
+  audit.disputes    AUDITOR_EVIDENCE (and, through audit.core, TALLY for voids no verdict backs)
 """
 
 from __future__ import annotations
@@ -102,5 +103,8 @@ class AuditCheck(StrEnum):
                                       "coordinator receipted is credited in the recorded round (audit.receipts)")
     RECEIPT_WITHHELD = ("receipt-withheld", "every update the coordinator receipted (audit --receipts) is used by its "
                                             "round's manifest; a replay mismatch that follows one is the coordinator's")
+    AUDITOR_EVIDENCE = ("auditor-evidence", "every signer of an upheld verdict has its admission record and "
+                                            "evidence in the store, verifying under this policy for the audit "
+                                            "code's measurement (audit.disputes.unverified_auditors)")
     RESCORE = ("rescore", "the recomputed held-out loss of each sampled round's checkpoint is within "
                           "EVAL_TOLERANCE of the manifest's")

@@ -15,7 +15,10 @@ party into EIP-712 verdicts (audit.disputes), attests a fresh auditor key (``--a
 dev by default with DIR/dev-root), has the disputes contract's owner (``--owner-key-file``; on the
 run's own local chain, the dev deployer account) verify and admit it, and submits them, printing each
 one's outcome; without ``--rpc`` it then runs on the run's chain state itself, not a copy, so the
-verdicts stay recorded. Every audit shows the run's upheld verdicts. ``--json FILE`` also writes the result as JSON to FILE;
+verdicts stay recorded. ``--auditor-dir ADIR`` signs with a persistent auditor instead (attested into
+ADIR on its first audit, admitted by the owner separately: ``dilocox settle admit-auditor``), and
+``--sign-only --verdicts-out FILE`` writes its signed verdicts to FILE instead of sending them, for
+``dilocox settle dispute --verdicts F1 F2 …`` to send k auditors' signatures at once (audit.verdict_file). Every audit shows the run's upheld verdicts. ``--json FILE`` also writes the result as JSON to FILE;
 ``--json`` alone writes it to stdout, and the tables and messages go to stderr, so that stdout is
 one JSON document.
 
@@ -91,6 +94,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="with --dispute: the auditor key's attestation provider (default dev, PROVES NOTHING)")
     parser.add_argument("--auditor-dev-root-dir", metavar="DIR",
                         help="with --dispute and dev attestation: the dev root's directory (default DIR/dev-root)")
+    parser.add_argument("--auditor-dir", metavar="ADIR",
+                        help="with --dispute: sign with the persistent auditor kept in ADIR (attested there on its "
+                             "first audit; admitted once by the owner: dilocox settle admit-auditor), not a fresh one")
+    parser.add_argument("--sign-only", action="store_true",
+                        help="with --dispute --auditor-dir: write the signed verdicts to --verdicts-out, send nothing")
+    parser.add_argument("--verdicts-out", metavar="FILE",
+                        help="with --sign-only: the verdicts file to write (for dilocox settle dispute --verdicts)")
     parser.add_argument("--receipts", action="append", default=[], metavar="RDIR",
                         help="a worker's receipts folder (dilocox worker --receipts; repeatable): an update its "
                              "coordinator receipted and did not use fails that round, and excuses the worker's "
@@ -146,24 +156,32 @@ def run(args: argparse.Namespace) -> int:
 
 
 def dispute_options(args: argparse.Namespace) -> DisputeOptions | None:
-    """``--dispute``'s options, or None without it (ValueError naming a bad key file)."""
+    """``--dispute``'s options, or None without it (ValueError naming a bad key file or combination)."""
+    if (args.sign_only or args.verdicts_out or args.auditor_dir) and not args.dispute:
+        raise ValueError("--auditor-dir, --sign-only and --verdicts-out go with --dispute")
     if not args.dispute:
         return None
+    if args.sign_only != bool(args.verdicts_out) or (args.sign_only and not args.auditor_dir):
+        raise ValueError("--sign-only needs --verdicts-out FILE and --auditor-dir ADIR (and --verdicts-out needs "
+                         "--sign-only)")
     from settlement import DEV_ACCOUNTS
     from settlement.provision import read_key_file
 
     from .disputes import DisputeOptions
 
+    dev_root_dir = args.auditor_dev_root_dir or str(Path(args.run or ".") / "dev-root")
     if args.owner_key_file:
         owner_key = read_key_file(Path(args.owner_key_file), "--owner-key-file")
+    elif args.sign_only:
+        owner_key = None  # nothing is sent
     elif args.rpc is None:
         owner_key = bytes.fromhex(DEV_ACCOUNTS[0].removeprefix("0x"))
     else:
-        raise ValueError("--dispute on --rpc needs --owner-key-file (the disputes contract owner's chain key)")
+        raise ValueError("--dispute on --rpc needs --owner-key-file (the chain key that sends; the disputes "
+                         "contract owner's, which admits a fresh auditor)")
     if not args.auditor_dev_root_dir and not args.run and args.auditor_attestation == "dev":
         raise ValueError("--dispute with --store and dev attestation needs --auditor-dev-root-dir DIR")
-    dev_root_dir = args.auditor_dev_root_dir or str(Path(args.run or ".") / "dev-root")
-    return DisputeOptions(owner_key, args.auditor_attestation, dev_root_dir)
+    return DisputeOptions(owner_key, args.auditor_attestation, dev_root_dir, args.auditor_dir, args.verdicts_out)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -268,8 +286,9 @@ def audit_run_dir(run_dir: Path, *, rpc_url: str | None = None, allow_dev: bool 
                 return EXIT_ERROR
             with tempfile.TemporaryDirectory(prefix="dilocox-audit-") as tmp:
                 # anvil re-dumps its state file: keep the run's own intact, unless verdicts must stay on it
-                copy = state if dispute is not None else Path(tmp) / "state.json"
-                if dispute is None:
+                keep = dispute is not None and dispute.verdicts_out is None
+                copy = state if keep else Path(tmp) / "state.json"
+                if not keep:
                     shutil.copyfile(state, copy)
                 with Anvil(state_file=copy, chain_id=deployment.chain_id) as anvil:
                     console.print(f"local chain {anvil.rpc_url} restored from {state}")
@@ -472,13 +491,14 @@ def render_disputes(result: AuditResult, console: Console) -> None:
     from rich.table import Table
 
     table = Table(title="disputes", box=box.SIMPLE_HEAD, pad_edge=False)
-    for column in ("round", "party", "check", "evidence", "outcome"):
-        table.add_column(column, no_wrap=column != "outcome")
+    for column in ("round", "party", "check", "evidence", "signers", "outcome"):
+        table.add_column(column, no_wrap=column not in ("outcome", "signers"))
     for row in result.disputes:
         verdict = row.verdict
         outcome = "[bold green]upheld[/]" if row.outcome == "upheld" else f"[yellow]{escape(row.outcome)}[/]"
         table.add_row(str(verdict.round), f"{escape(row.party_id)} ({_short(verdict.party)})",
-                      escape(verdict.check_name), _short("0x" + verdict.evidence.hex()), outcome)
+                      escape(verdict.check_name), _short("0x" + verdict.evidence.hex()),
+                      ", ".join(_short(s) for s in row.signers) or "—", outcome)
     console.print(table)
 
 

@@ -75,6 +75,7 @@ class _Audit:
         self.replay = replay
         self.replay_seed = replay_seed
         self.lineage = Lineage(self.findings, ledger)
+        self.policy = policy
         self.signers = Signers(self.findings, registry, policy)
         self.pushes = PushSignatures(self.findings, self.signers)
         self.tallies = Tallies(self.findings, ledger, rewards)
@@ -128,11 +129,13 @@ class _Audit:
     def read_disputes(self, run_id: bytes, run: RunRecord, rounds: list[RoundRecord]) -> None:
         """Every verdict upheld on the run, for the result, and the ledger's voided credit against them
         (``tally``: audit.disputes.unbacked_voids); a ledger that names no disputes contract may void
-        nothing."""
+        nothing. Each signer of an upheld verdict must have an admission that holds up in the store
+        (``auditor-evidence``: audit.disputes.unverified_auditors)."""
         from settlement.disputes import Disputes
 
-        from .disputes import read_disputes, unbacked_voids
+        from .disputes import read_disputes, unbacked_voids, unverified_auditors
 
+        unverified: dict[str, str] = {}
         try:
             voided = self.ledger.voided_credits(run_id)
             address = self.ledger.disputes_address()
@@ -144,11 +147,22 @@ class _Audit:
                 self.findings.result.disputes = read_disputes(disputes, run_id, run.coordinator,
                                                               self.findings.result.roster)
                 problems = unbacked_voids(disputes, voided, rounds, run, run_id)
+                if self.findings.result.disputes:
+                    unverified, notes = unverified_auditors(disputes, self.findings.store, run_id,
+                                                            str(CID(Codec.JSON, run.config_digest)), self.policy)
+                    for note in notes:
+                        self.findings.warn(note)
         except (ChainError, ValueError) as exc:
             self.findings.fail(None, self.ledger.address, AuditCheck.LEDGER, f"the run's disputes cannot be read: {exc}")
             return
         for round_, worker, why in problems:
             self.findings.fail(round_, worker, AuditCheck.TALLY, f"round {round_}, credit of {worker}: {why}")
+        for row in self.findings.result.disputes:
+            for signer in row.signers:
+                if signer in unverified:
+                    self.findings.fail(row.verdict.round, signer, AuditCheck.AUDITOR_EVIDENCE,
+                                       f"the verdict against {row.party_id} ({row.tx_hash}) is signed by auditor "
+                                       f"{signer}: {unverified[signer]}")
 
     def check_genesis(self, run_id: bytes, run: RunRecord) -> Loaded | None:
         """Genesis's row of the table, and its lineage checks."""

@@ -14,19 +14,25 @@
                chain): the evidence the round's manifest. A round with such a failure is voided whole,
                so its workers' verdicts are not sent.
 
-``submit`` signs each with the auditor's attested key and sends it to the disputes contract; each
-one's outcome is ``upheld`` or the contract's named refusal (``DisputesWindowClosed``,
-``DisputesAlreadyVoided``, …). ``read_disputes`` is what every audit shows of a run: each upheld
+``submit`` sends each with its signatures (the one-shot auditor's, a persistent auditor's, or k
+gathered from verdict files: audit.verdict_file) to the disputes contract; each one's outcome is
+``upheld`` or the contract's named refusal (``DisputesWindowClosed``, ``DisputesAlreadyVoided``, …).
+``dispute_findings`` is ``audit --dispute``: a fresh auditor admitted in-process (1 of 1), or the
+persistent auditor of ``--auditor-dir`` (never admitted here), sending or only signing into
+``--verdicts-out``. ``read_disputes`` is what every audit shows of a run: each upheld
 verdict from the contract's ``VerdictUpheld`` events, with the party's worker id; ``unbacked_voids``
 is what the audit checks of them (``tally``): the ledger voided exactly the credits upheld verdicts of
-admitted auditors, inside their rounds' windows, void.
+admitted auditors, inside their rounds' windows, void; ``unverified_auditors`` re-verifies each
+admitted auditor's stored admission record and evidence (``auditor-evidence`` for the verdicts they signed).
 """
 
 from __future__ import annotations
 
 import logging
+import os
 from collections.abc import Callable
 from dataclasses import dataclass
+from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from attestation.verdict import Verdict, check_id
@@ -94,13 +100,18 @@ def verdicts_of(result: AuditResult, rounds: list[RoundRecord], coordinator: str
 
 
 def submit(disputes: Disputes, verdicts: list[Verdict], rounds: list[RoundRecord],
-           sign: Callable[[Verdict], bytes], party_id: Callable[[str], str]) -> list[DisputeRow]:
-    """Sign (``sign(verdict) -> signature``) and send each verdict; its outcome as the contract says."""
+           sign: Callable[[Verdict], list[bytes]], party_id: Callable[[str], str]) -> list[DisputeRow]:
+    """Send each verdict with its signatures (``sign(verdict)``: one auditor's, or k gathered); its
+    outcome as the contract says, a refusal by the contract's error name."""
     by_round = {record.round: record for record in rounds}
     rows = []
     for verdict in verdicts:
+        record = by_round.get(verdict.round)
+        if record is None:
+            rows.append(DisputeRow(verdict, party_id(verdict.party), "refused: the round is not recorded"))
+            continue
         try:
-            receipt = disputes.dispute(verdict, by_round[verdict.round], [sign(verdict)])
+            receipt = disputes.dispute(verdict, record, sign(verdict))
         except ChainError as exc:
             rows.append(DisputeRow(verdict, party_id(verdict.party), f"refused: {exc}"[:300]))
             continue
@@ -111,7 +122,7 @@ def submit(disputes: Disputes, verdicts: list[Verdict], rounds: list[RoundRecord
 
 def read_disputes(disputes: Disputes, run_id: bytes, coordinator: str, roster: Roster | None) -> list[DisputeRow]:
     """Every upheld verdict of the run, oldest first, as the contract's events tell it."""
-    label = _labeller(coordinator, roster)
+    label = labeller(coordinator, roster)
     rows = []
     for event in disputes.verdicts(run_id):
         verdict = Verdict(event.run_id, event.round, event.party, CHECK_NAMES.get(event.check, hex32(event.check, "check")),
@@ -120,42 +131,51 @@ def read_disputes(disputes: Disputes, run_id: bytes, coordinator: str, roster: R
     return rows
 
 
-def _labeller(coordinator: str, roster: Roster | None) -> Callable[[str], str]:
+def labeller(coordinator: str, roster: Roster | None) -> Callable[[str], str]:
     roster = roster or Roster()
     return lambda address: "coordinator" if address == coordinator else roster.id_of(address)
 
 
 @dataclass(frozen=True)
 class DisputeOptions:
-    """How ``dilocox audit --dispute`` disputes: the chain key of the disputes contract's owner (it
-    verifies the auditor's evidence and admits it, and sends the verdicts; anyone may send them), and
-    the auditor's attestation provider (``dev`` with its root directory, or ``tdx``)."""
+    """How ``dilocox audit --dispute`` disputes: the chain key that sends (the disputes contract's
+    owner's in the one-shot flow, which verifies and admits a fresh auditor; None with
+    ``verdicts_out``, which sends nothing), the auditor's attestation provider (``dev`` with its root
+    directory, or ``tdx``), the persistent auditor's directory (``--auditor-dir``: attested there
+    once, admitted separately, never admitted here), and ``--verdicts-out`` (sign only, into that file)."""
 
-    owner_key: bytes
+    owner_key: bytes | None
     provider: str
     dev_root_dir: str | None
+    auditor_dir: str | None = None
+    verdicts_out: str | None = None
 
     def __repr__(self) -> str:
-        return f"DisputeOptions(provider={self.provider!r}, dev_root_dir={self.dev_root_dir!r}, owner_key=<hidden>)"
+        return (f"DisputeOptions(provider={self.provider!r}, dev_root_dir={self.dev_root_dir!r}, "
+                f"auditor_dir={self.auditor_dir!r}, verdicts_out={self.verdicts_out!r}, owner_key=<hidden>)")
 
 
 def dispute_findings(result: AuditResult, rpc_url: str, deployment: Deployment, store: Store, policy: Policy,
                      options: DisputeOptions) -> list[DisputeRow]:
-    """Turn ``result``'s failures into verdicts, attest a fresh auditor key, have it admitted, and
-    submit each verdict signed with it; returns each one's outcome (none when nothing is disputable).
+    """Turn ``result``'s failures into verdicts and sign them: one-shot, with a fresh auditor key the
+    owner admits here, then submitted; or with the persistent auditor of ``options.auditor_dir``
+    (attested there first if it holds none), submitted, or only written to ``options.verdicts_out``
+    for ``dilocox settle dispute`` to gather k of. Returns each one's outcome (none when nothing is
+    disputable).
 
-    @raise settlement.ChainError when the chain cannot be used; attestation errors when the auditor
-        cannot attest or its evidence is refused
+    @raise settlement.ChainError when the chain cannot be used; attestation errors (and
+        audit.auditor.AuditorDirError) when the auditor cannot attest, be read or be admitted
     """
-    from attestation import open_provider
+    from attestation import EvidenceProvider, open_provider
     from settlement import Chain, Ledger
     from storage_client import CID, Codec
 
     from .auditor import Auditor, admit
+    from .verdict_file import write_verdicts
 
     if result.run_id is None:
         return []
-    chain = Chain(rpc_url, options.owner_key)
+    chain = Chain(rpc_url, options.owner_key or os.urandom(32))  # a sign-only auditor sends nothing
     ledger = Ledger(chain, deployment.ledger, from_block=deployment.deployed_block)
     run = ledger.run_of(result.run_id)
     address = ledger.disputes_address()
@@ -164,15 +184,36 @@ def dispute_findings(result: AuditResult, rpc_url: str, deployment: Deployment, 
     disputes = Disputes(chain, address, from_block=deployment.deployed_block)
     rounds = ledger.recorded_rounds(result.run_id)
     verdicts = verdicts_of(result, rounds, run.coordinator)
-    if not verdicts:
-        log.info("dispute: no failure of this audit names one round and one party; no verdict submitted")
-        return []
     config_cid = str(CID(Codec.JSON, run.config_digest))
-    auditor = Auditor.attest(open_provider(options.provider, dev_root_dir=options.dev_root_dir), result.run_id,
-                             config_cid)
-    admit(disputes, store, auditor, config_cid, policy)
-    return submit(disputes, verdicts, rounds, lambda verdict: auditor.sign(verdict, disputes),
-                  _labeller(run.coordinator, result.roster))
+
+    def provider() -> EvidenceProvider:
+        return open_provider(options.provider, dev_root_dir=options.dev_root_dir)
+
+    if options.auditor_dir is not None:
+        auditor = Auditor.open(Path(options.auditor_dir), provider, result.run_id, config_cid)
+        if not disputes.is_auditor(result.run_id, auditor.address):
+            log.warning("dispute: auditor %s is not admitted to the run yet (dilocox settle admit-auditor): its "
+                        "signatures count only once it is", auditor.address)
+    elif not verdicts:
+        auditor = None
+    else:
+        auditor = Auditor.attest(provider(), result.run_id, config_cid)
+        admit(disputes, store, auditor, config_cid, policy)
+    label = labeller(run.coordinator, result.roster)
+    if not verdicts or auditor is None:
+        log.info("dispute: no failure of this audit names one round and one party; no verdict signed%s",
+                 f" ({options.verdicts_out} not written)" if options.verdicts_out else "")
+        return []
+    if options.verdicts_out is not None:
+        try:
+            write_verdicts(Path(options.verdicts_out), disputes.domain(), auditor.address,
+                           [(v, auditor.sign(v, disputes)) for v in verdicts])
+        except OSError as exc:
+            raise ValueError(f"--verdicts-out {options.verdicts_out}: cannot be written "
+                             f"({exc.strerror or type(exc).__name__})") from None
+        return [DisputeRow(v, label(v.party), f"signed into {options.verdicts_out}", signers=(auditor.address,))
+                for v in verdicts]
+    return submit(disputes, verdicts, rounds, lambda verdict: [auditor.sign(verdict, disputes)], label)
 
 
 def unbacked_voids(disputes: Disputes, voided: list[CreditVoided], rounds: list[RoundRecord], run: RunRecord,
@@ -203,3 +244,30 @@ def unbacked_voids(disputes: Disputes, voided: list[CreditVoided], rounds: list[
     for round_, worker in sorted(backed - voids):
         problems.append((round_, worker, "an upheld verdict voids its credit, but the ledger still counts it"))
     return problems
+
+
+def unverified_auditors(disputes: Disputes, store: Store, run_id: bytes, config_cid: str,
+                        policy: Policy) -> tuple[dict[str, str], list[str]]:
+    """Each auditor the disputes contract admitted to the run whose stored admission does not hold up,
+    with why, and notes: its admission record (CID(JSON, evidenceDigest) on chain) and evidence are
+    re-read from the store and verified under ``policy`` exactly as admission did (audit.admission:
+    REPORTDATA binds the auditor, the run, the record's nonce and audit_code_measurement(config CID));
+    dev evidence passes only under a policy that trusts its root (``--allow-dev``), and is said."""
+    from attestation.measurement import audit_code_measurement
+
+    from .admission import check_admission
+
+    expected = {audit_code_measurement(config_cid)}
+    bad: dict[str, str] = {}
+    notes: list[str] = []
+    for admission in disputes.admissions(run_id):
+        checked = check_admission(store, worker=admission.auditor, measurement=admission.measurement,
+                                  evidence_digest=admission.evidence_digest, run_id=run_id, policy=policy,
+                                  code_measurements=expected)
+        if not checked.ok:
+            obj, check, message = checked.failures[0]
+            bad[admission.auditor] = f"its admission does not hold up ({check} {obj}: {message})"[:400]
+        elif checked.proves_nothing:
+            notes.append(f"auditor {admission.auditor} was admitted on {checked.provider} evidence, which PROVES "
+                         f"NOTHING")
+    return bad, notes

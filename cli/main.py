@@ -11,6 +11,10 @@
                                                    what each worker is owed from the run's reward pool
     dilocox settle prove-receipt --run runs/demo --receipts RDIR
                                                    prove on chain a round that left a receipted worker out
+    dilocox settle admit-auditor --run runs/demo --auditor-dir ADIR [--threshold K]
+                                                   admit a persistent auditor to the run (the disputes owner)
+    dilocox settle dispute --run runs/demo --verdicts F1 F2 ...
+                                                   send the verdicts k admitted auditors signed
     dilocox chain up|down|deploy|mine ...          a local chain kept in a directory, the contracts on it
     dilocox run create ...                         a run's code measurement allowlisted, its coordinator a verifier
     dilocox pool fund ...                          the run's reward pool opened and funded
@@ -767,6 +771,15 @@ def check_args(args: argparse.Namespace) -> None:
         _coordinator_address(args.coordinator)
     if command == "settle" and (args.action == "prove-receipt") != (args.receipts is not None):
         raise UsageError("--receipts RDIR goes with `settle prove-receipt`, and prove-receipt needs it")
+    if command == "settle" and (args.action == "admit-auditor") != (args.auditor_dir is not None):
+        raise UsageError("--auditor-dir ADIR goes with `settle admit-auditor`, and admit-auditor needs it")
+    if command == "settle" and (args.action == "dispute") != (args.verdicts is not None):
+        raise UsageError("--verdicts F1 F2 … goes with `settle dispute`, and dispute needs it")
+    if command == "settle" and args.verdicts is not None and len(args.verdicts) > 256:
+        raise UsageError(f"--verdicts names {len(args.verdicts)} files, more than the 256 a panel may send")
+    if command == "settle" and args.threshold is not None and (args.action != "admit-auditor"
+                                                               or not 1 <= args.threshold <= 2**32):
+        raise UsageError("--threshold K goes with `settle admit-auditor` and must be in [1, 2^32]")
 
 
 def main(argv: list[str] | None = None) -> int:

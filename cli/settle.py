@@ -18,6 +18,10 @@ worker is proven on chain (``ReceiptCourt.proveOmission``, settlement.receipt_co
 needed, and the audit then fails the coordinator for that round by name. Receipts that prove nothing
 (the worker is credited, the round not recorded yet, not the run's coordinator's) are listed.
 
+``dilocox settle admit-auditor --run DIR --auditor-dir ADIR [--threshold K]`` (the disputes
+contract's owner) and ``dilocox settle dispute --run DIR --verdicts F1 F2 …`` (anyone) manage the run's
+panel of auditors and send the verdicts k of them signed (cli.panel, docs/trust.md "Disputes").
+
 Exit status: 0 when the statement (and any claim) went through, or every omission found was proven
 (or was already); 1 when the pool paid more than the records entitle, or a proof was refused; 2 when
 it could not run (no deployment, no chain, no pool).
@@ -36,16 +40,29 @@ if TYPE_CHECKING:
     from settlement.rewards import Statement
     from settlement.roster import Roster
 
+    from .panel import PanelAction
+
 EXIT_OK, EXIT_FAILED, EXIT_ERROR = 0, 1, 2
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("action", nargs="?", choices=("statement", "prove-receipt"), default="statement",
+    parser.add_argument("action", nargs="?", choices=("statement", "prove-receipt", "admit-auditor", "dispute"),
+                        default="statement",
                         help="statement (default): what each worker is owed; prove-receipt: prove on chain each "
-                             "round that left a worker of --receipts uncredited though the coordinator receipted it")
+                             "round that left a worker of --receipts uncredited though the coordinator receipted it; "
+                             "admit-auditor: admit the auditor of --auditor-dir (the disputes owner's key); dispute: "
+                             "send the verdicts the --verdicts files of k admitted auditors sign")
     parser.add_argument("--run", required=True, metavar="DIR", help="run directory (its store/ and chain/)")
     parser.add_argument("--receipts", metavar="RDIR",
                         help="prove-receipt: a worker's receipts folder (dilocox worker --receipts)")
+    parser.add_argument("--auditor-dir", metavar="ADIR",
+                        help="admit-auditor: the persistent auditor's directory (dilocox audit --auditor-dir)")
+    parser.add_argument("--threshold", type=int, metavar="K",
+                        help="admit-auditor: then set how many admitted auditors a verdict on the run needs")
+    parser.add_argument("--allow-dev", action="store_true",
+                        help="admit-auditor: accept dev evidence, which PROVES NOTHING (trusting DIR/dev-root)")
+    parser.add_argument("--verdicts", nargs="+", metavar="FILE",
+                        help="dispute: verdicts files (dilocox audit --dispute --sign-only --verdicts-out)")
     parser.add_argument("--rpc", metavar="URL", help="chain RPC; default: the local anvil of DIR/chain/state.json")
     parser.add_argument("--claim", action="store_true", help="claim every worker's matured rounds")
     parser.add_argument("--reclaim", action="store_true",
@@ -63,17 +80,24 @@ def run(args: argparse.Namespace) -> int:
     key = None
     if args.chain_key_file:
         key = "0x" + read_key_file(Path(args.chain_key_file), "--chain-key-file").hex()
+    panel = None
+    if args.action in ("admit-auditor", "dispute"):
+        from .panel import PanelAction
+
+        panel = PanelAction(args.action, Path(args.auditor_dir) if args.auditor_dir else None, args.threshold,
+                            tuple(Path(f) for f in args.verdicts or ()), args.allow_dev)
     return settle_run_dir(Path(args.run), rpc_url=args.rpc, claim=args.claim, reclaim=args.reclaim, key=key,
                           json_path=Path(args.json) if args.json else None,
-                          receipts=Path(args.receipts) if args.receipts else None)
+                          receipts=Path(args.receipts) if args.receipts else None, panel=panel)
 
 
 def settle_run_dir(run_dir: Path, *, rpc_url: str | None = None, claim: bool = False, key: str | None = None,
                    console: Console | None = None, json_path: Path | None = None, receipts: Path | None = None,
-                   reclaim: bool = False) -> int:
+                   reclaim: bool = False, panel: PanelAction | None = None) -> int:
     """Print the run's reward statement and, with ``claim``, claim what is due (with ``reclaim``, return
     to the funder what matured rounds leave unpaid); with ``receipts``, prove the omissions they show
-    instead. Returns the exit status."""
+    instead; with ``panel``, admit an auditor or send k auditors' verdicts instead (cli.panel). Returns
+    the exit status."""
     from rich.console import Console
     from rich.markup import escape
 
@@ -93,6 +117,12 @@ def settle_run_dir(run_dir: Path, *, rpc_url: str | None = None, claim: bool = F
                 return EXIT_ERROR
             if receipts is not None:
                 return _prove_on(rpc_url, deployment, receipts, key or DEV_ACCOUNTS[3], console)
+            if panel is not None:
+                if key is None and panel.action == "admit-auditor":
+                    console.print("[bold red]cannot settle[/]: admit-auditor on --rpc needs --chain-key-file (the "
+                                  "disputes contract owner's key)")
+                    return EXIT_ERROR
+                return panel.run_on(rpc_url, run_dir, deployment, key or DEV_ACCOUNTS[3], console)
             return _settle_on(rpc_url, run_dir, deployment, (claim, reclaim), key or DEV_ACCOUNTS[3], console, json_path,
                               dev_keys=False)
         state = run_dir / "chain" / "state.json"
@@ -109,6 +139,9 @@ def settle_run_dir(run_dir: Path, *, rpc_url: str | None = None, claim: bool = F
             console.print(f"local chain {anvil.rpc_url} restored from {state}")
             if receipts is not None:
                 return _prove_on(anvil.rpc_url, deployment, receipts, key or DEV_ACCOUNTS[3], console)
+            if panel is not None:  # the dev deployer owns the disputes contract of a local run
+                default = DEV_ACCOUNTS[0] if panel.action == "admit-auditor" else DEV_ACCOUNTS[3]
+                return panel.run_on(anvil.rpc_url, run_dir, deployment, key or default, console)
             return _settle_on(anvil.rpc_url, run_dir, deployment, (claim, reclaim), key or DEV_ACCOUNTS[3], console,
                               json_path, dev_keys=key is None)
     except (ChainError, AnvilError) as exc:

@@ -81,7 +81,7 @@ class RunBuilder:
     """A run made as the coordinator makes one, with hooks to break it."""
 
     def __init__(self, root: Path, rpc_url: str, *, workers: tuple[str, ...] = ("w0", "w1"),
-                 run_name: str = "audit") -> None:
+                 run_name: str = "audit", challenge_window: int = 0) -> None:
         self.root = root
         self.owner = Chain(rpc_url, DEV_ACCOUNTS[0])
         self.coordinator = Chain(rpc_url, DEV_ACCOUNTS[1])
@@ -115,7 +115,8 @@ class RunBuilder:
         )
         self.manifests: list[tuple[CID, Manifest]] = [(genesis.store(self.store), genesis)]
         self.run_id = self.manifests[0][0].digest
-        self.ledger.create_run(self.run_id, CID.parse(genesis.params).digest, self.config_cid.digest, self.run_id, 0)
+        self.ledger.create_run(self.run_id, CID.parse(genesis.params).digest, self.config_cid.digest, self.run_id,
+                               challenge_window)
 
         self.dev_root = DevRoot.load_or_create(root / "dev-root")
         self.provider = DevProvider(self.dev_root)

@@ -28,6 +28,7 @@ from attestation.verdict import Verdict
 from audit.auditor import Auditor, admit
 from audit.cli import audit_run_dir
 from audit.disputes import DisputeOptions
+from audit.verdict_file import read_verdicts, write_verdicts
 from benchmarks.hostile import Heartbeats, Mallory, Trainer
 from cli.cluster import LocalCluster, provision
 from cli.settle import settle_run_dir
@@ -267,3 +268,101 @@ def test_a_ledger_that_voids_an_honest_credit_is_named(anvil: Anvil, tmp_path: P
     failures = [f for f in builder.audit().failures if f.check == "tally"]
     assert [(f.round, f.object) for f in failures] == [(1, honest.worker)], failures
     assert "the ledger voided its credit, but" in failures[0].message
+
+
+# --- k of n: persistent auditors, each signing into a file; k signatures sent at once; their evidence audited ---
+
+
+def test_two_of_three_auditors_through_the_cli(anvil: Anvil, tmp_path: Path,
+                                               monkeypatch: pytest.MonkeyPatch) -> None:
+    """Three persistent auditors (``audit --dispute --auditor-dir --sign-only --verdicts-out``) each sign
+    the verdict against a coordinator whose round 1 does not re-derive; the owner admits them once
+    (``settle admit-auditor``, k = 2); one file alone is not sent, a duplicate and an unadmitted signer
+    are dropped by name, two send one dispute that voids the round with both signers; a second audit
+    reuses the same key; the audit shows the dispute and its signers, and fails ``auditor-evidence``
+    by name once a signer's stored evidence is corrupted. ~4-9 s wall (one tiny round, five audits)."""
+    from cli.main import main
+    from settlement.provision import write_dev_keys
+    from storage_client import ObjectStore
+
+    from .test_audit import RunBuilder
+
+    monkeypatch.setenv("COLUMNS", "400")  # rich wraps what it prints at the width it is given
+    builder = RunBuilder(tmp_path / "run", anvil.rpc_url, challenge_window=E2E_WINDOW)
+    builder.round(nudge=True)  # θ off what the updates give: `rederive`, the coordinator's fault
+    run, rpc = str(builder.root), ["--rpc", anvil.rpc_url]
+    owner_key = str(write_dev_keys(tmp_path / "keys")[0])
+    homes = [tmp_path / f"auditor-{i}" for i in range(3)]
+    files = [tmp_path / f"verdicts-{i}.json" for i in range(3)]
+    for home, file in zip(homes, files):
+        assert main(["audit", "--run", run, *rpc, "--allow-dev", "--dispute", "--auditor-dir", str(home),
+                     "--sign-only", "--verdicts-out", str(file)]) == 1  # `rederive` fails
+    assert all(f.is_file() for f in files), "each auditor signed its verdicts into its file"
+    addresses = [json.loads(f.read_text())["auditor"] for f in files]
+    assert len(set(addresses)) == 3 and all((h / "auditor.key").is_file() for h in homes)
+    said = _settle(["admit-auditor", "--run", run, *rpc, "--chain-key-file", owner_key, "--auditor-dir",
+                    str(homes[0])], expect=1)  # dev evidence without --allow-dev: refused
+    assert "the auditor's evidence does not verify" in said
+    for i, home in enumerate(homes):
+        assert main(["settle", "admit-auditor", "--run", run, *rpc, "--chain-key-file", owner_key, "--allow-dev",
+                     "--auditor-dir", str(home), *(["--threshold", "2"] if i == 2 else [])]) == 0
+    disputes = Disputes(builder.owner, builder.ledger.disputes_address(), from_block=builder.deployment.deployed_block)
+    assert disputes.panel_of(builder.run_id) == (3, 2)
+
+    bad = tmp_path / "bad.json"
+    bad.write_text("{" * 100)
+    said = _settle(["dispute", "--run", run, *rpc, "--verdicts", str(files[0]), str(bad)], expect=2)
+    assert "cannot dispute" in said and "bad.json" in said and "Traceback" not in said  # nothing sent
+    said = _settle(["dispute", "--run", run, *rpc, "--verdicts", str(files[2])], expect=1)
+    assert "signed by 1 admitted auditor(s), the run needs 2: not sent" in said
+    outsider = tmp_path / "outsider.json"
+    verdict = read_verdicts(files[0]).signed[0][0]
+    stranger = WorkerKey.generate()
+    write_verdicts(outsider, disputes.domain(), stranger.address,
+                   [(verdict, stranger.sign_digest(verdict.digest(disputes.domain())))])
+    said = _settle(["dispute", "--run", run, *rpc, "--verdicts", str(files[0]), str(files[0]), str(outsider),
+                    str(files[1])], expect=0)
+    assert "duplicate signer" in said and f"{stranger.address} is not an auditor admitted" in said
+    assert "upheld" in said and f"signed by {addresses[0]}, {addresses[1]}" in said
+    (upheld,) = disputes.verdicts(builder.run_id)
+    assert upheld.party == builder.coordinator.address and set(upheld.signers) == set(addresses[:2])
+    said = _settle(["dispute", "--run", run, *rpc, "--verdicts", str(files[1]), str(files[2])], expect=1)
+    assert "DisputesAlreadyVoided" in said  # the contract's refusal, by name
+
+    again = tmp_path / "again.json"  # the same auditor, a second audit: its key is reused, not attested anew
+    main(["audit", "--run", run, *rpc, "--allow-dev", "--dispute", "--auditor-dir", str(homes[0]),
+          "--sign-only", "--verdicts-out", str(again)])
+    assert json.loads(again.read_text())["auditor"] == addresses[0]
+
+    audited = tmp_path / "audit.json"
+    main(["audit", "--run", run, *rpc, "--allow-dev", "--json", str(audited)])
+    result = json.loads(audited.read_text())
+    assert {f["check"] for f in result["failures"]} == {"rederive"}, result["failures"]
+    assert [(d["party_id"], d["check"], sorted(d["signers"])) for d in result["disputes"]] == \
+        [("coordinator", "rederive", sorted(addresses[:2]))]
+
+    store = ObjectStore(builder.root / "store")
+    record = next(a for a in disputes.admissions(builder.run_id) if a.auditor == addresses[1])
+    evidence = CID.parse(json.loads(store.get(CID(Codec.JSON, record.evidence_digest)))["evidence"])
+    store.path_of(evidence).chmod(0o644)
+    store.path_of(evidence).write_bytes(b"{}")  # corrupt: no longer its CID's bytes
+    main(["audit", "--run", run, *rpc, "--allow-dev", "--no-rederive", "--json", str(audited)])
+    failures = json.loads(audited.read_text())["failures"]
+    assert [(f["check"], f["object"]) for f in failures] == [("auditor-evidence", addresses[1])], failures
+    assert "its admission does not hold up" in failures[0]["message"]
+
+
+def _settle(argv: list[str], expect: int) -> str:
+    """``dilocox settle ARGV`` through the command line, its exit status checked; what it printed."""
+    import argparse
+    import contextlib
+
+    from cli.settle import add_arguments, run
+
+    parser = argparse.ArgumentParser()
+    add_arguments(parser)
+    out = io.StringIO()
+    with contextlib.redirect_stdout(out):
+        status = run(parser.parse_args(argv))
+    assert status == expect, out.getvalue()
+    return out.getvalue()
