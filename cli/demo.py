@@ -42,8 +42,6 @@ from settlement.provision import TOKEN_UNIT, await_run, fund_pool, mine
 from settlement.roster import roster_of, unreported_lines
 from storage_client import RUN_STORE_DIR, open_store
 from trainer.config import RunConfig, demo_config, estimated_parameters
-from trainer.data.dataset import pin_dataset
-from trainer.runtime.procgroup import available_cpus
 
 DEMO_REPLAYS = 2  # contributions the demo's audit re-runs (audit.replay)
 DEMO_POOL = 1_000 * TOKEN_UNIT  # reward tokens the demo's run is funded with
@@ -109,6 +107,8 @@ def run_demo(run_dir: Path, workers: int = 2, settings: Sequence[str] = (), inse
     config = demo_config().plain_diloco() if diloco else demo_config()
     config = config.replace(rounds=dataclasses.replace(config.rounds, expected_workers=workers, quorum=workers))
     config = config.with_settings(settings)
+    from trainer.data.dataset import pin_dataset  # torch: after a bad setting has been refused
+
     # Pin the corpus (or prepared tokens) now: the allowlisted measurement covers the configuration's CID.
     config, _ = pin_dataset(config)
     if (run_dir / "HEAD").exists() or (run_dir / RUN_STORE_DIR).exists():
@@ -178,6 +178,8 @@ def _train(console: Console, run_dir: Path, config: RunConfig, config_path: Path
 
     # Each worker plans its stages and threads on its share of the cores (trainer.runtime.pipeline.plan_stages):
     # pipeline stages where the machine has a core for each.
+    from trainer.runtime.procgroup import available_cpus
+
     cores = ["--cores", str(max(1, available_cpus() // workers))]
     with LocalCluster(run_dir, insecure=insecure, threads_per_worker=0) as cluster:
         cluster.start_coordinator(config_path, extra=coordinator_args)

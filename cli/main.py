@@ -112,13 +112,14 @@ def _threads(n: int) -> None:
 
 def cmd_coordinator(args: argparse.Namespace) -> int:
     from trainer.config import RunConfig
-    from trainer.coordinator.server import serve
-    from trainer.runstore.run_dir import RunDir
 
-    _threads(args.threads)
     config = RunConfig.load(args.config) if args.config else None
     if args.set:  # on the given config, or on the defaults (a resumed run refuses a different one)
         config = (config or RunConfig()).with_settings(args.set)
+    from trainer.coordinator.server import serve  # torch: after a bad setting has been refused
+    from trainer.runstore.run_dir import RunDir
+
+    _threads(args.threads)
     run_dir = RunDir(args.run_dir)
     credentials = _server_credentials(args, run_dir)
     settings = _trust_settings(args)

@@ -57,3 +57,40 @@ def test_the_adaptive_steps_row_runs_until_it_has_the_budget_of_tokens() -> None
     assert config.replace(inner=run_config(fixed, s, data, 16, 1337).inner, run_id="ablation-dilocox") \
         == run_config(fixed, s, data, 16, 1337)  # DiLoCoX in every other setting
     assert rounds_for_tokens(fixed, s.rounds, s.inner_steps) == 8 and rounds_for_tokens(adaptive, 3, 5) == 8
+
+
+def test_each_ablation_mode_is_dilocox_with_its_own_technique_changed() -> None:
+    """Each DiLoCo row of the ablation runs a configuration that validates and is DiLoCoX's own
+    except for what the row is about (its technique, its tuned outer step, its run id), so the
+    integration smoke can leave out the rows that add no code of their own."""
+    from dataclasses import replace
+    from pathlib import Path
+
+    from benchmarks.ablation.measure import Data, Settings
+    from benchmarks.ablation.modes import BY_KEY, FIXED_RANK, MODES, OTHER_START, outer_config, run_config
+    from trainer.config import DataConfig, ModelConfig
+
+    s = Settings(workers=2, rounds=2, inner_steps=4, throughput_rounds=2, allreduce_throughput_steps=2,
+                 link_ratio=20.0, link_latency_ms=2.0, batch_size=4, model=ModelConfig(), eval_batches=2,
+                 modes=[], seeds=[1337], data=Path("."), out=Path("."), smoke=True, keep_runs=False)
+    data = Data("embedded", DataConfig(corpus="embedded"), None, False)  # type: ignore[arg-type]
+    base = run_config(BY_KEY["dilocox"], s, data, 2, 1337)
+    expected = {
+        "diloco": dict(compression=replace(base.compression, enabled=False),
+                       rounds=replace(base.rounds, overlap=False)),
+        "dilocox": {},
+        "no-compression": dict(compression=replace(base.compression, enabled=False)),
+        "no-overlap": dict(rounds=replace(base.rounds, overlap=False)),
+        "fixed-rank": dict(compression=replace(base.compression, min_rank=FIXED_RANK, max_rank=FIXED_RANK)),
+        "other-start": dict(rounds=replace(base.rounds, overlap_start=OTHER_START)),
+        "adaptive-steps": dict(inner=replace(base.inner, adaptive_steps=True, min_steps=2)),
+        "topk": dict(compression=replace(base.compression, codec="topk", topk_density=0.01)),
+        "pipeline": {},
+    }
+    for mode in MODES:
+        if mode.allreduce:
+            continue
+        config = run_config(mode, s, data, 2, 1337, topk_density=0.01)
+        assert config == base.replace(run_id=f"ablation-{mode.key}", outer=outer_config(mode),
+                                      **expected.pop(mode.key)), mode.key
+    assert not expected, f"modes without a stated difference: {sorted(expected)}"

@@ -3,9 +3,9 @@
 error they raise, ``CompressionError``.
 
 A kind is one module defining one ``TensorCodec`` subclass and one line in
-``trainer.codec.registry``; the framing (header, payload, validation, error feedback) in
-``trainer.codec.frame`` and ``trainer.codec.feedback`` is shared, and calls a kind only through
-this interface:
+``trainer.codec.registry`` (its ``CodecKind`` member is in ``trainer.codec.kinds``); the framing
+(header, payload, validation, error feedback) in ``trainer.codec.frame`` and
+``trainer.codec.feedback`` is shared, and calls a kind only through this interface:
 
     parts          the quantised parts a tensor of this kind travels as (shape, packed length,
                    scale count each), from its header fields: what the coordinator checks a
@@ -24,7 +24,6 @@ this interface:
 
 from __future__ import annotations
 
-import enum
 import math
 from abc import ABC, abstractmethod
 from dataclasses import dataclass, field
@@ -32,24 +31,13 @@ from typing import TYPE_CHECKING, Any, ClassVar, Mapping
 
 import torch
 
+from trainer.codec.kinds import CodecKind, CompressionError
 from trainer.codec.quant import PartSpec, decode_part, padding_nibble_set
 
 if TYPE_CHECKING:
-    from trainer.codec.policy import AdaptiveRankPolicy, CompressionConfig
+    from trainer.codec.policy import AdaptiveRankPolicy
+    from trainer.codec.settings import CompressionConfig
     from trainer.codec.wire import Params
-
-
-class CompressionError(ValueError):
-    """A compressed update (or compressor state) that must not be used; names tensor and field."""
-
-
-class CodecKind(enum.StrEnum):
-    """How one tensor travels: the header entry's ``kind`` (the string is the wire value)."""
-
-    LOWRANK_INT4 = "lowrank-int4"
-    INT4 = "int4"
-    INT8 = "int8"
-    TOPK_INT4 = "topk-int4"
 
 
 def fail(name: str, fieldname: str, problem: str) -> CompressionError:
@@ -93,7 +81,6 @@ class TensorCodec(ABC):
     kind: ClassVar[CodecKind]
     bits: ClassVar[int]  # value bits: 4 (packed uint8 nibbles) or 8 (int8)
     for_vectors: ClassVar[bool] = False  # the kind for tensors of ndim ≤ 1 (else for matrices)
-    choice: ClassVar[str | None] = None  # the CompressionConfig.codec value that sends matrices with it
 
     def header_fields(self, name: str, obj: Mapping[str, Any]) -> dict[str, int]:
         """The kind's own fields of a header entry ``obj``, checked; none by default."""

@@ -14,12 +14,14 @@ from typing import TYPE_CHECKING, Any, Mapping
 
 import torch
 
-from trainer.codec.base import CodecKind, TensorCodec, TensorEntry, fail, matrix_dims
+from trainer.codec.base import TensorCodec, TensorEntry, fail, matrix_dims
+from trainer.codec.kinds import CodecKind
 from trainer.codec.quant import PartSpec, encode_part
 from trainer.codec.wire import dtype_name
 
 if TYPE_CHECKING:
-    from trainer.codec.policy import AdaptiveRankPolicy, CompressionConfig
+    from trainer.codec.policy import AdaptiveRankPolicy
+    from trainer.codec.settings import CompressionConfig
     from trainer.codec.wire import Params
 
 

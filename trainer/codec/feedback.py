@@ -24,7 +24,7 @@ from typing import Any, Mapping, MutableMapping
 
 import torch
 
-from trainer.codec.base import CompressionError
+from trainer.codec.kinds import CompressionError
 from trainer.codec.frame import CompressionStream
 from trainer.codec.policy import AdaptiveRankPolicy, RoundDecision
 from trainer.codec.wire import Params, dtype_name

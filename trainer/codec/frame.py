@@ -39,10 +39,12 @@ from typing import Any, Mapping, Sequence
 
 import torch
 
-from trainer.codec.base import CompressionError, TensorEntry, fail, is_int
-from trainer.codec.policy import AdaptiveRankPolicy, CompressionConfig
+from trainer.codec.base import TensorEntry, fail, is_int
+from trainer.codec.kinds import CompressionError
+from trainer.codec.policy import AdaptiveRankPolicy
+from trainer.codec.settings import CompressionConfig
 from trainer.codec.quant import SCALE_BYTES
-from trainer.codec.registry import CODEC_TOPK, CODECS, VECTOR_CODEC, codec_of, matrix_codec
+from trainer.codec.registry import CODEC_TOPK, CODECS, codec_of, matrix_codec, vector_codec
 from trainer.codec.wire import Layout, Params, WireError, decode_params, dtype_name, encode_params
 
 FORMAT = "dilocox-lowrank-int4/1"
@@ -248,7 +250,7 @@ class CompressionStream:
             raise CompressionError(f"tensor {name}: values are not all finite")
         self._last = name
         # int8 for vectors; matrices with the configured codec (the low-rank one may send int4).
-        codec = VECTOR_CODEC if t.dim() <= 1 else matrix_codec(self.policy.config.codec)
+        codec = vector_codec() if t.dim() <= 1 else matrix_codec(self.policy.config.codec)
         entry = codec.encode(name, t, a, self.policy, self.out)
         self.entries.append(entry)
         return _reconstruct(entry, self.out, t.dtype)
@@ -270,7 +272,7 @@ def predicted_size(layout: Layout, config: CompressionConfig, rank: int | None =
     ``config.max_rank``), vectors int8."""
     total = 0
     for _, (_, shape) in sorted(layout.items()):
-        codec = VECTOR_CODEC if len(shape) <= 1 else matrix_codec(config.codec)
+        codec = vector_codec() if len(shape) <= 1 else matrix_codec(config.codec)
         total += codec.size(tuple(shape), config, rank)
     return total
 

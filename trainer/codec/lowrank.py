@@ -33,13 +33,15 @@ from typing import TYPE_CHECKING, Any, Mapping
 
 import torch
 
-from trainer.codec.base import CodecKind, TensorCodec, TensorEntry, fail, matrix_dims
+from trainer.codec.base import TensorCodec, TensorEntry, fail, matrix_dims
+from trainer.codec.kinds import CodecKind
 from trainer.codec.dense import Int4Codec
 from trainer.codec.quant import PartSpec, encode_part
 from trainer.codec.wire import dtype_name
 
 if TYPE_CHECKING:
-    from trainer.codec.policy import AdaptiveRankPolicy, CompressionConfig
+    from trainer.codec.policy import AdaptiveRankPolicy
+    from trainer.codec.settings import CompressionConfig
     from trainer.codec.wire import Params
 
 _BLOCK_BYTES = 256 << 10  # a block of rows of the result and its product term stay in a core's L2
@@ -121,7 +123,6 @@ def _sum_of_outer_products(p: torch.Tensor, q: torch.Tensor) -> torch.Tensor:
 class LowRankCodec(TensorCodec):
     kind = CodecKind.LOWRANK_INT4
     bits = 4
-    choice = "lowrank-int4"
 
     def parts(self, name: str, shape: tuple[int, ...], rank: Any, group: int,
               fields: Mapping[str, int]) -> dict[str, PartSpec]:

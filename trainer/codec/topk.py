@@ -38,15 +38,17 @@ from typing import TYPE_CHECKING, Any, Mapping
 
 import torch
 
-from trainer.codec.base import CodecKind, TensorCodec, TensorEntry, fail, is_int, matrix_dims
+from trainer.codec.base import TensorCodec, TensorEntry, fail, is_int, matrix_dims
+from trainer.codec.kinds import CodecKind
 from trainer.codec.quant import PartSpec, encode_part
+from trainer.codec.settings import TOPK_MAX_CHUNK
 from trainer.codec.wire import dtype_name
 
 if TYPE_CHECKING:
-    from trainer.codec.policy import AdaptiveRankPolicy, CompressionConfig
+    from trainer.codec.policy import AdaptiveRankPolicy
+    from trainer.codec.settings import CompressionConfig
     from trainer.codec.wire import Params
 
-MAX_CHUNK = 65_536  # in-chunk positions are uint16
 
 
 def keep_per_chunk(density: float, chunk: int) -> int:
@@ -148,12 +150,11 @@ def payload_bytes(numel: int, chunk: int, k: int, group: int) -> int:
 class TopKCodec(TensorCodec):
     kind = CodecKind.TOPK_INT4
     bits = 4
-    choice = "topk"
 
     def header_fields(self, name: str, obj: Mapping[str, Any]) -> dict[str, int]:
         chunk, k = obj.get("chunk"), obj.get("k")
-        if not is_int(chunk) or not 1 <= chunk <= MAX_CHUNK:
-            raise fail(name, "chunk", f"{chunk!r} is not an integer in [1, {MAX_CHUNK}]")
+        if not is_int(chunk) or not 1 <= chunk <= TOPK_MAX_CHUNK:
+            raise fail(name, "chunk", f"{chunk!r} is not an integer in [1, {TOPK_MAX_CHUNK}]")
         if not is_int(k) or not 1 <= k <= chunk:
             raise fail(name, "k", f"{k!r} is not an integer in [1, chunk = {chunk}]")
         return {"chunk": chunk, "k": k}
