@@ -39,7 +39,7 @@ batches (trainer.data.corpus.eval_batches) and must lie within EVAL_TOLERANCE of
 Kernels and tolerance (audit.replay_env). An honest worker's Δ and the replay's differ only by
 floating-point rounding, which on a CPU is decided by torch's ATen CPU capability (whose kernels
 fuse multiply-adds and reduce in their own order) and the intra-op thread count; every
-one-process CPU worker records both with each contribution (the participant's ``kernels``,
+CPU worker records both with each contribution (the participant's ``kernels``,
 trainer.runtime.kernels). Each worker's chain is replayed in a child process running its recorded
 kernels wherever this CPU can run them: there an honest contribution re-derives exactly (d = 0 on
 every contribution of the demo run, under every auditor capability and thread count), and

@@ -2,8 +2,9 @@
 
 An honest update and its replay differ only by floating-point rounding, and on a CPU that
 rounding is decided by the worker's ATen CPU capability and its intra-op thread count
-(trainer.runtime.kernels), which every one-process CPU worker records with each push and its
-manifest participant restates (``kernels``, covered by every report's signature). So the audit
+(trainer.runtime.kernels), which every CPU worker records with each push (a worker of
+several pipeline stages: the kernels its stages all ran; its replay runs their arithmetic,
+trainer.runtime.staged) and its manifest participant restates (``kernels``, covered by every report's signature). So the audit
 replays a worker's chain of contributions (audit.replay) in a fresh interpreter of its own with
 
     ATEN_CPU_CAPABILITY = the recorded capability     (torch reads it once, at import)

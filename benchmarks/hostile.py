@@ -96,9 +96,7 @@ class Mallory:
         if "base_params_cid" not in header:  # the state the run started from, fetched once
             self.base = self.base or {"base_params_cid": self.fetch()["base_params_cid"]}
             fields.update(self.base)
-        fields.update(header)  # a stage slice names its worker's one commitment too
-        if fields["num_stages"] != 1 and "cpu_capability" not in header and "intra_op_threads" not in header:
-            fields.update(cpu_capability="", intra_op_threads=0)  # a stage slice names no kernels
+        fields.update(header)  # a stage slice names its worker's one commitment, and kernels, too
         return pb.UpdateChunk(header=pb.UpdateHeader(**fields))
 
     def fetch(self, min_round: int = 0) -> dict[str, object]:

@@ -29,7 +29,7 @@ no longer a RAW dense reconstruction.
 
 Participants' `kernels` (schema v5) name what decided the floating point of the worker's inner
 loop, `{"capability": <ATen CPU capability>, "threads": <intra-op threads>}` (trainer.runtime.kernels),
-or null where none is recorded (a worker of several pipeline stages, or on an accelerator): the
+or null where none is recorded (a worker on an accelerator, or whose pipeline stages disagreed): the
 kernel environment `dilocox audit --replay` re-runs the contribution in, bit for bit
 (audit.replay_env). Both are hostile input: the capability is one of KERNEL_CAPABILITIES, the
 threads 1..MAX_KERNEL_THREADS.

@@ -7,7 +7,8 @@ the window; the pool then refuses that credit while the honest worker is paid in
 what the round leaves unpaid to the funder; a verdict from an unadmitted key, after the window, or
 twice is refused by name. ~3 s of CPU (one anvil, no training).
 
-``test_a_scaled_cheat_is_named_disputed_and_not_paid`` is the whole loop on real processes.
+``test_scaled_cheats_are_named_disputed_and_not_paid`` is the whole loop on real processes, for a
+one-process cheat and a cheat of two pipeline stages in the same run.
 """
 
 from __future__ import annotations
@@ -35,13 +36,15 @@ from cli.settle import settle_run_dir
 from proto import PROTOCOL_VERSION, pb, session_metadata
 from settlement import DEV_ACCOUNTS, Anvil, Chain, Deployment, Ledger, TxReverted
 from settlement.disputes import Disputes
+from settlement.records import RoundRecord
 from settlement.provision import fund_pool, mine
 from settlement.rewards import RewardPool, RewardToken
 from storage_client import CID, Codec, canonical_json, lineage, open_store
 from tests.conftest import small_config
 from trainer.codec.wire import encode_params, sha256_hex
-from trainer.config import RoundConfig, RunConfig
+from trainer.config import ModelConfig, RoundConfig, RunConfig
 from trainer.data.corpus import load_corpus, shard_digest
+from trainer.model.stages import stage_param_names
 
 from .test_settlement import Setup, anvil, h, make_setup, record  # noqa: F401  (anvil: the fixture)
 
@@ -112,23 +115,23 @@ def test_a_verdict_voids_a_credit_and_its_pay(disputed: tuple[Setup, Disputes, A
     assert token.balance_of(s.deployment.rewards) == 0
 
 
-# --- end to end, on real processes: coordinator, an honest worker, an attested cheat, anvil, an auditor ---
+# --- end to end, on real processes: coordinator, an honest worker, two attested cheats, anvil, an auditor ---
 
 E2E_WINDOW = 100  # blocks: wide enough for the pool's funding and the auditor's admission inside it
 
 
-def _attested_cheat(cluster: LocalCluster, run_dir: Path) -> tuple[Mallory, WorkerKey, bytes]:
-    """A client joined as "m" with a dev-attested key, as a worker joins (tests/integration/test_trust.py)."""
+def _attested_cheat(cluster: LocalCluster, run_dir: Path, name: str) -> tuple[Mallory, WorkerKey, bytes]:
+    """A client joined as ``name`` with a dev-attested key, as a worker joins (tests/integration/test_trust.py)."""
 
     stub = cluster.stub()
-    challenge = stub.Challenge(pb.ChallengeRequest(protocol_version=PROTOCOL_VERSION, worker_id="m"), timeout=10)
+    challenge = stub.Challenge(pb.ChallengeRequest(protocol_version=PROTOCOL_VERSION, worker_id=name), timeout=10)
     key = WorkerKey.generate()
     provider = DevProvider(DevRoot.load_or_create(run_dir / "dev-root"))
     evidence = attest(provider, key, challenge.run_digest, challenge.nonce, code_measurement(challenge.config_cid))
-    joined = stub.Join(pb.JoinRequest(protocol_version=PROTOCOL_VERSION, worker_id="m", address=key.address,
+    joined = stub.Join(pb.JoinRequest(protocol_version=PROTOCOL_VERSION, worker_id=name, address=key.address,
                                       evidence=evidence.to_bytes(), nonce=challenge.nonce), timeout=30)
-    m = Mallory(stub, "m", RunConfig.from_json(json.loads(challenge.config_json)),
-                session_metadata("m", joined.session_token))
+    m = Mallory(stub, name, RunConfig.from_json(json.loads(challenge.config_json)),
+                session_metadata(name, joined.session_token))
     return m, key, challenge.run_digest
 
 
@@ -138,7 +141,7 @@ def _report(m: Mallory, key: WorkerKey, run_id: bytes, trainer: Trainer, cluster
 
     chain_of = lineage(cluster.run_dir.store, cluster.run_dir.head())
     (genesis_cid, genesis), (manifest_cid, manifest) = chain_of[0], chain_of[1]
-    entry = next(p for p in manifest.participants if p.worker == "m")
+    entry = next(p for p in manifest.participants if p.worker == m.worker_id)
     report = RoundReport(
         run_id=run_id, round=1, worker=key.address, parent_checkpoint=CID.parse(genesis.params).digest,
         checkpoint=CID.parse(manifest.params).digest, manifest_digest=manifest_cid.digest,
@@ -146,18 +149,32 @@ def _report(m: Mallory, key: WorkerKey, run_id: bytes, trainer: Trainer, cluster
         train_loss_e6=entry.train_loss_e6, eval_loss_e6=manifest.eval_loss_e6, tokens=entry.tokens,
         inner_steps=entry.inner_steps, bytes_sent=entry.bytes_sent, bytes_received=entry.bytes_received)
     signed = SignedReport(report, key.sign_digest(report.digest(Domain(deployment.chain_id, deployment.ledger))))
-    m.stub.SubmitReport(pb.SubmitReportRequest(worker_id="m", signed_report=canonical_json(signed.to_json())),
+    m.stub.SubmitReport(pb.SubmitReportRequest(worker_id=m.worker_id, signed_report=canonical_json(signed.to_json())),
                         metadata=m.session, timeout=30)
 
 
-def test_a_scaled_cheat_is_named_disputed_and_not_paid(cluster: LocalCluster, chain: Anvil, tmp_path: Path) -> None:
-    """A worker that pushes 1.5 × its update is accepted by the coordinator and credited on chain; the
-    replay names it; ``audit --dispute`` (a dev-attested auditor) voids its credit inside the window;
-    its claim is refused while the honest worker is paid in full; the verdict again, from an unadmitted
-    key, or after the window is refused by name; the audit of the disputed run shows the dispute and
-    its payout and tally checks pass. Costs ~11 s of CPU with its processes (one round of two tiny workers, two
-    audits, a settle)."""
-    config = small_config(rounds=RoundConfig(rounds=1, expected_workers=2, quorum=2, straggler_timeout_s=60.0,
+def _push_scaled(m: Mallory, key: WorkerKey, run_id: bytes, trainer: Trainer, stages: int) -> None:
+    """Round 1 of a cheat that pushes 1.5 × the update it trained, as ``stages`` signed dense stage slices
+    (trainer.model.stages' split; one whole-model push for 1), each signed as a worker signs it."""
+    base, params = trainer.fetch(0)
+    delta = {k: 1.5 * v for k, v in trainer.train(params, 1).items()}
+    for stage, names in enumerate(stage_param_names(m.config.model, stages)):
+        piece = {n: delta[n] for n in names}
+        signature = key.sign_digest(update_digest(run_id, 1, stage, stages, sha256_hex(encode_params(piece))))
+        m.push(piece, round=1, stage=stage, num_stages=stages, base_params_cid=base, train_loss=trainer.loss,
+               inner_state_sha256=trainer.state, base_bytes_received=trainer.received[base], signature=signature)
+
+
+def test_scaled_cheats_are_named_disputed_and_not_paid(cluster: LocalCluster, chain: Anvil, tmp_path: Path) -> None:
+    """Two workers push 1.5 × their update, "m" as one process and "m2" as a worker of two pipeline
+    stages (two signed stage slices, its stages' arithmetic: trainer.runtime.staged); the coordinator
+    accepts both and credits them on chain; the replay names both; ``audit --dispute`` (a dev-attested
+    auditor) voids both credits inside the window; their claims are refused while the honest worker is
+    paid in full; the verdict again, from an unadmitted key, or after the window is refused by name;
+    the audit of the disputed run shows the disputes and its payout and tally checks pass. Costs ~13 s
+    of CPU with its processes (one round of three tiny workers, two audits, a settle)."""
+    config = small_config(model=ModelConfig(block_size=32, n_layer=2, n_head=2, n_embd=32),  # 2 layers: 2 stages
+                          rounds=RoundConfig(rounds=1, expected_workers=3, quorum=3, straggler_timeout_s=60.0,
                                              heartbeat_interval_s=0.5, liveness_timeout_s=10.0,
                                              max_update_norm=1000.0))
     corpus = load_corpus(config.data, config.seed, config.model.block_size)
@@ -167,41 +184,74 @@ def test_a_scaled_cheat_is_named_disputed_and_not_paid(cluster: LocalCluster, ch
     run_dir = cluster.run_dir.path
     co_args, wo_args = provision(run_dir, chain.rpc_url, config)
     cluster.start_coordinator(path, extra=[*co_args, "--report-timeout", "30", "--challenge-window", str(E2E_WINDOW)])
-    m, key, run_id = _attested_cheat(cluster, run_dir)
+    cheats = {name: _attested_cheat(cluster, run_dir, name) for name in ("m", "m2")}
     cluster.start_worker("w0", extra=wo_args)
-    trainer = Trainer(m, cluster)
+    trainers = {name: Trainer(m, cluster, stages=2 if name == "m2" else 1) for name, (m, _, _) in cheats.items()}
     deployment = Deployment.load(run_dir / "chain" / "deployment.json")
-    with Heartbeats(m, 0.5):
-        base, params = trainer.fetch(0)
-        delta = {k: 1.5 * v for k, v in trainer.train(params, 1).items()}
-        signature = key.sign_digest(update_digest(run_id, 1, 0, 1, sha256_hex(encode_params(delta))))
-        m.push(delta, round=1, base_params_cid=base, train_loss=trainer.loss, inner_state_sha256=trainer.state,
-               base_bytes_received=trainer.received[base], signature=signature)
+    (_, _, run_id), keys = cheats["m"], {name: key.address for name, (_, key, _) in cheats.items()}
+    with Heartbeats(cheats["m"][0], 0.5), Heartbeats(cheats["m2"][0], 0.5):
+        for name, (m, key, _) in cheats.items():
+            _push_scaled(m, key, run_id, trainers[name], 2 if name == "m2" else 1)
         cluster.wait_for(lambda s: len(s.rounds) > 1, 120, "round 1 to close")
-    _report(m, key, run_id, trainer, cluster, deployment)
+    for name, (m, key, _) in cheats.items():
+        _report(m, key, run_id, trainers[name], cluster, deployment)
     assert cluster.wait_exit("w0", 120) == 0, cluster.log("w0")
     assert cluster.wait_exit("coordinator", 120) == 0, cluster.log("coordinator", tail=60)
 
     owner, coordinator = Chain(chain.rpc_url, DEV_ACCOUNTS[0]), Chain(chain.rpc_url, DEV_ACCOUNTS[1])
     ledger = Ledger(owner, deployment.ledger, from_block=deployment.deployed_block)
     (round1,) = ledger.recorded_rounds(run_id)
-    assert key.address in round1.workers and len(round1.workers) == 2  # accepted and credited
-    honest = next(w for w in round1.workers if w != key.address)
+    assert set(keys.values()) < set(round1.workers) and len(round1.workers) == 3  # accepted and credited
+    (honest,) = set(round1.workers) - set(keys.values())
     fund_pool(coordinator, deployment, run_id, FUNDED, 1, minter=owner)
 
     options = DisputeOptions(bytes.fromhex(DEV_ACCOUNTS[0].removeprefix("0x")), "dev", str(run_dir / "dev-root"))
     first = tmp_path / "disputed.json"
-    assert audit_run_dir(run_dir, rpc_url=chain.rpc_url, allow_dev=True, replay=(2, 1), dispute=options,
-                         json_path=first) == 1  # the replay's MISMATCH stays a failure
+    assert audit_run_dir(run_dir, rpc_url=chain.rpc_url, allow_dev=True, replay=(3, 1), dispute=options,
+                         json_path=first) == 1  # the replay's MISMATCHes stay failures
     result = json.loads(first.read_text())
-    mismatched = [(row["round"], row["worker"]) for row in result["replay"]["contributions"]
-                  if row["status"] == "MISMATCH"]
-    assert mismatched == [(1, "m")], result["replay"]
-    assert [(d["round"], d["party"], d["party_id"], d["check"], d["outcome"]) for d in result["disputes"]] == \
-        [(1, key.address, "m", "replay", "upheld")]
+    statuses = {(row["round"], row["worker"]): row["status"] for row in result["replay"]["contributions"]}
+    assert statuses == {(1, "m"): "MISMATCH", (1, "m2"): "MISMATCH", (1, "w0"): "ok"}, result["replay"]
+    assert sorted((d["round"], d["party"], d["party_id"], d["check"], d["outcome"]) for d in result["disputes"]) == \
+        sorted((1, keys[name], name, "replay", "upheld") for name in ("m", "m2"))
+    _refusals_after(run_dir, run_id, owner, ledger, deployment, round1, keys["m"], honest)
 
+    pool = RewardPool(owner, deployment.rewards, ledger, from_block=deployment.deployed_block)
+    for cheat in keys.values():
+        assert pool.claim(run_id, cheat) == (0, None)  # the voided round is not claimed
+        with pytest.raises(TxReverted) as voided:
+            owner.transact(pool._contract.functions.claim(run_id, cheat, [(1, round1.workers.index(cheat),
+                                                                           round1.facts())]))
+        assert voided.value.error == "RewardPoolVoided"
+    assert pool.claim(run_id, honest)[0] == FUNDED // 3  # paid in full
+    # `dilocox settle --reclaim`: only the funder (the run's coordinator) gets back what the voided
+    # credits and rounding left, once.
+    said = Console(file=io.StringIO(), width=200)
+    assert settle_run_dir(run_dir, rpc_url=chain.rpc_url, reclaim=True, key=DEV_ACCOUNTS[0], console=said) == 2
+    assert f"only the pool's funder {coordinator.address} can" in said.file.getvalue()
+    for says in (f"for the funder {coordinator.address}", "nothing to reclaim"):  # the amount: the audit below
+        said = Console(file=io.StringIO(), width=200)
+        assert settle_run_dir(run_dir, rpc_url=chain.rpc_url, reclaim=True, key=DEV_ACCOUNTS[1], console=said) == 0
+        assert says in said.file.getvalue()
+
+    again = tmp_path / "after.json"
+    audit_run_dir(run_dir, rpc_url=chain.rpc_url, allow_dev=True, json_path=again)
+    result = json.loads(again.read_text())
+    assert {f["check"] for f in result["failures"]} <= {"replay"}, result["failures"]  # books and payouts agree
+    assert sorted((d["party_id"], d["outcome"]) for d in result["disputes"]) == [("m", "upheld"), ("m2", "upheld")]
+    assert result["rewards"]["reclaimed"] == FUNDED - FUNDED // 3
+    shown = Console(file=io.StringIO(), width=200)
+    assert settle_run_dir(run_dir, rpc_url=chain.rpc_url, console=shown) == 0
+    assert "round 1 is not payable: an upheld verdict against its contribution (check replay)" in \
+        shown.file.getvalue()
+
+
+def _refusals_after(run_dir: Path, run_id: bytes, owner: Chain, ledger: Ledger, deployment: Deployment,
+                    round1: RoundRecord, cheat: str, honest: str) -> None:
+    """The verdict against ``cheat`` again (from an unadmitted key, or a second admitted auditor) and,
+    once the window has passed, one against ``honest`` are refused by name."""
     disputes = Disputes(owner, ledger.disputes_address(), from_block=deployment.deployed_block)
-    verdict = Verdict(run_id, 1, key.address, "replay", round1.reports[0].report.update_digest)
+    verdict = Verdict(run_id, 1, cheat, "replay", round1.reports[0].report.update_digest)
     for signer, refusal in ((WorkerKey.generate(), "DisputesNotAuditor"), (None, "DisputesAlreadyVoided")):
         sig = (signer.sign_digest(verdict.digest(disputes.domain())) if signer else
                _auditor_signature(disputes, run_dir, run_id, owner, verdict))
@@ -215,34 +265,6 @@ def test_a_scaled_cheat_is_named_disputed_and_not_paid(cluster: LocalCluster, ch
         disputes.dispute(against_honest, round1, [_auditor_signature(disputes, run_dir, run_id, owner,
                                                                      against_honest)])
     assert late.value.error == "DisputesWindowClosed"
-
-    pool = RewardPool(owner, deployment.rewards, ledger, from_block=deployment.deployed_block)
-    assert pool.claim(run_id, key.address) == (0, None)  # the voided round is not claimed
-    with pytest.raises(TxReverted) as voided:
-        owner.transact(pool._contract.functions.claim(run_id, key.address, [(1, round1.workers.index(key.address),
-                                                                               round1.facts())]))
-    assert voided.value.error == "RewardPoolVoided"
-    assert pool.claim(run_id, honest)[0] == FUNDED // 2  # paid in full
-    # `dilocox settle --reclaim`: only the funder (the run's coordinator) gets back what the voided
-    # credit and rounding left, once.
-    said = Console(file=io.StringIO(), width=200)
-    assert settle_run_dir(run_dir, rpc_url=chain.rpc_url, reclaim=True, key=DEV_ACCOUNTS[0], console=said) == 2
-    assert f"only the pool's funder {coordinator.address} can" in said.file.getvalue()
-    for says in (f"for the funder {coordinator.address}", "nothing to reclaim"):  # the amount: the audit below
-        said = Console(file=io.StringIO(), width=200)
-        assert settle_run_dir(run_dir, rpc_url=chain.rpc_url, reclaim=True, key=DEV_ACCOUNTS[1], console=said) == 0
-        assert says in said.file.getvalue()
-
-    again = tmp_path / "after.json"
-    audit_run_dir(run_dir, rpc_url=chain.rpc_url, allow_dev=True, json_path=again)
-    result = json.loads(again.read_text())
-    assert {f["check"] for f in result["failures"]} <= {"replay"}, result["failures"]  # books and payouts agree
-    assert [(d["party_id"], d["outcome"]) for d in result["disputes"]] == [("m", "upheld")]
-    assert result["rewards"]["reclaimed"] == FUNDED - FUNDED // 2
-    shown = Console(file=io.StringIO(), width=200)
-    assert settle_run_dir(run_dir, rpc_url=chain.rpc_url, console=shown) == 0
-    assert "round 1 is not payable: an upheld verdict against its contribution (check replay)" in \
-        shown.file.getvalue()
 
 
 def _auditor_signature(disputes: Disputes, run_dir: Path, run_id: bytes, owner: Chain, verdict: Verdict) -> bytes:

@@ -16,16 +16,22 @@ w0's, computed in another process.
 
 from __future__ import annotations
 
+import json
 import math
+import os
+import subprocess
+import sys
+from pathlib import Path
 
 import grpc
 import pytest
 import torch
 
 from audit.replay import REPLAY_TOLERANCE, Replayer, replay_run
+from audit.replay_env import EXACT_TOLERANCE
 from benchmarks.hostile import Heartbeats, Mallory, Trainer
 from cli.cluster import LocalCluster
-from storage_client import lineage
+from storage_client import Kernels, lineage
 from trainer.codec import CompressionConfig
 from trainer.config import InnerConfig, ModelConfig, RoundConfig, RunConfig
 from trainer.model.stages import stage_param_names
@@ -36,6 +42,23 @@ pytestmark = pytest.mark.integration
 
 CHEATS = ("lazy", "noisy", "scaled", "stale")
 ROUNDS = 3
+REPO = Path(__file__).resolve().parents[2]
+# An auditor's process: ``replay_run`` of the run (audit.replay) with k = argv[2], its rows as JSON.
+_AUDITOR = """
+import json, sys
+import torch
+from audit.replay import replay_run
+from storage_client import lineage
+from trainer.config import RunConfig
+from trainer.runstore.run_dir import RunDir
+from trainer.runtime.kernels import current_kernels
+run = RunDir(sys.argv[1])
+manifests = {m.round: m for _, m in lineage(run.store, run.head())}
+config = RunConfig.from_json(run.store.get_json(manifests[0].config))
+outcome = replay_run(run.store, config, manifests, k=int(sys.argv[2]), seed=1)
+print(json.dumps({"auditor": str(current_kernels(torch.device("cpu"))), "problems": outcome.problems,
+                  "rows": [row.to_json() for row in outcome.rows]}))
+"""
 
 
 @pytest.mark.parametrize("compressed, codec", [(False, "lowrank-int4"), (True, "lowrank-int4"), (True, "topk")],
@@ -118,7 +141,12 @@ def test_workers_of_two_stages_are_replayed_and_a_scaled_one_is_named(cluster: L
     With ``rounds.state_every`` = 2 both send their round-2 inner state with the push, the
     coordinator stores it by CID (trainer.runtime.state_commit), and a replay of round 3 starts there:
     2 rounds of history, not 3; it names the cheat all the same. A push of round 2 without its
-    state, or with bytes that are not its commitment, is refused."""
+    state, or with bytes that are not its commitment, is refused.
+
+    w0 records its kernels (trainer.runtime.kernels: those its two stage processes ran), so an auditor
+    whose process runs other kernels (another ATEN_CPU_CAPABILITY, 2 threads: a process of its own)
+    replays w0's rounds in w0's, in a replay child, with d = 0; the cheat names none, and is replayed
+    in the auditor's own kernels and named all the same."""
     rounds = 3
     cluster.start_coordinator(make_config(
         model=ModelConfig(block_size=32, n_layer=2, n_head=2, n_embd=32),
@@ -137,7 +165,8 @@ def test_workers_of_two_stages_are_replayed_and_a_scaled_one_is_named(cluster: L
             delta = {k: 1.5 * v for k, v in trainer.train(params, r).items()}
             pieces = [trainer.compressed({n: delta[n] for n in stage_names}) for stage_names in names]
             claims = dict(round=r, num_stages=2, base_params_cid=base, train_loss=trainer.loss,
-                          inner_state_sha256=trainer.state, base_bytes_received=trainer.received[base])
+                          inner_state_sha256=trainer.state, base_bytes_received=trainer.received[base],
+                          cpu_capability="", intra_op_threads=0)  # no kernels named: replayed in the auditor's
             state = trainer.state_bytes if r == 2 else b""
             if r == 2:
                 assert "must carry it" in m.refused(grpc.StatusCode.INVALID_ARGUMENT, **pieces[0], stage=0, **claims)
@@ -153,28 +182,22 @@ def test_workers_of_two_stages_are_replayed_and_a_scaled_one_is_named(cluster: L
     manifests = {m.round: m for _, m in chain}
     assert all(p.state is not None for r in range(1, rounds + 1) for p in manifests[r].participants)
     config = RunConfig.from_json(cluster.run_dir.store.get_json(manifests[0].config))
-    outcome = replay_run(cluster.run_dir.store, config, manifests, k=2 * rounds, seed=1)
-    assert not outcome.problems, outcome.problems
-    verdict = {(row.round, row.worker): row for row in outcome.rows}
+    outcome, kernels = _replayed_by_another_auditor(cluster, manifests, rounds)
+    verdict = {(row["round"], row["worker"]): row for row in outcome["rows"]}
     for (r, worker), row in sorted(verdict.items()):
-        print(f"round {r} {worker:>6}: distance {row.distance:.3g} {row.status}")
+        print(f"round {r} {worker:>6}: distance {row['distance']:.3g} {row['status']} ({row['kernels']})")
     assert sorted(verdict) == [(r, w) for r in range(1, rounds + 1) for w in ("scaled", "w0")]
     for r in range(1, rounds + 1):
-        assert verdict[(r, "w0")].status == "ok" and verdict[(r, "w0")].distance < REPLAY_TOLERANCE / 5
-        assert verdict[(r, "scaled")].status == "MISMATCH" and verdict[(r, "scaled")].distance > 2 * REPLAY_TOLERANCE
-    # On one torch thread, as the worker's stages ran (cli.cluster: --threads 1), the replay is the
-    # worker's arithmetic bit for bit: its update is the codec's best at the update's ranks (d = 0).
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    try:
-        exact = replay_run(cluster.run_dir.store, config, manifests, k=2 * rounds, seed=1)
-    finally:
-        torch.set_num_threads(threads)
-    print("one thread:", [(row.round, row.worker, row.distance) for row in exact.rows])
-    assert [row.distance for row in exact.rows if row.worker == "w0"] == [0.0] * rounds
+        # In the kernels w0's stages ran, the replay is the worker's arithmetic bit for bit: its update
+        # is the codec's best at the update's ranks (d = 0), whatever kernels the auditor's process runs.
+        assert (verdict[(r, "w0")]["status"], verdict[(r, "w0")]["distance"], verdict[(r, "w0")]["tolerance"],
+                verdict[(r, "w0")]["kernels"]) == ("ok", 0.0, EXACT_TOLERANCE, f"worker's ({kernels})")
+        assert verdict[(r, "scaled")]["status"] == "MISMATCH" and verdict[(r, "scaled")]["distance"] > 0.2
+        assert verdict[(r, "scaled")]["kernels"].startswith(f"auditor's ({outcome['auditor']}): no kernels recorded")
 
     # Round 3 replays from the stored round-2 states: two rounds each, not the whole history.
-    replayer = Replayer(cluster.run_dir.store, config, manifests)
+    # (In this process's kernels: the chains are what is checked here, and no replay child is started.)
+    replayer = Replayer(cluster.run_dir.store, config, manifests, worker_kernels=False)
     assert all(cluster.run_dir.store.has(state_cid(p.state)) for p in manifests[2].participants)
     assert {p.state for p in manifests[2].participants} <= reachable(cluster.run_dir)  # dilocox gc keeps them
     assert replayer.chain(3, "w0") == replayer.chain(3, "scaled") == [2, 3]
@@ -187,9 +210,27 @@ def test_workers_of_two_stages_are_replayed_and_a_scaled_one_is_named(cluster: L
     # A stored state gone from the store is named, and the chain goes back further (to round 1).
     lost = manifests[2].participants[0]
     cluster.run_dir.store.path_of(state_cid(lost.state)).unlink()
-    longer = Replayer(cluster.run_dir.store, config, manifests)
+    longer = Replayer(cluster.run_dir.store, config, manifests, worker_kernels=False)
     assert longer.chain(3, lost.worker) == [1, 2, 3]
     longer.replay([(3, lost.worker)])
     assert [(r, message) for r, _, message in longer.problems] == [
         (2, f"{lost.worker}'s inner state of round 2, which this run stores every 2 rounds (rounds.state_every), "
             f"is not in the store")]
+
+
+def _replayed_by_another_auditor(cluster: LocalCluster, manifests: dict, rounds: int) -> tuple[dict, Kernels]:
+    """``replay_run`` of every contribution by an auditor whose process runs other kernels than the
+    ones w0 (two stage processes) recorded: another capability, 2 threads. Its answer, and w0's kernels."""
+    recorded = {p.kernels for r in range(1, rounds + 1) for p in manifests[r].participants if p.worker == "w0"}
+    assert recorded == {Kernels(torch.backends.cpu.get_cpu_capability().lower(), 1)}, recorded  # cli.cluster: --threads 1
+    assert all(p.kernels is None for r in range(1, rounds + 1) for p in manifests[r].participants if p.worker != "w0")
+    (kernels,) = recorded
+    other = "default" if kernels.capability != "default" else "avx2"
+    env = {k: v for k, v in os.environ.items() if k not in ("OMP_NUM_THREADS", "MKL_NUM_THREADS")}
+    env.update(ATEN_CPU_CAPABILITY=other, OMP_NUM_THREADS="2", PYTHONPATH=str(REPO))
+    done = subprocess.run([sys.executable, "-c", _AUDITOR, str(cluster.run_dir.path), str(2 * rounds)], cwd=REPO,
+                          env=env, capture_output=True, text=True, timeout=240)
+    assert done.returncode == 0, done.stderr[-3000:]
+    outcome = json.loads(done.stdout.strip().splitlines()[-1])
+    assert outcome["auditor"] == f"{other}, 2 threads" and not outcome["problems"], outcome
+    return outcome, kernels

@@ -286,6 +286,14 @@ def test_slices_of_one_round_must_agree_on_their_metrics(tmp_path) -> None:
     push(c, header(c, "w0", first, stage=0, num_stages=2, train_loss=loss), first)
     assert refused(c, header(c, "w0", second, stage=1, num_stages=2, train_loss=loss,
                               inner_state_sha256="cd" * 32), second) is Reason.BAD_CLAIM
+    # ... and on the kernels they ran: the ones every stage ran, named by every slice.
+    for kernels in (dict(cpu_capability="avx2", intra_op_threads=1), {}):  # other threads; none
+        push(c, header(c, "w0", first, stage=0, num_stages=2, train_loss=loss, cpu_capability="avx2",
+                       intra_op_threads=2), first)
+        assert refused(c, header(c, "w0", second, stage=1, num_stages=2, train_loss=loss, **kernels),
+                       second) is Reason.BAD_CLAIM
+    assert refused(c, header(c, "w1", first, stage=0, num_stages=2, cpu_capability="avx9",
+                              intra_op_threads=1), first) is Reason.MALFORMED
     assert refused(c, header(c, "w1", first, stage=0, num_stages=2, inner_state_sha256=""), first) is Reason.MALFORMED
 
 
@@ -301,13 +309,14 @@ def test_accepted_updates_and_slices_survive_a_restart_and_the_round_publishes(t
     push(c, header(c, "w0", u0, cpu_capability="avx2", intra_op_threads=3), u0)
     u1 = update_of(c, 2.0)
     first = {n: u1[n] for n in names[0]}
-    push(c, header(c, "w1", first, stage=0, num_stages=2), first)
+    push(c, header(c, "w1", first, stage=0, num_stages=2, cpu_capability="default", intra_op_threads=2), first)
 
     restarted = Coordinator(open_run(RunDir(tmp_path / "run"), None), clock=clock)
     assert set(restarted.round.accepted) == {"w0"} and set(restarted.round.partial["w1"].slices) == {0}
     joined(restarted, "w0", "w1")
     second = {n: u1[n] for n in names[1]}
-    push(restarted, header(restarted, "w1", second, stage=1, num_stages=2), second)
+    push(restarted, header(restarted, "w1", second, stage=1, num_stages=2, cpu_capability="default",
+                           intra_op_threads=2), second)
     assert restarted.close_due()
     summary = restarted.close_round()
     assert summary.participants == ("w0", "w1") and restarted.round.number == 2
@@ -315,8 +324,9 @@ def test_accepted_updates_and_slices_survive_a_restart_and_the_round_publishes(t
     manifest = chain[-1][1]
     assert [p.worker for p in manifest.participants] == ["w0", "w1"]
     assert manifest.participants[0].state == STATE and manifest.participants[1].state == STATE
-    # The kernels w0 trained with, through the journal and the restart (a worker of stages records none).
-    assert manifest.participants[0].kernels == Kernels("avx2", 3) and manifest.participants[1].kernels is None
+    # The kernels each trained with (w1's: its stages', named by both slices), through the journal and the restart.
+    assert manifest.participants[0].kernels == Kernels("avx2", 3)
+    assert manifest.participants[1].kernels == Kernels("default", 2)
     assert all(p.tokens == restarted.run.round_tokens(manifest.round) for p in manifest.participants)
 
 

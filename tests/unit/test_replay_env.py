@@ -14,7 +14,7 @@ from audit.replay_env import (
     chain_kernels, child_environment, fallback_tolerance, judge, parse_answer,
 )
 from storage_client import Kernels
-from trainer.runtime.kernels import cpu_runs, current_kernels
+from trainer.runtime.kernels import agreed_kernels, cpu_runs, current_kernels
 
 AVX2 = Kernels("avx2", 1)
 CHAINS = {"w0": [1, 2]}
@@ -37,6 +37,15 @@ def test_a_chain_is_replayed_in_its_workers_kernels_only_when_all_agree_and_this
     many = chain_kernels(_manifests(Kernels("default", MAX_CHILD_THREADS + 1)), "w0", [1])
     assert many.kernels is None and f"more than a replay here runs ({MAX_CHILD_THREADS})" in many.reason
     assert chain_kernels(_manifests(Kernels("default", MAX_CHILD_THREADS)), "w0", [1]).kernels is not None
+
+
+def test_a_worker_of_stages_records_the_kernels_all_its_stages_ran_or_none_and_why() -> None:
+    assert agreed_kernels([AVX2, Kernels("avx2", 1)]) == (AVX2, "")
+    none, why = agreed_kernels([Kernels("avx2", 2), AVX2])
+    assert none is None and why == "the pipeline stages ran different kernels (stage 0: avx2, 2 threads; " \
+                                   "stage 1: avx2, 1 thread)"
+    none, why = agreed_kernels([AVX2, None])
+    assert none is None and "stage(s) [1]" in why
 
 
 def test_this_process_names_its_own_kernels_on_the_cpu_and_none_elsewhere() -> None:

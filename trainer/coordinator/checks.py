@@ -163,12 +163,11 @@ def check_state_upload(h: UpdateHeader, layout: Layout, config: RunConfig) -> No
 
 def pushed_kernels(h: UpdateHeader) -> Kernels | None:
     """What the push says decided its inner loop's floating point (trainer.runtime.kernels): both
-    fields or neither (a worker on an accelerator), and neither for a stage slice; a capability
-    from storage_client.KERNEL_CAPABILITIES and 1..MAX_KERNEL_THREADS threads, else refused."""
+    fields or neither (a worker on an accelerator, or whose stages disagreed); a capability from
+    storage_client.KERNEL_CAPABILITIES and 1..MAX_KERNEL_THREADS threads, else refused. A worker of
+    several stages names its stages' one kernels in every slice (check_sibling: the same)."""
     if not h.cpu_capability and not h.intra_op_threads:
         return None
-    if h.num_stages > 1:
-        raise Refusal(Reason.MALFORMED, "a stage slice names its kernels; workers of several stages record none")
     try:
         return Kernels(h.cpu_capability, h.intra_op_threads)
     except ManifestError:
@@ -178,9 +177,9 @@ def pushed_kernels(h: UpdateHeader) -> Kernels | None:
 
 
 def check_sibling(h: UpdateHeader, entry: JournalEntry, part: StageSlices) -> None:
-    """A worker's stage slices come from one inner loop: the same metrics and the same base."""
+    """A worker's stage slices come from one inner loop: the same metrics, base and kernels."""
     for stage, other in part.slices.items():
-        for key in ("train_loss_e6", "tokens", "inner_steps", "base_params_cid", "state"):
+        for key in ("train_loss_e6", "tokens", "inner_steps", "base_params_cid", "state", "kernels"):
             if getattr(other.entry, key) != getattr(entry, key):
                 raise Refusal(Reason.BAD_CLAIM,
                               f"stage {h.stage} of {h.num_stages} says {key} {getattr(entry, key)!r}, but stage "

@@ -206,7 +206,8 @@ class Intake:
         first = part.slices[0].entry
         entry = JournalEntry(cid=str(cid), train_loss_e6=first.train_loss_e6, tokens=first.tokens,
                              inner_steps=first.inner_steps, bytes_sent=sum(a.entry.bytes_sent for a in part.slices.values()),
-                             bytes_received=first.bytes_received, shard=first.shard, state=first.state)
+                             bytes_received=first.bytes_received, shard=first.shard, state=first.state,
+                             kernels=first.kernels)
         with self._lock:
             r = self.round
             if r.number != h.round or r.closing or r.partial.get(h.worker_id) is not part:

@@ -14,7 +14,14 @@ Replayed in a fresh process with the same two (audit.replay_env), an honest cont
 re-derived bit for bit (d = 0: every contribution of the demo run, and a worker of 2 threads).
 Measured not to matter on the demo's model: MKL's own instruction dispatch
 (``MKL_ENABLE_INSTRUCTIONS=AVX2`` on an AVX-512 machine, rounds 1-4: d = 0). A worker on an
-accelerator, or of several pipeline stages (whose stages are processes of their own), records none.
+accelerator records none.
+
+A worker of several pipeline stages (trainer.runtime.pipeline) trains in P processes of its own:
+each stage reports the kernels it ran each round, and the worker records them (``agreed_kernels``)
+when every stage ran the same capability and thread count; the audit replays its contributions in
+one process with the stages' arithmetic (trainer.runtime.staged) in those kernels, bit for bit as
+measured (tests/integration/test_replay.py; docs/verification.md). Where its stages disagree (or
+one names none) it records none and says why in its log.
 
 What a worker records is hostile input to whoever reads it: storage_client.Kernels allows a
 capability from a fixed list and a bounded thread count, and the coordinator refuses anything else.
@@ -22,10 +29,11 @@ capability from a fixed list and a bounded thread count, and the coordinator ref
 
 from __future__ import annotations
 
+from typing import Sequence
+
 import torch
 
 from storage_client import KERNEL_CAPABILITIES, Kernels
-
 
 
 def current_kernels(device: torch.device) -> Kernels | None:
@@ -37,6 +45,18 @@ def current_kernels(device: torch.device) -> Kernels | None:
     if capability not in KERNEL_CAPABILITIES:
         return None
     return Kernels(capability, max(1, torch.get_num_threads()))
+
+
+def agreed_kernels(stages: Sequence[Kernels | None]) -> tuple[Kernels | None, str]:
+    """The kernels a worker of several stages records, from what each stage ran (in stage order):
+    the ones they all ran, with ""; else None and why (one line, for the worker's log)."""
+    if any(k is None for k in stages):
+        named = [s for s, k in enumerate(stages) if k is None]
+        return None, f"pipeline stage(s) {named} ran on an accelerator or an unlisted CPU capability"
+    if len(set(stages)) > 1:
+        return None, "the pipeline stages ran different kernels (" + "; ".join(
+            f"stage {s}: {k}" for s, k in enumerate(stages)) + ")"
+    return stages[0], ""
 
 
 def cpu_runs(capability: str) -> bool:

@@ -125,6 +125,7 @@ import torch.multiprocessing as mp
 import torch.nn as nn
 import torch.nn.functional as F
 
+from storage_client import Kernels
 from trainer.codec import CompressionConfig
 from trainer.codec.uplink import Slice, encode_slice, new_compressor
 from trainer.codec.wire import Params
@@ -136,6 +137,7 @@ from trainer.model.stages import check_split, stage_blocks, stage_param_names
 from trainer.progress import PLAIN_LOG_FORMAT, Progress
 from trainer.runtime.device import backend_for, stage_device
 from trainer.runtime.inner import adamw_state, load_adamw_state
+from trainer.runtime.kernels import agreed_kernels, current_kernels
 from trainer.runtime.procgroup import LocalGroup, Member, answer, available_cpus, join_group, leave_child, report_error
 from trainer.runtime.staged import WORKER_MICROBATCHES, clip_coefficient, squared_norm
 
@@ -266,6 +268,7 @@ class StageResult:
     update: Slice | None = None  # Δ_s encoded for the push (trainer.codec.uplink), by run_round
     uplink_state: Params | None = None  # the stage's error-feedback state after encoding it
     start_state: Params | None = None  # the stage's AdamW state the round started from, by run_round
+    kernels: Kernels | None = None  # what decided the stage's floating point (trainer.runtime.kernels), by run_round
 
 
 def init_from_env(timeout_s: float = DEFAULT_TIMEOUT_S, backend: str | None = None) -> None:
@@ -516,6 +519,7 @@ def run_round(runner: StageRunner, job: RoundJob) -> dict[str, Any]:
     out["update"] = update
     out["uplink_state"] = compressor.state_dict() if compressor is not None else None
     out["start_state"] = start_state
+    out["kernels"] = current_kernels(runner.device)  # this process's: its own threads and capability
     return _to_numpy(out)
 
 
@@ -581,6 +585,10 @@ class PipelineResult:
     # The stages' AdamW states the round started from, together: the one-process worker's names
     # (the stages partition the parameters), so its digest is the one-process rule's.
     start_state: Params
+    # The kernels the worker records for the round: those every stage ran (trainer.runtime.kernels.
+    # agreed_kernels), or None, ``kernels_note`` saying why.
+    kernels: Kernels | None = None
+    kernels_note: str = ""
 
 
 class StageGroup:
@@ -685,6 +693,7 @@ class StageGroup:
             raise
         losses = stages[-1].losses
         assert all(r.update is not None for r in stages), "run_round encodes every slice"
+        kernels, kernels_note = agreed_kernels([r.kernels for r in stages])
         return PipelineResult(
             pseudo_gradient={n: delta[n] for n in start_params}, mean_loss=sum(losses) / len(losses),
             tokens=stages[-1].tokens, steps=len(losses),
@@ -693,6 +702,7 @@ class StageGroup:
             slices=[r.update for r in stages],  # type: ignore[misc]
             uplink_states=None if compression is None else [r.uplink_state for r in stages],  # type: ignore[misc]
             start_state={key: v for r in stages for key, v in (r.start_state or {}).items()},
+            kernels=kernels, kernels_note=kernels_note,
         )
 
     def close(self, graceful: bool = True) -> None:
@@ -787,6 +797,10 @@ class PipelinedInnerLoop:
             self._failure = f"a failure ({str(exc).splitlines()[0]})"
             self.close()
             raise
+        if result.kernels is None and (self.last is None or self.last.kernels_note != result.kernels_note):
+            # Said once, not every round: the worker's pushes then name no kernels (trainer.runtime.kernels).
+            log.warning("no kernels recorded: %s; an auditor replays these rounds in its own kernels",
+                        result.kernels_note)
         self.last = result
         return result
 

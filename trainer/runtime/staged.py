@@ -17,11 +17,13 @@ cut along the batch into n equal microbatches (``torch.tensor_split``, as
 
 One process computes the same values: the stages hold the model's own modules, so the forward of
 microbatch m through the stages is the model's forward on microbatch m, and its backward
-accumulates into the same gradients in the same order. On one torch thread the result is bit-exact
-against the stage processes (tests/integration/test_pipeline.py); with several threads a
-matmul's reduction order may change, on either side. The all-reduce's sum is the stage-order sum
-for P = 2 (two terms commute); for P > 2 gloo may add in another order (a last-bit difference of
-a float64 before it is rounded to float32).
+accumulates into the same gradients in the same order. In the same kernels (ATen capability and
+intra-op threads, trainer.runtime.kernels) the result is bit-exact against the stage processes:
+on one thread (tests/integration/test_pipeline.py), and measured with 1, 2 and 4 threads a stage
+for P = 2 and 1 and 2 for P = 3 (docs/verification.md), since each op runs on the same shapes on
+either side. The all-reduce's sum is the stage-order sum for P = 2 (two terms commute); for P > 2
+gloo may add in another order (a last-bit difference of a float64 before it is rounded to float32,
+which rounding to float32 absorbs except at a near-tie; measured equal).
 """
 
 from __future__ import annotations

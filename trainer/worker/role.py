@@ -32,7 +32,7 @@ import torch
 
 from attestation import EvidenceProvider
 from proto import WorkerPhase
-from storage_client import CID, strict_json, to_e6
+from storage_client import CID, Kernels, strict_json, to_e6
 from trainer.codec.uplink import Slice, Uplink, merged, merged_decision
 from trainer.codec.wire import Params, encode_params
 from trainer.config import RunConfig
@@ -86,6 +86,9 @@ class RoundWork:
     # The committed state's bytes, sent with the push on the rounds rounds.state_every names
     # (trainer.runtime.state_commit); empty on the others, and for a fresh state.
     state_bytes: bytes = b""
+    # What decided the round's floating point (trainer.runtime.kernels), named with the push so that
+    # an auditor replays it bit for bit; None on an accelerator, or where the stages disagreed.
+    kernels: Kernels | None = None
 
 
 @dataclass(frozen=True)
@@ -224,7 +227,7 @@ class Worker:
             snapshot = (piped.start_state, uplink_snapshot)  # kept whatever the mode, as below
             return RoundWork(InnerResult(piped.pseudo_gradient, piped.mean_loss, piped.tokens, piped.steps),
                              piped.slices, state, snapshot, inner_s=time.perf_counter() - started, steps=steps,
-                             state_bytes=raw)
+                             state_bytes=raw, kernels=piped.kernels)
         state, raw = commitment(self.config.rounds.state_every, round_, self.inner.state(), self.uplink.error_state())
         # Kept whatever the mode: overlapped, the loop rewinds to it once the next round is done (``rewind``).
         snapshot = (self.inner.snapshot(), self.uplink.snapshot())
@@ -234,7 +237,7 @@ class Worker:
         trained = time.perf_counter()
         encoded = [self.uplink.encode(result.pseudo_gradient)]
         return RoundWork(result, encoded, state, snapshot, trained - started, time.perf_counter() - trained, steps,
-                         raw)
+                         raw, current_kernels(self.device))
 
     def push(self, round_: int, work: RoundWork, base_cid: str, parent_cid: str | None = None) -> Pushed | None:
         """Send Δ for ``round_``, one stream per stage slice; what was sent if the coordinator holds
@@ -256,10 +259,9 @@ class Worker:
             dense_bytes = sum(t.numel() * t.element_size() for t in merged(work.slices).values())
             log.info("round %d: compressed %d -> %d bytes in %d slice(s) (%s)", round_, dense_bytes,
                      sum(len(s.payload) for s in work.slices), len(work.slices), decision.describe())
-        # A one-process worker names the kernels it trained with, so that its round replays bit for bit.
-        kernels = current_kernels(self.device) if isinstance(self.inner, InnerLoop) else None
+        # The kernels it trained with (its stages', with several), so that its round replays bit for bit.
         what = PushHeader(round_, result.mean_loss, result.tokens, result.steps, base_cid, received, work.state,
-                          kernels)
+                          work.kernels)
         wire_bytes, started, receipt = 0, time.perf_counter(), None
         for piece in work.slices:
             try:
