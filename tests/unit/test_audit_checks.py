@@ -20,6 +20,7 @@ NAMES = {
     "unrecorded", "replay", "rescore",
     "receipt-fault", "receipt-withheld",  # added with the coordinator's receipts (audit.receipts)
     "push-signature",  # added with audit.push_signatures (issue 28)
+    "replay-horizon",  # added with the replay horizon run rule (issue 28)
 }
 
 
