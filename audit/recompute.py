@@ -152,7 +152,7 @@ class Recomputation:
         for round_, obj, message in outcome.problems:
             fail(round_, obj, AuditCheck.REPLAY, message)
         for row in outcome.rows:
-            if row.status == "inconclusive":  # the run's fault (rounds.state_every bounds every chain), not the worker's
+            if row.status == "inconclusive":  # the run's fault (state_every bounds every chain), not the worker's
                 participant = {p.worker: p for p in manifests[row.round].participants}[row.worker]
                 fail(row.round, participant.update, AuditCheck.REPLAY_HORIZON,
                      f"{row.worker}'s update is {row.distance:.3g} away from its replay in the {row.kernels} kernels, "

@@ -249,7 +249,8 @@ class Intake:
             accepted = self.round.accepted.get(worker_id)
             return None if accepted is None else CID.parse(accepted.entry.cid)
         published = self.run.manifests.get(round_)
-        update = next((p.update for p in published[1].participants if p.worker == worker_id), None) if published else None
+        participants = published[1].participants if published is not None else ()
+        update = next((p.update for p in participants if p.worker == worker_id), None)
         return None if update is None else CID.parse(update)
 
     def refuse(self, h: UpdateHeader, refusal: Refusal) -> None:

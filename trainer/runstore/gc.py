@@ -3,8 +3,9 @@
 Reachability is a walk over CIDs from the run's roots:
 
     roots   HEAD's manifest; every CID and committed inner state named in <run>/pending (the open
-            round's journal of accepted updates and stage slices); every admission record in the store (JSON objects of schema
-            ``dilocox.admission/*``: the ledger names them by digest, so nothing in the run does)
+            round's journal of accepted updates and stage slices); every admission record in the
+            store (JSON objects of schema ``dilocox.admission/*``: the ledger names them by digest,
+            so nothing in the run does)
     edges   a JSON object in the store names every CID (text) anywhere in it that the store holds:
             a manifest its parent, config, params, outer state, downlink payload and header and its
             participants' update records; an update record its payloads and codec headers
