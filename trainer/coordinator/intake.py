@@ -236,8 +236,13 @@ class Intake:
             state = self.registry.workers.get(h.worker_id)
             open_round = self.round.number
         address = state.address if state is not None else None
-        if (trust is None or counted is None or not address or h.run_id != self.run.config.run_id
-                or not _repeats(h, self.run.run_dir.store.get(counted))):
+        if trust is None or counted is None or not address or h.run_id != self.run.config.run_id:
+            return None
+        try:
+            record = self.run.run_dir.store.get(counted)
+        except (OSError, ValueError):  # StoreError: the checks below refuse the push as before
+            return None
+        if not _repeats(h, record):
             return None
         trust.check_update(h.worker_id, address, h.round, h.stage, h.num_stages, h.payload_sha256, h.signature)
         return counted, open_round, trust.receipt(address, h.round, counted.digest)
