@@ -99,6 +99,9 @@ class AuditCheck(StrEnum):
                                 "round")
     REPLAY = ("replay", "each sampled contribution is within tolerance of what H inner steps on its shard from its "
                         "parent checkpoint give, in its worker's kernels where they run (audit.replay, replay_env)")
+    REPLAY_HORIZON = ("replay-horizon", "every replayed chain a worker's kernels do not replay ends within the replay "
+                                        "horizon (rounds.state_every ≤ trainer.config.REPLAY_HORIZON): the run "
+                                        "stores the states that decide every contribution")
     RECEIPT_FAULT = ("receipt-fault", "no ReceiptFaultProven of the run: every worker whose update and report the "
                                       "coordinator receipted is credited in the recorded round (audit.receipts)")
     RECEIPT_WITHHELD = ("receipt-withheld", "every update the coordinator receipted (audit --receipts) is used by its "

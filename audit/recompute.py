@@ -152,9 +152,12 @@ class Recomputation:
         for round_, obj, message in outcome.problems:
             fail(round_, obj, AuditCheck.REPLAY, message)
         for row in outcome.rows:
-            if row.status == "inconclusive":
-                self.findings.warn(f"round {row.round}: {row.worker}'s update is {row.distance:.3g} away from its replay "
-                                   f"in the {row.kernels} kernels, which does not decide it: {row.note}")
+            if row.status == "inconclusive":  # the run's fault (state_every bounds every chain), not the worker's
+                participant = {p.worker: p for p in manifests[row.round].participants}[row.worker]
+                fail(row.round, participant.update, AuditCheck.REPLAY_HORIZON,
+                     f"{row.worker}'s update is {row.distance:.3g} away from its replay in the {row.kernels} kernels, "
+                     f"which does not decide it ({row.note}): the coordinator accepted a chain longer than the replay "
+                     f"horizon, a state the run should have stored is missing")
             if row.status != "MISMATCH":
                 continue
             participant = {p.worker: p for p in manifests[row.round].participants}[row.worker]

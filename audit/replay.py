@@ -251,7 +251,7 @@ class Replayer:
         for r in reversed(rounds):
             out.append(r)
             p = self._participant(r, worker)
-            if p.state == FRESH_STATE or (p.state is not None and self.store.has(state_cid(p.state))):
+            if p.state == FRESH_STATE or state_stored(self.store, p):
                 return out[::-1]
         return out[::-1]  # no fresh start: the first one is refused in replay()
 
@@ -398,7 +398,7 @@ class Replayer:
             position += 1
             if p.state == FRESH_STATE:
                 inner, errors, position = InnerLoop(model, cfg.inner), {}, 1
-            elif inner is None or previous is None or not self._consecutive(worker, previous, r):
+            elif inner is None or previous is None or not self._consecutive(worker, previous, r) or state_stored(self.store, p):
                 try:
                     loaded = committed_state(self.store, self.config, p, model)
                 except ReplayError as exc:
@@ -406,8 +406,9 @@ class Replayer:
                     inner = None
                     progress.add_total(-cfg.inner.steps)
                     continue
-                # The chain starts at a stored state (trainer.runtime.state_commit), or cannot go on.
+                # The chain (re)starts at a stored state (position 1: joined chains stay in the horizon), or stops.
                 inner, errors = loaded if loaded is not None else (None, errors)
+                position = 1 if loaded is not None else position
             if inner is None:
                 rows.append(ReplayRow(r, worker, (r, worker) in sampled, None, "MISMATCH",
                                       "the committed inner state is not fresh, and no counted contribution "
@@ -549,6 +550,11 @@ def committed_state(store: Store, config: RunConfig, p: Participant,
     inner = InnerLoop(model, config.inner)
     load_adamw_state(inner.model, inner.optimizer, adamw)
     return inner, errors
+
+
+def state_stored(store: Store, p: Participant) -> bool:
+    """Whether the inner state ``p`` commits to (not fresh) is in the store (rounds.state_every)."""
+    return p.state not in (None, FRESH_STATE) and store.has(state_cid(p.state))
 
 
 def missing_states(store: Store, config: RunConfig, manifests: Mapping[int, Manifest], worker: str,

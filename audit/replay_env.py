@@ -23,11 +23,15 @@ of each step (measured on the demo run: 1e-6 at the first round of a chain, 2e-3
 at the eighth). With m(n) the largest honest distance measured at the first n contributions of a
 chain (n = 1 at its fresh start; FALLBACK_MEASURED), the n-th is held to
 
-    tolerance(n) = FALLBACK_TOLERANCE     where FALLBACK_MARGIN · m(n) ≤ FALLBACK_TOLERANCE
-                 = none: "inconclusive"   further down the chain (a warning, never an accusation)
+    tolerance(n) = FALLBACK_TOLERANCE     for n ≤ REPLAY_HORIZON (trainer.config: 5, the positions
+                                          where FALLBACK_MARGIN · m(n) ≤ FALLBACK_TOLERANCE)
+                 = none: "inconclusive"   further down the chain (never an accusation of the worker)
 
-so the fallback catches what it can (an update scaled by 1.05 at the start of a chain) and says
-where it cannot decide. Each row says which kernels replayed it and against which tolerance.
+so the fallback catches what it can (an update scaled by 1.05 at the start of a chain). A run bounds
+every chain by the horizon (rounds.state_every ≤ REPLAY_HORIZON: a stored state every K rounds), so
+an "inconclusive" row is a failure of the run, not of its worker: the coordinator accepted a chain
+no audit can decide (audit.recompute, AuditCheck.REPLAY_HORIZON). Each row says which kernels
+replayed it and against which tolerance.
 
 The child process is given JSON on stdin (the store's directory, the config, the manifests the
 audit has verified, the chains) and answers one JSON line; nothing is pickled, and the answer is
@@ -47,7 +51,7 @@ from typing import Any, Iterable, Mapping
 import torch
 
 from storage_client import Kernels, Manifest, ObjectStore, Store, strict_json
-from trainer.config import RunConfig
+from trainer.config import REPLAY_HORIZON, RunConfig
 from trainer.progress import use_console
 from trainer.runtime.kernels import cpu_runs, current_kernels
 
@@ -121,11 +125,11 @@ def split_by_kernels(manifests: Mapping[int, Manifest], chains: Mapping[str, Ite
 def judge(distance: float, position: int, exact: bool) -> tuple[str, str, float | None]:
     """(status, note, tolerance) of a contribution ``distance`` off its replay, the ``position``-th
     of its chain: held to EXACT_TOLERANCE in its worker's kernels, else to the fallback tolerance of
-    its position, and inconclusive past the measured chain length."""
+    its position, and inconclusive past the replay horizon."""
     tolerance = EXACT_TOLERANCE if exact else fallback_tolerance(position)
     if tolerance is None:
         return ("inconclusive", f"contribution {position} of its chain, replayed in other kernels than its "
-                                "worker's: past the chain length whose honest distance is measured", None)
+                                f"worker's: past the replay horizon ({REPLAY_HORIZON})", None)
     return "ok" if distance <= tolerance else "MISMATCH", "", tolerance
 
 
@@ -139,13 +143,20 @@ def kernels_label(exact: bool, reason: str = "") -> str:
 
 def fallback_tolerance(position: int) -> float | None:
     """The tolerance of the ``position``-th contribution of a chain replayed in other kernels than
-    its worker's: FALLBACK_TOLERANCE while it is FALLBACK_MARGIN times every honest distance
-    measured up to that position, else None (the replay is inconclusive there)."""
-    if not 1 <= position <= len(FALLBACK_MEASURED):
-        return None
-    if FALLBACK_MARGIN * max(FALLBACK_MEASURED[:position]) > FALLBACK_TOLERANCE:
-        return None
-    return FALLBACK_TOLERANCE
+    its worker's: FALLBACK_TOLERANCE up to REPLAY_HORIZON (where it is FALLBACK_MARGIN times every
+    honest distance measured; tests/unit/test_replay_horizon.py holds the two to each other), else
+    None (the replay is inconclusive there)."""
+    return FALLBACK_TOLERANCE if 1 <= position <= REPLAY_HORIZON else None
+
+
+def fallback_horizon() -> int:
+    """The last chain position whose fallback tolerance the measurements support: FALLBACK_MARGIN times
+    every honest distance measured up to it is within FALLBACK_TOLERANCE (what REPLAY_HORIZON states)."""
+    supported = 0
+    while (supported < len(FALLBACK_MEASURED)
+           and FALLBACK_MARGIN * max(FALLBACK_MEASURED[:supported + 1]) <= FALLBACK_TOLERANCE):
+        supported += 1
+    return supported
 
 
 def child_environment(kernels: Kernels) -> dict[str, str]:

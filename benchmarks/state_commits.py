@@ -7,7 +7,8 @@ One real run (coordinator and 2 worker processes on 127.0.0.1, one torch thread 
 (trainer.runtime.state_commit). A replay at K then sees only the states of rounds r with
 r % K == 0 (the others hidden, as a run with ``state_every = K`` would not have stored them), so
 one run serves every K; K = 0 hides them all, as a run that stores none (chains back to each
-worker's fresh start: up to 30 rounds).
+worker's fresh start: up to 30 rounds). K = 10 and K = 0 are past the run rule (rounds.state_every
+in [1, trainer.config.REPLAY_HORIZON]): measured to show why it is one, no run may use them.
 
 For each K, each of the sampled contributions (both workers at rounds 12, 19, 26 and 30) is replayed
 alone, in a process started with ``ATEN_CPU_CAPABILITY`` set (``default``: no vector kernels;
@@ -34,7 +35,7 @@ from pathlib import Path
 
 ROUNDS = 30
 SAMPLED_ROUNDS = (12, 19, 26, 30)
-KS = (1, 2, 5, 10, 0)  # 0: none stored (``state_every`` off)
+KS = (1, 2, 5, 10, 0)  # 10, 0 (none stored): past the replay horizon, which a run's config refuses
 CAPABILITIES = ("default", "native")
 
 

@@ -30,6 +30,11 @@ from trainer.codec import CODEC_LOWRANK, CompressionConfig
 from trainer.config_fields import Range, choice_refusal, choices_of, setting
 
 SCHEMA = "dilocox.config/v1"
+# The longest chain of a worker's contributions (audit.replay) the audit can decide when it replays it
+# in its own kernels rather than the worker's: its fallback tolerance is measured up to this chain
+# position and no further (audit.replay_env.FALLBACK_MEASURED; docs/verification.md "Replay
+# tolerance"). rounds.state_every may not exceed it, and the audit fails a run whose chain does.
+REPLAY_HORIZON = 5
 _RUN_ID = re.compile(r"^[A-Za-z0-9._-]{1,64}$")
 
 # The values of model.family: the built-in GPT (trainer.model.gpt) and the decoder families built from
@@ -257,10 +262,17 @@ class RoundConfig:
     checkpoint_every: int = setting(1, "K: rounds between stored full checkpoints", Range(1, 1_000_000))
     # On every round r with r % K == 0 each worker sends the inner state it commits to (AdamW, error
     # feedback) with its push, and the coordinator stores it by CID (trainer.runtime.state_commit),
-    # so the audit's replay starts a worker's chain at most K rounds back (audit.replay).
-    state_every: int = setting(0, "K: rounds between the inner states each worker uploads, so a replay needs at most "
-                                  "K rounds of a worker's history", Range(1, 1_000_000, off=0, off_means="never"),
-                               omitted_at_default=True)
+    # so the audit's replay starts a worker's chain at most K rounds back (audit.replay). A run rule:
+    # 1 <= K <= REPLAY_HORIZON, so that every chain is decidable even in the auditor's own kernels.
+    # The default 4 is inside the horizon with room: at the 4th contribution of a chain the largest
+    # honest distance measured across kernels is 9.1e-5, 550 times below the fallback tolerance
+    # (at the 5th, 2.1e-3: 24 times), and it costs the demo one upload per worker in 8 rounds at
+    # most twice (docs/verification.md gives the bytes). Left out of the JSON at the default, so a
+    # configuration's CID did not move; a configuration written before the rule (which left 0, "never",
+    # out) reads as 4, and the audit names the states such a run did not store.
+    state_every: int = setting(4, "K: rounds between the inner states each worker uploads, so a replay needs at most "
+                                  "K rounds of a worker's history (at most the replay horizon)",
+                               Range(1, REPLAY_HORIZON), omitted_at_default=True)
 
 
 # What the product runs: DiLoCoX. Each section's own defaults above are the plain building block

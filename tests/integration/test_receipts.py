@@ -7,6 +7,10 @@ every round is recorded with w0's update unreported and w0 credited nothing, the
 measured from outside ("3 of 5"). The patch is loaded into the coordinator's process alone, through
 a ``sitecustomize`` on its PYTHONPATH; the workers are the real ``dilocox worker``.
 
+The other worker, w1, loses the reply of its first push of each round (a patched gRPC stub in its
+process alone) and pushes again: the coordinator answers the repeat with the update receipt it
+already signed, so w1 holds every receipt as if no reply had been lost.
+
 Then w0, with nothing but its receipts folder, proves each omission on chain (``dilocox settle
 prove-receipt``), a second time changes nothing, and the audit fails the coordinator by name for each
 round (``receipt-fault``). The honest worker w1's receipts prove nothing: the rounds credit it.
@@ -52,6 +56,44 @@ def _drop(self, worker_id, signed):
 report_book.ReportBook.add = _drop
 '''
 
+# The patched worker (w1's process only): the reply of its first push of each round and stage is lost
+# after the coordinator took the push, so the worker pushes it again; the coordinator answers that
+# repeat with the update receipt it signed (docs/trust.md "Receipts"), which the worker keeps.
+LOSING_PUSH_REPLIES = '''
+import grpc
+from proto import pb_grpc
+
+_init = pb_grpc.CoordinatorStub.__init__
+_lost = set()
+
+
+class _ReplyLost(grpc.RpcError):
+    def code(self):
+        return grpc.StatusCode.UNAVAILABLE
+
+    def details(self):
+        return "test: the push reply was lost"
+
+
+def _losing_init(self, channel):
+    _init(self, channel)
+    push = self.PushUpdate
+
+    def losing(stream, **kwargs):
+        messages = list(stream)
+        reply = push(iter(messages), **kwargs)
+        key = (messages[0].header.round, messages[0].header.stage)
+        if key not in _lost:
+            _lost.add(key)
+            raise _ReplyLost()
+        return reply
+
+    self.PushUpdate = losing
+
+
+pb_grpc.CoordinatorStub.__init__ = _losing_init
+'''
+
 
 def test_a_worker_proves_the_coordinator_left_it_unreported(cluster: LocalCluster, chain: Anvil, tmp_path: Path,
                                                             monkeypatch: pytest.MonkeyPatch, capsys) -> None:
@@ -67,8 +109,13 @@ def test_a_worker_proves_the_coordinator_left_it_unreported(cluster: LocalCluste
         config.save(tmp_path / "config.json")
         co_args, wo_args = provision(cluster.run_dir.path, chain.rpc_url, config)
         cluster.start_coordinator(tmp_path / "config.json", extra=[*co_args, "--report-timeout", str(REPORT_TIMEOUT_S)])
-    for name in ("w0", "w1"):
-        cluster.start_worker(name, extra=wo_args)
+    losing = tmp_path / "losing"
+    losing.mkdir()
+    (losing / "sitecustomize.py").write_text(LOSING_PUSH_REPLIES)
+    cluster.start_worker("w0", extra=wo_args)
+    with monkeypatch.context() as patched:  # w1's process only
+        patched.setenv("PYTHONPATH", os.pathsep.join(p for p in (str(losing), os.environ.get("PYTHONPATH")) if p))
+        cluster.start_worker("w1", extra=wo_args)
     for name in ("w0", "w1", "coordinator"):
         assert cluster.wait_exit(name, 180) == 0, cluster.log(name)
 
@@ -78,7 +125,9 @@ def test_a_worker_proves_the_coordinator_left_it_unreported(cluster: LocalCluste
     assert all(len(r.workers) == 1 and r.unreported_count == 1 for r in recorded), recorded  # the cheat
 
     # Each worker kept, for each round, the coordinator's update and report receipts, signed by the
-    # run's coordinator on chain over what the worker sent.
+    # run's coordinator on chain over what the worker sent: w1 too, whose every first push reply was
+    # lost (its update receipts came with the replies to its repeated pushes).
+    assert cluster.log("w1").count("the push reply was lost") == ROUNDS, cluster.log("w1")[-3000:]
     coordinator = ledger.run_of(run_id).coordinator
     held = {}
     for name in ("w0", "w1"):

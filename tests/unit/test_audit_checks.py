@@ -21,6 +21,7 @@ NAMES = {
     "receipt-fault", "receipt-withheld",  # added with the coordinator's receipts (audit.receipts)
     "push-signature",  # added with audit.push_signatures (issue 28)
     "auditor-evidence",  # added with k-of-n verdicts: audit.disputes.unverified_auditors (issue 28)
+    "replay-horizon",  # added with the replay horizon run rule (issue 28)
 }
 
 

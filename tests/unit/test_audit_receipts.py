@@ -79,3 +79,15 @@ def test_a_replay_mismatch_after_a_withheld_update_is_the_coordinators(findings:
         assert "round 1" in failure.message
     else:
         assert failure.check == AuditCheck.REPLAY and "1.03 away" in failure.message
+
+
+def test_a_row_past_the_replay_horizon_fails_the_run_and_accuses_no_worker(findings: Findings, monkeypatch) -> None:
+    """rounds.state_every bounds every chain by the replay horizon, so a contribution the fallback
+    cannot decide is the run's failure (replay-horizon), never a warning and never a worker's verdict."""
+    row = ReplayRow(2, "w1", True, 0.3, "inconclusive", "contribution 6 of its chain", "auditor's")
+    outcome = ReplayOutcome([row], [], seed=1, steps=3, checked_steps=3, seconds=0.1, problems=[])
+    monkeypatch.setattr(recompute, "replay_run", lambda *args: outcome)
+    recompute.Recomputation(findings, small_config()).check_replay(MANIFESTS, 1, 1)
+    (failure,) = findings.result.failures
+    assert failure.check == AuditCheck.REPLAY_HORIZON and failure.object == cid("w1 Δ2", Codec.JSON)
+    assert "contribution 6 of its chain" in failure.message and "horizon" in failure.message

@@ -144,7 +144,8 @@ def test_gc_removes_only_what_nothing_the_run_needs_references(tmp_path, capsys)
     rd.set_head(chain[-1][0])
     delta = {n: torch.full_like(t, 1e-3) for n, t in theta0().items()}
     journalled = push(rd.store, delta, new_compressor(COMPRESSION))  # the open round's, in its journal
-    rd.save_pending(5, {"w0": {"cid": journalled}})
+    carried = rd.store.put(b"the inner state the push carried")  # rounds.state_every: named by digest only
+    rd.save_pending(5, {"w0": {"cid": journalled, "state": carried.hex}})
     before = set(rd.store)
     abandoned = push(rd.store, {n: t * 2 for n, t in delta.items()}, new_compressor(COMPRESSION))  # never journalled
     admission = rd.store.put_json({"schema": "dilocox.admission/v2", "evidence": str(rd.store.put(b"evidence"))})
@@ -164,3 +165,4 @@ def test_gc_removes_only_what_nothing_the_run_needs_references(tmp_path, capsys)
     for r in range(len(chain)):  # every checkpoint still rebuilds
         checkpoint_at(rd.store, chain, r, config)
     open_update(rd.store, journalled, layout_of(theta0()), MODEL)
+    assert carried.hex in set(rd.store)  # the open round's manifest will name it

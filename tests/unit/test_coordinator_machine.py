@@ -8,10 +8,13 @@ the assembly of a worker's stage slices, the journal across a restart, and a pub
 from __future__ import annotations
 
 import dataclasses
+import hashlib
 
 import pytest
 import torch
 
+from attestation import Domain, WorkerKey
+from attestation.receipt import NO_REPORT, Receipt, sign_receipt
 from proto import PROTOCOL_VERSION, Encoding, WorkerPhase
 from storage_client import MAX_KERNEL_THREADS, Kernels, lineage
 from tests.conftest import small_config
@@ -61,6 +64,12 @@ def header(c: Coordinator, worker: str, update: Params, **fields: object) -> Upd
     )
     values.update(fields)  # every stage slice names the worker's one commitment, as a whole update does
     return UpdateHeader(**values)
+
+
+def fresh(c: Coordinator, worker: str, update: Params, **fields: object) -> UpdateHeader:
+    """A header whose inner state is fresh: a test of many rounds, whose round rounds.state_every (4 by
+    default) names would otherwise have to carry the state's bytes."""
+    return header(c, worker, update, **{"inner_state_sha256": FRESH_STATE, **fields})
 
 
 def push(c: Coordinator, h: UpdateHeader, update: Params) -> None:
@@ -420,7 +429,7 @@ def test_a_live_id_that_never_pushes_holds_back_one_round_once_not_every_round(t
                                                          straggler_timeout_s=10.0, liveness_timeout_s=30.0))
     joined(c, "w0", "idle")
     u = update_of(c, 1.0)
-    push(c, header(c, "w0", u), u)
+    push(c, fresh(c, "w0", u), u)
     assert not c.close_due()          # round 1 waits for the live id ...
     clock.now += 10.0
     c.heartbeat("idle", 1, WorkerPhase.TRAINING)
@@ -429,16 +438,16 @@ def test_a_live_id_that_never_pushes_holds_back_one_round_once_not_every_round(t
     for _ in range(2):                # then rounds close as soon as w0 is in
         c.heartbeat("idle", c.round.number, WorkerPhase.TRAINING)
         u = update_of(c, 2.0 + c.round.number)
-        push(c, header(c, "w0", u), u)
+        push(c, fresh(c, "w0", u), u)
         assert c.close_due()
         c.close_round()
     u, v = update_of(c, 7.0), update_of(c, 8.0)   # once it delivers again, it is waited for again
-    push(c, header(c, "idle", v), v)
+    push(c, fresh(c, "idle", v), v)
     c.close_due()
     clock.now += 10.0
     assert c.close_due()
     c.close_round()
-    push(c, header(c, "w0", u), u)
+    push(c, fresh(c, "w0", u), u)
     assert not c.close_due()
 
 
@@ -450,7 +459,7 @@ def test_a_refused_push_does_not_make_a_laggard_awaited_again(tmp_path) -> None:
                                                          straggler_timeout_s=10.0, liveness_timeout_s=30.0))
     joined(c, "w0", "mallory")
     u = update_of(c, 1.0)
-    push(c, header(c, "w0", u), u)
+    push(c, fresh(c, "w0", u), u)
     clock.now += 10.0
     c.heartbeat("mallory", 1, WorkerPhase.TRAINING)
     assert c.close_due()
@@ -459,9 +468,9 @@ def test_a_refused_push_does_not_make_a_laggard_awaited_again(tmp_path) -> None:
         c.heartbeat("mallory", c.round.number, WorkerPhase.TRAINING)
         if i == 0:  # refused in round 2, then silent (a push that never finishes) in round 3 and 4
             bad = update_of(c, 3.0 + c.round.number)
-            assert refused(c, header(c, "mallory", bad, tokens=1), bad) is Reason.BAD_CLAIM
+            assert refused(c, fresh(c, "mallory", bad, tokens=1), bad) is Reason.BAD_CLAIM
         u = update_of(c, 5.0 + c.round.number)
-        push(c, header(c, "w0", u), u)
+        push(c, fresh(c, "w0", u), u)
         assert c.close_due()  # no straggler wait for mallory in any of these rounds
         c.close_round()
 
@@ -490,3 +499,63 @@ def test_an_honest_worker_that_lost_one_round_is_waited_for_in_the_next(tmp_path
     v = update_of(c, 6.0)
     push(c, header(c, "w1", v), v)
     assert c.close_due()      # ... which delivers
+
+
+# ----------------------------------------------------------------------------- a lost push reply
+
+
+class ReceiptTrust:
+    """The run trust's receipt part as settlement.ledger_trust has it (attestation.receipt.sign_receipt);
+    admitting a key and checking a push signature are the ledger gate's (tests/integration): here any
+    joining address is admitted and every push signature counted as checked."""
+
+    def __init__(self) -> None:
+        self.signer = WorkerKey(bytes(range(1, 33)))
+        self.domain = Domain(31337, "0x5FbDB2315678afecb367f032d93F642f64180aa3")
+        self.checked = 0
+
+    def admit(self, worker_id: str, address: str, evidence: bytes, nonce: bytes) -> str:
+        return address
+
+    def check_update(self, *args: object) -> None:
+        self.checked += 1
+
+    def receipt(self, worker: str, round_: int, update_digest: bytes, report_digest: bytes = NO_REPORT):
+        return sign_receipt(self.signer, self.domain, Receipt(bytes(32), round_, worker, update_digest, report_digest))
+
+
+def test_a_repeated_push_gets_the_receipt_already_signed_across_a_restart_and_the_close(tmp_path) -> None:
+    """A worker whose push reply was lost pushes again: the same (round, payload, signature) from the
+    same worker is answered with its update receipt, identical to the first, from the journal after a
+    restart and from the manifest once the round closed; anything else gets none (a duplicate)."""
+    clock, trust = Clock(), ReceiptTrust()
+    keys = {w: WorkerKey(bytes([k]) * 32) for k, w in ((7, "w0"), (8, "w1"))}
+    c = Coordinator(open_run(RunDir(tmp_path / "run"), small_config()), clock=clock, trust=trust)
+    pushed = {}
+    for scale, (w, key) in enumerate(keys.items(), start=1):
+        c.join(w, PROTOCOL_VERSION, address=key.address)
+        u = update_of(c, float(scale))
+        h = header(c, w, u, payload_sha256=hashlib.sha256(encode_params(u)).hexdigest(), signature=bytes([scale]) * 65)
+        c.admit_header(h)
+        cid, _, receipt = c.accept(h, CheckedUpdate(DenseUpdate(u), exact_norm(u)), 1234, encode_params(u))
+        assert receipt is not None and receipt.receipt.worker == key.address
+        pushed[w] = (h, cid, receipt)
+    h0, cid0, first = pushed["w0"]
+    assert c.intake.receipt_again(h0, trust) == (cid0, 1, first)
+    assert c.intake.receipt_again(h0, None) is None  # no ledger, no receipt: ALREADY_EXISTS as before
+    for other in (dataclasses.replace(h0, payload_sha256="ab" * 32), dataclasses.replace(h0, signature=b"\x09" * 65),
+                  dataclasses.replace(h0, worker_id="w1"), dataclasses.replace(h0, round=2),
+                  dataclasses.replace(h0, run_id="other")):
+        assert c.intake.receipt_again(other, trust) is None
+    with pytest.raises(Refusal) as caught:  # and the header's checks refuse it as they did
+        c.admit_header(dataclasses.replace(h0, payload_sha256="ab" * 32))
+    assert caught.value.reason == Reason.DUPLICATE
+
+    restarted = Coordinator(open_run(RunDir(tmp_path / "run"), None), clock=clock, trust=trust)
+    for w, key in keys.items():
+        restarted.join(w, PROTOCOL_VERSION, address=key.address)
+    assert restarted.intake.receipt_again(h0, trust) == (cid0, 1, first)
+    assert restarted.close_due()
+    restarted.close_round()
+    assert restarted.intake.receipt_again(h0, trust) == (cid0, 2, first)  # the round published: from its manifest
+    assert restarted.intake.receipt_again(pushed["w1"][0], trust)[2] == pushed["w1"][2]

@@ -3,6 +3,7 @@ child's environment, and the child's answer read as hostile input."""
 
 from __future__ import annotations
 
+import dataclasses
 import json
 from types import SimpleNamespace
 
@@ -11,9 +12,10 @@ import torch
 
 from audit.replay_env import (
     EXACT_TOLERANCE, FALLBACK_MARGIN, FALLBACK_MEASURED, FALLBACK_TOLERANCE, MAX_CHILD_THREADS, ChildError,
-    chain_kernels, child_environment, fallback_tolerance, judge, parse_answer,
+    chain_kernels, child_environment, fallback_horizon, fallback_tolerance, judge, parse_answer,
 )
 from storage_client import Kernels
+from trainer.config import REPLAY_HORIZON, ConfigError, RoundConfig, RunConfig
 from trainer.runtime.kernels import agreed_kernels, cpu_runs, current_kernels
 
 AVX2 = Kernels("avx2", 1)
@@ -61,6 +63,19 @@ def test_the_fallback_tolerance_holds_while_its_margin_over_the_measured_does_an
                for n in decided)
     assert FALLBACK_TOLERANCE > EXACT_TOLERANCE and fallback_tolerance(0) is None
     assert fallback_tolerance(len(FALLBACK_MEASURED) + 1) is None
+
+
+def test_the_replay_horizon_is_where_the_measurements_stop_deciding_and_bounds_state_every() -> None:
+    """One constant (trainer.config.REPLAY_HORIZON) bounds rounds.state_every and the fallback: it is
+    the last chain position the measured honest distances support, and no run may store its
+    states more rarely."""
+    assert fallback_horizon() == REPLAY_HORIZON
+    assert fallback_tolerance(REPLAY_HORIZON) == FALLBACK_TOLERANCE and fallback_tolerance(REPLAY_HORIZON + 1) is None
+    assert 1 <= RoundConfig().state_every <= REPLAY_HORIZON
+    RunConfig(rounds=dataclasses.replace(RunConfig().rounds, state_every=REPLAY_HORIZON))
+    for outside in (0, REPLAY_HORIZON + 1):
+        with pytest.raises(ConfigError, match="rounds.state_every"):
+            RunConfig(rounds=dataclasses.replace(RunConfig().rounds, state_every=outside))
 
 
 def test_the_child_runs_the_workers_kernels_whatever_the_auditors(monkeypatch) -> None:

@@ -25,6 +25,7 @@ import logging
 import threading
 from typing import Callable
 
+from attestation.receipt import SignedReceipt
 from proto import Encoding
 from storage_client import CID, Codec, to_e6
 from trainer.codec.wire import layout_of
@@ -32,6 +33,7 @@ from trainer.coordinator import checks
 from trainer.coordinator.registry import WorkerRegistry
 from trainer.coordinator.run import Run
 from trainer.coordinator.state import Accepted, JournalEntry, OpenRound, StageSlices, UpdateHeader
+from trainer.coordinator.trust import RunTrust
 from trainer.net.limits import LogBudget
 from trainer.net.refusal import Reason, Refusal
 from trainer.rounds.aggregation import CheckedUpdate, exact_norm
@@ -222,6 +224,41 @@ class Intake:
                  h.worker_id, part.num_stages, h.train_loss, norm)
         return cid
 
+    def receipt_again(self, h: UpdateHeader, trust: RunTrust | None) -> tuple[CID, int, SignedReceipt] | None:
+        """A push that repeats one this worker's update already counted with (its reply was lost): the
+        counted record's CID, the open round and its update receipt, signed again (attestation.receipt:
+        the same receipt, byte for byte, as the first reply's, and after a restart too: what it
+        says comes from the journal or the published manifest). None for anything else (no ledger; a
+        round or stage not counted; another payload or signature than the stored slice's), which the
+        header's checks then refuse as before (a duplicate: ALREADY_EXISTS). The session's worker is
+        authenticated, and the header's signature checked again by its admitted key."""
+        with self._lock:
+            counted = self._counted_update(h.worker_id, h.round)
+            state = self.registry.workers.get(h.worker_id)
+            open_round = self.round.number
+        address = state.address if state is not None else None
+        if trust is None or counted is None or not address or h.run_id != self.run.config.run_id:
+            return None
+        try:
+            record = self.run.run_dir.store.get(counted)
+        except (OSError, ValueError):  # StoreError: the checks below refuse the push as before
+            return None
+        if not _repeats(h, record):
+            return None
+        trust.check_update(h.worker_id, address, h.round, h.stage, h.num_stages, h.payload_sha256, h.signature)
+        return counted, open_round, trust.receipt(address, h.round, counted.digest)
+
+    def _counted_update(self, worker_id: str, round_: int) -> CID | None:
+        """The record of ``worker_id``'s whole update counted in ``round_``: accepted into the open round
+        (journalled) or a participant of a published round."""
+        if round_ == self.round.number:
+            accepted = self.round.accepted.get(worker_id)
+            return None if accepted is None else CID.parse(accepted.entry.cid)
+        published = self.run.manifests.get(round_)
+        participants = published[1].participants if published is not None else ()
+        update = next((p.update for p in participants if p.worker == worker_id), None)
+        return None if update is None else CID.parse(update)
+
     def refuse(self, h: UpdateHeader, refusal: Refusal) -> None:
         """File a refusal: the worker is out of the round, and its other stage slices of the round
         go with it. A duplicate changes nothing: what it repeats is held."""
@@ -241,3 +278,14 @@ class Intake:
         self.budget.log(logging.WARNING, "refused push", h.worker_id, "round %d: refused %s from %s: %s%s", h.round,
                         h.what, h.worker_id, refusal.message,
                         f" (its {len(dropped.slices)} other slice(s) dropped)" if dropped and dropped.slices else "")
+
+
+def _repeats(h: UpdateHeader, record: bytes) -> bool:
+    """Whether push header ``h`` is the one a slice of the stored ``record`` was pushed with: its stage,
+    payload digest and signature (what the worker signed; the signature was checked when it came)."""
+    try:
+        refs = parse_record(record)
+    except ValueError:  # RecordError: a record the coordinator stored parses, or nothing is repeated
+        return False
+    return any(ref.stage == h.stage and ref.num_stages == h.num_stages and ref.payload_sha256 == h.payload_sha256
+               and ref.signature == h.signature.hex() for ref in refs)

@@ -199,6 +199,14 @@ class CoordinatorService:
             raise Refusal(Reason.NO_SESSION,
                           f"the push header names worker {clip(header.worker_id)}, but the session is {worker!r}'s")
         wire_bytes = first.ByteSize()
+        # A push this worker's counted update already came with (its reply was lost): its receipt again,
+        # before the checks that refuse it as a duplicate and before a payload byte is read.
+        again = await self.gate.run(WORKERS, self.c.intake.receipt_again, header, self.c.trust)
+        if again is not None:
+            await self.gate.run(WORKERS, self.c.count_up, worker, wire_bytes)
+            cid, open_round, receipt = again
+            return pb.PushUpdateResponse(accepted=True, update_cid=str(cid), open_round=open_round,
+                                         receipt=receipt_message(receipt))
         try:
             try:
                 declared = await self.gate.run(WORKERS, self.c.admit_header, header)  # before a payload byte

@@ -2,9 +2,10 @@
 
 Reachability is a walk over CIDs from the run's roots:
 
-    roots   HEAD's manifest; every CID named in <run>/pending (the open round's journal of accepted
-            updates and stage slices); every admission record in the store (JSON objects of schema
-            ``dilocox.admission/*``: the ledger names them by digest, so nothing in the run does)
+    roots   HEAD's manifest; every CID and committed inner state named in <run>/pending (the open
+            round's journal of accepted updates and stage slices); every admission record in the
+            store (JSON objects of schema ``dilocox.admission/*``: the ledger names them by digest,
+            so nothing in the run does)
     edges   a JSON object in the store names every CID (text) anywhere in it that the store holds:
             a manifest its parent, config, params, outer state, downlink payload and header and its
             participants' update records; an update record its payloads and codec headers
@@ -82,7 +83,11 @@ def _roots(run_dir: RunDir, present: set[str]) -> list[str]:
     pending = run_dir.path / "pending"
     for journal in sorted(pending.glob("*.json")) if pending.is_dir() else []:
         try:
-            roots.extend(c.hex for c in _cids_in(json.loads(journal.read_text(encoding="utf-8"))))
+            journalled = json.loads(journal.read_text(encoding="utf-8"))
+            # The open round's accepted pushes: their records, and the inner states they carried (not
+            # named by any manifest yet; rounds.state_every's rounds store one per worker).
+            roots.extend(c.hex for c in _cids_in(journalled))
+            roots.extend(state for state in _states_in(journalled) if state in present)
         except (OSError, ValueError):
             raise ValueError(f"journal {journal} cannot be read, so what it keeps is unknown: gc refused") from None
     for hex_digest in sorted(present):
@@ -109,13 +114,18 @@ def reachable(run_dir: RunDir) -> set[str]:
     return seen
 
 
-def _states_in(obj: Any) -> Iterator[str]:
-    """The committed inner states a manifest's participants name by digest (hex; none elsewhere)."""
-    participants = obj.get("participants") if isinstance(obj, dict) else None
-    for participant in participants if isinstance(participants, list) else []:
-        state = participant.get("state") if isinstance(participant, dict) else None
-        if isinstance(state, str):
-            yield state
+def _states_in(value: Any) -> Iterator[str]:
+    """The committed inner states named by digest (hex) anywhere in a JSON value, as the ``state`` of
+    an object: a manifest's participants, the pending journal's accepted updates and stage slices."""
+    stack = [value]
+    while stack:
+        item = stack.pop()
+        if isinstance(item, dict):
+            if isinstance(item.get("state"), str):
+                yield item["state"]
+            stack.extend(item.values())
+        elif isinstance(item, list):
+            stack.extend(item)
 
 
 def collect(run_dir: RunDir, dry_run: bool = False) -> Collected:

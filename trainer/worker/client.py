@@ -19,8 +19,9 @@ long-poll asked for end the worker with one line (WorkerError), as any invalid g
 Faults it rides out: a coordinator unreachable (restart, network blip) or busy (RESOURCE_EXHAUSTED)
 is retried with backoff for up to ``reconnect_timeout_s``; after reconnecting, or when the
 coordinator no longer knows the session (it restarted), the worker joins again and re-sends an
-update the coordinator may not have received (a duplicate is answered ALREADY_EXISTS and counts as
-sent).
+update the coordinator may not have received (a repeat of an update it counted is answered with
+that update's receipt again in a run with a ledger, docs/trust.md "Receipts"; another duplicate is
+answered ALREADY_EXISTS and counts as sent).
 """
 
 from __future__ import annotations
