@@ -18,8 +18,10 @@ run (README: "Running it by hand").
 
 It runs DiLoCoX, the product's default (trainer.config), with pipeline stages where the machine has
 a core for each; ``--diloco`` runs plain DiLoCo instead. Shows one line per finished round (eval
-loss, mean inner loss, bytes each way, how many times fewer than dense fp32 both ways, time), a
-summary and the audit's table. Afterwards ``dilocox audit --run <run>`` re-verifies the run on its own.
+loss, mean inner loss, bytes each way, how many times fewer than dense fp32 both ways the updates
+travel, time), a summary and the audit's table. The inner states the workers upload every
+``rounds.state_every`` rounds for the audit's replay are counted in the bytes up and shown apart:
+they are the audit's cost, not the update's. Afterwards ``dilocox audit --run <run>`` re-verifies the run on its own.
 """
 
 from __future__ import annotations
@@ -40,7 +42,7 @@ from cli.cluster import LOCAL_CHALLENGE_WINDOW, ClusterError, LocalCluster, prov
 from settlement import DEV_ACCOUNTS, Anvil, Chain, Deployment, Ledger
 from settlement.provision import TOKEN_UNIT, await_run, fund_pool, mine
 from settlement.roster import roster_of, unreported_lines
-from storage_client import RUN_STORE_DIR, open_store
+from storage_client import RUN_STORE_DIR, Manifest, Store, open_store
 from trainer.config import RunConfig, demo_config, estimated_parameters
 
 DEMO_REPLAYS = 2  # contributions the demo's audit re-runs (audit.replay)
@@ -55,19 +57,31 @@ def _kb(n: float) -> str:
     return f"{n / 1e3:,.1f} kB" if n < 1e6 else _mb(int(n))
 
 
-def _row(s: dict, dense: int) -> list[str]:
-    """round, eval loss, train loss, workers, bytes up, bytes down, × fewer than dense, time.
+def _row(s: dict, dense: int, states: int) -> list[str]:
+    """round, eval loss, train loss, workers, bytes up, bytes down, × fewer than dense, inner states up, time.
 
     ``dense``: one dense fp32 copy of the model, what plain DiLoCo sends each way per worker; the
     ratio is against that, both directions, over the round's participants (the round's real bytes:
-    every RPC, as the coordinator counted them)."""
+    every RPC, as the coordinator counted them), less ``states``, the inner states the round's
+    pushes carried for the audit (``state_bytes``)."""
     if s["round"] == 0:
-        return ["0", f"{s['eval_loss']:.4f}", "—", "genesis", "—", "—", "—", "—"]
+        return ["0", f"{s['eval_loss']:.4f}", "—", "genesis", "—", "—", "—", "—", "—"]
     workers = str(len(s["participants"])) + (f" (dropped {', '.join(s['dropped'])})" if s["dropped"] else "")
-    sent = s["bytes_up"] + s["bytes_down"]
-    fewer = f"{2 * dense * len(s['participants']) / sent:,.1f}× fewer" if sent else "—"
+    sent = s["bytes_up"] + s["bytes_down"] - states
+    fewer = f"{2 * dense * len(s['participants']) / sent:,.1f}× fewer" if sent > 0 else "—"
     return [str(s["round"]), f"{s['eval_loss']:.4f}", f"{s['mean_train_loss']:.4f}", workers,
-            _kb(s["bytes_up"]), _kb(s["bytes_down"]), fewer, f"{s['seconds']:.1f}s"]
+            _kb(s["bytes_up"]), _kb(s["bytes_down"]), fewer, _kb(states) if states else "—", f"{s['seconds']:.1f}s"]
+
+
+def state_bytes(store: Store, summary: dict, state_every: int) -> int:
+    """The bytes of the inner states a round's pushes carried (every ``rounds.state_every`` rounds,
+    trainer.runtime.state_commit): a replay starts from them, so the audit's chains stay short."""
+    from trainer.runtime.state_commit import FRESH_STATE, state_cid, state_due
+
+    if summary["round"] == 0 or not state_due(state_every, summary["round"]):
+        return 0
+    manifest = Manifest.load(store, summary["manifest_cid"])
+    return sum(store.size(state_cid(p.state)) for p in manifest.participants if p.state != FRESH_STATE)
 
 
 def fund_and_mature(run_dir: Path, rpc_url: str, rounds: int) -> None:
@@ -173,7 +187,8 @@ def _train(console: Console, run_dir: Path, config: RunConfig, config_path: Path
 
     started = time.monotonic()
     table = Table(title="rounds")
-    for column in ("round", "eval loss", "train loss", "workers", "bytes up", "bytes down", "vs dense", "time"):
+    for column in ("round", "eval loss", "train loss", "workers", "bytes up", "bytes down", "vs dense", "states up",
+                   "time"):
         table.add_column(column, justify="left" if column == "workers" else "right")
 
     # Each worker plans its stages and threads on its share of the cores (trainer.runtime.pipeline.plan_stages):
@@ -208,14 +223,17 @@ def _train(console: Console, run_dir: Path, config: RunConfig, config_path: Path
             while True:
                 exited = coordinator.poll() is not None
                 for summary in cluster.run_dir.logged_rounds()[len(rounds_done):]:
+                    summary["bytes_state"] = state_bytes(cluster.run_dir.store, summary, config.rounds.state_every)
                     rounds_done.append(summary)
-                    table.add_row(*_row(summary, dense))
-                    r, ev, tr, who, up, down, fewer, secs = _row(summary, dense)
+                    row = _row(summary, dense, summary["bytes_state"])
+                    table.add_row(*row)
+                    r, ev, tr, who, up, down, fewer, states, secs = row
                     progress.console.print(
                         f"round {r:>2}/{config.rounds.rounds}  eval {ev}  genesis (θ⁽⁰⁾, before any training)"
                         if summary["round"] == 0 else
                         f"round {r:>2}/{config.rounds.rounds}  eval {ev}  train {tr:>6}  "
-                        f"workers {who}  up {up}  down {down}  {fewer} than dense fp32  {secs}")
+                        f"workers {who}  up {up}  down {down}  {fewer} than dense fp32"
+                        f"{f'  (+{states} inner states up)' if summary['bytes_state'] else ''}  {secs}")
                     progress.update(task, completed=summary["round"])
                 if exited:
                     break
@@ -243,14 +261,16 @@ def _summary(console: Console, run_dir: Path, rounds_done: list[dict], elapsed: 
     first, last = rounds_done[1], rounds_done[-1]
     up = sum(s["bytes_up"] for s in rounds_done)
     down = sum(s["bytes_down"] for s in rounds_done)
+    states = sum(s["bytes_state"] for s in rounds_done)
     failed = {name: code for name, code in codes.items() if code != 0}
     improved = last["eval_loss"] < first["eval_loss"]
     dense_total = 2 * dense * sum(len(s["participants"]) for s in rounds_done[1:])
     console.print(
         f"[bold]summary[/]: {last['round']} rounds in {elapsed:.1f}s; eval loss "
         f"{rounds_done[0]['eval_loss']:.4f} (genesis) → {first['eval_loss']:.4f} (round 1) → "
-        f"{last['eval_loss']:.4f} (round {last['round']}); {_mb(up)} up, {_mb(down)} down, "
-        f"{dense_total / max(1, up + down):,.1f}× fewer bytes than dense fp32 both ways ({_mb(dense_total)})\n"
+        f"{last['eval_loss']:.4f} (round {last['round']}); {_mb(up)} up, {_mb(down)} down; the updates "
+        f"{dense_total / max(1, up + down - states):,.1f}× fewer bytes than dense fp32 both ways "
+        f"({_mb(dense_total)}); of the bytes up, {_mb(states)} were inner states for the audit's replay\n"
         f"head manifest {last['manifest_cid']}\nrun dir {run_dir} (store, manifests, logs/)"
     )
     if failed:
