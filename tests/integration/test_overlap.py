@@ -77,6 +77,7 @@ def round_timings(cluster: LocalCluster, overlap: bool, make_config, tmp_path,
     return statistics.median(wall), statistics.median(compute), statistics.median(transfer)
 
 
+@pytest.mark.alone  # compute and transfer times, measured against the machine's own load: no other test beside it
 def test_overlap_hides_a_slow_link_behind_compute(make_config, tmp_path) -> None:
     # Dense updates of ~120 kB each way: about 1 s on the 2 Mbit/s link against 0.8-1.5 s of compute.
     with LocalCluster(tmp_path / "sync") as sync_cluster:
