@@ -104,7 +104,15 @@ from trainer.rounds.update_source import dense
 from trainer.runstore.checkpoints import checkpoint_at
 from trainer.runstore.update_record import open_update, parse_record
 from trainer.runtime.inner import FRESH_STATE, InnerLoop, evaluate, load_adamw_state
-from trainer.runtime.state_commit import decode_inner_state, split_inner_state, state_cid, state_due
+from trainer.runtime.state_commit import (
+    decode_inner_state,
+    previous_in_window,
+    split_inner_state,
+    state_cid,
+    state_due,
+    state_stored,
+    window_contributions,
+)
 from trainer.runtime.staged import StagedArithmetic, staged_arithmetic
 
 from .replay_env import EXACT_TOLERANCE, ChildError, judge, kernels_label, replay_in, split_by_kernels
@@ -552,24 +560,22 @@ def committed_state(store: Store, config: RunConfig, p: Participant,
     return inner, errors
 
 
-def state_stored(store: Store, p: Participant) -> bool:
-    """Whether the inner state ``p`` commits to (not fresh) is in the store (rounds.state_every)."""
-    return p.state not in (None, FRESH_STATE) and store.has(state_cid(p.state))
-
-
 def missing_states(store: Store, config: RunConfig, manifests: Mapping[int, Manifest], worker: str,
                    rounds: Iterable[int]) -> list[tuple[int | None, str, str]]:
-    """A problem for each of ``worker``'s ``rounds`` whose committed state ``rounds.state_every``
-    says was stored (trainer.runtime.state_commit: the coordinator refuses a due push without it)
-    but the store lacks: the replay then goes further back, and the audit says so."""
+    """A problem for each of ``worker``'s ``rounds`` whose committed state ``rounds.state_every`` says
+    was stored (trainer.runtime.state_commit.state_due: its first counted contribution in its window
+    of K rounds; the coordinator refuses such a push without it) but the store lacks: the replay then
+    goes further back, and the audit says so."""
     every = config.rounds.state_every
     out: list[tuple[int | None, str, str]] = []
     for r in rounds:
         p = _counted(manifests[r], worker)
-        if (p is not None and state_due(every, r) and p.state not in (None, FRESH_STATE)
+        window = window_contributions(every, r, lambda q: _counted(manifests.get(q), worker))
+        if (p is not None and state_due(every, r, previous_in_window(window)) and p.state not in (None, FRESH_STATE)
                 and not store.has(state_cid(p.state))):
-            out.append((r, p.state, f"{worker}'s inner state of round {r}, which this run stores every {every} "
-                                    f"rounds (rounds.state_every), is not in the store"))
+            out.append((r, p.state, f"{worker}'s inner state of round {r}, its first counted contribution in rounds "
+                                    f"{r - r % every}..{r - r % every + every - 1} (rounds.state_every {every}), "
+                                    f"is not in the store"))
     return out
 
 

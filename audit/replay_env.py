@@ -28,7 +28,7 @@ chain (n = 1 at its fresh start; FALLBACK_MEASURED), the n-th is held to
                  = none: "inconclusive"   further down the chain (never an accusation of the worker)
 
 so the fallback catches what it can (an update scaled by 1.05 at the start of a chain). A run bounds
-every chain by the horizon (rounds.state_every ≤ REPLAY_HORIZON: a stored state every K rounds), so
+every chain by the horizon (rounds.state_every ≤ REPLAY_HORIZON: a stored state per window of K rounds), so
 an "inconclusive" row is a failure of the run, not of its worker: the coordinator accepted a chain
 no audit can decide (audit.recompute, AuditCheck.REPLAY_HORIZON). Each row says which kernels
 replayed it and against which tolerance.

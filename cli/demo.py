@@ -19,8 +19,8 @@ run (README: "Running it by hand").
 It runs DiLoCoX, the product's default (trainer.config), with pipeline stages where the machine has
 a core for each; ``--diloco`` runs plain DiLoCo instead. Shows one line per finished round (eval
 loss, mean inner loss, bytes each way, how many times fewer than dense fp32 both ways the updates
-travel, time), a summary and the audit's table. The inner states the workers upload every
-``rounds.state_every`` rounds for the audit's replay are counted in the bytes up and shown apart:
+travel, time), a summary and the audit's table. The inner states the workers upload once per
+window of ``rounds.state_every`` rounds for the audit's replay are counted in the bytes up and shown apart:
 they are the audit's cost, not the update's. Afterwards ``dilocox audit --run <run>`` re-verifies the run on its own.
 """
 
@@ -73,15 +73,16 @@ def _row(s: dict, dense: int, states: int) -> list[str]:
             _kb(s["bytes_up"]), _kb(s["bytes_down"]), fewer, _kb(states) if states else "—", f"{s['seconds']:.1f}s"]
 
 
-def state_bytes(store: Store, summary: dict, state_every: int) -> int:
-    """The bytes of the inner states a round's pushes carried (every ``rounds.state_every`` rounds,
-    trainer.runtime.state_commit): a replay starts from them, so the audit's chains stay short."""
-    from trainer.runtime.state_commit import FRESH_STATE, state_cid, state_due
+def state_bytes(store: Store, summary: dict) -> int:
+    """The bytes of the inner states a round's pushes carried (a worker's first counted round in each
+    window of ``rounds.state_every`` rounds, trainer.runtime.state_commit): a replay starts from them,
+    so the audit's chains stay short."""
+    from trainer.runtime.state_commit import state_cid, state_stored
 
-    if summary["round"] == 0 or not state_due(state_every, summary["round"]):
+    if summary["round"] == 0:
         return 0
     manifest = Manifest.load(store, summary["manifest_cid"])
-    return sum(store.size(state_cid(p.state)) for p in manifest.participants if p.state != FRESH_STATE)
+    return sum(store.size(state_cid(p.state)) for p in manifest.participants if state_stored(store, p))
 
 
 def fund_and_mature(run_dir: Path, rpc_url: str, rounds: int) -> None:
@@ -223,7 +224,7 @@ def _train(console: Console, run_dir: Path, config: RunConfig, config_path: Path
             while True:
                 exited = coordinator.poll() is not None
                 for summary in cluster.run_dir.logged_rounds()[len(rounds_done):]:
-                    summary["bytes_state"] = state_bytes(cluster.run_dir.store, summary, config.rounds.state_every)
+                    summary["bytes_state"] = state_bytes(cluster.run_dir.store, summary)
                     rounds_done.append(summary)
                     row = _row(summary, dense, summary["bytes_state"])
                     table.add_row(*row)

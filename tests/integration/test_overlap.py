@@ -7,12 +7,13 @@ import statistics
 
 import pytest
 
-from audit.replay import REPLAY_TOLERANCE, replay_run
+from audit.replay import REPLAY_TOLERANCE, Replayer, replay_run
 from cli.cluster import LocalCluster
 from tests.integration.test_cluster import assert_rederivable
 from trainer.codec import CompressionConfig
 from trainer.config import InnerConfig, RoundConfig, RunConfig
 from trainer.runtime.inner import FRESH_STATE
+from trainer.runtime.state_commit import state_cid
 
 pytestmark = pytest.mark.integration
 
@@ -107,10 +108,16 @@ def test_an_overlapped_straggler_starts_over_fresh_and_every_contribution_replay
     global state: its first counted round commits a fresh state, the eager start after it has no
     history. w0, held before round 3 until round 3 closed on w1, has its round-3 push refused in turn
     and rewinds to its state after round 2. The replay rebuilds every contribution of the run (before,
-    a round after a refused one was "not replayable", or failed as "not fresh")."""
+    a round after a refused one was "not replayable", or failed as "not fresh").
+
+    With ``rounds.state_every`` = 3 (windows [0, 3), [3, 6)) w0, absent from round 3, uploads its state at
+    its next counted round instead (trainer.runtime.state_commit.state_due), so no chain the replay
+    builds is longer than 3 (under the old rule, r % K == 0, w0 stored nothing in this run and its
+    chain ran from round 1 through every later round of its)."""
+    every = 3
     cluster.start_coordinator(make_config(rounds=RoundConfig(
         rounds=5, expected_workers=2, quorum=1, overlap=True, overlap_start="eager", straggler_timeout_s=5.0,
-        heartbeat_interval_s=0.5, liveness_timeout_s=3.0)))
+        heartbeat_interval_s=0.5, liveness_timeout_s=3.0, state_every=every)))
     holds.hold("w1", 1)
     holds.hold("w0", 3)  # so that round 3 waits for w0 and w1's fresh start counts in it
     holds.hold("w1", 5)  # so that round 5 waits for w1 and w0's start after its refusal counts by then
@@ -144,3 +151,8 @@ def test_an_overlapped_straggler_starts_over_fresh_and_every_contribution_replay
     assert sorted((row.round, row.worker) for row in outcome.rows) == everyone
     assert all(row.status == "ok" and row.distance < REPLAY_TOLERANCE / 5 for row in outcome.rows), outcome.rows
     print({(row.round, row.worker): f"{row.distance:.2e}" for row in outcome.rows})
+    replayer = Replayer(cluster.run_dir.store, config, manifests, worker_kernels=False)
+    chains = {(r, w): replayer.chain(r, w) for r, w in everyone}
+    assert max(len(c) for c in chains.values()) <= every, chains
+    assert cluster.run_dir.store.has(state_cid(next(p.state for p in manifests[again[0]].participants
+                                                    if p.worker == "w0")))  # w0's first of window [3, 6)

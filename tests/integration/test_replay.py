@@ -214,8 +214,8 @@ def test_workers_of_two_stages_are_replayed_and_a_scaled_one_is_named(cluster: L
     assert longer.chain(3, lost.worker) == [1, 2, 3]
     longer.replay([(3, lost.worker)])
     assert [(r, message) for r, _, message in longer.problems] == [
-        (2, f"{lost.worker}'s inner state of round 2, which this run stores every 2 rounds (rounds.state_every), "
-            f"is not in the store")]
+        (2, f"{lost.worker}'s inner state of round 2, its first counted contribution in rounds 2..3 "
+            f"(rounds.state_every 2), is not in the store")]
 
 
 def _replayed_by_another_auditor(cluster: LocalCluster, manifests: dict, rounds: int) -> tuple[dict, Kernels]:

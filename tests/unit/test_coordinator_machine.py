@@ -67,8 +67,9 @@ def header(c: Coordinator, worker: str, update: Params, **fields: object) -> Upd
 
 
 def fresh(c: Coordinator, worker: str, update: Params, **fields: object) -> UpdateHeader:
-    """A header whose inner state is fresh: a test of many rounds, whose round rounds.state_every (4 by
-    default) names would otherwise have to carry the state's bytes."""
+    """A header whose inner state is fresh: a test of many rounds, whose pushes would otherwise have to
+    carry the state's bytes at each worker's first counted round of each window of rounds.state_every
+    (4 by default) rounds (trainer.runtime.state_commit)."""
     return header(c, worker, update, **{"inner_state_sha256": FRESH_STATE, **fields})
 
 
@@ -251,6 +252,59 @@ def test_inner_state_bytes_come_on_the_rounds_state_every_names_and_are_checked(
         check_state_bytes(encode_params({"exp_avg_sq.nothing": torch.zeros(2)}), c.layout, c.config)
     assert caught.value.reason is Reason.MALFORMED
     push(c, header(c, "w0", u, inner_state_sha256=FRESH_STATE), u)  # a fresh state carries none
+
+
+def push_with_state(c: Coordinator, worker: str, update: Params, state: bytes) -> None:
+    """A push that carries the inner state ``state`` (its header commits to those bytes), stored as
+    the service stores it."""
+    h = header(c, worker, update, inner_state_sha256=hashlib.sha256(state).hexdigest(), inner_state_size=len(state))
+    c.admit_header(h)
+    c.accept(h, CheckedUpdate(DenseUpdate(update), exact_norm(update)), 1234, encode_params(update), state)
+
+
+def test_the_inner_state_is_due_at_a_workers_first_counted_round_of_each_window(tmp_path) -> None:
+    """rounds.state_every = 3 (trainer.runtime.state_commit): windows [0, 3), [3, 6). Absent from round 3
+    (the window's first), w1 must carry its state at its next contribution, round 4, where w0, which
+    uploaded in round 3, need not. A state sent unasked (a worker in doubt after a refused push) is
+    taken while the worker's window holds fewer than MAX_STORED_PER_WINDOW stored states, refused
+    past that, also by a restarted coordinator (its view comes from the manifests and the store)."""
+    clock = Clock()
+    c = coordinator(tmp_path, clock, rounds=RoundConfig(rounds=6, expected_workers=2, quorum=1, state_every=3,
+                                                         straggler_timeout_s=10.0, liveness_timeout_s=60.0))
+    joined(c, "w0", "w1")
+    for _ in range(2):  # window 0: nothing is due (every chain starts fresh in it)
+        for w, offset in (("w0", 0.0), ("w1", 0.5)):
+            u = update_of(c, c.round.number + offset)
+            push(c, header(c, w, u), u)
+        assert c.close_due()
+        c.close_round()
+    u = update_of(c, 3.0)
+    assert refused(c, header(c, "w0", u), u) is Reason.MALFORMED  # round 3 is w0's first of window 1
+    push_with_state(c, "w0", u, b"w0 at round 3")
+    clock.now += 10.0  # w1 is absent from round 3
+    assert c.close_due()
+    c.close_round()
+    v, u = update_of(c, 4.5), update_of(c, 4.0)
+    with pytest.raises(Refusal, match="must carry it") as caught:
+        push(c, header(c, "w1", v), v)  # round 4 is w1's first counted one of window 1
+    assert caught.value.reason is Reason.MALFORMED
+    push_with_state(c, "w1", v, b"w1 at round 4")
+    push_with_state(c, "w0", u, b"w0 at round 4")  # unasked: its second stored state of the window
+    assert c.close_due()
+    c.close_round()
+    restarted = Coordinator(open_run(RunDir(tmp_path / "run"), None), clock=clock)
+    u, v = update_of(restarted, 5.0), update_of(restarted, 5.5)
+    with pytest.raises(Refusal, match="already stored 2 inner states") as caught:
+        push_with_state(restarted, "w0", u, b"w0 at round 5")
+    assert caught.value.reason is Reason.MALFORMED and len(str(caught.value)) < 300
+    push(restarted, header(restarted, "w0", u), u)  # not due, so none is needed
+    push_with_state(restarted, "w1", v, b"w1 at round 5")  # w1's window holds one: one more is taken
+    assert restarted.close_due()
+    restarted.close_round()
+    u = update_of(restarted, 6.0)
+    assert refused(restarted, header(restarted, "w0", u, stage=0, inner_state_sha256=FRESH_STATE, inner_state_size=9),
+                   u) is Reason.MALFORMED  # a fresh state is never sent
+    assert refused(restarted, header(restarted, "w0", u), u) is Reason.MALFORMED  # round 6: window 2 begins
 
 
 # ----------------------------------------------------------------------------- stage slices

@@ -15,12 +15,15 @@ from trainer.model.params import params_of
 from trainer.runtime.inner import InnerLoop, inner_state_bytes, inner_state_digest
 from trainer.runtime.state_commit import (
     StateError,
+    StateUploads,
     check_inner_state,
     decode_inner_state,
+    previous_in_window,
     split_inner_state,
     state_cid,
     state_due,
     state_limit,
+    window_contributions,
 )
 
 MODEL = ModelConfig(block_size=8, n_layer=1, n_head=2, n_embd=16)
@@ -48,25 +51,45 @@ def test_the_uploaded_bytes_are_the_commitment_and_round_trip() -> None:
     assert set(back_adamw) == set(adamw) and all(torch.equal(back_adamw[k], adamw[k]) for k in adamw)
     assert set(back_errors) == {k[len("error."):] for k in errors}
     check_inner_state({}, layout, compressed=False)  # a fresh state
-    assert [state_due(3, r) for r in range(1, 7)] == [False, False, True, False, False, True]
-    assert not state_due(0, 6)
 
 
-def test_a_state_no_worker_could_hold_is_refused_by_name() -> None:
-    adamw, errors = trained_state()
-    layout = layout_of(params_of(build_model(MODEL, 3)))
-    name = next(iter(layout))
-    faults = [
-        ({**adamw, **errors}, False, "no worker's state holds"),  # error feedback of a dense uplink
-        ({k: v for k, v in adamw.items() if k != f"step.{name}"}, False, "not all of"),
-        ({**adamw, f"exp_avg.{name}": adamw[f"exp_avg.{name}"].double()}, False, "expected float32"),
-        ({**adamw, f"exp_avg.{name}": adamw[f"exp_avg.{name}"][:1]}, False, "expected float32 of shape"),
-        ({**adamw, f"exp_avg_sq.{name}": adamw[f"exp_avg_sq.{name}"] * float("nan")}, False, "not finite"),
-        ({**adamw, f"step.{name}": adamw[f"step.{name}"] + 1}, False, "one whole number"),
-        ({**adamw, "pickle.evil": torch.zeros(1)}, False, "no worker's state holds"),
-    ]
-    for state, compressed, message in faults:
-        with pytest.raises(StateError, match=message):
-            decode_inner_state(encode_params(state), layout, compressed)
-    with pytest.raises(StateError, match="inner state: "):
-        decode_inner_state(b"\x00" * 64, layout, compressed=False)
+def test_the_state_is_due_at_a_workers_first_counted_round_of_each_window() -> None:
+    """due(r, p) = ⌊r/K⌋ > ⌊p/K⌋: present every round, a worker uploads on r % K == 0 as before; absent
+    on such a round, at its next contribution; so a chain (from a stored or fresh state) is never
+    longer than K, whoever was absent when."""
+    assert [state_due(3, r, r - 1) for r in range(1, 7)] == [False, False, True, False, False, True]
+    assert not state_due(0, 6, 5)
+    assert not state_due(4, 3, 0)  # window 0: every worker's chain starts fresh in it
+    assert state_due(4, 5, 3) and not state_due(4, 6, 5) and state_due(4, 9, 5)  # absent on rounds 4 and 8
+    assert state_due(4, 6, 0)  # a first contribution in window 1 (its state is fresh: nothing is sent)
+    for absent in [set(), {4}, {3, 4, 5}, {8}, {4, 5, 6, 7}, {1, 2, 3, 4, 5}]:
+        present, previous, since_upload = [r for r in range(1, 13) if r not in absent], 0, 0
+        for r in present:
+            since_upload = 1 if state_due(4, r, previous) else since_upload + 1
+            assert since_upload <= 4, (absent, r)
+            previous = r
+    participants = {2: "w at 2", 5: "w at 5", 6: "w at 6"}
+    window = window_contributions(4, 7, participants.get)
+    assert window == [(5, "w at 5"), (6, "w at 6")] and previous_in_window(window) == 6
+    assert window_contributions(4, 4, participants.get) == [] and previous_in_window([]) == 0
+    assert window_contributions(4, 3, participants.get) == [(2, "w at 2")]
+
+
+def test_a_worker_sends_its_state_when_due_or_after_a_refused_push_never_a_fresh_one() -> None:
+    """trainer.worker.role's side of the rule: p is its last push taken whole; a push never confirmed
+    was refused, and since a lost reply reads the same, the next push carries the state, due or not,
+    until one that carries it (or whose state is fresh) is taken."""
+    uploads = StateUploads()
+    assert uploads.take(4, 1, b"") == b"" and uploads.counted() is None  # fresh: nothing to send
+    for r in (2, 3):
+        assert uploads.take(4, r, b"state") == b""
+        uploads.counted()
+    assert uploads.take(4, 4, b"state") == b"state"  # its first of window [4, 8)
+    uploads.counted()
+    assert uploads.take(4, 5, b"state") == b""  # refused (never confirmed) ...
+    assert uploads.take(4, 6, b"state") == b"state"  # ... so the next push carries it, and is refused too
+    assert uploads.take(4, 7, b"state") == b"state"
+    uploads.counted()
+    assert uploads.take(4, 9, b"state") == b"state"  # absent from round 8: round 9 is its first of [8, 12)
+    uploads.counted()
+    assert uploads.take(4, 10, b"state") == b"" and uploads.last_counted == 9 and not uploads.in_doubt

@@ -10,9 +10,19 @@ from __future__ import annotations
 
 import math
 import re
+from typing import Mapping
 
 from proto import PROTOCOL_VERSION, PUSH_ENCODINGS
-from storage_client import KERNEL_CAPABILITIES, MAX_KERNEL_THREADS, Kernels, ManifestError
+from storage_client import (
+    CID,
+    KERNEL_CAPABILITIES,
+    MAX_KERNEL_THREADS,
+    Kernels,
+    Manifest,
+    ManifestError,
+    Participant,
+    Store,
+)
 from trainer.codec.wire import Layout
 from trainer.config import ModelConfig, RunConfig
 from trainer.coordinator.state import JournalEntry, OpenRound, StageSlices, UpdateHeader
@@ -23,7 +33,16 @@ from trainer.rounds.aggregation import InvalidUpdate, check_layout
 from trainer.rounds.schedule import round_tokens
 from trainer.runstore.update_record import SIGNATURE_BYTES
 from trainer.runtime.inner import FRESH_STATE
-from trainer.runtime.state_commit import StateError, decode_inner_state, state_due, state_limit
+from trainer.runtime.state_commit import (
+    MAX_STORED_PER_WINDOW,
+    StateError,
+    decode_inner_state,
+    previous_in_window,
+    state_due,
+    state_limit,
+    state_stored,
+    window_contributions,
+)
 
 # The declared train loss is a mean cross-entropy (≥ 0); this bounds it only to what the ledger's
 # fixed-point fields can hold (storage_client.to_e6), as any honest value is.
@@ -144,17 +163,40 @@ def check_form(h: UpdateHeader, expected: Layout, config: RunConfig, inner_steps
     return declared
 
 
-def check_state_upload(h: UpdateHeader, layout: Layout, config: RunConfig) -> None:
-    """The inner state's bytes come on the rounds ``rounds.state_every`` names, in stage 0's slice,
-    unless the state is fresh (a replay starts there anyway), within ``state_limit``; never else."""
-    due = state_due(config.rounds.state_every, h.round) and h.stage == 0 and h.inner_state_sha256 != FRESH_STATE
+def state_window(manifests: Mapping[int, tuple[CID, Manifest]], worker_id: str, round_: int,
+                 state_every: int) -> list[tuple[int, Participant]]:
+    """``worker_id``'s counted contributions in ``round_``'s window before it, from the published
+    manifests (trainer.runtime.state_commit.window_contributions: at most K − 1 looked up)."""
+    def counted(r: int) -> Participant | None:
+        published = manifests.get(r)
+        if published is None:
+            return None
+        return next((p for p in published[1].participants if p.worker == worker_id), None)
+    return window_contributions(state_every, round_, counted)
+
+
+def check_state_upload(h: UpdateHeader, layout: Layout, config: RunConfig, window: list[tuple[int, Participant]],
+                       store: Store) -> None:
+    """The inner state's bytes come in stage 0's slice, never for a fresh state, within ``state_limit``
+    (trainer.runtime.state_commit): required when the worker's ``window`` (its counted contributions
+    of the window so far, ``state_window``) says due; sent unasked, taken while its window holds
+    fewer than MAX_STORED_PER_WINDOW stored states; never else."""
+    every = config.rounds.state_every
+    can_carry = h.stage == 0 and h.inner_state_sha256 != FRESH_STATE
+    due = can_carry and state_due(every, h.round, previous_in_window(window))
     if due and not h.inner_state_size:
         raise Refusal(Reason.MALFORMED,
-                      f"round {h.round}: this run stores each worker's inner state every {config.rounds.state_every} "
-                      f"rounds (rounds.state_every), so the push must carry it (inner_state_size 0)")
-    if h.inner_state_size and not due:
+                      f"round {h.round}: this run stores each worker's inner state at its first counted round of "
+                      f"each window of {every} rounds (rounds.state_every), so the push must carry it "
+                      f"(inner_state_size 0)")
+    if h.inner_state_size and not can_carry:
         raise Refusal(Reason.MALFORMED, f"inner_state_size {h.inner_state_size}: round {h.round} stage {h.stage} "
-                                        f"carries no inner state (rounds.state_every {config.rounds.state_every})")
+                                        f"carries no inner state (stage 0 carries a state that is not fresh)")
+    if h.inner_state_size and not due and sum(state_stored(store, p) for _, p in window) >= MAX_STORED_PER_WINDOW:
+        raise Refusal(Reason.MALFORMED, f"inner_state_size {h.inner_state_size}: this worker's contributions to "
+                                        f"rounds {h.round - h.round % every}..{h.round - 1} already stored "
+                                        f"{MAX_STORED_PER_WINDOW} inner states, the most a window of "
+                                        f"rounds.state_every {every} rounds takes")
     limit = state_limit(layout)
     if h.inner_state_size > limit:
         raise Refusal(Reason.MALFORMED, f"inner state of {h.inner_state_size} bytes exceeds the {limit} a "

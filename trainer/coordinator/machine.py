@@ -192,13 +192,14 @@ class Coordinator:
             if self.config.rounds.overlap:  # one round stale is the point of the overlap
                 bases.add(self.run.manifests[max(h.round - 2, 0)][1].params)
             checks.check_base(h, str(g.params_cid), bases)
+            window = checks.state_window(self.run.manifests, h.worker_id, h.round, self.config.rounds.state_every)
         checks.check_digest_form(h)
         if self.trust is not None:
             self.trust.check_update(h.worker_id, address, h.round, h.stage, h.num_stages, h.payload_sha256,
                                     h.signature)
         expected = checks.stage_layout(self.layout, self.config.model, h.stage, h.num_stages)
         declared = checks.check_form(h, expected, self.config, self.run.inner_steps(h.round))
-        checks.check_state_upload(h, self.layout, self.config)
+        checks.check_state_upload(h, self.layout, self.config, window, self.run.run_dir.store)
         return declared
 
     def count_up(self, worker_id: str, nbytes: int) -> None:

@@ -11,7 +11,7 @@ Reachability is a walk over CIDs from the run's roots:
             participants' update records; an update record its payloads and codec headers
             (trainer.runstore.update_record); an admission record its evidence; a config whatever it pins;
             and a manifest its participants' committed inner states, named by digest (``state``: stored
-            every ``rounds.state_every`` rounds, trainer.runtime.state_commit)
+            once per worker per window of ``rounds.state_every`` rounds, trainer.runtime.state_commit)
 
 RAW objects (tensors, payloads, evidence) name nothing. What no walk reaches (a refused or abandoned
 push, a manifest HEAD never moved to) is unreferenced, and only that is removed; a coordinator
@@ -85,7 +85,7 @@ def _roots(run_dir: RunDir, present: set[str]) -> list[str]:
         try:
             journalled = json.loads(journal.read_text(encoding="utf-8"))
             # The open round's accepted pushes: their records, and the inner states they carried (not
-            # named by any manifest yet; rounds.state_every's rounds store one per worker).
+            # named by any manifest yet; rounds.state_every: once per worker per window of K rounds).
             roots.extend(c.hex for c in _cids_in(journalled))
             roots.extend(state for state in _states_in(journalled) if state in present)
         except (OSError, ValueError):

@@ -141,7 +141,7 @@ def load_adamw_state(module: nn.Module, optimizer: torch.optim.Optimizer, state:
 def inner_state_bytes(*states: Params) -> bytes:
     """A worker's inner state (its AdamW state and, when the uplink is compressed, its error-feedback
     buffers) in one byte-deterministic safetensors file (``trainer.codec.wire.encode_params``): what
-    it uploads every ``rounds.state_every`` rounds (trainer.runtime.state_commit)."""
+    it uploads once per window of ``rounds.state_every`` rounds (trainer.runtime.state_commit)."""
     merged: Params = {}
     for state in states:
         merged.update(state)

@@ -1,15 +1,34 @@
-"""Inner-state commitments stored by CID every K rounds, so that a replay needs at most K rounds.
+"""Inner-state commitments stored by CID once per worker per window of K rounds: a replay needs at most K.
 
 Every push names σ = sha256 of the worker's inner state at the round's start
 (trainer.runtime.inner.inner_state_digest: one byte-deterministic safetensors file,
 trainer.codec.wire.encode_params, of its AdamW tensors and error feedback). Those bytes are an object
 of the run's store whose CID digest is σ itself, so the manifest's ``state`` already names the
-object, and every report's signature over the manifest covers it. With ``rounds.state_every`` = K,
-on every round r with r % K == 0 each worker whose state is not fresh sends those bytes with its
-push (stage 0's slice, for a worker of several stages: its stages' states together), and the
-coordinator checks and stores them. The audit's replay (audit.replay) then starts a worker's chain
-at its latest contribution whose state is stored (or fresh): at most K rounds back, instead of the
-worker's whole history, and the honest replay distance, which grows along a chain, stays bounded.
+object, and every report's signature over the manifest covers it. With ``rounds.state_every`` = K
+the rounds fall into windows m = [mK, (m+1)K), and a worker sends those bytes with its push (stage
+0's slice, for a worker of several stages: its stages' states together) at its FIRST counted
+contribution in each window:
+
+    due(r, p) = ⌊r/K⌋ > ⌊p/K⌋      p: the round of the worker's previous counted contribution, 0 if none
+
+never for a fresh state (a replay starts there anyway). With every worker present every round that
+is r % K == 0; a worker absent on such a round (dead, slow, joined late) uploads at its next
+contribution instead, so whoever was absent when, every chain starts within its window (at a stored
+or fresh state) and is at most K contributions long. The audit's replay (audit.replay) starts a
+worker's chain at its latest contribution whose state is stored (or fresh), and the honest replay
+distance, which grows along a chain, stays bounded.
+
+The one rule (``state_due``) is applied by three parties, each from what it knows of p:
+
+* the worker: its last round whose push was accepted (its inner state moves only through counted
+  rounds, trainer.worker.role); after a refused push it cannot tell a refusal from a lost reply, so
+  its next push sends its state whether due or not (``StateUploads``);
+* the coordinator: its published manifests of the window's rounds before r (at most K − 1, in
+  memory, also after a restart: ``window_contributions``). It REQUIRES the bytes when its view says
+  due, and ACCEPTS bytes a worker sends unasked within a budget: at most ``MAX_STORED_PER_WINDOW``
+  stored states among a worker's counted contributions of one window (the due one and one more,
+  e.g. after a refused push), so a disagreement never wedges an honest worker's pushes;
+* the audit: the manifests, exactly: which rounds must have stored states (audit.replay.missing_states).
 
 The bytes are hostile input: at most ``state_limit`` bytes, their sha256 must be σ (the coordinator
 reassembles them against it), they are decoded by the wire codec (never unpickled) and must name
@@ -23,13 +42,17 @@ from __future__ import annotations
 
 import hashlib
 import math
+from typing import Callable
 
 import torch
 
-from storage_client import CID, Codec
+from storage_client import CID, Codec, Participant, Store
 from trainer.codec.wire import Layout, Params, WireError, decode_params
 from trainer.runtime.inner import FRESH_STATE, inner_state_bytes
 
+# A worker's counted contributions of one window carry at most this many stored states: the one
+# ``state_due`` asks for, and one sent unasked (a worker in doubt after a refused push).
+MAX_STORED_PER_WINDOW = 2
 # Room for the safetensors header (names, shapes, offsets) per tensor, beyond the tensors' bytes.
 _HEADER_BYTES_PER_TENSOR = 512
 _ADAMW = ("exp_avg", "exp_avg_sq")
@@ -39,22 +62,71 @@ class StateError(ValueError):
     """Stored or pushed inner-state bytes that are not a worker's inner state (the message says why)."""
 
 
-def state_due(state_every: int, round_: int) -> bool:
-    """Whether round ``round_``'s pushes carry their inner state (``rounds.state_every`` = K > 0)."""
-    return state_every > 0 and round_ % state_every == 0
+def state_due(state_every: int, round_: int, previous: int) -> bool:
+    """Whether a worker's contribution to round ``round_`` carries its inner state (``rounds.state_every``
+    = K > 0): it is the worker's first counted one in its window of K rounds, ``previous`` being the
+    round of its previous counted contribution (0 if none): ⌊r/K⌋ > ⌊p/K⌋."""
+    return state_every > 0 and round_ // state_every > previous // state_every
 
 
-def commitment(state_every: int, round_: int, adamw: Params, errors: Params) -> tuple[str, bytes]:
-    """The digest of the inner state round ``round_`` starts from (its AdamW and error feedback), and
-    its bytes when the round uploads them (``state_due``, unless the state is fresh); else b""."""
+def window_contributions(state_every: int, round_: int,
+                         counted: Callable[[int], Participant | None]) -> list[tuple[int, Participant]]:
+    """A worker's counted contributions to the rounds of ``round_``'s window before it, [⌊r/K⌋K, r − 1]
+    (round 0 is genesis), as ``counted`` (round → the worker's participant, or None) gives them: at
+    most K − 1 rounds, all that ``state_due`` needs of the worker's history (any earlier p decides alike)."""
+    first = max(1, round_ - round_ % state_every) if state_every > 0 else round_
+    return [(r, p) for r in range(first, round_) if (p := counted(r)) is not None]
+
+
+def previous_in_window(contributions: list[tuple[int, Participant]]) -> int:
+    """``state_due``'s p from ``window_contributions``: the latest, or 0 when none (same verdict as any p
+    before the window)."""
+    return max((r for r, _ in contributions), default=0)
+
+
+class StateUploads:
+    """A worker's side of ``state_due``: whether its push of a round carries its inner state. p is the
+    round of its last push the coordinator took (its inner state moves only through those); after a
+    refused push it cannot tell a refusal from a lost reply that the coordinator counted, so its next
+    push carries the state, due or not, until one that carries it (or whose state is fresh) is taken."""
+
+    def __init__(self) -> None:
+        self.last_counted = 0  # p: the round of the last push taken whole, 0 if none
+        self.in_doubt = False  # a push was refused since the state was last sent
+        self._pending: tuple[int, bool] | None = None  # the push under way: its round, and whether it settles a doubt
+
+    def take(self, state_every: int, round_: int, raw: bytes) -> bytes:
+        """What the push of ``round_`` sends (stage 0): ``raw``, the state's bytes (b"" when fresh),
+        when due or in doubt, else b"". A push never confirmed (``counted``) was refused."""
+        self.in_doubt = self.in_doubt or self._pending is not None
+        upload = raw if self.in_doubt or state_due(state_every, round_, self.last_counted) else b""
+        self._pending = (round_, bool(upload) or not raw)
+        return upload
+
+    def counted(self) -> None:
+        """The push of the last ``take`` was taken whole by the coordinator."""
+        assert self._pending is not None
+        self.last_counted, settled = self._pending
+        self.in_doubt, self._pending = self.in_doubt and not settled, None
+
+
+def commitment(adamw: Params, errors: Params) -> tuple[str, bytes]:
+    """The digest of the inner state a round starts from (its AdamW and error feedback), and its bytes
+    (b"" for the fresh state, which is never uploaded); whether they go with the push is decided
+    when it is sent (``StateUploads``)."""
     raw = inner_state_bytes(adamw, errors)
     digest = hashlib.sha256(raw).hexdigest()
-    return digest, raw if state_due(state_every, round_) and digest != FRESH_STATE else b""
+    return digest, raw if digest != FRESH_STATE else b""
 
 
 def state_cid(digest: str) -> CID:
     """The store's name for the inner state whose sha256 (hex, a manifest participant's ``state``) is ``digest``."""
     return CID(Codec.RAW, bytes.fromhex(digest))
+
+
+def state_stored(store: Store, p: Participant) -> bool:
+    """Whether the inner state ``p`` commits to (not fresh) is in the store."""
+    return p.state not in (None, FRESH_STATE) and store.has(state_cid(p.state))
 
 
 def state_limit(layout: Layout) -> int:

@@ -15,6 +15,10 @@ done, both are dropped, the state rewound to before the refused round (``rewind`
 starts over from the newest global state (trainer.worker.loops.overlapped), so its chain of counted
 rounds replays across the refusal, and a worker none of whose rounds has counted yet commits a
 fresh state; a worker of several stages rewinds the same way (its stages' AdamW when they next run).
+The state's bytes go with a push at the worker's first counted contribution in each window of
+``rounds.state_every`` rounds, counted from its last push the coordinator took, and with its next
+push after a refused one, which may have counted all the same (a lost reply): decided when the push
+goes (trainer.runtime.state_commit.StateUploads).
 """
 
 from __future__ import annotations
@@ -50,7 +54,7 @@ from trainer.runtime.inner import InnerLoop, InnerResult
 from trainer.runtime.kernels import current_kernels
 from trainer.runtime.pipeline import PipelinedInnerLoop, PipelineError, plan_stages
 from trainer.runtime.procgroup import available_cpus
-from trainer.runtime.state_commit import commitment
+from trainer.runtime.state_commit import StateUploads, commitment
 from trainer.worker.client import (
     REFUSED,
     Checkpoint,
@@ -83,8 +87,9 @@ class RoundWork:
     inner_s: float = 0.0  # seconds in the inner loop (the whole pipeline, with several stages)
     compress_s: float = 0.0  # seconds encoding Δ for the push (one-process worker)
     steps: StepsDecision | None = None  # the round's H_r and how it was decided (trainer.rounds.schedule)
-    # The committed state's bytes, sent with the push on the rounds rounds.state_every names
-    # (trainer.runtime.state_commit); empty on the others, and for a fresh state.
+    # The committed state's bytes (empty for a fresh state), sent with the push when it is the worker's
+    # first counted contribution in its window of rounds.state_every rounds, or after a refused push
+    # (trainer.runtime.state_commit.StateUploads: decided when the push goes, once the last one's fate is known).
     state_bytes: bytes = b""
     # What decided the round's floating point (trainer.runtime.kernels), named with the push so that
     # an auditor replays it bit for bit; None on an accelerator, or where the stages disagreed.
@@ -116,8 +121,7 @@ class Worker:
         # Pipeline stages (None: auto) on the cores given, and the torch threads of each: planned at
         # the first join, when the model's depth is known.
         self.requested_stages, self.cores, self.threads = stages, cores or available_cpus(), threads
-        self.stages = stages or 1
-        self.threads_per_stage = threads or 1
+        self.stages, self.threads_per_stage = stages or 1, threads or 1
         self.metrics = metrics
         # The coordinator's signed receipts of this worker's counted updates and taken reports.
         self.receipts = ReceiptBook(receipts if receipts is not None else Path("receipts") / worker_id)
@@ -132,6 +136,7 @@ class Worker:
         self.compute_s = 0.0  # time in the inner loop, all rounds
         self.tokens = 0
         self._counted = (0, 0)  # bytes sent/received up to the last progress record
+        self.uploads = StateUploads()  # whether a push carries the inner state (trainer.runtime.state_commit)
         # Seconds by phase since the last progress record ("push", "evaluate"; see _phases).
         self.phase_seconds = PhaseSeconds()
         self.hold = RoundHold.from_env()  # a test's pause before a round (trainer.worker.hold); none in a run
@@ -223,12 +228,12 @@ class Worker:
             piped = self.inner.run(params, batches, uplink_snapshot, what=what)
             self.uplink.update(piped.uplink_states)
             # The stages' AdamW states partition the one-process state's names: the same digest rule.
-            state, raw = commitment(self.config.rounds.state_every, round_, piped.start_state, errors)
+            state, raw = commitment(piped.start_state, errors)
             snapshot = (piped.start_state, uplink_snapshot)  # kept whatever the mode, as below
             return RoundWork(InnerResult(piped.pseudo_gradient, piped.mean_loss, piped.tokens, piped.steps),
                              piped.slices, state, snapshot, inner_s=time.perf_counter() - started, steps=steps,
                              state_bytes=raw, kernels=piped.kernels)
-        state, raw = commitment(self.config.rounds.state_every, round_, self.inner.state(), self.uplink.error_state())
+        state, raw = commitment(self.inner.state(), self.uplink.error_state())
         # Kept whatever the mode: overlapped, the loop rewinds to it once the next round is done (``rewind``).
         snapshot = (self.inner.snapshot(), self.uplink.snapshot())
         started = time.perf_counter()
@@ -263,9 +268,10 @@ class Worker:
         what = PushHeader(round_, result.mean_loss, result.tokens, result.steps, base_cid, received, work.state,
                           work.kernels)
         wire_bytes, started, receipt = 0, time.perf_counter(), None
+        upload = self.uploads.take(self.config.rounds.state_every, round_, work.state_bytes)
         for piece in work.slices:
             try:
-                sent, receipt = self.client.push_slice(piece, what, work.state_bytes if piece.stage == 0 else b"")
+                sent, receipt = self.client.push_slice(piece, what, upload if piece.stage == 0 else b"")
                 wire_bytes += sent
             except grpc.RpcError as exc:
                 if exc.code() not in REFUSED:
@@ -277,6 +283,7 @@ class Worker:
                 self.phase_seconds.add("push", time.perf_counter() - started)
                 started = time.perf_counter()
         update = CID.of(record).digest
+        self.uploads.counted()
         self.receipts.keep_sent(self.client, receipt, round_, update)
         return Pushed(round_, update, to_e6(result.mean_loss), result.tokens,
                       result.steps, wire_bytes, received, CID.parse(parent_cid or base_cid).digest)
