@@ -12,12 +12,13 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from audit.replay import ReplayOutcome, Replayer, unreplayable_reason
+from audit.replay import ReplayOutcome, Replayer, missing_states, unreplayable_reason
 from storage_client import open_store
 from tests.conftest import small_config
 from trainer.config import RoundConfig
 from trainer.rounds.outer import eager_weight
 from trainer.runtime.inner import FRESH_STATE
+from trainer.runtime.state_commit import state_cid
 
 STEPPED = "0" * 64  # an inner state that is not fresh
 
@@ -112,3 +113,17 @@ def test_what_cannot_be_replayed_is_named_by_worker_and_round_in_the_json_and_on
                                            "1, 2 (the worker ran several pipeline stages and committed no inner state (a run from before "
                                            "they did))")
     assert ReplayOutcome([], [], 1, 0, 0, 0.0, []).not_replayed_line() is None
+
+
+def test_the_audit_expects_a_stored_state_at_a_workers_first_counted_round_of_each_window() -> None:
+    """rounds.state_every = 4 (trainer.runtime.state_commit.state_due, from the manifests): absent from
+    round 4, present at 1-3 and 5-8, the worker's state is due at round 5 (and 8), so an audit names
+    those two when the store lacks them, and with them stored no chain is longer than K."""
+    m = manifests(*[{} if r == 4 else {"a": FRESH_STATE if r == 1 else f"{r:064x}"} for r in range(1, 9)])
+    cfg = small_config(rounds=RoundConfig(rounds=8, state_every=4))
+    empty = SimpleNamespace(has=lambda cid: False)
+    assert [r for r, _, _ in missing_states(empty, cfg, m, "a", [1, 2, 3, 5, 6, 7, 8])] == [5, 8]
+    stored = {state_cid(f"{r:064x}") for r in (5, 8)}
+    store = SimpleNamespace(has=lambda cid: cid in stored)
+    replayer = Replayer(store=store, config=cfg, manifests=m)  # type: ignore[arg-type]
+    assert [replayer.chain(r, "a") for r in (3, 5, 7, 8)] == [[1, 2, 3], [5], [5, 6, 7], [8]]
