@@ -119,7 +119,8 @@ def test_the_audit_expects_a_stored_state_at_a_workers_first_counted_round_of_ea
     """rounds.state_every = 4 (trainer.runtime.state_commit.state_due, from the manifests): absent from
     round 4, present at 1-3 and 5-8, the worker's state is due at round 5 (and 8), so an audit names
     those two when the store lacks them, and with them stored no chain is longer than K."""
-    m = manifests(*[{} if r == 4 else {"a": FRESH_STATE if r == 1 else f"{r:064x}"} for r in range(1, 9)])
+    m = manifests(*[{} if r == 4 else {"a": FRESH_STATE if r == 1 else f"{r:064x}"}
+                    for r in range(1, 9)])
     cfg = small_config(rounds=RoundConfig(rounds=8, state_every=4))
     empty = SimpleNamespace(has=lambda cid: False)
     assert [r for r, _, _ in missing_states(empty, cfg, m, "a", [1, 2, 3, 5, 6, 7, 8])] == [5, 8]
