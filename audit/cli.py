@@ -36,7 +36,7 @@ import shutil
 import sys
 import tempfile
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Callable
 
 from .result import AuditResult
 
@@ -247,7 +247,7 @@ def audit_run_dir(run_dir: Path, *, rpc_url: str | None = None, allow_dev: bool 
     from rich.console import Console
     from rich.markup import escape
 
-    from settlement import Anvil, AnvilError, ChainError, Deployment, DeploymentError
+    from settlement import Anvil, Deployment, DeploymentError
     from storage_client import RUN_STORE_DIR, open_store
 
     to_stdout = json_path is not None and str(json_path) == JSON_STDOUT
@@ -271,36 +271,46 @@ def audit_run_dir(run_dir: Path, *, rpc_url: str | None = None, allow_dev: bool 
     if policy.dcap.source is None:
         console.print("[yellow]no --dcap-collateral or --pccs-url: TDX evidence cannot be verified and is refused[/]")
 
-    from attestation import AttestationError, PolicyViolation
-
     held = _receipts(receipts, console)
     store = open_store(run_dir)
     audit = (store, deployment, run_id, policy, rederive, max_unrecorded, replay, dispute, held)
-    try:
-        if rpc_url is not None:
-            result = _audit_on(rpc_url, *audit)
-        else:
-            state = run_dir / "chain" / "state.json"
-            if not state.is_file():
-                console.print(f"[bold red]cannot audit[/]: no --rpc given and no chain state at {state}")
-                return EXIT_ERROR
-            with tempfile.TemporaryDirectory(prefix="dilocox-audit-") as tmp:
-                # anvil re-dumps its state file: keep the run's own intact, unless verdicts must stay on it
-                keep = dispute is not None and dispute.verdicts_out is None
-                copy = state if keep else Path(tmp) / "state.json"
-                if not keep:
-                    shutil.copyfile(state, copy)
-                with Anvil(state_file=copy, chain_id=deployment.chain_id) as anvil:
-                    console.print(f"local chain {anvil.rpc_url} restored from {state}")
-                    result = _audit_on(anvil.rpc_url, *audit)
-    except (ChainError, AnvilError) as exc:
-        console.print(f"[bold red]cannot audit[/]: {escape(str(exc))}")
-        return EXIT_ERROR
-    except (AttestationError, PolicyViolation, ValueError) as exc:
-        console.print(f"[bold red]cannot dispute[/]: the auditor cannot attest or be admitted: {escape(str(exc))}")
+    state = run_dir / "chain" / "state.json"
+    if rpc_url is None and not state.is_file():
+        console.print(f"[bold red]cannot audit[/]: no --rpc given and no chain state at {state}")
         return EXIT_ERROR
 
-    return finish(result, console, json_path)
+    def on_restored_chain() -> AuditResult:
+        with tempfile.TemporaryDirectory(prefix="dilocox-audit-") as tmp:
+            # anvil re-dumps its state file: keep the run's own intact, unless verdicts must stay on it
+            keep = dispute is not None and dispute.verdicts_out is None
+            copy = state if keep else Path(tmp) / "state.json"
+            if not keep:
+                shutil.copyfile(state, copy)
+            with Anvil(state_file=copy, chain_id=deployment.chain_id) as anvil:
+                console.print(f"local chain {anvil.rpc_url} restored from {state}")
+                return _audit_on(anvil.rpc_url, *audit)
+
+    result = _guarded(console, (lambda: _audit_on(rpc_url, *audit)) if rpc_url is not None else on_restored_chain)
+    return EXIT_ERROR if result is None else finish(result, console, json_path)
+
+
+def _guarded(console: Console, audit: Callable[[], AuditResult]) -> AuditResult | None:
+    """``audit()``, or None after one line saying why it could not run: the chain, its local anvil
+    or the store (an object the run needs is nowhere to be had) failed, or the auditor of ``--dispute``
+    could not attest or be admitted."""
+    from rich.markup import escape
+
+    from attestation import AttestationError, PolicyViolation
+    from settlement import AnvilError, ChainError
+    from storage_client import StoreError
+
+    try:
+        return audit()
+    except (ChainError, AnvilError, StoreError) as exc:  # StoreError before ValueError: it is one
+        console.print(f"[bold red]cannot audit[/]: {escape(str(exc)[:1000])}")
+    except (AttestationError, PolicyViolation, ValueError) as exc:
+        console.print(f"[bold red]cannot dispute[/]: the auditor cannot attest or be admitted: {escape(str(exc))}")
+    return None
 
 
 def finish(result: AuditResult, console: Console, json_path: Path | None) -> int:
@@ -326,8 +336,7 @@ def audit_remote_store(args: argparse.Namespace, run_id: bytes | None, dcap: Dca
     from rich.console import Console
     from rich.markup import escape
 
-    from attestation import AttestationError, PolicyViolation
-    from settlement import ChainError, Deployment, DeploymentError
+    from settlement import Deployment, DeploymentError
     from storage_client import StoreError
     from storage_client.remote import RemoteStore
 
@@ -347,17 +356,10 @@ def audit_remote_store(args: argparse.Namespace, run_id: bytes | None, dcap: Dca
         console.print(f"[yellow]{escape(note)}[/]")
     console.print(f"[yellow]store {escape(store.location)}: a gateway cannot be listed, so rounds stored past "
                   f"the ledger's last one are not searched for[/]")
-    try:
-        result = _audit_on(args.rpc, store, deployment, run_id, policy, not args.no_rederive, args.max_unrecorded,
-                           (args.replay, args.replay_seed), dispute, _receipts(tuple(map(Path, args.receipts)),
-                                                                                console))
-    except (ChainError, StoreError) as exc:  # StoreError: an object the run starts from is nowhere to be had
-        console.print(f"[bold red]cannot audit[/]: {escape(str(exc)[:1000])}")
-        return EXIT_ERROR
-    except (AttestationError, PolicyViolation, ValueError) as exc:
-        console.print(f"[bold red]cannot dispute[/]: the auditor cannot attest or be admitted: {escape(str(exc))}")
-        return EXIT_ERROR
-    return finish(result, console, json_path)
+    held = _receipts(tuple(map(Path, args.receipts)), console)
+    result = _guarded(console, lambda: _audit_on(args.rpc, store, deployment, run_id, policy, not args.no_rederive,
+                                                 args.max_unrecorded, (args.replay, args.replay_seed), dispute, held))
+    return EXIT_ERROR if result is None else finish(result, console, json_path)
 
 
 def _receipts(folders: tuple[Path, ...], console: Console) -> tuple[SignedReceipt, ...]:
