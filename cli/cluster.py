@@ -16,7 +16,7 @@ import subprocess
 import sys
 import time
 from pathlib import Path
-from typing import Callable, Sequence
+from typing import IO, Callable, ClassVar, Mapping, Protocol, Sequence
 
 import grpc
 
@@ -35,14 +35,42 @@ class ClusterError(RuntimeError):
     pass
 
 
+class Process(Protocol):
+    """What the cluster needs of a process it started: the part of :class:`subprocess.Popen` it uses."""
+
+    pid: int
+    returncode: int | None
+
+    def poll(self) -> int | None: ...
+    def wait(self, timeout: float | None = None) -> int: ...
+    def send_signal(self, sig: int) -> None: ...
+    def terminate(self) -> None: ...
+    def kill(self) -> None: ...
+
+
+class Launcher(Protocol):
+    """Starts ``python -m cli.main ARGS`` with stdin from /dev/null and stdout and stderr into ``stdout``."""
+
+    def __call__(self, args: Sequence[str], *, stdout: IO[bytes], env: Mapping[str, str]) -> Process: ...
+
+
+def start_process(args: Sequence[str], *, stdout: IO[bytes], env: Mapping[str, str]) -> subprocess.Popen[bytes]:
+    """A fresh interpreter for each process: what a user's shell does."""
+    return subprocess.Popen([sys.executable, "-m", "cli.main", *args], stdin=subprocess.DEVNULL,
+                            stdout=stdout, stderr=subprocess.STDOUT, env=env)
+
+
 class LocalCluster:
+    # How every cluster starts its processes; the test suite puts a fork server here (tests/zygote.py).
+    launcher: ClassVar[Launcher] = staticmethod(start_process)
+
     def __init__(self, run_dir: str | Path, *, threads_per_worker: int = 1, insecure: bool = False) -> None:
         self.run_dir = RunDir(run_dir)
         self.insecure = insecure
         self.client_tls: ClientTls | None = None  # how to reach the coordinator, once it listens
         self.run_dir.logs.mkdir(exist_ok=True)
         self.threads_per_worker = threads_per_worker  # 0: the worker's own budget (its --cores)
-        self.processes: dict[str, subprocess.Popen[bytes]] = {}
+        self.processes: dict[str, Process] = {}
         self.address: str | None = None
         self._channel: grpc.Channel | None = None
 
@@ -52,24 +80,21 @@ class LocalCluster:
     def __exit__(self, *exc: object) -> None:
         self.stop()
 
-    def _spawn(self, name: str, args: Sequence[str]) -> subprocess.Popen[bytes]:
+    def _spawn(self, name: str, args: Sequence[str]) -> Process:
         old = self.processes.get(name)
         if old is not None and old.poll() is None:
             raise ClusterError(f"{name} is already running (pid {old.pid})")
         env = {**os.environ, "PYTHONUNBUFFERED": "1"}
         log = open(self.run_dir.logs / f"{name}.log", "ab")
         try:
-            process = subprocess.Popen(
-                [sys.executable, "-m", "cli.main", *args], stdin=subprocess.DEVNULL,
-                stdout=log, stderr=subprocess.STDOUT, env=env,
-            )
+            process = self.launcher(args, stdout=log, env=env)
         finally:
             log.close()
         self.processes[name] = process
         return process
 
     def start_coordinator(self, config: str | Path | None = None, *, port: int = 0,
-                          timeout_s: float = 60.0, extra: Sequence[str] = ()) -> subprocess.Popen[bytes]:
+                          timeout_s: float = 60.0, extra: Sequence[str] = ()) -> Process:
         self.run_dir.address_file.unlink(missing_ok=True)
         args = ["coordinator", "--run-dir", str(self.run_dir.path), "--host", "127.0.0.1", "--port", str(port)]
         if self.insecure:
@@ -105,7 +130,7 @@ class LocalCluster:
         assert self.address is not None and self.client_tls is not None, "start the coordinator first"
         return open_channel(self.address, self.client_tls, CHANNEL_OPTIONS)
 
-    def start_worker(self, worker_id: str, extra: Sequence[str] = ()) -> subprocess.Popen[bytes]:
+    def start_worker(self, worker_id: str, extra: Sequence[str] = ()) -> Process:
         if self.address is None:
             raise ClusterError("start the coordinator first")
         threads = ["--threads", str(self.threads_per_worker)] if self.threads_per_worker else []

@@ -11,10 +11,12 @@ from typing import Callable, Iterator
 
 import pytest
 
-from cli.cluster import LocalCluster
+from cli.cluster import LocalCluster, start_process
 from settlement import Anvil
 from trainer.config import DataConfig, InnerConfig, ModelConfig, RoundConfig, RunConfig
 from trainer.worker.hold import HOLD_DIR_ENV, hold_file
+
+from tests.zygote import Zygote
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
@@ -44,6 +46,21 @@ def small_config(**sections: object) -> RunConfig:
                            heartbeat_interval_s=0.5, liveness_timeout_s=3.0),
     ).plain_diloco()
     return base.replace(**sections)
+
+
+@pytest.fixture(scope="session", autouse=True)
+def forked_cluster_processes() -> Iterator[None]:
+    """Every LocalCluster of this pytest process starts its coordinator and workers from one fork
+    server (tests/zygote.py: real processes, without importing torch and gRPC again each time).
+    ``DILOCOX_TEST_FRESH_PROCESSES=1`` starts each one as a fresh interpreter instead."""
+    if os.environ.get("DILOCOX_TEST_FRESH_PROCESSES") == "1":
+        yield
+        return
+    zygote = Zygote()
+    LocalCluster.launcher = staticmethod(zygote.launch)
+    yield
+    LocalCluster.launcher = staticmethod(start_process)
+    zygote.close()
 
 
 @pytest.fixture(autouse=True)
