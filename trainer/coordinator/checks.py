@@ -16,6 +16,7 @@ from proto import PROTOCOL_VERSION, PUSH_ENCODINGS
 from storage_client import (
     CID,
     KERNEL_CAPABILITIES,
+    MAX_DATA_PARALLEL,
     MAX_KERNEL_THREADS,
     Kernels,
     Manifest,
@@ -209,13 +210,17 @@ def pushed_kernels(h: UpdateHeader) -> Kernels | None:
     storage_client.KERNEL_CAPABILITIES and 1..MAX_KERNEL_THREADS threads, else refused. A worker of
     several stages names its stages' one kernels in every slice (check_sibling: the same)."""
     if not h.cpu_capability and not h.intra_op_threads:
+        if h.data_parallel > 1:
+            raise Refusal(Reason.MALFORMED, f"data_parallel {h.data_parallel} without kernels: the ranks are named "
+                                            f"only with the kernels they ran")
         return None
     try:
-        return Kernels(h.cpu_capability, h.intra_op_threads)
+        return Kernels(h.cpu_capability, h.intra_op_threads, max(1, h.data_parallel))
     except ManifestError:
         raise Refusal(Reason.MALFORMED,
-                      f"cpu_capability {clip(h.cpu_capability)} with intra_op_threads {h.intra_op_threads}: expected "
-                      f"one of {list(KERNEL_CAPABILITIES)} with 1..{MAX_KERNEL_THREADS} threads") from None
+                      f"cpu_capability {clip(h.cpu_capability)} with intra_op_threads {h.intra_op_threads} and "
+                      f"data_parallel {h.data_parallel}: expected one of {list(KERNEL_CAPABILITIES)} with "
+                      f"1..{MAX_KERNEL_THREADS} threads and 1..{MAX_DATA_PARALLEL} ranks") from None
 
 
 def check_sibling(h: UpdateHeader, entry: JournalEntry, part: StageSlices) -> None:
