@@ -28,6 +28,8 @@ from trainer.codec.wire import Layout
 from trainer.config import ModelConfig, RunConfig
 from trainer.coordinator.state import JournalEntry, OpenRound, StageSlices, UpdateHeader
 from trainer.model import stages
+from trainer.runtime.island import Island
+from trainer.runtime.staged import WORKER_MICROBATCHES
 from trainer.net.limits import clip, dense_payload_limit
 from trainer.net.refusal import Reason, Refusal
 from trainer.rounds.aggregation import InvalidUpdate, check_layout
@@ -160,7 +162,13 @@ def check_form(h: UpdateHeader, expected: Layout, config: RunConfig, inner_steps
         raise Refusal(Reason.MALFORMED,
                       f"inner_state_sha256 {clip(h.inner_state_sha256)} is not 64 lowercase hex digits: a "
                       f"worker commits to the inner state each round starts from, in every stage slice")
-    pushed_kernels(h)
+    kernels = pushed_kernels(h)
+    if kernels is not None and kernels.data_parallel > 1:
+        try:  # an island's replicas each take an equal slice of every batch (trainer.runtime.island)
+            Island(kernels.data_parallel, max(1, h.num_stages)).check_batch(config.inner.batch_size,
+                                                                             WORKER_MICROBATCHES)
+        except ValueError as exc:
+            raise Refusal(Reason.BAD_CLAIM, f"data_parallel {kernels.data_parallel}: {exc}") from None
     return declared
 
 

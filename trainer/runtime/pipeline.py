@@ -161,8 +161,10 @@ class StagePlan:
     worker_threads: int
 
 
-def plan_stages(requested: int | None, n_layer: int, cores: int, threads: int | None = None) -> StagePlan:
-    """The worker's stages and thread budget on ``cores`` cores (``requested`` None: ``auto``).
+def plan_stages(requested: int | None, n_layer: int, cores: int, threads: int | None = None,
+                replicas: int = 1) -> StagePlan:
+    """The worker's stages and thread budget on ``cores`` cores (``requested`` None: ``auto``), for
+    ``replicas`` data-parallel replicas of them (trainer.runtime.island).
 
     C = ``threads`` when given (the torch threads the worker may run), else ``cores``.
     auto: P = 2 when the model has at least 2 layers and C ≥ 2, else 1 (on CPU; a worker on a GPU
@@ -174,18 +176,21 @@ def plan_stages(requested: int | None, n_layer: int, cores: int, threads: int | 
 
     Threads: each stage gets max(1, C // P), so P stages never run more threads than the cores they were given; the worker process, which only
     waits while its stages train (its exchange thread decodes and evaluates), gets 1. One stage is
-    the worker process itself, with all C threads.
+    the worker process itself, with all C threads. With N > 1 replicas, auto is one stage (the
+    replicas take the cores) and each of the N·P ranks gets max(1, C // (N·P)) threads.
     """
-    if cores < 1 or (threads is not None and threads < 1):
-        raise ValueError(f"need at least one core and one thread, got cores={cores}, threads={threads}")
+    if cores < 1 or (threads is not None and threads < 1) or replicas < 1:
+        raise ValueError(f"need at least one core, thread and replica, got cores={cores}, threads={threads}, "
+                         f"replicas={replicas}")
     budget = threads if threads is not None else cores
-    stages = requested if requested is not None else (2 if n_layer >= 2 and budget >= 2 else 1)
+    auto = 2 if n_layer >= 2 and budget >= 2 and replicas == 1 else 1
+    stages = requested if requested is not None else auto
     if not 1 <= stages <= n_layer:
         raise ValueError(f"{stages} pipeline stages: this run's model has {n_layer} layers, "
                          f"so a worker can run 1 to {n_layer} stages")
-    if stages == 1:
+    if stages == 1 and replicas == 1:
         return StagePlan(1, budget, budget)
-    return StagePlan(stages, max(1, budget // stages), 1)
+    return StagePlan(stages, max(1, budget // (stages * replicas)), 1)
 
 
 class PipelineError(RuntimeError):
