@@ -4,7 +4,8 @@ real run (TLS, dev attestation, a chain), each presenting one identity, one atte
 update a round; then ``dilocox audit --replay`` re-derives every contribution of both bit for bit,
 and a 1.5 × update pushed under an island's kernels is named.
 
-One run serves every test here (module scope): the tiny model, 2 rounds of 3 steps.
+One run serves the cluster tests here (module scope): the tiny model, 2 rounds of 3 steps. A
+3-replica island against the one-process replay arithmetic, bit for bit, needs no cluster.
 """
 
 from __future__ import annotations
@@ -27,12 +28,17 @@ from storage_client import Codec, Kernels, Manifest, lineage
 from tests.conftest import small_config
 from trainer.codec.uplink import encode_slice
 from trainer.codec.wire import decode_params, layout_of
-from trainer.config import ModelConfig, RunConfig
+from trainer.config import InnerConfig, ModelConfig, RunConfig
 from trainer.data.corpus import load_corpus
+from trainer.model.gpt import build_model
+from trainer.model.params import params_of
 from trainer.model.stages import stage_param_names
 from trainer.rounds.update_source import dense
 from trainer.runstore.run_dir import RunDir
 from trainer.runstore.update_record import open_update, parse_record, record_of_slices
+from trainer.runtime.inner import InnerLoop, inner_state_digest
+from trainer.runtime.pipeline import PipelinedInnerLoop
+from trainer.runtime.staged import staged_arithmetic
 
 pytestmark = pytest.mark.integration
 
@@ -126,3 +132,37 @@ def test_an_update_scaled_under_an_islands_kernels_is_named(island_run: IslandRu
     assert not replayer.problems, replayer.problems
     assert [(row.round, row.worker, row.status) for row in rows] == [(1, "ddpxpp", "MISMATCH")]
     assert rows[0].distance > 0.3  # ‖Δ − 1.5Δ‖ / ‖1.5Δ‖ = 1/3
+
+
+def test_three_replicas_train_like_the_replay_bit_for_bit_and_an_undone_round_is_gone() -> None:
+    """N = 3, where a ring all-reduce would add in an order of its own: the island's rank-order mean
+    (trainer.runtime.island) gives the one-process replay arithmetic's Δ bit for bit, round after
+    round (grad clip active), with the same state digest at every round's start, and a round undone
+    on every replica (a refused push) leaves no trace."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        inner = InnerConfig(steps=3, batch_size=6, lr=1e-3)
+        model = ModelConfig(block_size=16, n_layer=1, n_head=2, n_embd=32)
+        start = params_of(build_model(model, 3))
+        reference = InnerLoop(build_model(model, 3), inner)
+        arithmetic = staged_arithmetic(model, 1, replicas=3)
+        g = torch.Generator().manual_seed(5)
+        with PipelinedInnerLoop(model, inner, 1, timeout_s=20, deadline_s=60, threads_per_stage=1,
+                                replicas=3) as island:
+            for round_ in range(3):
+                batches = [(torch.randint(model.vocab_size, (6, 16), generator=g),
+                            torch.randint(model.vocab_size, (6, 16), generator=g)) for _ in range(inner.steps)]
+                before, snapshot = reference.state(), reference.snapshot()
+                want = reference.run(start, batches, staged=arithmetic)
+                got = island.run(start, batches)
+                assert inner_state_digest(got.start_state) == inner_state_digest(before), round_
+                assert all(torch.equal(got.pseudo_gradient[n], want.pseudo_gradient[n]) for n in start), round_
+                assert got.kernels is not None and got.kernels.data_parallel == 3
+                if round_ == 1:  # does not count: every replica goes back to where it started
+                    island.undo(got.start_state)
+                    reference.restore(snapshot)
+                start = {n: p - 0.7 * got.pseudo_gradient[n] for n, p in start.items()}
+            assert island.last is not None and island.last.optimizer_steps == [inner.steps * 2]
+    finally:
+        torch.set_num_threads(threads)
