@@ -58,6 +58,14 @@ def test_the_mean_is_summed_in_rank_order_which_rounding_can_tell() -> None:
         mean_in_rank_order([[a], [b, c]])
 
 
+def test_an_island_on_cuda_needs_a_gpu_a_rank() -> None:
+    island.check_devices(Island(2, 2), "cuda", 4)
+    island.check_devices(Island(2, 2), "cpu", 0)
+    island.check_devices(Island(1, 2), "cuda", 1)  # stages alone: trainer.runtime.device's placement, as before
+    with pytest.raises(ValueError, match="need 4 GPUs, one a rank; this machine has 1"):
+        island.check_devices(Island(2, 2), "cuda", 1)
+
+
 def test_buckets_bound_what_a_rank_gathers(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setattr(island, "BUCKET_ELEMENTS", 10)
     sizes = [[t.numel() for t in bucket] for bucket in island._buckets([torch.zeros(n) for n in (4, 5, 3, 12, 1)])]

@@ -93,6 +93,14 @@ class Island:
                              f"data-parallel slices{cut}")
 
 
+def check_devices(island: Island, device_type: str, gpus: int) -> None:
+    """ValueError unless each rank of an island of several replicas on CUDA has a GPU of its own:
+    NCCL refuses two ranks of one group on one GPU."""
+    if device_type == "cuda" and island.replicas > 1 and island.world_size > gpus:
+        raise ValueError(f"{island.replicas} data-parallel replicas x {island.stages} stage(s) need "
+                         f"{island.world_size} GPUs, one a rank; this machine has {gpus}")
+
+
 def replica_slice(t: torch.Tensor, replica: int, replicas: int) -> torch.Tensor:
     """Replica ``replica``'s slice of a batch tensor (along the batch): ``tensor_split``'s cut."""
     if t.shape[0] % replicas:

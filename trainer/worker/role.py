@@ -51,6 +51,7 @@ from trainer.rounds.schedule import ScheduleError, StepsDecision
 from trainer.runstore.update_record import record_of_slices
 from trainer.runtime.device import parse_device
 from trainer.runtime.inner import InnerLoop, InnerResult
+from trainer.runtime.island import Island, check_devices
 from trainer.runtime.kernels import current_kernels
 from trainer.runtime.pipeline import PipelinedInnerLoop, PipelineError, StagePlan, plan_stages
 from trainer.runtime.procgroup import available_cpus
@@ -150,7 +151,8 @@ class Worker:
         requested = self.requested_stages if self.requested_stages is not None or self.device.type == "cpu" else 1
         if requested is None and config.model.tie_word_embeddings:
             requested = 1  # auto: a tied embedding and head cannot be split across stages (trainer.runtime.pipeline)
-        plan = planned(self.worker_id, requested, config.model.n_layer, self.cores, self.threads, self.replicas)
+        plan = planned(self.worker_id, requested, config.model.n_layer, self.cores, self.threads, self.replicas,
+                       self.device)
         self.stages, self.threads_per_stage = plan.stages, plan.threads_per_stage
         torch.set_num_threads(plan.worker_threads)
         self.shard_index = shard
@@ -410,11 +412,13 @@ class Worker:
 
 
 def planned(worker_id: str, requested: int | None, n_layer: int, cores: int, threads: int | None,
-            replicas: int) -> StagePlan:
+            replicas: int, device: torch.device) -> StagePlan:
     """The worker's stages and threads (trainer.runtime.pipeline.plan_stages), said in its log;
-    WorkerError, in one line, for a plan the model does not allow."""
+    WorkerError, in one line, for a plan the model (or, on CUDA, the GPUs) does not allow."""
     try:
         plan = plan_stages(requested, n_layer, cores, threads, replicas)
+        gpus = torch.cuda.device_count() if device.type == "cuda" else 0
+        check_devices(Island(replicas, plan.stages), device.type, gpus)
     except ValueError as exc:
         raise WorkerError(str(exc)) from None
     ranks = plan.stages * replicas
