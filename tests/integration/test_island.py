@@ -38,7 +38,7 @@ from trainer.rounds.update_source import dense
 from trainer.runstore.run_dir import RunDir
 from trainer.runstore.update_record import open_update, parse_record, record_of_slices
 from trainer.runtime.inner import InnerLoop, inner_state_digest
-from trainer.runtime.pipeline import PipelinedInnerLoop
+from trainer.runtime.pipeline import PipelinedInnerLoop, PipelineError, run_round
 from trainer.runtime.staged import staged_arithmetic
 
 pytestmark = pytest.mark.integration
@@ -136,11 +136,21 @@ def test_an_update_scaled_under_an_islands_kernels_is_named(island_run: IslandRu
     assert rows[0].distance > 0.3  # ‖Δ − 1.5Δ‖ / ‖1.5Δ‖ = 1/3
 
 
+def _diverging_after_three(runner, job) -> dict:
+    """run_round, except that from the group's 4th round on, replica 1 reports another Δ than it
+    computed (as a replica whose arithmetic went its own way would)."""
+    out = run_round(runner, job)
+    if runner.replica == 1 and job.seq > 3:
+        out["delta_sha256"] = "0" * 64
+    return out
+
+
 def test_three_replicas_train_like_the_replay_bit_for_bit_and_an_undone_round_is_gone() -> None:
     """N = 3, where a ring all-reduce would add in an order of its own: the island's rank-order mean
     (trainer.runtime.island) gives the one-process replay arithmetic's Δ bit for bit, round after
     round (grad clip active), with the same state digest at every round's start, and a round undone
-    on every replica (a refused push) leaves no trace."""
+    on every replica (a refused push) leaves no trace. A replica that ends a round elsewhere than
+    replica 0 fails it by name."""
     threads = torch.get_num_threads()
     torch.set_num_threads(1)
     try:
@@ -151,7 +161,7 @@ def test_three_replicas_train_like_the_replay_bit_for_bit_and_an_undone_round_is
         arithmetic = staged_arithmetic(model, 1, replicas=3)
         g = torch.Generator().manual_seed(5)
         with PipelinedInnerLoop(model, inner, 1, timeout_s=20, deadline_s=60, threads_per_stage=1,
-                                replicas=3) as island:
+                                replicas=3, round_fn=_diverging_after_three) as island:
             for round_ in range(3):
                 batches = [(torch.randint(model.vocab_size, (6, 16), generator=g),
                             torch.randint(model.vocab_size, (6, 16), generator=g)) for _ in range(inner.steps)]
@@ -166,5 +176,8 @@ def test_three_replicas_train_like_the_replay_bit_for_bit_and_an_undone_round_is
                     reference.restore(snapshot)
                 start = {n: p - 0.7 * got.pseudo_gradient[n] for n, p in start.items()}
             assert island.last is not None and island.last.optimizer_steps == [inner.steps * 2]
+            with pytest.raises(PipelineError, match="data-parallel replica 1 of 3 ended the round at other parameters"):
+                island.run(start, batches)
     finally:
         torch.set_num_threads(threads)
+

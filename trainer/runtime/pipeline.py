@@ -101,6 +101,17 @@ rounds is replaced the same way before the round starts, without failing it. A s
 itself when the worker is gone, so a killed worker leaves no stage processes behind;
 :meth:`PipelinedInnerLoop.close` stops them at once.
 
+Islands
+-------
+A worker may run N data-parallel replicas of its P stages (trainer.runtime.island, ``dilocox
+worker --data-parallel N``): the group is then N·P processes, rank r = replica r // P, stage r mod P,
+each replica's stages a pipeline group and each stage's replicas a data-parallel group. Every
+replica trains on its slice of every batch; after each step's backward the replicas of a stage
+average their gradients in rank order, then clip and step alike, so they end every round at the
+same θ_s: replica 0's ranks encode and return their slices (with their AdamW start state), the
+others only a digest of Δ_s, which must match (else the round fails, naming the replica). With
+one stage a replica holds the whole model and computes the model's own forward on its slice.
+
 Under ``torchrun`` call :func:`init_from_env`, build one :class:`StageRunner` in each process and
 call its :meth:`StageRunner.run` every round: its AdamW state persists in the runner; end the
 process with :func:`leave` once its results are written.
@@ -130,7 +141,7 @@ import torch.nn.functional as F
 from storage_client import Kernels
 from trainer.codec import CompressionConfig
 from trainer.codec.uplink import Slice, encode_slice, new_compressor
-from trainer.codec.wire import Params, encode_params
+from trainer.codec.wire import Params
 from trainer.config import MODEL_FAMILIES, InnerConfig, ModelConfig
 from trainer.model.gpt import GPT, build_model
 from trainer.model.hf import HFDecoder, HFStage
@@ -558,7 +569,8 @@ def run_round(runner: StageRunner, job: RoundJob) -> dict[str, Any]:
     with Progress(job.what, len(job.batches), unit="steps", rate_unit="tokens") if shown else nullcontext() as progress:
         result = runner.run(job.inner_cfg, _to_torch(job.start), _to_torch(job.batches), progress)
     out = dict(vars(result))  # plain dicts: _to_numpy does not enter dataclasses
-    out["delta_sha256"] = hashlib.sha256(encode_params(result.pseudo_gradient)).hexdigest()
+    if runner.groups.island.replicas > 1:
+        out["delta_sha256"] = _digest(result.pseudo_gradient)
     out["kernels"] = current_kernels(runner.device)  # this process's: its own threads and capability
     if runner.replica > 0:  # replica 0 holds the same Δ_s (checked by its digest), and encodes it
         out["pseudo_gradient"] = {}
@@ -574,6 +586,15 @@ def run_round(runner: StageRunner, job: RoundJob) -> dict[str, Any]:
     out["uplink_state"] = compressor.state_dict() if compressor is not None else None
     out["start_state"] = start_state
     return _to_numpy(out)
+
+
+def _digest(delta: Params) -> str:
+    """sha256 over Δ_s's names and float32 bytes, in name order: what the replicas of a stage compare."""
+    digest = hashlib.sha256()
+    for name in sorted(delta):
+        digest.update(name.encode())
+        digest.update(memoryview(delta[name].detach().cpu().contiguous().numpy()).cast("B"))
+    return digest.hexdigest()
 
 
 def _stage_result(payload: dict[str, Any]) -> StageResult:
