@@ -70,7 +70,9 @@ counted round (after uncounted ones) starts fresh.
 A worker of several pipeline stages commits the same digest of its stages' states together
 (trainer.worker.role); its contribution (an update record of P > 1 slices) is replayed in one
 process with the stages' arithmetic (trainer.runtime.staged: the same microbatches and clipping,
-bit-exact on one thread).
+bit-exact on one thread). A worker that is an island of N data-parallel replicas
+(trainer.runtime.island; ``data_parallel`` = N in its kernels) is replayed the same way, each
+replica's slice of every batch in turn and their gradients summed in rank order, bit for bit.
 
 What cannot be replayed is said, not passed: a worker of several pipeline stages in a run from
 before they committed an inner state (``state`` null). Those contributions are not sampled; each is
@@ -113,7 +115,8 @@ from trainer.runtime.state_commit import (
     state_stored,
     window_contributions,
 )
-from trainer.runtime.staged import StagedArithmetic, staged_arithmetic
+from trainer.runtime.island import Island
+from trainer.runtime.staged import WORKER_MICROBATCHES, StagedArithmetic, staged_arithmetic
 
 from .replay_env import EXACT_TOLERANCE, ChildError, judge, kernels_label, replay_in, split_by_kernels
 
@@ -581,14 +584,21 @@ def missing_states(store: Store, config: RunConfig, manifests: Mapping[int, Mani
 
 def staged_of(store: Store, config: RunConfig, p: Participant) -> StagedArithmetic | None:
     """How the worker computed its gradients: with P > 1 pipeline stages (its update record's
-    slices), the stages' arithmetic, computed in one process (trainer.runtime.staged: the
-    same microbatches and clipping); None for a one-process worker. The record was read and
+    slices) and/or N > 1 data-parallel replicas (its recorded kernels' ``data_parallel``,
+    trainer.runtime.island), the island's arithmetic, computed in one process
+    (trainer.runtime.staged: each replica's slice, the same microbatches, the replicas' gradients
+    summed in rank order, the same clipping); None for a one-process worker. The record was read and
     checked whole by ``Replayer._inputs``, so only a store that changed since can fail here."""
     try:
         refs = parse_record(store.get(p.update))
     except (OSError, ValueError) as exc:  # StoreError, RecordError: ValueError
         raise ReplayError(f"its update record cannot be read: {str(exc)[:300]}") from None
-    return staged_arithmetic(config.model, refs[0].num_stages)
+    replicas = p.kernels.data_parallel if p.kernels is not None else 1
+    try:
+        Island(replicas, refs[0].num_stages).check_batch(config.inner.batch_size, WORKER_MICROBATCHES)
+        return staged_arithmetic(config.model, refs[0].num_stages, replicas=replicas)
+    except ValueError as exc:  # a split the model does not allow: a record no honest worker writes
+        raise ReplayError(f"its {replicas} x {refs[0].num_stages} island cannot be replayed: {str(exc)[:200]}") from None
 
 
 def _replay_in_child(replayer: Replayer, kernels: Kernels, chains: dict[str, list[int]],

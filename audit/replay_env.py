@@ -40,6 +40,7 @@ parsed as strictly as any other input (bounded, typed, rows only for the chains 
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import math
 import os
@@ -241,7 +242,9 @@ def main() -> int:
     wanted = Kernels.from_json(request["kernels"])
     torch.set_num_threads(wanted.threads)
     ran = current_kernels(torch.device("cpu"))
-    if ran != wanted:
+    # A process's kernels are its capability and threads; an island's ranks (data_parallel) are replayed
+    # by the arithmetic (trainer.runtime.staged), in these same kernels.
+    if ran != dataclasses.replace(wanted, data_parallel=1):
         print(f"audit replay child: asked for {wanted}, torch runs {ran}", file=sys.stderr)
         return 1
     manifests = {m.round: m for m in (Manifest.from_json(obj) for obj in request["manifests"])}

@@ -210,7 +210,8 @@ def cmd_worker(args: argparse.Namespace) -> int:
     worker = Worker(args.coordinator, args.worker_id, tls=_client_tls(args), attestation=provider,
                     reconnect_timeout_s=args.reconnect_timeout, link=link,
                     metrics=Path(args.metrics) if args.metrics else None, stages=args.stages, cores=args.cores,
-                    threads=args.threads, device=args.device, receipts=Path(args.receipts) if args.receipts else None)
+                    threads=args.threads, device=args.device, receipts=Path(args.receipts) if args.receipts else None,
+                    data_parallel=args.data_parallel)
     return _exit_now(worker.run())
 
 
@@ -519,6 +520,10 @@ def _worker_arguments(p: argparse.ArgumentParser) -> None:
                    help="pipeline stages: P local processes, each holding a contiguous slice of layers "
                         "(torch.distributed gloo on CPU), with max(1, cores // P) torch threads each; auto "
                         "(default): 2 when the model has 2+ layers and the worker 2+ cores, else 1")
+    p.add_argument("--data-parallel", type=int, default=1, metavar="N",
+                   help="N data-parallel replicas of the worker's stages (trainer.runtime.island): N x P local "
+                        "processes, each replica training on its slice of every batch, gradients averaged in "
+                        "rank order; one identity, attestation and update to the coordinator (default 1)")
     p.add_argument("--device", default="cpu",
                    help="where the inner loop runs: cpu, cuda or cuda:N (bf16 autocast on CUDA; pipeline stages "
                         "then each on their own GPU over NCCL); what is sent and checked stays on the CPU")
@@ -747,7 +752,8 @@ def check_args(args: argparse.Namespace) -> None:
             raise UsageError(f"--worker-id {args.worker_id[:80]!r} must match [A-Za-z0-9._-]{{1,64}}")
         if args.attestation == "dev" and not args.dev_root_dir:
             raise UsageError("--attestation dev needs --dev-root-dir (the directory of the dev root key)")
-        for flag, value in (("--threads", args.threads), ("--stages", args.stages), ("--cores", args.cores)):
+        for flag, value in (("--threads", args.threads), ("--stages", args.stages), ("--cores", args.cores),
+                            ("--data-parallel", args.data_parallel)):
             if value is not None and not 1 <= value <= 4096:
                 raise UsageError(f"{flag} {value} must be in [1, 4096]")
         _warn_oversubscribed(args.cores, args.threads)

@@ -28,6 +28,7 @@ from .cid import CID, Codec, InvalidCIDError, decode_varint, encode_varint
 from .errors import DilocoxError
 from .manifest import (
     KERNEL_CAPABILITIES,
+    MAX_DATA_PARALLEL,
     MAX_KERNEL_THREADS,
     SCHEMA,
     Downlink,
@@ -70,6 +71,7 @@ __all__ = [
     "Participant",
     "Kernels",
     "KERNEL_CAPABILITIES",
+    "MAX_DATA_PARALLEL",
     "MAX_KERNEL_THREADS",
     "Downlink",
     "Traffic",

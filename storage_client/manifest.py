@@ -32,7 +32,10 @@ loop, `{"capability": <ATen CPU capability>, "threads": <intra-op threads>}` (tr
 or null where none is recorded (a worker on an accelerator, or whose pipeline stages disagreed): the
 kernel environment `dilocox audit --replay` re-runs the contribution in, bit for bit
 (audit.replay_env). Both are hostile input: the capability is one of KERNEL_CAPABILITIES, the
-threads 1..MAX_KERNEL_THREADS.
+threads 1..MAX_KERNEL_THREADS. A worker that is a data-parallel island of N > 1 ranks
+(trainer.runtime.island) adds `"data_parallel": N` (2..MAX_DATA_PARALLEL): its ranks each computed the
+gradient of their slice of every batch and averaged them in rank order, which the replay re-derives;
+the key is absent for one process, so a run without islands has the same bytes as before.
 
 Traffic (schema v2). `bytes_up` / `bytes_down` are the round's total wire bytes
 from the workers to the coordinator and back. Each participant records both directions of
@@ -75,10 +78,12 @@ _PARTICIPANT_KEYS = {
 }
 
 _KERNELS_KEYS = {"capability", "threads"}
+_KERNELS_OPTIONAL = {"data_parallel"}  # present only for N > 1: one process keeps the schema-v5 bytes
 # torch.backends.cpu.get_cpu_capability(), in lower case: the ATen CPU capabilities a worker may name
 # (x86's three, lowest first, then ARM's, POWER's and s390's), and the most intra-op threads.
 KERNEL_CAPABILITIES = ("default", "avx2", "avx512", "sve128", "sve256", "sve512", "vsx", "zvector")
 MAX_KERNEL_THREADS = 1024
+MAX_DATA_PARALLEL = 4096  # data-parallel ranks of one worker (trainer.runtime.island)
 
 _DOWNLINK_KEYS = {"payload", "header"}
 
@@ -184,16 +189,21 @@ def _check_sorted_unique(field: str, items: list[str], what: str) -> None:
 @dataclass(frozen=True)
 class Kernels:
     """What decided the floating point of a worker's inner loop (schema v5): the ATen CPU capability
-    its kernels dispatched to and its intra-op thread count (trainer.runtime.kernels)."""
+    its kernels dispatched to and its intra-op thread count (trainer.runtime.kernels), and for a
+    data-parallel island the number of ranks whose gradients it averaged (trainer.runtime.island)."""
 
     capability: str
     threads: int
+    data_parallel: int = 1
 
     def __post_init__(self) -> None:
         _validate_kernels(self.to_json(), at="kernels")
 
     def to_json(self) -> dict[str, Any]:
-        return {"capability": self.capability, "threads": self.threads}
+        out: dict[str, Any] = {"capability": self.capability, "threads": self.threads}
+        if self.data_parallel != 1:
+            out["data_parallel"] = self.data_parallel
+        return out
 
     @classmethod
     def from_json(cls, obj: Any, at: str = "kernels") -> Kernels:
@@ -201,16 +211,21 @@ class Kernels:
         return cls(**obj)
 
     def __str__(self) -> str:
-        return f"{self.capability}, {self.threads} thread{'s' if self.threads != 1 else ''}"
+        ranks = f", {self.data_parallel} data-parallel ranks" if self.data_parallel != 1 else ""
+        return f"{self.capability}, {self.threads} thread{'s' if self.threads != 1 else ''}{ranks}"
 
 
 def _validate_kernels(obj: Any, at: str) -> None:
-    _check_keys(at, obj, _KERNELS_KEYS)
+    _check_keys(at, obj, _KERNELS_KEYS | (_KERNELS_OPTIONAL & obj.keys() if isinstance(obj, dict) else set()))
     if obj["capability"] not in KERNEL_CAPABILITIES:  # an allowlist: nothing unbounded is echoed
         raise ManifestError(f"manifest field {at + '.capability'!r}: expected one of {list(KERNEL_CAPABILITIES)}")
     _check_int(f"{at}.threads", obj["threads"], minimum=1)
     if obj["threads"] > MAX_KERNEL_THREADS:
         raise ManifestError(f"manifest field {at + '.threads'!r}: must be <= {MAX_KERNEL_THREADS}")
+    if "data_parallel" in obj:
+        _check_int(f"{at}.data_parallel", obj["data_parallel"], minimum=2)
+        if obj["data_parallel"] > MAX_DATA_PARALLEL:
+            raise ManifestError(f"manifest field {at + '.data_parallel'!r}: must be <= {MAX_DATA_PARALLEL}")
 
 
 @dataclass(frozen=True)

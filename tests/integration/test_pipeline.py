@@ -206,7 +206,8 @@ def test_one_process_computes_two_stages_bit_for_bit_and_an_undone_round_is_gone
 
 @pytest.mark.integration
 def test_stage_results_are_slices_and_one_stage_runs_too() -> None:
-    # No clipping here, and a single stage through the same pipelining path; 4 microbatches.
+    # No clipping here, and a single stage (the whole model's own forward, as a data-parallel replica of
+    # one stage computes it: trainer.runtime.island) through the same stage processes; 4 microbatches for 2.
     inner = InnerConfig(steps=3, batch_size=4, lr=1e-3, grad_clip=0.0)
     start = params_of(build_model(MODEL, SEED))
     batches = make_batches(3, seed=7)

@@ -16,6 +16,7 @@ from proto import PROTOCOL_VERSION, PUSH_ENCODINGS
 from storage_client import (
     CID,
     KERNEL_CAPABILITIES,
+    MAX_DATA_PARALLEL,
     MAX_KERNEL_THREADS,
     Kernels,
     Manifest,
@@ -27,6 +28,8 @@ from trainer.codec.wire import Layout
 from trainer.config import ModelConfig, RunConfig
 from trainer.coordinator.state import JournalEntry, OpenRound, StageSlices, UpdateHeader
 from trainer.model import stages
+from trainer.runtime.island import Island
+from trainer.runtime.staged import WORKER_MICROBATCHES
 from trainer.net.limits import clip, dense_payload_limit
 from trainer.net.refusal import Reason, Refusal
 from trainer.rounds.aggregation import InvalidUpdate, check_layout
@@ -159,7 +162,13 @@ def check_form(h: UpdateHeader, expected: Layout, config: RunConfig, inner_steps
         raise Refusal(Reason.MALFORMED,
                       f"inner_state_sha256 {clip(h.inner_state_sha256)} is not 64 lowercase hex digits: a "
                       f"worker commits to the inner state each round starts from, in every stage slice")
-    pushed_kernels(h)
+    kernels = pushed_kernels(h)
+    if kernels is not None and kernels.data_parallel > 1:
+        try:  # an island's replicas each take an equal slice of every batch (trainer.runtime.island)
+            Island(kernels.data_parallel, max(1, h.num_stages)).check_batch(config.inner.batch_size,
+                                                                             WORKER_MICROBATCHES)
+        except ValueError as exc:
+            raise Refusal(Reason.BAD_CLAIM, f"data_parallel {kernels.data_parallel}: {exc}") from None
     return declared
 
 
@@ -209,13 +218,17 @@ def pushed_kernels(h: UpdateHeader) -> Kernels | None:
     storage_client.KERNEL_CAPABILITIES and 1..MAX_KERNEL_THREADS threads, else refused. A worker of
     several stages names its stages' one kernels in every slice (check_sibling: the same)."""
     if not h.cpu_capability and not h.intra_op_threads:
+        if h.data_parallel > 1:
+            raise Refusal(Reason.MALFORMED, f"data_parallel {h.data_parallel} without kernels: the ranks are named "
+                                            f"only with the kernels they ran")
         return None
     try:
-        return Kernels(h.cpu_capability, h.intra_op_threads)
+        return Kernels(h.cpu_capability, h.intra_op_threads, max(1, h.data_parallel))
     except ManifestError:
         raise Refusal(Reason.MALFORMED,
-                      f"cpu_capability {clip(h.cpu_capability)} with intra_op_threads {h.intra_op_threads}: expected "
-                      f"one of {list(KERNEL_CAPABILITIES)} with 1..{MAX_KERNEL_THREADS} threads") from None
+                      f"cpu_capability {clip(h.cpu_capability)} with intra_op_threads {h.intra_op_threads} and "
+                      f"data_parallel {h.data_parallel}: expected one of {list(KERNEL_CAPABILITIES)} with "
+                      f"1..{MAX_KERNEL_THREADS} threads and 1..{MAX_DATA_PARALLEL} ranks") from None
 
 
 def check_sibling(h: UpdateHeader, entry: JournalEntry, part: StageSlices) -> None:

@@ -330,6 +330,7 @@ def update_header(h: pb.UpdateHeader) -> UpdateHeader:
         signature=h.signature, compression_header=h.compression_header, inner_state_sha256=h.inner_state_sha256,
         inner_state_size=h.inner_state_size,
         cpu_capability=h.cpu_capability, intra_op_threads=h.intra_op_threads,
+        data_parallel=h.data_parallel,
     )
 
 

@@ -45,6 +45,7 @@ class UpdateHeader:
     inner_state_size: int = 0  # bytes of the inner state sent after the payload (trainer.runtime.state_commit)
     cpu_capability: str = ""  # what decided the inner loop's floating point (trainer.runtime.kernels); "" for none
     intra_op_threads: int = 0
+    data_parallel: int = 0  # the worker's data-parallel ranks (trainer.runtime.island); 0 or 1: one process
 
     @property
     def what(self) -> str:

@@ -101,6 +101,17 @@ rounds is replaced the same way before the round starts, without failing it. A s
 itself when the worker is gone, so a killed worker leaves no stage processes behind;
 :meth:`PipelinedInnerLoop.close` stops them at once.
 
+Islands
+-------
+A worker may run N data-parallel replicas of its P stages (trainer.runtime.island, ``dilocox
+worker --data-parallel N``): the group is then N·P processes, rank r = replica r // P, stage r mod P,
+each replica's stages a pipeline group and each stage's replicas a data-parallel group. Every
+replica trains on its slice of every batch; after each step's backward the replicas of a stage
+average their gradients in rank order, then clip and step alike, so they end every round at the
+same θ_s: replica 0's ranks encode and return their slices (with their AdamW start state), the
+others only a digest of Δ_s, which must match (else the round fails, naming the replica). With
+one stage a replica holds the whole model and computes the model's own forward on its slice.
+
 Under ``torchrun`` call :func:`init_from_env`, build one :class:`StageRunner` in each process and
 call its :meth:`StageRunner.run` every round: its AdamW state persists in the runner; end the
 process with :func:`leave` once its results are written.
@@ -108,6 +119,8 @@ process with :func:`leave` once its results are written.
 
 from __future__ import annotations
 
+import dataclasses
+import hashlib
 import logging
 import os
 import queue as queue_mod
@@ -137,6 +150,7 @@ from trainer.model.stages import check_split, stage_blocks, stage_param_names
 from trainer.progress import PLAIN_LOG_FORMAT, Progress
 from trainer.runtime.device import backend_for, stage_device
 from trainer.runtime.inner import adamw_state, load_adamw_state
+from trainer.runtime.island import Island, IslandGroups, average_gradients, mean_over_replicas, replica_slice
 from trainer.runtime.kernels import agreed_kernels, current_kernels
 from trainer.runtime.procgroup import LocalGroup, Member, answer, available_cpus, join_group, leave_child, report_error
 from trainer.runtime.staged import WORKER_MICROBATCHES, clip_coefficient, squared_norm
@@ -158,8 +172,10 @@ class StagePlan:
     worker_threads: int
 
 
-def plan_stages(requested: int | None, n_layer: int, cores: int, threads: int | None = None) -> StagePlan:
-    """The worker's stages and thread budget on ``cores`` cores (``requested`` None: ``auto``).
+def plan_stages(requested: int | None, n_layer: int, cores: int, threads: int | None = None,
+                replicas: int = 1) -> StagePlan:
+    """The worker's stages and thread budget on ``cores`` cores (``requested`` None: ``auto``), for
+    ``replicas`` data-parallel replicas of them (trainer.runtime.island).
 
     C = ``threads`` when given (the torch threads the worker may run), else ``cores``.
     auto: P = 2 when the model has at least 2 layers and C ≥ 2, else 1 (on CPU; a worker on a GPU
@@ -171,18 +187,21 @@ def plan_stages(requested: int | None, n_layer: int, cores: int, threads: int | 
 
     Threads: each stage gets max(1, C // P), so P stages never run more threads than the cores they were given; the worker process, which only
     waits while its stages train (its exchange thread decodes and evaluates), gets 1. One stage is
-    the worker process itself, with all C threads.
+    the worker process itself, with all C threads. With N > 1 replicas, auto is one stage (the
+    replicas take the cores) and each of the N·P ranks gets max(1, C // (N·P)) threads.
     """
-    if cores < 1 or (threads is not None and threads < 1):
-        raise ValueError(f"need at least one core and one thread, got cores={cores}, threads={threads}")
+    if cores < 1 or (threads is not None and threads < 1) or replicas < 1:
+        raise ValueError(f"need at least one core, thread and replica, got cores={cores}, threads={threads}, "
+                         f"replicas={replicas}")
     budget = threads if threads is not None else cores
-    stages = requested if requested is not None else (2 if n_layer >= 2 and budget >= 2 else 1)
+    auto = 2 if n_layer >= 2 and budget >= 2 and replicas == 1 else 1
+    stages = requested if requested is not None else auto
     if not 1 <= stages <= n_layer:
         raise ValueError(f"{stages} pipeline stages: this run's model has {n_layer} layers, "
                          f"so a worker can run 1 to {n_layer} stages")
-    if stages == 1:
+    if stages == 1 and replicas == 1:
         return StagePlan(1, budget, budget)
-    return StagePlan(stages, max(1, budget // stages), 1)
+    return StagePlan(stages, max(1, budget // (stages * replicas)), 1)
 
 
 class PipelineError(RuntimeError):
@@ -269,6 +288,9 @@ class StageResult:
     uplink_state: Params | None = None  # the stage's error-feedback state after encoding it
     start_state: Params | None = None  # the stage's AdamW state the round started from, by run_round
     kernels: Kernels | None = None  # what decided the stage's floating point (trainer.runtime.kernels), by run_round
+    # sha256 of Δ_s, by run_round: every replica of a stage must hold the same (trainer.runtime.island);
+    # a replica other than 0 sends only this, with an empty pseudo_gradient
+    delta_sha256: str = ""
 
 
 def init_from_env(timeout_s: float = DEFAULT_TIMEOUT_S, backend: str | None = None) -> None:
@@ -308,31 +330,43 @@ def _default_device() -> torch.device:
     return torch.device("cpu")
 
 
-def _check_microbatches(batches: Sequence[Batch], n_microbatches: int) -> None:
+def _check_microbatches(batches: Sequence[Batch], n_microbatches: int, island: Island | None = None) -> None:
+    """Every batch cuts into the island's replica slices, each (with several stages) into
+    ``n_microbatches`` equal microbatches; ValueError naming the first that does not."""
     if not batches:
         raise ValueError("an inner loop needs at least one batch")
     for x, _ in batches:
-        if n_microbatches < 1 or x.shape[0] % n_microbatches:
+        if n_microbatches < 1:
+            raise ValueError(f"{n_microbatches} microbatches: need at least one")
+        if island is not None and island.replicas > 1:
+            island.check_batch(x.shape[0], n_microbatches)
+        elif (island is None or island.stages > 1) and x.shape[0] % n_microbatches:
             raise ValueError(f"batch of {x.shape[0]} sequences cannot be cut into "
                              f"{n_microbatches} equal microbatches")
 
 
 class StageRunner:
-    """This process's stage (rank = stage) of the pipeline, kept from round to round.
+    """This process's stage of the pipeline (rank = stage; in an island of data-parallel replicas,
+    trainer.runtime.island, rank = replica · P + stage), kept from round to round.
 
-    It holds the stage's module, its AdamW (made on the first round; its state carries over to
+    It holds the stage's module (with one stage, the whole model: each replica computes the model's
+    own forward on its slice), its AdamW (made on the first round; its state carries over to
     every later round, as in :class:`trainer.runtime.inner.InnerLoop`) and the GPipe schedule. The process
-    group must already exist; every rank runs the same rounds with the same batches.
+    group must already exist (``groups``: the island's subgroups; None, a pipeline of the whole
+    group); every rank runs the same rounds with the same batches.
     """
 
     def __init__(self, model_cfg: ModelConfig, *, n_microbatches: int,
-                 device: torch.device | None = None) -> None:
-        self.index, self.num_stages = dist.get_rank(), dist.get_world_size()
+                 device: torch.device | None = None, groups: IslandGroups | None = None) -> None:
+        self.groups = groups or IslandGroups.join(Island(1, dist.get_world_size()))
+        island, rank = self.groups.island, self.groups.rank
+        self.index, self.num_stages, self.replica = island.stage_of(rank), island.stages, island.replica_of(rank)
         self.device = device or _default_device()
         self.n_microbatches = n_microbatches
-        self.where = f"pipeline stage {self.index} of {self.num_stages}"
+        self.where = island.who(rank)
         # The values are overwritten by every round's start parameters.
-        self.stage = build_stage(model_cfg, 0, self.index, self.num_stages).to(self.device)
+        self.stage: nn.Module = (build_model(model_cfg, 0) if self.num_stages == 1
+                                 else build_stage(model_cfg, 0, self.index, self.num_stages)).to(self.device)
         self.names = [n for n, _ in self.stage.named_parameters()]
         self.optimizer: torch.optim.AdamW | None = None
         self._schedule: Any = None
@@ -356,7 +390,7 @@ class StageRunner:
             # Imported here so that importing this module does not load the pipelining package.
             from torch.distributed.pipelining import PipelineStage, ScheduleGPipe
 
-            pipe = PipelineStage(self.stage, self.index, self.num_stages, self.device)
+            pipe = PipelineStage(self.stage, self.index, self.num_stages, self.device, group=self.groups.pipeline)
             self._schedule = ScheduleGPipe(pipe, self.n_microbatches, loss_fn=lm_loss, scale_grads=True)
             self._schedule_shape = shape
         return self._schedule
@@ -372,14 +406,14 @@ class StageRunner:
 
     def run(self, inner_cfg: InnerConfig, start: Params, batches: Sequence[Batch],
             progress: Progress | None = None) -> StageResult:
-        """One round of this stage; see the module doc.
+        """One round of this stage; see the module doc (and trainer.runtime.island for replicas).
 
         ``start`` needs (at least) this stage's slice; ``batches`` are the worker's full batches
-        (stage 0 reads the inputs, the last stage the targets); ``progress`` counts the steps and
-        their tokens.
+        (stage 0 reads the inputs, the last stage the targets, each replica its slice); ``progress``
+        counts the steps and their tokens.
         """
-        where, stage = self.where, self.stage
-        _check_microbatches(batches, self.n_microbatches)
+        where, stage, island = self.where, self.stage, self.groups.island
+        _check_microbatches(batches, self.n_microbatches, island)
         missing = [n for n in self.names if n not in start]
         if missing:
             raise ValueError(f"{where}: start parameters lack {missing}")
@@ -391,34 +425,17 @@ class StageRunner:
         losses: list[float] = []
         tokens = 0
         for step, (x, y) in enumerate(batches, start=1):
-            schedule = self._schedule_for(tuple(x.shape))
             optimizer.zero_grad(set_to_none=True)
-            mb_losses: list[torch.Tensor] = []
-            args = (x.to(self.device),) if stage.is_first else ()
-            target = y.to(self.device) if stage.is_last else None
-            try:
-                schedule.step(*args, target=target, losses=mb_losses if stage.is_last else None,
-                              return_outputs=False)
-            except Exception as exc:
-                raise PipelineError(f"{where}, inner step {step}: pipeline schedule failed: {exc}") from exc
-
+            x_k, y_k = replica_slice(x, self.replica, island.replicas), replica_slice(y, self.replica, island.replicas)
+            local_loss = self._gradients(step, x_k, y_k)
             grads = [p.grad for p in stage.parameters() if p.grad is not None]
-            stats = torch.zeros(2, dtype=torch.float64, device=self.device)
-            if grads:  # q_s; trainer.runtime.staged computes the same in one process, for the replay
-                stats[0] = squared_norm(grads)
-            if stage.is_last:
-                stats[1] = torch.stack([loss.detach() for loss in mb_losses]).mean().double()
             try:
-                dist.all_reduce(stats)
+                loss = self._reduce(step, grads, local_loss, inner_cfg.grad_clip)
+            except FloatingPointError:
+                raise
             except Exception as exc:
                 raise PipelineError(f"{where}, inner step {step}: all-reduce of the gradient norm "
                                     f"failed: {exc}") from exc
-            loss = stats[1].item()
-            if not np.isfinite(loss):
-                raise FloatingPointError(f"inner step {step}: loss is {loss}")
-            if inner_cfg.grad_clip > 0:
-                coef = clip_coefficient(stats[0], inner_cfg.grad_clip)
-                torch._foreach_mul_(grads, coef.to(self.device))
             optimizer.step()
             losses.append(loss)
             tokens += x.numel()
@@ -428,6 +445,48 @@ class StageRunner:
         delta = {n: mine[n] - p.detach().cpu() for n, p in stage.named_parameters()}
         steps = min((int(s["step"]) for s in optimizer.state.values()), default=0)
         return StageResult(self.index, delta, losses, tokens, steps)
+
+    def _gradients(self, step: int, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+        """This replica's unclipped gradients of (x, y) left in ``.grad``, and its loss (float64; 0 on
+        a stage that is not the last): the model's own forward with one stage, else the GPipe
+        schedule's microbatches (their gradients divided by n)."""
+        if self.num_stages == 1:
+            _, loss = self.stage(x.to(self.device), y.to(self.device))
+            loss.backward()
+            return loss.detach().double()
+        schedule = self._schedule_for(tuple(x.shape))
+        mb_losses: list[torch.Tensor] = []
+        args = (x.to(self.device),) if self.stage.is_first else ()
+        target = y.to(self.device) if self.stage.is_last else None
+        try:
+            schedule.step(*args, target=target, losses=mb_losses if self.stage.is_last else None,
+                          return_outputs=False)
+        except Exception as exc:
+            raise PipelineError(f"{self.where}, inner step {step}: pipeline schedule failed: {exc}") from exc
+        if not self.stage.is_last:
+            return torch.zeros((), dtype=torch.float64, device=self.device)
+        return torch.stack([loss.detach() for loss in mb_losses]).mean().double()
+
+    def _reduce(self, step: int, grads: list[torch.Tensor], local_loss: torch.Tensor, clip: float) -> float:
+        """ḡ over the replicas (trainer.runtime.island), the step's loss over the stages and replicas,
+        and the clip (the stages' global norm; clip_grad_norm_ with one stage); the step's loss.
+        FloatingPointError, on every rank alike, when it is not finite."""
+        average_gradients(grads, self.groups)
+        stats = torch.zeros(2, dtype=torch.float64, device=self.device)
+        stats[1] = local_loss
+        if self.num_stages > 1:
+            if grads:  # q_s; trainer.runtime.staged computes the same in one process, for the replay
+                stats[0] = squared_norm(grads)
+            dist.all_reduce(stats, group=self.groups.pipeline)
+        loss = mean_over_replicas(stats[1:], self.groups).item()
+        if not np.isfinite(loss):
+            raise FloatingPointError(f"inner step {step}: loss is {loss}")
+        if clip > 0 and self.num_stages == 1:
+            torch.nn.utils.clip_grad_norm_(self.stage.parameters(), clip)  # as InnerLoop clips
+        elif clip > 0:
+            coef = clip_coefficient(stats[0], clip)
+            torch._foreach_mul_(grads, coef.to(self.device))
+        return loss
 
 
 # ------------------------------------------------------------------ persistent stage processes
@@ -460,7 +519,8 @@ class _Setup:
 
     model_cfg: ModelConfig
     n_microbatches: int
-    device: str = "cpu"  # the worker's; stage s runs on trainer.runtime.device.stage_device(device, s)
+    device: str = "cpu"  # the worker's; rank r runs on trainer.runtime.device.stage_device(device, r)
+    replicas: int = 1  # data-parallel replicas of the pipeline (trainer.runtime.island)
 
 
 @dataclass(frozen=True)
@@ -502,25 +562,39 @@ def run_round(runner: StageRunner, job: RoundJob) -> dict[str, Any]:
     (trainer.codec.uplink: compressed with the error feedback the job brought, or dense), as a plain
     dict of numpy arrays."""
     # The last stage knows each step's loss last: it alone shows the round's progress, in the worker's log.
-    shown = runner.index == runner.num_stages - 1
+    shown = runner.index == runner.num_stages - 1 and runner.replica == 0
     if job.restore is not None:
         runner.load_state(job.inner_cfg, _to_torch(job.restore))
     start_state = runner.state()  # what the worker's push commits to (trainer.worker.role)
     with Progress(job.what, len(job.batches), unit="steps", rate_unit="tokens") if shown else nullcontext() as progress:
         result = runner.run(job.inner_cfg, _to_torch(job.start), _to_torch(job.batches), progress)
+    out = dict(vars(result))  # plain dicts: _to_numpy does not enter dataclasses
+    if runner.groups.island.replicas > 1:
+        out["delta_sha256"] = _digest(result.pseudo_gradient)
+    out["kernels"] = current_kernels(runner.device)  # this process's: its own threads and capability
+    if runner.replica > 0:  # replica 0 holds the same Δ_s (checked by its digest), and encodes it
+        out["pseudo_gradient"] = {}
+        return _to_numpy(out)
     compressor = None
     if job.compression is not None:
         compressor = new_compressor(job.compression, _to_torch(job.uplink_state))
     piece = encode_slice(result.pseudo_gradient, runner.index, runner.num_stages, compressor)
-    out = dict(vars(result))  # plain dicts: _to_numpy does not enter dataclasses
     update = dict(vars(piece))
     if compressor is None:
         update["transmitted"] = None  # the dense slice is Δ_s itself: sent once
     out["update"] = update
     out["uplink_state"] = compressor.state_dict() if compressor is not None else None
     out["start_state"] = start_state
-    out["kernels"] = current_kernels(runner.device)  # this process's: its own threads and capability
     return _to_numpy(out)
+
+
+def _digest(delta: Params) -> str:
+    """sha256 over Δ_s's names and float32 bytes, in name order: what the replicas of a stage compare."""
+    digest = hashlib.sha256()
+    for name in sorted(delta):
+        digest.update(name.encode())
+        digest.update(memoryview(delta[name].detach().cpu().contiguous().numpy()).cast("B"))
+    return digest.hexdigest()
 
 
 def _stage_result(payload: dict[str, Any]) -> StageResult:
@@ -547,8 +621,10 @@ def _stage_main(member: Member, results: Any, setup: _Setup, jobs: Any, round_fn
         device = stage_device(torch.device(setup.device), member.rank)
         if device.type == "cuda":
             torch.cuda.set_device(device)  # before NCCL's rendezvous: each stage on its own GPU
-        join_group(member, PipelineError, _who(member.rank, member.world_size), backend_for(device))
-        runner = StageRunner(setup.model_cfg, n_microbatches=setup.n_microbatches, device=device)
+        island = Island(setup.replicas, member.world_size // setup.replicas)
+        join_group(member, PipelineError, island.who(member.rank), backend_for(device))
+        runner = StageRunner(setup.model_cfg, n_microbatches=setup.n_microbatches, device=device,
+                             groups=IslandGroups.join(island))
         answer(results, member.rank, 0, None)
         while True:
             try:
@@ -566,10 +642,6 @@ def _stage_main(member: Member, results: Any, setup: _Setup, jobs: Any, round_fn
         report_error(results, member.rank, seq, exc)
     finally:
         leave_child(results)
-
-
-def _who(stage: int, num_stages: int) -> str:
-    return f"pipeline stage {stage} of {num_stages}"
 
 
 @dataclass(frozen=True)
@@ -600,30 +672,31 @@ class StageGroup:
 
     def __init__(self, model_cfg: ModelConfig, num_stages: int, *, n_microbatches: int = WORKER_MICROBATCHES,
                  timeout_s: float = DEFAULT_TIMEOUT_S, threads_per_stage: int | None = None,
-                 round_fn: RoundFn = run_round, device: str = "cpu") -> None:
+                 round_fn: RoundFn = run_round, device: str = "cpu", replicas: int = 1) -> None:
         self.names = stage_param_names(model_cfg, num_stages)  # refuses an impossible split
         self.num_stages = num_stages
+        self.island = island = Island(replicas, num_stages)  # rank r: replica r // P, stage r mod P
         self.n_microbatches = n_microbatches
-        self.threads = threads_per_stage or max(1, available_cpus() // num_stages)
+        self.threads = threads_per_stage or max(1, available_cpus() // island.world_size)
         self._seq = 0
         ctx = _context()
-        self._jobs = [ctx.Queue() for _ in range(num_stages)]
-        setup = _Setup(model_cfg, n_microbatches, device)
-        self.group = LocalGroup(ctx, num_stages, _stage_main, timeout_s=timeout_s, threads=self.threads,
-                                who=lambda s: _who(s, num_stages), error=PipelineError, name="pipeline-stage",
-                                args=lambda s: (setup, self._jobs[s], round_fn))
+        self._jobs = [ctx.Queue() for _ in range(island.world_size)]
+        setup = _Setup(model_cfg, n_microbatches, device, replicas)
+        self.group = LocalGroup(ctx, island.world_size, _stage_main, timeout_s=timeout_s, threads=self.threads,
+                                who=island.who, error=PipelineError, name="pipeline-stage",
+                                args=lambda r: (setup, self._jobs[r], round_fn))
         began = time.monotonic()
+        what = f"{num_stages} pipeline stages" if replicas == 1 else f"{replicas} × {num_stages} island ranks"
         try:
             self.group.start()
-            for s, pid in enumerate(self.group.pids):
-                log.info("pipeline stage %d of %d: pid %d", s, num_stages, pid)
-            with Progress(f"starting {num_stages} pipeline stages", num_stages, unit="ready") as progress:
+            for r, pid in enumerate(self.group.pids):
+                log.info("%s: pid %d", island.who(r), pid)
+            with Progress(f"starting {what}", island.world_size, unit="ready") as progress:
                 self.group.collect(0, timeout_s + _START_ALLOWANCE_S, "pipeline start", progress)
         except BaseException:
             self.close(graceful=False)
             raise
-        log.info("%d pipeline stages ready in %.1fs (%d torch thread(s) each)", num_stages,
-                 time.monotonic() - began, self.threads)
+        log.info("%s ready in %.1fs (%d torch thread(s) each)", what, time.monotonic() - began, self.threads)
 
     def __enter__(self) -> StageGroup:
         return self
@@ -666,7 +739,7 @@ class StageGroup:
         if self.closed:
             raise PipelineError("this group of pipeline stages is closed")
         batches = list(batches)
-        _check_microbatches(batches, self.n_microbatches)
+        _check_microbatches(batches, self.n_microbatches, self.island)
         full = [n for stage in self.names for n in stage]
         if set(full) != set(start_params):
             raise ValueError(f"start parameters differ from the model's: missing "
@@ -675,13 +748,20 @@ class StageGroup:
         self._seq += 1
         shared = _to_numpy([(x, y) for x, y in batches])
         try:
-            for s, names in enumerate(self.names):
-                state = None if compression is None else _to_numpy(dict(uplink_states[s]))
+            for r in range(self.island.world_size):
+                s, names = self.island.stage_of(r), self.names[self.island.stage_of(r)]
+                # Replica 0 encodes each stage's slice: only it needs the error feedback.
+                state = None if compression is None or r >= self.num_stages else _to_numpy(dict(uplink_states[s]))
                 own = None if restore is None else _to_numpy(
                     {key: v for key, v in restore.items() if key.split(".", 1)[1] in names})
-                self._jobs[s].put(RoundJob(self._seq, inner_cfg, _to_numpy({n: start_params[n] for n in names}),
+                self._jobs[r].put(RoundJob(self._seq, inner_cfg, _to_numpy({n: start_params[n] for n in names}),
                                            shared, compression, state, what, own))
-            stages = [_stage_result(p) for p in self.group.collect(self._seq, deadline_s, "pipeline round")]
+            ranks = [_stage_result(p) for p in self.group.collect(self._seq, deadline_s, "pipeline round")]
+            stages = ranks[:self.num_stages]  # replica 0's
+            for r, result in enumerate(ranks[self.num_stages:], start=self.num_stages):
+                if result.delta_sha256 != stages[result.stage].delta_sha256:
+                    raise PipelineError(f"{self.island.who(r)} ended the round at other parameters than "
+                                        f"replica 0: the replicas diverged")
             delta: Params = {}
             for s, result in enumerate(stages):
                 if list(result.pseudo_gradient) != self.names[s]:
@@ -693,7 +773,9 @@ class StageGroup:
             raise
         losses = stages[-1].losses
         assert all(r.update is not None for r in stages), "run_round encodes every slice"
-        kernels, kernels_note = agreed_kernels([r.kernels for r in stages])
+        kernels, kernels_note = agreed_kernels([r.kernels for r in ranks])
+        if kernels is not None and self.island.replicas > 1:
+            kernels = dataclasses.replace(kernels, data_parallel=self.island.replicas)
         return PipelineResult(
             pseudo_gradient={n: delta[n] for n in start_params}, mean_loss=sum(losses) / len(losses),
             tokens=stages[-1].tokens, steps=len(losses),
@@ -727,11 +809,14 @@ class PipelinedInnerLoop:
                  compression: CompressionConfig | None = None,
                  n_microbatches: int = WORKER_MICROBATCHES, timeout_s: float = DEFAULT_TIMEOUT_S,
                  deadline_s: float | None = None, threads_per_stage: int | None = None,
-                 round_fn: RoundFn = run_round, device: str = "cpu") -> None:
+                 round_fn: RoundFn = run_round, device: str = "cpu", replicas: int = 1) -> None:
         stage_blocks(model_cfg.n_layer, stages)  # refuse an impossible split now
-        if cfg.batch_size % n_microbatches:
+        if replicas > 1:
+            Island(replicas, stages).check_batch(cfg.batch_size, n_microbatches)
+        elif cfg.batch_size % n_microbatches:
             raise ValueError(f"a batch of {cfg.batch_size} sequences cannot be cut into "
                              f"{n_microbatches} equal microbatches")
+        self.replicas = replicas  # data-parallel replicas of the P stages (trainer.runtime.island)
         self.model_cfg = model_cfg
         self.cfg = cfg
         self.compression = compression if compression is not None and compression.enabled else None
@@ -778,7 +863,7 @@ class PipelinedInnerLoop:
         self._restore = None  # new stages start fresh: nothing of the old group's state to undo to
         self.group = StageGroup(self.model_cfg, self.stages, n_microbatches=self.n_microbatches,
                                 timeout_s=self.timeout_s, threads_per_stage=self.threads_per_stage,
-                                round_fn=self.round_fn, device=self.device)
+                                round_fn=self.round_fn, device=self.device, replicas=self.replicas)
         self.groups_started += 1
         self._failure = None
         return self.group

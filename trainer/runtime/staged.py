@@ -36,6 +36,7 @@ import torch.nn as nn
 
 from trainer.config import ModelConfig
 from trainer.model.stages import stage_param_names
+from trainer.runtime.island import mean_in_rank_order, replica_slice
 
 # Microbatches per batch a worker's pipeline stages cut (trainer.runtime.pipeline's GPipe): fixed,
 # so that the replay of a multi-stage worker's contribution computes with the same.
@@ -59,14 +60,56 @@ def clip_coefficient(total_squared: torch.Tensor, clip: float) -> torch.Tensor:
 @dataclass(frozen=True)
 class StagedArithmetic:
     """How a worker of ``len(stages)`` stages computed its gradients: the parameter names of each
-    stage (trainer.model.stages.stage_param_names) and its microbatches per batch."""
+    stage (trainer.model.stages.stage_param_names), its microbatches per batch, and its data-parallel
+    ``replicas`` (trainer.runtime.island: each the gradient of its slice of the batch, averaged in
+    rank order; with one stage, the model's own full-slice forward and clip_grad_norm_)."""
 
     stages: tuple[tuple[str, ...], ...]
     microbatches: int
+    replicas: int = 1
 
     def gradients(self, model: nn.Module, x: torch.Tensor, y: torch.Tensor, clip: float) -> float:
         """The step's clipped gradients left in ``model``'s ``.grad`` (zeroed by the caller), and
         its loss; FloatingPointError on a non-finite loss, as the stages stop."""
+        named = dict(model.named_parameters())
+        if self.replicas == 1:
+            value = self._slice_gradients(model, x, y)
+        else:
+            per_rank: list[list[torch.Tensor]] = []
+            values: list[float] = []
+            for k in range(self.replicas):
+                for p in named.values():
+                    p.grad = None
+                values.append(self._slice_gradients(model, replica_slice(x, k, self.replicas),
+                                                    replica_slice(y, k, self.replicas)))
+                per_rank.append([p.grad for p in named.values() if p.grad is not None])
+            with_grad = [p for p in named.values() if p.grad is not None]
+            for p, g in zip(with_grad, mean_in_rank_order(per_rank)):
+                p.grad = g
+            value = sum(values) / len(values)
+        if clip > 0 and len(self.stages) == 1:
+            torch.nn.utils.clip_grad_norm_(model.parameters(), clip)  # as one process clips (InnerLoop)
+        elif clip > 0:
+            by_stage = [[named[n].grad for n in names if named[n].grad is not None] for names in self.stages]
+            total = torch.zeros((), dtype=torch.float64)
+            for grads in by_stage:
+                total = total + squared_norm(grads)
+            coef = clip_coefficient(total, clip)
+            for grads in by_stage:
+                if grads:
+                    torch._foreach_mul_(grads, coef)
+        return value
+
+    def _slice_gradients(self, model: nn.Module, x: torch.Tensor, y: torch.Tensor) -> float:
+        """One replica's unclipped gradients of (x, y) accumulated into ``.grad``, and its loss: the
+        model's own forward with one stage; with several, microbatch by microbatch, then divided by n."""
+        if len(self.stages) == 1:
+            _, loss = model(x, y)
+            assert loss is not None
+            if not torch.isfinite(loss):
+                raise FloatingPointError(f"inner step: loss is {loss.item()}")
+            loss.backward()
+            return loss.item()
         if x.shape[0] % self.microbatches:
             raise ValueError(f"batch of {x.shape[0]} sequences cannot be cut into {self.microbatches} "
                              f"equal microbatches")
@@ -80,25 +123,18 @@ class StagedArithmetic:
         if value != value or value in (float("inf"), float("-inf")):
             raise FloatingPointError(f"inner step: loss is {value}")
         named = dict(model.named_parameters())
-        by_stage = [[named[n].grad for n in names if named[n].grad is not None] for names in self.stages]
-        for grads in by_stage:
-            for g in grads:
-                g.div_(self.microbatches)
-        if clip > 0:
-            total = torch.zeros((), dtype=torch.float64)
-            for grads in by_stage:
-                total = total + squared_norm(grads)
-            coef = clip_coefficient(total, clip)
-            for grads in by_stage:
-                if grads:
-                    torch._foreach_mul_(grads, coef)
+        for names in self.stages:
+            for n in names:
+                if named[n].grad is not None:
+                    named[n].grad.div_(self.microbatches)
         return value
 
 
-def staged_arithmetic(model: ModelConfig, num_stages: int,
-                      microbatches: int = WORKER_MICROBATCHES) -> StagedArithmetic | None:
-    """The arithmetic of a worker of ``num_stages`` stages of ``model`` (None for one process, which
-    computes full-batch gradients: trainer.runtime.inner.InnerLoop)."""
-    if num_stages == 1:
+def staged_arithmetic(model: ModelConfig, num_stages: int, microbatches: int = WORKER_MICROBATCHES,
+                      replicas: int = 1) -> StagedArithmetic | None:
+    """The arithmetic of a worker of ``replicas`` data-parallel replicas of ``num_stages`` stages of
+    ``model`` (None for one process, which computes full-batch gradients: trainer.runtime.inner.InnerLoop)."""
+    if num_stages == 1 and replicas == 1:
         return None
-    return StagedArithmetic(tuple(tuple(names) for names in stage_param_names(model, num_stages)), microbatches)
+    return StagedArithmetic(tuple(tuple(names) for names in stage_param_names(model, num_stages)), microbatches,
+                            replicas)

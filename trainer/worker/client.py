@@ -156,6 +156,7 @@ def update_header(run_id: str, worker_id: str, piece: Slice, what: PushHeader, p
         inner_state_sha256=what.inner_state_sha256, inner_state_size=state_size,
         cpu_capability=what.kernels.capability if what.kernels else "",
         intra_op_threads=what.kernels.threads if what.kernels else 0,
+        data_parallel=what.kernels.data_parallel if what.kernels and what.kernels.data_parallel > 1 else 0,
     )
 
 

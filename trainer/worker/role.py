@@ -51,8 +51,9 @@ from trainer.rounds.schedule import ScheduleError, StepsDecision
 from trainer.runstore.update_record import record_of_slices
 from trainer.runtime.device import parse_device
 from trainer.runtime.inner import InnerLoop, InnerResult
+from trainer.runtime.island import Island, check_devices
 from trainer.runtime.kernels import current_kernels
-from trainer.runtime.pipeline import PipelinedInnerLoop, PipelineError, plan_stages
+from trainer.runtime.pipeline import PipelinedInnerLoop, PipelineError, StagePlan, plan_stages
 from trainer.runtime.procgroup import available_cpus
 from trainer.runtime.state_commit import StateUploads, commitment
 from trainer.worker.client import (
@@ -114,7 +115,8 @@ class Worker:
     def __init__(self, address: str, worker_id: str, *, tls: ClientTls, attestation: EvidenceProvider | None = None,
                  reconnect_timeout_s: float = 120.0, fetch_wait_s: float = 5.0, link: Link | None = None,
                  metrics: Path | None = None, stages: int | None = 1, cores: int | None = None,
-                 threads: int | None = None, device: str = "cpu", receipts: Path | None = None) -> None:
+                 threads: int | None = None, device: str = "cpu", receipts: Path | None = None,
+                 data_parallel: int = 1) -> None:
         self.created_at = time.monotonic()  # start-up is measured from here (trainer.runtime.pipeline.plan_stages)
         self.worker_id = worker_id
         self.device = parse_device(device)  # where the inner loop runs (trainer.runtime.device); refused now if absent
@@ -122,6 +124,8 @@ class Worker:
         # the first join, when the model's depth is known.
         self.requested_stages, self.cores, self.threads = stages, cores or available_cpus(), threads
         self.stages, self.threads_per_stage = stages or 1, threads or 1
+        # Data-parallel replicas of its stages (trainer.runtime.island): one identity, N·P ranks.
+        self.replicas = data_parallel
         self.metrics = metrics
         # The coordinator's signed receipts of this worker's counted updates and taken reports.
         self.receipts = ReceiptBook(receipts if receipts is not None else Path("receipts") / worker_id)
@@ -147,16 +151,10 @@ class Worker:
         requested = self.requested_stages if self.requested_stages is not None or self.device.type == "cpu" else 1
         if requested is None and config.model.tie_word_embeddings:
             requested = 1  # auto: a tied embedding and head cannot be split across stages (trainer.runtime.pipeline)
-        try:
-            plan = plan_stages(requested, config.model.n_layer, self.cores, self.threads)
-        except ValueError as exc:
-            raise WorkerError(str(exc)) from None
+        plan = planned(self.worker_id, requested, config.model.n_layer, self.cores, self.threads, self.replicas,
+                       self.device)
         self.stages, self.threads_per_stage = plan.stages, plan.threads_per_stage
         torch.set_num_threads(plan.worker_threads)
-        if plan.stages > self.cores:
-            log.warning("%d pipeline stages on %d core(s): the stages oversubscribe the cores", plan.stages, self.cores)
-        log.info("worker %s: %d stage(s) x %d torch thread(s) on %d core(s)", self.worker_id, plan.stages,
-                 plan.threads_per_stage, self.cores)
         self.shard_index = shard
         # Verified before any training: the pinned index, tokenizer.json, and this slot's shard
         # files and the held-out file (each checked against the index, then memory-mapped).
@@ -174,7 +172,7 @@ class Worker:
         # Overlapped, a checkpoint is checked (and its report signed) while the next round trains
         # self.model in this process: on a model of its own (one more copy of the parameters, no
         # optimiser state). Pipeline stages train in their own processes.
-        own = config.rounds.overlap and self.stages == 1
+        own = config.rounds.overlap and self.stages == 1 and self.replicas == 1
         self.reporter = Reporter(self.client, config, shard, self.data_digest, self.eval_batches,
                                  build_model(config.model, config.seed) if own else self.model, self.phase_seconds,
                                  functools.partial(self.receipts.keep_sent, self.client))
@@ -184,13 +182,14 @@ class Worker:
         if not config.model.init_params:
             genesis = params_of(self.model)
             self.client.held = (str(CID.of(encode_params(genesis))), genesis)
-        if self.stages > 1:
+        if self.stages > 1 or self.replicas > 1:
             try:
                 self.inner = PipelinedInnerLoop(config.model, config.inner, self.stages,
                                                 compression=config.compression, device=str(self.device),
-                                                threads_per_stage=self.threads_per_stage)
+                                                threads_per_stage=self.threads_per_stage, replicas=self.replicas)
             except ValueError as exc:  # e.g. a batch that does not cut into equal microbatches
-                raise WorkerError(f"{self.stages} pipeline stages: {exc}") from exc
+                what = f"{self.replicas} data-parallel replicas of " if self.replicas > 1 else ""
+                raise WorkerError(f"{what}{self.stages} pipeline stages: {exc}") from exc
             self.inner.start()  # alive for the whole run: no round pays for starting them
         else:
             self.inner = InnerLoop(self.model, config.inner, self.device)
@@ -346,7 +345,7 @@ class Worker:
                  f", uplink mean rank {decision.mean_rank:.1f}" if decision and decision.tensors else "")
         record = {"event": "round", "round": round_, "tokens": result.tokens, "inner_steps": result.steps,
                   "rank_fraction": rho,
-                  "stages": self.stages, "threads_per_stage": self.threads_per_stage,
+                  "stages": self.stages, "threads_per_stage": self.threads_per_stage, "data_parallel": self.replicas,
                   "train_loss": result.mean_loss, "compute_s": trained_s, "waited_s": waited_s,
                   "bytes_sent": sent, "bytes_received": received, "time": time.time(),
                   "inner_s": work.inner_s, "compress_s": work.compress_s, **self._phases()}
@@ -410,6 +409,25 @@ class Worker:
             if isinstance(self.inner, PipelinedInnerLoop):
                 self.inner.close()  # stop the stage processes
             client.close()
+
+
+def planned(worker_id: str, requested: int | None, n_layer: int, cores: int, threads: int | None,
+            replicas: int, device: torch.device) -> StagePlan:
+    """The worker's stages and threads (trainer.runtime.pipeline.plan_stages), said in its log;
+    WorkerError, in one line, for a plan the model (or, on CUDA, the GPUs) does not allow."""
+    try:
+        plan = plan_stages(requested, n_layer, cores, threads, replicas)
+        gpus = torch.cuda.device_count() if device.type == "cuda" else 0
+        check_devices(Island(replicas, plan.stages), device.type, gpus)
+    except ValueError as exc:
+        raise WorkerError(str(exc)) from None
+    ranks = plan.stages * replicas
+    if ranks > cores:
+        log.warning("%d pipeline stages on %d core(s): the stages oversubscribe the cores", ranks, cores)
+    island = f"{replicas} data-parallel replica(s) x " if replicas > 1 else ""
+    log.info("worker %s: %s%d stage(s) x %d torch thread(s) on %d core(s)", worker_id, island, plan.stages,
+             plan.threads_per_stage, cores)
+    return plan
 
 
 def rewind_inner_state(inner: InnerLoop | PipelinedInnerLoop, uplink: Uplink, work: RoundWork,
