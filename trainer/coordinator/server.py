@@ -196,6 +196,7 @@ def serve(run_dir: RunDir, config: RunConfig | None, host: str = "127.0.0.1", po
         if gateway is not None:
             gateway.shutdown()
             gateway.server_close()
+            log.info("store gateway sent %d bytes", gateway.bytes_out)  # its egress (benchmarks.egress reads it)
         service.close()
         os.close(lock)
     return code

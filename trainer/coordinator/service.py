@@ -326,6 +326,9 @@ class CoordinatorService:
             # Stored (the compressed downlink every round, θ⁽ʳ⁾ on a full checkpoint's): named, not
             # streamed; the worker fetches it from its sources, this coordinator's gateway last.
             header.payload_cid, payload = str(cid), b""
+            codec_cid = CID.of(header.compression_header, Codec.JSON)
+            if header.compression_header and self.c.run.run_dir.store.has(codec_cid):
+                header.compression_header_cid, header.compression_header = str(codec_cid), b""
         yield pb.GlobalChunk(header=header)
         for piece in chunked(payload, CHUNK_BYTES):
             yield pb.GlobalChunk(data=piece)

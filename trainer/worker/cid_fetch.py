@@ -42,22 +42,30 @@ MAX_STORE_SOURCES = 16  # --store-source URLs a worker tries; the coordinator's 
 FETCH_RETRIES = 2  # per source, after the first try (RemoteStore's backoff between them)
 FETCH_TIMEOUT_S = 30.0
 EMPTY_SHA256 = sha256_hex(b"")
+MAX_CODEC_HEADER_BYTES = 4 << 20  # a codec header named by CID (the bound of a pushed one, trainer.net.limits)
 
 
 class CidFetchError(WireError):
     """No source served a correct copy of the payload a header names by CID (one line, CID and sources)."""
 
 
+def parse_cid(text: str, codec: Codec, round_: int, what: str) -> CID:
+    """A CID a header names, of ``codec`` (WireError naming ``what`` otherwise)."""
+    try:
+        cid = CID.parse(text)
+    except InvalidCIDError:
+        raise WireError(f"global state of round {round_} names a malformed {what} CID {clip(text)}") from None
+    if cid.codec != codec:
+        raise WireError(f"global state of round {round_}: {what} CID {cid} is not of codec {codec.name}")
+    return cid
+
+
 def payload_cid(header: pb.GlobalHeader) -> CID:
     """The CID a signed header names for its payload: a raw-codec CIDv1 whose digest is the header's
     payload_sha256 (WireError otherwise: the two would describe different bytes)."""
-    try:
-        cid = CID.parse(header.payload_cid)
-    except InvalidCIDError:
-        raise WireError(f"global state of round {header.round} names a malformed payload CID "
-                        f"{clip(header.payload_cid)}") from None
-    if cid.codec != Codec.RAW or cid.hex != header.payload_sha256:
-        raise WireError(f"global state of round {header.round}: payload CID {cid} is not the raw CID of "
+    cid = parse_cid(header.payload_cid, Codec.RAW, header.round, "payload")
+    if cid.hex != header.payload_sha256:
+        raise WireError(f"global state of round {header.round}: payload CID {cid} is not the CID of "
                         f"its payload_sha256 {clip(header.payload_sha256)}")
     return cid
 
@@ -101,12 +109,26 @@ class PayloadSources:
 
     def fetch(self, header: pb.GlobalHeader, store_port: int, rest: Iterator[bytes]) -> bytes:
         """The payload ``header`` names by CID, verified; CidFetchError when no source has it. ``rest``
-        (the data chunks of the stream after the header) must be empty."""
+        (the data chunks of the stream after the header) must be empty. A codec header named by CID
+        is fetched too and put in ``header.compression_header``, where a streamed one is."""
         reassemble(rest, 0, EMPTY_SHA256, what=f"global state of round {header.round} named by CID")
+        if header.compression_header_cid:
+            if header.compression_header:
+                raise WireError(f"global state of round {header.round} names its codec header by CID and sends it")
+            cid = parse_cid(header.compression_header_cid, Codec.JSON, header.round, "codec header")
+            header.compression_header = self._get(header, cid, store_port, MAX_CODEC_HEADER_BYTES)
         cid = payload_cid(header)
+        data = self._get(header, cid, store_port, header.payload_size)
+        if len(data) != header.payload_size:  # the CID binds the bytes; the signed header their length
+            raise WireError(f"global state of round {header.round}: payload {cid} is {len(data)} bytes, "
+                            f"the header declares {header.payload_size}")
+        return data
+
+    def _get(self, header: pb.GlobalHeader, cid: CID, store_port: int, max_bytes: int) -> bytes:
+        """One object from the sources in order, verified, liars named (CidFetchError: none had it)."""
         coordinator = self.coordinator_gateway(store_port)
         urls = [*self.mirrors, *(url for url, _ in coordinator)]
-        store = RemoteStore(urls, max_bytes=header.payload_size, timeout_s=FETCH_TIMEOUT_S, retries=FETCH_RETRIES,
+        store = RemoteStore(urls, max_bytes=max_bytes, timeout_s=FETCH_TIMEOUT_S, retries=FETCH_RETRIES,
                             source_tls={url: context for url, context in coordinator if context is not None})
         try:
             data, skipped = store.get_reporting(cid)
@@ -117,8 +139,5 @@ class PayloadSources:
                 log.warning("round %d: store source %s lied about %s (%s); skipped", header.round, url, cid, what)
             else:
                 log.info("round %d: store source %s did not serve %s (%s)", header.round, url, cid, what)
-        if len(data) != header.payload_size:  # the CID binds the bytes; the signed header their length
-            raise WireError(f"global state of round {header.round}: payload {cid} is {len(data)} bytes, "
-                            f"the header declares {header.payload_size}")
         self.received(len(data))
         return data

@@ -1,0 +1,159 @@
+"""The global state fetched by CID (trainer.worker.cid_fetch), the coordinator's choice to name it
+(trainer.coordinator.service._global_messages), the mirror that reads through (cli.mirror.ReadThroughStore)
+and the gateway's egress count: real HTTP gateways on loopback over real on-disk stores."""
+
+from __future__ import annotations
+
+import logging
+import threading
+from collections.abc import Iterator
+from types import SimpleNamespace
+
+import pytest
+
+from benchmarks.gateway import FlippingStore
+from cli.mirror import ReadThroughStore
+from proto import Encoding, pb
+from storage_client import CID, Codec, ObjectStore
+from storage_client.gateway import GatewayServer, start_gateway
+from storage_client.remote import RemoteStore
+from trainer.codec.wire import WireError, sha256_hex
+from trainer.coordinator.service import CoordinatorService
+from trainer.coordinator.state import CompressedGlobal, GlobalState
+from trainer.net.tls import ClientTls
+from trainer.worker.cid_fetch import CidFetchError, PayloadSources, gateway_url, payload_cid
+
+PAYLOAD = bytes(range(256)) * 300
+CODEC_HEADER = b'{"tensors":{}}'
+
+
+@pytest.fixture
+def served(tmp_path) -> Iterator[tuple[ObjectStore, list[GatewayServer]]]:
+    """An honest store, and the gateways a test starts (stopped after it)."""
+    servers: list[GatewayServer] = []
+    yield ObjectStore(tmp_path / "store"), servers
+    for server in servers:
+        server.shutdown()
+        server.server_close()
+
+
+def serve(servers: list[GatewayServer], store) -> str:
+    server, _ = start_gateway(store)
+    servers.append(server)
+    return server.url
+
+
+def header(payload: bytes = PAYLOAD, **fields: object) -> pb.GlobalHeader:
+    h = pb.GlobalHeader(available=True, round=3, payload_size=len(payload), payload_sha256=sha256_hex(payload),
+                        payload_cid=str(CID.of(payload)), encoding=Encoding.LOWRANK_INT4)
+    for name, value in fields.items():
+        setattr(h, name, value)
+    return h
+
+
+def sources(mirrors: list[str]) -> tuple[PayloadSources, list[int]]:
+    got: list[int] = []
+    return PayloadSources(mirrors, "127.0.0.1:1", ClientTls(insecure=True), got.append), got
+
+
+def test_payload_cid_must_be_the_raw_cid_of_the_signed_digest() -> None:
+    assert payload_cid(header()) == CID.of(PAYLOAD)
+    for bad in ("nonsense", str(CID.of(PAYLOAD, Codec.JSON)), str(CID.of(b"other bytes"))):
+        with pytest.raises(WireError, match="round 3"):
+            payload_cid(header(payload_cid=bad))
+
+
+def test_gateway_url_is_the_announced_port_on_the_dialled_host() -> None:
+    assert gateway_url("10.0.0.5:7000", 8480, secure=True) == "https://10.0.0.5:8480"
+    assert gateway_url("[::1]:7000", 8480, secure=False) == "http://[::1]:8480"
+
+
+def test_fetched_from_a_mirror_verified_with_its_codec_header(served) -> None:
+    store, servers = served
+    store.put(PAYLOAD)
+    codec_cid = store.put(CODEC_HEADER, Codec.JSON)
+    fetch, got = sources([serve(servers, store)])
+    assert fetch.enabled
+    h = header(compression_header_cid=str(codec_cid))
+    assert fetch.fetch(h, 0, iter(())) == PAYLOAD
+    assert h.compression_header == CODEC_HEADER  # where a streamed one is read
+    assert got == [len(CODEC_HEADER), len(PAYLOAD)]  # counted as received bytes
+
+
+def test_a_lying_source_is_named_and_the_next_one_used(served, caplog) -> None:
+    store, servers = served
+    store.put(PAYLOAD)
+    liar = serve(servers, FlippingStore(store.root))
+    fetch, _ = sources([liar, serve(servers, store)])
+    with caplog.at_level(logging.WARNING, logger="dilocox.worker"):
+        assert fetch.fetch(header(), 0, iter(())) == PAYLOAD
+    assert f"store source {liar} lied about {CID.of(PAYLOAD)}" in caplog.text
+
+
+def test_no_correct_copy_anywhere_is_one_error_naming_the_liar(served) -> None:
+    store, servers = served
+    store.put(PAYLOAD)
+    liar = serve(servers, FlippingStore(store.root))
+    empty = serve(servers, ObjectStore(store.root.parent / "empty"))
+    fetch, got = sources([empty, liar])
+    with pytest.raises(CidFetchError) as refused:
+        fetch.fetch(header(), 0, iter(()))
+    assert str(CID.of(PAYLOAD)) in str(refused.value) and f"lied: {liar}" in str(refused.value)
+    assert "\n" not in str(refused.value) and got == []
+
+
+def test_data_after_a_payload_named_by_cid_and_a_wrong_length_are_refused(served) -> None:
+    store, servers = served
+    store.put(PAYLOAD)
+    fetch, _ = sources([serve(servers, store)])
+    with pytest.raises(WireError):
+        fetch.fetch(header(), 0, iter([b"extra"]))
+    with pytest.raises(CidFetchError, match="over the bound"):  # declared shorter than the bytes
+        fetch.fetch(header(payload_size=len(PAYLOAD) - 1), 0, iter(()))
+
+
+def test_a_worker_without_sources_asks_for_bytes() -> None:
+    assert not sources([])[0].enabled
+
+
+def _service(store: ObjectStore, gateway: object) -> CoordinatorService:
+    service = object.__new__(CoordinatorService)  # _global_messages reads these only
+    run = SimpleNamespace(run_dir=SimpleNamespace(store=store), inner_steps=lambda r: 2)
+    service.c, service.gateway = SimpleNamespace(run=run, global_signature=lambda s: b"s" * 65), gateway
+    return service
+
+
+@pytest.mark.parametrize("by_cid,stored,named", [(True, True, True), (False, True, False), (True, False, False)])
+def test_the_coordinator_names_a_stored_payload_only_when_asked(tmp_path, by_cid, stored, named) -> None:
+    store = ObjectStore(tmp_path / "store")
+    if stored:
+        store.put(PAYLOAD)
+        store.put(CODEC_HEADER, Codec.JSON)
+    base = CID.of(b"theta r-1")
+    state = GlobalState(round=3, params={}, momentum={}, payload=b"dense", params_cid=CID.of(b"dense"),
+                        manifest_cid=CID.of(b"m", Codec.JSON), eval_loss_e6=0,
+                        downlink=CompressedGlobal(PAYLOAD, CODEC_HEADER, str(base)))
+    messages = list(_service(store, object())._global_messages(state, 4, False, str(base), by_cid))
+    h = messages[0].header
+    assert h.payload_sha256 == sha256_hex(PAYLOAD) and h.payload_size == len(PAYLOAD)
+    if named:
+        assert h.payload_cid == str(CID.of(PAYLOAD)) and len(messages) == 1
+        assert h.compression_header_cid == str(CID.of(CODEC_HEADER, Codec.JSON)) and not h.compression_header
+    else:
+        assert not h.payload_cid and b"".join(m.data for m in messages[1:]) == PAYLOAD
+        assert h.compression_header == CODEC_HEADER
+
+
+def test_a_read_through_mirror_fetches_each_block_once(served, tmp_path) -> None:
+    store, servers = served
+    cid = store.put(PAYLOAD)
+    server, _ = start_gateway(store)
+    servers.append(server)
+    mirror = ReadThroughStore(ObjectStore(tmp_path / "mirror" / "store"), RemoteStore([server.url]))
+    readers = [threading.Thread(target=mirror.get, args=(cid,)) for _ in range(8)]
+    for reader in readers:
+        reader.start()
+    for reader in readers:
+        reader.join(30)
+    assert mirror.fetched == 1 and mirror.local.get(cid) == PAYLOAD
+    assert len(PAYLOAD) < server.bytes_out < 2 * len(PAYLOAD)  # one copy (and its headers) left upstream
