@@ -14,13 +14,13 @@ import pytest
 from benchmarks.gateway import FlippingStore
 from cli.mirror import ReadThroughStore
 from proto import Encoding, pb
-from storage_client import CID, Codec, ObjectStore
+from storage_client import CID, Codec, ObjectStore, StoreError
 from storage_client.gateway import GatewayServer, start_gateway
 from storage_client.remote import RemoteStore
 from trainer.codec.wire import WireError, sha256_hex
 from trainer.coordinator.service import CoordinatorService
 from trainer.coordinator.state import CompressedGlobal, GlobalState
-from trainer.net.tls import ClientTls
+from trainer.net.tls import ClientTls, TlsError, ensure_self_signed, gateway_client_tls, gateway_server_tls
 from trainer.worker.cid_fetch import CidFetchError, PayloadSources, gateway_url, payload_cid
 
 PAYLOAD = bytes(range(256)) * 300
@@ -157,3 +157,22 @@ def test_a_read_through_mirror_fetches_each_block_once(served, tmp_path) -> None
         reader.join(30)
     assert mirror.fetched == 1 and mirror.local.get(cid) == PAYLOAD
     assert len(PAYLOAD) < server.bytes_out < 2 * len(PAYLOAD)  # one copy (and its headers) left upstream
+
+
+def test_the_coordinators_gateway_is_trusted_as_its_grpc_port_is(served, tmp_path) -> None:
+    store, servers = served
+    cid = store.put(PAYLOAD)
+    identity, worker = ensure_self_signed(tmp_path / "tls"), ensure_self_signed(tmp_path / "worker-tls")
+    server, _ = start_gateway(store, tls=gateway_server_tls(identity, worker.cert_path))  # mutual TLS
+    servers.append(server)
+    address, mine = f"127.0.0.1:{server.server_address[1]}", {"client_cert_file": worker.cert_path,
+                                                                "client_key_file": worker.key_path}
+    for tls in (ClientTls(fingerprint=identity.fingerprint, **mine), ClientTls(ca_file=identity.cert_path, **mine)):
+        context = gateway_client_tls(address, tls)
+        assert RemoteStore([server.url], source_tls={server.url: context}).get(cid) == PAYLOAD
+    without = gateway_client_tls(address, ClientTls(ca_file=identity.cert_path))  # no client certificate
+    with pytest.raises(StoreError):
+        RemoteStore([server.url], source_tls={server.url: without}, retries=0).get(cid)
+    with pytest.raises(TlsError, match="but the pin is"):
+        gateway_client_tls(address, ClientTls(fingerprint=worker.fingerprint, **mine))
+    assert gateway_client_tls(address, ClientTls(insecure=True)) is None

@@ -5,7 +5,9 @@ CA (trainer.net.tls; plaintext only with --insecure), the run configuration must
 coordinator names, and every global state must carry the coordinator's signature
 (attestation.signing.global_digest, by the key named at the first Join, which may not change) and
 hash to its CID. Every call made for this worker after Join carries its session token
-(proto.session_metadata). Every byte is counted per direction.
+(proto.session_metadata). Every byte is counted per direction. A worker given store sources asks
+for a payload the run's store holds by its CID and fetches it from them, verified, the coordinator's
+gateway last, and over gRPC when none has a correct copy (trainer.worker.cid_fetch).
 
 Nor is the coordinator trusted to be well-behaved (bounds in trainer.net.limits): a global state's header
 must carry the coordinator's signature and declare at most ``dense_payload_limit`` of the model's
