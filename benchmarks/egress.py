@@ -17,7 +17,9 @@ message of every stream, per worker, rounds 2..R: round 1 starts from θ⁽⁰�
 itself) and every byte its store gateway wrote (``store gateway sent N bytes``, logged at exit; over
 R rounds it serves R downlinks, θ⁽ᴿ⁾ included, so a round's share is total / R). The other gRPC
 replies (Join, Heartbeat, PushUpdate's and SubmitReport's answers) are tens of bytes a call and left
-out. ``uplink`` is a worker's push a round (``bytes_up`` / W), the coordinator's ingress per worker:
+out. ``uplink`` is a worker's push a round (``bytes_up`` / W), the coordinator's ingress per worker
+(with ``rounds.state_every=5`` and at most 4 rounds, no push carries an inner state, trainer.runtime.
+state_commit, which every 5th round adds 3 × the model's fp32 bytes to the uplink, not the downlink):
 the target is egress ≤ W × uplink, and with the downlink served once, egress no longer grows by one
 downlink per worker. ``mirror out`` is what the mirror served (the W copies moved off the coordinator).
 """
@@ -37,7 +39,7 @@ SENT = re.compile(r"store gateway sent (\d+) bytes")
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--workers", type=int, nargs="+", default=[2, 4, 8], help="W of each cell")
-    p.add_argument("--rounds", type=int, default=4, help="rounds of each run (>= 2)")
+    p.add_argument("--rounds", type=int, default=4, help="rounds of each run, in [2, 4]")
     p.add_argument("--n-embd", type=int, default=256, help="model width (2 layers, 4 heads)")
     p.add_argument("--max-rank", type=int, default=8, help="the codec's rank ceiling")
     p.add_argument("--out", help="also write the table (markdown) to this file")
@@ -50,7 +52,7 @@ def run_config(workers: int, rounds: int, n_embd: int, max_rank: int):  # -> Run
         "model.n_layer=2", "model.n_head=4", f"model.n_embd={n_embd}", "model.block_size=32",
         "inner.steps=2", "inner.batch_size=4", "data.eval_batches=1", f"rounds.rounds={rounds}",
         f"rounds.expected_workers={workers}", f"rounds.quorum={workers}", "rounds.straggler_timeout_s=600",
-        "rounds.liveness_timeout_s=120", "compression.enabled=true", "compression.min_rank=1",
+        "rounds.liveness_timeout_s=120", "rounds.state_every=5", "compression.enabled=true", "compression.min_rank=1",
         f"compression.max_rank={max_rank}"])
 
 
@@ -112,8 +114,8 @@ def main(argv: list[str] | None = None) -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     add_arguments(p)
     args = p.parse_args(argv)
-    if args.rounds < 2:
-        p.error("--rounds must be >= 2")
+    if not 2 <= args.rounds <= 4:
+        p.error("--rounds must be in [2, 4] (round 5 would upload the workers' inner states)")
     info = machine("cpu")
     params = parameters_of(run_config(2, args.rounds, args.n_embd, args.max_rank))
     rows = []

@@ -711,6 +711,8 @@ def _coordinator_address(address: str) -> None:
 
 def _store_sources(urls: Sequence[str]) -> None:
     """--store-source: at most MAX_STORE_SOURCES gateway URLs, each http(s)://host[:port][/path]."""
+    if not urls:
+        return
     from storage_client import StoreError
     from storage_client.remote import check_source_url
     from trainer.worker.cid_fetch import MAX_STORE_SOURCES
