@@ -1,6 +1,7 @@
-"""The global state fetched by CID (trainer.worker.cid_fetch), the coordinator's choice to name it
-(trainer.coordinator.service._global_messages), the mirror that reads through (cli.mirror.ReadThroughStore)
-and the gateway's egress count: real HTTP gateways on loopback over real on-disk stores."""
+"""The global state fetched by CID (trainer.worker.cid_fetch), the worker's fall-back to gRPC, the
+coordinator's choice to name it (trainer.coordinator.service._global_messages), the gateway's TLS, the
+mirror that reads through (cli.mirror.ReadThroughStore) and the gateway's egress count: real HTTP
+gateways on loopback over real on-disk stores, a real gRPC server for the client."""
 
 from __future__ import annotations
 
@@ -10,17 +11,25 @@ from collections.abc import Iterator
 from types import SimpleNamespace
 
 import pytest
+import torch
 
+from attestation import WorkerKey
+from attestation.signing import global_digest
 from benchmarks.gateway import FlippingStore
+from benchmarks.hostile_coordinator import MANIFEST_CID, RUN_DIGEST, Hostile
+from benchmarks.hostile_coordinator import served as serving
 from cli.mirror import ReadThroughStore
 from proto import Encoding, pb
 from storage_client import CID, Codec, ObjectStore, StoreError
 from storage_client.gateway import GatewayServer, start_gateway
 from storage_client.remote import RemoteStore
-from trainer.codec.wire import WireError, sha256_hex
+from tests.conftest import small_config
+from trainer.codec.wire import WireError, encode_params, sha256_hex
 from trainer.coordinator.service import CoordinatorService
 from trainer.coordinator.state import CompressedGlobal, GlobalState
+from trainer.net.link import Link
 from trainer.net.tls import ClientTls, TlsError, ensure_self_signed, gateway_client_tls, gateway_server_tls
+from trainer.worker.client import CoordinatorClient
 from trainer.worker.cid_fetch import CidFetchError, PayloadSources, gateway_url, payload_cid
 
 PAYLOAD = bytes(range(256)) * 300
@@ -176,3 +185,33 @@ def test_the_coordinators_gateway_is_trusted_as_its_grpc_port_is(served, tmp_pat
     with pytest.raises(TlsError, match="but the pin is"):
         gateway_client_tls(address, ClientTls(fingerprint=worker.fingerprint, **mine))
     assert gateway_client_tls(address, ClientTls(insecure=True)) is None
+
+
+def test_no_correct_copy_by_cid_and_the_worker_takes_the_bytes_over_grpc(tmp_path, served, caplog) -> None:
+    """A real CoordinatorClient against an in-process coordinator (benchmarks.hostile_coordinator)
+    that names θ by CID, which the worker's only source serves wrong: one line, then gRPC."""
+    store, servers = served
+    payload = encode_params({"w": torch.arange(8, dtype=torch.float32)})
+    params = store.put(payload)
+    liar = serve(servers, FlippingStore(store.root))
+    coordinator = Hostile(WorkerKey.generate(), small_config())
+    digest = global_digest(RUN_DIGEST, 1, params.digest, CID.parse(MANIFEST_CID).digest)
+    signed = pb.GlobalHeader(available=True, round=1, params_cid=str(params), manifest_cid=MANIFEST_CID,
+                             encoding=Encoding.DENSE_F32, signature=coordinator.key.sign_digest(digest),
+                             payload_size=len(payload), payload_sha256=sha256_hex(payload),
+                             next_inner_steps=1, second_inner_steps=1)
+    by_cid = pb.GlobalHeader()
+    by_cid.CopyFrom(signed)
+    by_cid.payload_cid = str(params)
+    answers = [[pb.GlobalChunk(header=by_cid)], [pb.GlobalChunk(header=signed), pb.GlobalChunk(data=payload)]]
+    coordinator.fetch = lambda: iter(answers.pop(0))
+    with serving(coordinator, threads=4) as (address, _):
+        client = CoordinatorClient(address, "w0", tls=ClientTls(insecure=True), attestation=None,
+                                   reconnect_timeout_s=30, fetch_wait_s=5, link=Link(),
+                                   on_first_join=lambda config, shard, shards: None, store_sources=[liar])
+        client.join()
+        with caplog.at_level(logging.INFO, logger="dilocox.worker"):
+            checkpoint = client.fetch(1)
+    assert checkpoint.params_cid == str(params) and coordinator.fetches == 2 and answers == []
+    refused = [r.getMessage() for r in caplog.records if "over gRPC" in r.getMessage()]
+    assert len(refused) == 1 and f"lied: {liar}" in refused[0] and str(params) in refused[0]
