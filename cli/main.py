@@ -345,7 +345,9 @@ def _status_tables(status) -> list:  # status: pb.StatusResponse; -> the run lin
     from proto import WorkerPhase
 
     head = (f"run [bold]{escape(status.run_id)}[/]: open round {status.open_round} of {status.total_rounds}"
-            f"{' (finished)' if status.finished else ''}; ledger lag {status.ledger_lag_rounds} round(s)")
+            f"{' (finished)' if status.finished else ''}; ledger lag {status.ledger_lag_rounds} round(s)"
+            + (f"; store gateway on port {status.store_port}, {status.store_bytes_served:,} bytes served"
+               if status.store_port else ""))
     workers = Table(title="workers")
     for column in ("worker", "address", "shard", "alive", "round", "phase", "last seen"):
         workers.add_column(column)
