@@ -5,10 +5,11 @@
 HTTP/2 limits of ``SERVER_OPTIONS``), the run's store as a trustless gateway on a second port with
 the same certificate (storage_client.gateway, its bounds per client) and, when the run has a ledger,
 the settlement thread of its trust layer; then closes and publishes rounds until the last, lets
-live workers fetch the final checkpoint, and waits for the ledger to confirm every round. It exits 1 with one line when a round
-cannot be published, when it cannot close because every live worker's push of it was refused
-(Coordinator.stalled; the workers are told, and stop too), or when the ledger cannot be caught up;
-everything finished stays in the run directory, and a restart resumes from HEAD.
+live workers fetch the final checkpoint, and waits for the ledger to confirm every round. It exits 1
+with one line when a round cannot be published, when it cannot close because every live worker's
+push of it was refused (Coordinator.stalled; the workers are told, and stop too), when a port cannot
+be listened on, or when the ledger cannot be caught up; everything finished stays in the run
+directory, and a restart resumes from HEAD.
 """
 
 from __future__ import annotations

@@ -321,17 +321,25 @@ class CoordinatorService:
             payload, header.compression_header, header.base_params_cid = down.payload, down.header, down.base_params_cid
             header.encoding = down.encoding
         header.payload_size, header.payload_sha256 = len(payload), sha256_hex(payload)
-        cid = CID(Codec.RAW, bytes.fromhex(header.payload_sha256))
-        if by_cid and payload and self.c.run.run_dir.store.has(cid):
-            # Stored (the compressed downlink every round, θ⁽ʳ⁾ on a full checkpoint's): named, not
-            # streamed; the worker fetches it from its sources, this coordinator's gateway last.
-            header.payload_cid, payload = str(cid), b""
-            codec_cid = CID.of(header.compression_header, Codec.JSON)
-            if header.compression_header and self.c.run.run_dir.store.has(codec_cid):
-                header.compression_header_cid, header.compression_header = str(codec_cid), b""
+        if by_cid and payload and self._named_by_cid(header):
+            payload = b""
         yield pb.GlobalChunk(header=header)
         for piece in chunked(payload, CHUNK_BYTES):
             yield pb.GlobalChunk(data=piece)
+
+    def _named_by_cid(self, header: pb.GlobalHeader) -> bool:
+        """Name the payload ``header`` describes by its CID when the run's store holds it (the
+        compressed downlink every round, θ⁽ʳ⁾ on a full checkpoint's), and its codec header likewise:
+        the worker fetches them from its sources, this coordinator's gateway last."""
+        store = self.c.run.run_dir.store
+        cid = CID(Codec.RAW, bytes.fromhex(header.payload_sha256))
+        if not store.has(cid):
+            return False
+        header.payload_cid = str(cid)
+        codec_cid = CID.of(header.compression_header, Codec.JSON)
+        if header.compression_header and store.has(codec_cid):
+            header.compression_header_cid, header.compression_header = str(codec_cid), b""
+        return True
 
 
 def receipt_message(signed: SignedReceipt | None) -> pb.Receipt | None:
