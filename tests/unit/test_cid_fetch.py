@@ -6,7 +6,9 @@ gateways on loopback over real on-disk stores, a real gRPC server for the client
 from __future__ import annotations
 
 import logging
+import socket
 import threading
+import time
 from collections.abc import Iterator
 from types import SimpleNamespace
 
@@ -215,3 +217,20 @@ def test_no_correct_copy_by_cid_and_the_worker_takes_the_bytes_over_grpc(tmp_pat
     assert checkpoint.params_cid == str(params) and coordinator.fetches == 2 and answers == []
     refused = [r.getMessage() for r in caplog.records if "over gRPC" in r.getMessage()]
     assert len(refused) == 1 and f"lied: {liar}" in refused[0] and str(params) in refused[0]
+
+
+def test_connections_from_all_clients_are_bounded_too(served) -> None:
+    store, servers = served
+    server, _ = start_gateway(store)
+    servers.append(server)
+    server.per_client, server.max_connections = 8, 3  # the bound on all clients, as one client can reach it
+    idle = [socket.create_connection(server.server_address[:2]) for _ in range(3)]
+    try:
+        time.sleep(0.2)  # let the server accept them
+        extra = socket.create_connection(server.server_address[:2])
+        extra.settimeout(5)
+        assert extra.recv(1) == b""  # closed at once, unanswered
+        extra.close()
+    finally:
+        for s in idle:
+            s.close()
