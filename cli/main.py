@@ -121,7 +121,7 @@ def cmd_coordinator(args: argparse.Namespace) -> int:
 
     _threads(args.threads)
     run_dir = RunDir(args.run_dir)
-    credentials = _server_credentials(args, run_dir)
+    credentials, gateway_tls = _server_credentials(args, run_dir)
     settings = _trust_settings(args)
     trust = None
     if settings is not None:
@@ -129,23 +129,25 @@ def cmd_coordinator(args: argparse.Namespace) -> int:
 
         trust = functools.partial(open_trust, settings)
     return serve(run_dir, config, host=args.host, port=args.port, linger_s=args.linger, trust=trust,
-                 credentials=credentials, idle_s=args.idle_timeout)
+                 credentials=credentials, idle_s=args.idle_timeout,
+                 store_port=None if args.no_store_gateway else args.store_port, gateway_tls=gateway_tls)
 
 
-def _server_credentials(args: argparse.Namespace, run_dir):  # -> grpc.ServerCredentials | None
-    """TLS by default (the given pair, or a self-signed one in <run>/tls); None only with --insecure."""
+def _server_credentials(args: argparse.Namespace, run_dir):  # -> (grpc.ServerCredentials, ssl.SSLContext) | (None, None)
+    """TLS by default (the given pair, or a self-signed one in <run>/tls), for the gRPC port and the
+    store gateway alike; (None, None) only with --insecure."""
     if args.insecure:
         if args.tls_cert or args.tls_key or args.tls_client_ca:
             raise ValueError("--insecure contradicts --tls-cert/--tls-key/--tls-client-ca")
         logging.getLogger("dilocox").warning(
             "INSECURE: serving plaintext gRPC (--insecure): anyone on the path can read and change "
             "every message; use it on a trusted loopback only")
-        return None
-    from trainer.net.tls import server_credentials, server_identity
+        return None, None
+    from trainer.net.tls import gateway_server_tls, server_credentials, server_identity
 
     hosts = [args.host] if args.host not in ("0.0.0.0", "::", "") else []
     identity = server_identity(run_dir.path / "tls", args.tls_cert, args.tls_key, hosts=hosts)
-    return server_credentials(identity, args.tls_client_ca)
+    return server_credentials(identity, args.tls_client_ca), gateway_server_tls(identity, args.tls_client_ca)
 
 
 def _client_tls(args: argparse.Namespace):  # -> trainer.net.tls.ClientTls
@@ -211,7 +213,7 @@ def cmd_worker(args: argparse.Namespace) -> int:
                     reconnect_timeout_s=args.reconnect_timeout, link=link,
                     metrics=Path(args.metrics) if args.metrics else None, stages=args.stages, cores=args.cores,
                     threads=args.threads, device=args.device, receipts=Path(args.receipts) if args.receipts else None,
-                    data_parallel=args.data_parallel)
+                    data_parallel=args.data_parallel, store_sources=tuple(args.store_source))
     return _exit_now(worker.run())
 
 
@@ -343,7 +345,9 @@ def _status_tables(status) -> list:  # status: pb.StatusResponse; -> the run lin
     from proto import WorkerPhase
 
     head = (f"run [bold]{escape(status.run_id)}[/]: open round {status.open_round} of {status.total_rounds}"
-            f"{' (finished)' if status.finished else ''}; ledger lag {status.ledger_lag_rounds} round(s)")
+            f"{' (finished)' if status.finished else ''}; ledger lag {status.ledger_lag_rounds} round(s)"
+            + (f"; store gateway on port {status.store_port}, {status.store_bytes_served:,} bytes served"
+               if status.store_port else ""))
     workers = Table(title="workers")
     for column in ("worker", "address", "shard", "alive", "round", "phase", "last seen"):
         workers.add_column(column)
@@ -463,6 +467,10 @@ def _coordinator_arguments(p: argparse.ArgumentParser) -> None:
     _set_argument(p)
     p.add_argument("--host", default="127.0.0.1", help="address to listen on")
     p.add_argument("--port", type=int, default=0, help="0 picks a free port (see <run-dir>/coordinator.addr)")
+    p.add_argument("--store-port", type=int, default=0,
+                   help="port of the run's store served as an IPFS trustless gateway with the same TLS "
+                        "(workers fetch the global state by CID from it; 0 picks a free port, shown by `dilocox status`)")
+    p.add_argument("--no-store-gateway", action="store_true", help="serve no store gateway")
     p.add_argument("--threads", type=int, default=1, help="torch threads")
     p.add_argument("--linger", type=float, default=10.0, help="seconds to let workers see the end of the run")
     p.add_argument("--ledger", help="deployment.json of the registry and ledger to record to")
@@ -524,6 +532,10 @@ def _worker_arguments(p: argparse.ArgumentParser) -> None:
                    help="N data-parallel replicas of the worker's stages (trainer.runtime.island): N x P local "
                         "processes, each replica training on its slice of every batch, gradients averaged in "
                         "rank order; one identity, attestation and update to the coordinator (default 1)")
+    p.add_argument("--store-source", action="append", default=[], metavar="URL",
+                   help="a trustless gateway (a mirror, a peer) to fetch the global state from by CID, verified "
+                        "block by block (repeatable, tried in order, the coordinator's own gateway last); "
+                        "without it the state comes over gRPC")
     p.add_argument("--device", default="cpu",
                    help="where the inner loop runs: cpu, cuda or cuda:N (bf16 autocast on CUDA; pipeline stages "
                         "then each on their own GPU over NCCL); what is sent and checked stays on the CPU")
@@ -703,6 +715,23 @@ def _coordinator_address(address: str) -> None:
                          f"({getattr(exc, 'strerror', None) or exc})") from None
 
 
+def _store_sources(urls: Sequence[str]) -> None:
+    """--store-source: at most MAX_STORE_SOURCES gateway URLs, each http(s)://host[:port][/path]."""
+    if not urls:
+        return
+    from storage_client import StoreError
+    from storage_client.remote import check_source_url
+    from trainer.worker.cid_fetch import MAX_STORE_SOURCES
+
+    if len(urls) > MAX_STORE_SOURCES:
+        raise UsageError(f"--store-source given {len(urls)} times, more than {MAX_STORE_SOURCES}")
+    for url in urls:
+        try:
+            check_source_url(url)
+        except StoreError as exc:
+            raise UsageError(f"--store-source: {exc}") from None
+
+
 def _warn_oversubscribed(cores: int | None, threads: int | None) -> None:
     """More cores or threads than this process may run on is allowed (a benchmark may want it) but
     never silent: every stage and thread then shares a core with another."""
@@ -729,6 +758,7 @@ def check_args(args: argparse.Namespace) -> None:
             raise UsageError(f"--report-timeout {args.report_timeout} is out of range: must be in [0, 86400] seconds")
     if command == "coordinator":
         _port(args.port, "--port", 0)
+        _port(args.store_port, "--store-port", 0)
         given = [args.ledger, args.chain_rpc, args.chain_key_file]
         if any(given) and not all(given):
             missing = [flag for flag, value in zip(("--ledger", "--chain-rpc", "--chain-key-file"), given)
@@ -757,6 +787,7 @@ def check_args(args: argparse.Namespace) -> None:
             if value is not None and not 1 <= value <= 4096:
                 raise UsageError(f"{flag} {value} must be in [1, 4096]")
         _warn_oversubscribed(args.cores, args.threads)
+        _store_sources(args.store_source)
         from trainer.runtime.device import DeviceError, parse_device
 
         try:

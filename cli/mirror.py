@@ -20,6 +20,7 @@ from __future__ import annotations
 import argparse
 import os
 import sys
+import threading
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -42,11 +43,14 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 class ReadThroughStore(Store):
     """Reads from ``local`` when it holds the object, else from ``remote``, keeping what it fetched in
-    ``local``: the mirror's copy. Counts the blocks fetched and the reads served by the mirror."""
+    ``local``: the mirror's copy. Counts the blocks fetched and the reads served by the mirror. Misses
+    are fetched one at a time (``dilocox store serve --from`` serves one from many threads): W readers
+    of a new object cost its source one copy, not W."""
 
     def __init__(self, local: ObjectStore, remote: Store) -> None:
         self.local, self.remote = local, remote
         self.fetched = self.kept = 0
+        self._missing = threading.Lock()
 
     @property
     def location(self) -> str:
@@ -60,9 +64,12 @@ class ReadThroughStore(Store):
         if self.local.has(cid):
             self.kept += 1
             return self.local.get(cid)
-        data = self.remote.get(cid)  # verified against the CID by the remote store
-        self.local.put(data, cid.codec)
-        self.fetched += 1
+        with self._missing:
+            if self.local.has(cid):  # fetched by the reader this one waited for
+                return self.local.get(cid)
+            data = self.remote.get(cid)  # verified against the CID by the remote store
+            self.local.put(data, cid.codec)
+            self.fetched += 1
         return data
 
     def has(self, cid: CID | str) -> bool:

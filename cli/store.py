@@ -1,8 +1,11 @@
 """``dilocox store``: a run's store from anywhere.
 
-``dilocox store serve --run DIR [--host H] [--port P] [--tls]`` serves DIR's store as an IPFS trustless
-gateway (storage_client.gateway): ``GET /ipfs/<cid>`` as a raw block or a CAR, read-only, every block
-re-hashed before it is sent. ``--tls`` serves HTTPS with the run's coordinator identity (DIR/tls, or
+``dilocox store serve --run DIR [--host H] [--port P] [--tls] [--from URL …]`` serves DIR's store as
+an IPFS trustless gateway (storage_client.gateway): ``GET /ipfs/<cid>`` as a raw block or a CAR,
+read-only, every block re-hashed before it is sent. With ``--from``, a block DIR lacks is fetched from
+those gateways (verified by CID, cli.mirror.ReadThroughStore), kept and served: a mirror that follows
+a live run, which its workers fetch each round's downlink from (``dilocox worker --store-source``),
+so the coordinator sends it once. ``--tls`` serves HTTPS with the run's coordinator identity (DIR/tls, or
 ``--tls-cert``/``--tls-key``), so a client trusts it by the same certificate its workers pin. It prints
 its URL on one line and serves until SIGTERM (exit 143) or Ctrl-C (130).
 
@@ -25,7 +28,7 @@ import threading
 from collections.abc import Iterator
 from pathlib import Path
 
-from storage_client import CID, Store
+from storage_client import CID, Store, StoreError
 
 EXIT_OK, EXIT_ERROR = 0, 2
 
@@ -39,6 +42,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     serve.add_argument("--tls", action="store_true", help="HTTPS with the run's coordinator identity (DIR/tls)")
     serve.add_argument("--tls-cert", metavar="FILE", help="with --tls: this certificate chain instead of DIR/tls's")
     serve.add_argument("--tls-key", metavar="FILE", help="with --tls: the key of --tls-cert")
+    serve.add_argument("--from", dest="sources", action="append", default=[], metavar="URL",
+                       help="read through: a block DIR lacks is fetched from these gateways (repeatable, in "
+                            "order), verified, kept in DIR/store and served (a mirror that follows a live run)")
+    serve.add_argument("--store-ca", metavar="FILE", help="with --from: the CA certificate to trust for https sources "
+                                                          "(a coordinator's DIR/tls/cert.pem)")
     car = what.add_parser("car", help="write one round (manifest, checkpoint, update records) as a CARv1")
     car.add_argument("--run", required=True, metavar="DIR", help="run directory (its store/ and HEAD)")
     car.add_argument("--round", required=True, type=int, metavar="N", help="the round to write")
@@ -46,14 +54,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    if not (Path(args.run) / "store").is_dir():
+    if not (Path(args.run) / "store").is_dir() and not getattr(args, "sources", None):
         print(f"store: {str(args.run)[:200]} is not a run directory (no store/)", file=sys.stderr)
         return EXIT_ERROR
     return serve(args) if args.store_command == "serve" else write_round_car(args)
 
 
 def serve(args: argparse.Namespace) -> int:
-    from storage_client import open_store
     from storage_client.gateway import server_tls, start_gateway
 
     if not 0 <= args.port <= 65535:
@@ -70,7 +77,12 @@ def serve(args: argparse.Namespace) -> int:
             print(f"store serve: no TLS identity: {str(exc)[:300]}", file=sys.stderr)
             return EXIT_ERROR
     try:
-        server, thread = start_gateway(open_store(args.run), args.host, args.port, tls)
+        served = _served_store(args)
+    except (StoreError, OSError) as exc:
+        print(f"store serve: {str(exc)[:300]}", file=sys.stderr)
+        return EXIT_ERROR
+    try:
+        server, thread = start_gateway(served, args.host, args.port, tls)
     except OSError as exc:
         print(f"store serve: cannot listen on {args.host[:100]}:{args.port}: {exc.strerror or exc}", file=sys.stderr)
         return EXIT_ERROR
@@ -83,12 +95,27 @@ def serve(args: argparse.Namespace) -> int:
 
     for signum in (signal.SIGTERM, signal.SIGINT, signal.SIGHUP):
         signal.signal(signum, stop)
-    print(f"serving {args.run} at {server.url}/ipfs/<cid> (read-only)", flush=True)
+    print(f"serving {args.run} at {server.url}/ipfs/<cid> "
+          f"({'reading through ' + ', '.join(args.sources) if args.sources else 'read-only'})", flush=True)
     done.wait()
     server.shutdown()
     server.server_close()
     thread.join(10)
     return 128 + stopped[0]
+
+
+def _served_store(args: argparse.Namespace) -> Store:
+    """DIR's store, or with --from, DIR's store reading through those gateways (cli.mirror.ReadThroughStore)."""
+    from storage_client import open_store
+
+    if not args.sources:
+        return open_store(args.run)
+    from cli.mirror import ReadThroughStore
+    from storage_client.remote import RemoteStore
+
+    if args.store_ca is not None and not Path(args.store_ca).is_file():
+        raise StoreError(f"--store-ca {args.store_ca[:200]!r} is not a file")
+    return ReadThroughStore(open_store(args.run), RemoteStore(args.sources, ca_file=args.store_ca))
 
 
 def round_blocks(store: Store, manifest_cid: CID) -> Iterator[tuple[CID, bytes]]:

@@ -18,10 +18,12 @@ A raw block is served whatever its size: our CIDs name an object's whole bytes (
 docs/trust.md "The store over HTTP" says which CID ``ipfs add`` gives for them). A CID whose codec
 the store does not know (dag-pb, dag-cbor) is a 400, like any CID we cannot name.
 
-Bounds: at most ``MAX_CONNECTIONS_PER_CLIENT`` connections from one address at a time (more are
-closed at once), a socket timeout on every read and write (a client that drips its request is cut
-off), one request per connection. Read-only: nothing here writes to the store. TLS, when asked,
-with a certificate and key (the coordinator's, trainer.net.tls).
+Bounds: at most ``MAX_CONNECTIONS_PER_CLIENT`` connections from one address at a time and
+``MAX_CONNECTIONS`` from all of them (more are closed at once, unanswered), a socket timeout on every read and write (a client that drips its request is cut
+off), one request per connection. Read-only: nothing here writes to the store (a read-through
+store it serves may keep what it fetched, storage_client.readthrough). TLS, when asked, with a
+certificate and key (the coordinator's, trainer.net.tls). ``GatewayServer.bytes_out`` counts every
+byte of every response it wrote (status lines, headers and bodies): its egress.
 """
 
 from __future__ import annotations
@@ -52,6 +54,7 @@ MAX_REQUEST_LINE = 2048
 MAX_HEADER_BYTES = 8192
 MAX_HEADERS = 32
 MAX_CONNECTIONS_PER_CLIENT = 8
+MAX_CONNECTIONS = 256  # from all clients at once: each holds a thread (a coordinator serves one beside its gRPC port)
 SOCKET_TIMEOUT_S = 30.0
 
 
@@ -193,6 +196,14 @@ class GatewayHandler(BaseHTTPRequestHandler):
             pieces = list(encode_car([cid], [(cid, data)]))
             self._respond(cid, CAR_TYPE_PARAMS, "car", pieces if with_body else [], sum(map(len, pieces)))
 
+    def flush_headers(self) -> None:
+        self.server.count_out(sum(map(len, getattr(self, "_headers_buffer", []))))
+        super().flush_headers()
+
+    def _write_body(self, piece: bytes) -> None:
+        self.wfile.write(piece)
+        self.server.count_out(len(piece))
+
     def _respond(self, cid: CID, content_type: str, suffix: str, body: list[bytes | None], length: int) -> None:
         self.send_response(HTTPStatus.OK)
         self.send_header("Content-Type", content_type)
@@ -206,7 +217,7 @@ class GatewayHandler(BaseHTTPRequestHandler):
         self.end_headers()
         try:
             for piece in body:
-                self.wfile.write(piece or b"")
+                self._write_body(piece or b"")
         except (BrokenPipeError, ConnectionResetError, TimeoutError):
             pass  # the client went away: nothing to tell it
 
@@ -222,7 +233,7 @@ class GatewayHandler(BaseHTTPRequestHandler):
             self.send_header("Connection", "close")
             self.end_headers()
             if self.command != "HEAD":
-                self.wfile.write(body)
+                self._write_body(body)
         except (BrokenPipeError, ConnectionResetError, TimeoutError):
             pass
 
@@ -242,7 +253,13 @@ class GatewayServer(ThreadingHTTPServer):
         self.tls = tls
         self._open: Counter[str] = Counter()
         self._open_lock = threading.Lock()
+        self.bytes_out = 0  # response bytes written (status lines, headers, bodies): the gateway's egress
+        self.per_client, self.max_connections = MAX_CONNECTIONS_PER_CLIENT, MAX_CONNECTIONS
         super().__init__(address, GatewayHandler)
+
+    def count_out(self, nbytes: int) -> None:
+        with self._open_lock:
+            self.bytes_out += nbytes
 
     @property
     def url(self) -> str:
@@ -252,7 +269,7 @@ class GatewayServer(ThreadingHTTPServer):
 
     def verify_request(self, request: Any, client_address: Any) -> bool:
         with self._open_lock:
-            if self._open[client_address[0]] >= MAX_CONNECTIONS_PER_CLIENT:
+            if self._open[client_address[0]] >= self.per_client or self._open.total() >= self.max_connections:
                 return False
             self._open[client_address[0]] += 1
         return True

@@ -26,7 +26,7 @@ import time
 import urllib.error
 import urllib.parse
 import urllib.request
-from collections.abc import Iterator, Sequence
+from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -84,12 +84,15 @@ class RemoteStore(Store):
 
     def __init__(self, urls: Sequence[str], *, ca_file: str | None = None,
                  max_bytes: int = DEFAULT_MAX_OBJECT_BYTES, timeout_s: float = DEFAULT_TIMEOUT_S,
-                 retries: int = DEFAULT_RETRIES, backoff_s: float = BACKOFF_S) -> None:
+                 retries: int = DEFAULT_RETRIES, backoff_s: float = BACKOFF_S,
+                 source_tls: Mapping[str, ssl.SSLContext] | None = None) -> None:
         if not urls:
             raise StoreError("a remote store needs at least one gateway URL")
         self.urls = [check_source_url(u) for u in urls]
         self.ca_file = ca_file  # the CA to trust for https sources (None: the system's)
         self.tls = ssl.create_default_context(cafile=ca_file) if ca_file is not None else None
+        # A source trusted otherwise (the coordinator's gateway, by the certificate its workers pin).
+        self.source_tls = {check_source_url(u): context for u, context in (source_tls or {}).items()}
         self.max_bytes = max_bytes
         self.timeout_s = timeout_s
         self.retries = retries
@@ -104,13 +107,18 @@ class RemoteStore(Store):
         raise StoreError(f"the remote store {self.location} is read-only")
 
     def get(self, cid: CID | str) -> bytes:
+        return self.get_reporting(cid)[0]
+
+    def get_reporting(self, cid: CID | str) -> tuple[bytes, list[tuple[str, str]]]:
+        """``get``, with what each source tried before the one that served a correct copy did
+        ((url, "missing" / "lied: ..." / "failed (...)" / "refused (...)"), in order): who to name."""
         cid = as_cid(cid)
         outcomes: list[tuple[str, str]] = []
         for url in self.urls:
             fetched = self._from_source(url, cid, method="GET")
             if fetched.status == "ok" and fetched.data is not None:
                 self._sizes[cid] = len(fetched.data)
-                return fetched.data
+                return fetched.data, outcomes
             outcomes.append((url, fetched.status))
         if all(what == "missing" for _, what in outcomes):
             raise MissingObjectError(cid, self.location)
@@ -165,7 +173,8 @@ class RemoteStore(Store):
     def _request(self, url: str, cid: CID, method: str) -> _Fetched:
         request = urllib.request.Request(f"{url}/ipfs/{cid}", method=method, headers={"Accept": RAW_TYPE})
         try:
-            with urllib.request.urlopen(request, timeout=self.timeout_s, context=self.tls) as response:
+            context = self.source_tls.get(url, self.tls)
+            with urllib.request.urlopen(request, timeout=self.timeout_s, context=context) as response:
                 declared = response.headers.get("Content-Length")
                 length = int(declared) if declared is not None and declared.isdigit() else None
                 if length is not None and length > self.max_bytes:

@@ -1,11 +1,19 @@
-"""A coordinator and two workers, as real processes over gRPC on 127.0.0.1, for two rounds."""
+"""A coordinator and two workers, as real processes over gRPC on 127.0.0.1, for two rounds (and the
+workers fetching the downlink by CID from a mirror, past a liar: trainer.worker.cid_fetch)."""
+
+import contextlib
+from dataclasses import dataclass
 
 import pytest
 
 from audit.rederive import rederive
+from benchmarks.gateway import FlippingStore
 from cli.cluster import LocalCluster
+from cli.mirror import ReadThroughStore
 from proto import MAX_MESSAGE_BYTES
-from storage_client import CID, lineage
+from storage_client import CID, ObjectStore, lineage
+from storage_client.gateway import GatewayServer, start_gateway
+from storage_client.remote import RemoteStore
 from trainer.codec import CompressionConfig
 from trainer.codec.wire import decode_params, layout_of
 from trainer.config import ModelConfig, RoundConfig, RunConfig
@@ -75,16 +83,24 @@ def test_two_workers_two_rounds_store_a_rederivable_lineage(cluster: LocalCluste
 
 
 @pytest.mark.parametrize("codec", ["lowrank-int4", "topk"])
-def test_compressed_updates_travel_small_and_still_rederive(cluster: LocalCluster, make_config, codec: str) -> None:
-    """Both codecs (trainer.codec): the same framing, validation and exact re-derivation."""
+def test_compressed_updates_travel_small_and_still_rederive(cluster: LocalCluster, make_config, codec: str,
+                                                            tmp_path) -> None:
+    """Both codecs (trainer.codec): the same framing, validation and exact re-derivation. With the
+    low-rank codec the workers also fetch each round's downlink by CID (trainer.worker.cid_fetch):
+    from a mirror reading through the coordinator's TLS gateway, w0 past a liar first."""
     config = make_config(model=ModelConfig(block_size=32, n_layer=2, n_head=4, n_embd=128),
                          compression=CompressionConfig(enabled=True, min_rank=1, max_rank=8, codec=codec))
     cluster.start_coordinator(config)
-    cluster.start_worker("w0")
-    cluster.start_worker("w1")
-    for name in ("w0", "w1", "coordinator"):
-        assert cluster.wait_exit(name, 180) == 0, cluster.log(name)
+    with contextlib.ExitStack() as servers:
+        sources = by_cid_sources(cluster, tmp_path, servers) if codec == "lowrank-int4" else None
+        cluster.start_worker("w0", ["--store-source", sources.liar.url, "--store-source", sources.mirror.url]
+                             if sources else [])
+        cluster.start_worker("w1", ["--store-source", sources.mirror.url] if sources else [])
+        for name in ("w0", "w1", "coordinator"):
+            assert cluster.wait_exit(name, 180) == 0, cluster.log(name)
     chain = assert_rederivable(cluster.run_dir)
+    if sources:
+        assert_fetched_by_cid(cluster, sources, [m for _, m in chain])
     dense = 4 * sum(p.numel() for p in build_model(RunConfig.load(config).model, 0).parameters())
     for _, m in chain[1:]:
         assert [p.worker for p in m.participants] == ["w0", "w1"]
@@ -94,6 +110,40 @@ def test_compressed_updates_travel_small_and_still_rederive(cluster: LocalCluste
     # Round 1 starts from θ⁽⁰⁾, fetched dense; from round 2 on each worker holds the round before.
     assert all(p.bytes_received * 10 < dense for p in chain[2][1].participants), chain[2][1].participants
     assert "compressed" in cluster.log("w0") and "global update compressed" in cluster.log("coordinator")
+
+
+@dataclass
+class BySources:
+    mirror: GatewayServer  # reads through the coordinator's gateway (cli.mirror.ReadThroughStore)
+    mirrored: ReadThroughStore
+    liar: GatewayServer  # serves the run's own store with a byte flipped
+
+
+def by_cid_sources(cluster: LocalCluster, tmp_path, servers: contextlib.ExitStack) -> BySources:
+    """A mirror that trusts the coordinator's gateway by the certificate its workers pin, and a liar."""
+    store_port = cluster.status().store_port
+    assert store_port > 0  # announced in Status (and to the workers in JoinResponse)
+    upstream = RemoteStore([f"https://127.0.0.1:{store_port}"], ca_file=str(cluster.run_dir.path / "tls" / "cert.pem"))
+    mirrored = ReadThroughStore(ObjectStore(tmp_path / "mirror" / "store"), upstream)
+    started = [start_gateway(mirrored)[0], start_gateway(FlippingStore(cluster.run_dir.store.root))[0]]
+    for server in started:
+        servers.callback(server.server_close)
+        servers.callback(server.shutdown)
+    return BySources(started[0], mirrored, started[1])
+
+
+def assert_fetched_by_cid(cluster: LocalCluster, sources: BySources, manifests: list) -> None:
+    w0 = cluster.log("w0", tail=400)
+    assert f"store source {sources.liar.url} lied about" in w0, w0  # named, skipped
+    assert "fetching it from the coordinator over gRPC" not in w0  # the mirror had a correct copy
+    # Every round's downlink came from the mirror, which fetched each block from the coordinator once
+    # (the compressed update and its codec header of rounds 1..2; θ⁽²⁾ is fetched at the end).
+    blocks = {b for m in manifests[1:] for b in (m.downlink.payload, m.downlink.header)}
+    assert all(sources.mirrored.local.has(cid) for cid in blocks)
+    assert sources.mirrored.fetched == len(blocks)  # each once, though two workers read it
+    for m in manifests[2:]:  # FetchGlobal carried the signed headers only: less than one downlink in all
+        assert m.bytes_down < len(cluster.run_dir.store.get(m.downlink.payload)), m.round
+    assert sources.mirror.bytes_out > sources.liar.bytes_out > 0
 
 
 @pytest.mark.parametrize(("aggregator", "trim_fraction", "workers"), [

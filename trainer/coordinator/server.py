@@ -2,12 +2,14 @@
 
 ``serve`` locks the run directory (one coordinator a run), opens the run, starts the service
 (trainer.coordinator.service) on a grpc.aio server of its own event loop (``RpcServer``, with the
-HTTP/2 limits of ``SERVER_OPTIONS``) and, when the run has a ledger, the settlement thread of its trust
-layer; then closes and publishes rounds until the last, lets live workers fetch the final
-checkpoint, and waits for the ledger to confirm every round. It exits 1 with one line when a round
-cannot be published, when it cannot close because every live worker's push of it was refused
-(Coordinator.stalled; the workers are told, and stop too), or when the ledger cannot be caught up;
-everything finished stays in the run directory, and a restart resumes from HEAD.
+HTTP/2 limits of ``SERVER_OPTIONS``), the run's store as a trustless gateway on a second port with
+the same certificate (storage_client.gateway, its bounds per client) and, when the run has a ledger,
+the settlement thread of its trust layer; then closes and publishes rounds until the last, lets
+live workers fetch the final checkpoint, and waits for the ledger to confirm every round. It exits 1
+with one line when a round cannot be published, when it cannot close because every live worker's
+push of it was refused (Coordinator.stalled; the workers are told, and stop too), when a port cannot
+be listened on, or when the ledger cannot be caught up; everything finished stays in the run
+directory, and a restart resumes from HEAD.
 """
 
 from __future__ import annotations
@@ -18,6 +20,7 @@ import logging
 import os
 import resource
 import signal
+import ssl
 import threading
 import time
 from typing import Callable
@@ -26,6 +29,7 @@ import grpc
 from grpc_health.v1 import health_pb2
 
 from proto import CHANNEL_OPTIONS, SERVICE_NAME
+from storage_client.gateway import GatewayServer, start_gateway
 from trainer.config import RunConfig
 from trainer.coordinator.machine import Coordinator
 from trainer.coordinator.run import Run, open_run
@@ -130,11 +134,14 @@ def _raise_open_file_limit() -> None:
 
 def serve(run_dir: RunDir, config: RunConfig | None, host: str = "127.0.0.1", port: int = 0,
           linger_s: float = 10.0, trust: Callable[[Run], RunTrust] | None = None, settle_timeout_s: float = 120.0,
-          credentials: grpc.ServerCredentials | None = None, idle_s: float = 30.0) -> int:
+          credentials: grpc.ServerCredentials | None = None, idle_s: float = 30.0,
+          store_port: int | None = None, gateway_tls: ssl.SSLContext | None = None) -> int:
     """Run the coordinator until the run's last round is published and, with a ledger, recorded
     (or SIGTERM/SIGINT). Rounds the chain has not confirmed stay in <run>/outbox for next time.
     ``trust`` opens the run's trust layer once the run is known (settlement.ledger_trust);
-    ``credentials`` None serves plaintext, which the caller must have asked for (--insecure)."""
+    ``credentials`` None serves plaintext, which the caller must have asked for (--insecure).
+    ``store_port`` (0: a free one; None: none) serves the run's store as a trustless gateway on
+    ``host`` with ``gateway_tls`` (the gRPC port's certificate; None: plaintext, with --insecure)."""
     lock = lock_run_dir(run_dir)
     _raise_open_file_limit()
     run = open_run(run_dir, config)
@@ -146,6 +153,12 @@ def serve(run_dir: RunDir, config: RunConfig | None, host: str = "127.0.0.1", po
     except BaseException:
         server.stop(0)
         raise
+    try:
+        gateway = _start_gateway(run_dir, host, store_port, gateway_tls)
+    except BaseException:
+        server.stop(0)
+        raise
+    service.gateway = gateway
     server.set_health(health_pb2.HealthCheckResponse.SERVING)
     address = f"{host}:{bound}"
     run_dir.write_address(address)
@@ -181,9 +194,27 @@ def serve(run_dir: RunDir, config: RunConfig | None, host: str = "127.0.0.1", po
             settler.join(timeout=30)
         server.set_health(health_pb2.HealthCheckResponse.NOT_SERVING)
         server.stop(grace_s=2.0)
+        if gateway is not None:
+            gateway.shutdown()
+            gateway.server_close()
+            log.info("store gateway sent %d bytes", gateway.bytes_out)  # its egress (benchmarks.egress reads it)
         service.close()
         os.close(lock)
     return code
+
+
+def _start_gateway(run_dir: RunDir, host: str, port: int | None, tls: ssl.SSLContext | None) -> GatewayServer | None:
+    """The run's store served as an IPFS trustless gateway (storage_client.gateway) beside the gRPC
+    port: workers fetch the global state by CID from it when no mirror has it; announced to them
+    in JoinResponse.store_port and to operators in Status."""
+    if port is None:
+        return None
+    try:
+        gateway, _ = start_gateway(run_dir.store, host, port, tls)
+    except OSError as exc:
+        raise OSError(f"cannot serve the store on {host}:{port}: {exc.strerror or exc}") from None
+    log.info("store gateway at %s/ipfs/<cid> (%s)", gateway.url, "TLS, the same certificate" if tls else "PLAINTEXT")
+    return gateway
 
 
 def _run_rounds(coordinator: Coordinator, run_dir: RunDir, stop: threading.Event, linger_s: float,

@@ -18,6 +18,11 @@ What a call holds, and for how long:
   PushUpdate       one of its worker's ``STREAMS_PER_WORKER["push"]``; the header within
                    ARRIVAL_S and checked before a payload byte is read, then the payload at the
                    pace, hashed as it arrives; decoding and storing take a HEAVY thread.
+
+A worker that asks for it (FetchGlobalRequest.payload_by_cid) is sent, for a payload the run's store
+holds, its CID instead of its bytes (GlobalHeader.payload_cid): the same bytes for every worker, served
+once by CID from mirrors, with this coordinator's own gateway (``gateway``, trainer.coordinator.server)
+the source of last resort.
 """
 
 from __future__ import annotations
@@ -33,6 +38,8 @@ from grpc_health.v1 import health_pb2
 
 from attestation.receipt import SignedReceipt
 from proto import CHUNK_BYTES, PROTOCOL_VERSION, SERVICE_NAME, Encoding, WorkerPhase, pb
+from storage_client import CID, Codec
+from storage_client.gateway import GatewayServer
 from trainer.codec.wire import Reassembly, WireError, chunked, json_object, sha256_hex
 from trainer.coordinator.checks import check_state_bytes
 from trainer.coordinator.calls import HEAVY, MALFORMED, PUBLIC, WORKERS, CallGate, parser
@@ -78,6 +85,7 @@ class CoordinatorService:
         self.all_status = TokenBucket(rate=200.0, burst=400.0)
         self._published: asyncio.Event | None = None
         self._loop: asyncio.AbstractEventLoop | None = None
+        self.gateway: GatewayServer | None = None  # the store's gateway, when the coordinator serves one
 
     def bind(self, loop: asyncio.AbstractEventLoop) -> None:
         """Serve on ``loop``: long-polls wake when the machine publishes a round or halts."""
@@ -143,7 +151,7 @@ class CoordinatorService:
                 config_cid=str(self.c.run.config_cid), open_round=open_round, shard=shard,
                 num_shards=cfg.rounds.expected_workers, heartbeat_interval_s=cfg.rounds.heartbeat_interval_s,
                 run_digest=self.c.run.run_digest, chain_id=chain_id, ledger=ledger, session_token=token,
-                coordinator_address=self.c.signer.address,
+                coordinator_address=self.c.signer.address, store_port=self.store_port,
             )
         return await self.gate.call(context, "Join", body)
 
@@ -173,8 +181,15 @@ class CoordinatorService:
         async def body() -> pb.StatusResponse:
             await self.gate.arrival(context, "StatusRequest")
             self.gate.rate(context, self.status_rate, self.all_status, "Status")
-            return status_message(await self.gate.run(PUBLIC, self.c.status))
+            status = status_message(await self.gate.run(PUBLIC, self.c.status))
+            status.store_port = self.store_port
+            status.store_bytes_served = self.gateway.bytes_out if self.gateway is not None else 0
+            return status
         return await self.gate.call(context, "Status", body)
+
+    @property
+    def store_port(self) -> int:
+        return int(self.gateway.server_address[1]) if self.gateway is not None else 0
 
     def _ledger(self) -> tuple[int, str]:
         trust = self.c.trust
@@ -257,7 +272,8 @@ class CoordinatorService:
                 state, open_round, finished = await self._wait_for_global(worker, request.min_round, wait_s)
                 pace, sent, whole = self.gate.pace(), 0, False
                 try:
-                    for message in self._global_messages(state, open_round, finished, request.have_params_cid):
+                    for message in self._global_messages(state, open_round, finished, request.have_params_cid,
+                                                         request.payload_by_cid and self.gateway is not None):
                         await self.gate.write(context, message, pace)
                         sent += message.ByteSize()
                     whole = state is not None
@@ -283,7 +299,7 @@ class CoordinatorService:
                 pass
 
     def _global_messages(self, state: GlobalState | None, open_round: int, finished: bool,
-                         have_params_cid: str) -> Iterator[pb.GlobalChunk]:
+                         have_params_cid: str, by_cid: bool = False) -> Iterator[pb.GlobalChunk]:
         if state is None:
             yield pb.GlobalChunk(header=pb.GlobalHeader(available=False, open_round=open_round))
             return
@@ -305,9 +321,25 @@ class CoordinatorService:
             payload, header.compression_header, header.base_params_cid = down.payload, down.header, down.base_params_cid
             header.encoding = down.encoding
         header.payload_size, header.payload_sha256 = len(payload), sha256_hex(payload)
+        if by_cid and payload and self._named_by_cid(header):
+            payload = b""
         yield pb.GlobalChunk(header=header)
         for piece in chunked(payload, CHUNK_BYTES):
             yield pb.GlobalChunk(data=piece)
+
+    def _named_by_cid(self, header: pb.GlobalHeader) -> bool:
+        """Name the payload ``header`` describes by its CID when the run's store holds it (the
+        compressed downlink every round, θ⁽ʳ⁾ on a full checkpoint's), and its codec header likewise:
+        the worker fetches them from its sources, this coordinator's gateway last."""
+        store = self.c.run.run_dir.store
+        cid = CID(Codec.RAW, bytes.fromhex(header.payload_sha256))
+        if not store.has(cid):
+            return False
+        header.payload_cid = str(cid)
+        codec_cid = CID.of(header.compression_header, Codec.JSON)
+        if header.compression_header and store.has(codec_cid):
+            header.compression_header_cid, header.compression_header = str(codec_cid), b""
+        return True
 
 
 def receipt_message(signed: SignedReceipt | None) -> pb.Receipt | None:

@@ -461,16 +461,62 @@ def open_channel(address: str, tls: ClientTls, options: Sequence[tuple[str, obje
         roots = _read_pem(tls.ca_file, "TLS CA file")
         _load_certs(roots, f"TLS CA file {tls.ca_file}")
     else:
-        assert tls.fingerprint is not None
         host, _ = split_address(address)
-        roots = fetch_server_certificate(address, fetch_timeout_s,
-                                         (key_pem, chain_pem) if key_pem is not None and chain_pem is not None else None)
-        got = fingerprint(roots)
-        if got != tls.fingerprint:
-            raise TlsError(f"server {address} presented certificate sha256 {got}, but the pin is {tls.fingerprint}")
+        roots = _pinned_certificate(address, tls, fetch_timeout_s, key_pem, chain_pem)
         override = _target_name(_load_cert(roots, f"certificate of {address}"), host)
         if override is not None and not any(name == TARGET_NAME_OVERRIDE for name, _ in opts):
             opts.append((TARGET_NAME_OVERRIDE, override))
     credentials = grpc.ssl_channel_credentials(root_certificates=roots, private_key=key_pem,
                                                certificate_chain=chain_pem)
     return grpc.secure_channel(address, credentials, options=opts)
+
+
+def _pinned_certificate(address: str, tls: ClientTls, fetch_timeout_s: float, key_pem: bytes | None,
+                        chain_pem: bytes | None) -> bytes:
+    """The certificate (PEM) the server at ``address`` presents, refused unless its SHA-256 is the pin."""
+    assert tls.fingerprint is not None
+    roots = fetch_server_certificate(address, fetch_timeout_s,
+                                     (key_pem, chain_pem) if key_pem is not None and chain_pem is not None else None)
+    got = fingerprint(roots)
+    if got != tls.fingerprint:
+        raise TlsError(f"server {address} presented certificate sha256 {got}, but the pin is {tls.fingerprint}")
+    return roots
+
+
+# --------------------------------------------------------------------------- the coordinator's gateway
+
+
+def gateway_server_tls(identity: ServerIdentity, client_ca_file: str | Path | None = None) -> ssl.SSLContext:
+    """The TLS of the coordinator's store gateway (storage_client.gateway): the certificate and key of
+    its gRPC port, so a worker trusts both by one pin or CA; with ``client_ca_file``, client
+    certificates issued by it are required there too."""
+    from storage_client.gateway import server_tls
+
+    context = server_tls(identity.cert_path, identity.key_path)
+    if client_ca_file is not None:
+        _load_certs(_read_pem(client_ca_file, "TLS client CA file"), f"TLS client CA file {client_ca_file}")
+        context.verify_mode = ssl.CERT_REQUIRED
+        context.load_verify_locations(cafile=str(client_ca_file))
+    return context
+
+
+def gateway_client_tls(address: str, tls: ClientTls, fetch_timeout_s: float = FETCH_TIMEOUT_S) -> ssl.SSLContext | None:
+    """How a worker trusts its coordinator's gateway: as it trusts the coordinator's gRPC port at
+    ``address`` (None: plaintext, --insecure). With a CA, ordinary verification, host name included;
+    with a pin, the certificate at ``address`` is fetched and checked against the pin, and exactly
+    that certificate is trusted, its host name not checked (the pin is the identity, as the
+    target-name override of ``open_channel`` has it). TlsUnreachable / TlsError as ``open_channel``."""
+    if tls.insecure:
+        return None
+    if tls.ca_file is not None:
+        context = ssl.create_default_context(cafile=str(tls.ca_file))
+    else:
+        key_pem, chain_pem = _client_pair(tls)
+        pinned = _pinned_certificate(address, tls, fetch_timeout_s, key_pem, chain_pem)
+        context = ssl.SSLContext(ssl.PROTOCOL_TLS_CLIENT)
+        context.check_hostname = False
+        context.load_verify_locations(cadata=pinned.decode("ascii"))
+    context.minimum_version = ssl.TLSVersion.TLSv1_2
+    if tls.client_cert_file is not None and tls.client_key_file is not None:
+        context.load_cert_chain(str(tls.client_cert_file), str(tls.client_key_file))
+    return context

@@ -5,7 +5,9 @@ CA (trainer.net.tls; plaintext only with --insecure), the run configuration must
 coordinator names, and every global state must carry the coordinator's signature
 (attestation.signing.global_digest, by the key named at the first Join, which may not change) and
 hash to its CID. Every call made for this worker after Join carries its session token
-(proto.session_metadata). Every byte is counted per direction.
+(proto.session_metadata). Every byte is counted per direction. A worker given store sources asks
+for a payload the run's store holds by its CID and fetches it from them, verified, the coordinator's
+gateway last, and over gRPC when none has a correct copy (trainer.worker.cid_fetch).
 
 Nor is the coordinator trusted to be well-behaved (bounds in trainer.net.limits): a global state's header
 must carry the coordinator's signature and declare at most ``dense_payload_limit`` of the model's
@@ -30,7 +32,7 @@ import logging
 import threading
 import time
 from dataclasses import dataclass
-from typing import Callable, Iterator, TypeVar
+from typing import Callable, Iterator, Sequence, TypeVar
 
 import grpc
 
@@ -77,6 +79,7 @@ from trainer.net.limits import (
 from trainer.net.link import Link
 from trainer.net.tls import ClientTls, TlsUnreachable, open_channel
 from trainer.rounds.schedule import ScheduleError, WorkerSchedule
+from trainer.worker.cid_fetch import CidFetchError, PayloadSources
 
 log = logging.getLogger("dilocox.worker")
 T = TypeVar("T")
@@ -89,6 +92,7 @@ MAX_CONFIG_JSON = 1 << 20  # bytes of the run configuration a coordinator may se
 # "No new global state yet" answered sooner than half the long-poll asked for, this many times in a
 # row, is a coordinator that does not hold the poll: the worker stops rather than poll it forever.
 MAX_EARLY_EMPTY = 20
+Fetched = tuple[pb.GlobalHeader, bytes | None, int]  # a fetch's header, payload (None: not yet), wire bytes
 
 
 class WorkerError(DilocoxError, RuntimeError):
@@ -173,7 +177,7 @@ class CoordinatorClient:
     def __init__(self, address: str, worker_id: str, *, tls: ClientTls, attestation: EvidenceProvider | None,
                  reconnect_timeout_s: float, fetch_wait_s: float, link: Link,
                  on_first_join: Callable[[RunConfig, int, int], None],
-                 sleep: Callable[[float], None] = time.sleep) -> None:
+                 sleep: Callable[[float], None] = time.sleep, store_sources: Sequence[str] = ()) -> None:
         self.address, self.worker_id, self.sleep = address, worker_id, sleep  # sleep: every retry's wait
         self.reconnect_timeout_s = reconnect_timeout_s
         self.fetch_wait_s = bounded(fetch_wait_s, FETCH_WAIT_FLOOR_S, FETCH_WAIT_CEILING_S)
@@ -195,6 +199,7 @@ class CoordinatorClient:
         self.schedule: WorkerSchedule | None = None  # H_r of the rounds ahead; set at the first Join
         # Seconds streaming global states in ("fetch": header to last byte, not the wait) and rebuilding θ ("decode").
         self.phase_seconds = PhaseSeconds()
+        self.sources, self.store_port = PayloadSources(store_sources, address, tls, self._received), 0
 
     # ----------------------------------------------------------------------------- calls
 
@@ -285,6 +290,7 @@ class CoordinatorClient:
             raise WorkerError("the coordinator's Join gave no session token; is it an older version?")
         self.session = session_metadata(self.worker_id, response.session_token)
         self.heartbeat_interval_s = heartbeat_interval(response.heartbeat_interval_s)
+        self.store_port = response.store_port  # its gateway (trainer.worker.cid_fetch), 0: none
         if self.config is None:  # set-up (pipeline stages start): heartbeats already say STARTING
             self.on_first_join(config, response.shard, response.num_shards)
             self.config, self.schedule = config, WorkerSchedule(config)
@@ -337,12 +343,16 @@ class CoordinatorClient:
         CID the header names; if it does not, the worker says so and fetches θ⁽ʳ⁾ dense.
         """
         self.phase = WorkerPhase.WAITING
-        dense_only, backoff = False, Backoff(sleep=self.sleep)
+        dense_only, by_cid, backoff = False, self.sources.enabled, Backoff(sleep=self.sleep)
         while True:
-            held = None if dense_only else self.held
-            asked = time.monotonic()
-            header, payload, size = self.call("fetch global state", lambda: self._fetch_once(min_round, held),
-                                              f"waiting for round {min_round}")
+            held, asked = None if dense_only else self.held, time.monotonic()
+            try:
+                header, payload, size = self.call("fetch global state", lambda: self._fetch_once(
+                    min_round, held, by_cid), f"waiting for round {min_round}")
+            except CidFetchError as exc:  # trainer.worker.cid_fetch: over gRPC, this fetch
+                log.error("%s; fetching it from the coordinator over gRPC", exc)
+                by_cid = False
+                continue
             if payload is None:  # not yet: ask again, no sooner than the backoff allows
                 wait_after_empty(backoff, time.monotonic() - asked, self.fetch_wait_s)
                 continue
@@ -366,10 +376,10 @@ class CoordinatorClient:
                               # one past the bound, kept so that too many claims are refused by count
                               tuple(header.eval_losses_e6[:MAX_EVAL_BATCHES + 1]))
 
-    def _fetch_once(self, min_round: int, held: tuple[str, Params] | None) -> tuple[pb.GlobalHeader, bytes | None, int]:
+    def _fetch_once(self, min_round: int, held: tuple[str, Params] | None, by_cid: bool = False) -> Fetched:
         self.link.call()
         stream = self.stub.FetchGlobal(pb.FetchGlobalRequest(
-            worker_id=self.worker_id, min_round=min_round, wait_s=self.fetch_wait_s,
+            worker_id=self.worker_id, min_round=min_round, wait_s=self.fetch_wait_s, payload_by_cid=by_cid,
             have_params_cid=held[0] if held else ""), timeout=self.fetch_wait_s + 60, metadata=self.session)
         first = next(stream)
         size = first.ByteSize()
@@ -391,8 +401,9 @@ class CoordinatorClient:
         try:  # signature and size before a byte of the payload is read; not a byte past what was declared
             self.checked_signature(header)
             check_size(self.config, header)
-            payload = reassemble(data(), header.payload_size, header.payload_sha256,
-                                 what=f"global state of round {header.round}")
+            payload = (self.sources.fetch(header, self.store_port, data()) if header.payload_cid else
+                       reassemble(data(), header.payload_size, header.payload_sha256,
+                                  what=f"global state of round {header.round}"))
         except WireError:
             stream.cancel()  # the rest of the stream is not read
             raise

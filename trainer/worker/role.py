@@ -27,6 +27,7 @@ import functools
 import logging
 import threading
 import time
+from collections.abc import Sequence
 from concurrent.futures import Future
 from dataclasses import dataclass
 from pathlib import Path
@@ -116,9 +117,9 @@ class Worker:
                  reconnect_timeout_s: float = 120.0, fetch_wait_s: float = 5.0, link: Link | None = None,
                  metrics: Path | None = None, stages: int | None = 1, cores: int | None = None,
                  threads: int | None = None, device: str = "cpu", receipts: Path | None = None,
-                 data_parallel: int = 1) -> None:
+                 data_parallel: int = 1, store_sources: Sequence[str] = ()) -> None:
         self.created_at = time.monotonic()  # start-up is measured from here (trainer.runtime.pipeline.plan_stages)
-        self.worker_id = worker_id
+        self.worker_id, self.metrics = worker_id, metrics
         self.device = parse_device(device)  # where the inner loop runs (trainer.runtime.device); refused now if absent
         # Pipeline stages (None: auto) on the cores given, and the torch threads of each: planned at
         # the first join, when the model's depth is known.
@@ -126,12 +127,11 @@ class Worker:
         self.stages, self.threads_per_stage = stages or 1, threads or 1
         # Data-parallel replicas of its stages (trainer.runtime.island): one identity, N·P ranks.
         self.replicas = data_parallel
-        self.metrics = metrics
         # The coordinator's signed receipts of this worker's counted updates and taken reports.
         self.receipts = ReceiptBook(receipts if receipts is not None else Path("receipts") / worker_id)
         self.client = CoordinatorClient(address, worker_id, tls=tls, attestation=attestation,
                                         reconnect_timeout_s=reconnect_timeout_s, fetch_wait_s=fetch_wait_s,
-                                        link=link or Link(), on_first_join=self.set_up)
+                                        link=link or Link(), on_first_join=self.set_up, store_sources=store_sources)
         self.config: RunConfig | None = None
         self.inner: InnerLoop | PipelinedInnerLoop | None = None
         self.started_at = time.monotonic()  # reset when the first round starts
