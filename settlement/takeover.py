@@ -17,8 +17,9 @@ got, and the store holds what that is.
      checkpoint digests the ledger recorded (else it *disagrees*: the round and both digests are
      named).
 
-Then HEAD is set to round R's manifest and the settlement state says the run exists on the ledger
-and is recorded through R, so the coordinator resumes at R (trainer.coordinator.run) and records
+Then each worker's shard is taken from the manifests (workers.json: a worker keeps its shard, which
+its reports restate), HEAD is set to round R's manifest and the settlement state says the run exists
+on the ledger and is recorded through R, so the coordinator resumes at R (trainer.coordinator.run) and records
 R+1 next under the same run id, its parent R's checkpoint. What was in flight at the first
 coordinator (the updates and reports of round R+1, rounds it published past R but never recorded) is
 not carried over: the workers push round R+1 again to the new coordinator (trainer.worker.succession).
@@ -90,6 +91,9 @@ def take_over(run_dir: RunDir, ledger: Ledger, run_id: bytes) -> int:
     if head is not None and head != tip:
         raise TakeoverError(f"{run_dir.path} holds HEAD {head}, not round {last}'s manifest {tip} that the chain "
                             f"records; take the run over into a directory filled by `dilocox mirror` only")
+    # Each worker keeps the shard the run's manifests say it trained on (its reports restate that
+    # shard's digest), whichever coordinator it joins.
+    run_dir.save_workers({p.worker: p.shard for _, manifest in manifests for p in manifest.participants})
     run_dir.set_head(tip)
     # Written last: a crash before it leaves a directory that takes the run over again from the start.
     run_dir.save(SETTLEMENT_STATE, {"run_created": True, "queued_through": last, "taken_over": _hex(run_id),
