@@ -300,7 +300,7 @@ class Tenures:
                 raise ValueError(f"the handover to {handover.next} from round {handover.from_round} names "
                                  f"{handover.previous} as the coordinator before it, but {holder} held the run "
                                  f"from round {holder_from}")
-            if handover.from_round == holder_from and len(tenures) > 1:
+            if handover.from_round == holder_from:
                 tenures[-1] = (holder_from, handover.next)  # handed on again before it recorded a round
             else:
                 tenures.append((handover.from_round, handover.next))

@@ -28,6 +28,7 @@ from cli.cluster import LocalCluster
 from cli.main import main as cli_main
 from settlement import DEV_ACCOUNTS, Anvil, Chain, Deployment, Ledger
 from settlement.takeover import TakeoverError, take_over
+from storage_client import CID, Codec
 from tests.conftest import Holds, small_config
 from tests.integration.test_trust import ledger_of, pinned, start
 from tests.integration.test_user_errors import REPO, free_port
@@ -98,12 +99,22 @@ def test_a_second_coordinator_takes_the_run_over_and_the_audit_spans_both(
                      "--deployment", str(deployment_file), "--config", str(tmp_path / "config.json"),
                      "--coordinator", b_address]) == 0  # B admits workers too
 
+    # B's side refuses a mirror behind the chain, and a directory whose HEAD is not the chain's last round.
+    with pytest.raises(TakeoverError, match=f"behind the chain: it does not hold round {STOPPED_AFTER}'s manifest b"):
+        take_over(RunDir(tmp_path / "empty"), b_ledger, run_id)
+    round_3 = CID(Codec.JSON, ledger.round_of(run_id, STOPPED_AFTER - 1).manifest_digest)
+    b_run.set_head(round_3)
+    with pytest.raises(TakeoverError, match=f"holds HEAD {round_3}, not round {STOPPED_AFTER}'s manifest"):
+        take_over(b_run, b_ledger, run_id)
+    (b_dir / "HEAD").unlink()
+
     (b_dir / "chain").mkdir()
     shutil.copyfile(deployment_file, b_dir / "chain" / "deployment.json")  # public: the auditor's copy
     b = LocalCluster(b_dir)
     b_args = [a if a != str(keys / "dev-account-1.key") else str(keys / "dev-account-2.key") for a in co_args]
     try:
-        b.start_coordinator(port=b_port, extra=[*b_args, "--report-timeout", "10", "--take-over", "0x" + run_id.hex()])
+        b.start_coordinator(port=b_port, extra=[*b_args, "--report-timeout", "10", "--linger", "1",
+                                                "--take-over", "0x" + run_id.hex()])
         for worker in ("w0", "w1"):
             holds.release(worker, STOPPED_AFTER + 1)
         for worker in ("w0", "w1"):
