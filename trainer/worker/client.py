@@ -46,7 +46,7 @@ from attestation import (
     recover_address,
 )
 from attestation.signing import global_digest, update_digest
-from proto import CHANNEL_OPTIONS, PROTOCOL_VERSION, Encoding, WorkerPhase, pb, pb_grpc, session_metadata
+from proto import PROTOCOL_VERSION, Encoding, WorkerPhase, pb, pb_grpc, session_metadata
 from storage_client import CID, Codec, DilocoxError, Kernels, canonical_json, loads_bounded
 from trainer.codec import CodecHeader, CompressionError
 from trainer.codec.downlink import apply_update, decode_update
@@ -75,7 +75,7 @@ from trainer.net.limits import (
     dense_payload_limit,
 )
 from trainer.net.link import Link
-from trainer.net.tls import ClientTls, TlsUnreachable, open_channel
+from trainer.net.tls import ClientTls
 from trainer.rounds.schedule import ScheduleError, WorkerSchedule
 from trainer.worker.succession import Endpoint, Succession, SuccessionError, Successors
 
