@@ -100,3 +100,20 @@ def test_the_succession_moves_forward_once_per_lost_coordinator() -> None:
     assert moves.advance(0).address == "127.0.0.1:2"
     assert moves.advance(0).address == "127.0.0.1:2"  # a second thread that lost the same one: no skip
     assert moves.advance(1) is None  # the last one: nowhere to go
+
+
+def test_a_rejoin_with_the_pinned_key_is_refused_once_the_run_was_handed_over() -> None:
+    def chain_says(who: str | None):
+        def check(domain: Domain, run: bytes, key: str) -> str | None:
+            return who
+        return check
+
+    assert succession(chain_says(A)).accept(A, A, RUN, RUN, LEDGER, LEDGER) == A
+    assert succession(chain_says(None)).accept(A, A, RUN, RUN, LEDGER, LEDGER) == A  # not created on chain yet
+    with pytest.raises(SuccessionError, match="signs with 0xA+, but the ledger names 0xB+ .* handed over"):
+        succession(chain_says(B)).accept(A, A, RUN, RUN, LEDGER, LEDGER)
+
+    def unreachable(domain: Domain, run: bytes, key: str) -> str:
+        raise ConnectionError("down")
+
+    assert succession(unreachable).accept(A, A, RUN, RUN, LEDGER, LEDGER) == A  # the pinned key stays trusted

@@ -7,7 +7,8 @@ unreachable for the reconnect timeout, the worker moves to the next in the list
 (trainer.worker.client). It trusts the new coordinator only as far as the first: the same run
 (run digest), the same ledger (the EIP-712 domain its reports are signed in, pinned at the first
 Join), and a signing key that is either the one pinned at the first Join or one the chain names as
-the run's coordinator *now* (``ContributionLedger.runOf(run).coordinator``, asked through
+the run's coordinator *now* (with a chain to ask, a rejoin with the pinned key is refused too once
+the chain names another coordinator: the run was handed over) (``ContributionLedger.runOf(run).coordinator``, asked through
 ``RunCoordinatorCheck``, which the CLI builds from ``--chain-rpc``: trainer imports nothing of
 settlement). A coordinator that names another run, another ledger, or a key the chain does not
 name is refused with one line, and the worker ends (WorkerError): a worker distrusts its
@@ -111,6 +112,21 @@ class Succession:
                     deadline = time.monotonic() + timeout_s
                 backoff.wait()
 
+    def _still_held(self, where: str, key: str, run: bytes, pinned_domain: Domain | None) -> None:
+        """On a rejoin with the pinned key: refused once the ledger names another coordinator (the run
+        was handed over, and this one is not it any more). A chain that cannot be asked, or does not
+        know the run yet (it is created after the first rounds start), does not stop the worker."""
+        if self.check is None or pinned_domain is None:
+            return
+        try:
+            on_chain = self.check(pinned_domain, run, key)
+        except Exception as exc:  # noqa: BLE001 - the pinned key stays trusted while the chain is away
+            log.warning("could not ask the ledger whether %s is still the run's coordinator: %s", key, str(exc)[:300])
+            return
+        if on_chain is not None and on_chain != key:
+            raise SuccessionError(f"the coordinator at {where} signs with {key}, but the ledger names {on_chain} as "
+                                  f"the run's coordinator now: the run was handed over")
+
     def accept(self, pinned_key: str | None, key: str, pinned_run: bytes, run: bytes,
                pinned_domain: Domain | None, domain: Domain | None) -> str:
         """The signing key to pin after a coordinator named ``key``, ``run`` and ``domain`` (a Challenge);
@@ -118,9 +134,11 @@ class Succession:
 
         @raise SuccessionError when the coordinator is not the run's (module docstring)
         """
-        if pinned_key is None or key == pinned_key and (not pinned_run or run == pinned_run):
-            return key
         where = self.current.address
+        if pinned_key is None or key == pinned_key and (not pinned_run or run == pinned_run):
+            if pinned_key is not None:
+                self._still_held(where, key, run, pinned_domain)
+            return key
         if run != pinned_run:
             raise SuccessionError(f"the coordinator at {where} serves run 0x{run.hex()[:16]}…, not this worker's "
                                   f"run 0x{pinned_run.hex()[:16]}…")
