@@ -368,17 +368,16 @@ def cmd_hand_over(args: argparse.Namespace) -> int:
     --coordinator ADDRESS`), so that it admits workers."""
     from attestation import checksum_address
     from settlement import Ledger
+    from storage_client import unhex32
 
     try:
         successor = checksum_address(args.to)
     except ValueError:
         raise ChainCommandError(f"--to {args.to[:60]!r} is not a chain address (0x + 40 hex)") from None
     try:
-        run_id = bytes.fromhex(args.run_id.removeprefix("0x"))
-    except ValueError:
-        run_id = b""
-    if len(run_id) != 32:
-        raise ChainCommandError(f"--run-id {args.run_id[:80]!r} is not 0x followed by 64 hex digits")
+        run_id = unhex32(args.run_id, "--run-id")
+    except ValueError as exc:
+        raise ChainCommandError(str(exc)) from None
     creator = _account(args.rpc, args.key_file)
     deployment = _deployment(Path(args.deployment), creator)
     ledger = Ledger(creator, deployment.ledger, from_block=deployment.deployed_block)

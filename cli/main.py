@@ -138,23 +138,16 @@ def cmd_coordinator(args: argparse.Namespace) -> int:
 def _take_over(run_id_hex: str, run_dir, settings) -> None:  # RunDir, TrustSettings | None
     """--take-over: ``run_dir`` (filled by ``dilocox mirror``) made to resume the run the chain names
     this account the coordinator of (settlement.takeover)."""
-    if settings is None:
-        raise UsageError("--take-over needs --ledger, --chain-rpc and --chain-key-file: the chain says whose run "
-                         "it is and how far it got")
     from settlement import Chain, Ledger
     from settlement.takeover import take_over
+    from storage_client import unhex32
 
-    try:
-        run_id = bytes.fromhex(run_id_hex.removeprefix("0x"))
-    except ValueError:
-        run_id = b""
-    if len(run_id) != 32:
-        raise UsageError(f"--take-over {run_id_hex[:80]!r} is not a run id (0x followed by 64 hex digits)")
+    run_id = unhex32(run_id_hex, "--take-over")  # and the ledger flags given: check_args
     dep = settings.deployment
     ledger = Ledger(Chain(settings.rpc_url, settings.private_key), dep.ledger, from_block=dep.deployed_block)
     last = take_over(run_dir, ledger, run_id)
-    logging.getLogger("dilocox").info("taking over run 0x%s… as %s: resuming at round %d, the last the ledger "
-                                      "records", run_id.hex()[:16], ledger.chain.address, last)
+    logging.getLogger("dilocox").info("run 0x%s…: %s is its coordinator on the ledger; taken over at round %d, the "
+                                      "last the ledger had recorded", run_id.hex()[:16], ledger.chain.address, last)
 
 
 def _server_credentials(args: argparse.Namespace, run_dir):  # -> grpc.ServerCredentials | None
@@ -246,13 +239,7 @@ def _successors(args: argparse.Namespace):  # -> trainer.worker.succession.Succe
     from trainer.net.tls import client_tls_from_flags
     from trainer.worker.succession import Endpoint, Successors
 
-    fingerprints = args.successor_fingerprint or []
-    if fingerprints and len(fingerprints) != len(args.successor or []):
-        raise UsageError(f"{len(fingerprints)} --successor-fingerprint for {len(args.successor or [])} --successor: "
-                         f"give one per successor, in the same order, or none (with --tls-ca or --insecure)")
-    if args.successor and not fingerprints and args.tls_fingerprint:
-        raise UsageError("--successor needs its own --successor-fingerprint: the first coordinator's "
-                         "--tls-fingerprint pins its certificate only")
+    fingerprints = args.successor_fingerprint or []  # as many as --successor, or none (check_args)
     endpoints = [Endpoint(address, client_tls_from_flags(args.tls_ca, fingerprint, args.insecure,
                                                          args.tls_client_cert, args.tls_client_key))
                  for address, fingerprint in zip(args.successor or [],
@@ -773,6 +760,32 @@ def _coordinator_address(address: str, flag: str = "--coordinator") -> None:
                          f"({getattr(exc, 'strerror', None) or exc})") from None
 
 
+def _successor_arguments(successors: list[str], fingerprints: list[str], tls_fingerprint: str | None) -> None:
+    """Each --successor is host:port with its own --successor-fingerprint, in order (none: --tls-ca or
+    --insecure trust them all as they trust the first)."""
+    for address in successors:
+        _coordinator_address(address, "--successor")
+    if fingerprints and len(fingerprints) != len(successors):
+        raise UsageError(f"{len(fingerprints)} --successor-fingerprint for {len(successors)} --successor: give one "
+                         f"per successor, in the same order, or none (with --tls-ca or --insecure)")
+    if successors and not fingerprints and tls_fingerprint:
+        raise UsageError("--successor needs its own --successor-fingerprint: the first coordinator's "
+                         "--tls-fingerprint pins its certificate only")
+
+
+def _take_over_arguments(run_id_hex: str, ledger_given: bool) -> None:
+    """--take-over names a run id, and goes with the ledger flags (the chain says whose run it is)."""
+    from storage_client import unhex32
+
+    if not ledger_given:
+        raise UsageError("--take-over needs --ledger, --chain-rpc and --chain-key-file: the chain says whose run "
+                         "it is and how far it got")
+    try:
+        unhex32(run_id_hex, "--take-over")
+    except ValueError as exc:
+        raise UsageError(str(exc)) from None
+
+
 def _warn_oversubscribed(cores: int | None, threads: int | None) -> None:
     """More cores or threads than this process may run on is allowed (a benchmark may want it) but
     never silent: every stage and thread then shares a core with another."""
@@ -804,6 +817,8 @@ def check_args(args: argparse.Namespace) -> None:
             missing = [flag for flag, value in zip(("--ledger", "--chain-rpc", "--chain-key-file"), given)
                        if not value]
             raise UsageError(f"--ledger, --chain-rpc and --chain-key-file go together: {', '.join(missing)} missing")
+        if args.take_over is not None:
+            _take_over_arguments(args.take_over, all(given))
         for flag, value in (("--threads", args.threads),):
             if value < 1:
                 raise UsageError(f"{flag} {value} is out of range: must be >= 1")
@@ -846,8 +861,7 @@ def check_args(args: argparse.Namespace) -> None:
     if command in ("worker", "status"):
         _coordinator_address(args.coordinator)
     if command == "worker":
-        for address in args.successor or []:
-            _coordinator_address(address, "--successor")
+        _successor_arguments(args.successor or [], args.successor_fingerprint or [], args.tls_fingerprint)
     if command == "settle" and (args.action == "prove-receipt") != (args.receipts is not None):
         raise UsageError("--receipts RDIR goes with `settle prove-receipt`, and prove-receipt needs it")
     if command == "settle" and (args.action == "admit-auditor") != (args.auditor_dir is not None):

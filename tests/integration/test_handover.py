@@ -123,7 +123,7 @@ def test_a_second_coordinator_takes_the_run_over_and_the_audit_spans_both(
     finally:
         b.stop()
     assert "moving to 127.0.0.1:%d" % b_port in cluster.log("w0", tail=2000)
-    assert f"resuming at round {STOPPED_AFTER}" in b.log("coordinator", tail=2000)
+    assert f"taken over at round {STOPPED_AFTER}" in b.log("coordinator", tail=2000)
 
     run = ledger.run_of(run_id)
     recorded = ledger.recorded_rounds(run_id)

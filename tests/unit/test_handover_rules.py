@@ -117,3 +117,25 @@ def test_a_rejoin_with_the_pinned_key_is_refused_once_the_run_was_handed_over() 
         raise ConnectionError("down")
 
     assert succession(unreachable).accept(A, A, RUN, RUN, LEDGER, LEDGER) == A  # the pinned key stays trusted
+
+
+@pytest.mark.parametrize("argv, says", [
+    (["coordinator", "--run-dir", "{tmp}/b", "--take-over", "0x" + "ab" * 32],
+     "--take-over needs --ledger, --chain-rpc and --chain-key-file"),
+    (["coordinator", "--run-dir", "{tmp}/b", "--take-over", "0x12", "--ledger", "d.json", "--chain-rpc", "http://h:1",
+      "--chain-key-file", "k"], "--take-over must be 0x followed by 64 hex digits, got '0x12'"),
+    (["worker", "--coordinator", "127.0.0.1:5", "--worker-id", "w", "--tls-fingerprint", "ab" * 32,
+      "--successor", "127.0.0.1:6"], "--successor needs its own --successor-fingerprint"),
+    (["worker", "--coordinator", "127.0.0.1:5", "--worker-id", "w", "--tls-fingerprint", "ab" * 32,
+      "--successor", "127.0.0.1:6", "--successor-fingerprint", "cd" * 32, "--successor-fingerprint", "ef" * 32],
+     "2 --successor-fingerprint for 1 --successor"),
+    (["worker", "--coordinator", "127.0.0.1:5", "--worker-id", "w", "--insecure", "--successor", "nowhere"],
+     "--successor 'nowhere' is not host:port"),
+])
+def test_handover_flags_are_refused_before_anything_starts(argv: list[str], says: str, tmp_path,
+                                                           capsys: pytest.CaptureFixture[str]) -> None:
+    from cli.main import main
+
+    assert main([a.replace("{tmp}", str(tmp_path)) for a in argv]) == 2
+    assert says in capsys.readouterr().err
+    assert not (tmp_path / "b").exists()  # no run directory made for a refused coordinator
