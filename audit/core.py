@@ -132,11 +132,17 @@ class _Audit:
         """Who held each round: the run's handovers on chain, which must chain up to its coordinator now
         (``ledger``, failed by name when they do not; the rounds are then judged against the coordinator now)."""
         try:
-            return self.ledger.tenures(run_id, run)
+            handovers = self.ledger.handovers(run_id)
+            tenures = Tenures.of(run.coordinator, handovers)
         except (ChainError, ValueError) as exc:
             self.findings.fail(None, self.ledger.address, AuditCheck.LEDGER,
                                f"the run's coordinators cannot be read from its handovers: {exc}")
             return Tenures.coerce(run.coordinator)
+        for h in handovers:  # not a failure: said so that a reader knows who answers for which rounds
+            self.findings.warn(f"the run passed from coordinator {h.previous} to {h.next} from round {h.from_round} "
+                               f"on ({'voted in by its workers' if h.by_vote else 'handed over by its creator'}, "
+                               f"block {h.block})")
+        return tenures
 
     def read_disputes(self, run_id: bytes, run: RunRecord, rounds: list[RoundRecord], tenures: Tenures) -> None:
         """Every verdict upheld on the run, for the result, and the ledger's voided credit against them

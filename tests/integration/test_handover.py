@@ -141,3 +141,5 @@ def test_a_second_coordinator_takes_the_run_over_and_the_audit_spans_both(
                          receipts=(cluster.receipts_dir("w0"), cluster.receipts_dir("w1")))
     text = console.export_text()
     assert code == 0 and "AUDIT PASSED" in text, text[-4000:]
+    said = f"the run passed from coordinator {a_address} to {b_address} from round {STOPPED_AFTER + 1} on"
+    assert said in " ".join(text.split()), text[-4000:]
