@@ -139,3 +139,21 @@ def test_handover_flags_are_refused_before_anything_starts(argv: list[str], says
     assert main([a.replace("{tmp}", str(tmp_path)) for a in argv]) == 2
     assert says in capsys.readouterr().err
     assert not (tmp_path / "b").exists()  # no run directory made for a refused coordinator
+
+
+def test_a_coordinator_whose_run_was_handed_over_stops_recording_with_one_line(tmp_path) -> None:
+    """settlement.Outbox: the first coordinator, back after the handover, does not send recordRound
+    calls the ledger would refuse forever; it stops (a RecordConflict ends the settlement loop)."""
+    from dataclasses import replace
+
+    from settlement import Outbox, RecordConflict
+    from tests.unit.test_settlement_outbox import RUN, FakeLedger, h, queue_run, reports
+
+    outbox, ledger = Outbox(tmp_path), FakeLedger()
+    queue_run(outbox, 2)
+    outbox.flush(ledger)
+    ledger.runs[RUN] = replace(ledger.runs[RUN], coordinator=B)  # the creator handed the run to B
+    outbox.enqueue_round(RUN, 3, h("ckpt", 2), h("ckpt", 3), h("manifest", 3), reports(3))
+    with pytest.raises(RecordConflict, match="coordinated by 0xB+ on the ledger now, not this account .* handed over"):
+        outbox.flush(ledger)
+    assert len(outbox.pending()) == 1 and "round 3" not in ledger.sent  # kept, not sent
