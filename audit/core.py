@@ -34,7 +34,7 @@ from attestation import Policy
 from attestation.receipt import SignedReceipt
 from settlement import ChainError, Ledger, Registry
 from settlement.receipt_court import ReceiptCourt
-from settlement.records import RoundRecord, RunRecord
+from settlement.records import RoundRecord, RunRecord, Tenures
 from settlement.rewards import RewardPool
 from settlement.roster import roster_of
 from storage_client import CID, Codec, Store, from_e6, hex_or_none
@@ -101,32 +101,50 @@ class _Audit:
             self.findings.fail(None, self.ledger.address, AuditCheck.LEDGER, f"the recorded rounds cannot be read: {exc}")
             return self.finish()
         self.tallies.check_rounds(run.last_round, rounds)
+        tenures = self.tenures(run_id, run)
 
         parent, parent_checkpoint = genesis, run.genesis_checkpoint
         loaded = {0: genesis.manifest} if genesis is not None else {}
         what = "audit: rounds checked" + (" and checkpoints re-derived" if self.rederiving else "")
         with Progress(what, len(rounds), unit="rounds") as progress:
             for record in rounds:
-                parent = self.check_round(run_id, record, parent, genesis, parent_checkpoint, run.coordinator)
+                parent = self.check_round(run_id, record, parent, genesis, parent_checkpoint,
+                                          tenures.at(record.round))
                 parent_checkpoint = record.checkpoint
                 if parent is not None:
                     loaded[parent.manifest.round] = parent.manifest
                 progress.advance()
         self.findings.result.roster = roster_of(self.findings.store, rounds)
-        excused = check_update_receipts(self.findings, run_id, self.receipts, domain, run.coordinator, loaded,
+        excused = check_update_receipts(self.findings, run_id, self.receipts, domain, tenures, loaded,
                                         self.findings.result.roster)
         if self.replay > 0:
             self.recompute.check_replay(loaded, self.replay, self.replay_seed, excused)
         self.tallies.check_tallies(run_id, rounds)
         self.tallies.check_payouts(run_id)
-        self.read_disputes(run_id, run, rounds)
+        self.read_disputes(run_id, run, rounds, tenures)
         check_receipt_faults(self.findings, self.court, run_id)
         if genesis is not None:
             last = CID(Codec.JSON, rounds[-1].manifest_digest) if rounds else genesis.cid
             check_unrecorded(self.findings, genesis.manifest.run_id, last, len(rounds), self.max_unrecorded)
         return self.finish()
 
-    def read_disputes(self, run_id: bytes, run: RunRecord, rounds: list[RoundRecord]) -> None:
+    def tenures(self, run_id: bytes, run: RunRecord) -> Tenures:
+        """Who held each round: the run's handovers on chain, which must chain up to its coordinator now
+        (``ledger``, failed by name when they do not; the rounds are then judged against the coordinator now)."""
+        try:
+            handovers = self.ledger.handovers(run_id)
+            tenures = Tenures.of(run.coordinator, handovers)
+        except (ChainError, ValueError) as exc:
+            self.findings.fail(None, self.ledger.address, AuditCheck.LEDGER,
+                               f"the run's coordinators cannot be read from its handovers: {exc}")
+            return Tenures.coerce(run.coordinator)
+        for h in handovers:  # not a failure: said so that a reader knows who answers for which rounds
+            self.findings.warn(f"the run passed from coordinator {h.previous} to {h.next} from round {h.from_round} "
+                               f"on ({'voted in by its workers' if h.by_vote else 'handed over by its creator'}, "
+                               f"block {h.block})")
+        return tenures
+
+    def read_disputes(self, run_id: bytes, run: RunRecord, rounds: list[RoundRecord], tenures: Tenures) -> None:
         """Every verdict upheld on the run, for the result, and the ledger's voided credit against them
         (``tally``: audit.disputes.unbacked_voids); a ledger that names no disputes contract may void
         nothing. Each signer of an upheld verdict must have an admission that holds up in the store
@@ -144,9 +162,9 @@ class _Audit:
                             for v in voided]
             else:
                 disputes = Disputes(self.ledger.chain, address, from_block=self.ledger.from_block)
-                self.findings.result.disputes = read_disputes(disputes, run_id, run.coordinator,
+                self.findings.result.disputes = read_disputes(disputes, run_id, tenures,
                                                               self.findings.result.roster)
-                problems = unbacked_voids(disputes, voided, rounds, run, run_id)
+                problems = unbacked_voids(disputes, voided, rounds, run, run_id, tenures)
                 if self.findings.result.disputes:
                     unverified, notes = unverified_auditors(disputes, self.findings.store, run_id,
                                                             str(CID(Codec.JSON, run.config_digest)), self.policy)

@@ -38,7 +38,7 @@ from typing import TYPE_CHECKING, Any
 from attestation.verdict import Verdict, check_id
 from settlement import ChainError
 from settlement.disputes import Disputes
-from settlement.records import CreditVoided, RoundRecord, RunRecord
+from settlement.records import CreditVoided, RoundRecord, RunRecord, Tenures
 from settlement.roster import Roster
 from storage_client import hex32
 
@@ -74,14 +74,18 @@ class DisputeRow:
                 "tx_hash": self.tx_hash, "signers": list(self.signers)}
 
 
-def verdicts_of(result: AuditResult, rounds: list[RoundRecord], coordinator: str) -> list[Verdict]:
-    """The verdicts the audit's failures support, one per (round, party), coordinator's first."""
+def verdicts_of(result: AuditResult, rounds: list[RoundRecord], holders: Tenures | str) -> list[Verdict]:
+    """The verdicts the audit's failures support, one per (round, party), coordinator's first: a
+    coordinator failure of a round is the verdict against the coordinator that held it (``holders``:
+    settlement.records.Tenures, or the one coordinator of a run that never changed hands)."""
     if result.run_id is None:
         return []
+    tenures = Tenures.coerce(holders)
     by_round = {record.round: record for record in rounds}
     verdicts: dict[tuple[int, str], Verdict] = {}
     for failure in result.failures:
         record = by_round.get(failure.round) if failure.round else None
+        coordinator = tenures.at(record.round) if record is not None else ""
         if record is not None and failure.check in COORDINATOR_CHECKS and (record.round, coordinator) not in verdicts:
             verdicts[(record.round, coordinator)] = Verdict(result.run_id, record.round, coordinator, str(failure.check),
                                                             record.manifest_digest)
@@ -96,7 +100,7 @@ def verdicts_of(result: AuditResult, rounds: list[RoundRecord], coordinator: str
         update = next((s.report.update_digest for s in record.reports if s.report.worker == address), None)
         if update is not None and (row.round, address) not in verdicts:
             verdicts[(row.round, address)] = Verdict(result.run_id, row.round, address, str(AuditCheck.REPLAY), update)
-    return sorted(verdicts.values(), key=lambda v: (v.round, v.party != coordinator, v.party))
+    return sorted(verdicts.values(), key=lambda v: (v.round, v.party != tenures.at(v.round), v.party))
 
 
 def submit(disputes: Disputes, verdicts: list[Verdict], rounds: list[RoundRecord],
@@ -120,9 +124,9 @@ def submit(disputes: Disputes, verdicts: list[Verdict], rounds: list[RoundRecord
     return rows
 
 
-def read_disputes(disputes: Disputes, run_id: bytes, coordinator: str, roster: Roster | None) -> list[DisputeRow]:
+def read_disputes(disputes: Disputes, run_id: bytes, holders: Tenures | str, roster: Roster | None) -> list[DisputeRow]:
     """Every upheld verdict of the run, oldest first, as the contract's events tell it."""
-    label = labeller(coordinator, roster)
+    label = labeller(holders, roster)
     rows = []
     for event in disputes.verdicts(run_id):
         verdict = Verdict(event.run_id, event.round, event.party, CHECK_NAMES.get(event.check, hex32(event.check, "check")),
@@ -131,9 +135,10 @@ def read_disputes(disputes: Disputes, run_id: bytes, coordinator: str, roster: R
     return rows
 
 
-def labeller(coordinator: str, roster: Roster | None) -> Callable[[str], str]:
-    roster = roster or Roster()
-    return lambda address: "coordinator" if address == coordinator else roster.id_of(address)
+def labeller(holders: Tenures | str, roster: Roster | None) -> Callable[[str], str]:
+    """A party's name: "coordinator" for any coordinator the run has had, else its worker id."""
+    roster, coordinators = roster or Roster(), Tenures.coerce(holders).coordinators
+    return lambda address: "coordinator" if address in coordinators else roster.id_of(address)
 
 
 @dataclass(frozen=True)
@@ -183,7 +188,8 @@ def dispute_findings(result: AuditResult, rpc_url: str, deployment: Deployment, 
         raise ChainError(f"the ledger {ledger.address} has no run 0x{result.run_id.hex()} or no disputes contract")
     disputes = Disputes(chain, address, from_block=deployment.deployed_block)
     rounds = ledger.recorded_rounds(result.run_id)
-    verdicts = verdicts_of(result, rounds, run.coordinator)
+    tenures = ledger.tenures(result.run_id, run)
+    verdicts = verdicts_of(result, rounds, tenures)
     config_cid = str(CID(Codec.JSON, run.config_digest))
 
     def provider() -> EvidenceProvider:
@@ -199,7 +205,7 @@ def dispute_findings(result: AuditResult, rpc_url: str, deployment: Deployment, 
     else:
         auditor = Auditor.attest(provider(), result.run_id, config_cid)
         admit(disputes, store, auditor, config_cid, policy)
-    label = labeller(run.coordinator, result.roster)
+    label = labeller(tenures, result.roster)
     if not verdicts or auditor is None:
         log.info("dispute: no failure of this audit names one round and one party; no verdict signed%s",
                  f" ({options.verdicts_out} not written)" if options.verdicts_out else "")
@@ -217,12 +223,14 @@ def dispute_findings(result: AuditResult, rpc_url: str, deployment: Deployment, 
 
 
 def unbacked_voids(disputes: Disputes, voided: list[CreditVoided], rounds: list[RoundRecord], run: RunRecord,
-                   run_id: bytes) -> list[tuple[int, str, str]]:
+                   run_id: bytes, holders: Tenures | None = None) -> list[tuple[int, str, str]]:
     """(round, worker, why) for each credit the ledger's voids and the disputes contract's verdicts
-    disagree on: a ``CreditVoided`` that no upheld verdict backs (one against the worker or the run's
-    coordinator in that round, every signer admitted to the run by then, inside the round's window),
-    and a credit an upheld verdict voids that the ledger still counts. The audit trusts neither
+    disagree on: a ``CreditVoided`` that no upheld verdict backs (one against the worker or the
+    coordinator that held that round, ``holders``, by default the run's coordinator now; every signer
+    admitted to the run by then, inside the round's window), and a credit an upheld verdict voids
+    that the ledger still counts. The audit trusts neither
     contract's word alone: a ledger that voids an honest worker's credit, or keeps a cheat's, is named."""
+    tenures = holders or Tenures.coerce(run.coordinator)
     admitted = {a.auditor: a.block for a in disputes.admissions(run_id)}
     recorded_at = {record.round: record.block for record in rounds}
     workers = {record.round: record.workers for record in rounds}
@@ -236,7 +244,7 @@ def unbacked_voids(disputes: Disputes, voided: list[CreditVoided], rounds: list[
                    else f"upheld in block {verdict.block}, outside the round's challenge window")
             problems.append((verdict.round, verdict.party, f"the verdict against it ({verdict.tx_hash}) was {why}"))
             continue
-        parties = workers.get(verdict.round, ()) if verdict.party == run.coordinator else (verdict.party,)
+        parties = workers.get(verdict.round, ()) if verdict.party == tenures.at(verdict.round) else (verdict.party,)
         backed |= {(verdict.round, party) for party in parties}
     voids = {(v.round, v.worker) for v in voided}
     for round_, worker in sorted(voids - backed):

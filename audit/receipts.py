@@ -25,6 +25,7 @@ from attestation.receipt import ReceiptError, SignedReceipt
 from attestation.report import Domain
 from settlement import ChainError
 from settlement.receipt_court import ReceiptCourt
+from settlement.records import Tenures
 from settlement.roster import Roster
 from storage_client import CID, Manifest
 
@@ -47,17 +48,21 @@ def check_receipt_faults(findings: Findings, court: ReceiptCourt | None, run_id:
 
 
 def check_update_receipts(findings: Findings, run_id: bytes, receipts: Iterable[SignedReceipt], domain: Domain,
-                          coordinator: str, manifests: Mapping[int, Manifest], roster: Roster | None) -> dict[str, int]:
-    """Fail the coordinator for each receipted update its round's manifest does not use; returns the
-    first such round per worker id (the victims the replay must not blame)."""
+                          holders: Tenures | str, manifests: Mapping[int, Manifest],
+                          roster: Roster | None) -> dict[str, int]:
+    """Fail the coordinator that held a round (``holders``: settlement.records.Tenures, or the one
+    coordinator of a run that never changed hands) for each receipted update of the round its manifest
+    does not use; returns the first such round per worker id (the victims the replay must not blame)."""
+    tenures = Tenures.coerce(holders)
     excused: dict[str, int] = {}
     for signed in receipts:
         receipt = signed.receipt
         if receipt.run_id != run_id or receipt.reported or receipt.round not in manifests:
             continue  # a report receipt is proven on chain; an unrecorded round is not audited
+        coordinator = tenures.at(receipt.round)
         try:
             if signed.signer(domain) != coordinator:
-                continue  # not the run's coordinator's word
+                continue  # not the word of the coordinator that held the round
         except ReceiptError:
             continue
         used = {CID.parse(p.update).digest for p in manifests[receipt.round].participants}

@@ -7,6 +7,8 @@
     dilocox chain mine --rpc URL BLOCKS        a local chain mines BLOCKS blocks (past a challenge window)
     dilocox run create --rpc URL --key-file F --deployment FILE --config FILE --coordinator ADDRESS
                        [--dev-root-dir DIR]    the run's code measurement allowlisted, its coordinator a verifier
+    dilocox run hand-over --rpc URL --key-file F --deployment FILE --run-id HEX --to ADDRESS
+                                               the run's creator hands the run to another coordinator
     dilocox pool fund --run DIR --rpc URL --key-file F --amount TOKENS [--rounds N] [--mint-key-file F]
                                                the coordinator opens and funds the run's reward pool
 
@@ -96,7 +98,7 @@ def chain_arguments(p: argparse.ArgumentParser) -> None:
 
 def run_arguments(p: argparse.ArgumentParser) -> None:
     _described(p)
-    sub = p.add_subparsers(dest="action", required=True, metavar="{create}")
+    sub = p.add_subparsers(dest="action", required=True, metavar="{create,hand-over}")
     create = sub.add_parser("create", help="allow a run configuration on the registry, its coordinator a verifier",
                             description=_doc(cmd_create))
     _formatter(create)
@@ -109,6 +111,14 @@ def run_arguments(p: argparse.ArgumentParser) -> None:
     create.add_argument("--dev-root-dir", metavar="DIR",
                         help="also create the dev attestation root there (PROVES NOTHING: local development "
                              "only); its address is in DIR/dev-root.address, for the coordinator's --dev-root")
+    hand = sub.add_parser("hand-over", help="the run's creator hands the run to another coordinator",
+                          description=_doc(cmd_hand_over))
+    _formatter(hand)
+    _rpc_key(hand, "the run's creator's key (the account of its first coordinator's --chain-key-file)")
+    hand.add_argument("--deployment", required=True, metavar="FILE", help="the deployment file of chain deploy")
+    hand.add_argument("--run-id", required=True, metavar="HEX", help="the run (0x + 64 hex)")
+    hand.add_argument("--to", required=True, metavar="ADDRESS",
+                      help="the new coordinator's chain address (of its --chain-key-file)")
 
 
 def pool_arguments(p: argparse.ArgumentParser) -> None:
@@ -350,6 +360,40 @@ def cmd_create(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_hand_over(args: argparse.Namespace) -> int:
+    """Hand a run to another coordinator (ContributionLedger.handOver): sent by the run's creator,
+    the account of its first coordinator. The new coordinator records the run's next round, under the
+    same run id, once it is started with `dilocox coordinator --take-over RUN_ID` on a run directory
+    filled by `dilocox mirror`; the registry's owner makes it a verifier first (`run create
+    --coordinator ADDRESS`), so that it admits workers."""
+    from attestation import checksum_address
+    from settlement import Ledger
+    from storage_client import unhex32
+
+    try:
+        successor = checksum_address(args.to)
+    except ValueError:
+        raise ChainCommandError(f"--to {args.to[:60]!r} is not a chain address (0x + 40 hex)") from None
+    try:
+        run_id = unhex32(args.run_id, "--run-id")
+    except ValueError as exc:
+        raise ChainCommandError(str(exc)) from None
+    creator = _account(args.rpc, args.key_file)
+    deployment = _deployment(Path(args.deployment), creator)
+    ledger = Ledger(creator, deployment.ledger, from_block=deployment.deployed_block)
+    run = ledger.run_of(run_id)
+    if run is None:
+        raise ChainCommandError(f"the ledger {deployment.ledger} records no run {args.run_id[:80]}")
+    if ledger.creator_of(run_id) != creator.address:
+        raise ChainCommandError(f"--key-file {args.key_file} is account {creator.address}, but run "
+                                f"0x{run_id.hex()[:12]}… was created by {ledger.creator_of(run_id)}: only its "
+                                f"creator hands it over")
+    receipt = ledger.hand_over(run_id, successor)
+    print(f"run 0x{run_id.hex()[:12]}…: handed from {run.coordinator} to {successor} in block "
+          f"{receipt['blockNumber']}; it records the run from round {run.last_round + 1} on")
+    return 0
+
+
 def cmd_fund(args: argparse.Namespace) -> int:
     """Open and fund the reward pool of the run in --run DIR: --amount tokens for its first --rounds
     rounds (default: all of them), each round's share split among the workers that reported it. Sent
@@ -395,7 +439,8 @@ def cmd_fund(args: argparse.Namespace) -> int:
 
 
 ACTIONS: dict[str, Callable[[argparse.Namespace], int]] = {
-    "up": cmd_up, "down": cmd_down, "deploy": cmd_deploy, "mine": cmd_mine, "create": cmd_create, "fund": cmd_fund,
+    "up": cmd_up, "down": cmd_down, "deploy": cmd_deploy, "mine": cmd_mine, "create": cmd_create,
+    "hand-over": cmd_hand_over, "fund": cmd_fund,
 }
 
 

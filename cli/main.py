@@ -17,6 +17,7 @@
                                                    send the verdicts k admitted auditors signed
     dilocox chain up|down|deploy|mine ...          a local chain kept in a directory, the contracts on it
     dilocox run create ...                         a run's code measurement allowlisted, its coordinator a verifier
+    dilocox run hand-over ...                      the run's creator hands it to another coordinator (--take-over)
     dilocox pool fund ...                          the run's reward pool opened and funded
     dilocox bench gas                              gas of the ledger's calls on a local chain
     dilocox bench ablation [--smoke]               the DiLoCoX ablation: loss, bytes, tokens/s per mode
@@ -123,6 +124,8 @@ def cmd_coordinator(args: argparse.Namespace) -> int:
     run_dir = RunDir(args.run_dir)
     credentials, gateway_tls = _server_credentials(args, run_dir)
     settings = _trust_settings(args)
+    if args.take_over:
+        _take_over(args.take_over, run_dir, settings)
     trust = None
     if settings is not None:
         from settlement.ledger_trust import open_trust
@@ -131,6 +134,21 @@ def cmd_coordinator(args: argparse.Namespace) -> int:
     return serve(run_dir, config, host=args.host, port=args.port, linger_s=args.linger, trust=trust,
                  credentials=credentials, idle_s=args.idle_timeout,
                  store_port=None if args.no_store_gateway else args.store_port, gateway_tls=gateway_tls)
+
+
+def _take_over(run_id_hex: str, run_dir, settings) -> None:  # RunDir, TrustSettings | None
+    """--take-over: ``run_dir`` (filled by ``dilocox mirror``) made to resume the run the chain names
+    this account the coordinator of (settlement.takeover)."""
+    from settlement import Chain, Ledger
+    from settlement.takeover import take_over
+    from storage_client import unhex32
+
+    run_id = unhex32(run_id_hex, "--take-over")  # and the ledger flags given: check_args
+    dep = settings.deployment
+    ledger = Ledger(Chain(settings.rpc_url, settings.private_key), dep.ledger, from_block=dep.deployed_block)
+    last = take_over(run_dir, ledger, run_id)
+    logging.getLogger("dilocox").info("run 0x%s…: %s is its coordinator on the ledger; taken over at round %d, the "
+                                      "last the ledger had recorded", run_id.hex()[:16], ledger.chain.address, last)
 
 
 def _server_credentials(args: argparse.Namespace, run_dir):  # -> (grpc.ServerCredentials, ssl.SSLContext) | (None, None)
@@ -213,8 +231,39 @@ def cmd_worker(args: argparse.Namespace) -> int:
                     reconnect_timeout_s=args.reconnect_timeout, link=link,
                     metrics=Path(args.metrics) if args.metrics else None, stages=args.stages, cores=args.cores,
                     threads=args.threads, device=args.device, receipts=Path(args.receipts) if args.receipts else None,
-                    data_parallel=args.data_parallel, store_sources=tuple(args.store_source))
+                    data_parallel=args.data_parallel, store_sources=tuple(args.store_source),
+                    successors=_successors(args))
     return _exit_now(worker.run())
+
+
+def _successors(args: argparse.Namespace):  # -> trainer.worker.succession.Successors
+    """--successor H:P, each with its --successor-fingerprint in order (or the --tls-ca / --insecure
+    the first coordinator is trusted with), and --chain-rpc to ask whether one is the run's."""
+    from trainer.net.tls import client_tls_from_flags
+    from trainer.worker.succession import Endpoint, Successors
+
+    fingerprints = args.successor_fingerprint or []  # as many as --successor, or none (check_args)
+    endpoints = [Endpoint(address, client_tls_from_flags(args.tls_ca, fingerprint, args.insecure,
+                                                         args.tls_client_cert, args.tls_client_key))
+                 for address, fingerprint in zip(args.successor or [],
+                                                 fingerprints or [None] * len(args.successor or []), strict=True)]
+    return Successors(tuple(endpoints), _run_coordinator_check(args.chain_rpc) if args.chain_rpc else None)
+
+
+def _run_coordinator_check(rpc_url: str):  # -> trainer.worker.succession.RunCoordinatorCheck
+    """Who the ledger of a worker's pinned domain, on the chain at ``rpc_url``, names as a run's
+    coordinator now: asked before the worker trusts a successor."""
+    def check(domain, run_digest: bytes, address: str) -> str | None:  # (Domain, bytes, str)
+        from settlement import Chain, Ledger
+
+        chain = Chain(rpc_url, os.urandom(32), retries=2)  # a throwaway account: the check only reads
+        if chain.chain_id != domain.chain_id:
+            raise ValueError(f"--chain-rpc {rpc_url} is chain {chain.chain_id}, but the run's reports are signed "
+                             f"for chain {domain.chain_id}")
+        run = Ledger(chain, domain.ledger).run_of(run_digest)
+        return None if run is None else run.coordinator
+
+    return check
 
 
 def _exit_now(code: int) -> int:
@@ -476,6 +525,10 @@ def _coordinator_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--ledger", help="deployment.json of the registry and ledger to record to")
     p.add_argument("--chain-rpc", help="RPC URL of the chain holding the ledger")
     p.add_argument("--chain-key-file", help="file with the coordinator's chain key (hex); never logged")
+    p.add_argument("--take-over", metavar="RUN_ID",
+                   help="resume a run another coordinator started, once the ledger names this account its "
+                        "coordinator (`dilocox run hand-over`): --run-dir filled by `dilocox mirror`, checked "
+                        "against the chain's last recorded round")
     p.add_argument("--allow-dev", action="store_true",
                    help="accept dev attestation, which PROVES NOTHING (local development only)")
     p.add_argument("--dev-root", action="append", default=[], help="address of a trusted dev root (repeatable)")
@@ -520,7 +573,15 @@ def _worker_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--metrics", help="append a JSON line per round (tokens, compute seconds, bytes each way) "
                                      "and one at the end (wall and compute seconds) to this file")
     p.add_argument("--reconnect-timeout", type=float, default=120.0,
-                   help="seconds to keep retrying an unreachable coordinator")
+                   help="seconds to keep retrying an unreachable coordinator (then the next --successor)")
+    p.add_argument("--successor", action="append", metavar="H:P",
+                   help="a coordinator to move to when the one served stays unreachable (repeatable: tried in "
+                        "order); trusted only once the ledger names its key the run's coordinator (--chain-rpc)")
+    p.add_argument("--successor-fingerprint", action="append", metavar="HEX",
+                   help="SHA-256 fingerprint of each --successor's certificate, in the same order")
+    p.add_argument("--chain-rpc", metavar="URL",
+                   help="the chain whose ledger the run's reports are signed for: asked whether a successor is "
+                        "the run's coordinator")
     p.add_argument("--receipts", metavar="DIR",
                    help="where the coordinator's signed receipts of this worker's counted updates and taken reports "
                         "are kept, for `dilocox settle prove-receipt` (default: receipts/WORKER_ID)")
@@ -636,7 +697,8 @@ COMMANDS: dict[str, tuple[str, Callable[..., None], Callable[[argparse.Namespace
                _lazy("cli.settle", "add_arguments"), _lazy("cli.settle", "run")),
     "chain": ("a local chain kept in a directory (up, down, mine); the contracts deployed on a chain (deploy)",
               _lazy("cli.chain", "chain_arguments"), _lazy("cli.chain", "run")),
-    "run": ("run create: allow a run configuration on the registry, its coordinator a verifier",
+    "run": ("run create: allow a run configuration on the registry, its coordinator a verifier; run hand-over: "
+            "its creator hands the run to another coordinator",
             _lazy("cli.chain", "run_arguments"), _lazy("cli.chain", "run")),
     "pool": ("pool fund: open and fund a run's reward pool", _lazy("cli.chain", "pool_arguments"),
              _lazy("cli.chain", "run")),
@@ -697,8 +759,8 @@ def _port(value: int, flag: str, lowest: int) -> None:
         raise UsageError(f"{flag} {value} is out of range: must be in [{lowest}, 65535]")
 
 
-def _coordinator_address(address: str) -> None:
-    """--coordinator must be host:port with a port in [1, 65535] and a host that resolves."""
+def _coordinator_address(address: str, flag: str = "--coordinator") -> None:
+    """--coordinator (or ``flag``) must be host:port with a port in [1, 65535] and a host that resolves."""
     import socket
 
     from trainer.net.tls import TlsError, split_address
@@ -706,12 +768,12 @@ def _coordinator_address(address: str) -> None:
     try:
         host, port = split_address(address)
     except TlsError:
-        raise UsageError(f"--coordinator {address[:200]!r} is not host:port (port in [1, 65535]; "
+        raise UsageError(f"{flag} {address[:200]!r} is not host:port (port in [1, 65535]; "
                          f"IPv6 as [addr]:port)") from None
     try:
         socket.getaddrinfo(host, port, type=socket.SOCK_STREAM)
     except (socket.gaierror, UnicodeError) as exc:
-        raise UsageError(f"--coordinator {address[:200]}: cannot resolve host {host[:200]!r} "
+        raise UsageError(f"{flag} {address[:200]}: cannot resolve host {host[:200]!r} "
                          f"({getattr(exc, 'strerror', None) or exc})") from None
 
 
@@ -730,6 +792,32 @@ def _store_sources(urls: Sequence[str]) -> None:
             check_source_url(url)
         except StoreError as exc:
             raise UsageError(f"--store-source: {exc}") from None
+
+
+def _successor_arguments(successors: list[str], fingerprints: list[str], tls_fingerprint: str | None) -> None:
+    """Each --successor is host:port with its own --successor-fingerprint, in order (none: --tls-ca or
+    --insecure trust them all as they trust the first)."""
+    for address in successors:
+        _coordinator_address(address, "--successor")
+    if fingerprints and len(fingerprints) != len(successors):
+        raise UsageError(f"{len(fingerprints)} --successor-fingerprint for {len(successors)} --successor: give one "
+                         f"per successor, in the same order, or none (with --tls-ca or --insecure)")
+    if successors and not fingerprints and tls_fingerprint:
+        raise UsageError("--successor needs its own --successor-fingerprint: the first coordinator's "
+                         "--tls-fingerprint pins its certificate only")
+
+
+def _take_over_arguments(run_id_hex: str, ledger_given: bool) -> None:
+    """--take-over names a run id, and goes with the ledger flags (the chain says whose run it is)."""
+    from storage_client import unhex32
+
+    if not ledger_given:
+        raise UsageError("--take-over needs --ledger, --chain-rpc and --chain-key-file: the chain says whose run "
+                         "it is and how far it got")
+    try:
+        unhex32(run_id_hex, "--take-over")
+    except ValueError as exc:
+        raise UsageError(str(exc)) from None
 
 
 def _warn_oversubscribed(cores: int | None, threads: int | None) -> None:
@@ -764,6 +852,8 @@ def check_args(args: argparse.Namespace) -> None:
             missing = [flag for flag, value in zip(("--ledger", "--chain-rpc", "--chain-key-file"), given)
                        if not value]
             raise UsageError(f"--ledger, --chain-rpc and --chain-key-file go together: {', '.join(missing)} missing")
+        if args.take_over is not None:
+            _take_over_arguments(args.take_over, all(given))
         for flag, value in (("--threads", args.threads),):
             if value < 1:
                 raise UsageError(f"{flag} {value} is out of range: must be >= 1")
@@ -807,6 +897,8 @@ def check_args(args: argparse.Namespace) -> None:
             raise UsageError(f"--watch {args.watch} is out of range: must be in [0.1, 86400] seconds")
     if command in ("worker", "status"):
         _coordinator_address(args.coordinator)
+    if command == "worker":
+        _successor_arguments(args.successor or [], args.successor_fingerprint or [], args.tls_fingerprint)
     if command == "settle" and (args.action == "prove-receipt") != (args.receipts is not None):
         raise UsageError("--receipts RDIR goes with `settle prove-receipt`, and prove-receipt needs it")
     if command == "settle" and (args.action == "admit-auditor") != (args.auditor_dir is not None):

@@ -5,7 +5,10 @@ The run's last recorded round is read off the ledger (the chain at ``--rpc``, co
 ``--deployment``); from its manifest the lineage is walked back to genesis (storage_client.lineage:
 every parent link checked), and for each round what ``dilocox store car`` would write of it
 (cli.store.round_blocks: the manifest, config, stored checkpoint and outer state, downlink, update
-records and the payloads, headers and states they name) is copied. Every block fetched is verified
+records and the payloads, headers and states they name) is copied, and the admission record and
+evidence of every worker the recorded rounds credit (what the audit checks each report's signer
+against; ``admission_blocks``), so that the mirror is enough for a new coordinator to take the run
+over (``dilocox coordinator --take-over``) and for an audit. Every block fetched is verified
 against its CID by storage_client.remote.RemoteStore (``--from`` repeatable: tried in order) and
 written atomically by the local store; a block already in DIR/store is read from there (and
 re-hashed) instead of fetched, so a second mirror of a longer run fetches only the new rounds. The
@@ -85,8 +88,24 @@ class ReadThroughStore(Store):
         return self.local.read_small_json(cid, max_bytes)
 
 
+def admission_blocks(store: Store, admissions: Iterator[Any]) -> int:
+    """Read (so copy) each admission's record (``CID(JSON, evidenceDigest)``) and the evidence it names;
+    returns the blocks read. ``admissions``: settlement.records.Admission events."""
+    from attestation.admission import admission_record_cid
+
+    blocks = 0
+    for admission in admissions:
+        record = store.get_json(admission_record_cid(admission.evidence_digest))
+        evidence = record.get("evidence") if isinstance(record, dict) else None
+        if not isinstance(evidence, str):
+            raise ValueError(f"the admission record of {admission.worker} names no evidence")
+        store.get(CID.parse(evidence))
+        blocks += 2
+    return blocks
+
+
 def run(args: argparse.Namespace) -> int:
-    from settlement import Chain, ChainError, Deployment, DeploymentError, Ledger
+    from settlement import Chain, ChainError, Deployment, DeploymentError, Ledger, Registry
     from storage_client import DilocoxError, lineage, open_store
     from storage_client.remote import RemoteStore
 
@@ -111,6 +130,9 @@ def run(args: argparse.Namespace) -> int:
         store = ReadThroughStore(open_store(args.to), RemoteStore(args.sources, ca_file=args.store_ca))
         chain_of_manifests = lineage(store, tip)
         blocks = sum(1 for cid, _ in chain_of_manifests for _ in round_blocks(store, cid))
+        registry = Registry(chain, deployment.registry, from_block=deployment.deployed_block)
+        credited = sorted({worker for recorded in rounds for worker in recorded.workers})
+        blocks += admission_blocks(store, (a for worker in credited for a in registry.admissions(worker)))
     except (DeploymentError, ChainError, DilocoxError, OSError, ValueError) as exc:
         print(f"mirror: {str(exc)[:500]}", file=sys.stderr)
         return EXIT_ERROR

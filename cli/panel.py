@@ -118,7 +118,7 @@ class PanelAction:
             console.print(f"[yellow]{escape(line)}[/]")
         signatures = {d.verdict: list(d.signatures) for d in found}
         rows = submit(disputes, [d.verdict for d in found], ledger.recorded_rounds(run_id), signatures.__getitem__,
-                      labeller(ledger.run_of(run_id).coordinator, None))
+                      labeller(ledger.tenures(run_id, ledger.run_of(run_id)), None))
         for row, dispute in zip(rows, found):
             v = row.verdict
             said = f"round {v.round}, {row.party_id} ({v.party}), check {v.check_name}, signed by " \

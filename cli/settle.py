@@ -249,14 +249,13 @@ def _voided_why(ledger: Ledger, run_id: bytes) -> dict[tuple[str, int], str]:
     address = ledger.disputes_address()
     if address is None:
         return {}
-    coordinator = ledger.run_of(run_id).coordinator
     verdicts = Disputes(ledger.chain, address, from_block=ledger.from_block).verdicts(run_id)
     by_round = {(v.round, v.party): CHECK_NAMES.get(v.check, "0x" + v.check.hex()) for v in verdicts}
     why = {}
     for voided in ledger.voided_credits(run_id):
         check = by_round.get((voided.round, voided.worker))
         against = "its contribution" if check else "the round's coordinator"
-        check = check or by_round.get((voided.round, coordinator), "?")
+        check = check or by_round.get((voided.round, ledger.coordinator_of(run_id, voided.round)), "?")
         why[(voided.worker, voided.round)] = f"an upheld verdict against {against} (check {check})"
     return why
 

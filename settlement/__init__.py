@@ -10,6 +10,7 @@
     outbox     Outbox: ledger writes kept on disk until the chain confirms them (idempotent flush)
     gas        gas_table / format_markdown: what each ledger write costs
     receipt_court  ReceiptCourt: a worker proves its coordinator's receipted omission (omissions, faults)
+    takeover   take_over: a run directory filled by a mirror made to resume a run handed to this account
 """
 
 from .anvil import DEV_ACCOUNTS, Anvil, AnvilError, anvil_binary

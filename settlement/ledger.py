@@ -31,11 +31,13 @@ from .records import (
     Admission,
     Contribution,
     CreditVoided,
+    Handover,
     MeasurementChange,
     Revocation,
     RoundRecord,
     RunCreated,
     RunRecord,
+    Tenures,
     WorkerRecord,
 )
 
@@ -322,6 +324,47 @@ class Ledger(_Contract):
             bytes32(config_digest, "config_digest"), bytes32(genesis_manifest, "genesis_manifest"),
             challenge_window)
         return self.chain.transact(fn)
+
+    def hand_over(self, run_id: bytes, new_coordinator: str) -> Any:
+        """Hand the run to ``new_coordinator`` (this account must be the run's creator), who records
+        its rounds from the next one on. Returns the receipt.
+
+        @raise TxReverted with the ledger's refusal, e.g. ``LedgerNotCreator(caller=…)``
+        """
+        fn = self._contract.functions.handOver(bytes32(run_id, "run_id"), to_checksum_address(new_coordinator))
+        return self.chain.transact(fn)
+
+    def vote_coordinator(self, run_id: bytes, candidate: str) -> Any:
+        """This account's vote (a worker credited in the run's last recorded round) for ``candidate``
+        as the coordinator of a stalled run. Returns the receipt.
+
+        @raise TxReverted with the ledger's refusal, e.g. ``LedgerNotStalled(stalledFrom=…)``
+        """
+        fn = self._contract.functions.voteCoordinator(bytes32(run_id, "run_id"), to_checksum_address(candidate))
+        return self.chain.transact(fn)
+
+    def creator_of(self, run_id: bytes) -> str | None:
+        """The account that created the run and may hand it over; None when no such run exists."""
+        address = str(self.chain.call(self._contract.functions.creatorOf(bytes32(run_id, "run_id"))))
+        return None if int(address, 16) == 0 else to_checksum_address(address)
+
+    def coordinator_of(self, run_id: bytes, round: int) -> str | None:
+        """The coordinator that held ``round`` (recorded it, or holds the run now if it is not recorded
+        yet): whose receipts and verdicts about the round count. None when no such run exists."""
+        address = str(self.chain.call(self._contract.functions.coordinatorOf(bytes32(run_id, "run_id"), round)))
+        return None if int(address, 16) == 0 else to_checksum_address(address)
+
+    def handovers(self, run_id: bytes) -> list[Handover]:
+        """``CoordinatorHandedOver`` events of a run, oldest first: who held it from which round on."""
+        return self._logs("CoordinatorHandedOver", Handover.from_event, runId=bytes32(run_id, "run_id"))
+
+    def tenures(self, run_id: bytes, run: RunRecord) -> Tenures:
+        """Who held each round of the run, from its ``CoordinatorHandedOver`` logs and its coordinator
+        now (``run``: ``run_of(run_id)``), not from the ledger's own ``coordinatorOf``.
+
+        @raise ValueError when the logs and the run do not chain (``Tenures.of``)
+        """
+        return Tenures.of(run.coordinator, self.handovers(run_id))
 
     def record_round(self, run_id: bytes, round: int, parent: bytes, checkpoint: bytes, manifest_digest: bytes,
                      reports: Sequence[SignedReport], unreported: Sequence[bytes] = ()) -> Any:

@@ -429,6 +429,10 @@ class Outbox:
             unreported = [_unhex32({"file": item["file"], "u": u}, "u") for u in item.get("unreported") or []]
         except (ReportError, ValueError, TypeError, KeyError, AttributeError) as exc:
             raise OutboxError(f"outbox item {item['file']}: {exc}") from None
+        if run is not None and run.coordinator != ledger.chain.address:  # no retry makes it ours again
+            raise RecordConflict(f"run {_short(run_id)} is coordinated by {run.coordinator} on the ledger now, not "
+                                 f"this account {ledger.chain.address} (it was handed over): this coordinator no "
+                                 f"longer records its rounds; round {round_} stays in {item['file']}")
         receipt = ledger.record_round(run_id, round_, _unhex32(item, "parent"), checkpoint, manifest, reports,
                                       unreported)
         log.info("round %d of run %s recorded on the ledger in block %d with %d report(s)%s (gas %d)", round_,

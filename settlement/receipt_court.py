@@ -92,7 +92,7 @@ class ReceiptCourt(_Contract):
 def omissions(ledger: Ledger, run_id: bytes, receipts: Iterable[SignedReceipt]) -> tuple[list[Omission], list[str]]:
     """The report receipts of ``run_id`` whose round the ledger recorded without their worker, and
     one line per receipt that proves nothing (an update receipt, a round not recorded yet, a credited
-    worker, a signer other than the run's coordinator on chain)."""
+    worker, a signer other than the coordinator that held the round on chain)."""
     run = ledger.run_of(run_id)
     rounds = {record.round: record for record in ledger.recorded_round_events(run_id)}
     found: list[Omission] = []
@@ -105,8 +105,8 @@ def omissions(ledger: Ledger, run_id: bytes, receipts: Iterable[SignedReceipt]) 
             continue  # the audit reads update receipts; on chain only a report receipt proves an omission
         if run is None or receipt.run_id != run_id:
             skipped.append(f"{what}: another run's, or the run is not on this ledger")
-        elif _signer(signed, ledger) != run.coordinator:
-            skipped.append(f"{what}: not signed by the run's coordinator {run.coordinator}")
+        elif _signer(signed, ledger) != (holder := ledger.coordinator_of(run_id, receipt.round)):
+            skipped.append(f"{what}: not signed by the run's coordinator of that round, {holder}")
         elif record is None:
             skipped.append(f"{what}: the round is not recorded yet")
         elif receipt.worker in record.workers:

@@ -21,6 +21,11 @@ Events: the histories, from logs any node serves. Each also says where it was em
     Revocation         ``WorkerRevoked``: a worker key was revoked
     MeasurementChange  ``MeasurementSet``: a code measurement was allowlisted, or removed
     RunCreated         ``RunCreated``: a run was created on the ledger
+    Handover           ``CoordinatorHandedOver``: a run changed coordinator (by its creator, or by
+                       its workers' vote), from a round on
+
+Derived: ``Tenures``, who held each round of a run (its coordinator now and its handovers), what
+receipts, recording calls and verdicts about a round are judged against.
     RoundRecord        ``RoundRecorded``: a round was recorded; read by ``Ledger.recorded_rounds``,
                        also what the recording transaction says (``with_call``: its sender, and from
                        its calldata the parent checkpoint, the signed reports and the unreported
@@ -46,8 +51,8 @@ from eth_utils import is_address, keccak, to_checksum_address
 from attestation.report import SignedReport
 from storage_client import bytes32
 
-__all__ = ["Admission", "AuditorAdmission", "Contribution", "CreditVoided", "MeasurementChange", "Payment", "Pool",
-           "Reclaim", "Revocation", "RoundRecord", "RunCreated", "RunRecord", "VerdictUpheld", "WorkerRecord"]
+__all__ = ["Admission", "AuditorAdmission", "Contribution", "CreditVoided", "Handover", "MeasurementChange", "Payment", "Pool",
+           "Reclaim", "Revocation", "RoundRecord", "RunCreated", "RunRecord", "Tenures", "VerdictUpheld", "WorkerRecord"]
 
 # IContributionLedger.RoundFacts, as abi.encode sees it.
 _ROUND_FACTS_ABI = "(bytes32,bytes32,uint64,uint64,uint64,address[])"
@@ -246,6 +251,81 @@ class RunCreated(_Event):
                    config_digest=bytes32(args["configDigest"], "configDigest"),
                    genesis_manifest=bytes32(args["genesisManifest"], "genesisManifest"),
                    challenge_window=_uint("challengeWindow", args["challengeWindow"]), **_where(log))
+
+
+@dataclass(frozen=True, kw_only=True)
+class Handover(_Event):
+    """A ``CoordinatorHandedOver`` event: run ``run_id`` passed from ``previous`` to ``next``, who
+    records its rounds from ``from_round`` on; ``by_vote`` when its workers voted ``next`` in, not
+    its creator."""
+
+    run_id: bytes
+    previous: str
+    next: str
+    from_round: int
+    by_vote: bool
+
+    @classmethod
+    def from_event(cls, log: Mapping[str, Any]) -> Handover:
+        """From a web3 event log (its ``args`` keyed by the event's Solidity names)."""
+        args = log["args"]
+        if type(args["byVote"]) is not bool:
+            raise ValueError(f"byVote must be a bool, got {type(args['byVote']).__name__}")
+        return cls(run_id=bytes32(args["runId"], "runId"), previous=_address("previous", args["previous"]),
+                   next=_address("next", args["next"]), from_round=_uint("fromRound", args["fromRound"]),
+                   by_vote=args["byVote"], **_where(log))
+
+
+@dataclass(frozen=True)
+class Tenures:
+    """Who held each round of a run: ``(from_round, coordinator)`` in ascending rounds, the first from
+    round 1. A round is held by the last tenure that starts at or before it (round 0, the genesis,
+    by the first); a run that never changed hands has one tenure."""
+
+    tenures: tuple[tuple[int, str], ...]
+
+    @classmethod
+    def of(cls, coordinator_now: str, handovers: Sequence[Handover]) -> Tenures:
+        """From the run's coordinator now (``RunRecord.coordinator``) and its handovers, oldest first.
+
+        @raise ValueError when they do not chain: a handover from someone other than the holder
+            before it, rounds going back, or a last holder other than the coordinator now
+        """
+        if not handovers:
+            return cls(((1, coordinator_now),))
+        tenures = [(1, handovers[0].previous)]
+        for handover in handovers:
+            holder_from, holder = tenures[-1]
+            if handover.previous != holder or handover.from_round < holder_from:
+                raise ValueError(f"the handover to {handover.next} from round {handover.from_round} names "
+                                 f"{handover.previous} as the coordinator before it, but {holder} held the run "
+                                 f"from round {holder_from}")
+            if handover.from_round == holder_from:
+                tenures[-1] = (holder_from, handover.next)  # handed on again before it recorded a round
+            else:
+                tenures.append((handover.from_round, handover.next))
+        if tenures[-1][1] != coordinator_now:
+            raise ValueError(f"the run's handovers end with {tenures[-1][1]}, but its coordinator now is "
+                             f"{coordinator_now}")
+        return cls(tuple(tenures))
+
+    @classmethod
+    def coerce(cls, holders: Tenures | str) -> Tenures:
+        """``holders`` as tenures: a single address is a run that never changed hands."""
+        return holders if isinstance(holders, Tenures) else cls(((1, holders),))
+
+    def at(self, round_: int) -> str:
+        """The coordinator that held ``round_``."""
+        holder = self.tenures[0][1]
+        for from_round, coordinator in self.tenures:
+            if from_round <= round_:
+                holder = coordinator
+        return holder
+
+    @property
+    def coordinators(self) -> frozenset[str]:
+        """Every coordinator the run has had."""
+        return frozenset(coordinator for _, coordinator in self.tenures)
 
 
 @dataclass(frozen=True, kw_only=True)

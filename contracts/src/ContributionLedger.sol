@@ -12,7 +12,9 @@ import {IWorkerRegistry} from "./IWorkerRegistry.sol";
  * @notice {IContributionLedger}: the checkpoints of each run, credited to the workers whose reports
  * recorded them.
  *
- * The account that creates a run is its coordinator. Every report must be signed by its worker,
+ * The account that creates a run is its coordinator, and stays its creator: it may hand the run to
+ * another coordinator, and a majority of the last round's workers may vote one in when the run
+ * stalls ({IContributionLedger}, "Handover"). Every report must be signed by its worker,
  * whose key must be active in the registry, which the ledger knows only as an {IWorkerRegistry}.
  * Storage per round: one commitment slot, and one tally slot per reporting worker (its run tally); a
  * worker's total over runs is summed from its run tallies when asked ({totalContributionOf}), so a
@@ -35,6 +37,26 @@ contract ContributionLedger is IContributionLedger, EIP712 {
         "RoundReport(bytes32 runId,uint64 round,address worker,bytes32 parentCheckpoint,bytes32 checkpoint,bytes32 manifestDigest,bytes32 updateDigest,bytes32 dataDigest,int64 trainLossE6,int64 evalLossE6,uint64 tokens,uint32 innerSteps,uint64 bytesSent,uint64 bytesReceived)"
     );
 
+    /**
+     * @dev Who may hand a run over and when its workers may vote, in one slot that every recorded round
+     * rewrites: `lastActivity` is the block of the run's last round, handover or creation;
+     * `lastRoundWorkers` the workers credited in its last recorded round (the electorate).
+     */
+    struct Stewardship {
+        address creator;
+        uint64 lastActivity;
+        uint32 lastRoundWorkers;
+    }
+
+    /// @dev One coordinator's tenure: it holds the rounds from `fromRound` until the next tenure's.
+    struct Tenure {
+        uint64 fromRound;
+        address coordinator;
+    }
+
+    /// @inheritdoc IContributionLedger
+    uint64 public constant HANDOVER_STALL_BLOCKS = 300;
+
     IWorkerRegistry private immutable _registry;
     address private immutable _disputes;
 
@@ -42,6 +64,12 @@ contract ContributionLedger is IContributionLedger, EIP712 {
     mapping(bytes32 runId => mapping(uint64 round => bytes32 commitment)) private _rounds;
     mapping(bytes32 runId => mapping(address worker => RunTally)) private _tallies;
     mapping(address worker => bytes32[] runIds) private _runsOf;
+    // After the slots above, which {LyingLedger} mirrors in this order.
+    mapping(bytes32 runId => Stewardship) private _stewardship;
+    mapping(bytes32 runId => Tenure[]) private _tenures;
+    // A stall's ballot (runId, last round, last activity): who voted, and each candidate's votes.
+    mapping(bytes32 ballot => mapping(address voter => bool)) private _voted;
+    mapping(bytes32 ballot => mapping(address candidate => uint64 votes)) private _votes;
 
     /// @param registry_ The registry that says which worker keys are active.
     constructor(IWorkerRegistry registry_) EIP712("DiLoCoX Contribution Ledger", "1") {
@@ -66,6 +94,9 @@ contract ContributionLedger is IContributionLedger, EIP712 {
         run.genesisCheckpoint = genesisCheckpoint;
         run.configDigest = configDigest;
         run.genesisManifest = genesisManifest;
+        _stewardship[runId] =
+            Stewardship({creator: msg.sender, lastActivity: uint64(block.number), lastRoundWorkers: 0});
+        _tenures[runId].push(Tenure({fromRound: 1, coordinator: msg.sender}));
         emit RunCreated(runId, msg.sender, genesisCheckpoint, configDigest, genesisManifest, challengeWindow);
     }
 
@@ -107,6 +138,10 @@ contract ContributionLedger is IContributionLedger, EIP712 {
             )
         );
         _rounds[header.runId][header.round] = commitment;
+        Stewardship storage stewardship = _stewardship[header.runId];
+        stewardship.lastActivity = uint64(block.number);
+        // forge-lint: disable-next-line(unsafe-typecast) -- one report per active worker: far below 2^32
+        stewardship.lastRoundWorkers = uint32(reports.length);
         for (uint256 j = 0; j < unreported.length; ++j) {
             emit UpdateUnreported(header.runId, header.round, unreported[j]);
         }
@@ -120,6 +155,53 @@ contract ContributionLedger is IContributionLedger, EIP712 {
             unreported.length,
             commitment
         );
+    }
+
+    /// @inheritdoc IContributionLedger
+    function handOver(bytes32 runId, address newCoordinator) external {
+        Run storage run = _runs[runId];
+        if (run.coordinator == address(0)) revert LedgerUnknownRun(runId);
+        if (msg.sender != _stewardship[runId].creator) revert LedgerNotCreator(msg.sender);
+        _handOver(runId, run, newCoordinator, false);
+    }
+
+    /// @inheritdoc IContributionLedger
+    function voteCoordinator(bytes32 runId, address candidate) external {
+        Run storage run = _runs[runId];
+        if (run.coordinator == address(0)) revert LedgerUnknownRun(runId);
+        if (candidate == address(0) || candidate == run.coordinator) revert LedgerBadCoordinator(candidate);
+        Stewardship storage stewardship = _stewardship[runId];
+        uint64 from = stewardship.lastActivity + HANDOVER_STALL_BLOCKS;
+        if (block.number < from) revert LedgerNotStalled(from);
+        // The stall's ballot: a recorded round or a handover moves lastActivity, and so opens a new one.
+        bytes32 ballot = keccak256(abi.encode(runId, run.lastRound, stewardship.lastActivity));
+        // Credited in the last recorded round (so round 0 has no voters), active, and not voted yet.
+        if (
+            run.lastRound == 0 || _tallies[runId][msg.sender].lastRound != run.lastRound
+                || !_registry.isActive(msg.sender) || _voted[ballot][msg.sender]
+        ) revert LedgerNotVoter(msg.sender);
+
+        _voted[ballot][msg.sender] = true;
+        uint64 votes = _votes[ballot][candidate] + 1;
+        _votes[ballot][candidate] = votes;
+        uint64 needed = uint64(stewardship.lastRoundWorkers) / 2 + 1;
+        emit CoordinatorVoted(runId, msg.sender, candidate, votes, needed);
+        if (votes >= needed) _handOver(runId, run, candidate, true);
+    }
+
+    /// @inheritdoc IContributionLedger
+    function creatorOf(bytes32 runId) external view returns (address) {
+        return _stewardship[runId].creator;
+    }
+
+    /// @inheritdoc IContributionLedger
+    function coordinatorOf(bytes32 runId, uint64 round) external view returns (address) {
+        Tenure[] storage tenures = _tenures[runId];
+        // Newest first: a run changes hands rarely, and the rounds asked about are mostly recent.
+        for (uint256 i = tenures.length; i > 0; --i) {
+            if (tenures[i - 1].fromRound <= round || i == 1) return tenures[i - 1].coordinator;
+        }
+        return address(0);
     }
 
     /// @inheritdoc IContributionLedger
@@ -180,6 +262,22 @@ contract ContributionLedger is IContributionLedger, EIP712 {
     /// @inheritdoc IContributionLedger
     function registry() external view returns (IWorkerRegistry) {
         return _registry;
+    }
+
+    /**
+     * @dev Makes `next` the run's coordinator from its next round on: a new tenure (or, when the
+     * current one has recorded nothing yet, that tenure given to `next`), and a fresh stall window.
+     */
+    function _handOver(bytes32 runId, Run storage run, address next, bool byVote) private {
+        if (next == address(0) || next == run.coordinator) revert LedgerBadCoordinator(next);
+        address previous = run.coordinator;
+        uint64 fromRound = run.lastRound + 1;
+        run.coordinator = next;
+        Tenure[] storage tenures = _tenures[runId];
+        if (tenures[tenures.length - 1].fromRound == fromRound) tenures[tenures.length - 1].coordinator = next;
+        else tenures.push(Tenure({fromRound: fromRound, coordinator: next}));
+        _stewardship[runId].lastActivity = uint64(block.number);
+        emit CoordinatorHandedOver(runId, previous, next, fromRound, byVote);
     }
 
     /**

@@ -101,7 +101,8 @@ contract Disputes is IDisputes, EIP712, Ownable2Step {
         address[] memory signers = _checkSignatures(verdict, signatures);
         RoundVoids storage voids = _voids[verdict.runId][verdict.round];
         if (voids.roundVoided) revert DisputesAlreadyVoided(verdict.round, verdict.party);
-        if (verdict.party == run.coordinator) {
+        // The coordinator that held the round, which a handover since does not change.
+        if (verdict.party == _ledger.coordinatorOf(verdict.runId, verdict.round)) {
             voids.roundVoided = true;
             for (uint256 i = 0; i < facts.workers.length; ++i) {
                 BitMaps.BitMap storage marks = _voided[verdict.runId][facts.workers[i]];

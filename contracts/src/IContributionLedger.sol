@@ -23,6 +23,15 @@ import {IWorkerRegistry} from "./IWorkerRegistry.sol";
  * recorded twice and no worker is credited twice for a round, without a storage slot per report.
  * A recorded round is kept as one 32-byte commitment to its {RoundFacts}: what a reward claim
  * ({IRewardPool}) or an auditor proves against.
+ *
+ * Handover (docs/trust.md, "A run that outlives its coordinator"): a run outlives its coordinator.
+ * The account that created the run (its creator, the first coordinator) may hand the run to another
+ * coordinator at any time ({handOver}); and when the coordinator has recorded nothing for
+ * {HANDOVER_STALL_BLOCKS} blocks, a strict majority of the workers credited in the run's last
+ * recorded round (each still active in the registry) may vote one in ({voteCoordinator}). Either way
+ * the new coordinator records the next round under the same run id, its parent the last recorded
+ * checkpoint as always; {coordinatorOf} names who holds (held) each round, which is what receipts and
+ * verdicts about that round are judged against.
  */
 interface IContributionLedger {
     /**
@@ -168,6 +177,32 @@ interface IContributionLedger {
     error LedgerBadUnreported(uint256 index);
 
     /**
+     * @dev Only the run's creator may hand it to another coordinator ({handOver}).
+     * @param caller The account that sent the call.
+     */
+    error LedgerNotCreator(address caller);
+
+    /**
+     * @dev A run cannot be handed to the zero address, nor to the coordinator it already has.
+     * @param coordinator The coordinator the call named.
+     */
+    error LedgerBadCoordinator(address coordinator);
+
+    /**
+     * @dev Workers may vote in a coordinator only once the run has recorded nothing (no round, no
+     * handover) for {HANDOVER_STALL_BLOCKS} blocks.
+     * @param stalledFrom The first block in which a vote counts.
+     */
+    error LedgerNotStalled(uint64 stalledFrom);
+
+    /**
+     * @dev Only a worker credited in the run's last recorded round, and still active in the registry,
+     * may vote; each once per stall (a recorded round or a handover starts a new one).
+     * @param caller The account that sent the call.
+     */
+    error LedgerNotVoter(address caller);
+
+    /**
      * @dev Only the ledger's {disputes} contract may void credit.
      * @param caller The account that sent the call.
      */
@@ -189,6 +224,31 @@ interface IContributionLedger {
         bytes32 configDigest,
         bytes32 genesisManifest,
         uint32 challengeWindow
+    );
+
+    /**
+     * @notice The run has a new coordinator: `next` records its rounds from `fromRound` on, and
+     * {coordinatorOf} names `previous` for the rounds before.
+     * @param runId The run.
+     * @param previous The coordinator it had.
+     * @param next The coordinator it has now.
+     * @param fromRound The first round `next` records (the last recorded round plus one).
+     * @param byVote True when the run's workers voted `next` in, false when its creator handed it over.
+     */
+    event CoordinatorHandedOver(
+        bytes32 indexed runId, address indexed previous, address indexed next, uint64 fromRound, bool byVote
+    );
+
+    /**
+     * @notice A worker of a stalled run voted for a new coordinator.
+     * @param runId The run.
+     * @param voter The worker.
+     * @param candidate The coordinator it voted for.
+     * @param votes The candidate's votes in this stall, this one included.
+     * @param needed The votes that hand the run over: a strict majority of the last round's credited workers.
+     */
+    event CoordinatorVoted(
+        bytes32 indexed runId, address indexed voter, address indexed candidate, uint64 votes, uint64 needed
     );
 
     /**
@@ -232,7 +292,7 @@ interface IContributionLedger {
     event CreditVoided(bytes32 indexed runId, uint64 indexed round, address indexed worker, uint64 tokens);
 
     /**
-     * @notice Creates a run; the caller becomes its coordinator. Each id once ({LedgerRunExists}).
+     * @notice Creates a run; the caller becomes its coordinator and its creator ({handOver}). Each id once ({LedgerRunExists}).
      * Emits {RunCreated}.
      * @param runId sha256 digest of the run's genesis manifest.
      * @param genesisCheckpoint sha256 of θ⁽⁰⁾'s safetensors bytes: round 1's parent.
@@ -249,7 +309,7 @@ interface IContributionLedger {
     ) external;
 
     /**
-     * @notice Records the next round of a run. Only the run's coordinator ({LedgerNotCoordinator}) of
+     * @notice Records the next round of a run. Only the run's coordinator now ({LedgerNotCoordinator}) of
      * an existing run ({LedgerUnknownRun}). Every report must be signed by its worker
      * ({LedgerInvalidSignature}), active in the registry ({LedgerWorkerNotActive}). Credits each
      * reporting worker, stores the round's commitment, and emits {UpdateUnreported} per unreported
@@ -265,6 +325,51 @@ interface IContributionLedger {
      */
     function recordRound(RoundHeader calldata header, WorkerReport[] calldata reports, bytes32[] calldata unreported)
         external;
+
+    /**
+     * @notice Hands the run to `newCoordinator`, who records its rounds from the next one on. Only
+     * the run's creator ({LedgerNotCreator}), at any time; not to zero or to the current coordinator
+     * ({LedgerBadCoordinator}). Starts a new stall: votes cast before it no longer count. Emits
+     * {CoordinatorHandedOver}.
+     * @param runId The run ({LedgerUnknownRun}).
+     * @param newCoordinator The account that records the run's rounds from now on.
+     */
+    function handOver(bytes32 runId, address newCoordinator) external;
+
+    /**
+     * @notice One worker's vote for `candidate` as the coordinator of a stalled run: once the run has
+     * recorded nothing for {HANDOVER_STALL_BLOCKS} blocks ({LedgerNotStalled}), each worker credited
+     * in its last recorded round and still active in the registry votes once ({LedgerNotVoter}).
+     * The vote that gives `candidate` a strict majority of that round's credited workers hands the
+     * run over to it, as {handOver} would. Emits {CoordinatorVoted}, then {CoordinatorHandedOver}
+     * when the run changes hands.
+     * @param runId The run ({LedgerUnknownRun}).
+     * @param candidate The coordinator voted for; not zero nor the current one ({LedgerBadCoordinator}).
+     */
+    function voteCoordinator(bytes32 runId, address candidate) external;
+
+    /**
+     * @notice Blocks a run must have recorded nothing for before its workers may vote in a new
+     * coordinator ({voteCoordinator}): about an hour at 12-second blocks.
+     * @return The number of blocks.
+     */
+    function HANDOVER_STALL_BLOCKS() external view returns (uint64);
+
+    /**
+     * @notice The account that created a run: it may hand the run over ({handOver}).
+     * @param runId The run's id.
+     * @return The creator; zero if the run does not exist.
+     */
+    function creatorOf(bytes32 runId) external view returns (address);
+
+    /**
+     * @notice The coordinator that holds `round` of a run: the one that recorded it, or for a round not
+     * recorded yet, the run's coordinator now. Receipts and verdicts about a round are judged against it.
+     * @param runId The run's id.
+     * @param round The round.
+     * @return The coordinator; zero if the run does not exist.
+     */
+    function coordinatorOf(bytes32 runId, uint64 round) external view returns (address);
 
     /**
      * @notice Takes one round's credit of `worker` off its run tally (and so off its total): `tokens`

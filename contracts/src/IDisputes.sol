@@ -11,9 +11,10 @@ import {IContributionLedger} from "./IContributionLedger.sol";
  *   - against a worker credited in the round: that worker's credit for the round is voided — the
  *     ledger's tallies ({IContributionLedger-contributionOf}, {IContributionLedger-totalContributionOf})
  *     no longer count it, and the reward pool refuses to pay it;
- *   - against the run's coordinator: the whole round is voided — every credit of the round is taken
- *     off the tallies and no one is paid for it (the coordinator vouched for what the round averaged, so
- *     no worker's report in it can be trusted to have been used as signed).
+ *   - against the coordinator that held the round ({IContributionLedger-coordinatorOf}, so a handover
+ *     since changes nothing): the whole round is voided — every credit of the round is taken off the
+ *     tallies and no one is paid for it (the coordinator vouched for what the round averaged, so no
+ *     worker's report in it can be trusted to have been used as signed).
  * A voided share is never paid; the pool returns it to the run's funder ({IRewardPool-reclaim}).
  *
  * Auditors: the owner of this contract — the account that deployed the ledger, the same party that
@@ -34,7 +35,8 @@ interface IDisputes {
      * `runId`, having read `evidence`.
      * @param runId The run.
      * @param round The recorded round the finding is about.
-     * @param party A worker credited in the round, or the run's coordinator (then the round is voided).
+     * @param party A worker credited in the round, or the coordinator that held the round (then the
+     * round is voided).
      * @param check The failed audit check: keccak256 of its name (e.g. keccak256("replay")).
      * @param evidence The digest of the content-addressed object the check read (its CID's digest).
      */

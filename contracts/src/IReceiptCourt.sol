@@ -31,9 +31,10 @@ interface IReceiptCourt {
     }
 
     /**
-     * @dev The receipt is not validly signed by the run's coordinator (wrong key, other fields,
-     * malformed or malleable signature), or the run does not exist.
-     * @param coordinator The run's coordinator as the ledger names it (zero for no run).
+     * @dev The receipt is not validly signed by the coordinator that held its round
+     * ({IContributionLedger-coordinatorOf}: wrong key, other fields, malformed or malleable
+     * signature), or the run does not exist.
+     * @param coordinator The round's coordinator as the ledger names it (zero for no run).
      */
     error ReceiptCourtBadSignature(address coordinator);
 

@@ -49,7 +49,8 @@ contract ReceiptCourt is IReceiptCourt {
         bytes32 committed = ledger.roundCommitment(receipt.runId, receipt.round);
         if (committed == bytes32(0)) revert ReceiptCourtRoundNotRecorded(receipt.runId, receipt.round);
         if (keccak256(abi.encode(facts)) != committed) revert ReceiptCourtBadFacts(receipt.round);
-        address coordinator = ledger.runOf(receipt.runId).coordinator;
+        // The coordinator that held the round (its run may have changed hands since).
+        address coordinator = ledger.coordinatorOf(receipt.runId, receipt.round);
         (address signer, ECDSA.RecoverError err,) = ECDSA.tryRecoverCalldata(_digest(receipt), signature);
         if (err != ECDSA.RecoverError.NoError || signer != coordinator) revert ReceiptCourtBadSignature(coordinator);
         if (receipt.reportDigest == bytes32(0)) revert ReceiptCourtNoReport();

@@ -262,6 +262,22 @@ contract DisputesTest is DisputesBase {
         assertEq(pool.reclaim(RUN, _proofs(1, f)), uint256(FUNDED) / ROUNDS, "the whole round back to the funder");
     }
 
+    function testVerdictAgainstTheCoordinatorThatHeldTheRoundAfterAHandover() public {
+        panel(1, 1);
+        IContributionLedger.RoundFacts memory f = _round(1, 2, 100);
+        address successor = address(0x5EC0);
+        vm.prank(COORDINATOR);
+        ledger.handOver(RUN, successor);
+        // Round 1 was COORDINATOR's: a verdict against the successor names a party not in it.
+        IDisputes.Verdict memory wrong = verdict(1, successor);
+        bytes[] memory wrongSigs = signedBy(1, wrong);
+        vm.expectRevert(abi.encodeWithSelector(IDisputes.DisputesNotCredited.selector, 1, successor));
+        disputes.dispute(wrong, f, 0, wrongSigs);
+        IDisputes.Verdict memory v = verdict(1, COORDINATOR);
+        disputes.dispute(v, f, 0, signedBy(1, v));
+        assertTrue(disputes.isVoided(RUN, 1, f.workers[0]), "the round is voided though its coordinator left");
+    }
+
     // --- reclaim ---
 
     function testReclaimReturnsWhatARoundLeavesUnpaid() public {

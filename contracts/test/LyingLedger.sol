@@ -33,6 +33,10 @@ contract LyingLedger is IContributionLedger, EIP712 {
     mapping(bytes32 runId => mapping(uint64 round => bytes32 commitment)) private _rounds;
     mapping(bytes32 runId => mapping(address worker => ContributionLedger.RunTally)) private _tallies;
     mapping(address worker => bytes32[] runIds) private _runsOf;
+    mapping(bytes32 runId => ContributionLedger.Stewardship) private _stewardship;
+    mapping(bytes32 runId => ContributionLedger.Tenure[]) private _tenures;
+    mapping(bytes32 ballot => mapping(address voter => bool)) private _voted;
+    mapping(bytes32 ballot => mapping(address candidate => uint64 votes)) private _votes;
     // Its own, after the real ledger's slots.
     mapping(address worker => Contribution) private _forgedTotals;
 
@@ -142,6 +146,34 @@ contract LyingLedger is IContributionLedger, EIP712 {
     /// @inheritdoc IContributionLedger
     function commitmentOf(RoundFacts calldata facts) external pure returns (bytes32) {
         return keccak256(abi.encode(facts));
+    }
+
+    /// @inheritdoc IContributionLedger
+    uint64 public constant HANDOVER_STALL_BLOCKS = 300;
+
+    /// @dev Like {ContributionLedger-handOver}, but anyone may hand any run to anyone.
+    function handOver(bytes32 runId, address newCoordinator) external {
+        Run storage run = _runs[runId];
+        emit CoordinatorHandedOver(runId, run.coordinator, newCoordinator, run.lastRound + 1, false);
+        run.coordinator = newCoordinator;
+    }
+
+    /// @dev One vote hands the run over, stalled or not.
+    function voteCoordinator(bytes32 runId, address candidate) external {
+        Run storage run = _runs[runId];
+        emit CoordinatorVoted(runId, msg.sender, candidate, 1, 1);
+        emit CoordinatorHandedOver(runId, run.coordinator, candidate, run.lastRound + 1, true);
+        run.coordinator = candidate;
+    }
+
+    /// @dev What the real ledger wrote, if it wrote it.
+    function creatorOf(bytes32 runId) external view returns (address) {
+        return _stewardship[runId].creator;
+    }
+
+    /// @dev The run's coordinator now, whatever round is asked about.
+    function coordinatorOf(bytes32 runId, uint64) external view returns (address) {
+        return _runs[runId].coordinator;
     }
 
     /// @inheritdoc IContributionLedger

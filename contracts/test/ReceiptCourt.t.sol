@@ -105,6 +105,22 @@ contract ReceiptCourtTest is LedgerBase {
         assertTrue(court.isProven(SIGNED_RUN, 1, worker(3)), "proven");
     }
 
+    function testReceiptsAreJudgedAgainstTheCoordinatorThatHeldTheRound() public {
+        IContributionLedger.RoundFacts memory f = _record(1, 0x1C, 100); // workers 0 and 1 unreported
+        uint256 successorKey = 0x5EC0;
+        vm.prank(vm.addr(COORD_KEY)); // the run's creator
+        ledger.handOver(SIGNED_RUN, vm.addr(successorKey));
+        // The first coordinator's receipt of round 1 still proves its omission after it left.
+        IReceiptCourt.Receipt memory receipt = _receipt(0, 1);
+        court.proveOmission(receipt, _sign(COORD_KEY, receipt), f);
+        assertTrue(court.isProven(SIGNED_RUN, 1, worker(0)), "proven against the round's coordinator");
+        // The successor's signature on a round it did not hold proves nothing.
+        IReceiptCourt.Receipt memory other = _receipt(1, 1);
+        bytes memory bySuccessor = _sign(successorKey, other);
+        vm.expectRevert(abi.encodeWithSelector(IReceiptCourt.ReceiptCourtBadSignature.selector, vm.addr(COORD_KEY)));
+        court.proveOmission(other, bySuccessor, f);
+    }
+
     // --- refusals, by name ---
 
     function testCreditedWorkerProvesNothing() public {

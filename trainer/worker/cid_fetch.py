@@ -89,6 +89,11 @@ class PayloadSources:
         self.coordinator_address, self.tls, self.received = coordinator_address, tls, received
         self._coordinator: tuple[str, ssl.SSLContext | None] | None = None  # its URL and how to trust it
 
+    def follow(self, coordinator_address: str, tls: ClientTls) -> None:
+        """The coordinator served now (trainer.worker.succession): its gateway is the last source."""
+        if (coordinator_address, tls) != (self.coordinator_address, self.tls):
+            self.coordinator_address, self.tls, self._coordinator = coordinator_address, tls, None
+
     @property
     def enabled(self) -> bool:
         """Whether to ask for payloads by CID: only a worker given a source to take them from."""

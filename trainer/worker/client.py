@@ -48,7 +48,7 @@ from attestation import (
     recover_address,
 )
 from attestation.signing import global_digest, update_digest
-from proto import CHANNEL_OPTIONS, PROTOCOL_VERSION, Encoding, WorkerPhase, pb, pb_grpc, session_metadata
+from proto import PROTOCOL_VERSION, Encoding, WorkerPhase, pb, pb_grpc, session_metadata
 from storage_client import CID, Codec, DilocoxError, Kernels, canonical_json, loads_bounded
 from trainer.codec import CodecHeader, CompressionError
 from trainer.codec.downlink import apply_update, decode_update
@@ -77,9 +77,10 @@ from trainer.net.limits import (
     dense_payload_limit,
 )
 from trainer.net.link import Link
-from trainer.net.tls import ClientTls, TlsUnreachable, open_channel
+from trainer.net.tls import ClientTls
 from trainer.rounds.schedule import ScheduleError, WorkerSchedule
 from trainer.worker.cid_fetch import CidFetchError, PayloadSources
+from trainer.worker.succession import Endpoint, Succession, SuccessionError, Successors
 
 log = logging.getLogger("dilocox.worker")
 T = TypeVar("T")
@@ -177,21 +178,23 @@ class CoordinatorClient:
     def __init__(self, address: str, worker_id: str, *, tls: ClientTls, attestation: EvidenceProvider | None,
                  reconnect_timeout_s: float, fetch_wait_s: float, link: Link,
                  on_first_join: Callable[[RunConfig, int, int], None],
-                 sleep: Callable[[float], None] = time.sleep, store_sources: Sequence[str] = ()) -> None:
-        self.address, self.worker_id, self.sleep = address, worker_id, sleep  # sleep: every retry's wait
-        self.reconnect_timeout_s = reconnect_timeout_s
+                 sleep: Callable[[float], None] = time.sleep, store_sources: Sequence[str] = (),
+                 successors: Successors = Successors()) -> None:
+        self.worker_id, self.sleep, self.reconnect_timeout_s = worker_id, sleep, reconnect_timeout_s  # sleep: each retry's
         self.fetch_wait_s = bounded(fetch_wait_s, FETCH_WAIT_FLOOR_S, FETCH_WAIT_CEILING_S)
         self.attestation, self.link, self.on_first_join = attestation, link, on_first_join
-        self.channel = self._open(tls)
-        self.stub = pb_grpc.CoordinatorStub(self.channel)
+        # The coordinator served now, and the ones to move to (trainer.worker.succession).
+        self.succession = Succession(Endpoint(address, tls), successors)
+        self._moving = threading.Lock()
         self.session: tuple[tuple[str, str | bytes], ...] = ()  # metadata of every call after Join
+        self.sources, self.store_port = PayloadSources(store_sources, address, tls, self._received), 0
+        self._connect()
         self._joining = threading.Lock()
         self.coordinator_key: str | None = None  # the address that signs global states, from the first Join
         self.config: RunConfig | None = None
         self.key: WorkerKey | None = None
         self.domain: Domain | None = None  # set when the run has a ledger
-        self.run_digest = b""
-        self.heartbeat_interval_s = 1.0
+        self.run_digest, self.heartbeat_interval_s = b"", 1.0
         self.round, self.phase = 0, WorkerPhase.STARTING  # what heartbeats say
         self.bytes_sent = self.bytes_received = 0
         self.held: tuple[str, Params] | None = None  # the newest global parameters, by CID
@@ -199,29 +202,34 @@ class CoordinatorClient:
         self.schedule: WorkerSchedule | None = None  # H_r of the rounds ahead; set at the first Join
         # Seconds streaming global states in ("fetch": header to last byte, not the wait) and rebuilding θ ("decode").
         self.phase_seconds = PhaseSeconds()
-        self.sources, self.store_port = PayloadSources(store_sources, address, tls, self._received), 0
 
     # ----------------------------------------------------------------------------- calls
 
-    def _open(self, tls: ClientTls) -> grpc.Channel:
-        """The channel to the coordinator; a pinned certificate is fetched first, so a coordinator
-        that is not up yet is waited for, as any unreachable coordinator is (``call``)."""
-        deadline, backoff = time.monotonic() + self.reconnect_timeout_s, Backoff(sleep=self.sleep)
-        while True:
-            try:
-                return open_channel(self.address, tls, CHANNEL_OPTIONS)
-            except TlsUnreachable as exc:
-                if time.monotonic() >= deadline:
-                    raise WorkerError(f"coordinator at {self.address} unreachable for "
-                                      f"{self.reconnect_timeout_s:.0f}s: {exc}") from exc
-                backoff.wait()
+    def _move_on(self, serving: int) -> bool:
+        """Serve the coordinator after the one at ``serving``, joined afresh; False when there is none."""
+        with self._moving:
+            if self.succession.connected != serving:
+                return True
+            if self.succession.advance(serving) is None:
+                return False
+            log.warning("coordinator at %s unreachable; moving to %s", self.address, self.succession.current.address)
+            self.channel.close()
+            self._connect()
+            return True
+
+    def _connect(self) -> None:
+        """A channel to the coordinator served now, without a session yet."""
+        self.channel = self.succession.connect(self.reconnect_timeout_s, self.sleep)
+        self.address, self.session = self.succession.current.address, ()
+        self.sources.follow(self.succession.current.address, self.succession.current.tls)  # its gateway too
+        self.stub = pb_grpc.CoordinatorStub(self.channel)
 
     def call(self, what: str, fn: Callable[[], T], halted: str = "") -> T:
         """Run ``fn``; retry with backoff while the coordinator is unreachable or busy, then rejoin; rejoin
         at once when it no longer knows this session; a fetch refused as not fitting the run (``halted``:
         what for; FAILED_PRECONDITION, e.g. the run stopped) ends in a WorkerError with the reason."""
         deadline, backoff = time.monotonic() + self.reconnect_timeout_s, Backoff(sleep=self.sleep)
-        lost, rejoins = False, 0
+        lost, rejoins, serving = False, 0, self.succession.connected
         while True:
             try:
                 if lost:
@@ -239,6 +247,10 @@ class CoordinatorClient:
                     raise WorkerError(f"{halted}: {clip(exc.details(), 600)}") from None  # the run stopped
                 if exc.code() not in _RETRYABLE:
                     raise
+                if time.monotonic() >= deadline and self._move_on(serving):
+                    deadline, serving = time.monotonic() + self.reconnect_timeout_s, self.succession.connected
+                    lost = True
+                    continue
                 if time.monotonic() >= deadline:
                     raise WorkerError(f"coordinator at {self.address} unreachable for {self.reconnect_timeout_s:.0f}s "
                                       f"({what}: {clip(exc.details(), 200)})") from exc
@@ -270,8 +282,9 @@ class CoordinatorClient:
     def _join_once(self) -> pb.JoinResponse:
         challenge = self.stub.Challenge(pb.ChallengeRequest(
             protocol_version=PROTOCOL_VERSION, worker_id=self.worker_id), timeout=30)
-        config = self.checked_config(challenge.config_json, challenge.config_cid)
-        self.check_coordinator_key(challenge.coordinator_address)
+        config = checked_config(challenge.config_json, challenge.config_cid, self.config)
+        ledger = Domain(challenge.chain_id, challenge.ledger) if challenge.attestation_required else None
+        self.check_coordinator_key(challenge.coordinator_address, challenge.run_digest, ledger)
         self.run_digest = challenge.run_digest
         request = pb.JoinRequest(protocol_version=PROTOCOL_VERSION, worker_id=self.worker_id)
         if challenge.attestation_required:
@@ -299,30 +312,19 @@ class CoordinatorClient:
                  f", key {self.key.address}" if self.domain else "")
         return response
 
-    def check_coordinator_key(self, address: str) -> None:
-        """Pin the coordinator's signing key at the first Join; it may not change during the run."""
+    def check_coordinator_key(self, address: str, run: bytes | None = None, domain: Domain | None = None) -> None:
+        """Pin the coordinator's signing key at the first Join; another later as trainer.worker.succession says."""
         try:
             address = checksum_address(address)
+            key = self.succession.accept(self.coordinator_key, address, self.run_digest,
+                                         self.run_digest if run is None else run, self.domain, domain or self.domain)
         except (ValueError, TypeError) as exc:
             raise WorkerError(f"the coordinator names no valid signing key: {exc}") from exc
-        if self.coordinator_key is None:
-            self.coordinator_key = address
-            log.info("coordinator signing key %s", address)
-        elif address != self.coordinator_key:
-            raise WorkerError(f"the coordinator's signing key changed from {self.coordinator_key} to {address}")
-
-    def checked_config(self, config_json: bytes, config_cid: str) -> RunConfig:
-        actual = CID.of(config_json, Codec.JSON)
-        if str(actual) != config_cid:
-            raise WorkerError(f"run configuration hashes to {actual}, coordinator named {config_cid}")
-        try:  # a hostile coordinator names the CID of whatever it sends: parse it as untrusted
-            config = RunConfig.from_json(loads_bounded(config_json, max_bytes=MAX_CONFIG_JSON,
-                                                       what="the coordinator's run configuration"))
-        except (ValueError, TypeError, KeyError, AttributeError) as exc:  # JSONBoundsError, ConfigError among them
-            raise WorkerError(f"the coordinator's run configuration is refused: {clip(exc, 300)}") from None
-        if self.config is not None and config.cid != self.config.cid:
-            raise WorkerError(f"coordinator now runs config {config.cid}, not {self.config.cid}")
-        return config
+        except SuccessionError as exc:
+            raise WorkerError(str(exc)) from None
+        if key != self.coordinator_key:
+            log.info("coordinator signing key %s", key)
+        self.coordinator_key = key
 
     # ----------------------------------------------------------------------------- liveness
 
@@ -472,6 +474,22 @@ class CoordinatorClient:
             if exc.code() != grpc.StatusCode.ALREADY_EXISTS:
                 log.warning("round %d: report refused (%s): %s", round_, exc.code().name, clip(exc.details(), 200))
             return None
+
+
+def checked_config(config_json: bytes, config_cid: str, pinned: RunConfig | None) -> RunConfig:
+    """The run configuration a coordinator sent, parsed as untrusted and checked against the CID it
+    names and the configuration ``pinned`` at the first Join (None before it)."""
+    actual = CID.of(config_json, Codec.JSON)
+    if str(actual) != config_cid:
+        raise WorkerError(f"run configuration hashes to {actual}, coordinator named {config_cid}")
+    try:  # a hostile coordinator names the CID of whatever it sends: parse it as untrusted
+        config = RunConfig.from_json(loads_bounded(config_json, max_bytes=MAX_CONFIG_JSON,
+                                                   what="the coordinator's run configuration"))
+    except (ValueError, TypeError, KeyError, AttributeError) as exc:  # JSONBoundsError, ConfigError among them
+        raise WorkerError(f"the coordinator's run configuration is refused: {clip(exc, 300)}") from None
+    if pinned is not None and config.cid != pinned.cid:
+        raise WorkerError(f"coordinator now runs config {config.cid}, not {pinned.cid}")
+    return config
 
 
 def learn_schedule(schedule: WorkerSchedule | None, header: pb.GlobalHeader, params: Params) -> None:

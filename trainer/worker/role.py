@@ -72,6 +72,7 @@ from trainer.worker.hold import RoundHold
 from trainer.worker.loops import overlapped, synchronous
 from trainer.worker.receipts import ReceiptBook
 from trainer.worker.reporter import Reporter
+from trainer.worker.succession import Successors
 
 log = logging.getLogger("dilocox.worker")
 
@@ -117,7 +118,8 @@ class Worker:
                  reconnect_timeout_s: float = 120.0, fetch_wait_s: float = 5.0, link: Link | None = None,
                  metrics: Path | None = None, stages: int | None = 1, cores: int | None = None,
                  threads: int | None = None, device: str = "cpu", receipts: Path | None = None,
-                 data_parallel: int = 1, store_sources: Sequence[str] = ()) -> None:
+                 data_parallel: int = 1, store_sources: Sequence[str] = (),
+                 successors: Successors = Successors()) -> None:
         self.created_at = time.monotonic()  # start-up is measured from here (trainer.runtime.pipeline.plan_stages)
         self.worker_id, self.metrics = worker_id, metrics
         self.device = parse_device(device)  # where the inner loop runs (trainer.runtime.device); refused now if absent
@@ -131,14 +133,14 @@ class Worker:
         self.receipts = ReceiptBook(receipts if receipts is not None else Path("receipts") / worker_id)
         self.client = CoordinatorClient(address, worker_id, tls=tls, attestation=attestation,
                                         reconnect_timeout_s=reconnect_timeout_s, fetch_wait_s=fetch_wait_s,
-                                        link=link or Link(), on_first_join=self.set_up, store_sources=store_sources)
+                                        link=link or Link(), on_first_join=self.set_up, store_sources=store_sources,
+                                        successors=successors)
         self.config: RunConfig | None = None
         self.inner: InnerLoop | PipelinedInnerLoop | None = None
         self.started_at = time.monotonic()  # reset when the first round starts
         self.first_step_at: float | None = None  # when the first round's training began
         self.last_trained_at: float | None = None  # when the latest round's training ended
-        self.compute_s = 0.0  # time in the inner loop, all rounds
-        self.tokens = 0
+        self.compute_s, self.tokens = 0.0, 0  # time in the inner loop and tokens trained, all rounds
         self._counted = (0, 0)  # bytes sent/received up to the last progress record
         self.uploads = StateUploads()  # whether a push carries the inner state (trainer.runtime.state_commit)
         # Seconds by phase since the last progress record ("push", "evaluate"; see _phases).
