@@ -44,7 +44,7 @@ if TYPE_CHECKING:
     from trainer.codec.settings import CompressionConfig
     from trainer.codec.wire import Params
 
-_BLOCK_BYTES = 256 << 10  # a block of rows of the result and its product term stay in a core's L2
+_BLOCK_BYTES = 512 << 10  # a block of rows of the result and its product term: together a core's L2
 
 
 def thin_svd(a: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -104,18 +104,24 @@ def _factor_order(factor: torch.Tensor) -> torch.Tensor:
 def _sum_of_outer_products(p: torch.Tensor, q: torch.Tensor) -> torch.Tensor:
     """Σᵢ pᵢ qᵢᵀ for the rows pᵢ of p (r × m) and qᵢ of q (r × n), float64: each entry is
     ((p₀q₀ + p₁q₁) + p₂q₂) + …, one rounded product and one rounded sum a term in increasing i, the
-    same on every machine. The m rows are done a block at a time so the running sum stays in cache
-    (the order of operations on each entry is the same as over the whole matrix at once)."""
+    same on every machine. The m rows are done a block at a time so that the running sum and the
+    product term stay in a core's L2 (the order of operations on each entry is the same as over the
+    whole matrix at once). Per block and term, one elementwise multiply into a reused buffer and
+    one add: the only Python-level loop is over (block, term), each covering a whole block of rows
+    (no per-group or per-row work); a fused multiply-add (``addcmul``, a matmul) would round once
+    instead of twice and give other bits on some CPUs (trainer.rounds.transition, rule 1)."""
     r, m = p.shape
     n = q.shape[1]
     out = torch.zeros(m, n, dtype=torch.float64)
     rows = max(1, min(m, _BLOCK_BYTES // (8 * max(1, n))))
     term = torch.empty(rows, n, dtype=torch.float64)
+    columns, lines = p.unsqueeze(2), q.unsqueeze(1)  # pᵢ as an m × 1 column, qᵢ as a 1 × n row
     for start in range(0, m, rows):
         block = out[start:start + rows]
         product = term[:block.shape[0]]
+        column_block = columns[:, start:start + rows]
         for i in range(r):
-            torch.mul(p[i, start:start + rows].unsqueeze(1), q[i].unsqueeze(0), out=product)
+            torch.mul(column_block[i], lines[i], out=product)
             block.add_(product)
     return out
 
