@@ -61,10 +61,10 @@ def quantize_groups(x: torch.Tensor, group: int, qmax: int) -> tuple[torch.Tenso
     flat = x.reshape(-1).to(torch.float64)
     n = flat.numel()
     groups = num_groups(n, group)
-    padded = torch.zeros(groups * group, dtype=torch.float64)
+    padded = torch.zeros(groups * group, dtype=torch.float64, device=flat.device)
     padded[:n] = flat
     blocks = padded.view(groups, group)
-    scales = (blocks.abs().amax(dim=1) / qmax).to(torch.float32) if groups else torch.zeros(0)
+    scales = (blocks.abs().amax(dim=1) / qmax).to(torch.float32) if groups else torch.zeros(0, device=flat.device)
     s = scales.to(torch.float64).unsqueeze(1)
     q = torch.where(s > 0, torch.round(blocks / torch.where(s > 0, s, 1.0)), 0.0)
     q = q.clamp(-qmax - 1, qmax).reshape(-1)[:n].to(torch.int8)
@@ -85,9 +85,10 @@ def dequantize_groups(q: torch.Tensor, scales: torch.Tensor, group: int) -> torc
 
 
 def encode_part(values: torch.Tensor, bits: int, group: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """(packed values, float32 scales) of ``values`` quantised to ``bits`` (4 or 8) in groups of ``group``."""
+    """(packed values, float32 scales) of ``values`` quantised to ``bits`` (4 or 8) in groups of
+    ``group``, computed on ``values``' device and returned on the CPU (where payloads are made)."""
     q, scales = quantize_groups(values, group, INT4_MAX if bits == 4 else INT8_MAX)
-    return (pack_int4(q) if bits == 4 else q), scales
+    return (pack_int4(q) if bits == 4 else q).cpu(), scales.cpu()
 
 
 def decode_part(packed: torch.Tensor, scales: torch.Tensor, count: int, bits: int, group: int) -> torch.Tensor:
