@@ -157,6 +157,25 @@ def test_the_audits_stored_downlink_gives_the_coordinators_bits_and_refuses_a_wr
                                                                                 made.downlink.header))
 
 
+def test_releasing_the_parent_gives_the_same_bits_and_empties_its_outer_state() -> None:
+    """The coordinator's close (release_parent): m⁽ʳ⁻¹⁾ and e⁽ʳ⁻¹⁾ are taken out as they are used, θ⁽ʳ⁻¹⁾
+    stays, and the child is the pure transition's, bit for bit, two rounds running (the second with
+    a carried downlink error)."""
+    kept, released = (OuterState(_params(), zero_momentum(_params())) for _ in range(2))
+    encoders = [DownlinkCompressor(AdaptiveRankPolicy(RANK)) for _ in range(2)]
+    for r in (1, 2):
+        updates = _compressed(_updates(r, 3))
+        pure = round_transition(kept, updates, outer=OUTER, rounds=RULES[1], downlink=encoders[0])
+        theta = dict(released.params)
+        freed = round_transition(released, updates, outer=OUTER, rounds=RULES[1], downlink=encoders[1],
+                                 release_parent=True)
+        assert _same(pure.state, freed.state) and pure.downlink == freed.downlink
+        assert not released.momentum and not released.downlink_error
+        assert released.params.keys() == theta.keys() and all(released.params[n] is t for n, t in theta.items())
+        assert kept.momentum
+        kept, released = pure.state, freed.state
+
+
 def test_stage_slices_held_apart_give_the_bits_of_the_merged_update() -> None:
     parent = OuterState(_params(), zero_momentum(_params()))
     updates = _updates(2, 3)

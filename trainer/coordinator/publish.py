@@ -49,7 +49,7 @@ def derive_round(run: Run, r: OpenRound, g: GlobalState, history: list[float]) -
     result = round_transition(g.outer, {w: a.source for w, a in r.accepted.items()}, outer=cfg.outer,
                               rounds=cfg.rounds, history=history,
                               norms={w: a.norm for w, a in r.accepted.items() if a.norm is not None},
-                              downlink=run.downlink)
+                              downlink=run.downlink, release_parent=True)  # g's m and e are not used again
     aggregated, child = result.aggregated, result.state
     aggregated_at = time.perf_counter()
     if aggregated.clipped:
