@@ -8,6 +8,8 @@ transfer header and the content identifier of the stored object.
 from __future__ import annotations
 
 import hashlib
+import re
+import sys
 from typing import Iterable, Iterator
 
 import torch
@@ -16,7 +18,7 @@ from safetensors.torch import load as st_load
 from safetensors.torch import save as st_save
 
 from proto import CHUNK_BYTES
-from storage_client import DilocoxError, JSONBoundsError, loads_bounded
+from storage_client import CID, Codec, DilocoxError, JSONBoundsError, loads_bounded
 
 Params = dict[str, torch.Tensor]
 # name -> (dtype, shape): what a payload must contain, checked before its bytes are trusted.
@@ -58,6 +60,46 @@ def encode_params(params: Params) -> bytes:
     live in the manifest instead).
     """
     return st_save({name: t.contiguous() for name, t in params.items()})
+
+
+_STREAMED_NAME = re.compile(r"[A-Za-z0-9_.\-]{1,512}")  # JSON-escaped the same by every serialiser
+_STREAMED_PIECE = 8 << 20  # bytes of one tensor's data handed out at a time
+
+
+def params_chunks(params: Params) -> Iterator[bytes]:
+    """``encode_params(params)`` as consecutive byte strings, made one tensor (and at most 8 MiB of it)
+    at a time, so that a checkpoint is hashed and written without its whole serialisation in memory
+    (trainer.coordinator.publish). The same bytes as safetensors writes them: its header, the JSON
+    object of each tensor's dtype, shape and data offsets in name order, padded with spaces to a
+    multiple of 8 bytes after its 8-byte little-endian length, then the tensors' data in that
+    order. Streamed for float32 tensors with plain names (every checkpoint and outer state); any
+    other params go through ``encode_params`` whole (tests/unit/test_wire_stream.py pins the bytes)."""
+    names = sorted(params)
+    if (not names or sys.byteorder != "little"  # safetensors data is little-endian
+            or any(params[n].dtype != torch.float32 or not _STREAMED_NAME.fullmatch(n) for n in names)):
+        yield encode_params(params)
+        return
+    entries, offset = [], 0
+    for name in names:
+        size = params[name].numel() * 4
+        entries.append(f'"{name}":{{"dtype":"F32","shape":[{",".join(map(str, params[name].shape))}],'
+                       f'"data_offsets":[{offset},{offset + size}]}}')
+        offset += size
+    header = ("{" + ",".join(entries) + "}").encode()
+    header += b" " * (-len(header) % 8)
+    yield len(header).to_bytes(8, "little") + header
+    for name in names:
+        data = params[name].detach().cpu().contiguous().reshape(-1).view(torch.uint8)
+        for start in range(0, data.numel(), _STREAMED_PIECE):
+            yield data[start:start + _STREAMED_PIECE].numpy().tobytes()
+
+
+def cid_of_chunks(chunks: Iterable[bytes]) -> CID:
+    """The RAW CID of the bytes ``chunks`` join to, without joining them."""
+    digest = hashlib.sha256()
+    for chunk in chunks:
+        digest.update(chunk)
+    return CID(Codec.RAW, digest.digest())
 
 
 def decode_params(data: bytes) -> Params:
