@@ -20,7 +20,7 @@ from storage_client import CID, Manifest, canonical_json, to_e6
 from storage_client.manifest import Downlink, Traffic
 from trainer.coordinator.run import Run
 from trainer.coordinator.state import CompressedGlobal, GlobalState, OpenRound
-from trainer.codec.wire import cid_of_chunks, params_chunks
+from trainer.codec.wire import ParamsPayload, cid_of_chunks, layout_of, params_chunks, streamable
 from trainer.rounds.aggregation import Aggregation
 from trainer.rounds.outer import outer_state_of
 from trainer.rounds.transition import round_transition
@@ -48,10 +48,14 @@ def derive_round(run: Run, r: OpenRound, g: GlobalState, history: list[float]) -
     """Aggregate the closing round's accepted updates onto ``g`` and store the result."""
     cfg, store = run.config, run.run_dir.store
     started = time.perf_counter()
+    # θ⁽ʳ⁾ is written into the bytes that will be served as it is made, and held as views of them;
+    # g's m and e are not used again (a close that fails stops the coordinator).
+    layout = layout_of(g.params)
+    into = ParamsPayload(layout) if streamable(layout) else None
     result = round_transition(g.outer, {w: a.source for w, a in r.accepted.items()}, outer=cfg.outer,
                               rounds=cfg.rounds, history=history,
                               norms={w: a.norm for w, a in r.accepted.items() if a.norm is not None},
-                              downlink=run.downlink, release_parent=True)  # g's m and e are not used again
+                              downlink=run.downlink, release_parent=True, params_into=into)
     aggregated, child = result.aggregated, result.state
     aggregated_at = time.perf_counter()
     if aggregated.clipped:
@@ -71,7 +75,7 @@ def derive_round(run: Run, r: OpenRound, g: GlobalState, history: list[float]) -
     full = is_full_checkpoint(cfg.rounds, r.number)
     outer_chunks = params_chunks(outer_state_of(child.momentum, child.downlink_error))
     outer_cid = store.put_chunks(outer_chunks) if full else cid_of_chunks(outer_chunks)
-    payload = child.params_bytes()
+    payload = into.payload() if into is not None else child.params_bytes()
     params_cid = store.put(payload) if full else CID.of(payload)
     stored_at = time.perf_counter()
     eval_loss, eval_losses_e6 = run.evaluate(child.params)
