@@ -510,7 +510,7 @@ def run_round(runner: StageRunner, job: RoundJob) -> dict[str, Any]:
         result = runner.run(job.inner_cfg, _to_torch(job.start), _to_torch(job.batches), progress)
     compressor = None
     if job.compression is not None:
-        compressor = new_compressor(job.compression, _to_torch(job.uplink_state))
+        compressor = new_compressor(job.compression, _to_torch(job.uplink_state), runner.device)  # encode where Δ_s is
     piece = encode_slice(result.pseudo_gradient, runner.index, runner.num_stages, compressor)
     out = dict(vars(result))  # plain dicts: _to_numpy does not enter dataclasses
     update = dict(vars(piece))
