@@ -17,7 +17,7 @@ from __future__ import annotations
 import json
 import os
 from abc import abstractmethod
-from collections.abc import Iterator
+from collections.abc import Iterable, Iterator
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Protocol, runtime_checkable
 
@@ -110,6 +110,11 @@ class Store(Protocol):
         when it is larger or does not start with ``{`` (a tensor, a payload), told apart as cheaply
         as the backend can. Malformed JSON raises ValueError, a missing or corrupt object StoreError.
         For walks over every object (gc, the audit's search for unrecorded rounds)."""
+
+    def put_chunks(self, chunks: Iterable[bytes], codec: Codec = Codec.RAW) -> CID:
+        """``put`` of the bytes ``chunks`` join to; a backend that can write them as they come (the
+        local store) does not join them first."""
+        return self.put(b"".join(chunks), codec)
 
     def put_json(self, obj: Any) -> CID:
         """Store ``obj`` as canonical JSON under a JSON-codec CID."""

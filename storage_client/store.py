@@ -18,7 +18,7 @@ from __future__ import annotations
 import hashlib
 import os
 import tempfile
-from collections.abc import Iterator
+from collections.abc import Iterable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -114,6 +114,38 @@ class ObjectStore(Store):
         except FileNotFoundError:
             pass
         write_atomic(path, data)
+        return cid
+
+    def put_chunks(self, chunks: Iterable[bytes], codec: Codec = Codec.RAW) -> CID:
+        """Store the bytes ``chunks`` join to, written and hashed as they come (never whole in
+        memory), and return their CID; as ``put``, a good copy already stored is kept."""
+        digest = hashlib.sha256()
+        fd, tmp = tempfile.mkstemp(prefix=_TMP_PREFIX, dir=self.objects)  # not in a fan-out: never listed
+        try:
+            with os.fdopen(fd, "wb") as f:
+                os.fchmod(f.fileno(), 0o644)
+                for chunk in chunks:
+                    digest.update(chunk)
+                    f.write(chunk)
+                f.flush()
+                os.fsync(f.fileno())
+            cid = CID(codec, digest.digest())
+            path = self.path_of(cid)
+            try:
+                if _sha256_file(path) == cid.digest:
+                    os.unlink(tmp)
+                    return cid
+            except FileNotFoundError:
+                pass
+            _ensure_dir(path.parent)
+            os.replace(tmp, path)
+        except BaseException:
+            try:
+                os.unlink(tmp)
+            except FileNotFoundError:
+                pass
+            raise
+        _fsync_dir(path.parent)
         return cid
 
     def get(self, cid: CID | str) -> bytes:

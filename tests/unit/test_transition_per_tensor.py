@@ -25,7 +25,7 @@ from trainer.codec import (
     decompress,
 )
 from trainer.codec.downlink import DownlinkCompressor, apply_update, carried_error, global_update
-from trainer.codec.wire import Params, encode_params, layout_of
+from trainer.codec.wire import Params, ParamsPayload, encode_params, layout_of
 from trainer.config import OuterConfig, RoundConfig
 from trainer.rounds.aggregation import checked_update, exact_norm, lower_median, trimmed_count, validate_payload
 from trainer.rounds.outer import outer_step, zero_momentum
@@ -155,6 +155,31 @@ def test_the_audits_stored_downlink_gives_the_coordinators_bits_and_refuses_a_wr
         round_transition(smaller, {w: {n: t for n, t in dense(s).items() if n != "z.gain"} for w, s in updates.items()},
                          outer=OUTER, rounds=RULES[1], downlink=stored_downlink(made.downlink.payload,
                                                                                 made.downlink.header))
+
+
+def test_releasing_the_parent_gives_the_same_bits_and_empties_its_outer_state() -> None:
+    """The coordinator's close (release_parent, params_into): m⁽ʳ⁻¹⁾ and e⁽ʳ⁻¹⁾ are taken out as they
+    are used, θ⁽ʳ⁻¹⁾ stays, θ⁽ʳ⁾ is written into its serialisation and held as views of it, and the
+    child is the pure transition's, bit for bit, two rounds running (the second with a carried
+    downlink error)."""
+    kept, released = (OuterState(_params(), zero_momentum(_params())) for _ in range(2))
+    encoders = [DownlinkCompressor(AdaptiveRankPolicy(RANK)) for _ in range(2)]
+    for r in (1, 2):
+        updates = _compressed(_updates(r, 3))
+        pure = round_transition(kept, updates, outer=OUTER, rounds=RULES[1], downlink=encoders[0])
+        theta = dict(released.params)
+        into = ParamsPayload(layout_of(theta))
+        freed = round_transition(released, updates, outer=OUTER, rounds=RULES[1], downlink=encoders[1],
+                                 release_parent=True, params_into=into)
+        assert _same(pure.state, freed.state) and pure.downlink == freed.downlink
+        assert into.payload() == pure.state.params_bytes()
+        base = torch.frombuffer(into.buffer, dtype=torch.uint8).data_ptr()
+        for name, t in freed.state.params.items():  # views of the serialisation, not copies
+            assert base < t.data_ptr() < base + len(into.buffer), name
+        assert not released.momentum and not released.downlink_error
+        assert released.params.keys() == theta.keys() and all(released.params[n] is t for n, t in theta.items())
+        assert kept.momentum
+        kept, released = pure.state, freed.state
 
 
 def test_stage_slices_held_apart_give_the_bits_of_the_merged_update() -> None:

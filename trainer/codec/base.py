@@ -12,7 +12,9 @@ A kind is one module defining one ``TensorCodec`` subclass and one line in
                    push's header against before it reads a byte of payload
     header_fields  the kind's own header fields beyond the common ones (top-k: chunk and k),
                    parsed and range-checked
-    encode         A (float64, error feedback added) → payload entries + header entry
+    encode         A (float64, error feedback added) → payload entries + header entry; a kind with
+                   ``encodes_on_device`` does its linear algebra on A's device (the encoder's
+                   ``device``: trainer.codec.frame.CompressionStream) and returns CPU entries
     decode         payload entries → Â (float64), elementwise operations only (bit-identical on
                    every machine)
     validate       the payload checks beyond dtype and length (canonical padding, positions)
@@ -81,6 +83,9 @@ class TensorCodec(ABC):
     kind: ClassVar[CodecKind]
     bits: ClassVar[int]  # value bits: 4 (packed uint8 nibbles) or 8 (int8)
     for_vectors: ClassVar[bool] = False  # the kind for tensors of ndim ≤ 1 (else for matrices)
+    # Whether ``encode`` runs on the device of its ``a`` (the worker's GPU, when it has one) and
+    # returns its payload entries on the CPU; a kind without it is handed A on the CPU.
+    encodes_on_device: ClassVar[bool] = False
 
     def header_fields(self, name: str, obj: Mapping[str, Any]) -> dict[str, int]:
         """The kind's own fields of a header entry ``obj``, checked; none by default."""

@@ -34,6 +34,7 @@ class Int8Codec(TensorCodec):
     kind = CodecKind.INT8
     bits = 8
     for_vectors = True
+    encodes_on_device = True
 
     def parts(self, name: str, shape: tuple[int, ...], rank: Any, group: int,
               fields: Mapping[str, int]) -> dict[str, PartSpec]:
@@ -57,6 +58,7 @@ class Int8Codec(TensorCodec):
 class Int4Codec(TensorCodec):
     kind = CodecKind.INT4
     bits = 4
+    encodes_on_device = True
 
     def parts(self, name: str, shape: tuple[int, ...], rank: Any, group: int,
               fields: Mapping[str, int]) -> dict[str, PartSpec]:

@@ -39,8 +39,10 @@ def compress(
     tensors: Mapping[str, torch.Tensor],
     errors: MutableMapping[str, torch.Tensor] | None,
     policy: AdaptiveRankPolicy,
+    device: torch.device | None = None,
 ) -> tuple[bytes, dict[str, Any]]:
-    """(payload, header) for ``tensors``; see the module docstring.
+    """(payload, header) for ``tensors``; see the module docstring. ``device``: where the encoding's
+    linear algebra runs (trainer.codec.frame.CompressionStream; the CPU by default).
 
     ``errors`` is the error-feedback buffer, updated in place with e ← A − Â (entries created on
     first use, float32, or float64 for float64 tensors); pass None to compress without feedback.
@@ -57,7 +59,7 @@ def compress(
             raise CompressionError(
                 f"tensor {name}: error buffer shape {list(errors[name].shape)} != {list(t.shape)}"
             )
-    stream = CompressionStream(policy)
+    stream = CompressionStream(policy, device)
     residuals: Params = {}
     try:
         for name in sorted(tensors):
@@ -82,15 +84,16 @@ class ErrorFeedbackCompressor:
     ERROR_PREFIX = "error/"
     POLICY_PREFIX = "policy/"
 
-    def __init__(self, policy: AdaptiveRankPolicy | None = None) -> None:
+    def __init__(self, policy: AdaptiveRankPolicy | None = None, device: torch.device | None = None) -> None:
         self.policy = policy or AdaptiveRankPolicy()
+        self.device = device  # where the encoding runs (the worker's device); e stays on the CPU
         self.errors: Params = {}
 
     def compress(
         self, tensors: Mapping[str, torch.Tensor]
     ) -> tuple[bytes, dict[str, Any], RoundDecision]:
         """(payload, header, decisions) for this round's pseudo-gradient; e is updated."""
-        payload, header = compress(tensors, self.errors, self.policy)
+        payload, header = compress(tensors, self.errors, self.policy, self.device)
         assert self.policy.last_decision is not None
         return payload, header, self.policy.last_decision
 

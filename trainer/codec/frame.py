@@ -227,13 +227,15 @@ class CompressedPayload:
 
 class CompressionStream:
     """Encode one tensor at a time, for a caller that holds only one tensor's A at once (the
-    coordinator's downlink: trainer.codec.downlink). ``add`` each tensor in sorted name order, then
+    coordinator's downlink: trainer.codec.downlink), the decomposition and quantisation on ``device``
+    (the worker's GPU when it has one; the payload and Â on the CPU). ``add`` each tensor in sorted name order, then
     ``finish``; ``abort`` leaves the policy as it was. The payload and header are byte for byte those
     ``compress`` (trainer.codec.feedback) gives for the same tensors, and each ``add`` returns the Â
     every replica rebuilds from them (the same ``_reconstruct`` on the same quantised tensors)."""
 
-    def __init__(self, policy: AdaptiveRankPolicy) -> None:
+    def __init__(self, policy: AdaptiveRankPolicy, device: torch.device | None = None) -> None:
         self.policy = policy
+        self.device = device or torch.device("cpu")  # where A's decomposition and quantisation run
         self.entries: list[TensorEntry] = []
         self.out: Params = {}
         self._last: str | None = None
@@ -251,7 +253,10 @@ class CompressionStream:
         self._last = name
         # int8 for vectors; matrices with the configured codec (the low-rank one may send int4).
         codec = vector_codec() if t.dim() <= 1 else matrix_codec(self.policy.config.codec)
-        entry = codec.encode(name, t, a, self.policy, self.out)
+        # The encoding is the encoder's business (only Â must be reproducible), so it may run on
+        # the worker's GPU; Â is rebuilt on the CPU from the payload entries, as every receiver does.
+        on_device = a.to(self.device) if codec.encodes_on_device else a
+        entry = codec.encode(name, t, on_device, self.policy, self.out)
         self.entries.append(entry)
         return _reconstruct(entry, self.out, t.dtype)
 

@@ -44,24 +44,40 @@ if TYPE_CHECKING:
     from trainer.codec.settings import CompressionConfig
     from trainer.codec.wire import Params
 
-_BLOCK_BYTES = 256 << 10  # a block of rows of the result and its product term stay in a core's L2
+_BLOCK_BYTES = 512 << 10  # a block of rows of the result and its product term: together a core's L2
 
 
-def thin_svd(a: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+def thin_svd(a: torch.Tensor, rank: int | None = None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """U, σ (descending), Vᵀ of a float64 m × n matrix, k = min(m, n), from the eigendecomposition of
     the smaller Gram matrix: for m ≤ n, A Aᵀ = U diag(σ²) Uᵀ and V = Aᵀ U diag(σ)⁻¹ (else the
     transpose). A Gram product and a k × k ``eigh`` cost a few times less than LAPACK's SVD of A
     and lose precision only in σᵢ below ~1e-8·σ₁, far under what int4 keeps; directions with
     σᵢ ≤ 1e-12·σ₁ get a zero vector. How a payload was chosen need not be reproducible (see
-    Determinism), only its decompression."""
+    Determinism), only its decompression. ``rank``: only the first ``rank`` singular vectors (σ
+    whole); the other side's vectors then cost m·n·rank, not m·n·k."""
+    return svd_from_gram(a, *gram_eigen(a), rank)
+
+
+def gram_eigen(a: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """σ (descending) of a float64 m × n matrix and the eigenvectors of its smaller Gram matrix, in
+    the same order: the first half of :func:`thin_svd`, on ``a``'s device."""
+    m, n = a.shape
+    gram = a @ a.T if m <= n else a.T @ a
+    eigenvalues, vectors = torch.linalg.eigh(gram)  # ascending
+    return eigenvalues.flip(0).clamp_min(0.0).sqrt(), vectors.flip(1)
+
+
+def svd_from_gram(a: torch.Tensor, sigma: torch.Tensor, vectors: torch.Tensor,
+                  rank: int | None = None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """U, σ, Vᵀ of :func:`thin_svd` from :func:`gram_eigen`'s result, the vectors of the first
+    ``rank`` directions only when ``rank`` is given."""
     m, n = a.shape
     wide = m <= n
-    gram = a @ a.T if wide else a.T @ a
-    eigenvalues, vectors = torch.linalg.eigh(gram)  # ascending
-    eigenvalues, vectors = eigenvalues.flip(0), vectors.flip(1)
-    sigma = eigenvalues.clamp_min(0.0).sqrt()
+    if rank is not None:
+        vectors = vectors[:, :rank]
     floor = float(sigma[0]) * 1e-12 if sigma.numel() else 0.0
-    inverse = torch.where(sigma > floor, 1.0 / sigma.clamp_min(floor if floor > 0 else 1.0), 0.0)
+    kept = sigma[:vectors.shape[1]]
+    inverse = torch.where(kept > floor, 1.0 / kept.clamp_min(floor if floor > 0 else 1.0), 0.0)
     other = (a.T @ vectors if wide else a @ vectors) * inverse
     if wide:
         return vectors, sigma, other.T
@@ -91,7 +107,7 @@ def _lowrank_factors(
     """P = U_r Σ_r^{1/2}, Q = V_r Σ_r^{1/2}, each uᵢ's largest-|·| entry made positive."""
     u, s, v = u[:, :rank], s[:rank], vh[:rank].T
     pivot = u.abs().argmax(dim=0)  # the first maximal entry on a tie
-    signs = torch.where(u[pivot, torch.arange(rank)] < 0, -1.0, 1.0).to(torch.float64)
+    signs = torch.where(u[pivot, torch.arange(rank, device=u.device)] < 0, -1.0, 1.0).to(torch.float64)
     root = s.clamp_min(0.0).sqrt() * signs
     return u * root, v * root
 
@@ -104,18 +120,24 @@ def _factor_order(factor: torch.Tensor) -> torch.Tensor:
 def _sum_of_outer_products(p: torch.Tensor, q: torch.Tensor) -> torch.Tensor:
     """Σᵢ pᵢ qᵢᵀ for the rows pᵢ of p (r × m) and qᵢ of q (r × n), float64: each entry is
     ((p₀q₀ + p₁q₁) + p₂q₂) + …, one rounded product and one rounded sum a term in increasing i, the
-    same on every machine. The m rows are done a block at a time so the running sum stays in cache
-    (the order of operations on each entry is the same as over the whole matrix at once)."""
+    same on every machine. The m rows are done a block at a time so that the running sum and the
+    product term stay in a core's L2 (the order of operations on each entry is the same as over the
+    whole matrix at once). Per block and term, one elementwise multiply into a reused buffer and
+    one add: the only Python-level loop is over (block, term), each covering a whole block of rows
+    (no per-group or per-row work); a fused multiply-add (``addcmul``, a matmul) would round once
+    instead of twice and give other bits on some CPUs (trainer.rounds.transition, rule 1)."""
     r, m = p.shape
     n = q.shape[1]
     out = torch.zeros(m, n, dtype=torch.float64)
     rows = max(1, min(m, _BLOCK_BYTES // (8 * max(1, n))))
     term = torch.empty(rows, n, dtype=torch.float64)
+    columns, lines = p.unsqueeze(2), q.unsqueeze(1)  # pᵢ as an m × 1 column, qᵢ as a 1 × n row
     for start in range(0, m, rows):
         block = out[start:start + rows]
         product = term[:block.shape[0]]
+        column_block = columns[:, start:start + rows]
         for i in range(r):
-            torch.mul(p[i, start:start + rows].unsqueeze(1), q[i].unsqueeze(0), out=product)
+            torch.mul(column_block[i], lines[i], out=product)
             block.add_(product)
     return out
 
@@ -123,6 +145,7 @@ def _sum_of_outer_products(p: torch.Tensor, q: torch.Tensor) -> torch.Tensor:
 class LowRankCodec(TensorCodec):
     kind = CodecKind.LOWRANK_INT4
     bits = 4
+    encodes_on_device = True
 
     def parts(self, name: str, shape: tuple[int, ...], rank: Any, group: int,
               fields: Mapping[str, int]) -> dict[str, PartSpec]:
@@ -139,13 +162,14 @@ class LowRankCodec(TensorCodec):
         mat = a.reshape(m, n)
         g = policy.config.int4_group_size
         if not policy.always_dense(m, n):
-            u, sigma, vh = thin_svd(mat)
-            signal = t.detach().to(torch.float64).reshape(m, n)
+            sigma, vectors = gram_eigen(mat)
+            signal = t.detach().to(mat.device, torch.float64).reshape(m, n)
             # The rank follows Δ's own spectrum, not that of Δ + e (trainer.codec.policy).
-            decision = policy.decide(name, sigma if torch.equal(signal, mat) else singular_values(signal), (m, n))
+            spectrum = sigma if torch.equal(signal, mat) else singular_values(signal)
+            decision = policy.decide(name, spectrum.cpu(), (m, n))
             if decision.kind == self.kind:
                 rank = decision.rank
-                p, qf = _lowrank_factors(u, sigma, vh, rank)
+                p, qf = _lowrank_factors(*svd_from_gram(mat, sigma, vectors, rank), rank)
                 parts = {}
                 for part, (factor, fshape) in {"P": (p, [m, rank]), "Q": (qf, [n, rank])}.items():
                     out[f"{name}.{part}.q"], out[f"{name}.{part}.scale"] = encode_part(_factor_order(factor), self.bits, g)

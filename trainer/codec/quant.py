@@ -47,9 +47,9 @@ def unpack_int4(packed: torch.Tensor, count: int) -> torch.Tensor:
         raise ValueError("packed int4 data must be a 1-D uint8 tensor")
     if packed.numel() != (count + 1) // 2:
         raise ValueError(f"{packed.numel()} bytes cannot hold exactly {count} int4 values")
-    p = packed.to(torch.int16)
-    nibbles = torch.stack([p & 0xF, (p >> 4) & 0xF], dim=1).reshape(-1)[:count]
-    return torch.where(nibbles >= 8, nibbles - 16, nibbles).to(torch.int8)
+    low, high = packed & 0xF, packed >> 4
+    nibbles = torch.stack([low, high], dim=1).reshape(-1)[:count].to(torch.int8)
+    return (nibbles ^ 8) - 8  # a two's-complement nibble n ↦ n − 16·[n ≥ 8]
 
 
 def num_groups(numel: int, group: int) -> int:
@@ -61,10 +61,10 @@ def quantize_groups(x: torch.Tensor, group: int, qmax: int) -> tuple[torch.Tenso
     flat = x.reshape(-1).to(torch.float64)
     n = flat.numel()
     groups = num_groups(n, group)
-    padded = torch.zeros(groups * group, dtype=torch.float64)
+    padded = torch.zeros(groups * group, dtype=torch.float64, device=flat.device)
     padded[:n] = flat
     blocks = padded.view(groups, group)
-    scales = (blocks.abs().amax(dim=1) / qmax).to(torch.float32) if groups else torch.zeros(0)
+    scales = (blocks.abs().amax(dim=1) / qmax).to(torch.float32) if groups else torch.zeros(0, device=flat.device)
     s = scales.to(torch.float64).unsqueeze(1)
     q = torch.where(s > 0, torch.round(blocks / torch.where(s > 0, s, 1.0)), 0.0)
     q = q.clamp(-qmax - 1, qmax).reshape(-1)[:n].to(torch.int8)
@@ -72,16 +72,23 @@ def quantize_groups(x: torch.Tensor, group: int, qmax: int) -> tuple[torch.Tenso
 
 
 def dequantize_groups(q: torch.Tensor, scales: torch.Tensor, group: int) -> torch.Tensor:
-    """q · s per group, in float64 (exact: an int8 times a float32 fits in 53 bits)."""
+    """q · s per group, in float64 (exact: an int8 times a float32 fits in 53 bits). One multiply
+    over the whole groups viewed as rows, one over the short last group."""
     n = q.numel()
-    s = scales.to(torch.float64).repeat_interleave(group)[:n]
-    return q.to(torch.float64) * s
+    values = q.reshape(-1).to(torch.float64, copy=True)  # multiplied in place below
+    s = scales.to(torch.float64)
+    whole = n // group
+    values[:whole * group].view(whole, group).mul_(s[:whole].unsqueeze(1))
+    if whole * group < n:
+        values[whole * group:].mul_(s[whole])
+    return values
 
 
 def encode_part(values: torch.Tensor, bits: int, group: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """(packed values, float32 scales) of ``values`` quantised to ``bits`` (4 or 8) in groups of ``group``."""
+    """(packed values, float32 scales) of ``values`` quantised to ``bits`` (4 or 8) in groups of
+    ``group``, computed on ``values``' device and returned on the CPU (where payloads are made)."""
     q, scales = quantize_groups(values, group, INT4_MAX if bits == 4 else INT8_MAX)
-    return (pack_int4(q) if bits == 4 else q), scales
+    return (pack_int4(q) if bits == 4 else q).cpu(), scales.cpu()
 
 
 def decode_part(packed: torch.Tensor, scales: torch.Tensor, count: int, bits: int, group: int) -> torch.Tensor:

@@ -38,6 +38,8 @@ import threading
 from dataclasses import dataclass
 from typing import Any, Sequence
 
+import torch
+
 from proto import Encoding
 from storage_client import canonical_json
 from trainer.codec import (
@@ -79,8 +81,10 @@ def encode_slice(delta: Params, stage: int, num_stages: int,
                  decompress(payload, header, layout_of(delta)), decision)
 
 
-def new_compressor(config: CompressionConfig, state: Params | None = None) -> ErrorFeedbackCompressor:
-    compressor = ErrorFeedbackCompressor(AdaptiveRankPolicy(config))
+def new_compressor(config: CompressionConfig, state: Params | None = None,
+                   device: torch.device | None = None) -> ErrorFeedbackCompressor:
+    """A stage's compressor, encoding on ``device`` (the worker's; the CPU by default)."""
+    compressor = ErrorFeedbackCompressor(AdaptiveRankPolicy(config), device)
     if state is not None:
         compressor.load_state_dict(state)
     return compressor
@@ -109,10 +113,10 @@ class Uplink:
     into e before the next round's compression.
     """
 
-    def __init__(self, config: CompressionConfig, num_stages: int) -> None:
+    def __init__(self, config: CompressionConfig, num_stages: int, device: torch.device | None = None) -> None:
         self.config = config
         self.num_stages = num_stages
-        self.compressors = ([new_compressor(config) for _ in range(num_stages)]
+        self.compressors = ([new_compressor(config, device=device) for _ in range(num_stages)]
                             if config.enabled else None)
         self._carry: list[Params] = [{} for _ in range(num_stages)]
         self._lock = threading.Lock()

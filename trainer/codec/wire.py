@@ -8,6 +8,9 @@ transfer header and the content identifier of the stored object.
 from __future__ import annotations
 
 import hashlib
+import math
+import re
+import sys
 from typing import Iterable, Iterator
 
 import torch
@@ -16,7 +19,7 @@ from safetensors.torch import load as st_load
 from safetensors.torch import save as st_save
 
 from proto import CHUNK_BYTES
-from storage_client import DilocoxError, JSONBoundsError, loads_bounded
+from storage_client import CID, Codec, DilocoxError, JSONBoundsError, loads_bounded
 
 Params = dict[str, torch.Tensor]
 # name -> (dtype, shape): what a payload must contain, checked before its bytes are trusted.
@@ -58,6 +61,115 @@ def encode_params(params: Params) -> bytes:
     live in the manifest instead).
     """
     return st_save({name: t.contiguous() for name, t in params.items()})
+
+
+_STREAMED_NAME = re.compile(r"[A-Za-z0-9_.\-]{1,512}")  # JSON-escaped the same by every serialiser
+_STREAMED_PIECE = 8 << 20  # bytes of one tensor's data handed out at a time
+
+
+def streamable(layout: Layout) -> bool:
+    """Whether params of ``layout`` are written a tensor at a time (``params_chunks``,
+    ``ParamsPayload``): float32 tensors with plain names (every checkpoint and outer state), on a
+    little-endian machine (safetensors data is little-endian)."""
+    return bool(layout) and sys.byteorder == "little" and all(
+        dtype == "float32" and _STREAMED_NAME.fullmatch(name) for name, (dtype, _) in layout.items())
+
+
+def _header(layout: Layout) -> tuple[bytes, dict[str, tuple[int, int]]]:
+    """safetensors' header of a ``streamable`` layout, its 8-byte length first, and where each
+    tensor's data lies in the file: the JSON object of each tensor's dtype, shape and data offsets
+    in name order, padded with spaces to a multiple of 8 bytes."""
+    entries, slots, offset = [], {}, 0
+    for name in sorted(layout):
+        shape = layout[name][1]
+        size = 4 * math.prod(shape)
+        entries.append(f'"{name}":{{"dtype":"F32","shape":[{",".join(map(str, shape))}],'
+                       f'"data_offsets":[{offset},{offset + size}]}}')
+        slots[name] = (offset, size)
+        offset += size
+    header = ("{" + ",".join(entries) + "}").encode()
+    header += b" " * (-len(header) % 8)
+    start = 8 + len(header)
+    return len(header).to_bytes(8, "little") + header, {n: (start + o, size) for n, (o, size) in slots.items()}
+
+
+def _data(t: torch.Tensor) -> torch.Tensor:
+    return t.detach().cpu().contiguous().reshape(-1).view(torch.uint8)
+
+
+def params_chunks(params: Params) -> Iterator[bytes]:
+    """``encode_params(params)`` as consecutive byte strings, made one tensor (and at most 8 MiB of it)
+    at a time, so that a checkpoint is hashed and written without its whole serialisation in memory
+    (trainer.coordinator.publish): safetensors' header (``_header``), then the tensors' data in name
+    order. A layout that is not ``streamable`` goes through ``encode_params`` whole
+    (tests/unit/test_wire_stream.py pins the bytes)."""
+    if not streamable(layout_of(params)):
+        yield encode_params(params)
+        return
+    yield _header(layout_of(params))[0]
+    for name in sorted(params):
+        data = _data(params[name])
+        for start in range(0, data.numel(), _STREAMED_PIECE):
+            yield data[start:start + _STREAMED_PIECE].numpy().tobytes()
+
+
+class ParamsPayload:
+    """``encode_params`` of a ``streamable`` layout's params, filled a tensor at a time into one
+    buffer; each tensor is then read back as a view of its bytes there, so a holder of both the
+    params and their serialisation (the coordinator, which serves θ's bytes and computes with θ)
+    holds them once. The views share the buffer: nobody may write into them (``bind_params``'s
+    rule already)."""
+
+    def __init__(self, layout: Layout) -> None:
+        if not streamable(layout):
+            raise ValueError("only float32 params with plain names are laid out tensor by tensor")
+        self.layout = layout
+        header, self.slots = _header(layout)
+        self.header_len = len(header)
+        self.buffer = bytearray(len(header) + sum(size for _, size in self.slots.values()))
+        self.buffer[:len(header)] = header
+        self.filled: set[str] = set()
+
+    @classmethod
+    def of(cls, payload: bytes, layout: Layout) -> tuple[bytearray, Params]:
+        """An existing serialisation of ``layout`` (``encode_params``' bytes), copied once into a
+        buffer, and the params as views of it."""
+        holder = cls(layout)
+        if len(payload) != len(holder.buffer) or payload[:holder.header_len] != holder.buffer[:holder.header_len]:
+            raise WireError("the payload is not the safetensors serialisation of the layout")
+        holder.buffer[:] = payload
+        return holder.buffer, {name: holder.view(name) for name in sorted(layout)}
+
+    def view(self, name: str) -> torch.Tensor:
+        start, size = self.slots[name]
+        shape = self.layout[name][1]
+        if not size:
+            return torch.zeros(shape)
+        return torch.frombuffer(self.buffer, dtype=torch.float32, count=size // 4, offset=start).view(shape)
+
+    def put(self, name: str, t: torch.Tensor) -> torch.Tensor:
+        """Write ``t`` into its slot; returns the view that stands for it."""
+        if (dtype_name(t.dtype), tuple(t.shape)) != self.layout[name]:
+            raise ValueError(f"tensor {name}: {dtype_name(t.dtype)}{list(t.shape)} is not its slot's")
+        view = self.view(name)
+        view.copy_(t)
+        self.filled.add(name)
+        return view
+
+    def payload(self) -> bytearray:
+        """The serialisation, once every tensor was put."""
+        missing = sorted(set(self.layout) - self.filled)
+        if missing:
+            raise ValueError(f"tensors never put: {missing[:3]}")
+        return self.buffer
+
+
+def cid_of_chunks(chunks: Iterable[bytes]) -> CID:
+    """The RAW CID of the bytes ``chunks`` join to, without joining them."""
+    digest = hashlib.sha256()
+    for chunk in chunks:
+        digest.update(chunk)
+    return CID(Codec.RAW, digest.digest())
 
 
 def decode_params(data: bytes) -> Params:

@@ -20,7 +20,9 @@ from storage_client import CID, Manifest, canonical_json, to_e6
 from storage_client.manifest import Downlink, Traffic
 from trainer.coordinator.run import Run
 from trainer.coordinator.state import CompressedGlobal, GlobalState, OpenRound
+from trainer.codec.wire import ParamsPayload, cid_of_chunks, layout_of, params_chunks, streamable
 from trainer.rounds.aggregation import Aggregation
+from trainer.rounds.outer import outer_state_of
 from trainer.rounds.transition import round_transition
 from trainer.runstore.checkpoints import is_full_checkpoint
 from trainer.runtime.memory import release_free_memory
@@ -46,10 +48,14 @@ def derive_round(run: Run, r: OpenRound, g: GlobalState, history: list[float]) -
     """Aggregate the closing round's accepted updates onto ``g`` and store the result."""
     cfg, store = run.config, run.run_dir.store
     started = time.perf_counter()
+    # θ⁽ʳ⁾ is written into the bytes that will be served as it is made, and held as views of them;
+    # g's m and e are not used again (a close that fails stops the coordinator).
+    layout = layout_of(g.params)
+    into = ParamsPayload(layout) if streamable(layout) else None
     result = round_transition(g.outer, {w: a.source for w, a in r.accepted.items()}, outer=cfg.outer,
                               rounds=cfg.rounds, history=history,
                               norms={w: a.norm for w, a in r.accepted.items() if a.norm is not None},
-                              downlink=run.downlink)
+                              downlink=run.downlink, release_parent=True, params_into=into)
     aggregated, child = result.aggregated, result.state
     aggregated_at = time.perf_counter()
     if aggregated.clipped:
@@ -63,14 +69,13 @@ def derive_round(run: Run, r: OpenRound, g: GlobalState, history: list[float]) -
         decision = run.downlink.last_decision
         log.info("round %d: global update compressed to %d bytes (%s)", r.number, len(sent), decision.describe())
     release_free_memory()  # the transition's temporaries: before the checkpoint's bytes are made
-    # The outer state's bytes (m and e, twice θ's size) are made and dropped before θ's, which are kept.
+    # The outer state (m and e, twice θ's size) is hashed, and stored, a tensor at a time: its bytes
+    # are never whole in memory. θ's bytes are made whole: they are kept, to be served.
     # Both are stored only every K rounds (trainer.runstore.checkpoints); the manifest names them every round.
     full = is_full_checkpoint(cfg.rounds, r.number)
-    outer_bytes = child.outer_state_bytes()
-    outer_cid = store.put(outer_bytes) if full else CID.of(outer_bytes)
-    del outer_bytes
-    release_free_memory()
-    payload = child.params_bytes()
+    outer_chunks = params_chunks(outer_state_of(child.momentum, child.downlink_error))
+    outer_cid = store.put_chunks(outer_chunks) if full else cid_of_chunks(outer_chunks)
+    payload = into.payload() if into is not None else child.params_bytes()
     params_cid = store.put(payload) if full else CID.of(payload)
     stored_at = time.perf_counter()
     eval_loss, eval_losses_e6 = run.evaluate(child.params)

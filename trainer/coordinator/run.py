@@ -20,7 +20,7 @@ import torch
 from storage_client import CID, Manifest, canonical_json, lineage, to_e6
 from trainer.codec import AdaptiveRankPolicy, CodecHeader
 from trainer.codec.downlink import DownlinkCompressor
-from trainer.codec.wire import Params, encode_params, layout_of
+from trainer.codec.wire import Params, ParamsPayload, encode_params, layout_of, streamable
 from trainer.config import ConfigError, RunConfig
 from trainer.coordinator.state import CompressedGlobal, GlobalState, RoundSummary
 from trainer.data.corpus import eval_batches
@@ -108,8 +108,19 @@ def open_run(run_dir: RunDir, config: RunConfig | None) -> Run:
         run = _genesis(run_dir, config)
     else:
         run = _resume(run_dir, head, config)
+    run.global_state = served_once(run.global_state)
     bind_params(run.model, run.global_state.params)  # the model's own copy of θ is dropped
     return run
+
+
+def served_once(state: GlobalState) -> GlobalState:
+    """``state`` with θ held as views of the bytes it serves (trainer.codec.wire.ParamsPayload), as
+    every published round holds it (trainer.coordinator.publish), rather than twice."""
+    layout = layout_of(state.params)
+    if not streamable(layout):
+        return state
+    payload, params = ParamsPayload.of(state.payload, layout)
+    return dataclasses.replace(state, payload=payload, params=params)
 
 
 def _prepared(run_dir: RunDir, config: RunConfig, dataset: Dataset | None = None) -> dict:

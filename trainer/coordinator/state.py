@@ -213,7 +213,7 @@ class GlobalState:
     round: int
     params: Params
     momentum: Params
-    payload: bytes  # safetensors of params; sha256 of it is the params CID
+    payload: bytes | bytearray  # safetensors of params (sha256: the params CID); params may be views of it
     params_cid: CID
     manifest_cid: CID
     eval_loss_e6: int

@@ -47,7 +47,7 @@ import torch
 
 from trainer.codec import CompressionError
 from trainer.codec.downlink import DownlinkSession, EncodedDownlink, StoredDownlink, carried_error_tensor
-from trainer.codec.wire import Layout, Params, decode_params, encode_params, layout_of
+from trainer.codec.wire import Layout, Params, ParamsPayload, decode_params, encode_params, layout_of
 from trainer.config import OuterConfig, RoundConfig
 from trainer.rounds.aggregation import Aggregation, norms_of, plan
 from trainer.rounds.outer import downlink_error_of, momentum_of, outer_state_of, outer_step_tensor
@@ -110,12 +110,18 @@ class Transition:
 
 def round_transition(parent: OuterState, updates: Mapping[str, Params | UpdateSource], *, outer: OuterConfig,
                      rounds: RoundConfig, history: Sequence[float] = (), norms: Mapping[str, float] | None = None,
-                     downlink: DownlinkEncoder | None = None) -> Transition:
+                     downlink: DownlinkEncoder | None = None, release_parent: bool = False,
+                     params_into: ParamsPayload | None = None) -> Transition:
     """The child of ``parent`` after the round whose accepted updates are ``updates`` (keyed by worker
     id: dicts of dense tensors, or trainer.rounds.update_source sources); see the module docstring.
     ``rounds`` fixes the aggregation rule, ``history`` is ρ̃ of the previous K rounds, ``norms`` the
     updates' exact norms when already known, ``downlink`` the encoder of C⁽ʳ⁾ when the global update
-    travels compressed. Pure: the inputs are untouched.
+    travels compressed. Pure: the inputs are untouched, unless ``release_parent``: then the parent's
+    m⁽ʳ⁻¹⁾ and e⁽ʳ⁻¹⁾ entries are taken out of its dicts as each tensor's successors are made, so the
+    two outer states are never whole at once (the coordinator's close, whose parent outer state is
+    not used again: a close that fails stops the coordinator, which resumes from the store). θ⁽ʳ⁻¹⁾
+    is left in place either way. ``params_into``: θ⁽ʳ⁾ is written into it as each tensor is made, and
+    the child's params are views of its bytes (the coordinator serves those bytes: θ⁽ʳ⁾ held once).
 
     One tensor at a time, in sorted name order: Δ⁽ʳ⁾ of the tensor (each update's tensor decoded,
     clipped, combined), the outer step, and with a compressed downlink u, û and e of the tensor; so
@@ -143,7 +149,7 @@ def round_transition(parent: OuterState, updates: Mapping[str, Params | UpdateSo
             except CompressionError as exc:
                 raise TransitionError(f"compressed global update: {exc}") from None
         try:
-            child = _step_tensors(parent, sources, how, outer, session)
+            child = _step_tensors(parent, sources, how, outer, session, release_parent, params_into)
             sent = session.finish() if session is not None else None
         except CompressionError as exc:
             if session is not None:
@@ -157,23 +163,29 @@ def round_transition(parent: OuterState, updates: Mapping[str, Params | UpdateSo
 
 
 def _step_tensors(parent: OuterState, sources: Mapping[str, UpdateSource], how: Aggregation, outer: OuterConfig,
-                  session: DownlinkSession | None) -> OuterState:
-    """θ⁽ʳ⁾, m⁽ʳ⁾, e⁽ʳ⁾ tensor by tensor (``round_transition``)."""
+                  session: DownlinkSession | None, release_parent: bool = False,
+                  params_into: ParamsPayload | None = None) -> OuterState:
+    """θ⁽ʳ⁾, m⁽ʳ⁾, e⁽ʳ⁾ tensor by tensor (``round_transition``; ``release_parent``: m⁽ʳ⁻¹⁾ and e⁽ʳ⁻¹⁾
+    popped from the parent's dicts as they are used; θ⁽ʳ⁾ put into ``params_into``)."""
+    def keep(name: str, theta: torch.Tensor) -> None:
+        params[name] = params_into.put(name, theta) if params_into is not None else theta
+
     params: Params = {}
     momentum: Params = {}
     error: Params = {}
     for name in sorted(parent.params):
         delta = how.tensor(name, sources)
         theta = parent.params[name]
-        target, momentum[name] = outer_step_tensor(outer, name, theta, parent.momentum[name], delta)
-        del delta
+        previous = parent.momentum.pop(name) if release_parent else parent.momentum[name]
+        target, momentum[name] = outer_step_tensor(outer, name, theta, previous, delta)
+        del delta, previous
         if session is None:
-            params[name] = target
+            keep(name, target)
             continue
         update = torch.sub(theta, target)  # u⁽ʳ⁾ = θ⁽ʳ⁻¹⁾ − θ̃⁽ʳ⁾
         del target
-        carried = parent.downlink_error.get(name)
+        carried = parent.downlink_error.pop(name, None) if release_parent else parent.downlink_error.get(name)
         received = session.received(name, update, carried)
         error[name] = carried_error_tensor(update, carried, received)
-        params[name] = torch.sub(theta, received)  # θ⁽ʳ⁾ = θ⁽ʳ⁻¹⁾ − û⁽ʳ⁾
+        keep(name, torch.sub(theta, received))  # θ⁽ʳ⁾ = θ⁽ʳ⁻¹⁾ − û⁽ʳ⁾
     return OuterState(params, momentum, error)

@@ -577,7 +577,7 @@ def run_round(runner: StageRunner, job: RoundJob) -> dict[str, Any]:
         return _to_numpy(out)
     compressor = None
     if job.compression is not None:
-        compressor = new_compressor(job.compression, _to_torch(job.uplink_state))
+        compressor = new_compressor(job.compression, _to_torch(job.uplink_state), runner.device)  # encode where Δ_s is
     piece = encode_slice(result.pseudo_gradient, runner.index, runner.num_stages, compressor)
     update = dict(vars(piece))
     if compressor is None:

@@ -197,7 +197,7 @@ class Worker:
             self.inner = InnerLoop(self.model, config.inner, self.device)
         # Error feedback lives as long as the worker (not its stage processes): what compression
         # drops is sent next round.
-        self.uplink = Uplink(config.compression, self.stages)
+        self.uplink = Uplink(config.compression, self.stages, self.device)  # encodes on the worker's device
         self.config = config
 
     # ----------------------------------------------------------------------------- a round
