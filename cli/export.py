@@ -1,4 +1,5 @@
-"""``dilocox export --run DIR --round N OUT/``: a round's checkpoint as a Hugging Face folder.
+"""``dilocox export --run DIR --round N OUT/``: a round's checkpoint as a Hugging Face folder
+(``--car``: the round as a CARv1 file, cli.store.write_round_car).
 
 Writes ``OUT/config.json`` and ``OUT/model.safetensors``, the round's parameters, so that
 ``transformers.AutoModelForCausalLM.from_pretrained(OUT)`` loads the model as trained, with
@@ -61,7 +62,10 @@ class ExportError(ValueError):
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--run", required=True, metavar="DIR", help="run directory (its store/ and HEAD)")
     parser.add_argument("--round", required=True, type=int, metavar="N", help="the round whose checkpoint to export")
-    parser.add_argument("out", metavar="OUT", help="folder to write (must not exist, or be empty)")
+    parser.add_argument("--car", action="store_true",
+                        help="write OUT as a CARv1 of the round instead (its manifest as the root, the run's "
+                             "configuration, checkpoint and update records: what `dilocox store car` writes)")
+    parser.add_argument("out", metavar="OUT", help="folder to write (must not exist, or be empty); with --car, the file")
 
 
 def checkpoint_params(run_dir: RunDir, round_: int, progress: Progress | None = None) -> tuple[CID, Params]:
@@ -80,6 +84,10 @@ def checkpoint_params(run_dir: RunDir, round_: int, progress: Progress | None = 
 def run(args: argparse.Namespace) -> int:
     from cli.main import UsageError
 
+    if args.car:
+        from cli.store import write_round_car
+
+        return write_round_car(args)
     path, out = Path(args.run), Path(args.out)
     # Looked for before RunDir, which would create the folders of a new run.
     if not (path / "HEAD").is_file():

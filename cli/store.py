@@ -156,12 +156,12 @@ def write_round_car(args: argparse.Namespace) -> int:
     from trainer.runstore.run_dir import RunDir
 
     if not (Path(args.run) / "HEAD").is_file():
-        print(f"store car: {str(args.run)[:200]} holds no run (no HEAD file)", file=sys.stderr)
+        print(f"car: {str(args.run)[:200]} holds no run (no HEAD file)", file=sys.stderr)
         return EXIT_ERROR
     run_dir = RunDir(args.run)
     chain = lineage(run_dir.store, run_dir.head())
     if not 0 <= args.round < len(chain):
-        print(f"store car: --round {args.round}: the run has rounds 0 to {len(chain) - 1}", file=sys.stderr)
+        print(f"car: --round {args.round}: the run has rounds 0 to {len(chain) - 1}", file=sys.stderr)
         return EXIT_ERROR
     root = chain[args.round][0]
     blocks = list(round_blocks(run_dir.store, root))

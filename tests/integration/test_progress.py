@@ -368,7 +368,9 @@ def test_the_run_is_audited_from_its_served_store_alone_and_a_flipped_byte_is_na
             assert re.search(r" 0 fetched and verified, [1-9]\d* reads from the mirror", capsys.readouterr().out)
             assert ObjectStore(tmp_path / "mirror" / "store").get(checkpoint) == ObjectStore(served / "store").get(checkpoint)
 
-            assert cli_main(["store", "car", "--run", str(demo_run), "--round", "1", str(tmp_path / "r1.car")]) == 0
+            assert cli_main(["export", "--car", "--run", str(demo_run), "--round", "1", str(tmp_path / "r1.car")]) == 0
+            assert cli_main(["store", "car", "--run", str(demo_run), "--round", "1", str(tmp_path / "same.car")]) == 0
+            assert (tmp_path / "same.car").read_bytes() == (tmp_path / "r1.car").read_bytes()  # one writer, two doors
             roots, blocks = ipld_car.decode((tmp_path / "r1.car").read_bytes())
             assert len(blocks) >= 4 and all(multihash.digest(bytes(d), "sha2-256") == bytes(c.digest) for c, d in blocks)
             assert [r.encode("base32") for r in roots] == [str(lineage(ObjectStore(served / "store"), head)[1][0])]
