@@ -7,7 +7,8 @@ The layers are those of ``dilocox bench scale``'s 100M cell (width 768, MLP 2048
 4 key/value, vocab 256), ``--layers`` of them; a step is batch 4 × 128 tokens. The pseudo-gradient
 is Δ = θ_start − θ after ``--steps`` steps; the encode timed is the second round's (e from the first,
 so the rank policy's spectrum of Δ and the eigendecomposition of A = Δ + e are both paid), on
-``--device`` (the worker's device: trainer.codec.frame.CompressionStream); the decode is the CPU one
+``--device`` (the worker's device: trainer.codec.frame.CompressionStream; the inner steps run there
+too, in float32); the decode is the CPU one
 every receiver runs. Issue 30's target: encode + decode + aggregate per round ≤ 2.5 inner steps.
 """
 
@@ -28,9 +29,9 @@ def measure(layers: int, steps: int, device: str) -> dict[str, float]:
     cfg = LlamaConfig(vocab_size=256, hidden_size=768, intermediate_size=2048, num_hidden_layers=layers,
                       num_attention_heads=12, num_key_value_heads=4, max_position_embeddings=128,
                       tie_word_embeddings=False)
-    model = LlamaForCausalLM(cfg)
+    model = LlamaForCausalLM(cfg).to(device)
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
-    tokens = torch.randint(0, 256, (4, 128))
+    tokens = torch.randint(0, 256, (4, 128)).to(device)
     start = {name: p.detach().clone() for name, p in model.named_parameters()}
     seconds = []
     for _ in range(steps):
@@ -38,8 +39,11 @@ def measure(layers: int, steps: int, device: str) -> dict[str, float]:
         model(input_ids=tokens, labels=tokens).loss.backward()
         optimizer.step()
         optimizer.zero_grad()
+        if model.device.type == "cuda":
+            torch.cuda.synchronize()
         seconds.append(time.perf_counter() - began)
-    delta = {name: start[name] - p.detach() for name, p in model.named_parameters()}
+    # Δ as the worker hands it to the codec: on the CPU (the codec moves what it encodes to the device).
+    delta = {name: (start[name] - p.detach()).cpu() for name, p in model.named_parameters()}
     errors: dict[str, torch.Tensor] = {}
     policy = AdaptiveRankPolicy(CompressionConfig(enabled=True))
     compress(delta, errors, policy, torch.device(device))  # round 1: e appears
@@ -58,7 +62,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--layers", type=int, default=4)
     p.add_argument("--steps", type=int, default=3, help="inner steps (the fastest after the first is the step time)")
     p.add_argument("--threads", type=int, default=0, help="torch threads (0: torch's default)")
-    p.add_argument("--device", default="cpu", help="where the encode runs (cpu, cuda)")
+    p.add_argument("--device", default="cpu", help="where the inner steps and the encode run (cpu, cuda)")
     args = p.parse_args(argv)
     if args.threads:
         torch.set_num_threads(args.threads)
