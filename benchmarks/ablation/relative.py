@@ -27,6 +27,8 @@ import math
 import statistics
 from typing import Any, Sequence
 
+from benchmarks.ablation.measure import mean, spread
+
 REFERENCE_PARAMETERS = 1e9  # the model whose fp32 copy crosses the real link in the same time
 REFERENCE_BPS = 1e9  # 1 Gbit/s
 
@@ -76,14 +78,13 @@ def against_dense(rows: dict[str, dict[str, Any]], t_step_s: float, inner_steps:
         if "failed" in row:
             continue
         ratios = [r["final_loss"] / by_seed[r["seed"]] for r in row["seeds"] if r["seed"] in by_seed]
-        row["diloco_ratio_mean"] = statistics.fmean(ratios) if ratios else math.nan
-        row["diloco_ratio_sd"] = statistics.stdev(ratios) if len(ratios) > 1 else 0.0
+        row["diloco_ratio_mean"], row["diloco_ratio_sd"] = mean(ratios), spread(ratios)
         if key == "allreduce":
             rounds = max(1, len(row["curve"]) - 1)
-            row["bytes_per_round"] = statistics.fmean([r["sent"] + r["received"] for r in row["seeds"]]) / rounds
+            row["bytes_per_round"] = mean([r["sent"] + r["received"] for r in row["seeds"]]) / rounds
             exchange = 8 * row["bytes_per_round"] / bandwidth + inner_steps * latency_s
         else:
-            row["bytes_per_round"] = statistics.fmean([bytes_per_round(r["per_round"]) for r in row["seeds"]])
+            row["bytes_per_round"] = mean([bytes_per_round(r["per_round"]) for r in row["seeds"]])
             exchange = 8 * row["bytes_per_round"] / bandwidth + latency_s
         row["time_to_dense_s"] = time_to_loss(row["curve"], dense["loss_mean"], compute, exchange,
                                               row.get("overlap", "no") != "no")
