@@ -21,7 +21,7 @@ worker w to round r (a manifest participant: its update Δ, data shard s, commit
 With a compressed uplink the stored update is Â = decompress(C(Δ + e)), e the worker's error
 feedback (part of its committed state, fresh = 0). The replay rebuilds e along the chain too:
 
-    A'       = Δ' + e'
+    A'       = Δ' + β·e'                             β: compression.error_decay (1: plain feedback)
     U        = best rank-k approximation of A'       k: the ranks Â has (trainer.codec.lowrank.rank_of;
                                                      the worker's policy chose them); U = A' for
                                                      tensors sent dense
@@ -92,7 +92,16 @@ from typing import Iterable, Mapping
 import torch
 
 from storage_client import Kernels, Manifest, Participant, Store, from_e6
-from trainer.codec import CodecHeader, CompressionError, PinnedRankPolicy, codec_of, compress, decompress, matrix_codec
+from trainer.codec import (
+    CodecHeader,
+    CompressionError,
+    PinnedRankPolicy,
+    accumulate,
+    codec_of,
+    compress,
+    decompress,
+    matrix_codec,
+)
 from trainer.codec.wire import Layout, Params, WireError, decode_params, layout_of
 from trainer.config import RunConfig
 from trainer.data.corpus import CorpusError, eval_batches, round_batches
@@ -493,26 +502,26 @@ class Replayer:
 
             d = ‖Â − U‖ / ‖U‖ − q
 
-        and carries e' ← fl32(A' − Â) on, as the worker carried its own e ← A − Â. With the top-k
+        and carries e' ← fl32(A' − Â) on, as the worker carried its own e ← A − Â (A' = Δ' + β·e',
+        β the uplink's error decay, trainer.codec.feedback.accumulate). With the top-k
         codec (trainer.codec.topk) U is A' on its own top-k positions, unquantised."""
         cfg = self.config.compression
         ranks = matrix_codec(cfg.codec).replay_ranks(stored)
         try:
-            payload, header = compress(delta, dict(errors), PinnedRankPolicy(cfg, ranks))
+            payload, header = compress(delta, dict(errors), PinnedRankPolicy(cfg, ranks), decay=cfg.error_decay)
             recompressed = decompress(payload, header, layout_of(stored))
             parsed = CodecHeader.parse(header, layout_of(stored))
         except CompressionError as exc:
             raise ReplayError(f"the replayed update cannot be re-compressed: {exc}") from None
+        accumulated = {name: accumulate(d, errors.get(name), cfg.error_decay) for name, d in delta.items()}
         best: Params = {}
-        for name, d in delta.items():
-            a = d.double() + (errors[name].double() if name in errors else 0.0)
+        for name, a in accumulated.items():
             entry = parsed.entry(name)
             best[name] = codec_of(entry.kind).replay_target(a, entry)
         scale = _norm({n: t for n, t in best.items()})
         codec_error = _norm({n: recompressed[n].double() - best[n] for n in best}) / scale if scale else math.inf
         off = _norm({n: stored[n].double() - best[n] for n in best}) / scale if scale else math.inf
-        carried = {name: (d.double() + (errors[name].double() if name in errors else 0.0)
-                          - stored[name].double()).float() for name, d in delta.items()}
+        carried = {name: (a - stored[name].double()).float() for name, a in accumulated.items()}
         return carried, max(0.0, off - codec_error)
 
     def _consecutive(self, worker: str, earlier: int, later: int) -> bool:

@@ -79,6 +79,7 @@ from typing import Any
 from benchmarks.ablation import measure, report
 from benchmarks.ablation.measure import DEFAULT_DATA, Settings, mean, spread
 from benchmarks.ablation.modes import BY_KEY, FIXED_RANK, MODES, Mode
+from benchmarks.ablation.relative import against_dense
 from storage_client import strict_json
 
 __all__ = ["MODES", "SMOKE_THROUGHPUT", "Mode", "Settings", "add_arguments", "main", "run", "run_sweep", "settings_of"]
@@ -201,6 +202,7 @@ def run(s: Settings) -> dict[str, Any]:
         r["bytes_x_fewer"] = _ratio(base.get("bytes_per_token"), r["bytes_per_token"])
 
     t_step = mean([x["t_step_s"] for x in base.get("seeds", [])[:1]])
+    dense = against_dense(conv, t_step, s.inner_steps, n_params, s.link_latency_ms / 1e3)
     calibration = measure.calibrate(s, t_step, n_params)
     link_bps, latency_s = calibration["link_bandwidth_bps"], calibration["link_latency_s"]
     say(f"[ablation] t_step {t_step * 1e3:.1f} ms → ceiling {calibration['ceiling_tokens_per_s']:,.0f} tokens/s, "
@@ -226,7 +228,7 @@ def run(s: Settings) -> dict[str, Any]:
     settings = {k: (str(v) if isinstance(v, Path) else v) for k, v in asdict(s).items()}
     result = {"machine": host, "data": data.description, "wikitext": data.wikitext, "parameters": n_params,
               "settings": settings, "topk_density": density, "calibration": calibration,
-              "convergence": conv, "throughput": thr}
+              "convergence": conv, "against_dense": dense, "throughput": thr}
     result["targets"] = report.targets(result)
     result["wall_s"] = time.monotonic() - started
     text = report.report(result)

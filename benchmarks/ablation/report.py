@@ -76,18 +76,20 @@ def _convergence(result: dict[str, Any]) -> list[str]:
     lines = [
         "## Part 1: held-out loss and bytes on equal tokens (unthrottled link)",
         "",
-        "| mode | PP | overlap | compression | outer η/μ | tokens | held-out loss | × AllReduce | bytes / token "
-        "| × fewer |",
-        "| --- | ---: | :---: | --- | --- | ---: | ---: | ---: | ---: | ---: |",
+        "| mode | PP | overlap | compression | outer η/μ | tokens | held-out loss | × AllReduce | × DiLoCo "
+        "| bytes / token | × fewer | bytes / round | × fewer than DiLoCo | time to DiLoCo's loss |",
+        "| --- | ---: | :---: | --- | --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |",
     ]
     def cells(key: str, r: dict[str, Any]) -> list[str]:
         base = key == "allreduce"
         return [str('—' if base else r['stages']), r['overlap'], 'none (fp32)' if base else r['compression'],
                 'AdamW only' if base else '%g/%g' % tuple(r['outer']), f"{r['tokens']:,}",
                 _pm(r['loss_mean'], r['loss_sd']), _pm(r['ratio_mean'], r['ratio_sd'], 3),
-                f"{r['bytes_per_token']:,.2f}", _x(r['bytes_x_fewer'])]
+                _pm(r.get('diloco_ratio_mean', math.nan), r.get('diloco_ratio_sd', math.nan), 3),
+                f"{r['bytes_per_token']:,.2f}", _x(r['bytes_x_fewer']), _kb(r.get('bytes_per_round', math.nan)),
+                _x(r.get('round_bytes_x_fewer', math.nan)), _seconds(r.get('time_to_dense_s', math.nan))]
 
-    lines += _rows(conv, 10, cells)
+    lines += _rows(conv, 14, cells)
     lines += [
         "",
         f"held-out loss: mean ± sample standard deviation over the {len(result['settings']['seeds'])} seeds; "
@@ -96,8 +98,30 @@ def _convergence(result: dict[str, Any]) -> list[str]:
         "bytes per rank), mean over seeds. PP: the stages a worker chose for the cores it was given. Nobody "
         "downloads θ⁰: every process builds it from the seed.",
         "",
+        *_dense_note(result),
     ]
     return lines
+
+
+def _dense_note(result: dict[str, Any]) -> list[str]:
+    d = result.get("against_dense") or {}
+    if not d:
+        return ["× DiLoCo, bytes / round and time to DiLoCo's loss: not computed (the DiLoCo row did not run).", ""]
+    return [f"× DiLoCo: per seed, the loss over DiLoCo's on that seed (mean ± sd). bytes / round: one worker's "
+            f"exchange in a round, both directions, median over rounds 2..R (the join and the audit's inner-state "
+            f"uploads left out); AllReduce: its H steps. time to DiLoCo's loss: the first checkpoint at or below "
+            f"DiLoCo's final loss ({d['target_loss']:.4f}), computed from the measured t_step (a round's compute "
+            f"{d['compute_s']:.2f} s) and bytes per round on the 1 Gbps-equivalent link, "
+            f"{d['bandwidth_bps'] / 1e6:.4f} Mbit/s (1 Gbit/s × parameters / 10⁹; benchmarks.ablation.relative); "
+            f"— : not reached in R rounds.", ""]
+
+
+def _kb(n: float) -> str:
+    return f"{n / 1e3:,.1f} kB" if math.isfinite(n) else "—"
+
+
+def _seconds(v: float) -> str:
+    return f"{v:,.0f} s" if math.isfinite(v) else "—"
 
 
 def _throughput(result: dict[str, Any]) -> list[str]:

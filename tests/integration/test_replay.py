@@ -72,7 +72,10 @@ def test_the_replay_names_scaled_noisy_lazy_and_stale_updates(cluster: LocalClus
         inner=InnerConfig(steps=12, batch_size=4, lr=1e-3),
         rounds=RoundConfig(rounds=ROUNDS, expected_workers=5, quorum=5, straggler_timeout_s=120.0,
                            heartbeat_interval_s=0.5, liveness_timeout_s=10.0, max_update_norm=1000.0),
-        compression=CompressionConfig(enabled=compressed, min_rank=2, max_rank=8, codec=codec, topk_density=0.1)))
+        # top-k as SparseLoCo runs it: A = Δ + β·e (β < 1), the broadcast the whole average of the top-k updates
+        compression=CompressionConfig(enabled=compressed, min_rank=2, max_rank=8, codec=codec, topk_density=0.1,
+                                      error_decay=0.9 if codec == "topk" else 1.0,
+                                      topk_downlink_union=codec == "topk")))
     clients = {name: Mallory.joined(cluster, name) for name in CHEATS}
     trainers = {name: Trainer(m, cluster) for name, m in clients.items()}
     cluster.start_worker("w0")

@@ -68,12 +68,13 @@ def test_a_failing_mode_is_a_row_and_the_benchmark_goes_on(settings: ablation.Se
     dilocox = conv["dilocox"]  # the others were compared as usual, seed by seed
     assert dilocox["loss_mean"] == pytest.approx(2.105) and dilocox["loss_sd"] == pytest.approx(0.00707, abs=1e-5)
     assert dilocox["ratio_mean"] == pytest.approx(2.105 / 2.0)
+    assert dilocox["diloco_ratio_mean"] == 1.0  # against DiLoCo seed by seed (the fakes lose alike)
     assert thr["dilocox"]["steady_throughput_x"] == 1.0
     assert result["targets"]  # DiLoCoX and AllReduce both ran: judged
 
     markdown = (settings.out / "ablation.md").read_text()
     row = next(line for line in markdown.splitlines() if line.startswith("| DiLoCoX −overlap | failed:"))
-    assert row.count("|") == 11  # the table's 10 columns
+    assert row.count("|") == 15  # the table's 14 columns
     assert "| DiLoCoX, 2 stages | failed: ValueError" in markdown
     assert "2.1050 ± 0.0071" in markdown
     assert json.loads((settings.out / "ablation.json").read_text())["convergence"]["no-overlap"]["failed"] == failed

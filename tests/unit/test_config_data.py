@@ -149,6 +149,7 @@ OUT_OF_RANGE = [
     ("compression.int8_group_size", [(1 << 20) + 1]),
     ("compression.topk_density", [0.0, 1.5, float("nan")]),
     ("compression.topk_chunk", [0, 65_537]),
+    ("compression.error_decay", [-0.1, 1.5, float("nan")]),
 ]
 
 

@@ -67,7 +67,15 @@ def test_each_ablation_mode_is_dilocox_with_its_own_technique_changed() -> None:
     from pathlib import Path
 
     from benchmarks.ablation.measure import Data, Settings
-    from benchmarks.ablation.modes import BY_KEY, FIXED_RANK, MODES, OTHER_START, outer_config, run_config
+    from benchmarks.ablation.modes import (
+        BY_KEY,
+        FIXED_RANK,
+        MODES,
+        OTHER_START,
+        TOPK_ERROR_DECAY,
+        outer_config,
+        run_config,
+    )
     from trainer.config import DataConfig, ModelConfig
 
     s = Settings(workers=2, rounds=2, inner_steps=4, throughput_rounds=2, allreduce_throughput_steps=2,
@@ -84,7 +92,8 @@ def test_each_ablation_mode_is_dilocox_with_its_own_technique_changed() -> None:
         "fixed-rank": dict(compression=replace(base.compression, min_rank=FIXED_RANK, max_rank=FIXED_RANK)),
         "other-start": dict(rounds=replace(base.rounds, overlap_start=OTHER_START)),
         "adaptive-steps": dict(inner=replace(base.inner, adaptive_steps=True, min_steps=2)),
-        "topk": dict(compression=replace(base.compression, codec="topk", topk_density=0.01)),
+        "topk": dict(compression=replace(base.compression, codec="topk", topk_density=0.01,
+                                         error_decay=TOPK_ERROR_DECAY)),
         "pipeline": {},
     }
     for mode in MODES:

@@ -5,6 +5,8 @@ is refused naming the tensor and field."""
 from __future__ import annotations
 
 import copy
+import json
+from dataclasses import replace
 
 import pytest
 import torch
@@ -14,6 +16,7 @@ from trainer.codec import (
     CompressionConfig,
     CompressionError,
     ErrorFeedbackCompressor,
+    accumulate,
     compressed_size,
     decompress,
     density_matching_bytes,
@@ -145,7 +148,50 @@ def test_hostile_payloads_are_refused(key: str, fn, message: str) -> None:
 
 
 @pytest.mark.parametrize("field, value", [("codec", "zip"), ("topk_density", 0.0), ("topk_density", 1.5),
-                                          ("topk_chunk", 0), ("topk_chunk", 70_000)])
+                                          ("topk_chunk", 0), ("topk_chunk", 70_000), ("error_decay", -0.1),
+                                          ("error_decay", 1.5)])
 def test_config_refuses_out_of_range_settings(field: str, value: object) -> None:
     with pytest.raises(ValueError, match=field):
         CompressionConfig(**{field: value})
+
+
+def test_error_decay_carries_beta_e_into_the_next_round() -> None:
+    """A = Δ + β·e, e ← A − Â (trainer.codec.feedback); β = 1 is the plain feedback, bit for bit."""
+    beta = 0.75
+    decayed = ErrorFeedbackCompressor(AdaptiveRankPolicy(replace(CONFIG, error_decay=beta)))
+    plain = ErrorFeedbackCompressor(AdaptiveRankPolicy(CONFIG))
+    first, second = tensors(0), tensors(1)
+    for comp in (decayed, plain):
+        comp.compress(first)
+    e1 = {name: e.clone() for name, e in decayed.errors.items()}
+    assert all(torch.equal(e1[n], plain.errors[n]) for n in e1)  # round 1: no buffer yet, β plays no part
+    payload, header, _ = decayed.compress(second)
+    sent = decompress(payload, header, layout_of(second))
+    for name, delta in second.items():
+        a = delta.double() + beta * e1[name].double()
+        assert torch.equal(decayed.errors[name], (a - sent[name].double()).float()), name
+        assert torch.equal(accumulate(delta, e1[name], beta), a)
+    plain_payload, _, _ = plain.compress(second)
+    for name, delta in second.items():  # β = 1: e added unscaled
+        assert torch.equal(accumulate(delta, e1[name]), delta.double() + e1[name].double())
+    assert payload != plain_payload
+
+
+def test_the_union_downlink_keeps_w_times_k_per_chunk() -> None:
+    """With topk_downlink_union the broadcast holds every position of the average of W top-k updates."""
+    config = replace(CONFIG, topk_downlink_union=True)
+    k = topk.keep_per_chunk(config.topk_density, config.topk_chunk)
+    for workers in (1, 2, 3, 50):
+        down = config.downlink(workers)
+        assert topk.keep_per_chunk(down.topk_density, down.topk_chunk) == min(config.topk_chunk, workers * k)
+    assert CONFIG.downlink(2) == CONFIG  # off: the uplink's k
+    lowrank = CompressionConfig(enabled=True, topk_downlink_union=True)
+    assert lowrank.downlink(2) == lowrank  # a top-k setting only
+
+
+def test_the_new_settings_keep_old_configurations_cids() -> None:
+    from trainer.config import RunConfig
+
+    text = json.dumps(RunConfig().to_json())
+    assert "error_decay" not in text and "topk_downlink_union" not in text
+    assert "error_decay" in json.dumps(replace(RunConfig(), compression=replace(CONFIG, error_decay=0.9)).to_json())

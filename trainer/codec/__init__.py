@@ -7,7 +7,7 @@
     trainer.codec.quant     int4/int8 group quantisation and int4 packing (shared by the kinds)
     trainer.codec.policy    the adaptive rank policy
     trainer.codec.frame     header, payload validation, decompression, the encoding stream, sizes
-    trainer.codec.feedback  error feedback: compress, ErrorFeedbackCompressor
+    trainer.codec.feedback  error feedback: accumulate, compress, ErrorFeedbackCompressor
     kinds                   trainer.codec.lowrank (lowrank-int4), .dense (int4, int8), .topk (topk-int4)
 
 The public names are re-exported here; callers import them from ``trainer.codec``. Each is
@@ -23,7 +23,7 @@ from typing import TYPE_CHECKING, Any
 _EXPORTS = {
     "trainer.codec.kinds": ("CodecKind", "CompressionError"),
     "trainer.codec.base": ("TensorCodec", "TensorEntry"),
-    "trainer.codec.feedback": ("ErrorFeedbackCompressor", "compress"),
+    "trainer.codec.feedback": ("ErrorFeedbackCompressor", "accumulate", "compress"),
     "trainer.codec.frame": ("FORMAT", "CodecHeader", "CompressedPayload", "CompressionStream", "compressed_size",
                             "decompress", "density_matching_bytes", "predicted_size", "validate"),
     "trainer.codec.lowrank": ("rank_of",),
@@ -48,7 +48,7 @@ def __getattr__(name: str) -> Any:
 
 if TYPE_CHECKING:
     from trainer.codec.base import TensorCodec, TensorEntry
-    from trainer.codec.feedback import ErrorFeedbackCompressor, compress
+    from trainer.codec.feedback import ErrorFeedbackCompressor, accumulate, compress
     from trainer.codec.frame import (
         FORMAT, CodecHeader, CompressedPayload, CompressionStream, compressed_size, decompress,
         density_matching_bytes, predicted_size, validate,

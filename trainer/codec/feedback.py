@@ -4,13 +4,21 @@ Per tensor, per round (Δ the pseudo-gradient, e the worker's error buffer, e⁽
 codec kind (Karimireddy et al., "Error Feedback Fixes SignSGD and other Gradient Compression
 Schemes", ICML 2019):
 
-    A  = Δ + e                                            (float64)
+    A  = Δ + β·e                                          (float64)
     Â  = decode(encode(A))                                (the tensor every replica receives)
     e  ← A − Â                                            (float32; float64 for float64 tensors)
 
+β is ``CompressionConfig.error_decay``, the worker's uplink only (the coordinator's downlink,
+trainer.codec.downlink, keeps β = 1: its buffer is what the broadcast still owes every replica).
+β = 1 is plain error feedback. β < 1 is SparseLoCo's (Sarfi et al., arXiv:2508.15706, Alg. 1): the
+buffer is then a decaying sum of past pseudo-gradients, the role DiLoCo's outer Nesterov momentum
+plays, so with top-k SparseLoCo runs the outer step as plain averaged descent (lr 1, momentum 0).
+The audit forms A' with the same ``accumulate`` (audit.replay), so the replay's arithmetic is the
+worker's.
+
 ``compress`` is one round of it over a whole update; ``ErrorFeedbackCompressor`` is a worker's
 compressor (its buffer e and its rank policy), with ``carry_back`` for a payload that never
-counted. Compression is a deterministic function of (Δ, e, policy state) on a given machine, and
+counted (e ← e + Â: the buffer again holds all of A). Compression is a deterministic function of (Δ, e, policy state) on a given machine, and
 the worker's e is computed from the very reconstruction every replica rebuilds (trainer.codec.frame).
 
 Aggregation: an average of low-rank factors is not low-rank, so the coordinator decompresses each
@@ -35,17 +43,30 @@ def error_dtype(dtype: torch.dtype) -> torch.dtype:
     return torch.float64 if dtype == torch.float64 else torch.float32
 
 
+def accumulate(delta: torch.Tensor, error: torch.Tensor | None, decay: float = 1.0) -> torch.Tensor:
+    """A = Δ + β·e in float64 (``error`` None: A = Δ); β = 1 adds e unscaled, bit for bit as before
+    the decay existed."""
+    a = delta.detach().to(torch.float64)
+    if error is None:
+        return a
+    e = error.detach().to(torch.float64)
+    return a + (e if decay == 1.0 else e * decay)
+
+
 def compress(
     tensors: Mapping[str, torch.Tensor],
     errors: MutableMapping[str, torch.Tensor] | None,
     policy: AdaptiveRankPolicy,
     device: torch.device | None = None,
+    *,
+    decay: float = 1.0,
 ) -> tuple[bytes, dict[str, Any]]:
     """(payload, header) for ``tensors``; see the module docstring. ``device``: where the encoding's
     linear algebra runs (trainer.codec.frame.CompressionStream; the CPU by default).
 
-    ``errors`` is the error-feedback buffer, updated in place with e ← A − Â (entries created on
-    first use, float32, or float64 for float64 tensors); pass None to compress without feedback.
+    ``errors`` is the error-feedback buffer, updated in place with e ← A − Â, A = Δ + ``decay``·e
+    (entries created on first use, float32, or float64 for float64 tensors); pass None to compress
+    without feedback.
     The buffer and the policy are left as they were if any input is refused. The round's decisions
     are in ``policy.last_decision``.
     """
@@ -64,9 +85,7 @@ def compress(
     try:
         for name in sorted(tensors):
             t = tensors[name]
-            a = t.detach().to(torch.float64)
-            if errors is not None and name in errors:
-                a = a + errors[name].detach().to(torch.float64)
+            a = accumulate(t, errors.get(name) if errors is not None else None, decay)
             received = stream.add(name, t, a)
             residuals[name] = (a - received.to(torch.float64)).to(error_dtype(t.dtype))
         payload, header = stream.finish()
@@ -93,13 +112,13 @@ class ErrorFeedbackCompressor:
         self, tensors: Mapping[str, torch.Tensor]
     ) -> tuple[bytes, dict[str, Any], RoundDecision]:
         """(payload, header, decisions) for this round's pseudo-gradient; e is updated."""
-        payload, header = compress(tensors, self.errors, self.policy, self.device)
+        payload, header = compress(tensors, self.errors, self.policy, self.device, decay=self.policy.config.error_decay)
         assert self.policy.last_decision is not None
         return payload, header, self.policy.last_decision
 
     def carry_back(self, transmitted: Mapping[str, torch.Tensor]) -> None:
         """The last payload never counted (its round was refused or closed without it): e ← e + Â,
-        so the buffer again holds all of A = Δ + e and nothing is lost."""
+        so the buffer again holds all of A = Δ + β·e and nothing is lost."""
         for name, sent in transmitted.items():
             e = self.errors.get(name)
             if e is None:

@@ -6,9 +6,9 @@ configuration is read, checked and hashed without torch.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
-from trainer.codec.registry import CHOICES, CODEC_LOWRANK
+from trainer.codec.registry import CHOICES, CODEC_LOWRANK, CODEC_TOPK
 from trainer.config_fields import Range, setting
 
 TOPK_MAX_CHUNK = 65_536  # the top-k codec's in-chunk positions are uint16 (trainer.codec.topk)
@@ -38,6 +38,15 @@ class CompressionConfig:
     topk_density: float = setting(1 / 32, "the fraction of each matrix's entries the top-k codec sends",
                                   Range(0.0, 1.0, low_open=True))
     topk_chunk: int = setting(4096, "values per chunk, each chunk keeping its own top k", Range(1, TOPK_MAX_CHUNK))
+    # SparseLoCo's β (trainer.codec.feedback): the uplink's error feedback forms A = Δ + β·e. 1 is
+    # plain error feedback (Karimireddy et al.), what every run before the field had.
+    error_decay: float = setting(1.0, "β: the worker's error feedback carries β·e into the next round",
+                                 Range(0.0, 1.0), omitted_at_default=True)
+    # SparseLoCo all-gathers the W sparse updates: every worker receives the whole average. The
+    # coordinator's equivalent is a broadcast keeping W·k per chunk, which holds every position of the
+    # average of W top-k updates; at k it re-selects, and what it drops waits in its downlink error.
+    topk_downlink_union: bool = setting(False, "top-k: the broadcast keeps W·k per chunk (the whole average of W "
+                                               "top-k updates) instead of k", omitted_at_default=True)
 
     def __post_init__(self) -> None:
         if not 0.0 < self.target_energy <= 1.0:
@@ -55,5 +64,16 @@ class CompressionConfig:
             raise ValueError(f"codec must be one of {', '.join(CHOICES)}, got {str(self.codec)[:40]!r}")
         if not 0.0 < self.topk_density <= 1.0:
             raise ValueError(f"topk_density must lie in (0, 1], got {self.topk_density}")
+        if not 0.0 <= self.error_decay <= 1.0:
+            raise ValueError(f"error_decay must lie in [0, 1], got {self.error_decay}")
         if not 1 <= self.topk_chunk <= TOPK_MAX_CHUNK:
             raise ValueError(f"topk_chunk must lie in [1, {TOPK_MAX_CHUNK}], got {self.topk_chunk}")
+
+    def downlink(self, workers: int) -> CompressionConfig:
+        """What the coordinator compresses the global update with: this configuration, but with
+        ``topk_downlink_union`` the top-k density of W·k kept per chunk (k the uplink's), at most 1.
+        How the broadcast is chosen is the coordinator's (the audit reads the stored one)."""
+        if self.codec != CODEC_TOPK or not self.topk_downlink_union:
+            return self
+        k = max(1, min(self.topk_chunk, round(self.topk_density * self.topk_chunk)))  # topk.keep_per_chunk
+        return replace(self, topk_density=min(1.0, workers * k / self.topk_chunk))

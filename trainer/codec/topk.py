@@ -29,6 +29,14 @@ a payload is refused unless each chunk's positions are strictly increasing and i
 (one canonical encoding: no repeated position, none out of range). The header entry carries
 ``chunk`` (C) and ``k`` besides the common fields, rank 0; parts ``I`` (the positions, uint8
 pairs, no scales) and ``V`` (the int4 values).
+
+As SparseLoCo runs it (docs/ablation.md compares the two point by point): e decays,
+A = Δ + β·e with ``CompressionConfig.error_decay`` = β (trainer.codec.feedback), the outer step is
+plain averaged descent (lr 1, momentum 0), and with ``topk_downlink_union`` the coordinator's
+broadcast keeps W·k per chunk, every position of the average of W top-k updates, as SparseLoCo's
+all-gather delivers it (``CompressionConfig.downlink``). What stays ours: chunks are bands of the
+row-major flattening rather than 2-D tiles, values int4 with group scales rather than 2-bit
+statistical levels, positions 16-bit rather than 12.
 """
 
 from __future__ import annotations

@@ -133,7 +133,8 @@ def _prepared(run_dir: RunDir, config: RunConfig, dataset: Dataset | None = None
         eval_batches=eval_batches(held_out, seed=config.seed, count=config.data.eval_batches,
                                   batch_size=config.inner.batch_size, block_size=config.model.block_size),
         eval_tokens=held_out, shard_digests=list(dataset.shard_digests),
-        downlink=DownlinkCompressor(AdaptiveRankPolicy(config.compression)) if config.compression.enabled else None,
+        downlink=(DownlinkCompressor(AdaptiveRankPolicy(config.compression.downlink(config.rounds.expected_workers)))
+                  if config.compression.enabled else None),
     )
 
 
