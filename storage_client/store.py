@@ -18,7 +18,7 @@ from __future__ import annotations
 import hashlib
 import os
 import tempfile
-from collections.abc import Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -59,21 +59,39 @@ def write_atomic(path: Path, data: bytes, mode: int = 0o644) -> None:
     """
     path = Path(path)
     _ensure_dir(path.parent)
-    fd, tmp = tempfile.mkstemp(prefix=_TMP_PREFIX, dir=path.parent)
+    tmp = _write_temp(path.parent, (data,), mode)
+    try:
+        os.replace(tmp, path)
+    except BaseException:
+        _unlink_quietly(tmp)
+        raise
+    _fsync_dir(path.parent)
+
+
+def _write_temp(directory: Path, chunks: Iterable[bytes], mode: int,
+                seen: Callable[[bytes], object] = lambda _: None) -> str:
+    """A new temporary file in ``directory`` holding the bytes ``chunks`` join to (each passed to
+    ``seen`` as it is written), made ``mode`` and fsynced: its path. Nothing is left if writing fails."""
+    fd, tmp = tempfile.mkstemp(prefix=_TMP_PREFIX, dir=directory)
     try:
         with os.fdopen(fd, "wb") as f:
             os.fchmod(f.fileno(), mode)
-            f.write(data)
+            for chunk in chunks:
+                seen(chunk)
+                f.write(chunk)
             f.flush()
             os.fsync(f.fileno())
-        os.replace(tmp, path)
     except BaseException:
-        try:
-            os.unlink(tmp)
-        except FileNotFoundError:
-            pass
+        _unlink_quietly(tmp)
         raise
-    _fsync_dir(path.parent)
+    return tmp
+
+
+def _unlink_quietly(path: str) -> None:
+    try:
+        os.unlink(path)
+    except FileNotFoundError:
+        pass
 
 
 def _sha256_file(path: Path) -> bytes:
@@ -120,15 +138,8 @@ class ObjectStore(Store):
         """Store the bytes ``chunks`` join to, written and hashed as they come (never whole in
         memory), and return their CID; as ``put``, a good copy already stored is kept."""
         digest = hashlib.sha256()
-        fd, tmp = tempfile.mkstemp(prefix=_TMP_PREFIX, dir=self.objects)  # not in a fan-out: never listed
+        tmp = _write_temp(self.objects, chunks, 0o644, digest.update)  # not in a fan-out: never listed
         try:
-            with os.fdopen(fd, "wb") as f:
-                os.fchmod(f.fileno(), 0o644)
-                for chunk in chunks:
-                    digest.update(chunk)
-                    f.write(chunk)
-                f.flush()
-                os.fsync(f.fileno())
             cid = CID(codec, digest.digest())
             path = self.path_of(cid)
             try:
@@ -140,10 +151,7 @@ class ObjectStore(Store):
             _ensure_dir(path.parent)
             os.replace(tmp, path)
         except BaseException:
-            try:
-                os.unlink(tmp)
-            except FileNotFoundError:
-                pass
+            _unlink_quietly(tmp)
             raise
         _fsync_dir(path.parent)
         return cid
