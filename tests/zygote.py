@@ -103,6 +103,14 @@ def _run_child(request: dict, fds: Sequence[int], keep_closed: Sequence[int]) ->
         os._exit(code)
 
 
+def _tell(conn: socket.socket, number: int) -> None:
+    """One message to a client; one that has gone (its process object dropped) costs nothing here."""
+    try:
+        conn.sendall(f"{number}\n".encode())
+    except OSError:
+        pass
+
+
 def serve(path: str) -> None:
     _preload()
     listener = socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET)
@@ -126,7 +134,7 @@ def serve(path: str) -> None:
                     break
                 conn = children.pop(pid, None)
                 if conn is not None:
-                    conn.sendall(f"{os.waitstatus_to_exitcode(status)}\n".encode())
+                    _tell(conn, os.waitstatus_to_exitcode(status))
                     conn.close()
         if listener in readable:
             conn, _ = listener.accept()
@@ -139,7 +147,7 @@ def serve(path: str) -> None:
                 _run_child(request, fds, others)
             for fd in fds:
                 os.close(fd)
-            conn.sendall(f"{pid}\n".encode())
+            _tell(conn, pid)
             children[pid] = conn
 
 
