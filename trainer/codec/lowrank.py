@@ -7,7 +7,7 @@ PowerSGD (Vogels et al., NeurIPS 2019). Our own implementation; the paper publis
 
 Per matrix (a tensor of shape (m, k₁, k₂, …) viewed as m × n, n = k₁·k₂·…), A = Δ + e float64:
 
-    A  = U Σ Vᵀ,  σ₁ ≥ σ₂ ≥ …  (``thin_svd``: float64, from the smaller Gram matrix)
+    A  ≈ U Σ Vᵀ,  σ₁ ≥ σ₂ ≥ …  (exact: ``thin_svd``; sketched on wide matrices: ``sketched``, below)
     sign fix: for each i ≤ r, flip (uᵢ, vᵢ) together so that the largest-|·| entry of uᵢ is
               positive (the first such entry on a tie)
     P  = U_r Σ_r^{1/2}   (m × r),    Q = V_r Σ_r^{1/2}   (n × r),    so A_r = P Qᵀ
@@ -22,6 +22,23 @@ save bytes over the dense matrix (r(m+n) < mn already holds for every r < min(m,
 (m+n)/2 ≤ max(m,n)), so the dense matrix is quantised instead. When even the policy's smallest
 rank is ≥ min(m, n)/2 the SVD is skipped altogether and the policy is not consulted.
 
+Which decomposition (``sketch_size``): with k = min(m, n) and s = r_max + ``SKETCH_OVERSAMPLING``,
+the exact one (float64, from the k × k Gram matrix: a k × k ``eigh``, O(m·n·k + k³)) while
+k ≤ ``EXACT_UP_TO``·s, so every matrix of a model up to a few hundred wide (the ablation's 128-wide
+GPT) is encoded exactly as before; above it a randomized subspace iteration (Halko, Martinsson &
+Tropp, SIAM Review 2011, Alg. 4.4; PowerSGD's family), O(m·n·s), whose top directions are those of
+the matrix's projection on an s-dimensional row space:
+
+    Ω  ~ N(0, 1)^{n × s}           (torch.Generator seeded from (m, n, s): the same on every run)
+    Z₀ = Ω;  for j = 1..q:  Q_j = qr(A Z_{j−1}),  Z_j = qr(Aᵀ Q_j)     (float32, q = POWER_ITERATIONS)
+    Z  = qr(Z_q) (float64),   Y = A Z  (m × s, float64),   A ≈ Y Zᵀ
+    Y  = U Σ Wᵀ  (``thin_svd`` of the small Y),   so  A ≈ U Σ (Z W)ᵀ,  V = Z W
+
+σ₁..σ_s are then estimates from below of A's first s singular values (the rank policy's input
+with ‖Δ‖_F² computed exactly, trainer.codec.policy); only the iteration that finds the subspace is
+float32 (the factors themselves are float64 products of A). How far its rank-r reconstruction is
+from the best one, and what it saves, is measured in the README (issue 30).
+
 Determinism: how the factors were chosen need not be reproducible, only Â from the bytes: the
 rank-1 terms of Σᵢ p̃ᵢ q̃ᵢᵀ are added one by one in increasing i with elementwise float64
 operations (no BLAS matmul whose blocking depends on the CPU or the thread count).
@@ -29,6 +46,7 @@ operations (no BLAS matmul whose blocking depends on the CPU or the thread count
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Mapping
 
 import torch
@@ -45,6 +63,10 @@ if TYPE_CHECKING:
     from trainer.codec.wire import Params
 
 _BLOCK_BYTES = 512 << 10  # a block of rows of the result and its product term: together a core's L2
+
+SKETCH_OVERSAMPLING = 16  # s = r_max + this: Halko et al.'s p, directions found beyond the rank sent
+POWER_ITERATIONS = 2  # q: each pass (A then Aᵀ) sharpens the subspace by (σ_{s+1}/σ_r)²
+EXACT_UP_TO = 4  # the exact decomposition while k ≤ this × s (crossover measured: README, issue 30)
 
 
 def thin_svd(a: torch.Tensor, rank: int | None = None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -90,6 +112,58 @@ def singular_values(a: torch.Tensor) -> torch.Tensor:
     m, n = a.shape
     eigenvalues = torch.linalg.eigvalsh(a @ a.T if m <= n else a.T @ a)  # ascending
     return eigenvalues.flip(0).clamp_min(0.0).sqrt()
+
+
+def sketch_size(m: int, n: int, max_rank: int) -> int | None:
+    """s, the width of the randomized decomposition of an m × n matrix whose rank is at most
+    ``max_rank``; None where the exact decomposition is as cheap (k = min(m, n) ≤ EXACT_UP_TO·s)."""
+    s = max_rank + SKETCH_OVERSAMPLING
+    return s if min(m, n) > EXACT_UP_TO * s else None
+
+
+def row_basis(a: torch.Tensor, s: int) -> torch.Tensor:
+    """Z (n × s, float64, orthonormal columns): the subspace iteration of the module docstring, on
+    ``a``'s device. Ω is drawn on the CPU from a generator seeded with the shape, so the same matrix
+    gets the same Z on every run (and the same Ω on every device)."""
+    m, n = a.shape
+    generator = torch.Generator().manual_seed((m * 1_000_003 + n) * 1_009 + s)
+    z = torch.randn(n, s, generator=generator, dtype=torch.float32).to(a.device)
+    low = a.to(torch.float32)  # the subspace only: the factors are formed from A in float64
+    for _ in range(POWER_ITERATIONS):
+        q = torch.linalg.qr(low @ z).Q
+        z = torch.linalg.qr(low.T @ q).Q
+    return torch.linalg.qr(z.to(torch.float64)).Q
+
+
+@dataclass(frozen=True)
+class Decomposition:
+    """One decomposition of a float64 matrix A: σ (descending; all k of them, or the sketch's s)
+    and what gives the singular vectors at a rank, without a second pass over A."""
+
+    gram_of: torch.Tensor  # the matrix whose Gram matrix was decomposed: A, or the sketch Y = A Z
+    sigma: torch.Tensor
+    vectors: torch.Tensor  # the eigenvectors of gram_of's smaller Gram matrix, in σ's order
+    basis: torch.Tensor | None  # Z for a sketch (A ≈ Y Zᵀ), None for the exact decomposition
+
+    @classmethod
+    def of(cls, a: torch.Tensor, sketch: int | None) -> "Decomposition":
+        """Exact (``sketch`` None: :func:`gram_eigen` of A) or sketched at width ``sketch``."""
+        if sketch is None:
+            return cls(a, *gram_eigen(a), None)
+        basis = row_basis(a, sketch)
+        y = a @ basis
+        return cls(y, *gram_eigen(y), basis)
+
+    def svd(self, rank: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """U (m × rank), σ, Vᵀ (rank × n) of A's first ``rank`` directions (rank ≤ len(σ))."""
+        u, sigma, vh = svd_from_gram(self.gram_of, self.sigma, self.vectors, rank)
+        return (u, sigma, vh) if self.basis is None else (u, sigma, vh @ self.basis.T)
+
+
+def spectrum(a: torch.Tensor, sketch: int | None) -> torch.Tensor:
+    """σ of a float64 matrix for the rank policy: all of them (:func:`singular_values`), or with a
+    ``sketch`` width the first s estimated as :class:`Decomposition` does, without vectors."""
+    return singular_values(a if sketch is None else a @ row_basis(a, sketch))
 
 
 def rank_of(matrix: torch.Tensor, relative: float = 1e-5) -> int:
@@ -162,14 +236,20 @@ class LowRankCodec(TensorCodec):
         mat = a.reshape(m, n)
         g = policy.config.int4_group_size
         if not policy.always_dense(m, n):
-            sigma, vectors = gram_eigen(mat)
+            sketch = sketch_size(m, n, policy.config.max_rank)
+            decomposition = Decomposition.of(mat, sketch)
             signal = t.detach().to(mat.device, torch.float64).reshape(m, n)
-            # The rank follows Δ's own spectrum, not that of Δ + e (trainer.codec.policy).
-            spectrum = sigma if torch.equal(signal, mat) else singular_values(signal)
-            decision = policy.decide(name, spectrum.cpu(), (m, n))
+            # The rank follows Δ's own spectrum, not that of Δ + e (trainer.codec.policy); a
+            # sketched spectrum is truncated, so the policy is also given Δ's whole energy.
+            same = torch.equal(signal, mat)
+            sigma = decomposition.sigma if same else spectrum(signal, sketch)
+            total = None if sketch is None else float(signal.square().sum())
+            decision = policy.decide(name, sigma.cpu(), (m, n), total)
             if decision.kind == self.kind:
                 rank = decision.rank
-                p, qf = _lowrank_factors(*svd_from_gram(mat, sigma, vectors, rank), rank)
+                if rank > decomposition.sigma.numel():  # a pinned rank beyond the sketch
+                    decomposition = Decomposition.of(mat, None)
+                p, qf = _lowrank_factors(*decomposition.svd(rank), rank)
                 parts = {}
                 for part, (factor, fshape) in {"P": (p, [m, rank]), "Q": (qf, [n, rank])}.items():
                     out[f"{name}.{part}.q"], out[f"{name}.{part}.scale"] = encode_part(_factor_order(factor), self.bits, g)

@@ -10,7 +10,16 @@ per tensor, the cumulative energy curves of the last W rounds:
     r_t    ← min(r_t, min(m, n))
 
 so the rank follows the energy of the update, stays in [r_min, r_max] and changes at most by a
-factor f per round. Each round's decision (per tensor: r_t, r*, E_t(r_t), Ē(r_t), and the kind
+factor f per round.
+
+A truncated spectrum (the codec's sketch of a wide matrix, trainer.codec.lowrank: σ₁..σ_s, s ≥
+r_max, estimated) comes with the whole energy ‖Δ‖_F², computed exactly; the curve then stops at s:
+
+    E_t(k) = min(1, Σ_{i≤k} σᵢ² / ‖Δ‖_F²)   for k ≤ s,   the rest of the energy the tail (E_t(d) = 1)
+
+and "not reached within the curve" means r* = d, as with a whole one (r* only matters up to r_max ≤
+s, where the clamp takes it). A tensor's curves all have the same length (its shape and r_max fix
+which decomposition it gets); a curve of another length restarts its window. Each round's decision (per tensor: r_t, r*, E_t(r_t), Ē(r_t), and the kind
 sent: ``lowrank-int4``, or ``int4`` when r_t ≥ min(m, n)/2) is returned as a ``RoundDecision`` for
 the caller to log.
 
@@ -110,17 +119,15 @@ class AdaptiveRankPolicy:
         d = min(m, n)
         return 2 * min(self.config.min_rank, d) >= d
 
-    def decide(self, name: str, sigma: torch.Tensor, matrix: tuple[int, int]) -> TensorDecision:
-        """Record this round's singular values of tensor ``name`` and choose its rank."""
+    def decide(self, name: str, sigma: torch.Tensor, matrix: tuple[int, int],
+               total: float | None = None) -> TensorDecision:
+        """Record this round's singular values of tensor ``name`` and choose its rank: all
+        min(m, n) of them, or (with ``total`` = ‖Δ‖_F²) the first s ≥ min(r_max, min(m, n))."""
         cfg = self.config
         d = min(matrix)
-        if sigma.dim() != 1 or sigma.numel() != d:
-            raise ValueError(f"tensor {name}: expected {d} singular values, got {list(sigma.shape)}")
-        sq = sigma.to(torch.float64) ** 2
-        total = float(sq.sum())
-        curve = torch.cumsum(sq, 0) / total if total > 0.0 else torch.ones(d, dtype=torch.float64)
+        curve, total = self._curve(name, sigma, d, total)
         window = self._curves.get(name)
-        if window is None or window.maxlen != cfg.window or (window and window[0].numel() != d):
+        if window is None or window.maxlen != cfg.window or (window and window[0].numel() != curve.numel()):
             window = deque(maxlen=cfg.window)
             self._curves[name] = window
             self._ranks.pop(name, None)
@@ -142,6 +149,22 @@ class AdaptiveRankPolicy:
         )
         self._pending[name] = decision
         return decision
+
+    def _curve(self, name: str, sigma: torch.Tensor, d: int, total: float | None) -> tuple[torch.Tensor, float]:
+        """E_t(k) for k = 1..len(σ) and ‖Δ‖_F²: of a whole spectrum (``total`` None: Σσᵢ²), or of
+        a truncated one."""
+        shortest = d if total is None else min(self.config.max_rank, d)
+        if sigma.dim() != 1 or not shortest <= sigma.numel() <= d:
+            wanted = d if total is None else f"{shortest} to {d}"
+            raise ValueError(f"tensor {name}: expected {wanted} singular values, got {list(sigma.shape)}")
+        if total is not None and not (math.isfinite(total) and total >= 0.0):
+            raise ValueError(f"tensor {name}: the total energy is not a finite non-negative number")
+        sq = sigma.to(torch.float64) ** 2
+        whole = float(sq.sum()) if total is None else total
+        if whole <= 0.0:
+            return torch.ones(sigma.numel(), dtype=torch.float64), whole
+        curve = torch.cumsum(sq, 0) / whole
+        return (curve if total is None else curve.clamp_max(1.0)), whole  # estimates may overshoot by rounding
 
     def begin_round(self) -> None:
         """Remember the state, so that ``abort_round`` can restore it if compression fails."""
@@ -207,7 +230,8 @@ class PinnedRankPolicy(AdaptiveRankPolicy):
         super().__init__(config)
         self.ranks = dict(ranks)
 
-    def decide(self, name: str, sigma: torch.Tensor, matrix: tuple[int, int]) -> TensorDecision:
+    def decide(self, name: str, sigma: torch.Tensor, matrix: tuple[int, int],
+               total: float | None = None) -> TensorDecision:
         d = min(matrix)
         rank = max(1, min(self.ranks.get(name, d), d))
         decision = TensorDecision(name=name, matrix=(int(matrix[0]), int(matrix[1])), rank=rank, target_rank=rank,
