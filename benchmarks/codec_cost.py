@@ -6,7 +6,8 @@ of a pseudo-gradient with error feedback, and its decode, on the same Llama laye
 The layers are those of ``dilocox bench scale``'s 100M cell (width 768, MLP 2048, 12 heads of which
 4 key/value, vocab 256), ``--layers`` of them; a step is batch 4 × 128 tokens. The pseudo-gradient
 is Δ = θ_start − θ after ``--steps`` steps; the encode timed is the second round's (e from the first,
-so the rank policy's spectrum of Δ and the eigendecomposition of A = Δ + e are both paid), on
+so the rank policy's spectrum of Δ and the decomposition of A = Δ + e, exact or sketched by
+trainer.codec.lowrank's rule, are both paid), on
 ``--device`` (the worker's device: trainer.codec.frame.CompressionStream; the inner steps run there
 too, in float32); the decode is the CPU one
 every receiver runs. Issue 30's target: encode + decode + aggregate per round ≤ 2.5 inner steps.
@@ -24,7 +25,9 @@ from trainer.codec import AdaptiveRankPolicy, CompressionConfig, compress, decom
 from trainer.codec.wire import layout_of
 
 
-def measure(layers: int, steps: int, device: str) -> dict[str, float]:
+def pseudo_gradient(layers: int, steps: int, device: str) -> tuple[dict[str, torch.Tensor], list[float]]:
+    """Δ = θ_start − θ after ``steps`` AdamW steps of ``layers`` layers of the 100M cell (on the CPU,
+    as the worker hands it to the codec), and each step's seconds."""
     torch.manual_seed(0)
     cfg = LlamaConfig(vocab_size=256, hidden_size=768, intermediate_size=2048, num_hidden_layers=layers,
                       num_attention_heads=12, num_key_value_heads=4, max_position_embeddings=128,
@@ -43,7 +46,11 @@ def measure(layers: int, steps: int, device: str) -> dict[str, float]:
             torch.cuda.synchronize()
         seconds.append(time.perf_counter() - began)
     # Δ as the worker hands it to the codec: on the CPU (the codec moves what it encodes to the device).
-    delta = {name: (start[name] - p.detach()).cpu() for name, p in model.named_parameters()}
+    return {name: (start[name] - p.detach()).cpu() for name, p in model.named_parameters()}, seconds
+
+
+def measure(layers: int, steps: int, device: str) -> dict[str, float]:
+    delta, seconds = pseudo_gradient(layers, steps, device)
     errors: dict[str, torch.Tensor] = {}
     policy = AdaptiveRankPolicy(CompressionConfig(enabled=True))
     compress(delta, errors, policy, torch.device(device))  # round 1: e appears
