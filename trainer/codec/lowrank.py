@@ -7,7 +7,7 @@ PowerSGD (Vogels et al., NeurIPS 2019). Our own implementation; the paper publis
 
 Per matrix (a tensor of shape (m, k₁, k₂, …) viewed as m × n, n = k₁·k₂·…), A = Δ + e float64:
 
-    A  ≈ U Σ Vᵀ,  σ₁ ≥ σ₂ ≥ …  (exact: ``thin_svd``; sketched on wide matrices: ``sketched``, below)
+    A  ≈ U Σ Vᵀ,  σ₁ ≥ σ₂ ≥ …  (``Decomposition``: exact, or sketched on wide matrices, below)
     sign fix: for each i ≤ r, flip (uᵢ, vᵢ) together so that the largest-|·| entry of uᵢ is
               positive (the first such entry on a tie)
     P  = U_r Σ_r^{1/2}   (m × r),    Q = V_r Σ_r^{1/2}   (n × r),    so A_r = P Qᵀ

@@ -19,9 +19,10 @@ r_max, estimated) comes with the whole energy ‖Δ‖_F², computed exactly; th
 
 and "not reached within the curve" means r* = d, as with a whole one (r* only matters up to r_max ≤
 s, where the clamp takes it). A tensor's curves all have the same length (its shape and r_max fix
-which decomposition it gets); a curve of another length restarts its window. Each round's decision (per tensor: r_t, r*, E_t(r_t), Ē(r_t), and the kind
-sent: ``lowrank-int4``, or ``int4`` when r_t ≥ min(m, n)/2) is returned as a ``RoundDecision`` for
-the caller to log.
+which decomposition it gets); a curve of another length restarts its window.
+
+Each round's decision (per tensor: r_t, r*, E_t(r_t), Ē(r_t), and the kind sent: ``lowrank-int4``,
+or ``int4`` when r_t ≥ min(m, n)/2) is returned as a ``RoundDecision`` for the caller to log.
 
 Why Δ's spectrum and not A's: the residual e is, by construction, the energy the last round's rank
 left out, spread over the tail directions; added to Δ it flattens the spectrum, so a policy fed A
