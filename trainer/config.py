@@ -48,12 +48,16 @@ ModelFamily = Literal["gpt", "llama", "qwen2"]
 RopeType = Literal["default", "linear", "llama3", "yarn"]
 # Where an overlapped worker starts its next round (trainer.worker.loops states both rules).
 OverlapStart = Literal["delayed", "eager"]
+# The inner optimisers of inner.optimizer: AdamW on every parameter (trainer.runtime.inner), or Muon on
+# the blocks' matrices with AdamW on the rest (trainer.runtime.muon states both updates).
+InnerOptimizer = Literal["adamw", "muon"]
 # The robust means of rounds.aggregator (trainer.rounds.aggregation.aggregate states each rule).
 Aggregator = Literal["mean", "trimmed_mean", "median"]
 MODEL_FAMILIES: tuple[str, ...] = get_args(ModelFamily)
 ROPE_TYPES: tuple[str, ...] = get_args(RopeType)
 OVERLAP_STARTS: tuple[str, ...] = get_args(OverlapStart)
 AGGREGATORS: tuple[str, ...] = get_args(Aggregator)
+INNER_OPTIMIZERS: tuple[str, ...] = get_args(InnerOptimizer)
 # The families whose attention uses rotary position embeddings (head_dim must be even).
 ROPE_FAMILIES = ("llama", "qwen2")
 
@@ -155,14 +159,15 @@ ROPE_TYPE_FIELDS: dict[str, tuple[Any, tuple[str, ...]]] = {
 
 @dataclass(frozen=True)
 class InnerConfig:
-    """Inner optimiser (AdamW), run by every worker for ``steps`` (H) steps a round.
+    """Inner optimiser, run by every worker for ``steps`` (H) steps a round: AdamW, or Muon on the
+    blocks' matrices with AdamW on the rest (``optimizer``; trainer.runtime.muon).
 
     Defaults follow the DiLoCo lineage: lr 4e-4, weight decay 0.1, betas (0.9, 0.95).
     """
 
     steps: int = setting(50, "inner steps (H) a round", Range(1, 1_000_000))
     batch_size: int = setting(16, "sequences a step", Range(1, 4096))
-    lr: float = setting(4e-4, "AdamW learning rate", Range(0.0, 10.0, low_open=True))
+    lr: float = setting(4e-4, "AdamW learning rate (of every parameter Muon does not train)", Range(0.0, 10.0, low_open=True))
     weight_decay: float = setting(0.1, "AdamW weight decay", Range(0.0, 10.0))
     beta1: float = setting(0.9, "AdamW beta1", Range(0.0, 1.0, high_open=True))
     beta2: float = setting(0.95, "AdamW beta2", Range(0.0, 1.0, high_open=True))
@@ -171,6 +176,13 @@ class InnerConfig:
     # has the rule); it needs compression with the low-rank codec.
     adaptive_steps: bool = setting(False, "round r trains H_r steps, falling with the downlink's rank")
     min_steps: int = setting(1, "the floor of H_r when adaptive_steps is on, <= steps", Range(1, 1_000_000))
+    # Left out of the JSON at their defaults (added after runs existed: their CIDs stay).
+    optimizer: InnerOptimizer = setting("adamw", "the inner optimiser: AdamW, or Muon on the blocks' matrices",
+                                        omitted_at_default=True)
+    muon_lr: float = setting(8e-4, "Muon's learning rate (its update scaled to AdamW's RMS); the rest take lr",
+                             Range(0.0, 10.0, low_open=True), omitted_at_default=True)
+    muon_momentum: float = setting(0.95, "Muon's Nesterov momentum", Range(0.0, 1.0, high_open=True),
+                                   omitted_at_default=True)
 
 
 @dataclass(frozen=True)
@@ -277,10 +289,14 @@ class RoundConfig:
 
 # What the product runs: DiLoCoX. Each section's own defaults above are the plain building block
 # (DiLoCo: dense, synchronous, outer lr 0.7 / momentum 0.9); a RunConfig's defaults, and a section
-# a configuration file gives only in part, are DiLoCoX's: compression (adaptive low-rank + int4, both
-# directions, error feedback), the one-step-delay overlap, and an outer step tuned for them. The
-# values are the ablation's (benchmarks.ablation; the sweep that chose the outer step is in
-# docs/ablation.md). `plain_diloco` is the one switch back.
+# a configuration file gives only in part, are DiLoCoX's: Muon inner steps on the blocks' matrices
+# (issue 31's search: the lowest held-out loss at DiLoCoX's bytes, README "DiLoCoX: the ablation"),
+# compression (adaptive low-rank + int4, both directions, error feedback), the one-step-delay
+# overlap, and an outer step tuned for them. The values are the ablation's (benchmarks.ablation; the
+# sweep that chose the outer step is in docs/ablation.md). `plain_diloco` is the one switch back.
+# A field left out of the JSON at its own default means that default when absent, not DiLoCoX's
+# (``_decode``): a file written before inner.optimizer existed still means AdamW.
+DILOCOX_INNER = InnerConfig(optimizer="muon")
 DILOCOX_OUTER = OuterConfig(lr=0.7, momentum=0.3)
 DILOCO_OUTER = OuterConfig()
 DILOCOX_COMPRESSION = CompressionConfig(enabled=True, target_energy=0.9, min_rank=16, max_rank=32,
@@ -293,7 +309,7 @@ class RunConfig:
     run_id: str = setting("dilocox", "the run's name, [A-Za-z0-9._-]{1,64}")
     seed: int = setting(1337, "seeds θ(0), the embedded corpus and every draw of the run", Range(0, 2**63 - 1))
     model: ModelConfig = field(default_factory=ModelConfig)
-    inner: InnerConfig = field(default_factory=InnerConfig)
+    inner: InnerConfig = field(default_factory=lambda: DILOCOX_INNER)
     outer: OuterConfig = field(default_factory=lambda: DILOCOX_OUTER)
     data: DataConfig = field(default_factory=DataConfig)
     rounds: RoundConfig = field(default_factory=lambda: DILOCOX_ROUNDS)
@@ -327,9 +343,11 @@ class RunConfig:
         return dataclasses.replace(self, **sections)
 
     def plain_diloco(self) -> RunConfig:
-        """The same run as plain DiLoCo: dense fp32 updates, synchronous rounds, DiLoCo's outer
-        step (``dilocox demo --diloco``, ``dilocox config --diloco``)."""
+        """The same run as plain DiLoCo: AdamW inner steps, dense fp32 updates, synchronous rounds,
+        DiLoCo's outer step (``dilocox demo --diloco``, ``dilocox config --diloco``)."""
         return self.replace(compression=dataclasses.replace(self.compression, enabled=False),
+                            inner=dataclasses.replace(self.inner, optimizer="adamw", muon_lr=InnerConfig.muon_lr,
+                                                      muon_momentum=InnerConfig.muon_momentum),
                             rounds=dataclasses.replace(self.rounds, overlap=False), outer=DILOCO_OUTER)
 
     def with_settings(self, settings: Sequence[str]) -> RunConfig:
@@ -412,7 +430,10 @@ def _encode(obj: Any) -> dict[str, Any]:
 
 def _decode(cls: type[T], obj: Any, path: str, base: T | None = None) -> T:
     """``obj`` as a ``cls``; a field it leaves out takes ``base``'s value (a RunConfig section: the
-    RunConfig default's, so that a file naming one rounds field does not turn DiLoCoX off)."""
+    RunConfig default's, so that a file naming one rounds field does not turn DiLoCoX off), except a
+    field left out of the JSON at its default (``omitted_at_default``): added after runs existed, its
+    absence means its own default, whatever the product's is now (inner.optimizer), so a stored
+    configuration keeps the meaning it was written with."""
     if not isinstance(obj, dict):
         raise ConfigError(f"{path}: expected an object")
     hints = get_type_hints(cls)
@@ -434,7 +455,12 @@ def _decode(cls: type[T], obj: Any, path: str, base: T | None = None) -> T:
             kwargs[name] = _exact(value, str, where)
         else:
             kwargs[name] = _exact(value, kind, where)
-    return dataclasses.replace(base, **kwargs) if base is not None else cls(**kwargs)
+    if base is None:
+        return cls(**kwargs)
+    for f in fields(cls):  # type: ignore[arg-type]
+        if f.metadata.get("omitted_at_default") and f.name not in obj:
+            kwargs[f.name] = f.default
+    return dataclasses.replace(base, **kwargs)
 
 
 def _setting_value(text: str, kind: type, path: str) -> Any:
@@ -729,6 +755,6 @@ def demo_config() -> RunConfig:
     """
     return RunConfig(
         run_id="demo",
-        inner=InnerConfig(steps=50, batch_size=16, lr=2e-3),
+        inner=dataclasses.replace(DILOCOX_INNER, steps=50, batch_size=16, lr=2e-3, muon_lr=4e-3),
         rounds=dataclasses.replace(DILOCOX_ROUNDS, rounds=8, expected_workers=2, quorum=2),
     )

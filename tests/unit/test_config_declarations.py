@@ -3,7 +3,9 @@
 
 The CIDs below were recorded from the code before the declarations replaced the hand-written
 tuples, range table and if-chains: a configuration's canonical JSON (and so its CID, and the run's
-identity) must not move.
+identity) must not move. Since issue 31 DiLoCoX's inner optimiser is Muon (``inner.optimizer``, a
+field left out of the JSON at its default, AdamW): the same configurations with AdamW inner steps keep
+the CIDs recorded then.
 """
 
 from __future__ import annotations
@@ -16,7 +18,7 @@ import pytest
 
 import trainer.config as config_module
 from tests.conftest import small_config
-from trainer.config import ConfigError, ModelConfig, RunConfig, SettingError, demo_config, fields_help
+from trainer.config import ConfigError, InnerConfig, ModelConfig, RunConfig, SettingError, demo_config, fields_help
 from trainer.config_fields import Range, choices_of
 
 RECORDED_CIDS = {
@@ -29,9 +31,13 @@ RECORDED_CIDS = {
 }
 
 
+def _with_adamw(config: RunConfig) -> RunConfig:
+    return config.replace(inner=dataclasses.replace(config.inner, optimizer="adamw", muon_lr=InnerConfig.muon_lr))
+
+
 def _configs() -> dict[str, RunConfig]:
     rounds = RunConfig().rounds
-    return {
+    return {name: _with_adamw(config) for name, config in {
         "default": RunConfig(),
         "demo": demo_config(),
         "demo_diloco": demo_config().plain_diloco(),
@@ -40,7 +46,7 @@ def _configs() -> dict[str, RunConfig]:
                                                   rope_original_max_position_embeddings=32, head_size=64)),
         "trimmed": RunConfig(rounds=dataclasses.replace(rounds, aggregator="trimmed_mean", overlap_start="eager",
                                                         clip_multiple=3.0, screen_margin=0.5)),
-    }
+    }.items()}
 
 
 @pytest.mark.parametrize("name", sorted(RECORDED_CIDS))
@@ -81,7 +87,8 @@ def test_choices_come_from_the_literal_types() -> None:
     assert choices == {"model.family": ("gpt", "llama", "qwen2"),
                        "model.rope_type": ("default", "linear", "llama3", "yarn"),
                        "rounds.overlap_start": ("delayed", "eager"),
-                       "rounds.aggregator": ("mean", "trimmed_mean", "median")}
+                       "rounds.aggregator": ("mean", "trimmed_mean", "median"),
+                       "inner.optimizer": ("adamw", "muon")}
     assert config_module.AGGREGATORS == choices["rounds.aggregator"]
     for name, allowed in choices.items():
         for value in allowed:  # each choice is accepted where its relations allow (rope types need llama)
@@ -106,7 +113,7 @@ def test_help_lists_every_field_with_its_default_and_accepted_values() -> None:
     text = fields_help()
     lines = text.splitlines()
     assert len(lines) == len(_every_declared())
-    assert "  inner.lr (float = 0.0004; (0, 10]): AdamW learning rate" in lines
+    assert "  inner.lr (float = 0.0004; (0, 10]): AdamW learning rate (of every parameter Muon does not train)" in lines
     assert any(line.startswith("  rounds.aggregator (choice = 'mean'; mean | trimmed_mean | median)") for line in lines)
     assert any(line.startswith("  rounds.clip_multiple (float = 2.0; 0 or [1, 100])") for line in lines)
     assert all(line.split(": ", 1)[1] for line in lines), "every field has a help text"

@@ -4,8 +4,8 @@ and the benchmark measures what the product runs."""
 from __future__ import annotations
 
 from trainer.config import (
-    DILOCO_OUTER, DILOCOX_COMPRESSION, DILOCOX_OUTER, SCHEMA, CompressionConfig, OuterConfig, RoundConfig,
-    RunConfig, demo_config,
+    DILOCO_OUTER, DILOCOX_COMPRESSION, DILOCOX_INNER, DILOCOX_OUTER, SCHEMA, CompressionConfig, InnerConfig,
+    OuterConfig, RoundConfig, RunConfig, demo_config,
 )
 
 
@@ -14,6 +14,7 @@ def test_the_default_run_and_the_demo_are_dilocox() -> None:
         assert config.compression.enabled and config.compression == DILOCOX_COMPRESSION
         assert config.rounds.overlap and config.rounds.overlap_start == "delayed"
         assert config.outer == DILOCOX_OUTER
+        assert config.inner.optimizer == DILOCOX_INNER.optimizer == "muon"
 
 
 def test_a_file_that_names_part_of_a_section_keeps_the_rest_of_dilocox() -> None:
@@ -26,8 +27,9 @@ def test_a_file_that_names_part_of_a_section_keeps_the_rest_of_dilocox() -> None
 def test_plain_diloco_is_one_switch() -> None:
     plain = demo_config().plain_diloco()
     assert not plain.compression.enabled and not plain.rounds.overlap and plain.outer == DILOCO_OUTER == OuterConfig()
+    assert plain.inner == InnerConfig(steps=50, batch_size=16, lr=2e-3)  # DiLoCo's AdamW, nothing of Muon's
     assert plain.replace(compression=DILOCOX_COMPRESSION, rounds=RoundConfig(**{**plain.rounds.__dict__, "overlap": True}),
-                         outer=DILOCOX_OUTER) == demo_config()
+                         outer=DILOCOX_OUTER, inner=demo_config().inner) == demo_config()
     # the building blocks keep their own neutral defaults
     assert not CompressionConfig().enabled and not RoundConfig().overlap
 
