@@ -39,6 +39,11 @@ def test_the_benchmark_measures_the_product_settings() -> None:
 
     assert TUNED_OUTER["dilocox"] == (DILOCOX_OUTER.lr, DILOCOX_OUTER.momentum)
     assert DILOCOX_START == RunConfig().rounds.overlap_start
+    # The ablation's DiLoCoX trains as the demo does (the same model size and lrs), DiLoCo with AdamW.
+    from benchmarks.ablation.modes import BY_KEY, TUNED_MUON_LR
+
+    assert BY_KEY["dilocox"].inner_optimizer == DILOCOX_INNER.optimizer and BY_KEY["diloco"].inner_optimizer == "adamw"
+    assert TUNED_MUON_LR["dilocox"] == demo_config().inner.muon_lr
 
 
 def test_the_adaptive_steps_row_runs_until_it_has_the_budget_of_tokens() -> None:
@@ -85,10 +90,14 @@ def test_each_ablation_mode_is_dilocox_with_its_own_technique_changed() -> None:
                  modes=[], seeds=[1337], data=Path("."), out=Path("."), smoke=True, keep_runs=False)
     data = Data("embedded", DataConfig(corpus="embedded"), None, False)  # type: ignore[arg-type]
     base = run_config(BY_KEY["dilocox"], s, data, 2, 1337)
+    adamw = replace(base.inner, optimizer="adamw", muon_lr=InnerConfig.muon_lr)
     expected = {
         "diloco": dict(compression=replace(base.compression, enabled=False),
-                       rounds=replace(base.rounds, overlap=False)),
+                       rounds=replace(base.rounds, overlap=False), inner=adamw),
+        "diloco-muon": dict(compression=replace(base.compression, enabled=False),
+                            rounds=replace(base.rounds, overlap=False), inner=replace(base.inner, muon_lr=8e-3)),
         "dilocox": {},
+        "adamw": dict(inner=adamw),
         "no-compression": dict(compression=replace(base.compression, enabled=False)),
         "no-overlap": dict(rounds=replace(base.rounds, overlap=False)),
         "fixed-rank": dict(compression=replace(base.compression, min_rank=FIXED_RANK, max_rank=FIXED_RANK)),
