@@ -241,12 +241,7 @@ def cell_config(s: Settings, size: Size, workers: int):  # -> RunConfig
                  f"rounds.expected_workers={workers}", f"rounds.quorum={workers}",
                  f"rounds.checkpoint_every={s.checkpoint_every or s.rounds}",
                  "rounds.straggler_timeout_s=86400", "rounds.liveness_timeout_s=600",
-                 "compression.enabled=true",
-                 # AdamW inner steps: the rows measure the round's machinery against one inner step, and
-                 # were first measured with AdamW; Muon (DiLoCoX's default since issue 31) adds five
-                 # Newton–Schulz products per matrix per step, which at these CPU batches of 512 tokens
-                 # would inflate the step the machinery is measured against.
-                 "inner.optimizer=adamw"]
+                 "compression.enabled=true"]
     return RunConfig(run_id=f"scale-{size.name}-{workers}w", seed=SEED).with_settings(settings)
 
 

@@ -289,14 +289,12 @@ class RoundConfig:
 
 # What the product runs: DiLoCoX. Each section's own defaults above are the plain building block
 # (DiLoCo: dense, synchronous, outer lr 0.7 / momentum 0.9); a RunConfig's defaults, and a section
-# a configuration file gives only in part, are DiLoCoX's: Muon inner steps on the blocks' matrices
-# (issue 31's search: the lowest held-out loss at DiLoCoX's bytes, README "DiLoCoX: the ablation"),
-# compression (adaptive low-rank + int4, both directions, error feedback), the one-step-delay
-# overlap, and an outer step tuned for them. The values are the ablation's (benchmarks.ablation; the
-# sweep that chose the outer step is in docs/ablation.md). `plain_diloco` is the one switch back.
-# A field left out of the JSON at its own default means that default when absent, not DiLoCoX's
-# (``_decode``): a file written before inner.optimizer existed still means AdamW.
-DILOCOX_INNER = InnerConfig(optimizer="muon")
+# a configuration file gives only in part, are DiLoCoX's: compression (adaptive low-rank + int4, both
+# directions, error feedback), the one-step-delay overlap, and an outer step tuned for them. The
+# values are the ablation's (benchmarks.ablation; the sweep that chose the outer step is in
+# docs/ablation.md). `plain_diloco` is the one switch back. Its inner steps are AdamW: Muon
+# (inner.optimizer) reaches dense DiLoCo's loss only at about 19x fewer bytes, and at DiLoCoX's
+# 25x+ it is no better (README, "Against dense DiLoCo").
 DILOCOX_OUTER = OuterConfig(lr=0.7, momentum=0.3)
 DILOCO_OUTER = OuterConfig()
 DILOCOX_COMPRESSION = CompressionConfig(enabled=True, target_energy=0.9, min_rank=16, max_rank=32,
@@ -309,7 +307,7 @@ class RunConfig:
     run_id: str = setting("dilocox", "the run's name, [A-Za-z0-9._-]{1,64}")
     seed: int = setting(1337, "seeds θ(0), the embedded corpus and every draw of the run", Range(0, 2**63 - 1))
     model: ModelConfig = field(default_factory=ModelConfig)
-    inner: InnerConfig = field(default_factory=lambda: DILOCOX_INNER)
+    inner: InnerConfig = field(default_factory=InnerConfig)
     outer: OuterConfig = field(default_factory=lambda: DILOCOX_OUTER)
     data: DataConfig = field(default_factory=DataConfig)
     rounds: RoundConfig = field(default_factory=lambda: DILOCOX_ROUNDS)
@@ -343,11 +341,9 @@ class RunConfig:
         return dataclasses.replace(self, **sections)
 
     def plain_diloco(self) -> RunConfig:
-        """The same run as plain DiLoCo: AdamW inner steps, dense fp32 updates, synchronous rounds,
-        DiLoCo's outer step (``dilocox demo --diloco``, ``dilocox config --diloco``)."""
+        """The same run as plain DiLoCo: dense fp32 updates, synchronous rounds, DiLoCo's outer
+        step (``dilocox demo --diloco``, ``dilocox config --diloco``)."""
         return self.replace(compression=dataclasses.replace(self.compression, enabled=False),
-                            inner=dataclasses.replace(self.inner, optimizer="adamw", muon_lr=InnerConfig.muon_lr,
-                                                      muon_momentum=InnerConfig.muon_momentum),
                             rounds=dataclasses.replace(self.rounds, overlap=False), outer=DILOCO_OUTER)
 
     def with_settings(self, settings: Sequence[str]) -> RunConfig:
@@ -430,10 +426,7 @@ def _encode(obj: Any) -> dict[str, Any]:
 
 def _decode(cls: type[T], obj: Any, path: str, base: T | None = None) -> T:
     """``obj`` as a ``cls``; a field it leaves out takes ``base``'s value (a RunConfig section: the
-    RunConfig default's, so that a file naming one rounds field does not turn DiLoCoX off), except a
-    field left out of the JSON at its default (``omitted_at_default``): added after runs existed, its
-    absence means its own default, whatever the product's is now (inner.optimizer), so a stored
-    configuration keeps the meaning it was written with."""
+    RunConfig default's, so that a file naming one rounds field does not turn DiLoCoX off)."""
     if not isinstance(obj, dict):
         raise ConfigError(f"{path}: expected an object")
     hints = get_type_hints(cls)
@@ -455,12 +448,7 @@ def _decode(cls: type[T], obj: Any, path: str, base: T | None = None) -> T:
             kwargs[name] = _exact(value, str, where)
         else:
             kwargs[name] = _exact(value, kind, where)
-    if base is None:
-        return cls(**kwargs)
-    for f in fields(cls):  # type: ignore[arg-type]
-        if f.metadata.get("omitted_at_default") and f.name not in obj:
-            kwargs[f.name] = f.default
-    return dataclasses.replace(base, **kwargs)
+    return dataclasses.replace(base, **kwargs) if base is not None else cls(**kwargs)
 
 
 def _setting_value(text: str, kind: type, path: str) -> Any:
@@ -755,6 +743,6 @@ def demo_config() -> RunConfig:
     """
     return RunConfig(
         run_id="demo",
-        inner=dataclasses.replace(DILOCOX_INNER, steps=50, batch_size=16, lr=2e-3, muon_lr=4e-3),
+        inner=InnerConfig(steps=50, batch_size=16, lr=2e-3),
         rounds=dataclasses.replace(DILOCOX_ROUNDS, rounds=8, expected_workers=2, quorum=2),
     )

@@ -3,9 +3,7 @@
 
 The CIDs below were recorded from the code before the declarations replaced the hand-written
 tuples, range table and if-chains: a configuration's canonical JSON (and so its CID, and the run's
-identity) must not move. Since issue 31 DiLoCoX's inner optimiser is Muon (``inner.optimizer``, a
-field left out of the JSON at its default, AdamW): the same configurations with AdamW inner steps keep
-the CIDs recorded then.
+identity) must not move.
 """
 
 from __future__ import annotations
@@ -18,7 +16,7 @@ import pytest
 
 import trainer.config as config_module
 from tests.conftest import small_config
-from trainer.config import ConfigError, InnerConfig, ModelConfig, RunConfig, SettingError, demo_config, fields_help
+from trainer.config import ConfigError, ModelConfig, RunConfig, SettingError, demo_config, fields_help
 from trainer.config_fields import Range, choices_of
 
 RECORDED_CIDS = {
@@ -31,13 +29,9 @@ RECORDED_CIDS = {
 }
 
 
-def _with_adamw(config: RunConfig) -> RunConfig:
-    return config.replace(inner=dataclasses.replace(config.inner, optimizer="adamw", muon_lr=InnerConfig.muon_lr))
-
-
 def _configs() -> dict[str, RunConfig]:
     rounds = RunConfig().rounds
-    return {name: _with_adamw(config) for name, config in {
+    return {
         "default": RunConfig(),
         "demo": demo_config(),
         "demo_diloco": demo_config().plain_diloco(),
@@ -46,7 +40,7 @@ def _configs() -> dict[str, RunConfig]:
                                                   rope_original_max_position_embeddings=32, head_size=64)),
         "trimmed": RunConfig(rounds=dataclasses.replace(rounds, aggregator="trimmed_mean", overlap_start="eager",
                                                         clip_multiple=3.0, screen_margin=0.5)),
-    }.items()}
+    }
 
 
 @pytest.mark.parametrize("name", sorted(RECORDED_CIDS))

@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from trainer.codec.wire import layout_of
-from trainer.config import DILOCOX_INNER, InnerConfig, ModelConfig, RunConfig, SettingError
+from trainer.config import InnerConfig, ModelConfig, RunConfig, SettingError
 from trainer.model.gpt import build_model
 from trainer.model.params import params_of
 from trainer.model.stages import hidden_matrix, stage_param_names
@@ -134,16 +134,12 @@ def test_pipeline_stages_split_the_same_rule() -> None:
 
 
 def test_the_optimizer_is_a_choice_and_absent_means_adamw() -> None:
-    assert DILOCOX_INNER.optimizer == "muon"
-    assert RunConfig().inner.optimizer == "muon"
-    assert RunConfig().plain_diloco().inner.optimizer == "adamw"
+    assert RunConfig().inner.optimizer == "adamw"
     with pytest.raises(SettingError):
         RunConfig().with_settings(["inner.optimizer=sgd"])
-    # A stored configuration written before the field existed keeps its meaning: AdamW.
-    stored = RunConfig().plain_diloco().to_json()
-    assert "optimizer" not in stored["inner"] and "muon_lr" not in stored["inner"]
-    assert RunConfig.from_json(stored).inner.optimizer == "adamw"
-    # The product's choice is written out, and read back.
-    product = RunConfig().to_json()
-    assert product["inner"]["optimizer"] == "muon"
-    assert RunConfig.from_json(product) == RunConfig()
+    # Left out at its default, so every configuration written before the field existed keeps its CID
+    # and means AdamW; Muon's fields are written when chosen, and read back.
+    assert not {"optimizer", "muon_lr", "muon_momentum"} & set(RunConfig().to_json()["inner"])
+    muon = RunConfig().with_settings(["inner.optimizer=muon", "inner.muon_lr=0.004"])
+    assert muon.to_json()["inner"]["optimizer"] == "muon" and muon.inner.muon_lr == 4e-3
+    assert RunConfig.from_json(muon.to_json()) == muon and muon.cid != RunConfig().cid
