@@ -114,7 +114,7 @@ from trainer.rounds.schedule import stored_inner_steps
 from trainer.rounds.update_source import dense
 from trainer.runstore.checkpoints import checkpoint_at
 from trainer.runstore.update_record import open_update, parse_record
-from trainer.runtime.inner import FRESH_STATE, InnerLoop, evaluate, load_adamw_state
+from trainer.runtime.inner import FRESH_STATE, InnerLoop, evaluate, load_optimizer_state
 from trainer.runtime.state_commit import (
     decode_inner_state,
     previous_in_window,
@@ -563,12 +563,12 @@ def committed_state(store: Store, config: RunConfig, p: Participant,
         return None
     try:
         state = decode_inner_state(store.get(state_cid(p.state)), layout_of(params_of(model)),
-                                   config.compression.enabled)
+                                   config.compression.enabled, config.inner.optimizer)
     except (OSError, ValueError) as exc:  # StoreError, StateError: ValueError
         raise ReplayError(f"the stored committed inner state cannot be used: {str(exc)[:300]}") from None
     adamw, errors = split_inner_state(state)
     inner = InnerLoop(model, config.inner)
-    load_adamw_state(inner.model, inner.optimizer, adamw)
+    load_optimizer_state(inner.model, inner.optimizer, adamw)
     return inner, errors
 
 

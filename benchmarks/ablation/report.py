@@ -6,7 +6,7 @@ import math
 from pathlib import Path
 from typing import Any, Callable
 
-from benchmarks.ablation.modes import FIXED_RANK, GRID_LR, GRID_MOMENTUM
+from benchmarks.ablation.modes import FIXED_RANK, GRID_LR, GRID_MOMENTUM, TUNED_MUON_LR
 
 TARGETS = {"loss_ratio": 1.03, "bytes_x_fewer": 2000.0, "ceiling_fraction": 0.9, "utilisation": 0.95}
 
@@ -49,7 +49,8 @@ def _settings(result: dict[str, Any]) -> list[str]:
         f"block {model['block_size']}, vocabulary {model['vocab_size']}, {result['parameters']:,} parameters "
         f"({_mb(4 * result['parameters'])} fp32)",
         f"- training: W = {s['workers']} workers, batch {s['batch_size']} each, H = {s['inner_steps']} inner steps, "
-        f"inner AdamW lr {s['inner_lr']}; Part 1: R = {s['rounds']} rounds, seeds {', '.join(map(str, s['seeds']))} "
+        f"inner lr {s['inner_lr']} (AdamW), Muon lr per mode "
+        f"{', '.join(f'{k} {v:g}' for k, v in TUNED_MUON_LR.items())} (rows with Muon inner steps); Part 1: R = {s['rounds']} rounds, seeds {', '.join(map(str, s['seeds']))} "
         f"(every mode, every seed); Part 2: R_t = {s['throughput_rounds']} rounds per DiLoCo mode, "
         f"{s['allreduce_throughput_steps']} AllReduce steps, seed {s['seeds'][0]}",
         f"- held-out: {s['eval_batches']} fixed batches of {s['batch_size']} × {model['block_size']} tokens",

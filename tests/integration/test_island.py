@@ -1,8 +1,8 @@
 """A worker that is an island (trainer.runtime.island): ``dilocox worker --data-parallel 2`` (two
 DDP ranks) and ``--data-parallel 2 --stages 2`` (2 replicas × 2 pipeline stages: four ranks) in one
 real run (TLS, dev attestation, a chain), each presenting one identity, one attestation and one
-update a round; then ``dilocox audit --replay`` re-derives every contribution of both bit for bit,
-and a 1.5 × update pushed under an island's kernels is named.
+update a round, with Muon inner steps; then ``dilocox audit --replay`` re-derives every contribution
+of both bit for bit, and a 1.5 × update pushed under an island's kernels is named.
 
 One run serves the cluster tests here (module scope): the tiny model, one round of 3 steps (an
 island's AdamW state carried across rounds, and undone, is checked bit for bit without a cluster,
@@ -61,7 +61,10 @@ class IslandRun:
 def island_run(tmp_path_factory: pytest.TempPathFactory) -> Iterator[IslandRun]:
     tmp = tmp_path_factory.mktemp("island")
     config = small_config(model=TINY)
-    config = config.replace(rounds=dataclasses.replace(config.rounds, rounds=1))
+    # Muon inner steps (trainer.runtime.muon): each stage's optimiser trains its slice's matrices by the
+    # same rule on names, and the replay re-runs it; the 3-replica test below keeps AdamW.
+    config = config.replace(rounds=dataclasses.replace(config.rounds, rounds=1),
+                            inner=dataclasses.replace(config.inner, optimizer="muon", muon_lr=2e-3))
     corpus = load_corpus(config.data, config.seed, config.model.block_size)
     config = config.replace(data=dataclasses.replace(config.data, corpus_sha256=corpus.sha256))
     path = tmp / "config.json"

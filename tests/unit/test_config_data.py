@@ -127,6 +127,8 @@ OUT_OF_RANGE = [
     ("inner.beta2", [-0.1, 1.0]),
     ("inner.grad_clip", [-1.0, 2e6]),
     ("inner.min_steps", [0, 1_000_001]),
+    ("inner.muon_lr", [0.0, -1e-3, 10.5]),
+    ("inner.muon_momentum", [-0.1, 1.0]),
     ("outer.lr", [0.0, 11.0]),
     ("outer.momentum", [-0.1, 1.0]),
     ("data.eval_fraction", [0.0, 0.6]),

@@ -81,7 +81,8 @@ def test_choices_come_from_the_literal_types() -> None:
     assert choices == {"model.family": ("gpt", "llama", "qwen2"),
                        "model.rope_type": ("default", "linear", "llama3", "yarn"),
                        "rounds.overlap_start": ("delayed", "eager"),
-                       "rounds.aggregator": ("mean", "trimmed_mean", "median")}
+                       "rounds.aggregator": ("mean", "trimmed_mean", "median"),
+                       "inner.optimizer": ("adamw", "muon")}
     assert config_module.AGGREGATORS == choices["rounds.aggregator"]
     for name, allowed in choices.items():
         for value in allowed:  # each choice is accepted where its relations allow (rope types need llama)
@@ -106,7 +107,7 @@ def test_help_lists_every_field_with_its_default_and_accepted_values() -> None:
     text = fields_help()
     lines = text.splitlines()
     assert len(lines) == len(_every_declared())
-    assert "  inner.lr (float = 0.0004; (0, 10]): AdamW learning rate" in lines
+    assert "  inner.lr (float = 0.0004; (0, 10]): AdamW learning rate (of every parameter Muon does not train)" in lines
     assert any(line.startswith("  rounds.aggregator (choice = 'mean'; mean | trimmed_mean | median)") for line in lines)
     assert any(line.startswith("  rounds.clip_multiple (float = 2.0; 0 or [1, 100])") for line in lines)
     assert all(line.split(": ", 1)[1] for line in lines), "every field has a help text"

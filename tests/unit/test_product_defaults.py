@@ -14,6 +14,7 @@ def test_the_default_run_and_the_demo_are_dilocox() -> None:
         assert config.compression.enabled and config.compression == DILOCOX_COMPRESSION
         assert config.rounds.overlap and config.rounds.overlap_start == "delayed"
         assert config.outer == DILOCOX_OUTER
+        assert config.inner.optimizer == "adamw"  # Muon is a choice (README, "Against dense DiLoCo")
 
 
 def test_a_file_that_names_part_of_a_section_keeps_the_rest_of_dilocox() -> None:
@@ -37,6 +38,9 @@ def test_the_benchmark_measures_the_product_settings() -> None:
 
     assert TUNED_OUTER["dilocox"] == (DILOCOX_OUTER.lr, DILOCOX_OUTER.momentum)
     assert DILOCOX_START == RunConfig().rounds.overlap_start
+    from benchmarks.ablation.modes import BY_KEY
+
+    assert BY_KEY["dilocox"].inner_optimizer == RunConfig().inner.optimizer == "adamw"
 
 
 def test_the_adaptive_steps_row_runs_until_it_has_the_budget_of_tokens() -> None:
@@ -86,7 +90,10 @@ def test_each_ablation_mode_is_dilocox_with_its_own_technique_changed() -> None:
     expected = {
         "diloco": dict(compression=replace(base.compression, enabled=False),
                        rounds=replace(base.rounds, overlap=False)),
+        "diloco-muon": dict(compression=replace(base.compression, enabled=False), rounds=replace(base.rounds, overlap=False),
+                            inner=replace(base.inner, optimizer="muon", muon_lr=8e-3)),
         "dilocox": {},
+        "muon": dict(inner=replace(base.inner, optimizer="muon", muon_lr=4e-3)),
         "no-compression": dict(compression=replace(base.compression, enabled=False)),
         "no-overlap": dict(rounds=replace(base.rounds, overlap=False)),
         "fixed-rank": dict(compression=replace(base.compression, min_rank=FIXED_RANK, max_rank=FIXED_RANK)),

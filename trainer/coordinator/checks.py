@@ -253,6 +253,6 @@ def check_state_bytes(data: bytes, layout: Layout, config: RunConfig) -> None:
     """The inner state a push carried (its digest already checked as it arrived) is one a worker of
     this run's model could hold (trainer.runtime.state_commit); MALFORMED otherwise."""
     try:
-        decode_inner_state(data, layout, config.compression.enabled)
+        decode_inner_state(data, layout, config.compression.enabled, config.inner.optimizer)
     except StateError as exc:
         raise Refusal(Reason.MALFORMED, str(exc)) from None

@@ -35,6 +35,13 @@ _BLOCK = {"gpt": re.compile(r"blocks\.(\d+)\."), **{f: re.compile(r"model\.layer
 _EMBEDDINGS = {"gpt": ("wte.", "wpe."), **{f: ("model.embed_tokens.",) for f in ROPE_FAMILIES}}
 
 
+def hidden_matrix(name: str, shape: tuple[int, ...]) -> bool:
+    """Whether parameter ``name`` of ``shape`` is a hidden matrix: 2-D and inside a block, in any
+    family (not the embeddings, the final norm or the output head). Muon trains these
+    (trainer.runtime.muon); the rule is on names, so a pipeline stage applies it to its slice alike."""
+    return len(shape) == 2 and any(block.match(name) for block in _BLOCK.values())
+
+
 def stage_blocks(n_layer: int, num_stages: int) -> list[range]:
     """The block indices of each stage: contiguous, balanced by count, the first ones larger."""
     if not 1 <= num_stages <= n_layer:

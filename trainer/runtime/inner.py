@@ -1,13 +1,17 @@
-"""DiLoCo's inner loop: a worker's H AdamW steps on its shard, and held-out evaluation.
+"""DiLoCo's inner loop: a worker's H optimiser steps on its shard, and held-out evaluation.
 
 Douillard et al., "DiLoCo" (arXiv:2311.08105); DiLoCoX (Qi et al., arXiv:2506.21263). Round r
 starts from θ_start (θ⁽ʳ⁻¹⁾, or with the one-step-delay overlap the start of
-trainer.rounds.outer.delayed_start / eager_start). Worker i runs H steps of AdamW on its own
-batches; its AdamW state persists across the rounds that count:
+trainer.rounds.outer.delayed_start / eager_start). Worker i runs H steps of the inner optimiser on
+its own batches; the optimiser's state persists across the rounds that count:
 
     θᵢ ← θ_start
-    for h = 1..H:   θᵢ ← AdamW(θᵢ, ∇ℓ(θᵢ; batch_{i,r,h}))        (InnerConfig: lr, wd, β₁, β₂)
+    for h = 1..H:   θᵢ ← Opt(θᵢ, ∇ℓ(θᵢ; batch_{i,r,h}))          (InnerConfig: lr, wd, β₁, β₂, optimizer)
     Δᵢ⁽ʳ⁾ = θ_start − θᵢ                                          (the pseudo-gradient)
+
+Opt is AdamW (torch.optim.AdamW) or, with ``inner.optimizer = "muon"``, Muon on the blocks' matrices
+and AdamW on the rest (trainer.runtime.muon); ``inner_optimizer`` builds it for every party that
+trains or replays.
 
 What the coordinator does with Δᵢ⁽ʳ⁾ (the average and the outer Nesterov step) is
 trainer.rounds.outer; the audit's replay (audit.replay) re-runs this loop from the committed state.
@@ -28,6 +32,7 @@ from trainer.config import InnerConfig
 from trainer.model.params import load_params, params_of
 from trainer.progress import Progress
 from trainer.runtime.device import autocast
+from trainer.runtime.muon import MuonWithAdamW
 from trainer.runtime.staged import StagedArithmetic
 
 
@@ -40,13 +45,13 @@ class InnerResult:
 
 
 class InnerLoop:
-    """A worker's H local AdamW steps; the AdamW state lives as long as the worker process.
+    """A worker's H local optimiser steps; the optimiser's state lives as long as the worker process.
 
     The state a round starts from is committed: ``state()`` names its tensors (``exp_avg.<p>``,
     ``exp_avg_sq.<p>``, ``step.<p>``; empty before the first step) and ``inner_state_digest`` hashes
     them, so a worker's push names the state its update grew from and ``dilocox audit --replay``
     can re-run the round from the same place. A round whose update does not count is undone
-    (``snapshot`` / ``restore``): the AdamW state moves only through counted rounds, so an auditor
+    (``snapshot`` / ``restore``): the optimiser's state moves only through counted rounds, so an auditor
     rebuilds it from the run's manifests alone, round after counted round, from a fresh start.
 
     On a CUDA ``device`` (trainer.runtime.device) the loop trains its own copy of ``model`` there, under
@@ -58,14 +63,11 @@ class InnerLoop:
         # ``model`` stays on the CPU (the worker evaluates checkpoints with it); an accelerator gets a copy.
         self.model = model if self.device.type == "cpu" else copy.deepcopy(model).to(self.device)
         self.cfg = cfg
-        self.optimizer = torch.optim.AdamW(
-            self.model.parameters(), lr=cfg.lr, betas=(cfg.beta1, cfg.beta2),
-            weight_decay=cfg.weight_decay,
-        )
+        self.optimizer = inner_optimizer(self.model, cfg)
 
     def run(self, start: Params, batches: Iterable[tuple[torch.Tensor, torch.Tensor]],
             progress: Progress | None = None, staged: StagedArithmetic | None = None) -> InnerResult:
-        """H AdamW steps from ``start``, one a batch; ``progress`` counts the steps and their tokens.
+        """H optimiser steps from ``start``, one a batch; ``progress`` counts the steps and their tokens.
         ``staged``: compute each step's gradients as a worker of several pipeline stages does
         (trainer.runtime.staged: microbatches, the stages' clipping), to replay one."""
         load_params(self.model, start)
@@ -104,21 +106,42 @@ class InnerLoop:
         return loss.item()
 
     def state(self) -> Params:
-        """The AdamW state by parameter name (empty while no step has been taken)."""
-        return adamw_state(self.model, self.optimizer)
+        """The optimiser's state by parameter name (empty while no step has been taken)."""
+        return optimizer_state(self.model, self.optimizer)
 
     def snapshot(self) -> dict:
-        """A copy of the AdamW state, to ``restore`` if the round about to run does not count."""
+        """A copy of the optimiser's state, to ``restore`` if the round about to run does not count."""
         return copy.deepcopy(self.optimizer.state_dict())
 
     def restore(self, snapshot: dict) -> None:
         self.optimizer.load_state_dict(snapshot)
 
 
-def adamw_state(module: nn.Module, optimizer: torch.optim.Optimizer) -> Params:
+def inner_optimizer(module: nn.Module, cfg: InnerConfig) -> torch.optim.Optimizer:
+    """The inner optimiser of ``module``'s parameters that ``cfg.optimizer`` names (module docstring)."""
+    if cfg.optimizer == "muon":
+        return MuonWithAdamW(module.named_parameters(), cfg)
+    return torch.optim.AdamW(module.parameters(), lr=cfg.lr, betas=(cfg.beta1, cfg.beta2),
+                             weight_decay=cfg.weight_decay)
+
+
+def set_inner_hyperparameters(optimizer: torch.optim.Optimizer, cfg: InnerConfig) -> None:
+    """A round's hyper-parameters on an optimiser ``inner_optimizer`` built (its state carries over)."""
+    if isinstance(optimizer, MuonWithAdamW):
+        optimizer.set_hyperparameters(cfg)
+        return
+    for group in optimizer.param_groups:
+        group.update(lr=cfg.lr, betas=(cfg.beta1, cfg.beta2), weight_decay=cfg.weight_decay)
+
+
+# The names an inner optimiser's per-parameter state goes by (AdamW's, and Muon's momentum).
+STATE_KEYS = ("exp_avg", "exp_avg_sq", "momentum", "step")
+
+
+def optimizer_state(module: nn.Module, optimizer: torch.optim.Optimizer) -> Params:
     """``optimizer``'s state of ``module``'s parameters by name (``exp_avg.<p>``, ``exp_avg_sq.<p>``,
-    ``step.<p>``), copied to the CPU; empty while no step has been taken. A pipeline stage's is the slice of
-    the one-process state its parameters name (trainer.runtime.pipeline)."""
+    ``step.<p>``; ``momentum.<p>`` for Muon's), copied to the CPU; empty while no step has been taken.
+    A pipeline stage's is the slice of the one-process state its parameters name (trainer.runtime.pipeline)."""
     out: Params = {}
     for name, p in module.named_parameters():
         for key, value in sorted(optimizer.state.get(p, {}).items()):
@@ -127,19 +150,19 @@ def adamw_state(module: nn.Module, optimizer: torch.optim.Optimizer) -> Params:
     return out
 
 
-def load_adamw_state(module: nn.Module, optimizer: torch.optim.Optimizer, state: Params) -> None:
-    """Put back a state ``adamw_state`` gave (empty: no step taken, a fresh optimiser); the step
+def load_optimizer_state(module: nn.Module, optimizer: torch.optim.Optimizer, state: Params) -> None:
+    """Put back a state ``optimizer_state`` gave (empty: no step taken, a fresh optimiser); the step
     counts stay on the CPU, where AdamW keeps them."""
     optimizer.state.clear()
     for name, p in module.named_parameters():
-        entry = {key: state[f"{key}.{name}"] for key in ("exp_avg", "exp_avg_sq", "step") if f"{key}.{name}" in state}
+        entry = {key: state[f"{key}.{name}"] for key in STATE_KEYS if f"{key}.{name}" in state}
         if entry:
             optimizer.state[p] = {key: value.clone() if key == "step" else value.to(p.device, copy=True)
                                   for key, value in entry.items()}
 
 
 def inner_state_bytes(*states: Params) -> bytes:
-    """A worker's inner state (its AdamW state and, when the uplink is compressed, its error-feedback
+    """A worker's inner state (its optimiser state and, when the uplink is compressed, its error-feedback
     buffers) in one byte-deterministic safetensors file (``trainer.codec.wire.encode_params``): what
     it uploads once per window of ``rounds.state_every`` rounds (trainer.runtime.state_commit)."""
     merged: Params = {}
@@ -167,5 +190,5 @@ def evaluate(model: nn.Module, batches: list[tuple[torch.Tensor, torch.Tensor]])
     return sum(losses) / len(losses)
 
 
-FRESH_STATE = inner_state_digest()  # no AdamW step taken, no error carried
+FRESH_STATE = inner_state_digest()  # no inner step taken, no error carried
 

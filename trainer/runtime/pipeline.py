@@ -149,7 +149,7 @@ from trainer.model.params import load_params
 from trainer.model.stages import check_split, stage_blocks, stage_param_names
 from trainer.progress import PLAIN_LOG_FORMAT, Progress
 from trainer.runtime.device import backend_for, stage_device
-from trainer.runtime.inner import adamw_state, load_adamw_state
+from trainer.runtime.inner import inner_optimizer, load_optimizer_state, optimizer_state, set_inner_hyperparameters
 from trainer.runtime.island import Island, IslandGroups, average_gradients, mean_over_replicas, replica_slice
 from trainer.runtime.kernels import agreed_kernels, current_kernels
 from trainer.runtime.procgroup import LocalGroup, Member, answer, available_cpus, join_group, leave_child, report_error
@@ -368,19 +368,15 @@ class StageRunner:
         self.stage: nn.Module = (build_model(model_cfg, 0) if self.num_stages == 1
                                  else build_stage(model_cfg, 0, self.index, self.num_stages)).to(self.device)
         self.names = [n for n, _ in self.stage.named_parameters()]
-        self.optimizer: torch.optim.AdamW | None = None
+        self.optimizer: torch.optim.Optimizer | None = None
         self._schedule: Any = None
         self._schedule_shape: tuple[int, ...] | None = None
 
-    def _optimizer_for(self, cfg: InnerConfig) -> torch.optim.AdamW:
+    def _optimizer_for(self, cfg: InnerConfig) -> torch.optim.Optimizer:
         if self.optimizer is None:
-            self.optimizer = torch.optim.AdamW(
-                self.stage.parameters(), lr=cfg.lr, betas=(cfg.beta1, cfg.beta2),
-                weight_decay=cfg.weight_decay,
-            )
+            self.optimizer = inner_optimizer(self.stage, cfg)
         else:  # the state carries over; the round's hyper-parameters apply
-            for group in self.optimizer.param_groups:
-                group.update(lr=cfg.lr, betas=(cfg.beta1, cfg.beta2), weight_decay=cfg.weight_decay)
+            set_inner_hyperparameters(self.optimizer, cfg)
         return self.optimizer
 
     def _schedule_for(self, shape: tuple[int, ...]) -> Any:
@@ -396,13 +392,13 @@ class StageRunner:
         return self._schedule
 
     def state(self) -> Params:
-        """This stage's AdamW state by parameter name (trainer.runtime.inner.adamw_state): its slice of
+        """This stage's optimiser state by parameter name (trainer.runtime.inner.optimizer_state): its slice of
         the worker's inner state; empty before the first step."""
-        return {} if self.optimizer is None else adamw_state(self.stage, self.optimizer)
+        return {} if self.optimizer is None else optimizer_state(self.stage, self.optimizer)
 
     def load_state(self, inner_cfg: InnerConfig, state: Params) -> None:
         """Go on from ``state`` (a ``state()`` of this stage), undoing the rounds since."""
-        load_adamw_state(self.stage, self._optimizer_for(inner_cfg), state)
+        load_optimizer_state(self.stage, self._optimizer_for(inner_cfg), state)
 
     def run(self, inner_cfg: InnerConfig, start: Params, batches: Sequence[Batch],
             progress: Progress | None = None) -> StageResult:

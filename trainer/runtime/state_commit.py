@@ -33,9 +33,10 @@ The one rule (``state_due``) is applied by three parties, each from what it know
 The bytes are hostile input: at most ``state_limit`` bytes, their sha256 must be σ (the coordinator
 reassembles them against it), they are decoded by the wire codec (never unpickled) and must name
 exactly the tensors a worker's state can hold (``check_inner_state``): for each parameter p of the
-model either none or all of ``exp_avg.p``, ``exp_avg_sq.p`` (float32, p's shape) and ``step.p``
-(a float32 scalar, a whole number ≥ 1, the same for every p), and, with a compressed uplink only,
-``error.p`` (float32, p's shape); every value finite.
+model either none or all of its optimiser's tensors, ``exp_avg.p`` and ``exp_avg_sq.p`` for AdamW,
+``momentum.p`` for Muon's hidden matrices (``inner.optimizer``, trainer.runtime.muon; float32, p's
+shape), and ``step.p`` (a float32 scalar, a whole number ≥ 1, the same for every p), and, with a
+compressed uplink only, ``error.p`` (float32, p's shape); every value finite.
 """
 
 from __future__ import annotations
@@ -48,6 +49,8 @@ import torch
 
 from storage_client import CID, Codec, Participant, Store
 from trainer.codec.wire import Layout, Params, WireError, decode_params
+from trainer.config import InnerOptimizer
+from trainer.model.stages import hidden_matrix
 from trainer.runtime.inner import FRESH_STATE, inner_state_bytes
 
 # A worker's counted contributions of one window carry at most this many stored states: the one
@@ -56,6 +59,7 @@ MAX_STORED_PER_WINDOW = 2
 # Room for the safetensors header (names, shapes, offsets) per tensor, beyond the tensors' bytes.
 _HEADER_BYTES_PER_TENSOR = 512
 _ADAMW = ("exp_avg", "exp_avg_sq")
+_MUON = ("momentum",)
 
 
 class StateError(ValueError):
@@ -136,17 +140,18 @@ def state_limit(layout: Layout) -> int:
     return 4 * (3 * numel + len(layout)) + _HEADER_BYTES_PER_TENSOR * 4 * len(layout)
 
 
-def check_inner_state(state: Params, layout: Layout, compressed: bool) -> None:
+def check_inner_state(state: Params, layout: Layout, compressed: bool, optimizer: InnerOptimizer = "adamw") -> None:
     """Refuse (StateError, naming the first fault) a state that a worker of a model of ``layout``
-    could not hold; see the module doc."""
+    whose inner optimiser is ``optimizer`` could not hold; see the module doc."""
     steps: set[float] = set()
     known = set()
     for name, (_, shape) in layout.items():
-        present = [key for key in (*_ADAMW, "step") if f"{key}.{name}" in state]
-        if present and len(present) != 3:
+        moments = _MUON if optimizer == "muon" and hidden_matrix(name, tuple(shape)) else _ADAMW
+        present = [key for key in (*moments, "step") if f"{key}.{name}" in state]
+        if present and len(present) != len(moments) + 1:
             raise StateError(f"inner state: parameter {name[:120]} has {', '.join(present)} but not all of "
-                             f"exp_avg, exp_avg_sq and step")
-        wanted = {f"{key}.{name}": tuple(shape) for key in _ADAMW if present}
+                             f"{', '.join(moments)} and step")
+        wanted = {f"{key}.{name}": tuple(shape) for key in moments if present}
         if present:
             wanted[f"step.{name}"] = ()
         if compressed and f"error.{name}" in state:
@@ -165,21 +170,21 @@ def check_inner_state(state: Params, layout: Layout, compressed: bool) -> None:
     if unknown:
         raise StateError(f"inner state: {len(unknown)} tensor(s) no worker's state holds, e.g. {unknown[0][:140]}")
     if len(steps) > 1 or any(s < 1 or s != int(s) for s in steps):
-        raise StateError(f"inner state: AdamW step counts {sorted(steps)[:4]} are not one whole number >= 1")
+        raise StateError(f"inner state: step counts {sorted(steps)[:4]} are not one whole number >= 1")
 
 
-def decode_inner_state(data: bytes, layout: Layout, compressed: bool) -> Params:
+def decode_inner_state(data: bytes, layout: Layout, compressed: bool, optimizer: InnerOptimizer = "adamw") -> Params:
     """The state in ``data`` (bytes whose digest was already checked), decoded and checked."""
     try:
         state = decode_params(data)
     except WireError as exc:
         raise StateError(f"inner state: {str(exc)[:300]}") from None
-    check_inner_state(state, layout, compressed)
+    check_inner_state(state, layout, compressed, optimizer)
     return state
 
 
 def split_inner_state(state: Params) -> tuple[Params, Params]:
-    """(AdamW state by ``trainer.runtime.inner.adamw_state``'s names, error feedback by parameter name)."""
+    """(optimiser state by ``trainer.runtime.inner.optimizer_state``'s names, error feedback by parameter name)."""
     adamw = {k: v for k, v in state.items() if not k.startswith("error.")}
     errors = {k[len("error."):]: v for k, v in state.items() if k.startswith("error.")}
     return adamw, errors
