@@ -269,6 +269,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--workers", type=int, help="W, DiLoCo workers and AllReduce ranks (default 2)")
     p.add_argument("--rounds", type=int, help="R, convergence rounds (default 8; smoke 2)")
     p.add_argument("--inner-steps", type=int, help="H, inner steps per round (default 50; smoke 4)")
+    p.add_argument("--time-rounds", type=int, default=0,
+                   help="DiLoCo modes train this many rounds (>= R) so that the time to DiLoCo's loss can be read "
+                        "past R; the loss columns stay at R rounds' tokens (default: R)")
     p.add_argument("--throughput-rounds", type=int, help="R_t, rounds per DiLoCo mode under the link (default 4)")
     p.add_argument("--allreduce-throughput-steps", type=int, help="AllReduce steps under the link (default 3)")
     p.add_argument("--link-ratio", type=float,
@@ -304,13 +307,16 @@ def settings_of(args: argparse.Namespace) -> Settings:
                  allreduce_throughput_steps=pick("allreduce_throughput_steps"), link_ratio=pick("link_ratio"),
                  link_latency_ms=args.link_latency, batch_size=preset["batch_size"],
                  model=ModelConfig(**preset["model"]), eval_batches=preset["eval_batches"], modes=keys, seeds=seeds,
-                 data=Path(args.data), out=Path(args.out), smoke=args.smoke, keep_runs=args.keep_runs)
+                 data=Path(args.data), out=Path(args.out), smoke=args.smoke, keep_runs=args.keep_runs,
+                 time_rounds=args.time_rounds)
     if s.workers < 2:
         raise ValueError("--workers must be >= 2 (an all-reduce needs two ranks)")
     if not seeds or len(seeds) != len(set(seeds)):
         raise ValueError("--seeds must name at least one seed, each once")
     if min(s.rounds, s.inner_steps, s.throughput_rounds, s.allreduce_throughput_steps) < 1 or s.link_ratio <= 0:
         raise ValueError("rounds, steps and the link ratio must be positive")
+    if s.time_rounds and s.time_rounds < s.rounds:
+        raise ValueError("--time-rounds must be >= --rounds")
     return s
 
 

@@ -48,6 +48,9 @@ class Settings:
     smoke: bool
     keep_runs: bool
     inner_lr: float = INNER_LR
+    # Rounds a DiLoCo mode trains past R, for the time column only (relative.time_to_loss): the loss
+    # columns still read each run at R rounds' tokens. 0: R.
+    time_rounds: int = 0
     timeout_s: float = 3600.0
 
     @property
@@ -224,7 +227,7 @@ def at_tokens(curve: list[tuple[int, float]], budget: int) -> tuple[int, float]:
 def convergence_run(mode: Mode, s: Settings, data: Data, evaluate: Evaluator, root: Path, seed: int,
                     outer: tuple[float, float] | None = None, topk_density: float = 0.0) -> dict[str, Any]:
     """One seed of one mode on R·H steps' tokens: its held-out curve, final loss and wire bytes."""
-    rounds = rounds_for_tokens(mode, s.rounds, s.inner_steps)
+    rounds = max(rounds_for_tokens(mode, s.rounds, s.inner_steps), s.time_rounds)
     config = run_config(mode, s, data, rounds, seed, outer, topk_density)
     budget = s.rounds * s.inner_steps * s.workers * s.batch_size * s.model.block_size
     row: dict[str, Any] = {"seed": seed, "outer": [config.outer.lr, config.outer.momentum], "warnings": []}

@@ -65,3 +65,17 @@ def test_every_row_is_measured_against_dilocos_seeds() -> None:
     assert rows["allreduce"]["bytes_per_round"] == pytest.approx(4000 / 2)  # its totals over its 2 "rounds"
     assert "diloco_ratio_mean" not in rows["broken"]
     assert against_dense({"topk": rows["topk"]}, 0.01, 50, 1_000_000, 0.0) == {}  # no DiLoCo row
+
+
+def test_time_rounds_train_past_r_and_never_fewer() -> None:
+    """``--time-rounds`` lets the DiLoCo modes train past R for the time column; below R it is refused."""
+    import argparse
+
+    from benchmarks.ablation import add_arguments, settings_of
+
+    parser = argparse.ArgumentParser()
+    add_arguments(parser)
+    assert settings_of(parser.parse_args(["--time-rounds", "16"])).time_rounds == 16
+    assert settings_of(parser.parse_args([])).time_rounds == 0
+    with pytest.raises(ValueError, match="--time-rounds must be >= --rounds"):
+        settings_of(parser.parse_args(["--time-rounds", "4"]))
