@@ -7,11 +7,11 @@ link) produces a row, and the relations that hold whatever the machine: DiLoCo s
 per token than an all-reduce every step, compression sends fewer than dense, the two codecs send
 about the same. No timing is asserted.
 
-The four modes left out (``SKIPPED``: −compression, −overlap, a fixed rank, the other overlapped
-start) are DiLoCoX with one setting changed and nothing of their own in the benchmark; that each one's
-configuration is DiLoCoX's with exactly its technique changed is
+The six modes left out (``SKIPPED``: −compression, −overlap, a fixed rank, the other overlapped
+start, and DiLoCo and DiLoCoX with Muon inner steps) are DiLoCo or DiLoCoX with one setting changed and
+nothing of their own in the benchmark; that each one's configuration is exactly that is
 tests/unit/test_product_defaults.py's, and each technique's training is its own integration test's
-(test_overlap, test_cluster). Each costs a cluster (about 10 s of CPU) here.
+(test_overlap, test_cluster; Muon's, replayed, test_island). Each costs a cluster (about 10 s of CPU) here.
 """
 
 from __future__ import annotations
@@ -29,7 +29,7 @@ pytestmark = [pytest.mark.integration, pytest.mark.timeout(900)]
 PNG_SIGNATURE = b"\x89PNG\r\n\x1a\n"
 
 
-SKIPPED = ("no-compression", "no-overlap", "fixed-rank", "other-start")
+SKIPPED = ("no-compression", "no-overlap", "fixed-rank", "other-start", "diloco-muon", "muon")
 RUN = [m for m in MODES if m.key not in SKIPPED]
 
 
