@@ -2,16 +2,19 @@
 
     dilocox bench ablation [--smoke] [--sweep] [--seeds 1337,1338,1339] [--modes m1,m2,...]
                            [--out DIR] [--workers W] [--rounds R] [--inner-steps H]
-                           [--throughput-rounds R_t] [--link-ratio 350] [--data DIR] [--keep-runs]
+                           [--throughput-rounds R_t] [--time-rounds R2] [--link-ratio 350] [--data DIR]
+                           [--keep-runs]
 
 Modes (benchmarks.ablation.modes; one row each, ``--modes`` takes the keys):
 
     allreduce      synchronous data parallel, a gloo all-reduce of the gradients every step
                    (benchmarks.allreduce); the baseline, always run
     diloco         DiLoCo: dense fp32 both ways, synchronous rounds, one process per worker
+    diloco-muon    DiLoCo with Muon inner steps (inner.optimizer = "muon", trainer.runtime.muon)
     dilocox        what the product runs: adaptive low-rank + int4 both ways with error feedback,
                    the one-step-delay overlap (rounds.overlap_start = modes.DILOCOX_START), pipeline
                    stages as the worker chooses for its cores (`--stages auto`)
+    muon           DiLoCoX with Muon inner steps
     no-compression, no-overlap       DiLoCoX with one technique off
     fixed-rank     DiLoCoX at a fixed rank 24 (about the adaptive policy's bytes)
     other-start    DiLoCoX with the other overlapped start (eager ↔ delayed, trainer.worker.loops)
