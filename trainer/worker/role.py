@@ -23,6 +23,7 @@ goes (trainer.runtime.state_commit.StateUploads).
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import logging
 import threading
@@ -81,7 +82,7 @@ log = logging.getLogger("dilocox.worker")
 class RoundWork:
     """A round's training: the inner loop's result, and its Δ encoded as one slice per stage."""
 
-    result: InnerResult
+    result: InnerResult  # its pseudo_gradient left empty: Δ is encoded, and the slices hold what was sent
     slices: list[Slice]
     # The inner state the round started from and its sha256 (trainer.runtime.state_commit.Committed);
     # None where not committed.
@@ -180,7 +181,7 @@ class Worker:
         own = config.rounds.overlap and self.stages == 1 and self.replicas == 1
         self.reporter = Reporter(self.client, config, shard, self.data_digest, self.eval_batches,
                                  build_model(config.model, config.seed) if own else self.model, self.phase_seconds,
-                                 functools.partial(self.receipts.keep_sent, self.client))
+                                 functools.partial(self.receipts.keep_sent, self.client), bind=own)
         # θ⁽⁰⁾ is a function of the run's seed: built here, it need not cross the network. Its CID
         # is checked against the genesis checkpoint's when the coordinator serves it (as "held").
         # θ⁽⁰⁾ from existing weights (model.init_params) is fetched, and checked against that CID.
@@ -234,7 +235,7 @@ class Worker:
             # The stages' AdamW states partition the one-process state's names: the same digest rule.
             committed = commitment(piped.start_state, errors)
             snapshot = (piped.start_state, uplink_snapshot)  # kept whatever the mode, as below
-            return RoundWork(InnerResult(piped.pseudo_gradient, piped.mean_loss, piped.tokens, piped.steps),
+            return RoundWork(InnerResult({}, piped.mean_loss, piped.tokens, piped.steps),
                              piped.slices, committed, snapshot, inner_s=time.perf_counter() - started, steps=steps,
                              kernels=piped.kernels)
         # One copy of the start state: committed, uploaded when due, restored if the round is undone (``rewind``).
@@ -246,7 +247,7 @@ class Worker:
             result = self.inner.run(params, batches, progress)
         trained = time.perf_counter()
         encoded = [self.uplink.encode(result.pseudo_gradient)]
-        return RoundWork(result, encoded, committed, snapshot, trained - started, time.perf_counter() - trained,
+        return RoundWork(dataclasses.replace(result, pseudo_gradient={}), encoded, committed, snapshot, trained - started, time.perf_counter() - trained,
                          steps, current_kernels(self.device))
 
     def push(self, round_: int, work: RoundWork, base_cid: str, parent_cid: str | None = None) -> Pushed | None:
