@@ -40,8 +40,8 @@ from trainer.codec.wire import cid_of_chunks, layout_of, params_chunks
 from trainer.data.corpus import eval_batches, round_batches
 from trainer.data.dataset import open_dataset
 from trainer.model.gpt import build_model, param_count
-from trainer.model.params import params_of
-from trainer.runtime.inner import InnerLoop, evaluate_batches, load_params
+from trainer.model.params import load_params, params_of
+from trainer.runtime.inner import InnerLoop, evaluate_batches
 from trainer.runtime.state_commit import commitment
 from trainer.worker.client import global_params
 
