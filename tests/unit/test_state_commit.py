@@ -14,9 +14,11 @@ from trainer.model.gpt import build_model
 from trainer.model.params import params_of
 from trainer.runtime.inner import InnerLoop, inner_state_bytes, inner_state_digest
 from trainer.runtime.state_commit import (
+    Committed,
     StateError,
     StateUploads,
     check_inner_state,
+    commitment,
     decode_inner_state,
     previous_in_window,
     split_inner_state,
@@ -93,3 +95,46 @@ def test_a_worker_sends_its_state_when_due_or_after_a_refused_push_never_a_fresh
     assert uploads.take(4, 9, b"state") == b"state"  # absent from round 8: round 9 is its first of [8, 12)
     uploads.counted()
     assert uploads.take(4, 10, b"state") == b"" and uploads.last_counted == 9 and not uploads.in_doubt
+
+
+def test_a_committed_state_makes_its_bytes_only_for_a_push_that_carries_them() -> None:
+    """The worker keeps one copy of its start state and the digest (hashed as it is serialised); the
+    bytes, the same as ``inner_state_bytes``, are made only when ``StateUploads`` sends them."""
+    adamw, errors = trained_state()
+    made: list[int] = []
+
+    class Counted(Committed):
+        def payload(self) -> bytes | bytearray:
+            made.append(1)
+            return super().payload()
+
+    committed = Counted(commitment(adamw, errors).digest, adamw, errors)
+    assert committed.digest == hashlib.sha256(inner_state_bytes(adamw, errors)).hexdigest()
+    assert bytes(committed.payload()) == encode_params({**adamw, **errors}) and not committed.fresh
+    made.clear()
+    uploads = StateUploads()
+    assert uploads.upload(4, 2, committed) == b"" and not made  # not due: no bytes made
+    uploads.counted()
+    assert bytes(uploads.upload(4, 4, committed)) == encode_params({**adamw, **errors}) and made == [1]
+    uploads.counted()
+    fresh = commitment({}, {})
+    assert fresh.fresh and fresh.payload() == b"" and uploads.upload(4, 8, fresh) == b""
+    assert uploads.upload(4, 9, None) == b""  # none committed reads as fresh
+
+
+def test_an_undone_round_restores_the_one_process_state_it_started_from() -> None:
+    """``InnerLoop.snapshot`` is the state's copy by name (the commitment's); ``restore`` puts it back
+    and the next step is the one the snapshot's state takes."""
+    model = build_model(MODEL, 3)
+    loop = InnerLoop(model, InnerConfig(steps=2, batch_size=2, lr=1e-3))
+    x = torch.randint(MODEL.vocab_size, (2, 8), generator=torch.Generator().manual_seed(1))
+    start = params_of(model)
+    loop.run(start, [(x, x)])
+    snapshot = loop.snapshot()
+    want = loop.run(start, [(x, x)]).pseudo_gradient
+    loop.run(start, [(x, x), (x, x)])  # a round that does not count
+    loop.restore(snapshot)
+    got = loop.run(start, [(x, x)]).pseudo_gradient
+    assert all(torch.equal(got[n], want[n]) for n in want)
+    # restore copied the snapshot in: the steps after it did not write into the snapshot's tensors.
+    assert inner_state_digest(loop.snapshot()) != inner_state_digest(snapshot)

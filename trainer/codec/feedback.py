@@ -125,8 +125,11 @@ class ErrorFeedbackCompressor:
                 e = torch.zeros(sent.shape, dtype=error_dtype(sent.dtype))
             self.errors[name] = (e.to(torch.float64) + sent.to(torch.float64)).to(e.dtype)
 
-    def state_dict(self) -> Params:
-        state = {self.ERROR_PREFIX + name: e.clone() for name, e in sorted(self.errors.items())}
+    def state_dict(self, copy: bool = True) -> Params:
+        """e and the policy's state; ``copy=False`` hands e's own tensors (a snapshot that only reads
+        them: ``compress`` and ``carry_back`` replace a buffer, never write into it, and
+        ``load_state_dict`` copies)."""
+        state = {self.ERROR_PREFIX + name: e.clone() if copy else e for name, e in sorted(self.errors.items())}
         state.update({self.POLICY_PREFIX + k: v for k, v in self.policy.state_dict().items()})
         return state
 

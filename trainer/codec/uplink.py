@@ -174,8 +174,14 @@ class Uplink:
 
     def snapshot(self) -> list[Params] | None:
         """Every compressor's state (error buffer and rank policy) before a round, to ``restore`` if
-        the round does not count (a one-process worker undoes it: trainer.runtime.inner.InnerLoop)."""
-        return self.states()
+        the round does not count (a one-process worker undoes it: trainer.runtime.inner.InnerLoop); the
+        error buffers themselves, not copies (``ErrorFeedbackCompressor.state_dict``: never written
+        into), so a worker holds e once."""
+        if self.compressors is None:
+            return None
+        with self._lock:
+            self._fold()
+            return [c.state_dict(copy=False) for c in self.compressors]
 
     def restore(self, snapshot: list[Params] | None) -> None:
         with self._lock:

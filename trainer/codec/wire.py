@@ -172,9 +172,9 @@ def cid_of_chunks(chunks: Iterable[bytes]) -> CID:
     return CID(Codec.RAW, digest.digest())
 
 
-def decode_params(data: bytes) -> Params:
+def decode_params(data: bytes | bytearray) -> Params:
     try:
-        return st_load(data)
+        return st_load(data if isinstance(data, bytes) else bytes(data))  # safetensors reads bytes only
     except (SafetensorError, ValueError, RuntimeError) as exc:
         raise WireError(f"payload is not a valid safetensors file: {exc}") from exc
 

@@ -20,16 +20,23 @@ trainer.rounds.outer; the audit's replay (audit.replay) re-runs this loop from t
 from __future__ import annotations
 
 import copy
-import hashlib
 from dataclasses import dataclass
 from typing import Iterable
 
 import torch
 import torch.nn as nn
 
-from trainer.codec.wire import Params, encode_params
+from trainer.codec.wire import (
+    Params,
+    ParamsPayload,
+    cid_of_chunks,
+    encode_params,
+    layout_of,
+    params_chunks,
+    streamable,
+)
 from trainer.config import InnerConfig
-from trainer.model.params import load_params, params_of
+from trainer.model.params import load_params
 from trainer.progress import Progress
 from trainer.runtime.device import autocast
 from trainer.runtime.muon import MuonWithAdamW
@@ -88,8 +95,9 @@ class InnerLoop:
                 progress.advance(1, amount=x.numel())
         if not losses:
             raise ValueError("an inner loop needs at least one batch")
-        end = params_of(self.model)
-        delta = {name: start[name] - end[name].cpu() for name in start}
+        # θ_start − θᵢ tensor by tensor from the model's own parameters: no whole copy of θᵢ beside Δ.
+        end = dict(self.model.named_parameters())
+        delta = {name: start[name] - end[name].detach().cpu() for name in start}
         return InnerResult(delta, sum(losses) / len(losses), tokens, len(losses))
 
     def _gradients(self, x: torch.Tensor, y: torch.Tensor, step: int) -> float:
@@ -109,12 +117,14 @@ class InnerLoop:
         """The optimiser's state by parameter name (empty while no step has been taken)."""
         return optimizer_state(self.model, self.optimizer)
 
-    def snapshot(self) -> dict:
-        """A copy of the optimiser's state, to ``restore`` if the round about to run does not count."""
-        return copy.deepcopy(self.optimizer.state_dict())
+    def snapshot(self) -> Params:
+        """A copy of the optimiser's state, to ``restore`` if the round about to run does not count: the
+        same copy ``state`` gives, so a worker holds one copy of the state its round starts from for
+        the commitment, the upload and the undo (the hyper-parameters are the config's, never changed)."""
+        return self.state()
 
-    def restore(self, snapshot: dict) -> None:
-        self.optimizer.load_state_dict(snapshot)
+    def restore(self, snapshot: Params) -> None:
+        load_optimizer_state(self.model, self.optimizer, snapshot)
 
 
 def inner_optimizer(module: nn.Module, cfg: InnerConfig) -> torch.optim.Optimizer:
@@ -161,20 +171,34 @@ def load_optimizer_state(module: nn.Module, optimizer: torch.optim.Optimizer, st
                                   for key, value in entry.items()}
 
 
-def inner_state_bytes(*states: Params) -> bytes:
-    """A worker's inner state (its optimiser state and, when the uplink is compressed, its error-feedback
-    buffers) in one byte-deterministic safetensors file (``trainer.codec.wire.encode_params``): what
-    it uploads once per window of ``rounds.state_every`` rounds (trainer.runtime.state_commit)."""
+def _merged(states: tuple[Params, ...]) -> Params:
     merged: Params = {}
     for state in states:
         merged.update(state)
-    return encode_params(merged)
+    return merged
+
+
+def inner_state_bytes(*states: Params) -> bytes | bytearray:
+    """A worker's inner state (its optimiser state and, when the uplink is compressed, its error-feedback
+    buffers) in one byte-deterministic safetensors file (``trainer.codec.wire.encode_params``): what
+    it uploads once per window of ``rounds.state_every`` rounds (trainer.runtime.state_commit). Its
+    float32 tensors are written a tensor at a time into the one buffer (``ParamsPayload``: the same
+    bytes), where safetensors' own writer would hold the file twice at its peak."""
+    merged = _merged(states)
+    layout = layout_of(merged)
+    if not streamable(layout):
+        return encode_params(merged)
+    payload = ParamsPayload(layout)
+    for name, t in merged.items():
+        payload.put(name, t)
+    return payload.payload()
 
 
 def inner_state_digest(*states: Params) -> str:
     """sha256 (hex) of ``inner_state_bytes``: what a push commits to. ``FRESH_STATE`` is the digest of
-    a worker that has taken no step."""
-    return hashlib.sha256(inner_state_bytes(*states)).hexdigest()
+    a worker that has taken no step. Hashed as the bytes are made, a tensor (at most 8 MiB) at a time
+    (``trainer.codec.wire.params_chunks``: the same bytes), never the whole file at once."""
+    return cid_of_chunks(params_chunks(_merged(states))).digest.hex()
 
 
 @torch.no_grad()

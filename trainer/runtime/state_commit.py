@@ -41,8 +41,8 @@ compressed uplink only, ``error.p`` (float32, p's shape); every value finite.
 
 from __future__ import annotations
 
-import hashlib
 import math
+from dataclasses import dataclass
 from typing import Callable
 
 import torch
@@ -51,7 +51,7 @@ from storage_client import CID, Codec, Participant, Store
 from trainer.codec.wire import Layout, Params, WireError, decode_params
 from trainer.config import InnerOptimizer
 from trainer.model.stages import hidden_matrix
-from trainer.runtime.inner import FRESH_STATE, inner_state_bytes
+from trainer.runtime.inner import FRESH_STATE, inner_state_bytes, inner_state_digest
 
 # A worker's counted contributions of one window carry at most this many stored states: the one
 # ``state_due`` asks for, and one sent unasked (a worker in doubt after a refused push).
@@ -102,9 +102,22 @@ class StateUploads:
     def take(self, state_every: int, round_: int, raw: bytes) -> bytes:
         """What the push of ``round_`` sends (stage 0): ``raw``, the state's bytes (b"" when fresh),
         when due or in doubt, else b"". A push never confirmed (``counted``) was refused."""
+        return raw if self.sends(state_every, round_, fresh=not raw) else b""
+
+    def upload(self, state_every: int, round_: int, committed: Committed | None) -> bytes | bytearray:
+        """``take`` of the state ``committed`` (None: none committed, as fresh), its bytes made only
+        when the push carries them (``Committed.payload``)."""
+        if not self.sends(state_every, round_, fresh=committed is None or committed.fresh):
+            return b""
+        assert committed is not None
+        return committed.payload()
+
+    def sends(self, state_every: int, round_: int, fresh: bool) -> bool:
+        """``take``'s verdict before the bytes exist: whether the push of ``round_`` carries the state,
+        ``fresh`` when it is the fresh state (never sent)."""
         self.in_doubt = self.in_doubt or self._pending is not None
-        upload = raw if self.in_doubt or state_due(state_every, round_, self.last_counted) else b""
-        self._pending = (round_, bool(upload) or not raw)
+        upload = not fresh and (self.in_doubt or state_due(state_every, round_, self.last_counted))
+        self._pending = (round_, upload or fresh)
         return upload
 
     def counted(self) -> None:
@@ -114,13 +127,31 @@ class StateUploads:
         self.in_doubt, self._pending = self.in_doubt and not settled, None
 
 
-def commitment(adamw: Params, errors: Params) -> tuple[str, bytes]:
-    """The digest of the inner state a round starts from (its AdamW and error feedback), and its bytes
-    (b"" for the fresh state, which is never uploaded); whether they go with the push is decided
-    when it is sent (``StateUploads``)."""
-    raw = inner_state_bytes(adamw, errors)
-    digest = hashlib.sha256(raw).hexdigest()
-    return digest, raw if digest != FRESH_STATE else b""
+@dataclass(frozen=True)
+class Committed:
+    """The inner state a round starts from (its AdamW and error feedback) and its digest. The tensors
+    are the worker's one copy of that state (the round's undo restores it too); nobody writes into
+    them (the error feedback's buffers are replaced, never written in place: trainer.codec.feedback).
+    Its bytes are made only for a push that carries them (``StateUploads.sends``): ``payload``."""
+
+    digest: str
+    adamw: Params
+    errors: Params
+
+    @property
+    def fresh(self) -> bool:
+        return self.digest == FRESH_STATE
+
+    def payload(self) -> bytes:
+        """``inner_state_bytes`` of the state (b"" for the fresh state, which is never uploaded)."""
+        return b"" if self.fresh else inner_state_bytes(self.adamw, self.errors)
+
+
+def commitment(adamw: Params, errors: Params) -> Committed:
+    """The state a round starts from, its digest hashed without its whole serialisation in memory
+    (``inner_state_digest``); whether its bytes go with the push is decided when it is sent
+    (``StateUploads``)."""
+    return Committed(inner_state_digest(adamw, errors), adamw, errors)
 
 
 def state_cid(digest: str) -> CID:

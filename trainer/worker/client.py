@@ -57,10 +57,11 @@ from trainer.codec.wire import (
     Params,
     WireError,
     chunked,
+    cid_of_chunks,
     decode_params,
-    encode_params,
     json_object,
     layout_of,
+    params_chunks,
     reassemble,
     sha256_hex,
 )
@@ -163,6 +164,14 @@ def update_header(run_id: str, worker_id: str, piece: Slice, what: PushHeader, p
         intra_op_threads=what.kernels.threads if what.kernels else 0,
         data_parallel=what.kernels.data_parallel if what.kernels and what.kernels.data_parallel > 1 else 0,
     )
+
+
+def update_messages(header: pb.UpdateHeader, payload: bytes, state: bytes | bytearray) -> Iterator[pb.UpdateChunk]:
+    """A PushUpdate stream's messages, made one at a time (never the whole payload a second time in
+    messages): the header, the payload's chunks, then the inner state's."""
+    yield pb.UpdateChunk(header=header)
+    yield from (pb.UpdateChunk(data=p) for p in chunked(payload))
+    yield from (pb.UpdateChunk(state=p) for p in chunked(state))
 
 
 def slice_signature(key: WorkerKey | None, run_digest: bytes, round_: int, piece: Slice) -> bytes:
@@ -430,24 +439,24 @@ class CoordinatorClient:
 
     # ----------------------------------------------------------------------------- pushing
 
-    def push_slice(self, piece: Slice, what: PushHeader, state: bytes = b"") -> tuple[int, pb.Receipt | None]:
+    def push_slice(self, piece: Slice, what: PushHeader, state: bytes | bytearray = b"") -> tuple[int, pb.Receipt | None]:
         """One slice's PushUpdate stream, and after its payload ``state``, the committed inner state's
         bytes on the rounds that upload it (trainer.runtime.state_commit): its wire bytes (what the
         coordinator counts), and the update receipt if it completed the update. Raises grpc.RpcError
         when the coordinator refuses it (a duplicate counts as sent)."""
         assert self.config is not None
-        payload = piece.payload
-        sha = sha256_hex(payload)
+        payload, sha = piece.payload, sha256_hex(piece.payload)
         header = update_header(self.config.run_id, self.worker_id, piece, what, sha, len(state))
         header.signature = slice_signature(self.key, self.run_digest, what.round, piece)
-        messages = ([pb.UpdateChunk(header=header)] + [pb.UpdateChunk(data=p) for p in chunked(payload)]
-                    + [pb.UpdateChunk(state=p) for p in chunked(state)])
+        sizes: list[int] = []  # the wire bytes of each message of the last attempt
 
-        def stream() -> Iterator[pb.UpdateChunk]:  # a fresh iterator per attempt
+        def stream() -> Iterator[pb.UpdateChunk]:  # a fresh iterator per attempt, its chunks made as sent
             self.link.call()
-            for message in messages:
-                self.link.transfer("up", message.ByteSize())
-                self.bytes_sent += message.ByteSize()
+            sizes.clear()
+            for message in update_messages(header, payload, state):
+                sizes.append(message.ByteSize())
+                self.link.transfer("up", sizes[-1])
+                self.bytes_sent += sizes[-1]
                 yield message
 
         try:
@@ -459,7 +468,7 @@ class CoordinatorClient:
                 raise
             log.info("round %d: coordinator already holds this worker's %s", what.round, slice_name(piece))
             response = pb.PushUpdateResponse()  # no receipt: the first reply had it
-        return sum(m.ByteSize() for m in messages), response.receipt if response.HasField("receipt") else None
+        return sum(sizes), response.receipt if response.HasField("receipt") else None
 
     def submit_report(self, signed: SignedReport) -> pb.Receipt | None:
         """Send a signed report; returns the coordinator's report receipt when it took it."""
@@ -588,7 +597,7 @@ def global_params(header: pb.GlobalHeader, payload: bytes, held: tuple[str, Para
                         f"{held[0] if held else 'nothing'}")
     codec = json_object(header.compression_header, "compression_header of the global update")
     params = apply_update(held[1], decode_update(payload, codec, layout_of(held[1])))
-    rebuilt = CID.of(encode_params(params))
+    rebuilt = cid_of_chunks(params_chunks(params))  # hashed a tensor at a time: no whole bytes beside θ
     if str(rebuilt) != header.params_cid:
         raise WireError(f"rebuilt parameters hash to {rebuilt}, header names {header.params_cid}")
     return params

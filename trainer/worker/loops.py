@@ -76,6 +76,8 @@ def synchronous(worker: Worker) -> int:
         trained = time.monotonic() - started
         pushed = worker.push(r, work, checkpoint.params_cid)
         worker.round_done(r, work, trained, time.monotonic() - started - trained)
+        # Round r's Δ, Δ̂ and start state are done with: not held through the next fetch and round.
+        del work
         min_round = r
 
 

@@ -26,7 +26,7 @@ from proto import pb
 from storage_client import CID, to_e6
 from trainer.config import RunConfig
 from trainer.data.shared_eval import eval_share, shared_evaluation_problem
-from trainer.model.params import load_params
+from trainer.model.params import bind_params, load_params
 from trainer.runtime.inner import evaluate_batches
 from trainer.worker.client import Checkpoint, CoordinatorClient, PhaseSeconds
 
@@ -37,13 +37,17 @@ log = logging.getLogger("dilocox.worker")
 
 
 class Reporter:
-    """Checks θ⁽ʳ⁾ on ``eval_model`` and signs and submits the round's report."""
+    """Checks θ⁽ʳ⁾ on ``eval_model`` and signs and submits the round's report (``bind``: see ``load``)."""
 
     def __init__(self, client: CoordinatorClient, config: RunConfig, shard_index: int, data_digest: bytes,
                  eval_batches: list, eval_model: torch.nn.Module, phase_seconds: PhaseSeconds,
-                 keep_receipt: Callable[[pb.Receipt | None, int, bytes, bytes], object] | None = None) -> None:
+                 keep_receipt: Callable[[pb.Receipt | None, int, bytes, bytes], object] | None = None,
+                 bind: bool = False) -> None:
         self.client, self.config, self.shard_index, self.data_digest = client, config, shard_index, data_digest
         self.eval_batches, self.eval_model, self.phase_seconds = eval_batches, eval_model, phase_seconds
+        # ``eval_model`` is the reporter's own (nothing trains it): it computes with θ⁽ʳ⁾'s own tensors
+        # (trainer.model.params.bind_params), no second copy of the parameters; else θ⁽ʳ⁾ is copied in.
+        self.load = bind_params if bind else load_params
         # Checks and keeps the coordinator's report receipt (trainer.worker.receipts.ReceiptBook.keep_sent).
         self.keep_receipt = keep_receipt
 
@@ -79,7 +83,7 @@ class Reporter:
         the process's torch threads (a few batches, beside the training's)."""
         cfg = self.config
         share = eval_share(cfg.data.eval_batches, cfg.rounds.expected_workers, self.shard_index)
-        load_params(self.eval_model, checkpoint.params)
+        self.load(self.eval_model, checkpoint.params)
         with torch.no_grad():
             losses = evaluate_batches(self.eval_model, [self.eval_batches[j] for j in share]) if share else []
         return shared_evaluation_problem(checkpoint.eval_losses_e6, cfg.data.eval_batches, checkpoint.eval_loss_e6,

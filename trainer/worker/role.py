@@ -23,6 +23,7 @@ goes (trainer.runtime.state_commit.StateUploads).
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import logging
 import threading
@@ -39,7 +40,7 @@ from attestation import EvidenceProvider
 from proto import WorkerPhase
 from storage_client import CID, Kernels, strict_json, to_e6
 from trainer.codec.uplink import Slice, Uplink, merged, merged_decision
-from trainer.codec.wire import Params, encode_params
+from trainer.codec.wire import Params, cid_of_chunks, params_chunks
 from trainer.config import RunConfig
 from trainer.data.corpus import eval_batches, round_batches
 from trainer.data.dataset import PreparedDataset, open_dataset
@@ -56,7 +57,7 @@ from trainer.runtime.island import Island, check_devices
 from trainer.runtime.kernels import current_kernels
 from trainer.runtime.pipeline import PipelinedInnerLoop, PipelineError, StagePlan, plan_stages
 from trainer.runtime.procgroup import available_cpus
-from trainer.runtime.state_commit import StateUploads, commitment
+from trainer.runtime.state_commit import Committed, StateUploads, commitment
 from trainer.worker.client import (
     REFUSED,
     Checkpoint,
@@ -81,22 +82,25 @@ log = logging.getLogger("dilocox.worker")
 class RoundWork:
     """A round's training: the inner loop's result, and its Δ encoded as one slice per stage."""
 
-    result: InnerResult
+    result: InnerResult  # its pseudo_gradient left empty: Δ is encoded, and the slices hold what was sent
     slices: list[Slice]
-    state: str = ""  # sha256 of the inner state the round started from; "" where not committed
-    # The AdamW state before the round (an optimiser state_dict; with several stages, their
-    # start_state) and the error feedback's, restored if the round does not count.
-    snapshot: tuple[dict, list | None] | None = None
+    # The inner state the round started from and its sha256 (trainer.runtime.state_commit.Committed);
+    # None where not committed.
+    committed: Committed | None = None
+    # The AdamW state before the round (trainer.runtime.inner.optimizer_state's; with several stages,
+    # their start_state) and the error feedback's, restored if the round does not count.
+    snapshot: tuple[Params, list | None] | None = None
     inner_s: float = 0.0  # seconds in the inner loop (the whole pipeline, with several stages)
     compress_s: float = 0.0  # seconds encoding Δ for the push (one-process worker)
     steps: StepsDecision | None = None  # the round's H_r and how it was decided (trainer.rounds.schedule)
-    # The committed state's bytes (empty for a fresh state), sent with the push when it is the worker's
-    # first counted contribution in its window of rounds.state_every rounds, or after a refused push
-    # (trainer.runtime.state_commit.StateUploads: decided when the push goes, once the last one's fate is known).
-    state_bytes: bytes = b""
     # What decided the round's floating point (trainer.runtime.kernels), named with the push so that
     # an auditor replays it bit for bit; None on an accelerator, or where the stages disagreed.
     kernels: Kernels | None = None
+
+    @property
+    def state(self) -> str:
+        """sha256 of the inner state the round started from; "" where not committed."""
+        return self.committed.digest if self.committed is not None else ""
 
 
 @dataclass(frozen=True)
@@ -177,13 +181,13 @@ class Worker:
         own = config.rounds.overlap and self.stages == 1 and self.replicas == 1
         self.reporter = Reporter(self.client, config, shard, self.data_digest, self.eval_batches,
                                  build_model(config.model, config.seed) if own else self.model, self.phase_seconds,
-                                 functools.partial(self.receipts.keep_sent, self.client))
+                                 functools.partial(self.receipts.keep_sent, self.client), bind=own)
         # θ⁽⁰⁾ is a function of the run's seed: built here, it need not cross the network. Its CID
         # is checked against the genesis checkpoint's when the coordinator serves it (as "held").
         # θ⁽⁰⁾ from existing weights (model.init_params) is fetched, and checked against that CID.
         if not config.model.init_params:
             genesis = params_of(self.model)
-            self.client.held = (str(CID.of(encode_params(genesis))), genesis)
+            self.client.held = (str(cid_of_chunks(params_chunks(genesis))), genesis)  # no whole bytes beside θ⁽⁰⁾
         if self.stages > 1 or self.replicas > 1:
             try:
                 self.inner = PipelinedInnerLoop(config.model, config.inner, self.stages,
@@ -229,21 +233,22 @@ class Worker:
             piped = self.inner.run(params, batches, uplink_snapshot, what=what)
             self.uplink.update(piped.uplink_states)
             # The stages' AdamW states partition the one-process state's names: the same digest rule.
-            state, raw = commitment(piped.start_state, errors)
+            committed = commitment(piped.start_state, errors)
             snapshot = (piped.start_state, uplink_snapshot)  # kept whatever the mode, as below
-            return RoundWork(InnerResult(piped.pseudo_gradient, piped.mean_loss, piped.tokens, piped.steps),
-                             piped.slices, state, snapshot, inner_s=time.perf_counter() - started, steps=steps,
-                             state_bytes=raw, kernels=piped.kernels)
-        state, raw = commitment(self.inner.state(), self.uplink.error_state())
-        # Kept whatever the mode: overlapped, the loop rewinds to it once the next round is done (``rewind``).
-        snapshot = (self.inner.snapshot(), self.uplink.snapshot())
+            return RoundWork(InnerResult({}, piped.mean_loss, piped.tokens, piped.steps),
+                             piped.slices, committed, snapshot, inner_s=time.perf_counter() - started, steps=steps,
+                             kernels=piped.kernels)
+        # One copy of the start state: committed, uploaded when due, restored if the round is undone (``rewind``).
+        start = self.inner.snapshot()
+        committed = commitment(start, self.uplink.error_state())
+        snapshot = (start, self.uplink.snapshot())
         started = time.perf_counter()
         with Progress(what, steps.steps, unit="steps", rate_unit="tokens") as progress:
             result = self.inner.run(params, batches, progress)
         trained = time.perf_counter()
         encoded = [self.uplink.encode(result.pseudo_gradient)]
-        return RoundWork(result, encoded, state, snapshot, trained - started, time.perf_counter() - trained, steps,
-                         raw, current_kernels(self.device))
+        return RoundWork(dataclasses.replace(result, pseudo_gradient={}), encoded, committed, snapshot, trained - started, time.perf_counter() - trained,
+                         steps, current_kernels(self.device))
 
     def push(self, round_: int, work: RoundWork, base_cid: str, parent_cid: str | None = None) -> Pushed | None:
         """Send Δ for ``round_``, one stream per stage slice; what was sent if the coordinator holds
@@ -269,7 +274,8 @@ class Worker:
         what = PushHeader(round_, result.mean_loss, result.tokens, result.steps, base_cid, received, work.state,
                           work.kernels)
         wire_bytes, started, receipt = 0, time.perf_counter(), None
-        upload = self.uploads.take(self.config.rounds.state_every, round_, work.state_bytes)
+        # Due once a window, or after a refused push; decided (and made) now (trainer.runtime.state_commit).
+        upload = self.uploads.upload(self.config.rounds.state_every, round_, work.committed)
         for piece in work.slices:
             try:
                 sent, receipt = self.client.push_slice(piece, what, upload if piece.stage == 0 else b"")
