@@ -100,18 +100,23 @@ def test_oversized_headers_and_other_methods_are_refused(gateway):
     assert _request(gateway, "POST", "/ipfs/x").status == 405
 
 
-def test_connections_per_client_are_bounded(gateway):
-    host, port = gateway.removeprefix("http://").rsplit(":", 1)
-    idle = [socket.create_connection((host, int(port))) for _ in range(8)]  # each holds a slot
+def assert_refused_past(address: tuple[str, int], held: int) -> None:
+    """With ``held`` idle connections open to ``address``, one more is closed at once, unanswered."""
+    idle = [socket.create_connection(address) for _ in range(held)]  # each holds a slot
     try:
         time.sleep(0.2)  # let the server accept them
-        extra = socket.create_connection((host, int(port)))
+        extra = socket.create_connection(address)
         extra.settimeout(5)
         assert extra.recv(1) == b""  # closed at once, unanswered
         extra.close()
     finally:
         for s in idle:
             s.close()
+
+
+def test_connections_per_client_are_bounded(gateway):
+    host, port = gateway.removeprefix("http://").rsplit(":", 1)
+    assert_refused_past((host, int(port)), 8)
 
 
 def test_remote_store_reads_and_verifies(store, gateway, tmp_path):
