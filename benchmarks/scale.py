@@ -8,6 +8,7 @@ dev attestation, signed reports, compression on, then ``dilocox audit`` on the f
     1M    5 layers x 128 wide,  4 heads (2 key/value heads), MLP 352
     20M   6 layers x 512 wide,  8 heads (4 key/value heads), MLP 1376
     100M  16 layers x 768 wide, 12 heads (4 key/value heads), MLP 2048
+    1B    22 layers x 2048 wide, 32 heads (4 key/value heads), MLP 5632 (TinyLlama's blocks)
 
 (``--family gpt`` builds the project's own GPT at the same layers, widths and heads.) Every cell
 runs ``--rounds`` rounds of ``--inner-steps`` AdamW steps on batches of ``--batch-size`` sequences
@@ -30,6 +31,9 @@ the workers' start; R = 1 uses round 1):
                storing of the new checkpoint and manifest (``phases.intake`` + ``phases.store``)
     evaluate   the coordinator's evaluation of the new checkpoint + a worker's check of the
                checkpoint before signing (``evaluate_s``, mean over workers)
+    machinery  (compress + aggregate) / (inner / H): the round's own codec and transition work in
+               inner steps of the same model on the same machine (issue 30 asks for <= 2.5)
+    RSS/bound  the coordinator's peak RSS / (4 x the model's float32 bytes + 1 GiB)
 
 The phases overlap (workers run in parallel, the coordinator's intake runs while others train), so
 they do not add up to ``round``. Peak RSS is each process's VmHWM (/proc/<pid>/status), polled
@@ -39,8 +43,9 @@ manifests' bytes_up + bytes_down, over R. Audit seconds per round: ``dilocox aud
 finished run (chain still up), over R.
 
 A cell whose estimated memory (workers' and coordinator's, from the parameter count) does not fit
-in 85% of this machine's available memory, or whose parameters exceed ``--max-params``, is skipped
-with the reason printed. Output: a table on stdout, ``<out>/scale.md`` and ``<out>/scale.json``;
+in ``--memory-guard`` (85%) of this machine's available memory, or whose parameters exceed
+``--max-params``, is skipped with the reason printed (``--memory-guard 0`` runs it anyway).
+Output: a table on stdout, ``<out>/scale.md`` and ``<out>/scale.json``;
 the runs go to ``<out>/runs/`` and are deleted after each cell unless ``--keep-runs``.
 """
 
@@ -80,6 +85,7 @@ SIZES = {s.name: s for s in (
     Size("1M", 5, 128, 4, 2, 352),
     Size("20M", 6, 512, 8, 4, 1376),
     Size("100M", 16, 768, 12, 4, 2048),
+    Size("1B", 22, 2048, 32, 4, 5632),
 )}
 SMOKE_SIZE = Size("smoke", 2, 64, 4, 2, 176)
 WORKER_COUNTS = (2, 8)
@@ -90,6 +96,7 @@ class Settings:
     family: str = "llama"
     cells: tuple[tuple[str, int], ...] = tuple((s, w) for s in SIZES for w in WORKER_COUNTS)
     max_params: int = 0  # 0: no limit
+    memory_guard: float = 0.85  # a cell runs if its estimated memory fits this share of the available; 0: always
     rounds: int = 3
     checkpoint_every: int = 0  # rounds.checkpoint_every; 0: R (the last round's full checkpoint only)
     inner_steps: int = 4
@@ -111,6 +118,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--cells", help="comma-separated SIZE:WORKERS, e.g. 1M:2,20M:8 (default: every size "
                                    f"of {', '.join(SIZES)} with {' and '.join(map(str, WORKER_COUNTS))} workers)")
     p.add_argument("--max-params", type=float, default=0, help="skip cells with more estimated parameters (0: none)")
+    p.add_argument("--memory-guard", type=float, default=0.85,
+                   help="skip a cell whose estimated memory exceeds this share of the available memory (0: never skip)")
     p.add_argument("--rounds", type=int, default=3, help="R, rounds per cell")
     p.add_argument("--checkpoint-every", type=int, default=0,
                    help="rounds.checkpoint_every K: full parameters and outer state stored every K rounds "
@@ -141,8 +150,11 @@ def settings_of(args: argparse.Namespace) -> Settings:
                              ("--checkpoint-every", args.checkpoint_every, 0)):
         if value < low:
             raise ValueError(f"{name} {value} is out of range: must be >= {low}")
-    s = Settings(family=args.family, cells=cells, max_params=int(args.max_params), rounds=args.rounds,
-                 checkpoint_every=args.checkpoint_every, inner_steps=args.inner_steps, batch_size=args.batch_size, block_size=args.block_size,
+    if not 0 <= args.memory_guard <= 1:
+        raise ValueError(f"--memory-guard {args.memory_guard} is out of range: must be within [0, 1]")
+    s = Settings(family=args.family, cells=cells, max_params=int(args.max_params), memory_guard=args.memory_guard,
+                 rounds=args.rounds, checkpoint_every=args.checkpoint_every, inner_steps=args.inner_steps,
+                 batch_size=args.batch_size, block_size=args.block_size,
                  eval_batches=args.eval_batches, vocab_size=args.vocab_size, tokens=args.tokens,
                  device=args.device, threads=args.threads, out=Path(args.out), keep_runs=args.keep_runs,
                  cell_timeout_s=args.cell_timeout)
@@ -246,9 +258,12 @@ def cell_config(s: Settings, size: Size, workers: int):  # -> RunConfig
 
 
 def parameters_of(config) -> int:  # config: RunConfig
+    import torch
+
     from trainer.model.gpt import build_model, param_count
 
-    return param_count(build_model(config.model, config.seed))
+    with torch.device("meta"):  # shapes only: a 1B cell is counted without allocating it
+        return param_count(build_model(config.model, config.seed))
 
 
 def run_cell(s: Settings, size: Size, workers: int, run_dir: Path) -> dict[str, Any]:
@@ -329,6 +344,9 @@ def _row(s: Settings, config, run_dir: Path, workers: int, peaks: dict[str, int]
     def coord(*keys: str) -> float:
         return _mean([sum(p.get(k, 0.0) for k in keys) for p in coordinator])
 
+    params = parameters_of(config)
+    inner_s, aggregate_s = worker("inner_s"), coord("aggregate")
+    compress_s = worker("compress_s", "decode_s") + coord("decode")
     local = RunDir(run_dir)
     manifests = [m for _, m in lineage(local.store, local.head())][1:]
     wire = sum(m.bytes_up + m.bytes_down for m in manifests)
@@ -336,13 +354,15 @@ def _row(s: Settings, config, run_dir: Path, workers: int, peaks: dict[str, int]
     checkpoints = sum(len(local.store.get(cid)) for m in manifests for cid in (m.params, m.outer_state)
                       if local.store.has(cid))
     return {
-        "parameters": parameters_of(config), "workers": workers, "rounds": len(manifests),
+        "parameters": params, "workers": workers, "rounds": len(manifests),
         "round_s": _mean([summaries[r]["seconds"] for r in steady]),
-        "inner_s": worker("inner_s"), "compress_s": worker("compress_s", "decode_s") + coord("decode"),
-        "transfer_s": worker("push_s", "fetch_s"), "aggregate_s": coord("aggregate"),
+        "inner_s": inner_s, "compress_s": compress_s,
+        "transfer_s": worker("push_s", "fetch_s"), "aggregate_s": aggregate_s,
+        "machinery_steps": (compress_s + aggregate_s) / (inner_s / s.inner_steps) if inner_s else 0.0,
         "store_s": coord("intake", "store"), "evaluate_s": coord("evaluate") + worker("evaluate_s"),
         "evaluate_coordinator_s": coord("evaluate"), "evaluate_worker_s": worker("evaluate_s"),
         "coordinator_rss": peaks.get("coordinator", 0),
+        "coordinator_rss_bound": peaks.get("coordinator", 0) / (4 * 4 * params + (1 << 30)),
         "worker_rss": max((v for k, v in peaks.items() if k != "coordinator"), default=0),
         "store_bytes_per_round": store_growth / max(1, len(manifests)),
         "wire_bytes_per_round": wire / max(1, len(manifests)),
@@ -361,8 +381,8 @@ def _records(path: Path) -> list[dict[str, Any]]:
 # ------------------------------------------------------------------------------- the table
 
 COLUMNS = ("size", "parameters", "workers", "round s", "inner", "compress", "transfer", "aggregate", "store",
-           "evaluate", "coord. RSS", "worker RSS", "store B/round", "of which ckpt", "wire B/round",
-           "(store-ckpt)/wire", "audit s/round")
+           "evaluate", "machinery / step", "coord. RSS", "RSS / bound", "worker RSS", "store B/round",
+           "of which ckpt", "wire B/round", "(store-ckpt)/wire", "audit s/round")
 
 
 def _mb(n: float) -> str:
@@ -378,7 +398,8 @@ def row_cells(name: str, row: dict[str, Any]) -> list[str]:
     return [name, f"{row['parameters']:,}", str(row["workers"]), f"{row['round_s']:.2f}",
             *(f"{row[k]:.3f}" for k in ("inner_s", "compress_s", "transfer_s", "aggregate_s", "store_s",
                                           "evaluate_s")),
-            _mb(row["coordinator_rss"]), _mb(row["worker_rss"]), _mb(row["store_bytes_per_round"]),
+            f"{row['machinery_steps']:.1f}", _mb(row["coordinator_rss"]), f"{row['coordinator_rss_bound']:.2f}",
+            _mb(row["worker_rss"]), _mb(row["store_bytes_per_round"]),
             _mb(row["checkpoint_bytes_per_round"]), _mb(row["wire_bytes_per_round"]), f"{ratio:.2f}x",
             f"{row['audit_s_per_round']:.2f}"]
 
@@ -434,7 +455,7 @@ def _measured_cell(s: Settings, size: Size, workers: int, console) -> dict[str, 
     need, have = estimated_memory(params, workers), available_bytes()
     if s.max_params and params > s.max_params:
         return {"parameters": params, "workers": workers, "skipped": f"skipped: over --max-params {s.max_params:,}"}
-    if have and need > 0.85 * have:
+    if s.memory_guard and have and need > s.memory_guard * have:
         return {"parameters": params, "workers": workers,
                 "skipped": f"skipped: needs about {need / 2**30:.1f} GiB, {have / 2**30:.1f} GiB available"}
     run_dir = s.out / "runs" / f"{size.name}-{workers}w"

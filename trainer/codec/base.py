@@ -103,8 +103,12 @@ class TensorCodec(ABC):
         """A = ``a`` (float64, error feedback added) of the dense tensor ``t`` into ``out``."""
 
     @abstractmethod
-    def decode(self, entry: TensorEntry, packed: Mapping[str, torch.Tensor]) -> torch.Tensor:
-        """Â of a validated entry, float64 (any shape with the entry's element count)."""
+    def decode(self, entry: TensorEntry, packed: Mapping[str, torch.Tensor],
+               device: torch.device | None = None) -> torch.Tensor:
+        """Â of a validated entry, float64 on the CPU (any shape with the entry's element count).
+        ``device``: where a kind whose decode is more than a dequantisation does its arithmetic
+        (the worker's GPU); elementwise IEEE float64 operations in a fixed order give the same
+        bits on any device."""
 
     def validate(self, entry: TensorEntry, packed: Mapping[str, torch.Tensor]) -> None:
         """Payload checks beyond dtype and length: by default, zero padding nibbles of int4 parts."""

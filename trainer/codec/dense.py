@@ -48,7 +48,8 @@ class Int8Codec(TensorCodec):
         return TensorEntry(name, tuple(t.shape), dtype_name(t.dtype), self.kind, 0, g,
                            {"W": PartSpec.of([a.numel()], self.bits, g)})
 
-    def decode(self, entry: TensorEntry, packed: Mapping[str, torch.Tensor]) -> torch.Tensor:
+    def decode(self, entry: TensorEntry, packed: Mapping[str, torch.Tensor],
+               device: torch.device | None = None) -> torch.Tensor:
         return self.values(entry, packed, "W", self.bits)
 
     def size(self, shape: tuple[int, ...], config: CompressionConfig, rank: int | None) -> int:
@@ -73,7 +74,8 @@ class Int4Codec(TensorCodec):
         out[f"{name}.W.q"], out[f"{name}.W.scale"] = encode_part(a.reshape(m, n), self.bits, g)
         return TensorEntry(name, shape, dtype_name(t.dtype), self.kind, 0, g, {"W": PartSpec.of([m, n], self.bits, g)})
 
-    def decode(self, entry: TensorEntry, packed: Mapping[str, torch.Tensor]) -> torch.Tensor:
+    def decode(self, entry: TensorEntry, packed: Mapping[str, torch.Tensor],
+               device: torch.device | None = None) -> torch.Tensor:
         return self.values(entry, packed, "W", self.bits)
 
     def size(self, shape: tuple[int, ...], config: CompressionConfig, rank: int | None) -> int:

@@ -73,10 +73,11 @@ def carried_sum(u: torch.Tensor, error: torch.Tensor | None) -> torch.Tensor:
     return a + error.to(torch.float64) if error is not None else a
 
 
-def decode_update(payload: bytes, header: Mapping[str, Any], layout: Layout) -> Params:
+def decode_update(payload: bytes, header: Mapping[str, Any], layout: Layout,
+                  device: torch.device | None = None) -> Params:
     """û⁽ʳ⁾ from the bytes: validated tensor by tensor against ``layout`` before any is rebuilt
-    (raises ``trainer.codec.CompressionError`` naming the tensor and field)."""
-    return decompress(payload, header, layout)
+    (raises ``trainer.codec.CompressionError`` naming the tensor and field); rebuilt on ``device``."""
+    return decompress(payload, header, layout, device)
 
 
 @dataclass(frozen=True)

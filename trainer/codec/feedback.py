@@ -60,9 +60,12 @@ def compress(
     device: torch.device | None = None,
     *,
     decay: float = 1.0,
+    received: MutableMapping[str, torch.Tensor] | None = None,
 ) -> tuple[bytes, dict[str, Any]]:
     """(payload, header) for ``tensors``; see the module docstring. ``device``: where the encoding's
-    linear algebra runs (trainer.codec.frame.CompressionStream; the CPU by default).
+    linear algebra and the rebuilding of Â run (trainer.codec.frame.CompressionStream; the CPU by
+    default). ``received``, when given, is filled with Â of every tensor, what each receiver
+    rebuilds from the payload (``decompress``'s bits): a caller that needs it decodes nothing again.
 
     ``errors`` is the error-feedback buffer, updated in place with e ← A − Â, A = Δ + ``decay``·e
     (entries created on first use, float32, or float64 for float64 tensors); pass None to compress
@@ -82,18 +85,21 @@ def compress(
             )
     stream = CompressionStream(policy, device)
     residuals: Params = {}
+    rebuilt: Params = {}
     try:
         for name in sorted(tensors):
             t = tensors[name]
             a = accumulate(t, errors.get(name) if errors is not None else None, decay)
-            received = stream.add(name, t, a)
-            residuals[name] = (a - received.to(torch.float64)).to(error_dtype(t.dtype))
+            rebuilt[name] = stream.add(name, t, a)
+            residuals[name] = (a - rebuilt[name].to(torch.float64)).to(error_dtype(t.dtype))
         payload, header = stream.finish()
     except BaseException:
         stream.abort()
         raise
     if errors is not None:
         errors.update(residuals)
+    if received is not None:
+        received.update(rebuilt)
     return payload, header
 
 
@@ -109,10 +115,12 @@ class ErrorFeedbackCompressor:
         self.errors: Params = {}
 
     def compress(
-        self, tensors: Mapping[str, torch.Tensor]
+        self, tensors: Mapping[str, torch.Tensor], received: MutableMapping[str, torch.Tensor] | None = None
     ) -> tuple[bytes, dict[str, Any], RoundDecision]:
-        """(payload, header, decisions) for this round's pseudo-gradient; e is updated."""
-        payload, header = compress(tensors, self.errors, self.policy, self.device, decay=self.policy.config.error_decay)
+        """(payload, header, decisions) for this round's pseudo-gradient; e is updated, and
+        ``received`` (when given) filled with Â (module ``compress``)."""
+        payload, header = compress(tensors, self.errors, self.policy, self.device,
+                                   decay=self.policy.config.error_decay, received=received)
         assert self.policy.last_decision is not None
         return payload, header, self.policy.last_decision
 

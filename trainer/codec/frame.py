@@ -183,14 +183,18 @@ def validate(payload: bytes, header: CodecHeader) -> Params:
     return tensors
 
 
-def _reconstruct(entry: TensorEntry, tensors: Mapping[str, torch.Tensor], dtype: torch.dtype) -> torch.Tensor:
-    """The dense tensor an entry stands for; elementwise float64 ops only (see Determinism)."""
-    return codec_of(entry.kind).decode(entry, tensors).reshape(entry.shape).to(dtype)
+def _reconstruct(entry: TensorEntry, tensors: Mapping[str, torch.Tensor], dtype: torch.dtype,
+                 device: torch.device | None = None) -> torch.Tensor:
+    """The dense tensor an entry stands for, on the CPU; elementwise float64 ops only (see
+    Determinism), on ``device`` where the kind's decode is arithmetic (the same bits anywhere)."""
+    return codec_of(entry.kind).decode(entry, tensors, device).reshape(entry.shape).to(dtype)
 
 
-def decompress(payload: bytes, header: Mapping[str, Any], expected_layout: Layout) -> Params:
-    """The dense tensors of a compressed update, after its header and payload were checked whole."""
-    parsed = CompressedPayload.parse(payload, header, expected_layout)
+def decompress(payload: bytes, header: Mapping[str, Any], expected_layout: Layout,
+               device: torch.device | None = None) -> Params:
+    """The dense tensors of a compressed update, after its header and payload were checked whole;
+    rebuilt on ``device`` (a worker's GPU), returned on the CPU, the same bits as on the CPU."""
+    parsed = CompressedPayload.parse(payload, header, expected_layout, device)
     return {name: parsed.tensor(name) for name in parsed.names()}
 
 
@@ -200,15 +204,17 @@ class CompressedPayload:
     at a time, bit for bit what ``decompress`` gives, so a holder of many updates never needs more
     than one dense tensor of each (trainer.rounds.aggregation's update sources)."""
 
-    def __init__(self, header: CodecHeader, tensors: Params) -> None:
+    def __init__(self, header: CodecHeader, tensors: Params, device: torch.device | None = None) -> None:
         self.header = header
         self._packed = tensors
         self._entries = {entry.name: entry for entry in header.tensors}
+        self.device = device  # where ``tensor`` rebuilds (trainer.codec.base.TensorCodec.decode)
 
     @classmethod
-    def parse(cls, payload: bytes, header: Mapping[str, Any], expected_layout: Layout) -> CompressedPayload:
+    def parse(cls, payload: bytes, header: Mapping[str, Any], expected_layout: Layout,
+              device: torch.device | None = None) -> CompressedPayload:
         parsed = CodecHeader.parse(header, expected_layout)
-        return cls(parsed, validate(payload, parsed))
+        return cls(parsed, validate(payload, parsed), device)
 
     def names(self) -> list[str]:
         return sorted(self._entries)
@@ -218,7 +224,7 @@ class CompressedPayload:
 
     def tensor(self, name: str) -> torch.Tensor:
         entry = self._entries[name]
-        return _reconstruct(entry, self._packed, getattr(torch, entry.dtype))
+        return _reconstruct(entry, self._packed, getattr(torch, entry.dtype), self.device)
 
     @property
     def nbytes(self) -> int:
@@ -254,11 +260,12 @@ class CompressionStream:
         # int8 for vectors; matrices with the configured codec (the low-rank one may send int4).
         codec = vector_codec() if t.dim() <= 1 else matrix_codec(self.policy.config.codec)
         # The encoding is the encoder's business (only Â must be reproducible), so it may run on
-        # the worker's GPU; Â is rebuilt on the CPU from the payload entries, as every receiver does.
+        # the worker's GPU; Â is rebuilt from the payload entries, as every receiver does (on the
+        # same device: the same bits as a receiver's CPU gets).
         on_device = a.to(self.device) if codec.encodes_on_device else a
         entry = codec.encode(name, t, on_device, self.policy, self.out)
         self.entries.append(entry)
-        return _reconstruct(entry, self.out, t.dtype)
+        return _reconstruct(entry, self.out, t.dtype, self.device)
 
     def finish(self) -> tuple[bytes, dict[str, Any]]:
         if len(self.out) != entry_count(self.entries):

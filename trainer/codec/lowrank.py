@@ -194,17 +194,19 @@ def _factor_order(factor: torch.Tensor) -> torch.Tensor:
 def _sum_of_outer_products(p: torch.Tensor, q: torch.Tensor) -> torch.Tensor:
     """Σᵢ pᵢ qᵢᵀ for the rows pᵢ of p (r × m) and qᵢ of q (r × n), float64: each entry is
     ((p₀q₀ + p₁q₁) + p₂q₂) + …, one rounded product and one rounded sum a term in increasing i, the
-    same on every machine. The m rows are done a block at a time so that the running sum and the
-    product term stay in a core's L2 (the order of operations on each entry is the same as over the
-    whole matrix at once). Per block and term, one elementwise multiply into a reused buffer and
-    one add: the only Python-level loop is over (block, term), each covering a whole block of rows
-    (no per-group or per-row work); a fused multiply-add (``addcmul``, a matmul) would round once
-    instead of twice and give other bits on some CPUs (trainer.rounds.transition, rule 1)."""
+    same on every machine. On the CPU the m rows are done a block at a time so that the running sum
+    and the product term stay in a core's L2 (the order of operations on each entry is the same as
+    over the whole matrix at once); on a GPU (p and q on it) the whole matrix is one block. Per
+    block and term, one elementwise multiply into a reused buffer and one add, each a kernel of its
+    own (IEEE float64, correctly rounded: the same bits on a GPU as on any CPU): the only
+    Python-level loop is over (block, term), each covering a whole block of rows (no per-group or
+    per-row work); a fused multiply-add (``addcmul``, a matmul) would round once instead of twice
+    and give other bits on some CPUs (trainer.rounds.transition, rule 1)."""
     r, m = p.shape
     n = q.shape[1]
-    out = torch.zeros(m, n, dtype=torch.float64)
-    rows = max(1, min(m, _BLOCK_BYTES // (8 * max(1, n))))
-    term = torch.empty(rows, n, dtype=torch.float64)
+    out = torch.zeros(m, n, dtype=torch.float64, device=p.device)
+    rows = m if p.device.type != "cpu" else max(1, min(m, _BLOCK_BYTES // (8 * max(1, n))))
+    term = torch.empty(rows, n, dtype=torch.float64, device=p.device)
     columns, lines = p.unsqueeze(2), q.unsqueeze(1)  # pᵢ as an m × 1 column, qᵢ as a 1 × n row
     for start in range(0, m, rows):
         block = out[start:start + rows]
@@ -257,11 +259,14 @@ class LowRankCodec(TensorCodec):
                 return TensorEntry(name, shape, dtype_name(t.dtype), self.kind, rank, g, parts)
         return _DENSE.encode(name, t, a, policy, out)
 
-    def decode(self, entry: TensorEntry, packed: Mapping[str, torch.Tensor]) -> torch.Tensor:
+    def decode(self, entry: TensorEntry, packed: Mapping[str, torch.Tensor],
+               device: torch.device | None = None) -> torch.Tensor:
         m, n = matrix_dims(entry.shape)
         r = entry.rank
         p, q = self.values(entry, packed, "P", self.bits), self.values(entry, packed, "Q", self.bits)
-        return _sum_of_outer_products(p.view(r, m), q.view(r, n))  # row i is p̃ᵢ, q̃ᵢ
+        if device is None or device.type == "cpu":
+            return _sum_of_outer_products(p.view(r, m), q.view(r, n))  # row i is p̃ᵢ, q̃ᵢ
+        return _sum_of_outer_products(p.view(r, m).to(device), q.view(r, n).to(device)).cpu()
 
     def size(self, shape: tuple[int, ...], config: CompressionConfig, rank: int | None) -> int:
         """At ``rank`` (default ``config.max_rank``), or dense int4 where that rank saves nothing."""

@@ -188,7 +188,8 @@ class TopKCodec(TensorCodec):
         parts = {"I": PartSpec((local.numel(),), 2 * local.numel(), 0), "V": PartSpec.of([local.numel()], self.bits, g)}
         return TensorEntry(name, shape, dtype_name(t.dtype), self.kind, 0, g, parts, {"chunk": cfg.topk_chunk, "k": k})
 
-    def decode(self, entry: TensorEntry, packed: Mapping[str, torch.Tensor]) -> torch.Tensor:
+    def decode(self, entry: TensorEntry, packed: Mapping[str, torch.Tensor],
+               device: torch.device | None = None) -> torch.Tensor:
         numel = math.prod(entry.shape)
         chunk, k = entry.fields["chunk"], entry.fields["k"]
         local = decode_positions(packed[f"{entry.name}.I.q"])

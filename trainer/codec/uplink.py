@@ -47,9 +47,8 @@ from trainer.codec import (
     CompressionConfig,
     ErrorFeedbackCompressor,
     RoundDecision,
-    decompress,
 )
-from trainer.codec.wire import Params, encode_params, layout_of
+from trainer.codec.wire import Params, encode_params
 
 
 @dataclass(frozen=True)
@@ -76,9 +75,9 @@ def encode_slice(delta: Params, stage: int, num_stages: int,
     """Stage ``stage``'s slice of Δ, dense or compressed (``compressor``'s e is updated)."""
     if compressor is None:
         return Slice(stage, num_stages, Encoding.DENSE_F32, encode_params(delta), None, delta, None)
-    payload, header, decision = compressor.compress(delta)
-    return Slice(stage, num_stages, Encoding.LOWRANK_INT4, payload, header,
-                 decompress(payload, header, layout_of(delta)), decision)
+    transmitted: Params = {}  # Δ̂ᵢ,ₛ as the encoding rebuilt it: decompress(payload)'s bits, not decoded again
+    payload, header, decision = compressor.compress(delta, received=transmitted)
+    return Slice(stage, num_stages, Encoding.LOWRANK_INT4, payload, header, transmitted, decision)
 
 
 def new_compressor(config: CompressionConfig, state: Params | None = None,

@@ -35,6 +35,7 @@ from dataclasses import dataclass
 from typing import Callable, Iterator, Sequence, TypeVar
 
 import grpc
+import torch
 
 from attestation import (
     Domain,
@@ -185,13 +186,13 @@ def slice_signature(key: WorkerKey | None, run_digest: bytes, round_: int, piece
 
 class CoordinatorClient:
     def __init__(self, address: str, worker_id: str, *, tls: ClientTls, attestation: EvidenceProvider | None,
-                 reconnect_timeout_s: float, fetch_wait_s: float, link: Link,
-                 on_first_join: Callable[[RunConfig, int, int], None],
+                 reconnect_timeout_s: float, fetch_wait_s: float, link: Link, on_first_join: Callable[[RunConfig, int, int], None],
                  sleep: Callable[[float], None] = time.sleep, store_sources: Sequence[str] = (),
-                 successors: Successors = Successors()) -> None:
+                 successors: Successors = Successors(), decode_device: torch.device | None = None) -> None:
         self.worker_id, self.sleep, self.reconnect_timeout_s = worker_id, sleep, reconnect_timeout_s  # sleep: each retry's
         self.fetch_wait_s = bounded(fetch_wait_s, FETCH_WAIT_FLOOR_S, FETCH_WAIT_CEILING_S)
         self.attestation, self.link, self.on_first_join = attestation, link, on_first_join
+        self.decode_device = decode_device  # where a compressed global update is rebuilt: the worker's device
         # The coordinator served now, and the ones to move to (trainer.worker.succession).
         self.succession = Succession(Endpoint(address, tls), successors)
         self._moving = threading.Lock()
@@ -369,7 +370,7 @@ class CoordinatorClient:
                 continue
             decoding = time.perf_counter()
             try:
-                params = global_params(header, payload, held)
+                params = global_params(header, payload, held, self.decode_device)
                 self.phase_seconds.add("decode", time.perf_counter() - decoding)
             except (WireError, CompressionError) as exc:
                 if header.encoding == Encoding.DENSE_F32:
@@ -578,9 +579,10 @@ def check_pinned_genesis(config: RunConfig | None, header: pb.GlobalHeader) -> N
                           f"model.init_params = {pinned}")
 
 
-def global_params(header: pb.GlobalHeader, payload: bytes, held: tuple[str, Params] | None) -> Params:
-    """θ⁽ʳ⁾ from a fetched payload: held already, dense, or θ⁽ʳ⁻¹⁾ − decompress(C⁽ʳ⁾); each checked
-    against the params CID the (signed) header names."""
+def global_params(header: pb.GlobalHeader, payload: bytes, held: tuple[str, Params] | None,
+                  device: torch.device | None = None) -> Params:
+    """θ⁽ʳ⁾ from a fetched payload: held already, dense, or θ⁽ʳ⁻¹⁾ − decompress(C⁽ʳ⁾) (rebuilt on
+    ``device``, the same bits); each checked against the params CID the (signed) header names."""
     if header.encoding == Encoding.HELD:
         if held is None or held[0] != header.params_cid or payload:
             raise WireError(f"the coordinator says this worker holds {header.params_cid}; it holds "
@@ -596,7 +598,7 @@ def global_params(header: pb.GlobalHeader, payload: bytes, held: tuple[str, Para
         raise WireError(f"the global update applies to {header.base_params_cid}, this worker holds "
                         f"{held[0] if held else 'nothing'}")
     codec = json_object(header.compression_header, "compression_header of the global update")
-    params = apply_update(held[1], decode_update(payload, codec, layout_of(held[1])))
+    params = apply_update(held[1], decode_update(payload, codec, layout_of(held[1]), device))
     rebuilt = cid_of_chunks(params_chunks(params))  # hashed a tensor at a time: no whole bytes beside θ
     if str(rebuilt) != header.params_cid:
         raise WireError(f"rebuilt parameters hash to {rebuilt}, header names {header.params_cid}")

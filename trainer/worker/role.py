@@ -138,7 +138,7 @@ class Worker:
         self.client = CoordinatorClient(address, worker_id, tls=tls, attestation=attestation,
                                         reconnect_timeout_s=reconnect_timeout_s, fetch_wait_s=fetch_wait_s,
                                         link=link or Link(), on_first_join=self.set_up, store_sources=store_sources,
-                                        successors=successors)
+                                        successors=successors, decode_device=self.device)
         self.config: RunConfig | None = None
         self.inner: InnerLoop | PipelinedInnerLoop | None = None
         self.started_at = time.monotonic()  # reset when the first round starts
