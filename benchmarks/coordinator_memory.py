@@ -175,8 +175,8 @@ def _push(c: Any, worker: str, payload: bytes, header: dict) -> None:
         protocol_version=PROTOCOL_VERSION, run_id=c.config.run_id, worker_id=worker, round=c.round.number, stage=0,
         num_stages=1, encoding=int(Encoding.LOWRANK_INT4),
         tensors=tuple((n, d, tuple(s)) for n, (d, s) in c.layout.items()), payload_size=len(payload),
-        payload_sha256=sha256_hex(payload), train_loss=g.eval_loss_e6 / 1e6, tokens=c.run.round_tokens,
-        inner_steps=c.config.inner.steps, base_params_cid=str(g.params_cid), base_bytes_received=0,
+        payload_sha256=sha256_hex(payload), train_loss=g.eval_loss_e6 / 1e6, tokens=c.run.round_tokens(c.round.number),
+        inner_steps=c.run.inner_steps(c.round.number), base_params_cid=str(g.params_cid), base_bytes_received=0,
         signature=b"", compression_header=canonical_json(header), inner_state_sha256="ab" * 32)
     declared = c.admit_header(h)
     update = checked_update(payload, declared, c.bound, encoding=Encoding.LOWRANK_INT4, codec_header=header)

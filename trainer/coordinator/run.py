@@ -20,7 +20,7 @@ import torch
 from storage_client import CID, Manifest, canonical_json, lineage, to_e6
 from trainer.codec import AdaptiveRankPolicy, CodecHeader
 from trainer.codec.downlink import DownlinkCompressor
-from trainer.codec.wire import Params, ParamsPayload, encode_params, layout_of, streamable
+from trainer.codec.wire import Params, ParamsPayload, encode_params, layout_of, params_chunks, streamable
 from trainer.config import ConfigError, RunConfig
 from trainer.coordinator.state import CompressedGlobal, GlobalState, RoundSummary
 from trainer.data.corpus import eval_batches
@@ -105,10 +105,10 @@ def open_run(run_dir: RunDir, config: RunConfig | None) -> Run:
     if head is None:
         if config is None:
             raise ConfigError(f"{run_dir.path} holds no run yet: a configuration is needed to start one")
-        run = _genesis(run_dir, config)
+        run = _genesis(run_dir, config)  # θ made as views of the bytes it serves
     else:
         run = _resume(run_dir, head, config)
-    run.global_state = served_once(run.global_state)
+        run.global_state = served_once(run.global_state)
     bind_params(run.model, run.global_state.params)  # the model's own copy of θ is dropped
     return run
 
@@ -148,14 +148,15 @@ def _genesis(run_dir: RunDir, config: RunConfig) -> Run:
     store, model = run_dir.store, parts["model"]
     if init is not None:
         load_params(model, init)
-    params = params_of(model)
+    # θ⁽⁰⁾ held once, as views of the bytes served (as open_run's served_once makes them on a resume),
+    # and m⁽⁰⁾'s bytes stored a tensor at a time: genesis needs no more than a round's close does.
+    params, payload = _served_params(model)
     momentum = zero_momentum(params)
-    payload = encode_params(params)
     params_cid = store.put(payload)
     losses = evaluate_batches(model, parts["eval_batches"])
     manifest = Manifest(
         run_id=config.run_id, round=0, parent=None, config=str(parts["config_cid"]),
-        params=str(params_cid), outer_state=str(store.put(encode_params(outer_state_of(momentum)))),
+        params=str(params_cid), outer_state=str(store.put_chunks(params_chunks(outer_state_of(momentum)))),
         participants=(), dropped=(), eval_loss_e6=to_e6(sum(losses) / len(losses)),
         bytes_up=0, bytes_down=0,
     )
@@ -168,6 +169,20 @@ def _genesis(run_dir: RunDir, config: RunConfig) -> Run:
                                                  manifest.eval_loss_e6,
                                                  eval_losses_e6=tuple(to_e6(x) for x in losses)),
                manifests={0: (manifest_cid, manifest)}, summaries=[summary])
+
+
+def _served_params(model: torch.nn.Module) -> tuple[Params, bytes | bytearray]:
+    """(θ, θ's bytes) of ``model``: θ as views of the bytes, the model bound to them (its own
+    tensors dropped), where the layout allows; else a copy of θ and its serialisation."""
+    own = {name: p.detach() for name, p in model.named_parameters()}
+    layout = layout_of(own)
+    if not streamable(layout):
+        params = params_of(model)
+        return params, encode_params(params)
+    into = ParamsPayload(layout)
+    params = {name: into.put(name, own.pop(name)) for name in sorted(layout)}
+    bind_params(model, params)
+    return params, into.payload()
 
 
 def _resume(run_dir: RunDir, head: CID, config: RunConfig | None) -> Run:
