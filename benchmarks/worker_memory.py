@@ -87,7 +87,7 @@ def measure(size: str, rounds: int, steps: int) -> tuple[PhaseLog, int]:
         with log.phase(f"round {r} encode"):
             encoded = uplink.encode(result.pseudo_gradient)
         with log.phase(f"round {r} state bytes (rounds that send them)"):
-            raw = committed.payload()
+            raw = sum(len(c) for c in committed.stream().chunks())  # made as a push sends them, a piece at a time
         del result, encoded, raw, snapshot, committed, start
         with log.phase(f"round {r} evaluate"):
             load_params(model, held[1])

@@ -22,12 +22,13 @@ from trainer.codec import CompressionConfig
 from trainer.codec.wire import Params, encode_params, layout_of
 from trainer.config import InnerConfig, ModelConfig, RoundConfig
 from trainer.coordinator import Coordinator, UpdateHeader, open_run
-from trainer.coordinator.checks import check_state_bytes
+from trainer.coordinator.checks import check_state_spool
 from trainer.model.stages import stage_param_names
 from trainer.net.refusal import Reason, Refusal
 from trainer.rounds.aggregation import CheckedUpdate, exact_norm
 from trainer.rounds.update_source import DenseUpdate, dense
 from trainer.runstore.run_dir import RunDir
+from trainer.runstore.spool import Spool
 from trainer.runtime.inner import FRESH_STATE
 
 STATE = "ab" * 32
@@ -249,9 +250,17 @@ def test_inner_state_bytes_come_on_the_rounds_state_every_names_and_are_checked(
     assert refused(c, header(c, "w0", u, inner_state_size=10**12), u) is Reason.MALFORMED
     assert refused(c, header(c, "w0", u, inner_state_sha256=FRESH_STATE, inner_state_size=10), u) is Reason.MALFORMED
     with pytest.raises(Refusal, match="no worker's state holds") as caught:
-        check_state_bytes(encode_params({"exp_avg_sq.nothing": torch.zeros(2)}), c.layout, c.config)
+        check_state_spool(spool_of(c, encode_params({"exp_avg_sq.nothing": torch.zeros(2)})), c.layout, c.config)
     assert caught.value.reason is Reason.MALFORMED
     push(c, header(c, "w0", u, inner_state_sha256=FRESH_STATE), u)  # a fresh state carries none
+
+
+def spool_of(c: Coordinator, data: bytes) -> Spool:
+    """``data`` as the service spools a push's inner state (trainer.runstore.spool), finished."""
+    spool = Spool(c.run.run_dir.scratch, len(data), hashlib.sha256(data).hexdigest(), what="a test's state")
+    spool.add(data)
+    spool.finish()
+    return spool
 
 
 def push_with_state(c: Coordinator, worker: str, update: Params, state: bytes) -> None:
@@ -259,7 +268,11 @@ def push_with_state(c: Coordinator, worker: str, update: Params, state: bytes) -
     the service stores it."""
     h = header(c, worker, update, inner_state_sha256=hashlib.sha256(state).hexdigest(), inner_state_size=len(state))
     c.admit_header(h)
-    c.accept(h, CheckedUpdate(DenseUpdate(update), exact_norm(update)), 1234, encode_params(update), state)
+    spool = spool_of(c, state)
+    try:
+        c.accept(h, CheckedUpdate(DenseUpdate(update), exact_norm(update)), 1234, encode_params(update), spool)
+    finally:
+        spool.discard()
 
 
 def test_the_inner_state_is_due_at_a_workers_first_counted_round_of_each_window(tmp_path) -> None:

@@ -14,7 +14,9 @@ from trainer.model.gpt import build_model
 from trainer.model.params import params_of
 from trainer.runtime.inner import InnerLoop, inner_state_bytes, inner_state_digest
 from trainer.runtime.state_commit import (
+    NO_STATE,
     Committed,
+    StateBytes,
     StateError,
     StateUploads,
     check_inner_state,
@@ -99,27 +101,33 @@ def test_a_worker_sends_its_state_when_due_or_after_a_refused_push_never_a_fresh
 
 def test_a_committed_state_makes_its_bytes_only_for_a_push_that_carries_them() -> None:
     """The worker keeps one copy of its start state and the digest (hashed as it is serialised); the
-    bytes, the same as ``inner_state_bytes``, are made only when ``StateUploads`` sends them."""
+    bytes, the same as ``inner_state_bytes``, are made only when ``StateUploads`` sends them, and then
+    a tensor at a time as they are sent (``StateBytes``), afresh for each attempt."""
     adamw, errors = trained_state()
     made: list[int] = []
 
     class Counted(Committed):
-        def payload(self) -> bytes | bytearray:
+        def stream(self) -> StateBytes:
             made.append(1)
-            return super().payload()
+            return super().stream()
 
     committed = Counted(commitment(adamw, errors).digest, adamw, errors)
+    whole = encode_params({**adamw, **errors})
     assert committed.digest == hashlib.sha256(inner_state_bytes(adamw, errors)).hexdigest()
-    assert bytes(committed.payload()) == encode_params({**adamw, **errors}) and not committed.fresh
+    sent = committed.stream()
+    assert sent.size == len(whole) and not committed.fresh
+    assert b"".join(sent.chunks()) == whole and b"".join(sent.chunks()) == whole  # a retry makes them again
+    assert max(len(c) for c in sent.chunks()) < len(whole)  # never the whole file at once
     made.clear()
     uploads = StateUploads()
-    assert uploads.upload(4, 2, committed) == b"" and not made  # not due: no bytes made
+    assert uploads.upload(4, 2, committed) is NO_STATE and not made  # not due: no bytes made
     uploads.counted()
-    assert bytes(uploads.upload(4, 4, committed)) == encode_params({**adamw, **errors}) and made == [1]
+    assert b"".join(uploads.upload(4, 4, committed).chunks()) == whole and made == [1]
     uploads.counted()
     fresh = commitment({}, {})
-    assert fresh.fresh and fresh.payload() == b"" and uploads.upload(4, 8, fresh) == b""
-    assert uploads.upload(4, 9, None) == b""  # none committed reads as fresh
+    assert fresh.fresh and fresh.stream() is NO_STATE and uploads.upload(4, 8, fresh) is NO_STATE
+    assert uploads.upload(4, 9, None) is NO_STATE  # none committed reads as fresh
+    assert NO_STATE.size == 0 and b"".join(NO_STATE.chunks()) == b""
 
 
 def test_an_undone_round_restores_the_one_process_state_it_started_from() -> None:

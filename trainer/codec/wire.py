@@ -97,6 +97,52 @@ def _data(t: torch.Tensor) -> torch.Tensor:
     return t.detach().cpu().contiguous().reshape(-1).view(torch.uint8)
 
 
+def streamed_layout(head: bytes, size: int, max_header: int) -> tuple[Layout, dict[str, tuple[int, int]]]:
+    """The layout and data slots of a file of ``size`` bytes whose first bytes are ``head`` (at least
+    its 8-byte header length and the header), refusing (WireError, never quoting the input) any file
+    that is not exactly what ``params_chunks`` writes for its layout: float32 tensors with plain
+    names, the canonical header (``_header``), and data filling the rest of the file. The inverse
+    of ``_header`` for a reader that takes the tensors one at a time from a file (an inner state
+    three times the model) instead of the whole bytes; a header over ``max_header`` is refused
+    unparsed."""
+    if len(head) < 8:
+        raise WireError("not a safetensors file: shorter than its 8-byte header length")
+    n = int.from_bytes(head[:8], "little")
+    if n > max_header or 8 + n > min(size, len(head)):
+        raise WireError(f"safetensors header of {n} bytes: more than the {max_header} allowed or the file holds")
+    try:
+        obj = loads_bounded(head[8:8 + n], max_bytes=max_header, what="safetensors header")
+    except JSONBoundsError as exc:
+        raise WireError(str(exc)) from None
+    if not isinstance(obj, dict) or not obj:
+        raise WireError("safetensors header is not an object of tensors")
+    layout: Layout = {}
+    for name, entry in obj.items():
+        shape = entry.get("shape") if isinstance(entry, dict) else None
+        if (not isinstance(shape, list) or len(shape) > 8
+                or not all(type(d) is int and 0 <= d < 1 << 40 for d in shape)):
+            raise WireError("safetensors header: an entry without a plain shape")
+        layout[name] = ("float32", tuple(shape))
+    if not streamable(layout):
+        raise WireError("safetensors file: not float32 tensors with plain names")
+    canonical, slots = _header(layout)
+    if bytes(head[:8 + n]) != canonical:
+        raise WireError("safetensors header is not the canonical one of its tensors (dtypes, order, offsets, padding)")
+    if size != len(canonical) + sum(length for _, length in slots.values()):
+        raise WireError(f"safetensors file of {size} bytes: its header describes "
+                        f"{len(canonical) + sum(length for _, length in slots.values())}")
+    return layout, slots
+
+
+def serialized_size(params: Params) -> int:
+    """``len(encode_params(params))`` without making the bytes (for a ``streamable`` layout)."""
+    layout = layout_of(params)
+    if not streamable(layout):
+        return len(encode_params(params))
+    header, slots = _header(layout)
+    return len(header) + sum(size for _, size in slots.values())
+
+
 def params_chunks(params: Params) -> Iterator[bytes]:
     """``encode_params(params)`` as consecutive byte strings, made one tensor (and at most 8 MiB of it)
     at a time, so that a checkpoint is hashed and written without its whole serialisation in memory

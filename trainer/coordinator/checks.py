@@ -34,12 +34,13 @@ from trainer.net.limits import clip, dense_payload_limit
 from trainer.net.refusal import Reason, Refusal
 from trainer.rounds.aggregation import InvalidUpdate, check_layout
 from trainer.rounds.schedule import round_tokens
+from trainer.runstore.spool import Spool
 from trainer.runstore.update_record import SIGNATURE_BYTES
 from trainer.runtime.inner import FRESH_STATE
 from trainer.runtime.state_commit import (
     MAX_STORED_PER_WINDOW,
     StateError,
-    decode_inner_state,
+    check_state_file,
     previous_in_window,
     state_due,
     state_limit,
@@ -249,10 +250,13 @@ def check_replay(accepted_cids: dict[str, tuple[int, str]], cid: str) -> None:
                                        f"round {seen[0]}: a replayed update is refused")
 
 
-def check_state_bytes(data: bytes, layout: Layout, config: RunConfig) -> None:
-    """The inner state a push carried (its digest already checked as it arrived) is one a worker of
-    this run's model could hold (trainer.runtime.state_commit); MALFORMED otherwise."""
-    try:
-        decode_inner_state(data, layout, config.compression.enabled, config.inner.optimizer)
-    except StateError as exc:
-        raise Refusal(Reason.MALFORMED, str(exc)) from None
+def check_state_spool(state: Spool, layout: Layout, config: RunConfig) -> None:
+    """The inner state a push carried, spooled whole and its digest checked as it arrived, is one a
+    worker of this run's model could hold (trainer.runtime.state_commit.check_state_file, a tensor
+    at a time from the spool's file); MALFORMED otherwise."""
+    with state.in_use() as path:
+        assert path is not None, "a finished spool of a non-empty state has its file"
+        try:
+            check_state_file(path, state.size, layout, config.compression.enabled, config.inner.optimizer)
+        except StateError as exc:
+            raise Refusal(Reason.MALFORMED, str(exc)) from None

@@ -38,6 +38,7 @@ from trainer.net.limits import LogBudget
 from trainer.net.refusal import Reason, Refusal
 from trainer.rounds.aggregation import CheckedUpdate, exact_norm
 from trainer.rounds.update_source import UpdateSource
+from trainer.runstore.spool import Spool
 from trainer.runstore.update_record import (
     identity_cid,
     open_update,
@@ -162,7 +163,7 @@ class Intake:
 
     def accept(self, h: UpdateHeader, update: CheckedUpdate, wire_bytes: int,
                screen: Callable[[UpdateSource], float], payload: bytes,
-               state: bytes = b"") -> tuple[CID, int, StageSlices | None]:
+               state: Spool | None = None) -> tuple[CID, int, StageSlices | None]:
         """Store and journal a checked update or slice (``payload``: its bytes as pushed; ``state``: the
         inner state it carried, checked, stored by CID before the record); returns its record's CID,
         the open round, and the worker's slices when this one completed them (the caller checks and
@@ -176,8 +177,9 @@ class Intake:
             screen(update.source)
         store = self.run.run_dir.store
         store_slice(store, ref, payload, header)  # the bytes before the record, the record before the journal
-        if state:
-            store.put(state)  # its CID digest is the commitment (trainer.runtime.state_commit.state_cid)
+        if state is not None:  # its CID digest is the commitment (trainer.runtime.state_commit.state_cid)
+            with state.in_use():
+                store.put_chunks(state.chunks())
         cid = store.put(record, Codec.JSON)
         norm = update.norm if h.num_stages == 1 else None
         with self._lock:

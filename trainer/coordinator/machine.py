@@ -43,6 +43,7 @@ from trainer.net.refusal import Reason, Refusal
 from trainer.rounds.aggregation import CheckedUpdate, InvalidUpdate, check_norm, norm_bound
 from trainer.rounds.update_source import UpdateSource
 from trainer.runstore.round_inputs import ClipHistory, manifest_updates
+from trainer.runstore.spool import Spool
 from trainer.runtime.memory import release_free_memory
 
 log = logging.getLogger("dilocox.coordinator")
@@ -211,10 +212,10 @@ class Coordinator:
         self.intake.refuse(h, refusal)
 
     def accept(self, h: UpdateHeader, update: CheckedUpdate, wire_bytes: int, payload: bytes,
-               state: bytes = b"") -> tuple[CID, int, SignedReceipt | None]:
+               state: Spool | None = None) -> tuple[CID, int, SignedReceipt | None]:
         """Store and journal an update, or a stage slice, that passed every check
         (trainer.rounds.aggregation.checked_update), ``payload`` its bytes as pushed and ``state`` the
-        inner state it carried (checks.check_state_bytes; stored by CID); returns its record's CID, the open
+        inner state it carried (checks.check_state_spool; stored by CID); returns its record's CID, the open
         round, and the update receipt once the worker's whole update counts (a run with a ledger;
         attestation.receipt). The last slice of a worker completes its update."""
         def screen(candidate: UpdateSource) -> float:
@@ -235,7 +236,7 @@ class Coordinator:
 
     def _accept(self, h: UpdateHeader, update: CheckedUpdate, wire_bytes: int,
                 screen: Callable[[UpdateSource], float], payload: bytes,
-                state: bytes) -> tuple[CID, int, SignedReceipt | None]:
+                state: Spool | None) -> tuple[CID, int, SignedReceipt | None]:
         cid, open_round, complete = self.intake.accept(h, update, wire_bytes, screen, payload, state)
         counted = cid if h.num_stages == 1 else None  # accepted whole under the lock the close takes: it counts
         if complete is not None:

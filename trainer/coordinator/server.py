@@ -44,6 +44,7 @@ from trainer.coordinator.service import (
 from trainer.coordinator.trust import RunTrust
 from trainer.net.limits import clip
 from trainer.runstore.run_dir import RunDir
+from trainer.runstore.spool import empty_scratch
 
 log = logging.getLogger("dilocox.service")
 
@@ -144,6 +145,7 @@ def serve(run_dir: RunDir, config: RunConfig | None, host: str = "127.0.0.1", po
     ``host`` with ``gateway_tls`` (the gRPC port's certificate; None: plaintext, with --insecure)."""
     lock = lock_run_dir(run_dir)
     _raise_open_file_limit()
+    empty_scratch(run_dir.scratch)  # spools of pushes a previous process never finished
     run = open_run(run_dir, config)
     coordinator = Coordinator(run, trust=trust(run) if trust is not None else None)
     service = CoordinatorService(coordinator, idle_s=idle_s)

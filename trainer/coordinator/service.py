@@ -41,7 +41,7 @@ from proto import CHUNK_BYTES, PROTOCOL_VERSION, SERVICE_NAME, Encoding, WorkerP
 from storage_client import CID, Codec
 from storage_client.gateway import GatewayServer
 from trainer.codec.wire import Reassembly, WireError, chunked, json_object, sha256_hex
-from trainer.coordinator.checks import check_state_bytes
+from trainer.coordinator.checks import check_state_spool
 from trainer.coordinator.calls import HEAVY, MALFORMED, PUBLIC, WORKERS, CallGate, parser
 from trainer.coordinator.machine import Coordinator
 from trainer.coordinator.state import GlobalState, StatusView, UpdateHeader
@@ -57,6 +57,7 @@ from trainer.net.limits import (
 )
 from trainer.net.refusal import Reason, Refusal
 from trainer.rounds.aggregation import InvalidUpdate, checked_update
+from trainer.runstore.spool import Spool
 
 log = logging.getLogger("dilocox.service")
 
@@ -222,35 +223,44 @@ class CoordinatorService:
             cid, open_round, receipt = again
             return pb.PushUpdateResponse(accepted=True, update_cid=str(cid), open_round=open_round,
                                          receipt=receipt_message(receipt))
+        state: Spool | None = None
         try:
             try:
                 declared = await self.gate.run(WORKERS, self.c.admit_header, header)  # before a payload byte
                 joined = Reassembly(header.payload_size, header.payload_sha256,
                                     what=f"update from {worker} for round {header.round}")
-                # The inner state's bytes (trainer.runtime.state_commit), checked against its commitment.
-                state = Reassembly(header.inner_state_size, header.inner_state_sha256,
-                                   what=f"inner state from {worker} for round {header.round}")
+                # The inner state's bytes (trainer.runtime.state_commit), checked against its commitment
+                # as they arrive and spooled to the run's scratch folder: three times the model, never
+                # whole in memory (trainer.runstore.spool).
+                state = Spool(self.c.run.run_dir.scratch, header.inner_state_size, header.inner_state_sha256,
+                              what=f"inner state from {worker} for round {header.round}")
                 pace = self.gate.pace()
                 while (message := await self.gate.read(context, pace)) is not grpc.aio.EOF:
                     if message is MALFORMED or message.HasField("header") or (
-                            message.HasField("data") and state.buffer):
+                            message.HasField("data") and state.received):
                         raise WireError("a push carries one header, then data chunks, then its state chunks only")
                     wire_bytes += message.ByteSize()
-                    (joined if message.HasField("data") else state).add(message.data or message.state)
+                    if message.HasField("data"):
+                        joined.add(message.data)
+                    else:
+                        state.add(message.state)
                 payload = joined.payload()
                 update = await self.gate.run(HEAVY, self._decode, header, declared, payload)
-                state_bytes = state.payload() if header.inner_state_size else b""
-                if state_bytes:
-                    await self.gate.run(HEAVY, check_state_bytes, state_bytes, self.c.layout, self.c.config)
+                if header.inner_state_size:
+                    state.finish()
+                    await self.gate.run(HEAVY, check_state_spool, state, self.c.layout, self.c.config)
             except (WireError, InvalidUpdate) as exc:
                 raise Refusal(Reason.MALFORMED, str(exc)) from exc
             finally:  # refused or not, these bytes crossed the network
                 await self.gate.run(WORKERS, self.c.count_up, worker, wire_bytes)
             cid, open_round, receipt = await self.gate.run(HEAVY, self.c.accept, header, update, wire_bytes, payload,
-                                                           state_bytes)
+                                                           state if header.inner_state_size else None)
         except Refusal as r:
             await self.gate.run(WORKERS, self.c.refuse, header, r)
             raise
+        finally:  # stored by CID when accepted, or refused: the scratch file goes either way
+            if state is not None:
+                state.discard()
         return pb.PushUpdateResponse(accepted=True, update_cid=str(cid), open_round=open_round,
                                      receipt=receipt_message(receipt))
 

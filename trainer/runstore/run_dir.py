@@ -13,6 +13,7 @@
     <run>/tls/                  the coordinator's self-signed certificate and key (trainer.net.tls)
     <run>/rounds.jsonl          one summary line per published round, for people and the demo
     <run>/logs/                 process logs written by ``dilocox demo``
+    <run>/scratch/              inner states of pushes still arriving (trainer.runstore.spool), emptied at start
 
 Everything is written atomically (temp file, fsync, rename), and HEAD moves only after every object
 its manifest names is in the store, so a crash at any instant leaves either the old tip or the new.
@@ -54,6 +55,10 @@ class RunDir:
     @property
     def logs(self) -> Path:
         return self.path / "logs"
+
+    @property
+    def scratch(self) -> Path:
+        return self.path / "scratch"
 
     def head(self) -> CID | None:
         path = self.path / "HEAD"

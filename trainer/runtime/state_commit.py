@@ -31,7 +31,9 @@ The one rule (``state_due``) is applied by three parties, each from what it know
 * the audit: the manifests, exactly: which rounds must have stored states (audit.replay.missing_states).
 
 The bytes are hostile input: at most ``state_limit`` bytes, their sha256 must be σ (the coordinator
-reassembles them against it), they are decoded by the wire codec (never unpickled) and must name
+spools them to a file against it, trainer.runstore.spool), they are read back a tensor at a time
+(``check_state_file``: only the canonical safetensors form of their tensors, never unpickled; a
+state is three times the model, and never whole in the coordinator's memory) and must name
 exactly the tensors a worker's state can hold (``check_inner_state``): for each parameter p of the
 model either none or all of its optimiser's tensors, ``exp_avg.p`` and ``exp_avg_sq.p`` for AdamW,
 ``momentum.p`` for Muon's hidden matrices (``inner.optimizer``, trainer.runtime.muon; float32, p's
@@ -43,15 +45,25 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
-from typing import Callable
+from pathlib import Path
+from typing import BinaryIO, Callable, Iterator, Mapping
 
 import torch
 
 from storage_client import CID, Codec, Participant, Store
-from trainer.codec.wire import Layout, Params, WireError, decode_params
+from trainer.codec.wire import (
+    Layout,
+    Params,
+    WireError,
+    decode_params,
+    params_chunks,
+    serialized_size,
+    streamable,
+    streamed_layout,
+)
 from trainer.config import InnerOptimizer
 from trainer.model.stages import hidden_matrix
-from trainer.runtime.inner import FRESH_STATE, inner_state_bytes, inner_state_digest
+from trainer.runtime.inner import FRESH_STATE, inner_state_digest
 
 # A worker's counted contributions of one window carry at most this many stored states: the one
 # ``state_due`` asks for, and one sent unasked (a worker in doubt after a refused push).
@@ -104,13 +116,13 @@ class StateUploads:
         when due or in doubt, else b"". A push never confirmed (``counted``) was refused."""
         return raw if self.sends(state_every, round_, fresh=not raw) else b""
 
-    def upload(self, state_every: int, round_: int, committed: Committed | None) -> bytes | bytearray:
-        """``take`` of the state ``committed`` (None: none committed, as fresh), its bytes made only
-        when the push carries them (``Committed.payload``)."""
+    def upload(self, state_every: int, round_: int, committed: Committed | None) -> StateBytes:
+        """``take`` of the state ``committed`` (None: none committed, as fresh): its bytes, made as
+        they are sent (``Committed.stream``), when the push carries them, else ``NO_STATE``."""
         if not self.sends(state_every, round_, fresh=committed is None or committed.fresh):
-            return b""
+            return NO_STATE
         assert committed is not None
-        return committed.payload()
+        return committed.stream()
 
     def sends(self, state_every: int, round_: int, fresh: bool) -> bool:
         """``take``'s verdict before the bytes exist: whether the push of ``round_`` carries the state,
@@ -128,11 +140,29 @@ class StateUploads:
 
 
 @dataclass(frozen=True)
+class StateBytes:
+    """An inner state's bytes as a push sends them (``inner_state_bytes``'s bytes): their length, and
+    for each attempt afresh the bytes a tensor (at most 8 MiB) at a time (``params_chunks``), so a
+    worker never holds the file (three times its model) whole. ``NO_STATE``: a push that carries none."""
+
+    size: int
+    tensors: Params
+
+    def chunks(self) -> Iterator[bytes]:
+        if self.size:
+            yield from params_chunks(self.tensors)
+
+
+NO_STATE = StateBytes(0, {})
+
+
+@dataclass(frozen=True)
 class Committed:
     """The inner state a round starts from (its AdamW and error feedback) and its digest. The tensors
     are the worker's one copy of that state (the round's undo restores it too); nobody writes into
     them (the error feedback's buffers are replaced, never written in place: trainer.codec.feedback).
-    Its bytes are made only for a push that carries them (``StateUploads.sends``): ``payload``."""
+    Its bytes are made only for a push that carries them (``StateUploads.sends``), as they are sent:
+    ``stream``."""
 
     digest: str
     adamw: Params
@@ -142,9 +172,13 @@ class Committed:
     def fresh(self) -> bool:
         return self.digest == FRESH_STATE
 
-    def payload(self) -> bytes:
-        """``inner_state_bytes`` of the state (b"" for the fresh state, which is never uploaded)."""
-        return b"" if self.fresh else inner_state_bytes(self.adamw, self.errors)
+    def stream(self) -> StateBytes:
+        """``inner_state_bytes`` of the state, made as they are sent (``NO_STATE`` for the fresh state,
+        which is never uploaded)."""
+        if self.fresh:
+            return NO_STATE
+        tensors = {**self.adamw, **self.errors}
+        return StateBytes(serialized_size(tensors), tensors)
 
 
 def commitment(adamw: Params, errors: Params) -> Committed:
@@ -171,7 +205,8 @@ def state_limit(layout: Layout) -> int:
     return 4 * (3 * numel + len(layout)) + _HEADER_BYTES_PER_TENSOR * 4 * len(layout)
 
 
-def check_inner_state(state: Params, layout: Layout, compressed: bool, optimizer: InnerOptimizer = "adamw") -> None:
+def check_inner_state(state: Mapping[str, torch.Tensor], layout: Layout, compressed: bool,
+                      optimizer: InnerOptimizer = "adamw") -> None:
     """Refuse (StateError, naming the first fault) a state that a worker of a model of ``layout``
     whose inner optimiser is ``optimizer`` could not hold; see the module doc."""
     steps: set[float] = set()
@@ -212,6 +247,50 @@ def decode_inner_state(data: bytes, layout: Layout, compressed: bool, optimizer:
         raise StateError(f"inner state: {str(exc)[:300]}") from None
     check_inner_state(state, layout, compressed, optimizer)
     return state
+
+
+class _StateFile(Mapping[str, torch.Tensor]):
+    """An inner state's tensors read one at a time from its open file (``streamed_layout``'s form)
+    into one buffer the size of the largest, so a check holds one tensor of the state at once and
+    allocates nothing per tensor (each lookup's tensor is valid until the next lookup: it is a view
+    of that buffer, and ``check_inner_state`` is done with a value before it reads another)."""
+
+    def __init__(self, f: BinaryIO, layout: Layout, slots: dict[str, tuple[int, int]]) -> None:
+        self.f, self.layout, self.slots = f, layout, slots
+        self.buffer = torch.empty(max((size for _, size in slots.values()), default=0) // 4, dtype=torch.float32)
+
+    def __getitem__(self, key: str) -> torch.Tensor:
+        offset, size = self.slots[key]
+        view = self.buffer[:size // 4]
+        self.f.seek(offset)
+        if self.f.readinto(memoryview(view.numpy()).cast("B")) != size:
+            raise StateError(f"inner state: the file ends inside {key[:140]}")
+        return view.view(self.layout[key][1])
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(self.layout)
+
+    def __len__(self) -> int:
+        return len(self.layout)
+
+
+def check_state_file(path: Path, size: int, layout: Layout, compressed: bool,
+                     optimizer: InnerOptimizer = "adamw") -> None:
+    """``decode_inner_state``'s checks on the ``size`` bytes at ``path`` (their digest already
+    checked), a tensor at a time: the file must be the canonical safetensors form of float32
+    tensors (``trainer.codec.wire.streamed_layout``: what every worker writes for a model whose
+    layout is ``streamable``); StateError naming the first fault. A model whose layout is not
+    streamable has its state read whole (``decode_inner_state``)."""
+    if not streamable(layout):
+        decode_inner_state(path.read_bytes(), layout, compressed, optimizer)
+        return
+    max_header = _HEADER_BYTES_PER_TENSOR * 4 * len(layout)
+    with open(path, "rb") as f:
+        try:
+            state_layout, slots = streamed_layout(f.read(8 + max_header), size, max_header)
+        except WireError as exc:
+            raise StateError(f"inner state: {str(exc)[:300]}") from None
+        check_inner_state(_StateFile(f, state_layout, slots), layout, compressed, optimizer)  # type: ignore[arg-type]
 
 
 def split_inner_state(state: Params) -> tuple[Params, Params]:

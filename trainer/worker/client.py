@@ -81,6 +81,7 @@ from trainer.net.limits import (
 from trainer.net.link import Link
 from trainer.net.tls import ClientTls
 from trainer.rounds.schedule import ScheduleError, WorkerSchedule
+from trainer.runtime.state_commit import NO_STATE, StateBytes
 from trainer.worker.cid_fetch import CidFetchError, PayloadSources
 from trainer.worker.succession import Endpoint, Succession, SuccessionError, Successors
 
@@ -167,12 +168,12 @@ def update_header(run_id: str, worker_id: str, piece: Slice, what: PushHeader, p
     )
 
 
-def update_messages(header: pb.UpdateHeader, payload: bytes, state: bytes | bytearray) -> Iterator[pb.UpdateChunk]:
+def update_messages(header: pb.UpdateHeader, payload: bytes, state: StateBytes = NO_STATE) -> Iterator[pb.UpdateChunk]:
     """A PushUpdate stream's messages, made one at a time (never the whole payload a second time in
-    messages): the header, the payload's chunks, then the inner state's."""
+    messages, nor the inner state's bytes whole): the header, the payload's chunks, then the state's."""
     yield pb.UpdateChunk(header=header)
     yield from (pb.UpdateChunk(data=p) for p in chunked(payload))
-    yield from (pb.UpdateChunk(state=p) for p in chunked(state))
+    yield from (pb.UpdateChunk(state=p) for piece in state.chunks() for p in chunked(piece))
 
 
 def slice_signature(key: WorkerKey | None, run_digest: bytes, round_: int, piece: Slice) -> bytes:
@@ -440,14 +441,14 @@ class CoordinatorClient:
 
     # ----------------------------------------------------------------------------- pushing
 
-    def push_slice(self, piece: Slice, what: PushHeader, state: bytes | bytearray = b"") -> tuple[int, pb.Receipt | None]:
+    def push_slice(self, piece: Slice, what: PushHeader, state: StateBytes = NO_STATE) -> tuple[int, pb.Receipt | None]:
         """One slice's PushUpdate stream, and after its payload ``state``, the committed inner state's
         bytes on the rounds that upload it (trainer.runtime.state_commit): its wire bytes (what the
         coordinator counts), and the update receipt if it completed the update. Raises grpc.RpcError
         when the coordinator refuses it (a duplicate counts as sent)."""
         assert self.config is not None
         payload, sha = piece.payload, sha256_hex(piece.payload)
-        header = update_header(self.config.run_id, self.worker_id, piece, what, sha, len(state))
+        header = update_header(self.config.run_id, self.worker_id, piece, what, sha, state.size)
         header.signature = slice_signature(self.key, self.run_digest, what.round, piece)
         sizes: list[int] = []  # the wire bytes of each message of the last attempt
 

@@ -57,7 +57,7 @@ from trainer.runtime.island import Island, check_devices
 from trainer.runtime.kernels import current_kernels
 from trainer.runtime.pipeline import PipelinedInnerLoop, PipelineError, StagePlan, plan_stages
 from trainer.runtime.procgroup import available_cpus
-from trainer.runtime.state_commit import Committed, StateUploads, commitment
+from trainer.runtime.state_commit import NO_STATE, Committed, StateUploads, commitment
 from trainer.worker.client import (
     REFUSED,
     Checkpoint,
@@ -278,7 +278,7 @@ class Worker:
         upload = self.uploads.upload(self.config.rounds.state_every, round_, work.committed)
         for piece in work.slices:
             try:
-                sent, receipt = self.client.push_slice(piece, what, upload if piece.stage == 0 else b"")
+                sent, receipt = self.client.push_slice(piece, what, upload if piece.stage == 0 else NO_STATE)
                 wire_bytes += sent
             except grpc.RpcError as exc:
                 if exc.code() not in REFUSED:
