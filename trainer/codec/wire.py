@@ -93,6 +93,11 @@ def _header(layout: Layout) -> tuple[bytes, dict[str, tuple[int, int]]]:
     return len(header).to_bytes(8, "little") + header, {n: (start + o, size) for n, (o, size) in slots.items()}
 
 
+def _file_size(header: bytes, slots: dict[str, tuple[int, int]]) -> int:
+    """Bytes of the file ``_header``'s header and data slots make."""
+    return len(header) + sum(size for _, size in slots.values())
+
+
 def _data(t: torch.Tensor) -> torch.Tensor:
     return t.detach().cpu().contiguous().reshape(-1).view(torch.uint8)
 
@@ -128,9 +133,8 @@ def streamed_layout(head: bytes, size: int, max_header: int) -> tuple[Layout, di
     canonical, slots = _header(layout)
     if bytes(head[:8 + n]) != canonical:
         raise WireError("safetensors header is not the canonical one of its tensors (dtypes, order, offsets, padding)")
-    if size != len(canonical) + sum(length for _, length in slots.values()):
-        raise WireError(f"safetensors file of {size} bytes: its header describes "
-                        f"{len(canonical) + sum(length for _, length in slots.values())}")
+    if size != _file_size(canonical, slots):
+        raise WireError(f"safetensors file of {size} bytes: its header describes {_file_size(canonical, slots)}")
     return layout, slots
 
 
@@ -139,8 +143,7 @@ def serialized_size(params: Params) -> int:
     layout = layout_of(params)
     if not streamable(layout):
         return len(encode_params(params))
-    header, slots = _header(layout)
-    return len(header) + sum(size for _, size in slots.values())
+    return _file_size(*_header(layout))
 
 
 def params_chunks(params: Params) -> Iterator[bytes]:
@@ -172,7 +175,7 @@ class ParamsPayload:
         self.layout = layout
         header, self.slots = _header(layout)
         self.header_len = len(header)
-        self.buffer = bytearray(len(header) + sum(size for _, size in self.slots.values()))
+        self.buffer = bytearray(_file_size(header, self.slots))
         self.buffer[:len(header)] = header
         self.filled: set[str] = set()
 
@@ -241,27 +244,37 @@ def chunked(data: bytes, size: int = CHUNK_BYTES) -> Iterator[bytes]:
 class Reassembly:
     """A payload joined one chunk at a time, refusing oversize chunks, a wrong total length and a
     wrong digest; the digest is taken as the chunks arrive, and the first byte past the declared
-    ``size`` is refused."""
+    ``size`` is refused. Where the bytes go is ``_keep``'s business (here a buffer in memory;
+    trainer.runstore.spool writes them to a file)."""
 
     def __init__(self, size: int, sha256: str, *, what: str) -> None:
         self.size, self.sha256, self.what = size, sha256, what
+        self.received = 0
         self.buffer = bytearray()
         self.digest = hashlib.sha256()
 
     def add(self, chunk: bytes) -> None:
         if len(chunk) > CHUNK_BYTES:
             raise WireError(f"{self.what}: chunk of {len(chunk)} bytes exceeds {CHUNK_BYTES}")
-        if len(self.buffer) + len(chunk) > self.size:
+        if self.received + len(chunk) > self.size:
             raise WireError(f"{self.what}: more than the declared {self.size} bytes arrived")
-        self.buffer += chunk
+        self._keep(chunk)
         self.digest.update(chunk)
+        self.received += len(chunk)
 
-    def payload(self) -> bytes:
-        if len(self.buffer) != self.size:
-            raise WireError(f"{self.what}: {len(self.buffer)} bytes arrived, header declared {self.size}")
+    def _keep(self, chunk: bytes) -> None:
+        self.buffer += chunk
+
+    def check_whole(self) -> None:
+        """Every declared byte arrived, and they hash to the declared digest (WireError otherwise)."""
+        if self.received != self.size:
+            raise WireError(f"{self.what}: {self.received} bytes arrived, header declared {self.size}")
         actual = self.digest.hexdigest()
         if actual != self.sha256:
             raise WireError(f"{self.what}: digest mismatch: header says sha256 {self.sha256}, bytes hash to {actual}")
+
+    def payload(self) -> bytes:
+        self.check_whole()
         return bytes(self.buffer)
 
 

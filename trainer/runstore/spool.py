@@ -2,10 +2,10 @@
 memory: a push's inner state (trainer.runtime.state_commit) is three times the model, and the
 coordinator's memory must not grow with it (issue 30: its peak RSS within 4 × the model + 1 GiB).
 
-A ``Spool`` refuses what ``trainer.codec.wire.Reassembly`` refuses (a chunk over ``CHUNK_BYTES``,
-a byte past the declared size, a short total, a digest that is not the declared one), is read back
-in pieces (``chunks``) or checked from its file by a worker thread (each inside ``in_use``), and is
-removed by ``discard``, which its owner always calls, also when the call is cancelled while a thread
+A ``Spool`` is a ``trainer.codec.wire.Reassembly`` (its refusals: a chunk over ``CHUNK_BYTES``, a
+byte past the declared size, a short total, a digest that is not the declared one) that keeps the
+bytes in a file instead of a buffer. It is read back in pieces (``chunks``) or checked from its
+file by a worker thread (each inside ``in_use``), and is removed by ``discard``, which its owner always calls, also when the call is cancelled while a thread
 still reads it: the file goes when the last reader is done, and a reader that comes after the
 discard is refused (a coordinator's start also empties the folder: a crash's leftovers). The file
 is made at the first byte, so a push that carries no state costs no file. An ``OSError`` (a full
@@ -15,7 +15,6 @@ disk) goes to the caller as it is: the coordinator answers UNAVAILABLE and the w
 from __future__ import annotations
 
 import contextlib
-import hashlib
 import os
 import shutil
 import tempfile
@@ -23,42 +22,30 @@ import threading
 from pathlib import Path
 from typing import BinaryIO, Iterator
 
-from proto import CHUNK_BYTES
-from trainer.codec.wire import WireError
+from trainer.codec.wire import Reassembly
 
 READ_PIECE = 8 << 20  # bytes handed out at a time by ``chunks``
 
 
-class Spool:
+class Spool(Reassembly):
     def __init__(self, folder: Path, size: int, sha256: str, *, what: str) -> None:
-        self.folder, self.size, self.sha256, self.what = folder, size, sha256, what
-        self.received = 0
+        super().__init__(size, sha256, what=what)
+        self.folder = folder
         self.path: Path | None = None
         self._file: BinaryIO | None = None
-        self._digest = hashlib.sha256()
         self._lock = threading.Lock()
         self._readers, self._discarded = 0, False
 
-    def add(self, chunk: bytes) -> None:
-        if len(chunk) > CHUNK_BYTES:
-            raise WireError(f"{self.what}: chunk of {len(chunk)} bytes exceeds {CHUNK_BYTES}")
-        if self.received + len(chunk) > self.size:
-            raise WireError(f"{self.what}: more than the declared {self.size} bytes arrived")
+    def _keep(self, chunk: bytes) -> None:
         if self._file is None:
             self.folder.mkdir(parents=True, exist_ok=True)
             fd, name = tempfile.mkstemp(dir=self.folder, prefix="spool-")
             self.path, self._file = Path(name), os.fdopen(fd, "wb")
         self._file.write(chunk)
-        self._digest.update(chunk)
-        self.received += len(chunk)
 
     def finish(self) -> None:
-        """Every declared byte arrived and they hash to the declared digest (WireError otherwise)."""
-        if self.received != self.size:
-            raise WireError(f"{self.what}: {self.received} bytes arrived, header declared {self.size}")
-        actual = self._digest.hexdigest()
-        if actual != self.sha256:
-            raise WireError(f"{self.what}: digest mismatch: header says sha256 {self.sha256}, bytes hash to {actual}")
+        """``check_whole``, then the file closed for its readers."""
+        self.check_whole()
         if self._file is not None:
             self._file.close()
             self._file = None

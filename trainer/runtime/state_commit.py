@@ -290,7 +290,7 @@ def check_state_file(path: Path, size: int, layout: Layout, compressed: bool,
             state_layout, slots = streamed_layout(f.read(8 + max_header), size, max_header)
         except WireError as exc:
             raise StateError(f"inner state: {str(exc)[:300]}") from None
-        check_inner_state(_StateFile(f, state_layout, slots), layout, compressed, optimizer)  # type: ignore[arg-type]
+        check_inner_state(_StateFile(f, state_layout, slots), layout, compressed, optimizer)
 
 
 def split_inner_state(state: Params) -> tuple[Params, Params]:
