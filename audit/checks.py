@@ -14,7 +14,7 @@ Where each check lives:
   audit.push_signatures   PUSH_SIGNATURE (and, for an unreported participant's signer, audit.signers')
   audit.signers     REGISTRY, ADMITTED, REVOKED, MEASUREMENT_ALLOWED, ADMISSION, and through
                     audit.admission ADMISSION_RECORD and EVIDENCE
-  audit.recompute   REDERIVE, REPLAY, RESCORE
+  audit.recompute   REDERIVE, REPLAY, RESCORE, REVEAL
   audit.receipts    RECEIPT_FAULT, RECEIPT_WITHHELD
   audit.disputes    AUDITOR_EVIDENCE (and, through audit.core, TALLY for voids no verdict backs)
 """
@@ -102,6 +102,8 @@ class AuditCheck(StrEnum):
     REPLAY_HORIZON = ("replay-horizon", "every replayed chain a worker's kernels do not replay ends within the replay "
                                         "horizon (rounds.state_every ≤ trainer.config.REPLAY_HORIZON): the run "
                                         "stores the states that decide every contribution")
+    REVEAL = ("reveal", "each sampled contribution's committed inner state, in a run that reveals them on "
+                        "challenge, was revealed by its worker within rounds.reveal_deadline_s (audit.reveal)")
     RECEIPT_FAULT = ("receipt-fault", "no ReceiptFaultProven of the run: every worker whose update and report the "
                                       "coordinator receipted is credited in the recorded round (audit.receipts)")
     RECEIPT_WITHHELD = ("receipt-withheld", "every update the coordinator receipted (audit --receipts) is used by its "

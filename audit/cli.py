@@ -105,6 +105,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="a worker's receipts folder (dilocox worker --receipts; repeatable): an update its "
                              "coordinator receipted and did not use fails that round, and excuses the worker's "
                              "later replay mismatches (audit.receipts)")
+    parser.add_argument("--reveal", action="append", default=[], metavar="SRC",
+                        help="where to ask for the committed inner states a replay needs, in a run whose workers "
+                             "reveal them on challenge: a worker's gateway or a mirror (http[s] URL) or a retention "
+                             "folder on this machine (dilocox worker --retain); repeatable, asked in order (default "
+                             "with --run: DIR/retained/*, the folders of workers that ran beside it)")
+    parser.add_argument("--reveal-ca", metavar="FILE", help="the CA certificate to trust for https --reveal sources")
     parser.add_argument("--run-id", metavar="HEX",
                         help="the run to audit (0x + 64 hex); default: the ledger's run whose genesis is in the store")
 
@@ -152,7 +158,8 @@ def run(args: argparse.Namespace) -> int:
                          json_path=Path(args.json) if args.json else None, run_id=run_id,
                          dev_roots=tuple(args.dev_root), dcap=dcap, max_unrecorded=args.max_unrecorded,
                          replay=(args.replay, args.replay_seed), dispute=dispute,
-                         receipts=tuple(Path(d) for d in args.receipts))
+                         receipts=tuple(Path(d) for d in args.receipts), reveal=tuple(args.reveal),
+                         reveal_ca=args.reveal_ca)
 
 
 def dispute_options(args: argparse.Namespace) -> DisputeOptions | None:
@@ -238,10 +245,11 @@ def audit_run_dir(run_dir: Path, *, rpc_url: str | None = None, allow_dev: bool 
                   json_path: Path | None = None, run_id: bytes | None = None, dev_roots: tuple[str, ...] = (),
                   console: Console | None = None, dcap: DcapSettings | None = None, max_unrecorded: int = 0,
                   replay: tuple[int, int | None] = (0, None), dispute: DisputeOptions | None = None,
-                  receipts: tuple[Path, ...] = ()) -> int:
+                  receipts: tuple[Path, ...] = (), reveal: tuple[str, ...] = (), reveal_ca: str | None = None) -> int:
     """Audit ``run_dir`` and print the table and verdict; returns the exit status. ``replay``: how
     many contributions to replay, and the sample's seed (None: random); ``receipts``: workers' receipt
-    folders (audit.receipts). ``json_path`` ``-`` writes
+    folders (audit.receipts); ``reveal``: where committed states are asked for (audit.reveal; none
+    given: the retention folders of the workers that ran beside ``run_dir``). ``json_path`` ``-`` writes
     the JSON result to stdout, and then everything else goes to stderr (unless ``console`` says
     otherwise), so that stdout is one JSON document. ``dispute``: submit verdicts (``--dispute``)."""
     from rich.console import Console
@@ -273,7 +281,12 @@ def audit_run_dir(run_dir: Path, *, rpc_url: str | None = None, allow_dev: bool 
 
     held = _receipts(receipts, console)
     store = open_store(run_dir)
-    audit = (store, deployment, run_id, policy, rederive, max_unrecorded, replay, dispute, held)
+    from .reveal import local_sources
+
+    sources = _reveal_sources(reveal or tuple(local_sources(run_dir)), reveal_ca, console) if replay[0] else ()
+    if sources is None:
+        return EXIT_ERROR
+    audit = (store, deployment, run_id, policy, rederive, max_unrecorded, replay, dispute, held, sources)
     state = run_dir / "chain" / "state.json"
     if rpc_url is None and not state.is_file():
         console.print(f"[bold red]cannot audit[/]: no --rpc given and no chain state at {state}")
@@ -357,9 +370,33 @@ def audit_remote_store(args: argparse.Namespace, run_id: bytes | None, dcap: Dca
     console.print(f"[yellow]store {escape(store.location)}: a gateway cannot be listed, so rounds stored past "
                   f"the ledger's last one are not searched for[/]")
     held = _receipts(tuple(map(Path, args.receipts)), console)
+    sources = _reveal_sources(tuple(args.reveal), args.reveal_ca, console) if args.replay else ()
+    if sources is None:
+        return EXIT_ERROR
     result = _guarded(console, lambda: _audit_on(args.rpc, store, deployment, run_id, policy, not args.no_rederive,
-                                                 args.max_unrecorded, (args.replay, args.replay_seed), dispute, held))
+                                                 args.max_unrecorded, (args.replay, args.replay_seed), dispute, held,
+                                                 sources))
     return EXIT_ERROR if result is None else finish(result, console, json_path)
+
+
+def _reveal_sources(sources: tuple[str, ...], ca_file: str | None,
+                    console: Console) -> tuple[tuple[str, Store], ...] | None:
+    """The reveal sources opened, in order (audit.reveal), each said on one line; None after one line
+    naming a source that is neither a URL nor a store folder."""
+    from rich.markup import escape
+
+    from .reveal import RevealSourceError, open_source
+
+    opened = []
+    for source in sources:
+        try:
+            opened.append((source[:200], open_source(source, ca_file)))
+        except (RevealSourceError, ValueError, OSError) as exc:  # StoreError: a URL that is not one
+            console.print(f"[bold red]cannot audit[/]: --reveal: {escape(str(exc)[:300])}")
+            return None
+    if opened:
+        console.print(f"committed inner states are asked of: {escape(', '.join(label for label, _ in opened))}")
+    return tuple(opened)
 
 
 def _receipts(folders: tuple[Path, ...], console: Console) -> tuple[SignedReceipt, ...]:
@@ -383,7 +420,8 @@ def _receipts(folders: tuple[Path, ...], console: Console) -> tuple[SignedReceip
 
 def _audit_on(rpc_url: str, store: Store, deployment: Deployment, run_id: bytes | None, policy: Policy,
               rederive: bool, max_unrecorded: int = 0, replay: tuple[int, int | None] = (0, None),
-              dispute: DisputeOptions | None = None, receipts: tuple[SignedReceipt, ...] = ()) -> AuditResult:
+              dispute: DisputeOptions | None = None, receipts: tuple[SignedReceipt, ...] = (),
+              reveal: tuple[tuple[str, Store], ...] = ()) -> AuditResult:
     from settlement import Chain, ChainError, Ledger, Registry
     from settlement.receipt_court import ReceiptCourt
     from settlement.rewards import RewardPool
@@ -401,7 +439,7 @@ def _audit_on(rpc_url: str, store: Store, deployment: Deployment, run_id: bytes 
                                                                          from_block=deployment.deployed_block)
     result = run_audit(store, ledger, registry, run_id=run_id, policy=policy, rederive=rederive,
                        max_unrecorded=max_unrecorded, replay=replay[0], replay_seed=replay[1], rewards=rewards,
-                       court=court, receipts=receipts)
+                       court=court, receipts=receipts, reveal=reveal)
     if dispute is not None:
         from .disputes import dispute_findings
 
@@ -515,7 +553,7 @@ def render_replay(outcome, console: Console) -> None:  # audit.replay.ReplayOutc
         table.add_column(column, no_wrap=True)
     shown = [row for row in outcome.rows if row.status != "not replayed"]
     for row in shown:
-        status = {"ok": "[green]ok[/]", "MISMATCH": "[bold red]MISMATCH[/]",
+        status = {"ok": "[green]ok[/]", "MISMATCH": "[bold red]MISMATCH[/]", "unrevealed": "[bold red]UNREVEALED[/]",
                   "inconclusive": "[yellow]inconclusive[/]"}.get(row.status, row.status)
         table.add_row(str(row.round), escape(row.worker), "*" if row.sampled else "",
                       "—" if row.distance is None else f"{row.distance:.2e}",
@@ -524,6 +562,11 @@ def render_replay(outcome, console: Console) -> None:  # audit.replay.ReplayOutc
     skipped = outcome.not_replayed_line()
     if skipped is not None:
         console.print(f"[bold yellow]{escape(skipped)}[/]")
+    reveal = outcome.reveal
+    if reveal is not None and (reveal.revealed or reveal.missing):
+        console.print(f"challenged {len(reveal.revealed) + len(reveal.missing)} committed inner state(s): "
+                      f"{len(reveal.revealed)} revealed ({reveal.bytes / 1e6:.2f} MB in {reveal.seconds:.1f}s)"
+                      + (f", [bold red]{len(reveal.missing)} not revealed[/]" if reveal.missing else ""))
     for score in outcome.rescored:
         mark = "[green]ok[/]" if score.ok else "[bold red]differs[/]"
         console.print(f"re-scored round {score.round}: held-out loss {score.recomputed:.6f}, reported "

@@ -66,8 +66,9 @@ class _Audit:
     def __init__(self, store: Store, ledger: Ledger, registry: Registry, policy: Policy,
                  rederive: bool, max_unrecorded: int = 0, replay: int = 0, replay_seed: int = 0,
                  rewards: RewardPool | None = None, court: ReceiptCourt | None = None,
-                 receipts: tuple[SignedReceipt, ...] = ()) -> None:
+                 receipts: tuple[SignedReceipt, ...] = (), reveal: tuple[tuple[str, Store], ...] = ()) -> None:
         self.findings = Findings(AuditResult(rederived=rederive), store)
+        self.reveal = reveal
         self.court, self.receipts = court, receipts
         self.ledger = ledger
         self.rederiving = rederive
@@ -118,7 +119,7 @@ class _Audit:
         excused = check_update_receipts(self.findings, run_id, self.receipts, domain, tenures, loaded,
                                         self.findings.result.roster)
         if self.replay > 0:
-            self.recompute.check_replay(loaded, self.replay, self.replay_seed, excused)
+            self.recompute.check_replay(loaded, self.replay, self.replay_seed, excused, self.reveal)
         self.tallies.check_tallies(run_id, rounds)
         self.tallies.check_payouts(run_id)
         self.read_disputes(run_id, run, rounds, tenures)
@@ -236,7 +237,7 @@ class _Audit:
 def run_audit(store: Store, ledger: Ledger, registry: Registry, *, run_id: bytes | None = None,
               policy: Policy, rederive: bool = True, max_unrecorded: int = 0, replay: int = 0,
               replay_seed: int | None = None, rewards: RewardPool | None = None, court: ReceiptCourt | None = None,
-              receipts: tuple[SignedReceipt, ...] = ()) -> AuditResult:
+              receipts: tuple[SignedReceipt, ...] = (), reveal: tuple[tuple[str, Store], ...] = ()) -> AuditResult:
     """Verify a run from the ledger (its views and events) and the store alone.
 
     @param store the run's object store
@@ -255,6 +256,9 @@ def run_audit(store: Store, ledger: Ledger, registry: Registry, *, run_id: bytes
     @param court the deployment's ReceiptCourt: each omission a worker proved there fails its round
     @param receipts workers' receipts (audit.receipts): an update receipted and not used fails its round,
         and excuses its worker's later replay mismatches
+    @param reveal where to ask for the committed inner states a replay needs, in a run whose workers
+        reveal them on challenge (audit.reveal): (label, store) in order; a state none reveals within
+        rounds.reveal_deadline_s names its worker
     @return every failure, one row per round, and warnings; ``ok`` only when every check passed
     @raise settlement.ChainUnavailable when the chain does not answer
     """
@@ -266,6 +270,6 @@ def run_audit(store: Store, ledger: Ledger, registry: Registry, *, run_id: bytes
         raise ValueError("replay must be an integer >= 0")
     seed = int.from_bytes(os.urandom(4), "big") if replay_seed is None else int(replay_seed)
     return _Audit(store, ledger, registry, policy, rederive, max_unrecorded, replay, seed, rewards, court,
-                  tuple(receipts)).run(
+                  tuple(receipts), tuple(reveal)).run(
         None if run_id is None else bytes(run_id))
 

@@ -4,7 +4,8 @@
 
   worker       a replay MISMATCH of the worker's contribution to round r (audit.replay): the check
                ``replay``, the evidence the worker's update record (its report's updateDigest, the
-               object the replay compared against)
+               object the replay compared against); or a committed inner state it did not reveal when
+               challenged (audit.reveal): the check ``reveal``, the same evidence
   coordinator  a round-level failure only the coordinator can cause, in round r ≥ 1: ``ghost`` (a
                participant the ledger does not account for), ``push-signature`` (an update no admitted
                worker's push signed, which the coordinator alone checked and stored: a ghost it added
@@ -56,6 +57,9 @@ log = logging.getLogger("dilocox.audit")
 COORDINATOR_CHECKS = (AuditCheck.GHOST, AuditCheck.PUSH_SIGNATURE, AuditCheck.REDERIVE, AuditCheck.CHECKPOINT,
                       AuditCheck.PARENT, AuditCheck.MANIFEST_ROUND)
 CHECK_NAMES = {check_id(str(check)): str(check) for check in AuditCheck}
+# Replay rows that name the worker: an update that does not replay, and a committed state it did not
+# reveal when challenged (audit.reveal). Either voids the worker's credit for the round, nothing else.
+WORKER_ROW_CHECKS = {"MISMATCH": AuditCheck.REPLAY, "unrevealed": AuditCheck.REVEAL}
 
 
 @dataclass
@@ -95,11 +99,12 @@ def verdicts_of(result: AuditResult, rounds: list[RoundRecord], holders: Tenures
     for row in rows:
         record = by_round.get(row.round)
         address = roster.address_of(row.worker)
-        if row.status != "MISMATCH" or record is None or address is None or row.round in voided:
+        check = WORKER_ROW_CHECKS.get(row.status)
+        if check is None or record is None or address is None or row.round in voided:
             continue
         update = next((s.report.update_digest for s in record.reports if s.report.worker == address), None)
         if update is not None and (row.round, address) not in verdicts:
-            verdicts[(row.round, address)] = Verdict(result.run_id, row.round, address, str(AuditCheck.REPLAY), update)
+            verdicts[(row.round, address)] = Verdict(result.run_id, row.round, address, str(check), update)
     return sorted(verdicts.values(), key=lambda v: (v.round, v.party != tenures.at(v.round), v.party))
 
 

@@ -10,10 +10,10 @@ from __future__ import annotations
 
 import hashlib
 import json
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from typing import Any
 
-from storage_client import Manifest
+from storage_client import Manifest, Store
 from trainer.config import RunConfig
 from trainer.rounds.update_source import UpdateSource
 from trainer.runstore.round_inputs import ClipHistory
@@ -135,7 +135,8 @@ class Recomputation:
             return False, None
 
     def check_replay(self, manifests: dict[int, Manifest], k: int, seed: int,
-                     excused: Mapping[str, int] | None = None) -> None:
+                     excused: Mapping[str, int] | None = None,
+                     reveal_sources: Sequence[tuple[str, Store]] = ()) -> None:
         """``--replay K``: K sampled contributions re-run from their parent checkpoint, shard and
         committed state, and their rounds re-scored (audit.replay). ``excused``: per worker id, the first
         round whose receipted update the coordinator did not use (audit.receipts); a later mismatch of
@@ -144,7 +145,7 @@ class Recomputation:
         if self.config is None:
             fail(None, "replay", AuditCheck.REPLAY, "the run config could not be read, so nothing can be replayed")
             return
-        outcome = replay_run(self.findings.store, self.config, manifests, k, seed)
+        outcome = replay_run(self.findings.store, self.config, manifests, k, seed, reveal_sources)
         self.findings.result.replay = outcome
         skipped = outcome.not_replayed_line()
         if skipped is not None:  # said by worker and round, never skipped silently (audit.replay)
@@ -158,6 +159,12 @@ class Recomputation:
                      f"{row.worker}'s update is {row.distance:.3g} away from its replay in the {row.kernels} kernels, "
                      f"which does not decide it ({row.note}): the coordinator accepted a chain longer than the replay "
                      f"horizon, a state the run should have stored is missing")
+            if row.status == "unrevealed":
+                participant = {p.worker: p for p in manifests[row.round].participants}[row.worker]
+                fail(row.round, participant.state or "", AuditCheck.REVEAL,
+                     f"{row.worker} was asked for the inner state its round-{row.round} update grew from (sha256 "
+                     f"{(participant.state or '')[:16]}…, committed in its push and its report) and {row.note}")
+                continue
             if row.status != "MISMATCH":
                 continue
             participant = {p.worker: p for p in manifests[row.round].participants}[row.worker]

@@ -84,14 +84,15 @@ from __future__ import annotations
 
 import math
 import random
+import tempfile
 import time
 from collections import defaultdict
 from dataclasses import dataclass
-from typing import Iterable, Mapping
+from typing import Iterable, Mapping, Sequence
 
 import torch
 
-from storage_client import Kernels, Manifest, Participant, Store, from_e6
+from storage_client import Kernels, Manifest, ObjectStore, Participant, Store, from_e6
 from trainer.codec import (
     CodecHeader,
     CompressionError,
@@ -127,6 +128,7 @@ from trainer.runtime.state_commit import (
 from trainer.runtime.island import Island
 from trainer.runtime.staged import WORKER_MICROBATCHES, StagedArithmetic, staged_arithmetic
 
+from .reveal import RevealedStore, RevealOutcome, challenge
 from .replay_env import EXACT_TOLERANCE, ChildError, judge, kernels_label, replay_in, split_by_kernels
 
 # ‖Δ' − Δ‖ / ‖Δ‖ an honest contribution replayed in its worker's kernels stays within (it is 0;
@@ -180,6 +182,7 @@ class ReplayOutcome:
     checked_steps: int  # inner steps of the sampled contributions
     seconds: float
     problems: list[tuple[int | None, str, str]]  # (round, object, message): what stopped a replay
+    reveal: RevealOutcome | None = None  # the challenges of a run whose states are revealed on challenge
 
     @property
     def not_replayed(self) -> dict[str, list[int]]:
@@ -205,7 +208,8 @@ class ReplayOutcome:
     def to_json(self) -> dict:
         return {"seed": self.seed, "steps": self.steps, "checked_steps": self.checked_steps,
                 "seconds": round(self.seconds, 3), "contributions": [r.to_json() for r in self.rows],
-                "not_replayed": self.not_replayed, "rescored": [r.to_json() for r in self.rescored]}
+                "not_replayed": self.not_replayed, "rescored": [r.to_json() for r in self.rescored],
+                "reveal": self.reveal.to_json() if self.reveal is not None else None}
 
 
 def _counted(manifest: Manifest | None, worker: str) -> Participant | None:
@@ -261,10 +265,18 @@ class Replayer:
         picked = random.Random(seed).sample(replayable, min(k, len(replayable)))
         return sorted(picked), skipped
 
+    @property
+    def revealed_on_challenge(self) -> bool:
+        """Whether the run's workers keep their committed states and reveal them when asked (audit.reveal)."""
+        return self.config.rounds.state_reveal == "on_challenge"
+
     def chain(self, round_: int, worker: str) -> list[int]:
         """The rounds to replay, in order, to rebuild ``worker``'s AdamW state for ``round_``: back to
         its last contribution that committed a fresh state, or whose committed state is stored
-        (``rounds.state_every``: at most K rounds back)."""
+        (``rounds.state_every``: at most K rounds back). A run whose states are revealed on challenge
+        replays each contribution from its own committed state: the chain is the round alone."""
+        if self.revealed_on_challenge:
+            return [round_]
         rounds = [r for r, m in sorted(self.manifests.items())
                   if 0 < r <= round_ and any(p.worker == worker for p in m.participants)]
         out: list[int] = []
@@ -370,7 +382,8 @@ class Replayer:
         for r, worker in sampled:
             by_worker[worker].update(self.chain(r, worker))
         for worker, chain in sorted(by_worker.items()):
-            self.problems.extend(missing_states(self.store, self.config, self.manifests, worker, sorted(chain)))
+            if not self.revealed_on_challenge:
+                self.problems.extend(missing_states(self.store, self.config, self.manifests, worker, sorted(chain)))
         rows: list[ReplayRow] = []
         if self._corpus_or_problem() is None:
             return [], 0
@@ -416,9 +429,15 @@ class Replayer:
         for r in rounds:
             p = self._participant(r, worker)
             position += 1
+            continues = inner is not None and previous is not None and self._consecutive(worker, previous, r)
             if p.state == FRESH_STATE:
                 inner, errors, position = InnerLoop(model, cfg.inner), {}, 1
-            elif inner is None or previous is None or not self._consecutive(worker, previous, r) or state_stored(self.store, p):
+            elif self.revealed_on_challenge and not state_stored(self.store, p):  # asked for, so owed
+                rows.append(unrevealed_row(self.config, self.manifests, r, worker, (r, worker) in sampled))
+                inner = None
+                progress.add_total(-cfg.inner.steps)
+                continue
+            elif not continues or state_stored(self.store, p):
                 try:
                     loaded = committed_state(self.store, self.config, p, model)
                 except ReplayError as exc:
@@ -453,7 +472,7 @@ class Replayer:
             steps += result.steps
             if cfg.compression.enabled:
                 try:
-                    errors, distance = self._recompressed(result.pseudo_gradient, errors, stored)
+                    errors, distance = recompressed(self.config, result.pseudo_gradient, errors, stored)
                 except ReplayError as exc:
                     self.problems.append((r, p.update, f"{worker}: {exc}"))
                     inner = None
@@ -490,44 +509,60 @@ class Replayer:
                                 batch_size=cfg.inner.batch_size, block_size=cfg.model.block_size)
         return start, stored, round_steps, batches
 
-    def _recompressed(self, delta: Params, errors: Params, stored: Params) -> tuple[Params, Params, float]:
-        """With a compressed uplink the stored update is Â = decompress(C(Δ + e)). The replay forms
-        A' = Δ' + e' and, at the ranks Â has (the codec's ``replay_ranks``: the worker's policy chose
-        them), each kind's ``replay_target`` U (trainer.codec.base: the best low-rank approximation
-        for lowrank-int4, float64 SVD, no quantisation; U = A' for the dense kinds),
-        and puts A' through the same codec, Â' = decompress(C(A')). Comparing Â with Â' directly
-        would measure the quantiser, not the worker: a replay a thousandth off flips int4 levels
-        and lands several percent away. So the replay asks how far Â is from U beyond the codec's
-        own error at that point, q = ‖Â' − U‖ / ‖U‖:
-
-            d = ‖Â − U‖ / ‖U‖ − q
-
-        and carries e' ← fl32(A' − Â) on, as the worker carried its own e ← A − Â (A' = Δ' + β·e',
-        β the uplink's error decay, trainer.codec.feedback.accumulate). With the top-k
-        codec (trainer.codec.topk) U is A' on its own top-k positions, unquantised."""
-        cfg = self.config.compression
-        ranks = matrix_codec(cfg.codec).replay_ranks(stored)
-        try:
-            payload, header = compress(delta, dict(errors), PinnedRankPolicy(cfg, ranks), decay=cfg.error_decay)
-            recompressed = decompress(payload, header, layout_of(stored))
-            parsed = CodecHeader.parse(header, layout_of(stored))
-        except CompressionError as exc:
-            raise ReplayError(f"the replayed update cannot be re-compressed: {exc}") from None
-        accumulated = {name: accumulate(d, errors.get(name), cfg.error_decay) for name, d in delta.items()}
-        best: Params = {}
-        for name, a in accumulated.items():
-            entry = parsed.entry(name)
-            best[name] = codec_of(entry.kind).replay_target(a, entry)
-        scale = _norm({n: t for n, t in best.items()})
-        codec_error = _norm({n: recompressed[n].double() - best[n] for n in best}) / scale if scale else math.inf
-        off = _norm({n: stored[n].double() - best[n] for n in best}) / scale if scale else math.inf
-        carried = {name: (a - stored[name].double()).float() for name, a in accumulated.items()}
-        return carried, max(0.0, off - codec_error)
-
     def _consecutive(self, worker: str, earlier: int, later: int) -> bool:
         """``earlier`` is ``worker``'s last counted contribution before ``later``."""
         return all(not any(p.worker == worker for p in self.manifests[r].participants)
                    for r in range(earlier + 1, later) if r in self.manifests)
+
+
+def recompressed(config: RunConfig, delta: Params, errors: Params, stored: Params) -> tuple[Params, float]:
+    """With a compressed uplink the stored update is Â = decompress(C(Δ + e)). The replay forms
+    A' = Δ' + e' and, at the ranks Â has (the codec's ``replay_ranks``: the worker's policy chose
+    them), each kind's ``replay_target`` U (trainer.codec.base: the best low-rank approximation
+    for lowrank-int4, float64 SVD, no quantisation; U = A' for the dense kinds),
+    and puts A' through the same codec, Â' = decompress(C(A')). Comparing Â with Â' directly
+    would measure the quantiser, not the worker: a replay a thousandth off flips int4 levels
+    and lands several percent away. So the replay asks how far Â is from U beyond the codec's
+    own error at that point, q = ‖Â' − U‖ / ‖U‖:
+
+        d = ‖Â − U‖ / ‖U‖ − q
+
+    and carries e' ← fl32(A' − Â) on, as the worker carried its own e ← A − Â (A' = Δ' + β·e',
+    β the uplink's error decay, trainer.codec.feedback.accumulate). With the top-k
+    codec (trainer.codec.topk) U is A' on its own top-k positions, unquantised."""
+    cfg = config.compression
+    ranks = matrix_codec(cfg.codec).replay_ranks(stored)
+    try:
+        payload, header = compress(delta, dict(errors), PinnedRankPolicy(cfg, ranks), decay=cfg.error_decay)
+        recompressed = decompress(payload, header, layout_of(stored))
+        parsed = CodecHeader.parse(header, layout_of(stored))
+    except CompressionError as exc:
+        raise ReplayError(f"the replayed update cannot be re-compressed: {exc}") from None
+    accumulated = {name: accumulate(d, errors.get(name), cfg.error_decay) for name, d in delta.items()}
+    best: Params = {}
+    for name, a in accumulated.items():
+        entry = parsed.entry(name)
+        best[name] = codec_of(entry.kind).replay_target(a, entry)
+    scale = _norm({n: t for n, t in best.items()})
+    codec_error = _norm({n: recompressed[n].double() - best[n] for n in best}) / scale if scale else math.inf
+    off = _norm({n: stored[n].double() - best[n] for n in best}) / scale if scale else math.inf
+    carried = {name: (a - stored[name].double()).float() for name, a in accumulated.items()}
+    return carried, max(0.0, off - codec_error)
+
+
+def unrevealed_row(config: RunConfig, manifests: Mapping[int, Manifest], r: int, worker: str,
+                   sampled: bool) -> ReplayRow:
+    """The row of a contribution whose committed state was asked for and not revealed (audit.reveal):
+    its worker is named while the round is within the newest ``rounds.reveal_rounds`` of the run (it
+    had to keep the state), else the contribution is not replayed (it no longer had to)."""
+    last, window = max(manifests), config.rounds.reveal_rounds
+    if r > last - window:
+        return ReplayRow(r, worker, sampled, None, "unrevealed",
+                         f"its committed inner state was not revealed within {config.rounds.reveal_deadline_s:g}s "
+                         f"(rounds.reveal_deadline_s)")
+    return ReplayRow(r, worker, sampled, None, "not replayed",
+                     f"its committed inner state was not revealed, and round {r} is more than {window} rounds "
+                     f"(rounds.reveal_rounds) behind round {last}: its worker no longer had to keep it")
 
 
 def rescore(replayer: Replayer, rounds: Iterable[int]) -> list[RescoreRow]:
@@ -639,13 +674,23 @@ def relative_distance(replayed: Params, stored: Params) -> float:
 
 
 def replay_run(store: Store, config: RunConfig, manifests: Mapping[int, Manifest], k: int,
-               seed: int) -> ReplayOutcome:
-    """Sample ``k`` contributions with ``seed``, replay them (and their chains), re-score their rounds."""
+               seed: int, reveal_sources: Sequence[tuple[str, Store]] = ()) -> ReplayOutcome:
+    """Sample ``k`` contributions with ``seed``, replay them (and their chains), re-score their rounds.
+    In a run whose states are revealed on challenge, the sampled contributions' committed states are
+    asked of ``reveal_sources`` (label, store) first (audit.reveal)."""
     started = time.perf_counter()
     replayer = Replayer(store, config, manifests)
     targets, skipped = replayer.sample(k, seed)
-    rows, steps = replayer.replay(targets)
-    rescored = rescore(replayer, (r for r, _ in targets)) if replayer.corpus_loaded else []
+    with tempfile.TemporaryDirectory(prefix="dilocox-revealed-") as scratch:
+        revealed = None
+        if replayer.revealed_on_challenge:
+            needed = [p.state for r, w in targets if (p := replayer._participant(r, w)).state is not None
+                      and p.state != FRESH_STATE and not state_stored(store, p)]
+            cache = ObjectStore(scratch)
+            revealed = challenge(needed, reveal_sources, cache, config.rounds.reveal_deadline_s)
+            replayer.store = RevealedStore(store, cache)
+        rows, steps = replayer.replay(targets)
+        rescored = rescore(replayer, (r for r, _ in targets)) if replayer.corpus_loaded else []
     checked = sum(replayer.steps.get(r, config.inner.steps) for r, _ in targets)
     return ReplayOutcome(rows + skipped, rescored, seed, steps, checked,
-                         time.perf_counter() - started, replayer.problems)
+                         time.perf_counter() - started, replayer.problems, revealed)

@@ -74,7 +74,7 @@ CHILD_OUTPUT_LIMIT = 64 << 20  # bytes of the child's answer
 # threads (oversubscribing this CPU by 4 at most), so a claim of 1,024 costs the auditor nothing; past
 # it the chain is replayed in this process's kernels, and its rows say why.
 MAX_CHILD_THREADS = max(16, 4 * (os.cpu_count() or 1))
-_STATUSES = ("ok", "MISMATCH", "inconclusive")
+_STATUSES = ("ok", "MISMATCH", "inconclusive", "unrevealed", "not replayed")
 _CHILD = "import sys; from audit.replay_env import main; sys.exit(main())"
 _NOTE_CHARS = 500
 
@@ -174,13 +174,18 @@ def replay_in(kernels: Kernels, store: Store, config: RunConfig, manifests: Mapp
     its checked answer: ``rows`` (ReplayRow JSON), ``steps``, ``round_steps`` (H_r), ``problems``."""
     from storage_client.remote import RemoteStore
 
+    from .reveal import RevealedStore
+
+    revealed: dict[str, Any] = {}
+    if isinstance(store, RevealedStore):  # the run's store and the audit's revealed states: the child reads both
+        store, revealed = store.run, {"revealed": str(store.cache.root)}
     if isinstance(store, ObjectStore):
         where: dict[str, Any] = {"store": str(store.root)}
     elif isinstance(store, RemoteStore):  # the child fetches and verifies from the same gateways
         where = {"store_urls": list(store.urls), "store_ca": store.ca_file}
     else:
         raise ChildError(f"a replay child reads a local or gateway store; {store.location} is neither")
-    request = {**where, "config": config.to_json(), "kernels": kernels.to_json(),
+    request = {**where, **revealed, "config": config.to_json(), "kernels": kernels.to_json(),
                "manifests": [m.to_json() for _, m in sorted(manifests.items())],
                "chains": {w: list(rs) for w, rs in sorted(chains.items())},
                "sampled": sorted([r, w] for r, w in sampled if w in chains)}
@@ -252,6 +257,10 @@ def main() -> int:
 
     store = (RemoteStore(request["store_urls"], ca_file=request["store_ca"]) if "store_urls" in request
              else ObjectStore(request["store"]))
+    if "revealed" in request:
+        from audit.reveal import RevealedStore
+
+        store = RevealedStore(store, ObjectStore(request["revealed"]))
     replayer = Replayer(store, RunConfig.from_json(request["config"]), manifests,
                         worker_kernels=False, exact=True)
     sampled = {(r, w) for r, w in request["sampled"]}

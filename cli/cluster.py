@@ -27,6 +27,7 @@ from settlement.provision import allow_run, deploy_to, write_dev_keys
 from trainer.config import RunConfig
 from trainer.net.tls import CERT_FILE, ClientTls, fingerprint, open_channel
 from trainer.runstore.run_dir import RunDir
+from trainer.worker.retention import RETAINED_DIR
 
 LOCAL_CHALLENGE_WINDOW = 4  # blocks: a local cluster's run pays a round this long after it is recorded
 
@@ -135,8 +136,13 @@ class LocalCluster:
             raise ClusterError("start the coordinator first")
         threads = ["--threads", str(self.threads_per_worker)] if self.threads_per_worker else []
         receipts = [] if "--receipts" in extra else ["--receipts", str(self.receipts_dir(worker_id))]
+        receipts += [] if "--retain" in extra else ["--retain", str(self.retained_dir(worker_id))]
         return self._spawn(worker_id, ["worker", "--coordinator", self.address, "--worker-id", worker_id,
                                        *threads, *receipts, *self.tls_args(), *extra])
+
+    def retained_dir(self, worker_id: str) -> Path:
+        """Where a worker this cluster starts keeps its committed inner states to reveal (trainer.worker.retention)."""
+        return self.run_dir.path / RETAINED_DIR / worker_id
 
     def receipts_dir(self, worker_id: str) -> Path:
         """Where a worker this cluster starts keeps the coordinator's receipts (trainer.worker.receipts)."""

@@ -20,8 +20,9 @@ It runs DiLoCoX, the product's default (trainer.config), with pipeline stages wh
 a core for each; ``--diloco`` runs plain DiLoCo instead. Shows one line per finished round (eval
 loss, mean inner loss, bytes each way, how many times fewer than dense fp32 both ways the updates
 travel, time), a summary and the audit's table. The inner states the workers upload once per
-window of ``rounds.state_every`` rounds for the audit's replay are counted in the bytes up and shown apart:
-they are the audit's cost, not the update's. Afterwards ``dilocox audit --run <run>`` re-verifies the run on its own.
+window of ``rounds.state_every`` rounds in a run that uploads them are counted in the bytes up and shown
+apart; DiLoCoX's default sends none (the workers keep them in <run>/retained/ and the audit's replay
+challenges them there). Afterwards ``dilocox audit --run <run>`` re-verifies the run on its own.
 """
 
 from __future__ import annotations
@@ -61,13 +62,13 @@ def _row(s: dict, dense: int, states: int) -> list[str]:
     """round, eval loss, train loss, workers, bytes up, bytes down, × fewer than dense, inner states up, time.
 
     ``dense``: one dense fp32 copy of the model, what plain DiLoCo sends each way per worker; the
-    ratio is against that, both directions, over the round's participants (the round's real bytes:
-    every RPC, as the coordinator counted them), less ``states``, the inner states the round's
-    pushes carried for the audit (``state_bytes``)."""
+    ratio is against that, both directions, over the round's participants, counting the round's real
+    bytes: every RPC, as the coordinator counted them, ``states`` (the inner states the round's pushes
+    carried for the audit, ``state_bytes``: none where states are revealed on challenge) included."""
     if s["round"] == 0:
         return ["0", f"{s['eval_loss']:.4f}", "—", "genesis", "—", "—", "—", "—", "—"]
     workers = str(len(s["participants"])) + (f" (dropped {', '.join(s['dropped'])})" if s["dropped"] else "")
-    sent = s["bytes_up"] + s["bytes_down"] - states
+    sent = s["bytes_up"] + s["bytes_down"]
     fewer = f"{2 * dense * len(s['participants']) / sent:,.1f}× fewer" if sent > 0 else "—"
     return [str(s["round"]), f"{s['eval_loss']:.4f}", f"{s['mean_train_loss']:.4f}", workers,
             _kb(s["bytes_up"]), _kb(s["bytes_down"]), fewer, _kb(states) if states else "—", f"{s['seconds']:.1f}s"]
@@ -269,9 +270,10 @@ def _summary(console: Console, run_dir: Path, rounds_done: list[dict], elapsed: 
     console.print(
         f"[bold]summary[/]: {last['round']} rounds in {elapsed:.1f}s; eval loss "
         f"{rounds_done[0]['eval_loss']:.4f} (genesis) → {first['eval_loss']:.4f} (round 1) → "
-        f"{last['eval_loss']:.4f} (round {last['round']}); {_mb(up)} up, {_mb(down)} down; the updates "
-        f"{dense_total / max(1, up + down - states):,.1f}× fewer bytes than dense fp32 both ways "
-        f"({_mb(dense_total)}); of the bytes up, {_mb(states)} were inner states for the audit's replay\n"
+        f"{last['eval_loss']:.4f} (round {last['round']}); {_mb(up)} up, {_mb(down)} down, every byte of every "
+        f"call: {dense_total / max(1, up + down):,.1f}× fewer than dense fp32 both ways ({_mb(dense_total)}); "
+        + (f"of the bytes up, {_mb(states)} were inner states for the audit's replay\n" if states else
+           "no inner state crossed the wire (the workers keep them, to reveal when challenged)\n") +
         f"head manifest {last['manifest_cid']}\nrun dir {run_dir} (store, manifests, logs/)"
     )
     if failed:

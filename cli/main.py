@@ -232,7 +232,8 @@ def cmd_worker(args: argparse.Namespace) -> int:
                     metrics=Path(args.metrics) if args.metrics else None, stages=args.stages, cores=args.cores,
                     threads=args.threads, device=args.device, receipts=Path(args.receipts) if args.receipts else None,
                     data_parallel=args.data_parallel, store_sources=tuple(args.store_source),
-                    successors=_successors(args))
+                    successors=_successors(args), retain=Path(args.retain) if args.retain else None,
+                    reveal_address=None if args.reveal_port < 0 else (args.reveal_host, args.reveal_port))
     return _exit_now(worker.run())
 
 
@@ -585,6 +586,14 @@ def _worker_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--receipts", metavar="DIR",
                    help="where the coordinator's signed receipts of this worker's counted updates and taken reports "
                         "are kept, for `dilocox settle prove-receipt` (default: receipts/WORKER_ID)")
+    p.add_argument("--retain", metavar="DIR",
+                   help="where the committed inner states of the last rounds.reveal_rounds rounds are kept to "
+                        "reveal when an auditor challenges one, in a run that reveals them on challenge "
+                        "(default: retained/WORKER_ID; serve it after the run with `dilocox store serve --run DIR`)")
+    p.add_argument("--reveal-host", default="127.0.0.1",
+                   help="address the kept states are served on by CID (a trustless gateway; default 127.0.0.1)")
+    p.add_argument("--reveal-port", type=int, default=0, metavar="P",
+                   help="port of that gateway (default 0: any free one, written to DIR/gateway.url; -1: none)")
     p.add_argument("--stages", type=_stages_arg, default=None, metavar="auto|P",
                    help="pipeline stages: P local processes, each holding a contiguous slice of layers "
                         "(torch.distributed gloo on CPU), with max(1, cores // P) torch threads each; auto "

@@ -53,10 +53,16 @@ OverlapStart = Literal["delayed", "eager"]
 InnerOptimizer = Literal["adamw", "muon"]
 # The robust means of rounds.aggregator (trainer.rounds.aggregation.aggregate states each rule).
 Aggregator = Literal["mean", "trimmed_mean", "median"]
+# How the inner states a worker commits to reach an auditor (rounds.state_reveal): "upload", with a
+# push once per window of rounds.state_every rounds (trainer.runtime.state_commit); "on_challenge",
+# never with a push: each worker keeps them on its own disk for rounds.reveal_rounds rounds and
+# reveals one when an auditor asks for it by CID (trainer.worker.retention, audit.reveal).
+StateReveal = Literal["upload", "on_challenge"]
 MODEL_FAMILIES: tuple[str, ...] = get_args(ModelFamily)
 ROPE_TYPES: tuple[str, ...] = get_args(RopeType)
 OVERLAP_STARTS: tuple[str, ...] = get_args(OverlapStart)
 AGGREGATORS: tuple[str, ...] = get_args(Aggregator)
+STATE_REVEALS: tuple[str, ...] = get_args(StateReveal)
 INNER_OPTIMIZERS: tuple[str, ...] = get_args(InnerOptimizer)
 # The families whose attention uses rotary position embeddings (head_dim must be even).
 ROPE_FAMILIES = ("llama", "qwen2")
@@ -285,6 +291,23 @@ class RoundConfig:
     state_every: int = setting(4, "K: rounds between the inner states each worker uploads, so a replay needs at most "
                                   "K rounds of a worker's history (at most the replay horizon)",
                                Range(1, REPLAY_HORIZON), omitted_at_default=True)
+    # "upload" is how runs made before reveals existed sent their states (a configuration without the
+    # field reads so, and its audit is unchanged); DiLoCoX's default is "on_challenge": nothing but the
+    # update crosses the wire in a round nobody challenges (docs/verification.md, "Revealed on challenge").
+    state_reveal: StateReveal = setting("upload", "how committed inner states reach an auditor: pushed once per "
+                                                  "rounds.state_every rounds, or kept by each worker and revealed "
+                                                  "when challenged", omitted_at_default=True)
+    # With on_challenge: a worker keeps the committed start state of each of its last R counted rounds
+    # on its own disk (at most R states: R x three float32 copies of the model), so a contribution less
+    # than R rounds behind the run's newest round can be challenged; an older one can be replayed only
+    # from a state revealed within the window (its worker is not named for it).
+    reveal_rounds: int = setting(16, "R: the newest rounds whose committed inner states each worker keeps to "
+                                     "reveal when challenged", Range(1, 1_000_000), omitted_at_default=True)
+    # How long an auditor waits for a challenged worker to reveal a committed state before it names the
+    # worker (audit.reveal): a run rule, so every auditor of the run gives every worker the same time.
+    reveal_deadline_s: float = setting(60.0, "seconds an auditor keeps asking a worker's reveal sources for a "
+                                             "committed state before naming the worker", Range(0.1, 86_400.0),
+                                       omitted_at_default=True)
 
 
 # What the product runs: DiLoCoX. Each section's own defaults above are the plain building block
@@ -299,7 +322,7 @@ DILOCOX_OUTER = OuterConfig(lr=0.7, momentum=0.3)
 DILOCO_OUTER = OuterConfig()
 DILOCOX_COMPRESSION = CompressionConfig(enabled=True, target_energy=0.9, min_rank=16, max_rank=32,
                                         int4_group_size=128)
-DILOCOX_ROUNDS = RoundConfig(overlap=True, overlap_start="delayed")
+DILOCOX_ROUNDS = RoundConfig(overlap=True, overlap_start="delayed", state_reveal="on_challenge")
 
 
 @dataclass(frozen=True)
@@ -435,6 +458,9 @@ def _decode(cls: type[T], obj: Any, path: str, base: T | None = None) -> T:
     if unknown:
         raise ConfigError(f"{path}: unknown field(s) {', '.join(unknown)}")
     kwargs: dict[str, Any] = {}
+    if base is not None:  # a field left out at its default is that default, whatever the base holds
+        kwargs.update({f.name: f.default for f in fields(cls)  # type: ignore[arg-type]
+                       if f.metadata.get("omitted_at_default") and f.name not in obj})
     for name, value in obj.items():
         kind = hints[name]
         where = f"{path}.{name}"

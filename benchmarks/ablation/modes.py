@@ -143,6 +143,7 @@ def run_config(mode: Mode, s: Settings, data: Data, rounds: int, seed: int,
         outer=outer_config(mode, outer), data=data.config,
         rounds=RoundConfig(rounds=rounds, expected_workers=s.workers, quorum=s.workers,
                            straggler_timeout_s=s.timeout_s, heartbeat_interval_s=0.5,
-                           liveness_timeout_s=15.0, overlap=mode.overlap, overlap_start=mode.overlap_start),
+                           liveness_timeout_s=15.0, overlap=mode.overlap, overlap_start=mode.overlap_start,
+                           state_reveal="on_challenge"),  # every mode: nothing but updates on the wire
         compression=compression,
     )

@@ -22,6 +22,7 @@ NAMES = {
     "push-signature",  # added with audit.push_signatures (issue 28)
     "auditor-evidence",  # added with k-of-n verdicts: audit.disputes.unverified_auditors (issue 28)
     "replay-horizon",  # added with the replay horizon run rule (issue 28)
+    "reveal",  # added with states revealed on challenge (audit.reveal)
 }
 
 

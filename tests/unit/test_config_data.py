@@ -142,6 +142,8 @@ OUT_OF_RANGE = [
     ("rounds.max_update_norm", [-1.0, 2e12]),
     ("rounds.checkpoint_every", [0, 1_000_001]),
     ("rounds.state_every", [-1, 0, 6, 1_000_001]),
+    ("rounds.reveal_rounds", [0, 1_000_001]),
+    ("rounds.reveal_deadline_s", [0.0, 86_401.0]),
     ("compression.target_energy", [0.0, 1.5]),
     ("compression.min_rank", [4097]),
     ("compression.max_rank", [4097]),

@@ -8,7 +8,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from audit.replay import Replayer
+from audit.replay import Replayer, recompressed
 from trainer.codec import AdaptiveRankPolicy, CompressionConfig, compress, decompress
 from trainer.codec import lowrank
 from trainer.codec.policy import PinnedRankPolicy
@@ -161,7 +161,7 @@ def test_a_pinned_rank_beyond_the_sketch_uses_the_exact_decomposition() -> None:
 
 
 def test_the_audits_recompression_of_a_sketched_update_is_exact() -> None:
-    """audit.replay's ``_recompressed`` (the real function) on an update whose matrices take the
+    """audit.replay's ``recompressed`` (the real function) on an update whose matrices take the
     randomized path, over two rounds of error feedback: an honest update is at d = 0, and one
     scaled by 1.05 before compression is not."""
     compression = CompressionConfig(enabled=True, min_rank=2, max_rank=8)
@@ -175,11 +175,11 @@ def test_the_audits_recompression_of_a_sketched_update_is_exact() -> None:
         cheat_errors, carried = dict(worker_errors), dict(replay_errors)
         payload, header = compress(delta, worker_errors, policy)
         stored = decompress(payload, header, layout_of(delta))
-        replay_errors, distance = replayer._recompressed(delta, replay_errors, stored)
+        replay_errors, distance = recompressed(replayer.config, delta, replay_errors, stored)
         assert distance == 0.0
         assert all(torch.equal(replay_errors[k], worker_errors[k]) for k in delta)  # e' is the worker's e
         scaled = {k: 1.05 * t for k, t in delta.items()}
         pinned = PinnedRankPolicy(compression, {e["name"]: e["rank"] for e in header["tensors"]})
         cheat = decompress(*compress(scaled, cheat_errors, pinned), layout_of(delta))
-        _, cheat_distance = replayer._recompressed(delta, carried, cheat)
+        _, cheat_distance = recompressed(replayer.config, delta, carried, cheat)
         assert cheat_distance > 0.005, cheat_distance

@@ -190,7 +190,13 @@ def check_state_upload(h: UpdateHeader, layout: Layout, config: RunConfig, windo
     """The inner state's bytes come in stage 0's slice, never for a fresh state, within ``state_limit``
     (trainer.runtime.state_commit): required when the worker's ``window`` (its counted contributions
     of the window so far, ``state_window``) says due; sent unasked, taken while its window holds
-    fewer than MAX_STORED_PER_WINDOW stored states; never else."""
+    fewer than MAX_STORED_PER_WINDOW stored states; never else. A run whose states are revealed on
+    challenge (``rounds.state_reveal``) takes none: its workers keep them (trainer.worker.retention)."""
+    if config.rounds.state_reveal == "on_challenge":
+        if h.inner_state_size:
+            raise Refusal(Reason.MALFORMED, f"inner_state_size {h.inner_state_size}: this run's inner states are "
+                                            f"revealed on challenge (rounds.state_reveal), never pushed")
+        return
     every = config.rounds.state_every
     can_carry = h.stage == 0 and h.inner_state_sha256 != FRESH_STATE
     due = can_carry and state_due(every, h.round, previous_in_window(window))

@@ -15,10 +15,13 @@ done, both are dropped, the state rewound to before the refused round (``rewind`
 starts over from the newest global state (trainer.worker.loops.overlapped), so its chain of counted
 rounds replays across the refusal, and a worker none of whose rounds has counted yet commits a
 fresh state; a worker of several stages rewinds the same way (its stages' AdamW when they next run).
-The state's bytes go with a push at the worker's first counted contribution in each window of
-``rounds.state_every`` rounds, counted from its last push the coordinator took, and with its next
-push after a refused one, which may have counted all the same (a lost reply): decided when the push
-goes (trainer.runtime.state_commit.StateUploads).
+With ``rounds.state_reveal = "on_challenge"`` (DiLoCoX's default) the state's bytes never go with a
+push: the worker keeps them on its own disk before it pushes (trainer.worker.retention) and serves
+them by CID to an auditor that challenges one (``reveal_port``: the store's trustless gateway). In a
+run that uploads them (``"upload"``), they go with a push at the worker's first counted contribution
+in each window of ``rounds.state_every`` rounds, counted from its last push the coordinator took,
+and with its next push after a refused one, which may have counted all the same (a lost reply):
+decided when the push goes (trainer.runtime.state_commit.StateUploads).
 """
 
 from __future__ import annotations
@@ -57,7 +60,7 @@ from trainer.runtime.island import Island, check_devices
 from trainer.runtime.kernels import current_kernels
 from trainer.runtime.pipeline import PipelinedInnerLoop, PipelineError, StagePlan, plan_stages
 from trainer.runtime.procgroup import available_cpus
-from trainer.runtime.state_commit import NO_STATE, Committed, StateUploads, commitment
+from trainer.runtime.state_commit import NO_STATE, Committed, commitment
 from trainer.worker.client import (
     REFUSED,
     Checkpoint,
@@ -72,6 +75,7 @@ from trainer.worker.client import (
 from trainer.worker.hold import RoundHold
 from trainer.worker.loops import overlapped, synchronous
 from trainer.worker.receipts import ReceiptBook
+from trainer.worker.retention import CommittedStates
 from trainer.worker.reporter import Reporter
 from trainer.worker.succession import Successors
 
@@ -117,13 +121,21 @@ class Pushed:
     parent: bytes  # sha256 of the round's parent checkpoint θ⁽ʳ⁻¹⁾ (what its report restates)
 
 
+def append_metric(metrics: Path | None, record: dict) -> None:
+    """Append one JSON line to the worker's metrics file, when it was given one."""
+    if metrics is not None:
+        with open(metrics, "a", encoding="utf-8") as f:
+            f.write(strict_json(record, sort_keys=True) + "\n")
+
+
 class Worker:
     def __init__(self, address: str, worker_id: str, *, tls: ClientTls, attestation: EvidenceProvider | None = None,
                  reconnect_timeout_s: float = 120.0, fetch_wait_s: float = 5.0, link: Link | None = None,
                  metrics: Path | None = None, stages: int | None = 1, cores: int | None = None,
                  threads: int | None = None, device: str = "cpu", receipts: Path | None = None,
                  data_parallel: int = 1, store_sources: Sequence[str] = (),
-                 successors: Successors = Successors()) -> None:
+                 successors: Successors = Successors(), retain: Path | None = None,
+                 reveal_address: tuple[str, int] | None = None) -> None:
         self.created_at = time.monotonic()  # start-up is measured from here (trainer.runtime.pipeline.plan_stages)
         self.worker_id, self.metrics = worker_id, metrics
         self.device = parse_device(device)  # where the inner loop runs (trainer.runtime.device); refused now if absent
@@ -146,7 +158,9 @@ class Worker:
         self.last_trained_at: float | None = None  # when the latest round's training ended
         self.compute_s, self.tokens = 0.0, 0  # time in the inner loop and tokens trained, all rounds
         self._counted = (0, 0)  # bytes sent/received up to the last progress record
-        self.uploads = StateUploads()  # whether a push carries the inner state (trainer.runtime.state_commit)
+        # Where committed states are kept to reveal, and their gateway's address (trainer.worker.retention).
+        self.keep_states = (retain if retain is not None else Path("retained") / worker_id, reveal_address)
+        self.states: CommittedStates | None = None
         # Seconds by phase since the last progress record ("push", "evaluate"; see _phases).
         self.phase_seconds = PhaseSeconds()
         self.hold = RoundHold.from_env()  # a test's pause before a round (trainer.worker.hold); none in a run
@@ -202,6 +216,7 @@ class Worker:
         # Error feedback lives as long as the worker (not its stage processes): what compression
         # drops is sent next round.
         self.uplink = Uplink(config.compression, self.stages, self.device)  # encodes on the worker's device
+        self.states = CommittedStates(config.rounds, *self.keep_states)  # RetentionError: a WorkerError
         self.config = config
 
     # ----------------------------------------------------------------------------- a round
@@ -274,8 +289,8 @@ class Worker:
         what = PushHeader(round_, result.mean_loss, result.tokens, result.steps, base_cid, received, work.state,
                           work.kernels)
         wire_bytes, started, receipt = 0, time.perf_counter(), None
-        # Due once a window, or after a refused push; decided (and made) now (trainer.runtime.state_commit).
-        upload = self.uploads.upload(self.config.rounds.state_every, round_, work.committed)
+        # Kept to reveal before it is committed to, or sent when due (trainer.worker.retention).
+        upload = self.states.for_push(round_, work.committed)
         for piece in work.slices:
             try:
                 sent, receipt = self.client.push_slice(piece, what, upload if piece.stage == 0 else NO_STATE)
@@ -290,7 +305,7 @@ class Worker:
                 self.phase_seconds.add("push", time.perf_counter() - started)
                 started = time.perf_counter()
         update = CID.of(record).digest
-        self.uploads.counted()
+        self.states.counted(round_)
         self.receipts.keep_sent(self.client, receipt, round_, update)
         return Pushed(round_, update, to_e6(result.mean_loss), result.tokens,
                       result.steps, wire_bytes, received, CID.parse(parent_cid or base_cid).digest)
@@ -360,7 +375,7 @@ class Worker:
         if decision is not None and decision.tensors:
             record["ranks"] = {name: d.rank for name, d in decision.tensors.items()}
             record["energy"] = decision.energy
-        self._metric(record)
+        append_metric(self.metrics, record)
 
     def finished(self, checkpoint: Checkpoint) -> int:
         wall, client = time.monotonic() - self.started_at, self.client
@@ -372,7 +387,7 @@ class Worker:
         last = self.last_trained_at if self.last_trained_at is not None else now
         # Start-up (stage processes, join, the fetch of θ⁰) and the last exchange, which no round
         # can overlap, apart from the rounds between them.
-        self._metric({"event": "finished", "rounds": checkpoint.round, "wall_s": wall, "compute_s": self.compute_s,
+        append_metric(self.metrics, {"event": "finished", "rounds": checkpoint.round, "wall_s": wall, "compute_s": self.compute_s,
                       "tokens": self.tokens, "bytes_sent": client.bytes_sent, "bytes_received": client.bytes_received,
                       "startup_s": first - self.created_at, "last_exchange_s": now - last,
                       "steady_wall_s": last - first, "steady_compute_s": self.compute_s,
@@ -386,12 +401,6 @@ class Worker:
         them) and "decode" (rebuilding θ from a compressed global update)."""
         taken = {**self.phase_seconds.take(), **self.client.phase_seconds.take()}
         return {f"{phase}_s": seconds for phase, seconds in sorted(taken.items())}
-
-    def _metric(self, record: dict) -> None:
-        """Append one JSON line to the metrics file, when the worker was given one."""
-        if self.metrics is not None:
-            with open(self.metrics, "a", encoding="utf-8") as f:
-                f.write(strict_json(record, sort_keys=True) + "\n")
 
     # ----------------------------------------------------------------------------- the run
 
