@@ -10,6 +10,9 @@
     verifier     EvidenceVerifier interface, the registry of one verifier per provider
     tdx_verifier TdxVerifier: "tdx" evidence, through dcap-qvl
     dev_verifier DevVerifier: "dev" evidence, which PROVES NOTHING
+    nvidia_gpu   GpuEvidence: an NVIDIA GPU's SPDM attestation report + chain, bounded and parsed;
+                 Rim (reference measurements from a SWID tag)
+    nvidia_gpu_verifier  GpuPolicy, NvidiaGpuVerifier: GPU evidence beside the quote, verified offline
     providers    EvidenceProvider interface, open_provider("tdx" | "dev")
     report       signed round reports (EIP-712)
 """
@@ -31,6 +34,19 @@ from .keys import (
     report_data,
 )
 from .measurement import DEFAULT_PACKAGES, code_manifest, code_measurement
+from .nvidia_gpu import (
+    MAX_GPU_CHAIN_BYTES,
+    MAX_GPU_CHAIN_CERTS,
+    MAX_GPU_REPORT_BYTES,
+    GoldenMeasurement,
+    GpuEvidence,
+    GpuReport,
+    Rim,
+    chain_from_pem,
+    parse_report,
+    report_from_hex,
+)
+from .nvidia_gpu_verifier import GpuClaim, GpuPolicy, NvidiaGpuVerifier, nvidia_device_root
 from .policy import Policy, attest, verify_evidence
 from .providers import EvidenceProvider, open_provider
 from .report import Domain, ReportError, RoundReport, SignedReport
@@ -77,6 +93,20 @@ __all__ = [
     "DEFAULT_PACKAGES",
     "code_manifest",
     "code_measurement",
+    "MAX_GPU_CHAIN_BYTES",
+    "MAX_GPU_CHAIN_CERTS",
+    "MAX_GPU_REPORT_BYTES",
+    "GoldenMeasurement",
+    "GpuEvidence",
+    "GpuReport",
+    "Rim",
+    "chain_from_pem",
+    "parse_report",
+    "report_from_hex",
+    "GpuClaim",
+    "GpuPolicy",
+    "NvidiaGpuVerifier",
+    "nvidia_device_root",
     "Policy",
     "attest",
     "verify_evidence",

@@ -8,10 +8,19 @@ Its byte form is canonical JSON (storage_client.canonical_json), one byte string
 
     {"dev_signature":"<130 hex>","provider":"dev","quote":"<hex>","schema":"dilocox.evidence/v1"}
     {"provider":"tdx","quote":"<hex>","schema":"dilocox.evidence/v1"}
+    {"gpu_cert_chain":"<hex>","gpu_report":"<hex>","provider":"tdx","quote":"<hex>","schema":...}
 
 Keys sorted, no whitespace, lowercase hex, `dev_signature` present exactly when provider is "dev"
 (the verifier of a provider says whether it carries one: attestation.verifier). The provider's
 verifier checks the quote is well formed; this module reads no quote itself.
+
+GPU evidence travels beside the quote: `gpu_report` (an NVIDIA GPU's SPDM attestation report) and
+`gpu_cert_chain` (its DER certificate chain, leaf first), both or neither, with any provider
+(attestation.nvidia_gpu). A record without them has exactly the bytes, digest and CID it had before
+they existed. Their hex is bounded before it is decoded (MAX_GPU_REPORT_BYTES, MAX_GPU_CHAIN_BYTES)
+and the chain's certificate count before any certificate is parsed (MAX_GPU_CHAIN_CERTS); a policy
+with `gpu` settings requires and verifies them (attestation.policy, attestation.nvidia_gpu_verifier).
+
 The sha256 of these bytes is the `evidenceDigest` that WorkerRegistry records, and the bytes are
 kept in the store as a RAW object (so `Evidence.cid()` names them). `from_bytes` accepts only this
 exact form: anything else, including the same record re-serialised differently, is refused. It
@@ -28,11 +37,15 @@ import enum
 import hashlib
 import json
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from storage_client import CID, Codec, JSONBoundsError, canonical_json, loads_bounded
 
 from .errors import EvidenceError
+from .nvidia_gpu import MAX_GPU_CHAIN_BYTES, MAX_GPU_REPORT_BYTES, GpuEvidence
+
+if TYPE_CHECKING:  # pragma: no cover
+    from .nvidia_gpu_verifier import GpuClaim
 
 SCHEMA = "dilocox.evidence/v1"
 
@@ -47,6 +60,7 @@ class Provider(enum.StrEnum):
 MAX_EVIDENCE_BYTES = 4 << 20  # a quote is limited to 1 MiB, hex doubles it
 MAX_EVIDENCE_DEPTH = 2  # a flat object of strings; anything nested is refused before parsing
 DEV_SIGNATURE_SIZE = 65
+GPU_FIELDS = frozenset({"gpu_report", "gpu_cert_chain"})
 _HEX = frozenset("0123456789abcdef")
 
 
@@ -63,6 +77,14 @@ def _hex_field(obj: dict[str, Any], key: str) -> bytes:
     if len(value) % 2 or not set(value) <= _HEX:
         raise EvidenceError(f"evidence field {key!r} is not lowercase hex of whole bytes")
     return bytes.fromhex(value)
+
+
+def _bounded_hex_field(obj: dict[str, Any], key: str, limit: int) -> bytes:
+    """A hex field whose decoded size is bounded before it is decoded."""
+    value = obj[key]
+    if isinstance(value, str) and len(value) > 2 * limit:
+        raise EvidenceError(f"evidence field {key!r} is {len(value) // 2} bytes; the limit is {limit}")
+    return _hex_field(obj, key)
 
 
 def _refuse_duplicates(pairs: list[tuple[str, Any]]) -> dict[str, Any]:
@@ -93,6 +115,7 @@ class Evidence:
     provider: str  # a Provider for the built-ins; any name with a registered verifier
     quote: bytes
     dev_signature: bytes | None = None
+    gpu: GpuEvidence | None = None  # a GPU's attestation report and chain, beside the quote
 
     def __post_init__(self) -> None:
         from .verifier import verifier_for  # the verifiers build Evidence too; import here to avoid a cycle
@@ -103,6 +126,8 @@ class Evidence:
             raise EvidenceError(f"evidence quote must be bytes, not {type(self.quote).__name__}")
         if isinstance(self.dev_signature, bytearray):
             object.__setattr__(self, "dev_signature", bytes(self.dev_signature))
+        if self.gpu is not None and not isinstance(self.gpu, GpuEvidence):
+            raise EvidenceError(f"evidence gpu must be GpuEvidence, not {type(self.gpu).__name__}")
         # the provider's verifier parses the quote, refusing it by field, and drops its padding
         object.__setattr__(self, "quote", verifier.canonical_quote(self))
 
@@ -111,6 +136,9 @@ class Evidence:
         obj: dict[str, Any] = {"schema": SCHEMA, "provider": self.provider, "quote": self.quote.hex()}
         if self.dev_signature is not None:
             obj["dev_signature"] = self.dev_signature.hex()
+        if self.gpu is not None:
+            obj["gpu_report"] = self.gpu.report.hex()
+            obj["gpu_cert_chain"] = self.gpu.cert_chain.hex()
         return canonical_json(obj)
 
     @classmethod
@@ -138,6 +166,10 @@ class Evidence:
         verifier = verifier_for(obj.get("provider"))
         provider, signed = verifier.name, verifier.carries_dev_signature
         expected = {"schema", "provider", "quote"} | ({"dev_signature"} if signed else set())
+        gpu_keys = set(obj) & GPU_FIELDS
+        if gpu_keys and gpu_keys != GPU_FIELDS:
+            raise EvidenceError("evidence carries one of gpu_report and gpu_cert_chain; GPU evidence needs both")
+        expected |= gpu_keys
         if set(obj) != expected:
             missing = sorted(expected - set(obj))
             extra = sorted(set(obj) - expected)
@@ -149,6 +181,10 @@ class Evidence:
             provider=provider,
             quote=_hex_field(obj, "quote"),
             dev_signature=_hex_field(obj, "dev_signature") if signed else None,
+            gpu=GpuEvidence(
+                report=_bounded_hex_field(obj, "gpu_report", MAX_GPU_REPORT_BYTES),
+                cert_chain=_bounded_hex_field(obj, "gpu_cert_chain", MAX_GPU_CHAIN_BYTES),
+            ) if gpu_keys else None,
         )
         if len(evidence.quote) * 2 != len(obj["quote"]):
             raise EvidenceError(
@@ -174,7 +210,8 @@ class Evidence:
         from .verifier import verifier_for
 
         note = f", {self.provider.upper()}: PROVES NOTHING" if verifier_for(self.provider).proves_nothing else ""
-        return f"Evidence(provider={self.provider!r}, quote={len(self.quote)} bytes{note})"
+        gpu = f", gpu={len(self.gpu.report)}-byte report" if self.gpu is not None else ""
+        return f"Evidence(provider={self.provider!r}, quote={len(self.quote)} bytes{gpu}{note})"
 
 
 @dataclass(frozen=True)
@@ -190,9 +227,12 @@ class VerifiedEvidence:
     details       the quote's fields as strings (mrtd, rtmr0..3, ... in hex); for dev also
                   "dev_root" and "evidence": "DEV: PROVES NOTHING"; for tdx "tcb_status",
                   "advisory_ids", "collateral", "collateral_next_update" and "verified_at"
-    warnings      what a reader should know about how much this proves (dev: its WARNING)
+    warnings      what a reader should know about how much this proves (dev: its WARNING; GPU
+                  evidence carried but not verified because the policy has no gpu settings)
     label         how to show this evidence, said by its provider's verifier: dev evidence never
                   reads as anything but "DEV evidence: PROVES NOTHING"
+    gpu           the GpuClaim of GPU evidence the policy required and verified (its fields are
+                  also in details, as gpu_*)
     """
 
     provider: str
@@ -203,6 +243,7 @@ class VerifiedEvidence:
     label: str
     details: dict[str, str] = field(default_factory=dict)
     warnings: tuple[str, ...] = ()
+    gpu: GpuClaim | None = None  # what verified GPU evidence says; None when none was verified
 
     def __repr__(self) -> str:
         return (f"VerifiedEvidence({self.label}, measurement={self.measurement.hex()}, "

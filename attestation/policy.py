@@ -22,6 +22,13 @@ registered for the evidence's provider (attestation.verifier: tdx_verifier, dev_
     debug        a TD with TUD.DEBUG only with allow_debug=True (dcap-qvl refuses debug TDs
                  itself, so this admits debug dev evidence only)
     measurement  the measurement is in allowed_measurements, when that set is given
+    gpu          with `policy.gpu` set (a GpuPolicy): the record carries GPU evidence
+                 (gpu_report, gpu_cert_chain) and attestation.nvidia_gpu_verifier accepts it, its
+                 nonce being REPORTDATA[0:32], the same binding of worker key, run and join nonce
+                 (checks gpu.chain, gpu.signature, gpu.request, gpu.nonce, gpu.fwid, gpu.mode,
+                 gpu.debug, gpu.rim, gpu.measurement; gpu.format for malformed GPU evidence).
+                 Without `policy.gpu`, GPU evidence a record carries is not verified, and the
+                 result says so in its warnings.
 
 The measurement is sha256(MRTD||RTMR0..3) for tdx, and for dev the code measurement the verifier
 expected (equal to REPORTDATA[32:64] once report_data passed). On chain, WorkerRegistry keeps the
@@ -32,13 +39,14 @@ dev evidence.
 from __future__ import annotations
 
 import logging
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 from .dcap import DcapSettings
 from .errors import EvidenceError, PolicyViolation
 from .evidence import Evidence, VerifiedEvidence
 from .keys import WorkerKey, checksum_address, report_data
+from .nvidia_gpu_verifier import GpuPolicy, NvidiaGpuVerifier
 from .providers import EvidenceProvider
 from .verifier import EvidenceVerifier, Expected, verifier_for
 
@@ -56,6 +64,8 @@ class Policy:
     allowed_measurements  32-byte measurements accepted; None (default) skips the check
     dcap                  DcapSettings: collateral_file or pccs_url, allowed_tcb_statuses
                           (default {"UpToDate"}), pccs_timeout_s
+    gpu                   GpuPolicy: require NVIDIA GPU evidence beside the quote, checked
+                          against its pinned roots and RIMs (default None: not required)
     """
 
     allow_dev: bool = False
@@ -63,6 +73,7 @@ class Policy:
     dev_roots: frozenset[str] = frozenset()
     allowed_measurements: frozenset[bytes] | None = None
     dcap: DcapSettings = field(default_factory=DcapSettings)
+    gpu: GpuPolicy | None = None
 
     def __post_init__(self) -> None:
         if isinstance(self.dev_roots, str):
@@ -78,6 +89,8 @@ class Policy:
             object.__setattr__(self, "allowed_measurements", ms)
         if not isinstance(self.dcap, DcapSettings):
             raise TypeError(f"dcap must be DcapSettings, not {type(self.dcap).__name__}")
+        if self.gpu is not None and not isinstance(self.gpu, GpuPolicy):
+            raise TypeError(f"gpu must be a GpuPolicy or None, not {type(self.gpu).__name__}")
 
     @classmethod
     def development(cls, *dev_roots: str, **kwargs: Any) -> Policy:
@@ -115,6 +128,25 @@ def _check_claim(claim: VerifiedEvidence, expected_report_data: bytes, policy: P
         )
 
 
+GPU_NOT_VERIFIED = "GPU evidence is carried but was not verified: the policy has no gpu settings"
+
+
+def _check_gpu(evidence: Evidence, claim: VerifiedEvidence, expected_report_data: bytes, policy: Policy,
+               now: int | None) -> VerifiedEvidence:
+    """GPU evidence beside the quote: required and verified when the policy has gpu settings."""
+    if policy.gpu is None:
+        if evidence.gpu is None:
+            return claim
+        return replace(claim, warnings=claim.warnings + (GPU_NOT_VERIFIED,))
+    if evidence.gpu is None:
+        raise PolicyViolation(
+            "gpu", "this policy requires GPU evidence (gpu_report, gpu_cert_chain) and the record carries none"
+        )
+    gpu = NvidiaGpuVerifier().verify(evidence.gpu, expected_nonce=expected_report_data[:32], policy=policy.gpu,
+                                     now=now)
+    return replace(claim, gpu=gpu, details={**claim.details, **gpu.details()})
+
+
 def verify_evidence(
     evidence: Evidence | bytes,
     *,
@@ -125,7 +157,8 @@ def verify_evidence(
 ) -> VerifiedEvidence:
     """Check evidence against a policy and the REPORTDATA the verifier expects; see the module
     docstring for the checks. `now` (unix seconds, default the real clock) is the time at which
-    dcap-qvl judges the collateral and certificates of tdx evidence. `log_acceptance`: log what was
+    dcap-qvl judges the collateral and certificates of tdx evidence, and the GPU certificate chain
+    is judged. `log_acceptance`: log what was
     accepted (an auditor that reports every admission itself turns it off, so dev evidence is said
     once per audit, not once per worker)."""
     if not isinstance(expected_report_data, (bytes, bytearray)) or len(expected_report_data) != 64:
@@ -143,8 +176,11 @@ def verify_evidence(
     _refuse_unless_allowed(verifier, policy)
     claim = verifier.verify(evidence, Expected(expected_report_data, now), policy)
     _check_claim(claim, expected_report_data, policy)
+    claim = _check_gpu(evidence, claim, expected_report_data, policy, now)
     if log_acceptance:
         (log.warning if claim.proves_nothing else log.info)(verifier.acceptance(claim))
+        if claim.gpu is not None:
+            log.info(NvidiaGpuVerifier().acceptance(claim.gpu))
     return claim
 
 

@@ -18,6 +18,11 @@ it again). The built-ins:
 
     tdx  attestation.tdx_verifier.TdxVerifier  TDX quote v4/v5 through dcap-qvl (attestation.dcap)
     dev  attestation.dev_verifier.DevVerifier  the software stand-in that PROVES NOTHING
+
+GPU evidence (NVIDIA confidential-computing GPUs) is not a provider: it measures the GPU, not the
+code, and has no REPORTDATA to bind the code measurement, so it travels beside any provider's quote
+(the record's gpu_report / gpu_cert_chain) and policy.verify_evidence checks it with
+attestation.nvidia_gpu_verifier.NvidiaGpuVerifier when the policy's ``gpu`` settings require it.
 """
 
 from __future__ import annotations
