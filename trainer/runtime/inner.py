@@ -21,7 +21,7 @@ from __future__ import annotations
 
 import copy
 from dataclasses import dataclass
-from typing import Iterable
+from typing import Callable, Iterable
 
 import torch
 import torch.nn as nn
@@ -41,6 +41,10 @@ from trainer.progress import Progress
 from trainer.runtime.device import autocast
 from trainer.runtime.muon import MuonWithAdamW
 from trainer.runtime.staged import StagedArithmetic
+
+
+# Called by ``InnerLoop.run`` with (j, model, optimiser) at step 0 and after each step j.
+StepObserver = Callable[[int, nn.Module, torch.optim.Optimizer], None]
 
 
 @dataclass(frozen=True)
@@ -73,14 +77,20 @@ class InnerLoop:
         self.optimizer = inner_optimizer(self.model, cfg)
 
     def run(self, start: Params, batches: Iterable[tuple[torch.Tensor, torch.Tensor]],
-            progress: Progress | None = None, staged: StagedArithmetic | None = None) -> InnerResult:
+            progress: Progress | None = None, staged: StagedArithmetic | None = None, *,
+            observer: StepObserver | None = None) -> InnerResult:
         """H optimiser steps from ``start``, one a batch; ``progress`` counts the steps and their tokens.
         ``staged``: compute each step's gradients as a worker of several pipeline stages does
-        (trainer.runtime.staged: microbatches, the stages' clipping), to replay one."""
+        (trainer.runtime.staged: microbatches, the stages' clipping), to replay one. ``observer``
+        is called as ``observer(j, model, optimizer)`` with j = 0 once ``start`` is loaded and with
+        j = 1, 2, … after each step (the training state θ_j and the optimiser's state after j steps:
+        trainer.runtime.step_commit); it must not write into either."""
         load_params(self.model, start)
         self.model.train()
         losses: list[float] = []
         tokens = 0
+        if observer is not None:
+            observer(0, self.model, self.optimizer)
         for x, y in batches:
             x, y = x.to(self.device), y.to(self.device)  # the same tensors on the CPU
             if staged is not None:
@@ -91,6 +101,8 @@ class InnerLoop:
             self.optimizer.step()
             losses.append(loss_value)
             tokens += x.numel()
+            if observer is not None:
+                observer(len(losses), self.model, self.optimizer)
             if progress is not None:
                 progress.advance(1, amount=x.numel())
         if not losses:
