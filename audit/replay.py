@@ -84,7 +84,6 @@ from __future__ import annotations
 
 import math
 import random
-import tempfile
 import time
 from collections import defaultdict
 from dataclasses import dataclass
@@ -92,7 +91,7 @@ from typing import Iterable, Mapping, Sequence
 
 import torch
 
-from storage_client import Kernels, Manifest, ObjectStore, Participant, Store, from_e6
+from storage_client import Kernels, Manifest, Participant, Store, from_e6
 from trainer.codec import (
     CodecHeader,
     CompressionError,
@@ -128,7 +127,7 @@ from trainer.runtime.state_commit import (
 from trainer.runtime.island import Island
 from trainer.runtime.staged import WORKER_MICROBATCHES, StagedArithmetic, staged_arithmetic
 
-from .reveal import RevealedStore, RevealOutcome, challenge
+from .reveal import Challenges, RevealOutcome
 from .replay_env import EXACT_TOLERANCE, ChildError, judge, kernels_label, replay_in, split_by_kernels
 
 # ‖Δ' − Δ‖ / ‖Δ‖ an honest contribution replayed in its worker's kernels stays within (it is 0;
@@ -236,11 +235,15 @@ class Replayer:
     """Replays contributions of one run from its verified manifests (round → manifest)."""
 
     def __init__(self, store: Store, config: RunConfig, manifests: Mapping[int, Manifest],
-                 worker_kernels: bool = True, exact: bool = False) -> None:
+                 worker_kernels: bool = True, exact: bool = False,
+                 reveal_sources: Sequence[tuple[str, Store]] = ()) -> None:
         """``worker_kernels``: replay each worker's chain in the kernels it recorded, in a child process,
         where this CPU can (audit.replay_env); otherwise in this process. ``exact``: this process runs
-        the workers' kernels (a replay child), so the distances are held to EXACT_TOLERANCE."""
+        the workers' kernels (a replay child), so the distances are held to EXACT_TOLERANCE.
+        ``reveal_sources``: where ``replay`` asks for committed states in a run that reveals them on
+        challenge (audit.reveal); what they reveal is kept until ``close``."""
         self.store, self.config, self.manifests = store, config, dict(manifests)
+        self.challenges = Challenges(reveal_sources, config.rounds.reveal_deadline_s)
         self.worker_kernels, self.exact = worker_kernels, exact
         self.fallback: dict[str, str] = {}  # worker -> why its chain is replayed in this process's kernels
         self.problems: list[tuple[int | None, str, str]] = []
@@ -374,10 +377,22 @@ class Replayer:
                 return None
         return self.steps[round_]
 
+    def challenge(self, targets: Iterable[tuple[int, str]]) -> None:
+        """In a run that reveals states on challenge, ask the reveal sources for the committed states of
+        ``targets`` the store lacks (audit.reveal); the replay then reads them beside the store."""
+        if self.revealed_on_challenge and self.challenges.outcome is None:
+            self.store = self.challenges.ask(self.store, [self._participant(r, w).state or "" for r, w in targets])
+
+    def close(self) -> None:
+        """Remove the states revealed to this replay."""
+        self.challenges.close()
+
     def replay(self, targets: Iterable[tuple[int, str]]) -> tuple[list[ReplayRow], int]:
         """Every target, with the chains they need (each worker's rounds replayed once, in order);
-        returns the rows and the inner steps replayed."""
+        returns the rows and the inner steps replayed. The committed states they start from are
+        challenged first where the run reveals them on challenge."""
         sampled = set(targets)
+        self.challenge(sampled)
         by_worker: dict[str, set[int]] = defaultdict(set)
         for r, worker in sampled:
             by_worker[worker].update(self.chain(r, worker))
@@ -679,18 +694,13 @@ def replay_run(store: Store, config: RunConfig, manifests: Mapping[int, Manifest
     In a run whose states are revealed on challenge, the sampled contributions' committed states are
     asked of ``reveal_sources`` (label, store) first (audit.reveal)."""
     started = time.perf_counter()
-    replayer = Replayer(store, config, manifests)
+    replayer = Replayer(store, config, manifests, reveal_sources=reveal_sources)
     targets, skipped = replayer.sample(k, seed)
-    with tempfile.TemporaryDirectory(prefix="dilocox-revealed-") as scratch:
-        revealed = None
-        if replayer.revealed_on_challenge:
-            needed = [p.state for r, w in targets if (p := replayer._participant(r, w)).state is not None
-                      and p.state != FRESH_STATE and not state_stored(store, p)]
-            cache = ObjectStore(scratch)
-            revealed = challenge(needed, reveal_sources, cache, config.rounds.reveal_deadline_s)
-            replayer.store = RevealedStore(store, cache)
+    try:
         rows, steps = replayer.replay(targets)
         rescored = rescore(replayer, (r for r, _ in targets)) if replayer.corpus_loaded else []
+    finally:
+        replayer.close()
     checked = sum(replayer.steps.get(r, config.inner.steps) for r, _ in targets)
     return ReplayOutcome(rows + skipped, rescored, seed, steps, checked,
-                         time.perf_counter() - started, replayer.problems, revealed)
+                         time.perf_counter() - started, replayer.problems, replayer.challenges.outcome)

@@ -26,6 +26,7 @@ to σ is not taken, and the next source is asked. The bytes and seconds each cha
 from __future__ import annotations
 
 import hashlib
+import tempfile
 import time
 from collections.abc import Iterable, Iterator, Sequence
 from dataclasses import dataclass, field
@@ -68,6 +69,11 @@ def local_sources(run_dir: Path) -> list[str]:
 
     root = run_dir / RETAINED_DIR
     return [str(p) for p in sorted(root.iterdir()) if (p / "store").is_dir()] if root.is_dir() else []
+
+
+def local_reveal_sources(run_dir: Path) -> list[tuple[str, Store]]:
+    """``local_sources`` opened: what an audit of ``run_dir`` asks when it is given no source."""
+    return [(source, open_source(source)) for source in local_sources(run_dir)]
 
 
 class RevealedStore(Store):
@@ -144,3 +150,26 @@ def challenge(needed: Iterable[str], sources: Sequence[tuple[str, Store]], cache
     outcome.seconds = clock() - started
     return outcome
 
+
+
+class Challenges:
+    """One replay's challenges: ``ask`` asks ``sources`` for the states a store lacks, once, into a cache
+    of its own (removed by ``close``); ``outcome`` is what they got (None before ``ask``)."""
+
+    def __init__(self, sources: Sequence[tuple[str, Store]], deadline_s: float) -> None:
+        self.sources, self.deadline_s = tuple(sources), deadline_s
+        self.outcome: RevealOutcome | None = None
+        self._scratch: tempfile.TemporaryDirectory[str] | None = None
+
+    def ask(self, store: Store, needed: Iterable[str]) -> Store:
+        """``store`` with the states of ``needed`` it lacks, as far as they were revealed in time."""
+        missing = [d for d in needed if d and d != FRESH_STATE and not store.has(state_cid(d))]
+        self._scratch = tempfile.TemporaryDirectory(prefix="dilocox-revealed-")
+        cache = ObjectStore(self._scratch.name)
+        self.outcome = challenge(missing, self.sources, cache, self.deadline_s)
+        return RevealedStore(store, cache)
+
+    def close(self) -> None:
+        if self._scratch is not None:
+            self._scratch.cleanup()
+            self._scratch = None

@@ -28,7 +28,7 @@ import torch
 
 from cli.cluster import LocalCluster
 from proto import PROTOCOL_VERSION, Encoding, WorkerPhase, pb, session_metadata
-from storage_client import canonical_json
+from storage_client import canonical_json, open_store
 from trainer.codec import AdaptiveRankPolicy, ErrorFeedbackCompressor
 from trainer.codec.wire import chunked, decode_params, encode_params, layout_of, sha256_hex
 from trainer.config import RunConfig
@@ -170,6 +170,10 @@ class Trainer:
         self.loss = float("nan")
         self.state = FRESH_STATE  # digest of the inner state the last ``train`` started from
         self.state_bytes = b""  # and that state's bytes
+        # Where a run that reveals states on challenge finds them: mallory keeps them as a worker does
+        # (trainer.worker.retention), so its lies are judged by the replay, not by a missing reveal.
+        self.retained = (open_store(cluster.retained_dir(m.worker_id))
+                         if cfg.rounds.state_reveal == "on_challenge" else None)
         # With compression on, mallory's error feedback, as a one-process worker keeps it.
         self.compressor = (ErrorFeedbackCompressor(AdaptiveRankPolicy(cfg.compression))
                            if cfg.compression.enabled else None)
@@ -195,6 +199,8 @@ class Trainer:
         errors = {} if self.compressor is None else {f"error.{n}": e for n, e in sorted(self.compressor.errors.items())}
         self.state_bytes = inner_state_bytes(self.loop.state(), errors)  # sent on rounds.state_every's rounds
         self.state = sha256_hex(self.state_bytes)
+        if self.retained is not None and self.state != FRESH_STATE:
+            self.retained.put(bytes(self.state_bytes))
         result = self.loop.run(params, batches, staged=self.staged)
         self.loss = result.mean_loss
         return result.pseudo_gradient

@@ -127,6 +127,7 @@ _REPLAY_MATRIX = """
 import json, sys
 import torch
 from audit.replay import Replayer
+from audit.reveal import local_reveal_sources
 from trainer.config import RunConfig
 from trainer.runstore.run_dir import RunDir
 from storage_client import lineage
@@ -140,8 +141,10 @@ out = {"union": sorted(union), "kernels": {f"{r}:{p.worker}": str(p.kernels) for
                                            for p in m.participants}, "runs": []}
 for threads, worker_kernels in ((2, True), (1, False), (2, False))[0 if sys.argv[2] == "exact" else 1:]:
     torch.set_num_threads(threads)
-    replayer = Replayer(run.store, config, manifests, worker_kernels=worker_kernels)
+    replayer = Replayer(run.store, config, manifests, worker_kernels=worker_kernels,
+                        reveal_sources=local_reveal_sources(run.path))  # the demo's workers' retained states
     rows, _ = replayer.replay(sorted(union))
+    replayer.close()
     out["runs"].append({"auditor": [torch.backends.cpu.get_cpu_capability(), torch.get_num_threads()],
                         "worker_kernels": worker_kernels, "rows": [row.to_json() for row in rows],
                         "problems": replayer.problems})
