@@ -165,6 +165,18 @@ def _push_scaled(m: Mallory, key: WorkerKey, run_id: bytes, trainer: Trainer, st
                inner_state_sha256=trainer.state, base_bytes_received=trainer.received[base], signature=signature)
 
 
+def start_provisioned(cluster: LocalCluster, chain: Anvil, config: RunConfig, tmp_path: Path, window: int) -> list[str]:
+    """``config`` with its corpus pinned, provisioned on ``chain`` (contracts, the run allowed) and its
+    coordinator started with a challenge window of ``window`` blocks; the arguments its workers need."""
+    corpus = load_corpus(config.data, config.seed, config.model.block_size)
+    config = config.replace(data=dataclasses.replace(config.data, corpus_sha256=corpus.sha256))
+    path = tmp_path / "config.json"
+    config.save(path)
+    co_args, wo_args = provision(cluster.run_dir.path, chain.rpc_url, config)
+    cluster.start_coordinator(path, extra=[*co_args, "--report-timeout", "30", "--challenge-window", str(window)])
+    return wo_args
+
+
 def test_scaled_cheats_are_named_disputed_and_not_paid(cluster: LocalCluster, chain: Anvil, tmp_path: Path) -> None:
     """Two workers push 1.5 × their update, "m" as one process and "m2" as a worker of two pipeline
     stages (two signed stage slices, its stages' arithmetic: trainer.runtime.staged); the coordinator
@@ -177,13 +189,8 @@ def test_scaled_cheats_are_named_disputed_and_not_paid(cluster: LocalCluster, ch
                           rounds=RoundConfig(rounds=1, expected_workers=3, quorum=3, straggler_timeout_s=60.0,
                                              heartbeat_interval_s=0.5, liveness_timeout_s=10.0,
                                              max_update_norm=1000.0))
-    corpus = load_corpus(config.data, config.seed, config.model.block_size)
-    config = config.replace(data=dataclasses.replace(config.data, corpus_sha256=corpus.sha256))
-    path = tmp_path / "config.json"
-    config.save(path)
     run_dir = cluster.run_dir.path
-    co_args, wo_args = provision(run_dir, chain.rpc_url, config)
-    cluster.start_coordinator(path, extra=[*co_args, "--report-timeout", "30", "--challenge-window", str(E2E_WINDOW)])
+    wo_args = start_provisioned(cluster, chain, config, tmp_path, E2E_WINDOW)
     cheats = {name: _attested_cheat(cluster, run_dir, name) for name in ("m", "m2")}
     cluster.start_worker("w0", extra=wo_args)
     trainers = {name: Trainer(m, cluster, stages=2 if name == "m2" else 1) for name, (m, _, _) in cheats.items()}

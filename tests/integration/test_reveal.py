@@ -23,16 +23,17 @@ import pytest
 
 from audit.cli import audit_run_dir
 from audit.disputes import DisputeOptions
-from cli.cluster import LocalCluster, provision
+from cli.cluster import LocalCluster
 from settlement import DEV_ACCOUNTS, Anvil, Chain, Deployment, Ledger
 from settlement.provision import await_run, fund_pool, mine
 from settlement.rewards import RewardPool
 from storage_client import lineage, open_store
 from tests.conftest import small_config
 from trainer.config import RoundConfig
-from trainer.data.corpus import load_corpus
 from trainer.runtime.inner import FRESH_STATE
 from trainer.runtime.state_commit import state_cid
+
+from .test_disputes import start_provisioned
 
 pytestmark = pytest.mark.integration
 
@@ -56,13 +57,8 @@ def test_states_are_revealed_on_challenge_and_a_worker_that_does_not_is_named_an
                                              heartbeat_interval_s=0.5, liveness_timeout_s=10.0,
                                              state_reveal="on_challenge", reveal_deadline_s=2.0))
     config = config.replace(compression=dataclasses.replace(config.compression, enabled=True, min_rank=1, max_rank=4))
-    corpus = load_corpus(config.data, config.seed, config.model.block_size)
-    config = config.replace(data=dataclasses.replace(config.data, corpus_sha256=corpus.sha256))
-    path = tmp_path / "config.json"
-    config.save(path)
     run_dir = cluster.run_dir.path
-    co_args, wo_args = provision(run_dir, chain.rpc_url, config)
-    cluster.start_coordinator(path, extra=[*co_args, "--report-timeout", "30", "--challenge-window", str(WINDOW)])
+    wo_args = start_provisioned(cluster, chain, config, tmp_path, WINDOW)
     for worker in ("w0", "w1"):
         cluster.start_worker(worker, extra=wo_args)
     for name in ("w0", "w1", "coordinator"):
