@@ -32,7 +32,7 @@ import logging
 import os
 from pathlib import Path
 
-from storage_client import CID, MissingObjectError, ObjectStore, open_store, strict_json
+from storage_client import MissingObjectError, ObjectStore, open_store, strict_json
 from trainer.config import RoundConfig
 from trainer.runtime.inner import FRESH_STATE
 from trainer.runtime.state_commit import NO_STATE, Committed, StateBytes, StateUploads, state_cid
@@ -122,10 +122,6 @@ class Retention:
 
     def has(self, digest: str) -> bool:
         return digest != FRESH_STATE and self.store.has(state_cid(digest))
-
-    def cid_of(self, round_: int) -> CID | None:
-        digest = self.rounds.get(round_)
-        return None if digest is None else state_cid(digest)
 
     @property
     def bytes_on_disk(self) -> int:
